@@ -1,0 +1,28 @@
+"""Triton kernels for the MSA verify step, and the chooser between them and the torch references.
+
+Importing this package never imports `triton`; the kernel modules (`index_select`,
+`sparse_attention`, `dense_attention`, `kv_lens_update`, `merge`) do, and are loaded only when
+`backend_report()` / `use_triton()` say they can run.
+"""
+from __future__ import annotations
+
+from ._common import KernelInputError, triton_available
+from .backend import (
+    KernelBackendError,
+    backend_report,
+    dense_attention,
+    select_blocks_paged,
+    sparse_attention,
+    use_triton,
+)
+
+__all__ = [
+    "KernelBackendError",
+    "KernelInputError",
+    "backend_report",
+    "dense_attention",
+    "select_blocks_paged",
+    "sparse_attention",
+    "triton_available",
+    "use_triton",
+]

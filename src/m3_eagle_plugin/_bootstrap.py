@@ -1,0 +1,119 @@
+"""Interpreter-start bootstrap: the target of `m3_eagle_plugin.pth` and the PEP 829 `.start` file.
+
+TensorRT-LLM has no plugin system, and its MPI workers and spawned servers are fresh interpreters,
+so the only way to activate in every process is to run at interpreter start. This runs in *every*
+Python process of the environment, so when the plugin is off it must cost next to nothing: it reads
+one environment variable and `sys.argv`, imports nothing beyond `os` and `sys`, and returns.
+
+When enabled (`M3_EAGLE_PLUGIN` not off, or a `trtllm-*` style `--config`/`--extra_llm_api_options`
+flag that may carry the `m3_eagle_plugin:` config key) it installs a one-shot `sys.meta_path` finder
+that wraps the loader of `tensorrt_llm` only; right after `tensorrt_llm` finishes importing, the
+real activation (`m3_eagle_plugin.activation`) runs. Neither torch nor tensorrt_llm is imported here.
+"""
+import os
+import sys
+
+ENV_VAR = "M3_EAGLE_PLUGIN"
+HOST_MODULE = "tensorrt_llm"
+CONFIG_FLAGS = ("--extra_llm_api_options", "--config")
+_OFF_VALUES = ("", "off")
+
+
+def wants_bootstrap(environ, argv) -> bool:
+    """True when the plugin is not off, or the command line may carry the YAML config key."""
+    if environ.get(ENV_VAR, "").strip().lower() not in _OFF_VALUES:
+        return True
+    for arg in argv:
+        if arg.startswith(CONFIG_FLAGS):
+            return True
+    return False
+
+
+class _PostImportLoader:
+    """Delegates to the real loader; runs the activation once the host module has executed."""
+
+    def __init__(self, loader, finder) -> None:
+        self._loader = loader
+        self._finder = finder
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        create = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        # Leave no trace of the wrapper on the host module.
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._finder.on_host_imported(module)
+
+
+class HostImportHook:
+    """A `sys.meta_path` finder that reacts to the import of `tensorrt_llm` and nothing else."""
+
+    _m3_eagle_host_hook = True  # marker that survives a reload of this module
+
+    def __init__(self, module_name: str = HOST_MODULE) -> None:
+        self.module_name = module_name
+        self.fired = False
+        self._searching = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.module_name or self._searching or self.fired:
+            return None
+        self._searching = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._searching = False
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _PostImportLoader(spec.loader, self)
+        return spec
+
+    def on_host_imported(self, module) -> None:
+        self.fired = True
+        remove_hook()
+        from m3_eagle_plugin.activation import on_host_imported
+
+        on_host_imported(module)
+
+
+def installed_hook():
+    for finder in sys.meta_path:
+        if getattr(finder, "_m3_eagle_host_hook", False):
+            return finder
+    return None
+
+
+def remove_hook() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_m3_eagle_host_hook", False)]
+
+
+def install_hook() -> None:
+    """Activate right after `tensorrt_llm` is imported (or now, if it already is)."""
+    if HOST_MODULE in sys.modules:
+        from m3_eagle_plugin.activation import on_host_imported
+
+        on_host_imported(sys.modules[HOST_MODULE])
+        return
+    if installed_hook() is None:
+        sys.meta_path.insert(0, HostImportHook())
+
+
+def main() -> None:
+    """Entry point of the `.pth` line and the `.start` file; safe to call more than once."""
+    if not wants_bootstrap(os.environ, getattr(sys, "argv", ())):
+        return
+    install_hook()

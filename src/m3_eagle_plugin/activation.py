@@ -1,0 +1,278 @@
+"""Decide whether to activate on the installed TensorRT-LLM, do it once, and report what happened.
+
+`M3_EAGLE_PLUGIN=off|auto|require` (default off) is the source of truth; `M3_EAGLE_PLUGIN_FORCE=1`
+lifts the manifest's "defer" verdict (and, under `require`, the "untested" one). `auto` never breaks
+the host: any mismatch or failure logs one line and leaves it untouched. `require` raises instead.
+Activation is idempotent and thread-safe; a process logs one line saying what was activated.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Iterator
+
+from m3_eagle_plugin._version import __version__
+from m3_eagle_plugin.log import get_logger
+
+MODE_ENV = "M3_EAGLE_PLUGIN"
+FORCE_ENV = "M3_EAGLE_PLUGIN_FORCE"
+MODES = ("off", "auto", "require")
+HOST_PACKAGE = "tensorrt_llm"
+_TRUE = ("1", "true", "yes", "on")
+_M3_SPARSE_PROBE = {"algorithm": "minimax_m3"}
+
+
+class InvalidModeError(ValueError):
+    """`M3_EAGLE_PLUGIN` (or the `mode` argument) is not one of off, auto, require."""
+
+
+class ActivationError(RuntimeError):
+    """`require` mode could not activate the plugin; the message names the cause."""
+
+
+@dataclass
+class ActivationReport(Mapping):
+    """What activation decided and did; reads like a dict (`report["verdict"]`, `dict(report)`)."""
+
+    mode: str
+    host: str = HOST_PACKAGE
+    host_version: str | None = None
+    verdict: str | None = None
+    components: dict[str, Any] = field(default_factory=dict)
+    patches: list[str] = field(default_factory=list)
+    reason: str = ""
+    ok: bool = True
+    activated: bool = False
+    plugin_version: str = __version__
+    plugin_errors: list[str] = field(default_factory=list)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    @classmethod
+    def _keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_mode(mode: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The effective mode: `mode` if given, else `$M3_EAGLE_PLUGIN` (unset or empty: off)."""
+    if mode is None:
+        raw = (os.environ if environ is None else environ).get(MODE_ENV, "")
+        source = f"{MODE_ENV}={raw!r}"
+    else:
+        if not isinstance(mode, str):
+            raise InvalidModeError(f"activate(mode=...) must be a string, got {type(mode).__name__}")
+        raw, source = mode, f"activate(mode={mode!r})"
+    value = raw.strip().lower() or "off"
+    if value not in MODES:
+        raise InvalidModeError(f"{source} is not a valid mode; allowed values: {', '.join(MODES)}")
+    return value
+
+
+def force_requested(environ: Mapping[str, str] | None = None) -> bool:
+    return (os.environ if environ is None else environ).get(FORCE_ENV, "").strip().lower() in _TRUE
+
+
+def host_version(package: str = HOST_PACKAGE) -> tuple[bool, str | None]:
+    """(installed?, version) of the host without importing it (unless it is already imported)."""
+    try:
+        return True, importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    module = sys.modules.get(package)
+    if module is not None:
+        return True, getattr(module, "__version__", None)
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        found = False
+    return found, None
+
+
+_lock = threading.RLock()
+_active: ActivationReport | None = None
+_last: dict[str, ActivationReport] = {}
+_logged = False
+
+
+def _log_once(message: str, *, warning: bool = False) -> None:
+    global _logged
+    if _logged:
+        return
+    _logged = True
+    logger = get_logger()
+    (logger.warning if warning else logger.info)(message)
+
+
+def _patch_id(patch: Any) -> str:
+    for attr in ("id", "name"):
+        value = getattr(patch, attr, None)
+        if isinstance(value, str):
+            return value
+    return repr(patch)
+
+
+def _collect_components(manager: Any, host: str) -> dict[str, Any]:
+    return {
+        "model_classes": manager.model_classes(host),
+        "kv_cache_manager": manager.kv_cache_manager(host, _M3_SPARSE_PROBE),
+        "attention_metadata": manager.attention_metadata(host),
+    }
+
+
+def _evaluate(mode: str, report: ActivationReport) -> None:
+    """Fill `report` and activate; raises ActivationError (require) or returns with ok=False (auto)."""
+    from m3_eagle_plugin.manifest import DEFER, UNSUPPORTED, UNTESTED, host_verdict, load_manifest
+
+    manifest = load_manifest()
+    installed, version = host_version(manifest.host.package)
+    report.host, report.host_version = manifest.host.package, version
+    force = force_requested()
+    verdict = host_verdict(version, manifest, force=force)
+    report.verdict, report.reason = verdict.status, verdict.reason
+    if not installed:
+        raise ActivationError(f"{manifest.host.package} is not installed (pip install {manifest.host.package})")
+    if version is None:
+        raise ActivationError(f"{manifest.host.package} is importable but its version is unknown (no dist-info)")
+    if verdict.status == UNSUPPORTED:
+        raise ActivationError(verdict.reason)
+    if verdict.status == DEFER:
+        if mode == "require":
+            raise ActivationError(verdict.reason)
+        report.ok = True
+        return
+    if verdict.status == UNTESTED and not force:
+        if mode == "require":
+            raise ActivationError(f"{verdict.reason}; set {FORCE_ENV}=1 to activate anyway")
+        if manifest.activation.on_untested_host == "refuse":
+            raise ActivationError(f"{verdict.reason}; the manifest refuses untested hosts")
+
+    from m3_eagle_plugin.registry import get_plugin_manager
+
+    manager = get_plugin_manager()
+    report.plugin_errors = [str(error) for error in manager.load_errors]
+    if report.plugin_errors and mode == "require":
+        raise ActivationError("; ".join(report.plugin_errors))
+    report.components = _collect_components(manager, manifest.host.package)
+    planned = list(dict.fromkeys(_patch_id(p) for p in manager.host_patches(manifest.host.package)))
+
+    from m3_eagle_plugin.host.trtllm import install
+
+    installed_report = install() or {}
+    report.patches = list(installed_report.get("patches", planned))
+    for key, value in installed_report.items():
+        if key not in ("patches",):
+            report.components.setdefault(key, value)
+    report.activated, report.ok = True, True
+    manager.hook.m3_eagle_host_ready.call_historic(kwargs={"host": manifest.host.package, "report": report})
+
+
+def activate(mode: str | None = None) -> ActivationReport:
+    """Activate on TensorRT-LLM according to `mode` (default `$M3_EAGLE_PLUGIN`); see the module doc."""
+    global _active
+    resolved = resolve_mode(mode)
+    with _lock:
+        if _active is not None:
+            return _active
+        if resolved == "off":
+            return _last.setdefault("off", ActivationReport(mode="off", reason=f"{MODE_ENV} is off"))
+        if resolved in _last:
+            return _last[resolved]
+        report = ActivationReport(mode=resolved)
+        try:
+            _evaluate(resolved, report)
+        except Exception as exc:  # noqa: BLE001 - auto must never break the host
+            report.ok, report.activated = False, False
+            report.reason = str(exc) if isinstance(exc, ActivationError) else f"{type(exc).__name__}: {exc}"
+            if resolved == "require":
+                _log_once(f"activation failed (require): {report.reason}", warning=True)
+                if isinstance(exc, ActivationError):
+                    raise
+                raise ActivationError(f"activation failed: {report.reason}") from exc
+            _log_once(f"not activated (auto): {report.reason}; TensorRT-LLM left untouched", warning=True)
+            _last[resolved] = report
+            return report
+        if mode is not None:
+            os.environ[MODE_ENV] = resolved  # spawned workers must make the same decision
+        if report.activated:
+            _active = report
+            _log_once(
+                f"activated m3-eagle-plugin {__version__} ({resolved}) on {report.host} {report.host_version} "
+                f"[{report.verdict}]: model={report.components.get('model_classes')}, "
+                f"kv={report.components.get('kv_cache_manager')}, patches={report.patches}"
+            )
+        else:
+            _log_once(f"not activated ({resolved}): {report.reason}")
+        _last[resolved] = report
+        return report
+
+
+def status() -> ActivationReport:
+    """The active report if activated, else what activation would see now (nothing is patched)."""
+    with _lock:
+        if _active is not None:
+            return _active
+    try:
+        mode = resolve_mode()
+    except InvalidModeError as exc:
+        return ActivationReport(mode=os.environ.get(MODE_ENV, ""), ok=False, reason=str(exc))
+    report = ActivationReport(mode=mode)
+    try:
+        from m3_eagle_plugin.manifest import host_verdict, load_manifest
+
+        manifest = load_manifest()
+        installed, version = host_version(manifest.host.package)
+        report.host, report.host_version = manifest.host.package, version
+        verdict = host_verdict(version, manifest, force=force_requested())
+        report.verdict, report.reason = verdict.status, verdict.reason
+        if not installed:
+            report.reason = f"{manifest.host.package} is not installed"
+        from m3_eagle_plugin.registry import get_plugin_manager
+
+        manager = get_plugin_manager()
+        report.plugin_errors = [str(error) for error in manager.load_errors]
+        report.components = _collect_components(manager, manifest.host.package)
+        report.components["reference"] = _collect_components(manager, "reference")
+    except Exception as exc:  # noqa: BLE001 - status reports, it does not fail
+        report.ok = False
+        report.reason = f"{report.reason}; {type(exc).__name__}: {exc}" if report.reason else f"{type(exc).__name__}: {exc}"
+    last = _last.get(mode)
+    if last is not None and not last.ok:
+        report.ok, report.reason = False, last.reason
+    return report
+
+
+def on_host_imported(module: Any) -> None:
+    """Called by the bootstrap right after `tensorrt_llm` is imported in this process."""
+    try:
+        from m3_eagle_plugin.config_key import install_host_hook
+
+        install_host_hook()
+    except Exception as exc:  # noqa: BLE001 - the config key is sugar; never break the host import
+        get_logger().warning(f"could not watch the host's YAML options for the config key: {exc}")
+    activate()
+
+
+def _reset_for_tests() -> None:
+    """Forget every decision (tests only; real processes activate at most once)."""
+    global _active, _logged
+    with _lock:
+        _active = None
+        _logged = False
+        _last.clear()

@@ -1,0 +1,122 @@
+"""`m3-eagle bench`: the kernel performance suite (plus the end-to-end hook), a table printed last.
+
+On CUDA with Triton: every kernel checked against the naive torch reference and timed eager and
+graph-replayed, against the byte floor at a copy ceiling measured in the same run. Elsewhere: a
+tiny reference-only smoke table, so the command (and CI) works on any machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from .end_to_end import run_end_to_end
+from .inputs import Geometry
+from .kernel_suite import KERNELS, StepSet, run_kernel_suite
+from .table import format_table
+
+DEFAULT_CONFIGS = "1x8192,16x32768,64x32768,64x131072"
+DTYPES = {"fp8": getattr(torch, "float8_e4m3fn", None), "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp32": torch.float32}
+
+
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    """'16x32768,64x32K' -> [(16, 32768), (64, 32768)]."""
+    out = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            b, c = item.lower().split("x")
+            c = int(c[:-1]) * 1024 if c.endswith("k") else int(c)
+            out.append((int(b), c))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"bad config {item!r}: expected BATCHxCONTEXT, e.g. 16x32K") from exc
+        if out[-1][0] < 1 or out[-1][1] < 1:
+            raise argparse.ArgumentTypeError(f"bad config {item!r}: batch and context must be >= 1")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--configs", type=parse_configs, default=None,
+                        help=f"BATCHxCONTEXT list (GPU default {DEFAULT_CONFIGS})")
+    parser.add_argument("--qo-lens", default="4,1", help="query tokens per request to time (default 4,1)")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma list of kernels")
+    parser.add_argument("--kv-dtype", choices=sorted(DTYPES), default="fp8", help="sparse-layer K/V dtype")
+    parser.add_argument("--dense-kv-dtype", choices=sorted(DTYPES), default="bf16", help="dense-layer K/V dtype")
+    parser.add_argument("--sets", type=int, default=3, help="input sets rotated while timing")
+    parser.add_argument("--no-check", action="store_true", help="skip the comparison with the torch reference")
+    parser.add_argument("--no-reference-timing", action="store_true", help="do not time the torch reference")
+    parser.add_argument("--e2e", action="store_true", help="also run the end-to-end section")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write all rows and context as JSON")
+
+
+def _gpu_rows(args: argparse.Namespace, device: torch.device, log) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from m3_eagle_plugin.msa.kernels import backend_report
+
+    from .timing import copy_ceiling_gbps
+
+    ceiling = copy_ceiling_gbps(device)
+    log(f"copy ceiling (read+write) {ceiling:.0f} GB/s")
+    qo_lens = [int(x) for x in args.qo_lens.split(",") if x]
+    kernels = [k for k in args.kernels.split(",") if k]
+    rows = run_kernel_suite(args.configs or parse_configs(DEFAULT_CONFIGS), qo_lens, kernels, Geometry(),
+                            kv_dtype=DTYPES[args.kv_dtype], index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
+                            device=device, ceiling_gbps=ceiling, num_sets=args.sets,
+                            dense_kv_dtype=DTYPES[args.dense_kv_dtype], check=not args.no_check,
+                            time_reference=not args.no_reference_timing, log=log)
+    context = {"copy_ceiling_gbps": ceiling, "backend": backend_report(device),
+               "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    return [{"section": "kernels", **r} for r in rows], context
+
+
+def _cpu_smoke_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Reference-only timings on a tiny geometry: proves the suite's plumbing without a GPU."""
+    from . import torch_reference as ref
+    from .kernel_suite import dense_kv_bytes, index_k_bytes, kv_page_bytes
+    from .inputs import union_blocks
+    from .timing import time_cpu_us
+
+    geo = Geometry(q_heads=4, kv_heads=1, head_dim=32, index_heads=1, index_dim=32, block=16, topk=4)
+    rows = []
+    for batch, context in args.configs or [(2, 256)]:
+        steps = StepSet(batch, context, geo, kv_dtype=torch.float32, index_dtype=torch.float32,
+                        q_dtype=torch.float32, device=torch.device("cpu"), num_sets=1)
+        for qo_len in [int(x) for x in args.qo_lens.split(",") if x]:
+            st = steps.step(0, qo_len)
+            meta, cache = st["meta"], st["cache"]
+            sel = ref.select_blocks(st["index_q"], cache.index_k, meta, topk=geo.topk)
+            cases = {
+                "index_select": (lambda: ref.select_blocks(st["index_q"], cache.index_k, meta, topk=geo.topk),
+                                 index_k_bytes(meta, geo, torch.float32)),
+                "sparse_attn": (lambda: ref.sparse_attention(st["q"], cache.k, cache.v, meta, sel, scale=0.1),
+                                union_blocks(sel, meta) * kv_page_bytes(geo, torch.float32)),
+                "dense_attn": (lambda: ref.dense_attention(st["q"], cache.k, cache.v, meta, scale=0.1),
+                               dense_kv_bytes(meta, geo, torch.float32)),
+            }
+            for name, (fn, nbytes) in cases.items():
+                rows.append({"section": "reference_smoke", "kernel": name, "batch": batch, "context": context,
+                             "qo_len": qo_len, "kv_dtype": "float32", "torch_us": time_cpu_us([fn]),
+                             "bytes": nbytes})
+    return rows, {"note": "no CUDA/Triton: torch reference smoke only"}
+
+
+def main(args: argparse.Namespace) -> int:
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress goes to stderr
+    want = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(want)
+    from m3_eagle_plugin.msa.kernels import triton_available
+
+    if device.type == "cuda" and triton_available(device):
+        rows, context = _gpu_rows(args, device, log)
+    else:
+        rows, context = _cpu_smoke_rows(args)
+    if args.e2e:
+        rows += run_end_to_end(args)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"context": context, "rows": rows}, fh, indent=1, default=str)
+    print(format_table(rows))
+    return 0

@@ -1,0 +1,229 @@
+"""The kernel section of `m3-eagle bench`: each verify-step kernel timed, checked and costed.
+
+Why: the goals are stated against the byte floor (bytes that must be read / copy ceiling), the
+pure-torch reference and the single-token step; this module produces exactly those numbers per
+(batch, context, q_len) so the table and the JSON say directly what meets its goal.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import torch_reference as ref
+from .inputs import Geometry, make_cache, shuffled_block_tables, shared_selection, union_blocks, verify_queries
+from .step_meta import build_step_meta
+from .timing import time_eager_us, time_graph_us
+
+KERNELS = ("index_select", "sparse_attn", "sparse_step", "dense_attn", "kv_lens_update")
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    context: int
+    qo_len: int
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def index_k_bytes(meta, geo: Geometry, index_dtype: torch.dtype) -> int:
+    pages = sum(-(-kv // geo.block) for kv in meta.kv_lens.tolist())
+    return pages * geo.block * geo.index_dim * dtype_size(index_dtype)
+
+
+def kv_page_bytes(geo: Geometry, kv_dtype: torch.dtype) -> int:
+    """Bytes of one K page plus one V page of one KV head."""
+    return 2 * geo.block * geo.head_dim * dtype_size(kv_dtype)
+
+
+def dense_kv_bytes(meta, geo: Geometry, kv_dtype: torch.dtype) -> int:
+    pages = sum(-(-kv // geo.block) for kv in meta.kv_lens.tolist())
+    return pages * geo.kv_heads * kv_page_bytes(geo, kv_dtype)
+
+
+def relative_error(out: torch.Tensor, expect: torch.Tensor) -> float:
+    out, expect = out.double().cpu(), expect.double().cpu()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float((out - expect).norm() / expect.norm().clamp_min(1e-30))
+
+
+def selection_mismatch(sel: torch.Tensor, expect: torch.Tensor) -> float:
+    """Fraction of (head, token) rows whose selected sets differ."""
+    a, b = sel.cpu(), expect.cpu()
+    return float((a != b).any(dim=-1).float().mean())
+
+
+class StepSet:
+    """Input sets for one (batch, context): shared caches, per-q_len metas and queries."""
+
+    def __init__(self, batch: int, context: int, geo: Geometry, *, kv_dtype, index_dtype, q_dtype,
+                 device, num_sets: int, seed: int = 0):
+        self.geo, self.kv_dtype, self.index_dtype, self.q_dtype = geo, kv_dtype, index_dtype, q_dtype
+        self.batch, self.context, self.device = batch, context, device
+        self.sets = []
+        for s in range(num_sets):
+            gen = torch.Generator().manual_seed(seed + s)
+            dgen = torch.Generator(device=device).manual_seed(seed + s)
+            kv_lens = [context] * batch
+            num_pages = batch * -(-context // geo.block)
+            tables = shuffled_block_tables(kv_lens, geo.block, num_pages, gen)
+            cache = make_cache(num_pages, geo, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device,
+                               generator=dgen)
+            self.sets.append({"cache": cache, "tables": tables, "kv_lens": kv_lens, "gen": gen, "dgen": dgen})
+
+    def step(self, s: int, qo_len: int) -> dict[str, Any]:
+        st = self.sets[s]
+        key = f"q{qo_len}"
+        if key not in st:
+            geo = self.geo
+            meta = build_step_meta([qo_len] * self.batch, st["kv_lens"], st["tables"], geo.block, device=self.device)
+            st[key] = {
+                "meta": meta,
+                "q": verify_queries(self.batch, qo_len, geo.q_heads, geo.head_dim, self.q_dtype, self.device, st["dgen"]),
+                "index_q": verify_queries(self.batch, qo_len, geo.index_heads, geo.index_dim, self.index_dtype,
+                                          self.device, st["dgen"], correlation=0.97),
+                "selection": shared_selection(meta, geo, st["gen"]),
+            }
+        return {**st[key], "cache": st["cache"]}
+
+
+def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(kernel thunk, torch-reference thunk) for one input set."""
+    from m3_eagle_plugin.msa.kernels.dense_attention import dense_verify_attention
+    from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+    from m3_eagle_plugin.msa.kernels.kv_lens_update import update_kv_lens
+    from m3_eagle_plugin.msa.kernels.sparse_attention import sparse_verify_attention
+
+    meta, cache, q = step["meta"], step["cache"], step["q"]
+    scale = 1.0 / math.sqrt(geo.head_dim)
+    ks, vs = cache.k_scale, cache.v_scale
+    qo = int(meta.qo_lens[0])
+    if name == "index_select":
+        return (lambda: select_blocks_verify(step["index_q"], cache.index_k, meta, topk=geo.topk, max_qo_len=qo),
+                lambda: ref.select_blocks(step["index_q"], cache.index_k, meta, topk=geo.topk))
+    if name == "sparse_attn":
+        return (lambda: sparse_verify_attention(q, cache.k, cache.v, meta, step["selection"], scale=scale,
+                                                k_scale=ks, v_scale=vs, max_qo_len=qo),
+                lambda: ref.sparse_attention(q, cache.k, cache.v, meta, step["selection"], scale=scale,
+                                             k_scale=ks, v_scale=vs))
+    if name == "sparse_step":
+        def kernel():
+            sel = select_blocks_verify(step["index_q"], cache.index_k, meta, topk=geo.topk, max_qo_len=qo)
+            return sparse_verify_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=ks, v_scale=vs,
+                                           max_qo_len=qo)
+
+        def reference():
+            sel = ref.select_blocks(step["index_q"], cache.index_k, meta, topk=geo.topk)
+            return ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=ks, v_scale=vs)
+        return kernel, reference
+    if name == "dense_attn":
+        return (lambda: dense_verify_attention(q, cache.k, cache.v, meta, scale=scale, k_scale=ks, v_scale=vs,
+                                               max_qo_len=qo),
+                lambda: ref.dense_attention(q, cache.k, cache.v, meta, scale=scale, k_scale=ks, v_scale=vs))
+    if name == "kv_lens_update":
+        outs = {k: torch.empty_like(getattr(meta, k)) for k in
+                ("kv_lens", "qo_offsets", "positions", "token_kv_lens", "valid_blocks", "cache_slots")}
+        new = (meta.kv_lens - 1).clamp_min(meta.qo_lens)
+        return (lambda: update_kv_lens(staged_kv_lens=meta.kv_lens, new_kv_lens=new, qo_lens=meta.qo_lens,
+                                       cu_qo_lens=meta.cu_qo_lens, token_request=meta.token_request,
+                                       block_tables=meta.block_tables, block_size=geo.block,
+                                       kv_lens_out=outs["kv_lens"], qo_offsets_out=outs["qo_offsets"],
+                                       positions_out=outs["positions"], token_kv_lens_out=outs["token_kv_lens"],
+                                       valid_blocks_out=outs["valid_blocks"], cache_slots_out=outs["cache_slots"])
+                or outs,
+                lambda: ref.update_kv_lens(meta.kv_lens, new, meta.qo_lens, meta.block_tables, geo.block,
+                                           meta.positions.shape[0]))
+    raise ValueError(f"unknown kernel {name!r}; choose from {KERNELS}")
+
+
+def _error(name: str, got: Any, expect: Any, step: dict[str, Any], geo: Geometry) -> float:
+    if name == "index_select":
+        return selection_mismatch(got, expect)
+    if name == "kv_lens_update":
+        bad = [k for k, v in expect.items() if not torch.equal(got[k].long().cpu()[: v.shape[0]], v)]
+        return float(len(bad))
+    return relative_error(got, expect)
+
+
+def _bytes(name: str, step: dict[str, Any], geo: Geometry, kv_dtype, index_dtype, kernel_out: Any) -> tuple[int, int]:
+    """(bytes that must be read, union blocks) for one input set."""
+    meta = step["meta"]
+    q_bytes = step["q"].numel() * step["q"].element_size() * 2  # read q, write out
+    if name == "index_select":
+        return index_k_bytes(meta, geo, index_dtype), 0
+    if name == "sparse_attn":
+        u = union_blocks(step["selection"], meta)
+        return u * kv_page_bytes(geo, kv_dtype) + q_bytes, u
+    if name == "sparse_step":
+        from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+
+        sel = select_blocks_verify(step["index_q"], step["cache"].index_k, meta, topk=geo.topk)
+        u = union_blocks(sel, meta)
+        return index_k_bytes(meta, geo, index_dtype) + u * kv_page_bytes(geo, kv_dtype) + q_bytes, u
+    if name == "dense_attn":
+        return dense_kv_bytes(meta, geo, kv_dtype) + q_bytes, 0
+    return 0, 0
+
+
+def run_case(name: str, steps: StepSet, qo_len: int, *, ceiling_gbps: float, check: bool = True,
+             time_reference: bool = True) -> dict[str, Any]:
+    geo = steps.geo
+    sets = [steps.step(s, qo_len) for s in range(len(steps.sets))]
+    pairs = [_kernel_thunks(name, st, geo) for st in sets]
+    kernels = [p[0] for p in pairs]
+    row: dict[str, Any] = {"kernel": name, "batch": steps.batch, "context": steps.context, "qo_len": qo_len,
+                           "kv_dtype": str(steps.kv_dtype).replace("torch.", "")}
+    got = kernels[0]()
+    if check:
+        expect = pairs[0][1]()
+        row["error"] = _error(name, got, expect, sets[0], geo)
+    nbytes, union = _bytes(name, sets[0], geo, steps.kv_dtype, steps.index_dtype, got)
+    row["eager_us"] = time_eager_us(kernels)
+    row["graph_us"] = time_graph_us(kernels)
+    if time_reference:
+        row["torch_us"] = time_eager_us([pairs[0][1]], warmup=1, repeats=3, calls=1)
+        row["vs_torch"] = row["torch_us"] / row["graph_us"]
+    row["bytes"] = nbytes
+    row["union_blocks"] = union
+    if nbytes:
+        row["floor_us"] = nbytes / (ceiling_gbps * 1e3)
+        row["pct_of_floor"] = 100.0 * row["floor_us"] / row["graph_us"]
+    return row
+
+
+def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels: list[str], geo: Geometry, *,
+                     kv_dtype, index_dtype, q_dtype, device, ceiling_gbps: float, num_sets: int = 3,
+                     dense_kv_dtype=None, check: bool = True, time_reference: bool = True,
+                     log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for batch, context in configs:
+        steps = StepSet(batch, context, geo, kv_dtype=kv_dtype, index_dtype=index_dtype, q_dtype=q_dtype,
+                        device=device, num_sets=num_sets)
+        dense_steps = None
+        for name in kernels:
+            use = steps
+            if name == "dense_attn" and dense_kv_dtype is not None and dense_kv_dtype != kv_dtype:
+                dense_steps = dense_steps or StepSet(batch, context, geo, kv_dtype=dense_kv_dtype,
+                                                     index_dtype=index_dtype, q_dtype=q_dtype, device=device,
+                                                     num_sets=num_sets)
+                use = dense_steps
+            by_q = {}
+            for qo_len in qo_lens:
+                row = run_case(name, use, qo_len, ceiling_gbps=ceiling_gbps, check=check,
+                               time_reference=time_reference)
+                by_q[qo_len] = row
+                rows.append(row)
+                log(f"  {name} B{batch} ctx{context} q{qo_len}: graph {row['graph_us']:.1f} us "
+                    f"eager {row['eager_us']:.1f} us err {row.get('error', float('nan')):.2e}")
+            if 1 in by_q:
+                for qo_len, row in by_q.items():
+                    row["vs_q1"] = row["graph_us"] / by_q[1]["graph_us"]
+        del steps, dense_steps
+        torch.cuda.empty_cache()
+    return rows

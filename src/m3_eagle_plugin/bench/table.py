@@ -1,0 +1,31 @@
+"""Plain-text table for bench rows (dicts), columns in a fixed order, missing cells blank."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+COLUMNS = ("section", "kernel", "batch", "context", "qo_len", "kv_dtype", "graph_us", "eager_us", "torch_us",
+           "floor_us", "pct_of_floor", "vs_torch", "vs_q1", "union_blocks", "error", "note")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return str(value)
+        if value == 0:
+            return "0"
+        return f"{value:.3g}" if abs(value) < 0.01 or abs(value) >= 1e5 else f"{value:.2f}"
+    return str(value)
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    present = [c for c in COLUMNS if any(c in r for r in rows)]
+    extra = sorted({k for r in rows for k in r} - set(COLUMNS) - {"bytes"})
+    cols = present + extra
+    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""`m3-eagle doctor`: what is installed, what the manifest says about it, and what is active.
+
+The one command an operator runs when something looks wrong: plugin version, mode, host found and
+version, manifest verdict, registered plugins and components, patches applied (or why not), the kernel
+backend choice, and optionally a static check of a TensorRT-LLM source tree (no import) against every
+host symbol the adapter touches. `--json` prints the same as one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--host-source", metavar="DIR", default=None,
+                        help="statically check a TensorRT-LLM source tree for every host symbol the adapter uses")
+
+
+def _optional_call(module_name: str, function: str, *args: Any) -> tuple[Any, str | None]:
+    """Call module.function(*args) if both exist; (result, None) or (None, why not)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        return None, f"{module_name} unavailable: {exc}"
+    target = getattr(module, function, None)
+    if target is None:
+        return None, f"{module_name}.{function} not provided"
+    try:
+        return target(*args), None
+    except Exception as exc:  # noqa: BLE001 - doctor reports, it does not crash
+        return None, f"{module_name}.{function} failed: {type(exc).__name__}: {exc}"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if hasattr(value, "to_dict"):
+        return _jsonable(value.to_dict())
+    if hasattr(value, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return _jsonable(asdict(value))
+    return repr(value)
+
+
+def collect(host_source: str | None = None) -> dict[str, Any]:
+    """Everything the doctor prints, as plain data."""
+    from m3_eagle_plugin import __version__
+    from m3_eagle_plugin.activation import host_version, status
+
+    report = status().to_dict()
+    host_found, _ = host_version(report["host"])
+    data: dict[str, Any] = {
+        "plugin_version": __version__,
+        "mode": report["mode"],
+        "host": report["host"],
+        "host_found": host_found,
+        "host_version": report["host_version"],
+        "verdict": report["verdict"],
+        "reason": report["reason"],
+        "activated": report["activated"],
+        "components": report["components"],
+        "patches_applied": report["patches"],
+        "plugin_errors": report["plugin_errors"],
+        "ok": report["ok"],
+    }
+    try:
+        from m3_eagle_plugin.manifest import load_manifest
+
+        manifest = load_manifest()
+        data["manifest"] = {
+            "source": manifest.source,
+            "host_requires": str(manifest.host.requires),
+            "tested": list(manifest.host.tested),
+            "defer_from": None if manifest.host.defer_from is None else str(manifest.host.defer_from),
+            "patches": [record.id for record in manifest.patches],
+        }
+    except Exception as exc:  # noqa: BLE001
+        data["manifest"] = {"error": f"{type(exc).__name__}: {exc}"}
+        data["ok"] = False
+    if not data["patches_applied"]:
+        data["patches_reason"] = "not activated: " + (data["reason"] or f"mode is {data['mode']}")
+    try:
+        from m3_eagle_plugin.registry import get_plugin_manager
+
+        data["plugins"] = get_plugin_manager().plugin_summary()
+    except Exception as exc:  # noqa: BLE001
+        data["plugins"] = [{"error": f"{type(exc).__name__}: {exc}"}]
+    backend, why = _optional_call("m3_eagle_plugin.msa.kernels", "backend_report")
+    data["kernel_backend"] = backend if why is None else {"unavailable": why}
+    if host_source is not None:
+        findings, why = _optional_call("m3_eagle_plugin.host.trtllm.contract", "check_source_tree", host_source)
+        data["host_source"] = {"dir": host_source, "findings": findings} if why is None else {
+            "dir": host_source, "error": why}
+        if why is not None:
+            data["ok"] = False
+    return _jsonable(data)
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True)
+    return "-" if value is None else str(value)
+
+
+def render_table(data: dict[str, Any]) -> str:
+    rows = [
+        ("plugin version", data["plugin_version"]),
+        ("mode", data["mode"]),
+        ("host", f"{data['host']} {data['host_version'] or ('(version unknown)' if data['host_found'] else '(not found)')}"),
+        ("manifest verdict", f"{data['verdict']}: {data['reason']}"),
+        ("manifest", data["manifest"]),
+        ("activated", data["activated"]),
+        ("patches applied", data["patches_applied"] or data.get("patches_reason")),
+        ("model classes", data["components"].get("model_classes")),
+        ("kv cache manager", data["components"].get("kv_cache_manager")),
+        ("attention metadata", data["components"].get("attention_metadata")),
+        ("reference host", data["components"].get("reference")),
+        ("plugins", [f"{p.get('name')} ({p.get('distribution') or p.get('module')})" for p in data["plugins"]]),
+        ("plugin errors", data["plugin_errors"] or None),
+        ("kernel backend", data["kernel_backend"]),
+    ]
+    if "host_source" in data:
+        rows.append(("host source check", data["host_source"]))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {_format_value(value)}" for name, value in rows)
+
+
+def main(args: argparse.Namespace) -> int:
+    data = collect(host_source=getattr(args, "host_source", None))
+    if getattr(args, "json", False):
+        json.dump(data, sys.stdout, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(render_table(data))
+    return 0 if data["ok"] else 1

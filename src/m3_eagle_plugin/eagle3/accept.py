@@ -1,0 +1,163 @@
+"""Verification of draft tokens against the target: greedy prefix matching and lossless rejection sampling.
+
+A verify row carries ``1 + K`` target positions: the last committed token followed by ``K`` drafts.
+The target's output at row position ``j`` is its prediction for draft ``j`` (``j < K``) or the bonus
+token (``j == K``). Both rules return, per row, the emitted tokens ``tokens[:, :a + 1]`` (``a``
+accepted drafts, then one token from the target) and ``a``. Everything stays on the device: no
+host sync, so the host can keep preparing the next step while these run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["AcceptResult", "greedy_accept", "rejection_accept", "forced_accept"]
+
+
+@dataclass
+class AcceptResult:
+    """``tokens [R, K + 1]`` (valid up to ``num_accepted + 1``), ``num_accepted [R]`` (int64)."""
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft_lens: torch.Tensor | None) -> torch.Tensor:
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [R, K], got shape {tuple(draft_tokens.shape)}")
+    num_rows, num_drafts = draft_tokens.shape
+    if target.shape[0] != num_rows or target.shape[1] != num_drafts + 1:
+        raise ValueError(
+            f"target must be [R, K + 1] = [{num_rows}, {num_drafts + 1}], got {tuple(target.shape[:2])}"
+        )
+    if draft_lens is None:
+        return torch.full((num_rows,), num_drafts, dtype=torch.long, device=draft_tokens.device)
+    if draft_lens.shape != (num_rows,):
+        raise ValueError(f"draft_lens must be [R] = [{num_rows}], got {tuple(draft_lens.shape)}")
+    return draft_lens.to(device=draft_tokens.device, dtype=torch.long)
+
+
+def _prefix_length(ok: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of ``True`` in each row of ``ok [R, K]``, capped by ``draft_lens``."""
+    num_drafts = ok.shape[1]
+    in_range = torch.arange(num_drafts, device=ok.device).unsqueeze(0) < draft_lens.unsqueeze(1)
+    return torch.cumprod((ok & in_range).to(torch.long), dim=1).sum(dim=1)
+
+
+def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """``[R, K + 1]``: the accepted drafts, then ``last`` at index ``num_accepted``, then padding (= last)."""
+    num_rows, num_drafts = draft_tokens.shape
+    padded = torch.cat([draft_tokens, last.unsqueeze(1)], dim=1)
+    index = torch.arange(num_drafts + 1, device=draft_tokens.device).unsqueeze(0)
+    return torch.where(index < num_accepted.unsqueeze(1), padded, last.unsqueeze(1))
+
+
+def greedy_accept(
+    draft_tokens: torch.Tensor, target_tokens: torch.Tensor, draft_lens: torch.Tensor | None = None
+) -> AcceptResult:
+    """Accept the longest prefix of drafts equal to the target's argmax; the bonus is the target's next token.
+
+    ``draft_tokens [R, K]``, ``target_tokens [R, K + 1]`` (argmax per verify position), optional
+    ``draft_lens [R]`` (drafts past a row's length never count as accepted).
+    """
+    draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
+    target_tokens = target_tokens.to(torch.long)
+    num_accepted = _prefix_length(draft_tokens.to(torch.long) == target_tokens[:, :-1], draft_lens)
+    bonus = target_tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return AcceptResult(_emit(draft_tokens.to(torch.long), num_accepted, bonus), num_accepted)
+
+
+def forced_accept(
+    draft_tokens: torch.Tensor, target_tokens: torch.Tensor, num_forced: int, draft_lens: torch.Tensor | None = None
+) -> AcceptResult:
+    """Benchmark mode: accept ``min(num_forced, draft_len)`` drafts whatever they are (output is NOT the target's)."""
+    if num_forced < 0:
+        raise ValueError(f"num_forced must be >= 0, got {num_forced}")
+    draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
+    num_accepted = torch.clamp(draft_lens, max=num_forced)
+    bonus = target_tokens.to(torch.long).gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return AcceptResult(_emit(draft_tokens.to(torch.long), num_accepted, bonus), num_accepted)
+
+
+def _row_generators(generator: torch.Generator | Sequence[torch.Generator] | None, num_rows: int):
+    if generator is None or isinstance(generator, torch.Generator):
+        return None
+    generators = list(generator)
+    if len(generators) != num_rows:
+        raise ValueError(f"need one generator per row: {num_rows} rows, {len(generators)} generators")
+    return generators
+
+
+def _uniform(num_rows: int, num_drafts: int, device, generator, generators) -> torch.Tensor:
+    if generators is None:
+        return torch.rand((num_rows, num_drafts), device=device, generator=generator)
+    if num_rows == 0:
+        return torch.empty((0, num_drafts), device=device)
+    return torch.stack([torch.rand((num_drafts,), device=device, generator=g) for g in generators])
+
+
+def _sample_rows(probs: torch.Tensor, generator, generators) -> torch.Tensor:
+    if generators is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if probs.shape[0] == 0:
+        return torch.empty((0,), dtype=torch.long, device=probs.device)
+    return torch.stack([torch.multinomial(p, 1, generator=g).squeeze(0) for p, g in zip(probs, generators)])
+
+
+def rejection_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    draft_lens: torch.Tensor | None = None,
+) -> AcceptResult:
+    """The lossless speculative-sampling rule: emitted tokens are distributed exactly as target sampling.
+
+    Draft ``d_j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection
+    the emitted token is drawn from ``norm(max(p_j - q_j, 0))``; if every draft is accepted the bonus
+    is drawn from ``p_K``. ``draft_probs [R, K, V]`` is the distribution each draft was sampled from;
+    ``None`` means deterministic proposals (``q`` one-hot on the draft). ``target_probs [R, K + 1, V]``.
+    ``generator`` is one generator, or one per row (sampling then does not depend on batch makeup).
+    """
+    draft_lens = _check_shapes(draft_tokens, target_probs, draft_lens)
+    num_rows, num_drafts = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    if target_probs.dim() != 3:
+        raise ValueError(f"target_probs must be [R, K + 1, V], got shape {tuple(target_probs.shape)}")
+    draft_tokens = draft_tokens.to(torch.long)
+    target_probs = target_probs.to(torch.float32)
+    if draft_probs is None:
+        draft_probs = torch.nn.functional.one_hot(draft_tokens.clamp(0, vocab - 1), vocab).to(torch.float32)
+    elif draft_probs.shape != (num_rows, num_drafts, vocab):
+        raise ValueError(
+            f"draft_probs must be [R, K, V] = [{num_rows}, {num_drafts}, {vocab}], got {tuple(draft_probs.shape)}"
+        )
+    draft_probs = draft_probs.to(torch.float32)
+    generators = _row_generators(generator, num_rows)
+
+    index = draft_tokens.clamp(0, vocab - 1).unsqueeze(-1)
+    p_of_draft = target_probs[:, :num_drafts].gather(2, index).squeeze(-1)
+    q_of_draft = draft_probs.gather(2, index).squeeze(-1)
+    uniform = _uniform(num_rows, num_drafts, target_probs.device, generator, generators)
+    accepted = uniform * q_of_draft < p_of_draft
+    num_accepted = _prefix_length(accepted, draft_lens)
+
+    # Distribution of the emitted token at position a: residual where a draft was rejected, p itself
+    # for the bonus (a == draft_len, including rows that ran out of drafts).
+    residual = torch.clamp(target_probs[:, :num_drafts] - draft_probs, min=0.0)
+    residual = torch.cat([residual, target_probs[:, num_drafts:]], dim=1)
+    rejected_row = num_accepted < draft_lens
+    pick = num_accepted.view(num_rows, 1, 1).expand(num_rows, 1, vocab)
+    final_dist = torch.where(
+        rejected_row.view(num_rows, 1),
+        residual.gather(1, pick).squeeze(1),
+        target_probs.gather(1, pick).squeeze(1),
+    )
+    # p == q exactly leaves no residual mass; then rejection has probability zero, sample p as a fallback.
+    mass = final_dist.sum(dim=1, keepdim=True)
+    fallback = target_probs.gather(1, pick).squeeze(1)
+    final_dist = torch.where(mass > 0, final_dist / mass.clamp_min(1e-30), fallback)
+    last = _sample_rows(final_dist, generator, generators)
+    return AcceptResult(_emit(draft_tokens, num_accepted, last), num_accepted)

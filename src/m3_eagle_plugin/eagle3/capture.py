@@ -1,0 +1,84 @@
+"""Eagle3 auxiliary hidden-state capture from the target model.
+
+`AuxCapture(layer_ids)` records, for each configured id i, the residual stream at the INPUT of
+target layer i (hidden + residual, before `input_layernorm`; equal to transformers'
+`output_hidden_states[i]`) for every token of the step, verify tokens included.
+
+Convention: ids mean "input of layer i" (vLLM/SGLang; default (2, L//2, L-3) = (2, 30, 57) for
+M3). TensorRT-LLM and NeMo name the same tensors "output of layer j" with j = i - 1
+(1, 29, 56); use `from_output_layer_ids` to convert such ids.
+
+Two storage modes: by default the recorded tensors are kept and concatenated by `stacked()`;
+after `allocate(max_tokens, hidden_size, ...)` they are copied into one preallocated
+`[max_tokens, n * H]` buffer (stable addresses for CUDA graphs) and `stacked()` is a view.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class AuxCapture:
+    def __init__(self, layer_ids: Sequence[int]) -> None:
+        ids = [int(i) for i in layer_ids]
+        if not ids:
+            raise ValueError("AuxCapture needs at least one layer id")
+        if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"aux layer ids must be distinct and non-negative, got {ids}")
+        self.layer_ids: tuple[int, ...] = tuple(ids)
+        self._slot = {layer: n for n, layer in enumerate(ids)}
+        self._records: dict[int, torch.Tensor] = {}
+        self._buffer: torch.Tensor | None = None
+        self._num_tokens = 0
+
+    @classmethod
+    def from_output_layer_ids(cls, output_layer_ids: Sequence[int]) -> "AuxCapture":
+        """Build from TensorRT-LLM style ids ("output of layer j" = input of layer j + 1)."""
+        return cls([int(j) + 1 for j in output_layer_ids])
+
+    def allocate(self, max_tokens: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> "AuxCapture":
+        self._buffer = torch.zeros(max_tokens, len(self.layer_ids) * hidden_size, dtype=dtype, device=device)
+        return self
+
+    def wants(self, layer_id: int) -> bool:
+        return layer_id in self._slot
+
+    def reset(self) -> None:
+        self._records.clear()
+        self._num_tokens = 0
+
+    def record(self, layer_id: int, hidden: torch.Tensor) -> None:
+        """Store `hidden [T, H]`, the residual stream entering `layer_id`."""
+        slot = self._slot.get(layer_id)
+        if slot is None:
+            return
+        if self._buffer is None:
+            self._records[layer_id] = hidden
+            return
+        t, h = hidden.shape
+        if t > self._buffer.shape[0] or (slot + 1) * h > self._buffer.shape[1]:
+            raise ValueError(f"capture buffer {tuple(self._buffer.shape)} too small for [{t}, {h}] at layer {layer_id}")
+        self._buffer[:t, slot * h:(slot + 1) * h].copy_(hidden)
+        self._num_tokens = t
+
+    def get(self, layer_id: int) -> torch.Tensor:
+        if layer_id not in self._slot:
+            raise KeyError(f"layer {layer_id} is not captured (ids {self.layer_ids})")
+        if self._buffer is None:
+            if layer_id not in self._records:
+                raise RuntimeError(f"layer {layer_id} was not recorded in this step")
+            return self._records[layer_id]
+        h = self._buffer.shape[1] // len(self.layer_ids)
+        slot = self._slot[layer_id]
+        return self._buffer[:self._num_tokens, slot * h:(slot + 1) * h]
+
+    def stacked(self) -> torch.Tensor:
+        """`[T, n * H]`, chunks in the order of `layer_ids`."""
+        if self._buffer is not None:
+            return self._buffer[:self._num_tokens]
+        missing = [i for i in self.layer_ids if i not in self._records]
+        if missing:
+            raise RuntimeError(f"aux layers {missing} were not recorded; did the target forward run with this capture?")
+        return torch.cat([self._records[i] for i in self.layer_ids], dim=-1)

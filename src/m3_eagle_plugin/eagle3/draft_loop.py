@@ -1,0 +1,92 @@
+"""The one-model Eagle3 draft loop: ``K`` head steps on the shared cache, device-only.
+
+Eagle3 semantics: the head at position ``p`` consumes (token at ``p + 1``, target feature at ``p``)
+and predicts the token at ``p + 2``. Step 0 runs over every token of the target step (prompt chunks
+and the full ``1 + K`` verify rows, ids shifted by one, the target's aux features), which also
+(re)writes the draft layer's KV for those positions; each drafting row then continues from one
+gathered position (the last prompt token, or the last accepted verify token). Steps ``1..K-1`` are
+single-token steps at consecutive positions fed with the head's own hidden state.
+
+Their metadata is prepared on the host beforehand with optimistic lengths (all drafts accepted) and
+corrected here on the device through ``on_update_kv_lens``: nothing waits for the acceptance result,
+so the loop can be captured in a CUDA graph or overlapped with host work. Draft KV written at
+positions that later turn out to be rejected is overwritten by the next step 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+__all__ = ["DraftResult", "DraftHead", "run_draft_loop"]
+
+
+class DraftHead(Protocol):
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
+@dataclass
+class DraftResult:
+    """``tokens [Rd, K]`` (int64) and, when sampling, the distribution each came from ``probs [Rd, K, V]``."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+
+
+TokenChooser = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+def _call_head(head, input_ids, hidden, meta, cache):
+    forward = head.forward if hasattr(head, "forward") else head
+    return forward(input_ids, hidden, meta, cache)
+
+
+def run_draft_loop(
+    head: DraftHead,
+    cache,
+    *,
+    first_meta,
+    first_input_ids: torch.Tensor,
+    first_features: torch.Tensor,
+    gather_index: torch.Tensor,
+    step_metas: Sequence,
+    gathered_kv_lens: torch.Tensor,
+    num_drafts: int,
+    choose: TokenChooser,
+) -> DraftResult:
+    """Run ``num_drafts`` draft steps and return the proposals of the ``Rd = len(gather_index)`` drafting rows.
+
+    ``first_meta`` is the target step's metadata (same tokens, same positions, already corrected);
+    ``gather_index [Rd]`` picks each drafting row's token in step 0; ``gathered_kv_lens [Rd]`` is the
+    true ``position + 1`` of that token (device); ``step_metas[i - 1]`` was prepared for step ``i``
+    with one token per drafting row at the optimistic position and gets ``gathered_kv_lens + i``.
+    ``choose(logits [Rd, V]) -> (tokens [Rd], probs [Rd, V] | None)`` picks each draft.
+    """
+    if num_drafts < 1:
+        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    if len(step_metas) < num_drafts - 1:
+        raise ValueError(f"need {num_drafts - 1} prepared step metadata objects, got {len(step_metas)}")
+    if first_input_ids.shape[0] != first_features.shape[0]:
+        raise ValueError(
+            f"step 0 ids and features disagree: {first_input_ids.shape[0]} vs {first_features.shape[0]} tokens"
+        )
+    num_rows = gather_index.shape[0]
+    logits, hidden = _call_head(head, first_input_ids, first_features, first_meta, cache)
+    if num_rows == 0:
+        empty = torch.empty((0, num_drafts), dtype=torch.long, device=first_input_ids.device)
+        return DraftResult(empty, None)
+    logits = logits.index_select(0, gather_index)
+    hidden = hidden.index_select(0, gather_index)
+    tokens, probs = [], []
+    for step in range(num_drafts):
+        if step > 0:
+            meta = step_metas[step - 1]
+            meta.on_update_kv_lens(gathered_kv_lens + step)
+            logits, hidden = _call_head(head, tokens[-1], hidden, meta, cache)
+        token, prob = choose(logits)
+        tokens.append(token.to(torch.long))
+        probs.append(prob)
+    stacked_probs = None if probs[0] is None else torch.stack(probs, dim=1)
+    return DraftResult(torch.stack(tokens, dim=1), stacked_probs)

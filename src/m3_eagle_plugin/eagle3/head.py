@@ -1,0 +1,174 @@
+"""The Eagle3 draft head for MiniMax-M3 (a one-layer Llama drafter fed by target hidden states).
+
+One step (reference §4.3): on the first draft step the incoming hidden is the target's aux
+capture `[T, n*H]`; each chunk gets its own plain RMSNorm (`fc_norm.{i}`, only when the
+checkpoint has them), the chunks are concatenated and `fc` maps them to H. Later steps feed
+the head's own `[T, H]` output and skip `fc`. Then
+    e = input_layernorm(embed(ids)); h = hidden_norm(g); x = concat(e, h)   # [T, 2H]
+    y = residual + o_proj(attn(q(x), k(x), v(x)))   residual = g (or h if norm_before_residual)
+    z = y + mlp(post_attention_layernorm(y)); logits = lm_head(norm(z))
+Attention is dense causal with Llama RoPE over the full head and no q/k norm; GQA or MHA from
+`num_key_value_heads`. Its K/V live in the target cache's first draft layer
+(`cache.draft_layer_ids[0]`). The next-step hidden is `norm(z)` when `norm_output`, else `z`.
+
+Vocabulary: the head scores `Vd` draft tokens; draft id d means target id `d + d2t[d]`.
+`forward` returns logits already placed in the target vocabulary (`[T, V]`, fp32, `-inf` for
+target ids outside the draft vocabulary), so argmax / softmax give target ids directly;
+`draft_logits` + `draft_to_target` expose the compact form.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from m3_eagle_plugin import msa
+from m3_eagle_plugin.models.norms import LlamaRMSNorm
+from m3_eagle_plugin.models.rope import RotaryEmbedding, apply_rope
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # target vocabulary (embedding rows, logits width after d2t)
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]
+    norm_output: bool = False
+    norm_before_residual: bool = False
+    has_fc_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"draft num_attention_heads {self.num_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_kv_heads}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = config.head_dim ** -0.5
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, config.num_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, config.num_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, config.num_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any, cache: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        layer = cache.draft_layer_ids[0]
+        k_cache, v_cache = cache.k(layer), cache.v(layer)
+        msa.write_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype))
+        out = msa.dense_attention(q, k_cache, v_cache, meta, scale=self.scale)
+        return self.o_proj(out.reshape(t, -1).to(x.dtype))
+
+
+class SiluGluMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual = config.norm_before_residual
+        self.input_layernorm = LlamaRMSNorm(h, eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps)
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = SiluGluMLP(h, config.intermediate_size)
+
+    def forward(self, embeds: torch.Tensor, g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
+                cache: Any) -> torch.Tensor:
+        h = self.hidden_norm(g)
+        residual = h if self.norm_before_residual else g
+        x = torch.cat((self.input_layernorm(embeds), h), dim=-1)
+        y = residual + self.self_attn(x, cos, sin, meta, cache)
+        return y + self.mlp(self.post_attention_layernorm(y))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        n, ht, h = len(config.aux_layer_ids), config.target_hidden_size, config.hidden_size
+        self.fc = nn.Linear(n * ht, h, bias=False)
+        self.fc_norm = (nn.ModuleList(LlamaRMSNorm(ht, config.rms_norm_eps) for _ in range(n))
+                        if config.has_fc_norm else None)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
+        self.norm = LlamaRMSNorm(h, config.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", None)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose input residual stream feeds `fc` (build `AuxCapture` from these)."""
+        return self.config.aux_layer_ids
+
+    def combine_aux(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[T, n*H_target]` aux capture -> `[T, H]` (fc_norm per chunk, then fc)."""
+        if self.fc_norm is not None:
+            chunks = hidden.chunk(len(self.fc_norm), dim=-1)
+            hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(hidden)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target ids (identity without `d2t`)."""
+        if self.d2t is None:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 `[T, Vd]` logits over the draft vocabulary from the post-norm hidden."""
+        return self.lm_head(hidden).float()
+
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.d2t is None:
+            return logits
+        out = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        target_ids = self.draft_to_target(torch.arange(logits.shape[1], device=logits.device))
+        out[:, target_ids] = logits
+        return out
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: Any, cache: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (fp32 logits `[T, V]` in target ids, next-step hidden `[T, H]`)."""
+        if input_ids.dim() != 1 or hidden.dim() != 2 or hidden.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"expected input_ids [T] and hidden [T, width], got {tuple(input_ids.shape)} "
+                             f"and {tuple(hidden.shape)}")
+        if hidden.shape[-1] == self.fc.in_features and self.fc.in_features != self.config.hidden_size:
+            g = self.combine_aux(hidden)
+        elif hidden.shape[-1] == self.config.hidden_size:
+            g = hidden
+        else:
+            raise ValueError(f"hidden width {hidden.shape[-1]} is neither the aux width {self.fc.in_features} "
+                             f"nor the draft hidden size {self.config.hidden_size}")
+        cos, sin = self.rotary.cos_sin(meta.positions[: input_ids.shape[0]])
+        z = self.layers[0](self.embed_tokens(input_ids), g, cos, sin, meta, cache)
+        normed = self.norm(z)
+        logits = self.to_target_logits(self.draft_logits(normed))
+        return logits, (normed if self.config.norm_output else z)

@@ -1,0 +1,276 @@
+"""The reference host's engine: request lifecycle, the step loop (plain or overlapped), statistics.
+
+Requests are validated on arrival (a bad one fails alone with a message), admitted when their
+worst-case KV fits, scheduled row by row, and freed when they end. With ``overlap`` the loop
+launches step N+1 before committing step N: N+1's metadata is prepared from optimistic lengths
+and corrected on the device, so the host never waits between the two. Draft proposals come from
+an explicit proposer, else the `m3_eagle_propose_drafts` plugin hook, else the Eagle3 head;
+host-side proposers need committed tokens, so they turn overlap off.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from m3_eagle_plugin.host.reference.request import Request, RequestError, RequestState
+from m3_eagle_plugin.host.reference.runner import RunnerConfig, StepOutput, StepRunner
+from m3_eagle_plugin.host.reference.sampler import SamplingParams, request_generator
+from m3_eagle_plugin.host.reference.scheduler import RowKind, Scheduler
+from m3_eagle_plugin.host.reference.stats import SpecStats
+
+__all__ = ["EngineConfig", "GenerationResult", "Engine", "Proposer"]
+
+Proposer = Callable[[object], "list[list[int]] | None"]  # DraftContext -> drafts per request or None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    draft_len: int = 3
+    max_batch_size: int = 8
+    max_tokens_per_step: int = 256
+    overlap: bool = False
+    cuda_graphs: bool = False
+    sampling: SamplingParams = SamplingParams()
+    force_accepted: int | None = None
+    eos_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.draft_len < 0:
+            raise ValueError(f"draft_len must be >= 0, got {self.draft_len}")
+        if self.force_accepted is not None and self.force_accepted < 0:
+            raise ValueError(f"force_accepted must be >= 0, got {self.force_accepted}")
+
+
+@dataclass
+class GenerationResult:
+    outputs: list[list[int]]
+    errors: list[str | None]
+    stop_reasons: list[str | None]
+    stats: SpecStats
+    overlap: bool = False
+    forced_acceptance: int | None = None
+    draft_source: str = "none"
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        out = {"outputs": self.outputs, "errors": self.errors, "stop_reasons": self.stop_reasons}
+        out.update(self.stats.as_dict())
+        out.update({
+            "draft_len": self.stats.draft_len, "draft_source": self.draft_source, "overlap": self.overlap,
+            "forced_acceptance": self.forced_acceptance,
+        })
+        out.update(self.extra)
+        return out
+
+
+class Engine:
+    def __init__(
+        self,
+        target,
+        cache,
+        config: EngineConfig,
+        *,
+        vocab_size: int,
+        head=None,
+        capture=None,
+        proposer: Proposer | None = None,
+        plugin_manager=None,
+        device: torch.device | str = "cpu",
+        metadata_factory=None,
+    ) -> None:
+        self.device = torch.device(device)
+        if config.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("--cuda-graphs needs a CUDA device (got device %r)" % str(self.device))
+        self.target, self.cache, self.config = target, cache, config
+        self.vocab_size = int(vocab_size)
+        self.head = head
+        self.proposer = proposer
+        self.plugin_manager = plugin_manager
+        self._hook_drafts = proposer is not None or self._plugin_has_drafter()
+        has_drafter = head is not None or self._hook_drafts
+        self.k = config.draft_len if has_drafter else 0
+        if config.force_accepted is not None and config.force_accepted > self.k:
+            raise ValueError(f"force_accepted ({config.force_accepted}) exceeds the draft length ({self.k})")
+        block_size = int(cache.block_size)
+        self.scheduler = Scheduler(
+            max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
+            draft_len=self.k, block_size=block_size, total_blocks=int(cache.num_blocks),
+        )
+        self.runner = StepRunner(
+            target, cache,
+            RunnerConfig(
+                draft_len=self.k, max_batch_size=config.max_batch_size,
+                max_tokens_per_step=config.max_tokens_per_step, max_blocks_per_seq=int(cache.num_blocks),
+                block_size=block_size, device=self.device, sampling=config.sampling,
+                force_accepted=config.force_accepted,
+            ),
+            head=head, capture=capture, metadata_factory=metadata_factory,
+        )
+        self.overlap = config.overlap and not self._hook_drafts
+        self.stats = SpecStats(draft_len=self.k)
+
+    def _plugin_has_drafter(self) -> bool:
+        if self.plugin_manager is None:
+            return False
+        return bool(self.plugin_manager.hook.m3_eagle_propose_drafts.get_hookimpls())
+
+    @property
+    def draft_source(self) -> str:
+        if self.proposer is not None:
+            return "proposer"
+        if self._hook_drafts:
+            return "plugin" if self.head is None else "plugin+eagle3"
+        return "eagle3" if self.head is not None else "none"
+
+    # ----- requests ------------------------------------------------------------------------
+    def _make_request(self, index: int, prompt, max_new_tokens: int) -> Request:
+        request = Request(index=index, prompt=[], max_new_tokens=max_new_tokens,
+                          eos_ids=frozenset(self.config.eos_ids))
+        try:
+            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+                raise RequestError(f"request {index}: prompt must be a list of token ids, got {type(prompt).__name__}")
+            if len(prompt) == 0:
+                raise RequestError(f"request {index}: empty prompt")
+            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"request {index}: token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}"
+                )
+            if max_new_tokens < 1:
+                raise RequestError(f"request {index}: max_new_tokens must be >= 1, got {max_new_tokens}")
+            request.prompt = list(prompt)
+            self.scheduler.check_fits(request)
+        except RequestError as error:
+            request.fail(str(error))
+            return request
+        if not self.config.sampling.greedy:
+            request.generator = request_generator(self.config.sampling.seed, index, self.device)
+        self.cache.add_request(request.rid)
+        return request
+
+    def _finish(self, request: Request) -> None:
+        self.cache.free(request.rid)
+        self.scheduler.release(request)
+
+    # ----- the step loop -------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> GenerationResult:
+        requests = [self._make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        started = time.perf_counter()
+        inflight: StepOutput | None = None
+        step_id = 0
+        try:
+            while True:
+                rows = self.scheduler.schedule(requests)
+                if not rows and inflight is None:
+                    break
+                launched = self._launch(rows, step_id) if rows else None
+                step_id += 1
+                if inflight is not None:
+                    self._commit(inflight, requests, progress)
+                inflight = launched
+                if inflight is not None and not self.overlap:
+                    self._commit(inflight, requests, progress)
+                    inflight = None
+        finally:
+            for request in requests:
+                if not request.done:
+                    request.fail("engine stopped before the request finished")
+                    self._finish(request)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.elapsed_s += time.perf_counter() - started
+        self.stats.engine_steps += step_id
+        return GenerationResult(
+            outputs=[list(r.output) if r.state is RequestState.FINISHED else [] for r in requests],
+            errors=[r.error for r in requests],
+            stop_reasons=[r.stop_reason for r in requests],
+            stats=self.stats, overlap=self.overlap, forced_acceptance=self.config.force_accepted,
+            draft_source=self.draft_source,
+        )
+
+    def _launch(self, rows, step_id: int) -> StepOutput:
+        out = self.runner.launch(rows, step_id)
+        for row_index, row in enumerate(out.rows):
+            request = row.request
+            request.inflight_steps += 1
+            if row.kind is RowKind.CONTEXT:
+                request.num_prefilled = row.start + row.length
+                request.kv_len = request.num_prefilled
+                if row.final:
+                    request.state = RequestState.DECODE
+                    request.pending_deficit = None
+            else:
+                request.kv_len += 1 + self.k
+                request.pending_deficit = out.deficit[row_index]
+        for j, row_index in enumerate(out.drafting_rows):
+            request = out.rows[row_index].request
+            request.pending_inputs = out.next_inputs[j]
+            request.pending_draft_len = self.k if out.head_drafts else 0
+            request.pending_draft_probs = None if out.next_draft_probs is None else out.next_draft_probs[j]
+            request.pending_step = step_id
+        return out
+
+    def _commit(self, out: StepOutput, requests: list[Request], progress) -> None:
+        emitted = out.emitted.cpu().tolist()
+        num_emitted = out.num_emitted.cpu().tolist()
+        num_accepted = out.num_accepted.cpu().tolist()
+        for i, row in enumerate(out.rows):
+            request = row.request
+            request.inflight_steps -= 1
+            if request.done:
+                continue  # finished while this (overlapped) step was in flight: its result is void
+            if row.kind is RowKind.VERIFY:
+                self.stats.record_verify(out.draft_lens[i], num_accepted[i])
+                request.kv_len -= self.k - num_accepted[i]
+                if request.pending_step == out.step_id:
+                    request.pending_deficit = None
+            before = len(request.output)
+            request.append_tokens(emitted[i][: num_emitted[i]])
+            self.stats.generated_tokens += len(request.output) - before
+            if request.done:
+                self._finish(request)
+            else:
+                self._rewind(request)
+        if self._hook_drafts:
+            self._host_proposals(out)
+        if progress is not None:
+            progress(sum(r.done for r in requests), len(requests))
+
+    def _rewind(self, request: Request) -> None:
+        """Drop pages past what the request (and its in-flight step, if any) can still use."""
+        ahead = self.k - 1 if (self.head is not None and self.k > 0 and request.inflight_steps) else 0
+        keep = min(request.kv_len + max(ahead, 0), self.cache.num_tokens(request.rid))
+        self.cache.rewind(request.rid, keep)
+
+    def _host_proposals(self, out: StepOutput) -> None:
+        """Ask the explicit proposer or the plugin hook for the next drafts of this step's requests."""
+        from m3_eagle_plugin.hooks import DraftContext
+
+        ready = [out.rows[i].request for i in out.drafting_rows]
+        ready = [r for r in ready if not r.done and r.pending_step == out.step_id]
+        if not ready or self.k == 0:
+            return
+        context = DraftContext.build([r.rid for r in ready], [r.prompt + r.output for r in ready], self.k)
+        if self.proposer is not None:
+            drafts = self.proposer(context)
+        else:
+            drafts = self.plugin_manager.propose_drafts(context)
+        if drafts is None:
+            return  # the Eagle3 head's drafts (or none) stay in place
+        if len(drafts) != len(ready):
+            raise ValueError(f"proposer returned drafts for {len(drafts)} requests, expected {len(ready)}")
+        for request, proposal in zip(ready, drafts):
+            proposal = [int(t) for t in list(proposal)[: self.k]]
+            bad = [t for t in proposal if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"proposer returned token ids outside [0, {self.vocab_size}): {bad[:5]}")
+            padded = [request.output[-1]] + proposal + [0] * (self.k - len(proposal))
+            request.pending_inputs = torch.tensor(padded, dtype=torch.long, device=self.device)
+            request.pending_draft_len = len(proposal)
+            request.pending_draft_probs = None

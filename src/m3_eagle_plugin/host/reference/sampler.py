@@ -1,0 +1,79 @@
+"""Token choice for the reference host: greedy argmax, or sampling with temperature / top-k / top-p.
+
+One `SamplingParams` per run. `probs()` turns logits into the filtered distribution that both the
+target (for acceptance) and the drafter (for proposing) use, so rejection sampling sees exactly the
+distribution each token was drawn from. Per-request generators keep sampled outputs independent of
+how requests happen to be batched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["SamplingParams", "filtered_probs", "choose_tokens", "request_generator"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[..., V]`` fp32 probabilities after temperature, top-k and top-p (nucleus) filtering."""
+    if params.greedy:
+        raise ValueError("filtered_probs needs temperature > 0 (greedy has no distribution to sample)")
+    scores = logits.to(torch.float32) / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p  # the top token always survives (mass_before == 0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def request_generator(seed: int, request_index: int, device: torch.device | str) -> torch.Generator:
+    """A generator private to one request, so its samples do not depend on the rest of the batch."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + request_index) % (2**63))
+    return generator
+
+
+def choose_tokens(
+    logits: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator] | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pick one token per row of ``logits [R, V]``: ``(tokens [R] int64, probs [R, V] or None if greedy)``."""
+    if params.greedy:
+        return torch.argmax(logits, dim=-1), None
+    probs = filtered_probs(logits, params)
+    if generators is None or len(generators) != probs.shape[0]:
+        raise ValueError("sampling needs one generator per row")
+    if probs.shape[0] == 0:
+        return torch.empty((0,), dtype=torch.long, device=logits.device), probs
+    tokens = torch.stack([torch.multinomial(p, 1, generator=g).squeeze(0) for p, g in zip(probs, generators)])
+    return tokens, probs

@@ -1,0 +1,115 @@
+"""Continuous batching: which rows run in the next step.
+
+Each step mixes context rows (prompt chunks, chunked to the per-step token limit) and verify rows
+(``1 + K`` tokens per generating request). Running requests are served first, then prompt chunks
+in arrival order. A request is admitted only when its worst-case KV need fits next to the worst
+cases of the requests already admitted, so a running request never waits for a free page.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from m3_eagle_plugin.host.reference.request import Request, RequestError, RequestState
+
+__all__ = ["RowKind", "ScheduledRow", "Scheduler", "kv_budget_tokens"]
+
+
+class RowKind(enum.Enum):
+    CONTEXT = "context"
+    VERIFY = "verify"
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """``start`` is the row's first position; a context row is final when it reaches the prompt's end."""
+
+    request: Request
+    kind: RowKind
+    start: int
+    length: int
+    final: bool = False
+
+
+def kv_budget_tokens(prompt_len: int, max_new_tokens: int, draft_len: int) -> int:
+    """Worst-case KV tokens of one request: every token, plus the optimistic overhang of an
+    in-flight verify step and the positions its draft steps write ahead."""
+    return prompt_len + max_new_tokens + 4 * draft_len + 1
+
+
+class Scheduler:
+    def __init__(
+        self, *, max_batch_size: int, max_tokens_per_step: int, draft_len: int, block_size: int, total_blocks: int
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_tokens_per_step < 1 + draft_len:
+            raise ValueError(
+                f"max_tokens_per_step ({max_tokens_per_step}) must hold one verify row of 1 + draft_len "
+                f"= {1 + draft_len} tokens"
+            )
+        self.max_batch_size = max_batch_size
+        self.max_tokens_per_step = max_tokens_per_step
+        self.draft_len = draft_len
+        self.block_size = block_size
+        self.total_blocks = total_blocks
+        self.admitted_blocks = 0
+
+    def blocks_needed(self, request: Request) -> int:
+        return math.ceil(kv_budget_tokens(len(request.prompt), request.max_new_tokens, self.draft_len) / self.block_size)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise `RequestError` when the request could never fit the cache, even alone."""
+        need = self.blocks_needed(request)
+        if need > self.total_blocks:
+            raise RequestError(
+                f"request {request.index} needs {need} KV blocks (prompt {len(request.prompt)} + max_new_tokens "
+                f"{request.max_new_tokens} + draft headroom) but the cache has only {self.total_blocks}"
+            )
+
+    def release(self, request: Request) -> None:
+        """Give back the admission budget of a request that ended (idempotent)."""
+        if request.kv_budget_tokens:
+            self.admitted_blocks -= self.blocks_needed(request)
+            request.kv_budget_tokens = 0
+
+    def _admit(self, request: Request) -> bool:
+        need = self.blocks_needed(request)
+        if self.admitted_blocks + need > self.total_blocks:
+            return False
+        self.admitted_blocks += need
+        request.kv_budget_tokens = kv_budget_tokens(len(request.prompt), request.max_new_tokens, self.draft_len)
+        request.state = RequestState.PREFILL
+        return True
+
+    def schedule(self, requests: Sequence[Request]) -> list[ScheduledRow]:
+        """Rows for the next step; admits waiting requests as KV budget allows (FIFO, no overtaking)."""
+        verify_cost = 1 + self.draft_len
+        verify_rows: list[ScheduledRow] = []
+        tokens = 0
+        for request in requests:
+            if request.state is not RequestState.DECODE:
+                continue
+            if len(request.output) + request.inflight_steps >= request.max_new_tokens:
+                continue  # will finish when its in-flight step commits
+            if len(verify_rows) == self.max_batch_size or tokens + verify_cost > self.max_tokens_per_step:
+                break
+            verify_rows.append(ScheduledRow(request, RowKind.VERIFY, request.kv_len, verify_cost))
+            tokens += verify_cost
+        context_rows: list[ScheduledRow] = []
+        for request in requests:
+            if len(verify_rows) + len(context_rows) == self.max_batch_size or tokens == self.max_tokens_per_step:
+                break
+            if request.state is RequestState.WAITING and not self._admit(request):
+                break
+            if request.state is not RequestState.PREFILL:
+                continue
+            remaining = len(request.prompt) - request.num_prefilled
+            chunk = min(remaining, self.max_tokens_per_step - tokens)
+            context_rows.append(
+                ScheduledRow(request, RowKind.CONTEXT, request.num_prefilled, chunk, final=chunk == remaining)
+            )
+            tokens += chunk
+        return context_rows + verify_rows

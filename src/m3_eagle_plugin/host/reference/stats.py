@@ -1,0 +1,66 @@
+"""Speculative-decoding statistics of one run: acceptance, draft counts, throughput.
+
+Definitions follow the usual Eagle reporting: ``acceptance_rate = accepted_tokens / draft_tokens``;
+``mean_acceptance_length`` = tokens emitted per verify step (accepted drafts + the bonus token);
+``per_position_acceptance[i]`` = share of verify steps whose draft ``i`` was proposed and accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SpecStats"]
+
+
+@dataclass
+class SpecStats:
+    draft_len: int = 0
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    engine_steps: int = 0
+    elapsed_s: float = 0.0
+    accepted_at: list[int] = field(default_factory=list)
+    proposed_at: list[int] = field(default_factory=list)
+
+    def record_verify(self, num_drafts: int, num_accepted: int) -> None:
+        if len(self.accepted_at) < self.draft_len:
+            self.accepted_at = [0] * self.draft_len
+            self.proposed_at = [0] * self.draft_len
+        self.verify_steps += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        for position in range(num_drafts):
+            self.proposed_at[position] += 1
+            if position < num_accepted:
+                self.accepted_at[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "verify_steps": self.verify_steps,
+            "generated_tokens": self.generated_tokens,
+            "engine_steps": self.engine_steps,
+            "elapsed_s": self.elapsed_s,
+            "tokens_per_s": self.tokens_per_s,
+        }

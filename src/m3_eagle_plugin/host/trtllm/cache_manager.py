@@ -1,0 +1,127 @@
+"""The MiniMax-M3 KV-cache manager with the Eagle3 draft layer inside the target's pools.
+
+Imported only once TensorRT-LLM is present (the route patch returns this class for MiniMax-M3).
+It subclasses the host's `MiniMaxM3KVCacheManagerV2` and adds what one-model Eagle3 needs:
+the draft layer(s) appended after the target layers are reached through one *virtual*
+attention-op pool each (the M3 mega-slot is not on a uniform per-layer stride), the block-offset
+copy that feeds those pools, the trtllm-gen P128 opt-in, and a refusal of tree acceptance (the
+mega-slot cannot relocate KV). All table arithmetic is `m3_eagle_plugin.kv`'s.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable, List, Optional
+
+import torch
+
+from m3_eagle_plugin import kv as core_kv
+from m3_eagle_plugin.host.trtllm.contract import resolve
+
+HostMiniMaxM3KVCacheManagerV2 = resolve("m3_kv_manager")
+
+TRTLLM_GEN_OPT_IN_PAGE_SIZE = 128
+
+
+def _pinned_like(new: torch.Tensor, old: Any) -> torch.Tensor:
+    if isinstance(old, torch.Tensor) and old.device.type == "cpu" and old.is_pinned():
+        return new.pin_memory()
+    return new
+
+
+def _requests(scheduled_batch: Any) -> Iterable[Any]:
+    all_requests = getattr(scheduled_batch, "all_requests", None)
+    if callable(all_requests):
+        return all_requests()
+    return [*getattr(scheduled_batch, "context_requests", ()),
+            *getattr(scheduled_batch, "generation_requests", ())]
+
+
+class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
+    """`MiniMaxM3KVCacheManagerV2` plus shared Eagle3 draft layers on virtual attention-op pools."""
+
+    supports_shared_draft_layers = True
+    trtllm_gen_extra_tokens_per_block: frozenset = frozenset()
+
+    def __init__(self, *args: Any, sparse_layer_ids: Any = None, **kwargs: Any) -> None:
+        num_layers = kwargs.get("num_layers")
+        num_draft = core_kv.shared_draft_layer_count(kwargs.get("spec_config"), kwargs.get("layer_mask"))
+        draft_ids, num_target = core_kv.derive_shared_draft_layout(
+            num_layers, kwargs.get("num_kv_heads", 1), num_draft)
+        if sparse_layer_ids is None and num_target is not None and num_layers is not None \
+                and int(num_layers) != num_target:
+            # num_layers already counts the draft tail: keep the host's dense-prefix convention
+            # but stop the sparse range at the last target layer.
+            sparse_layer_ids = list(range(self._NUM_DENSE_PREFIX_LAYERS, num_target))
+        # Set before the base constructor: it builds the page tables (and calls our override).
+        self.shared_draft_layer_ids: tuple[int, ...] = tuple(draft_ids)
+        self.num_target_layers: Optional[int] = num_target
+        self.virtual_pools: Optional[core_kv.VirtualPools] = None
+        self._draft_op_pools: tuple[tuple[int, int], ...] = ()
+        super().__init__(*args, sparse_layer_ids=sparse_layer_ids, **kwargs)
+
+    _NUM_DENSE_PREFIX_LAYERS = 3  # MiniMax-M3: layers 0-2 use dense attention
+
+    # ----- page tables ---------------------------------------------------------------------
+    def _prepare_page_table_tensor(self, index_mapper_capacity: int) -> None:
+        super()._prepare_page_table_tensor(index_mapper_capacity)
+        self._add_virtual_draft_pools()
+
+    def _add_virtual_draft_pools(self) -> None:
+        if getattr(self, "is_draft", False) or not self.shared_draft_layer_ids:
+            return
+        if getattr(self, "enable_swa_scratch_reuse", False):
+            raise NotImplementedError(
+                "MiniMax-M3 shared draft layers cannot be combined with SWA scratch reuse")
+        layer_offsets = getattr(self, "layer_offsets", None)
+        draft_layers = [self._draft_layer_entry(layer) for layer in self.shared_draft_layer_ids
+                        if layer_offsets is None or layer in layer_offsets]
+        if not draft_layers:  # pipeline ranks that do not own the draft tail
+            return
+        pools = core_kv.extend_attention_op_pools(
+            self.kv_cache_pool_pointers, self.kv_cache_pool_mapping, draft_layers)
+        self.kv_cache_pool_pointers = _pinned_like(pools.pool_pointers, self.kv_cache_pool_pointers)
+        self.kv_cache_pool_mapping = _pinned_like(pools.pool_mapping, self.kv_cache_pool_mapping)
+        self.num_attention_op_pools = pools.num_op_pools
+        self.virtual_pools = pools
+        self._draft_op_pools = tuple(pools.op_pools)
+        if getattr(self, "tokens_per_block", None) == TRTLLM_GEN_OPT_IN_PAGE_SIZE:
+            self.trtllm_gen_extra_tokens_per_block = frozenset({TRTLLM_GEN_OPT_IN_PAGE_SIZE})
+
+    def _draft_layer_entry(self, global_layer: int) -> tuple[int, int, int]:
+        """(local layer, K page base address, sub-pages per slot) of a draft layer."""
+        layer_offsets = getattr(self, "layer_offsets", None)
+        local = layer_offsets[global_layer] if layer_offsets is not None else global_layer
+        role = sys.modules[HostMiniMaxM3KVCacheManagerV2.__module__].Role
+        address = int(self.impl.get_mem_pool_base_address(local, role.KEY))
+        sub_pages = int(self.impl.get_page_index_converter(local, role.KEY).scale)
+        return local, address, sub_pages
+
+    # ----- per-step block offsets ----------------------------------------------------------
+    def copy_batch_block_offsets(self, dst_tensor: torch.Tensor, request_ids: List[int],
+                                 beam_width: int, num_contexts: int, num_seqs: int,
+                                 max_blocks: Optional[int] = None) -> None:
+        if max_blocks is None:
+            super().copy_batch_block_offsets(dst_tensor, request_ids, beam_width, num_contexts, num_seqs)
+        else:
+            super().copy_batch_block_offsets(dst_tensor, request_ids, beam_width, num_contexts,
+                                             num_seqs, max_blocks=max_blocks)
+        pools = self.virtual_pools
+        if pools is None or not pools.op_pools:
+            return
+        device_copy = resolve("device_block_offset_copy")
+        copy_index = self.index_mapper.get_copy_index(request_ids, num_contexts, beam_width)
+        stream = self._stream.cuda_stream
+        for i, (op_pool, source) in enumerate(pools.op_pools):
+            # The host's device copy writes K = slot * scale and V = K + kv_offset per pool row.
+            device_copy(self.host_kv_cache_block_offsets[source: source + 1],
+                        dst_tensor[op_pool: op_pool + 1], copy_index,
+                        pools.index_scales[i: i + 1], pools.kv_offsets[i: i + 1], stream)
+
+    # ----- acceptance ----------------------------------------------------------------------
+    def update_resources(self, scheduled_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        for request in _requests(scheduled_batch):
+            if getattr(request, "py_num_accepted_draft_tokens_indices", None):
+                raise NotImplementedError(
+                    "tree speculative acceptance relocates KV, which the MiniMax-M3 mega-slot "
+                    f"cannot do (request {getattr(request, 'py_request_id', '?')}); use linear Eagle3")
+        return super().update_resources(scheduled_batch, *args, **kwargs)

@@ -1,0 +1,107 @@
+"""MiniMax-M3 as a one-model Eagle3 target on TensorRT-LLM (`SpecDecOneEngineForCausalLM`).
+
+Imported only once TensorRT-LLM is present; registered for the two MiniMax-M3 architectures by
+`registration.py`. Before NVIDIA/TensorRT-LLM#18872 the host's M3 class derives from
+`DecoderModelForCausalLM` (no draft model, no spec worker) and its layers never capture Eagle3
+hidden states. This class reuses the host's `MiniMaxM3Model` and weight loading unchanged and:
+- derives from `SpecDecOneEngineForCausalLM` (draft model, spec worker, draft-weight loading);
+- captures the Eagle3 auxiliary hidden states with forward hooks at each decoder layer's exit
+  (`spec_metadata.maybe_capture_hidden_states(layer, hidden_states, residual)`), so the host's
+  layer code needs no `spec_metadata` parameter;
+- runs both `setup_aliases` (the host M3 override does not chain to the Eagle3 one);
+- marks its speculative config for the unified draft/target KV policy.
+
+The host M3 class sits in the MRO (behind a constructor shim) so its `load_weights` (index-QK
+fusion, norm folding, weight mapper) runs through its own `super()` chain and `isinstance`
+checks against the host class still hold.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from m3_eagle_plugin.host.trtllm.contract import resolve
+from m3_eagle_plugin.host.trtllm.scope import mark_unified_draft_kv
+
+SpecDecOneEngineForCausalLM = resolve("spec_one_engine_base")
+HostMiniMaxM3Model = resolve("m3_model")
+HostMiniMaxM3ForCausalLM = resolve("m3_causal_lm")
+DecoderModelForCausalLM = next(c for c in HostMiniMaxM3ForCausalLM.__mro__[1:]
+                               if c.__name__ == "DecoderModelForCausalLM")
+
+
+class _HostM3Weights(HostMiniMaxM3ForCausalLM):
+    """Puts the host M3 class in the MRO without running its constructor (the Eagle3 base builds)."""
+
+    def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
+        DecoderModelForCausalLM.__init__(self, model, *args, **kwargs)
+
+
+class Eagle3CaptureHooks:
+    """Forward hooks that hand each decoder layer's exit state to the step's spec metadata."""
+
+    def __init__(self, layers: Any) -> None:
+        self.spec_metadata: Optional[Any] = None
+        self._handles = [layer.register_forward_hook(self._hook(self._layer_id(i, layer)))
+                         for i, layer in enumerate(layers)]
+
+    @staticmethod
+    def _layer_id(index: int, layer: Any) -> int:
+        layer_idx = getattr(layer, "layer_idx", None)
+        return layer_idx if isinstance(layer_idx, int) else index
+
+    def _hook(self, layer_id: int):
+        def capture(_module: Any, _inputs: Any, output: Any) -> None:
+            spec = self.spec_metadata
+            if spec is None or not spec.is_layer_capture(layer_id):
+                return
+            hidden, residual = output if isinstance(output, tuple) else (output, None)
+            spec.maybe_capture_hidden_states(layer_id, hidden, residual)
+
+        return capture
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class MiniMaxM3Eagle3ForCausalLM(SpecDecOneEngineForCausalLM, _HostM3Weights):
+    """MiniMax-M3 text model as a one-model Eagle3 target."""
+
+    def __init__(self, model_config: Any) -> None:
+        mark_unified_draft_kv(getattr(model_config, "spec_config", None))
+        SpecDecOneEngineForCausalLM.__init__(self, HostMiniMaxM3Model(model_config), model_config)
+        self.eagle3_capture = Eagle3CaptureHooks(self.model.layers)
+
+    def forward(self, attn_metadata: Any, input_ids: Any = None, position_ids: Any = None,
+                inputs_embeds: Any = None, return_context_logits: bool = False,
+                spec_metadata: Any = None, resource_manager: Any = None, **kwargs: Any) -> Any:
+        self.eagle3_capture.spec_metadata = spec_metadata
+        try:
+            return super().forward(attn_metadata, input_ids=input_ids, position_ids=position_ids,
+                                   inputs_embeds=inputs_embeds,
+                                   return_context_logits=return_context_logits,
+                                   spec_metadata=spec_metadata, resource_manager=resource_manager,
+                                   **kwargs)
+        finally:
+            self.eagle3_capture.spec_metadata = None
+
+    def setup_aliases(self) -> None:
+        HostMiniMaxM3ForCausalLM.setup_aliases(self)
+        SpecDecOneEngineForCausalLM.setup_aliases(self)
+
+
+_VL_PREFIX = "language_model."
+_VL_DROPPED = ("vision_tower.", "vision_model.", "visual.", "multi_modal_projector.", "model.mtp.")
+
+
+class MiniMaxM3VLEagle3ForConditionalGeneration(MiniMaxM3Eagle3ForCausalLM):
+    """The VL checkpoint served text-only: language-model weights are loaded, the vision tower is not."""
+
+    def load_weights(self, weights: dict, *args: Any, **kwargs: Any) -> None:
+        text = {}
+        for name, tensor in weights.items():
+            name = name[len(_VL_PREFIX):] if name.startswith(_VL_PREFIX) else name
+            if not name.startswith(_VL_DROPPED):
+                text[name] = tensor
+        super().load_weights(text, *args, **kwargs)

@@ -1,0 +1,129 @@
+"""MSA attention metadata and backend for MiniMax-M3 one-model Eagle3 verify steps.
+
+Imported only once TensorRT-LLM is present (the route patch returns the backend for M3 on MSA).
+Before NVIDIA/TensorRT-LLM#18872 the host's MSA metadata assumes one query token per generation
+row. This subclass keeps the host's fields and plans and adds a `MsaDecodeMetadata` (the core's
+multi-token step metadata) that is staged on `prepare()` and re-derived on the device in
+`on_update_kv_lens()`: per-token cache slots, valid-block counts, `position + 1` kv lengths (one
+plan row per query token) and proxy scratch sized by decode tokens. The per-token results are
+published into the host's `msa_out_cache_loc` / `msa_n_valid_blocks` buffers, which the MSA
+kernels read. All arithmetic is `m3_eagle_plugin.msa`'s.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from m3_eagle_plugin.host.trtllm.contract import resolve
+from m3_eagle_plugin.msa import MsaDecodeMetadata
+
+HostMsaMetadata = resolve("msa_metadata_prepare")
+HostMsaAttention = resolve("msa_attention")
+
+_PUBLISHED = (("msa_out_cache_loc", "cache_slots"), ("msa_n_valid_blocks", "valid_blocks"))
+
+
+def _int(value: Any, default: int) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+class M3EagleMsaMetadata(HostMsaMetadata):
+    """Host MSA metadata + per-token verify-row fields (see module docstring)."""
+
+    def __post_init__(self) -> None:
+        # Built first: the host's __post_init__ sizes its scratch through _msa_max_decode_tokens().
+        self.m3_eagle_step: Optional[MsaDecodeMetadata] = None
+        if getattr(self, "kv_cache_manager", None) is not None:
+            self.m3_eagle_step = self._build_step_metadata()
+        super().__post_init__()
+
+    # ----- sizing --------------------------------------------------------------------------
+    def _max_draft_len(self) -> int:
+        manager = getattr(self, "kv_cache_manager", None)
+        for owner, name in ((self, "max_draft_len"), (manager, "max_draft_len"),
+                            (getattr(manager, "spec_config", None), "max_draft_len")):
+            value = getattr(owner, name, None)
+            if isinstance(value, int):
+                return value
+        return 0
+
+    def _build_step_metadata(self) -> MsaDecodeMetadata:
+        manager = self.kv_cache_manager
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        params = getattr(self, "sparse_metadata_params", None)
+        return MsaDecodeMetadata(
+            max_num_requests=_int(getattr(self, "max_num_sequences", None), self.max_num_requests),
+            max_num_tokens=self.max_num_tokens,
+            max_blocks_per_seq=int(manager.max_blocks_per_seq),
+            block_size=int(manager.tokens_per_block),
+            device=device,
+            max_draft_len=self._max_draft_len(),
+            num_index_heads=_int(getattr(params, "sparse_num_index_heads", None), 1),
+        )
+
+    def _msa_max_decode_tokens(self) -> int:
+        """Host scratch sizing hook: one entry per decode *token* (1 + draft_len per row)."""
+        base = super()._msa_max_decode_tokens() if hasattr(super(), "_msa_max_decode_tokens") else 0
+        step = getattr(self, "m3_eagle_step", None)
+        return max(int(base), step.scratch_decode_tokens if step is not None else 0)
+
+    # ----- per step ------------------------------------------------------------------------
+    def _host_kv_lens(self, num_seqs: int) -> torch.Tensor:
+        """Host kv lengths of the step without the speculative extra slots."""
+        extra = int(getattr(getattr(self, "kv_cache_params", None), "num_extra_kv_tokens", 0) or 0)
+        return self.kv_lens[:num_seqs].to(torch.int64) - extra
+
+    def _block_tables(self, request_ids: list[int]) -> torch.Tensor:
+        rows = self.kv_cache_manager.get_batch_cache_indices(request_ids)
+        width = max([len(r) for r in rows] + [1])
+        table = torch.full((len(rows), width), -1, dtype=torch.int32)
+        for i, row in enumerate(rows):
+            table[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.int32)
+        return table
+
+    def prepare(self) -> None:
+        super().prepare()
+        if self.m3_eagle_step is None:
+            self.m3_eagle_step = self._build_step_metadata()
+        num_seqs = int(self.num_seqs)
+        request_ids = list(self.request_ids or [])[:num_seqs]
+        self.m3_eagle_step.prepare(
+            self.seq_lens[:num_seqs], self._host_kv_lens(num_seqs), self._block_tables(request_ids),
+            num_context_requests=int(self.num_contexts))
+        self._publish()
+
+    def on_update_kv_lens(self) -> None:
+        super().on_update_kv_lens()
+        step = self.m3_eagle_step
+        if step is None or step.num_requests == 0:
+            return
+        extra = int(getattr(getattr(self, "kv_cache_params", None), "num_extra_kv_tokens", 0) or 0)
+        step.on_update_kv_lens(self.kv_lens_cuda[: step.num_requests] - extra)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Copy the per-token fields into the host buffers the MSA kernels read (device only)."""
+        step = self.m3_eagle_step
+        for host_name, step_name in _PUBLISHED:
+            buffer = getattr(self, host_name, None)
+            if buffer is None:
+                continue
+            values = getattr(step, step_name)
+            if buffer.numel() < values.numel():
+                raise RuntimeError(
+                    f"{host_name} holds {buffer.numel()} entries but the step has {values.numel()} "
+                    "query tokens: the host sized it by batch, not by verify tokens")
+            buffer.view(-1)[: values.numel()].copy_(values)
+
+    # ----- per-token plan rows (one row per query token: kv segment = position + 1) ------------
+    def m3_eagle_plan_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request row, kv segment length) per query token, for per-token plan construction."""
+        step = self.m3_eagle_step
+        return step.token_request, step.token_kv_lens
+
+
+class M3EagleMsaSparseAttention(HostMsaAttention):
+    """The host's MSA backend with the multi-token verify metadata."""
+
+    Metadata = M3EagleMsaMetadata

@@ -1,0 +1,36 @@
+"""Patch `route-msa-backend`: MiniMax-M3 on MSA gets the plugin's attention backend and metadata.
+
+Why: the host's MSA metadata (before NVIDIA/TensorRT-LLM#18872) assumes one query token per
+generation row: no per-token slots / valid-block counts for 1 + draft_len verify rows, proxy
+scratch sized by batch, and no device-side `on_update_kv_lens` re-derivation.
+How: wrap `_resolve_minimax_m3_backend_cls` (the only resolver of the M3 backend; the vanilla,
+trtllm and flashinfer pickers call it through the module global). When the host resolves its
+`MiniMaxM3MsaSparseAttention` (implementation "msa", availability already checked by the host),
+return the plugin subclass whose `Metadata` is the plugin's metadata subclass. Any other result
+(the Triton reference, other algorithms never reach here) is returned untouched.
+Upstream: NVIDIA/TensorRT-LLM#18872.
+Remove when: the supported host range starts at tensorrt_llm 1.4.0rc1.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from m3_eagle_plugin.host.trtllm.contract import ROUTE_MSA, resolve, symbol
+from m3_eagle_plugin.host.trtllm.patching import Patch
+
+
+def _route_msa_backend(original: Callable[..., type]) -> Callable[..., type]:
+    @functools.wraps(original)
+    def _resolve_minimax_m3_backend_cls(sparse_params: Any, *args: Any, **kwargs: Any) -> type:
+        backend = original(sparse_params, *args, **kwargs)
+        if backend is not resolve("msa_attention"):
+            return backend
+        from m3_eagle_plugin.host.trtllm.msa_backend import M3EagleMsaSparseAttention
+
+        return M3EagleMsaSparseAttention
+
+    return _resolve_minimax_m3_backend_cls
+
+
+PATCHES = [Patch(ROUTE_MSA, symbol("m3_backend_resolver"), _route_msa_backend)]

@@ -1,0 +1,137 @@
+"""Block allocator: per-request page tables over a fixed set of cache slots.
+
+One block = one slot of every pool = ``block_size`` tokens. Requests grow with ``reserve``
+(a verify step reserves its 1 + draft_len tokens up front) and shrink with ``rewind`` after
+rejection. Every change is all-or-nothing: when blocks run out nothing is modified.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Hashable, Iterable, Optional, Sequence
+
+import torch
+
+
+class OutOfBlocksError(RuntimeError):
+    """Not enough free cache blocks; the allocator state is unchanged."""
+
+
+class UnknownRequestError(KeyError, ValueError):
+    """The request id is not (or no longer) known to the allocator."""
+
+
+class BlockAllocator:
+    """Hands out block ids ``0 .. num_blocks-1``, lowest free id first."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if int(num_blocks) <= 0 or int(block_size) <= 0:
+            raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self._free: list[int] = list(range(self.num_blocks))
+        heapq.heapify(self._free)
+        self._pages: dict[Hashable, list[int]] = {}
+        self._tokens: dict[Hashable, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def request_ids(self) -> list[Hashable]:
+        return list(self._pages)
+
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._pages
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-int(num_tokens) // self.block_size)
+
+    def add_request(self, rid: Hashable) -> None:
+        if rid in self._pages:
+            raise ValueError(f"request {rid!r} already exists")
+        self._pages[rid] = []
+        self._tokens[rid] = 0
+
+    def _require(self, rid: Hashable) -> list[int]:
+        try:
+            return self._pages[rid]
+        except KeyError:
+            raise UnknownRequestError(f"unknown request {rid!r}") from None
+
+    def num_tokens(self, rid: Hashable) -> int:
+        self._require(rid)
+        return self._tokens[rid]
+
+    def pages(self, rid: Hashable) -> list[int]:
+        return list(self._require(rid))
+
+    def reserve(self, rid: Hashable, num_tokens: int) -> list[int]:
+        """Make ``rid`` hold at least ``num_tokens`` tokens; returns the newly added pages."""
+        pages = self._require(rid)
+        if int(num_tokens) < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        need = self.blocks_for(num_tokens) - len(pages)
+        if need > len(self._free):
+            raise OutOfBlocksError(
+                f"request {rid!r} needs {need} more blocks for {num_tokens} tokens, "
+                f"only {len(self._free)} of {self.num_blocks} are free"
+            )
+        added = [heapq.heappop(self._free) for _ in range(max(need, 0))]
+        pages.extend(added)
+        self._tokens[rid] = max(self._tokens[rid], int(num_tokens))
+        return added
+
+    def allocate(self, rid: Hashable, num_tokens: int) -> list[int]:
+        """Add ``rid`` holding ``num_tokens`` tokens in one step (all-or-nothing)."""
+        if rid in self._pages:
+            raise ValueError(f"request {rid!r} already exists")
+        if self.blocks_for(num_tokens) > len(self._free):
+            raise OutOfBlocksError(
+                f"request {rid!r} needs {self.blocks_for(num_tokens)} blocks for {num_tokens} "
+                f"tokens, only {len(self._free)} of {self.num_blocks} are free"
+            )
+        self.add_request(rid)
+        self.reserve(rid, num_tokens)
+        return self.pages(rid)
+
+    def rewind(self, rid: Hashable, num_tokens: int) -> list[int]:
+        """Shrink ``rid`` to ``num_tokens`` tokens; returns the freed pages."""
+        pages = self._require(rid)
+        if not 0 <= int(num_tokens) <= self._tokens[rid]:
+            raise ValueError(
+                f"cannot rewind request {rid!r} to {num_tokens} tokens: it holds {self._tokens[rid]}"
+            )
+        keep = self.blocks_for(num_tokens)
+        freed = pages[keep:]
+        del pages[keep:]
+        for page in freed:
+            heapq.heappush(self._free, page)
+        self._tokens[rid] = int(num_tokens)
+        return freed
+
+    def free(self, rid: Hashable) -> None:
+        for page in self._require(rid):
+            heapq.heappush(self._free, page)
+        del self._pages[rid]
+        del self._tokens[rid]
+
+    def block_table(
+        self, rids: Sequence[Hashable], width: Optional[int] = None
+    ) -> torch.Tensor:
+        """int32 ``[len(rids), width]`` page ids per request, ``-1`` where unused."""
+        rows = [self._require(rid) for rid in rids]
+        longest = max((len(r) for r in rows), default=0)
+        if width is None:
+            width = max(longest, 1)
+        elif int(width) < longest:
+            raise ValueError(f"block table width {width} < {longest} pages held by a request")
+        table = torch.full((len(rows), int(width)), -1, dtype=torch.int32)
+        for i, row in enumerate(rows):
+            if row:
+                table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return table
+
+    def used_blocks(self) -> Iterable[int]:
+        for pages in self._pages.values():
+            yield from pages

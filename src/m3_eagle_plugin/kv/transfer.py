@@ -1,0 +1,91 @@
+"""Move one request's KV pages between two caches (e.g. context -> generation server).
+
+The unit of transfer is the slot: a slot of every pool carries K, V and index-K of every
+target layer and the shared draft layer(s) alike, so copying a request's slots moves all of
+them. The payload names the geometry it came from; importing into a cache with a different
+geometry (pools, placements, shapes, dtype, block size) is refused.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from m3_eagle_plugin.kv.allocator import OutOfBlocksError
+from m3_eagle_plugin.kv.manager import PagedKVCache
+
+
+class GeometryMismatchError(ValueError):
+    """The payload's cache geometry differs from the importing cache's."""
+
+
+@dataclass(frozen=True)
+class KVTransferPayload:
+    """A request's pages: ``pool_pages[p]`` is uint8 ``[num_pages, sub_pages, page_bytes]``."""
+
+    fingerprint: str
+    num_tokens: int
+    pool_pages: tuple[torch.Tensor, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.pool_pages[0].shape[0]) if self.pool_pages else 0
+
+
+def cache_fingerprint(cache: PagedKVCache) -> str:
+    """Everything that must agree for slot bytes to mean the same on both sides."""
+    return json.dumps(
+        {
+            "geometry": json.loads(cache.geometry.fingerprint()),
+            "block_size": cache.block_size,
+            "dtype": str(cache.dtype),
+            "head_dim": cache.head_dim,
+            "index_dim": cache.index_dim,
+            "kv_heads": sorted(cache.kv_heads.items()),
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+
+
+def export_request(cache: PagedKVCache, rid: Hashable) -> KVTransferPayload:
+    """Copy ``rid``'s pages out of ``cache`` (to host memory)."""
+    pages = cache.pages(rid)
+    index = torch.tensor(pages, dtype=torch.long, device=cache.device)
+    pool_pages = tuple(
+        cache.storage(p.pool_id).index_select(0, index).view(torch.uint8).cpu()
+        for p in cache.geometry.pools
+    )
+    return KVTransferPayload(cache_fingerprint(cache), cache.num_tokens(rid), pool_pages)
+
+
+def import_request(cache: PagedKVCache, rid: Hashable, payload: KVTransferPayload) -> torch.Tensor:
+    """Allocate pages for ``rid`` in ``cache``, copy the payload in; returns its page table.
+
+    ``rid`` must be new to ``cache``. All-or-nothing: on a mismatch or when blocks run out,
+    ``cache`` is unchanged.
+    """
+    if not isinstance(payload, KVTransferPayload):
+        raise TypeError(f"payload must be a KVTransferPayload, got {type(payload).__name__}")
+    expected = cache_fingerprint(cache)
+    if payload.fingerprint != expected:
+        raise GeometryMismatchError(
+            "KV payload geometry differs from this cache's:\n"
+            f"  payload: {payload.fingerprint}\n  cache:   {expected}"
+        )
+    needed = cache.allocator.blocks_for(payload.num_tokens)
+    shapes = [(needed, p.sub_pages, p.page_bytes) for p in cache.geometry.pools]
+    if [tuple(t.shape) for t in payload.pool_pages] != shapes:
+        raise ValueError(f"payload holds {[tuple(t.shape) for t in payload.pool_pages]} pages, "
+                         f"expected {shapes} for {payload.num_tokens} tokens")
+    if needed > cache.num_free_blocks:
+        raise OutOfBlocksError(f"importing request {rid!r} needs {needed} blocks, "
+                               f"only {cache.num_free_blocks} are free")
+    pages = cache.allocator.allocate(rid, payload.num_tokens)
+    index = torch.tensor(pages, dtype=torch.long, device=cache.device)
+    for pool, data in zip(cache.geometry.pools, payload.pool_pages):
+        storage = cache.storage(pool.pool_id)
+        storage.index_copy_(0, index, data.to(cache.device).view(storage.dtype))
+    return torch.tensor(pages, dtype=torch.int32)

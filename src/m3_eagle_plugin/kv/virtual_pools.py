@@ -1,0 +1,185 @@
+"""Virtual attention-op pools for shared draft layers, and the block-offset copy feeding them.
+
+An attention op addresses layer ``L`` as ``pool_pointers[pool]`` plus page indices from the
+per-pool block-offset table (K page ``slot * index_scale``, V page ``+ kv_offset``) plus the
+layer offset from ``pool_mapping[L]``. Inside the M3 mega-slot a draft layer's pages are not on
+a uniform stride, so each draft layer gets its own *virtual* pool rooted at its own K page:
+slot ``s`` then maps to K page ``s * sub_pages_per_slot`` and V page ``+ 1``, with layer offset 0.
+The virtual pool has no storage of its own; its block offsets are the source pool's slot ids
+rescaled (see :func:`copy_block_offsets`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+DraftLayer = tuple[int, int, int]  # (local layer, K page base address, sub-pages per slot)
+
+
+@dataclass(frozen=True)
+class VirtualPools:
+    """Attention-op tables after adding one virtual pool per shared draft layer.
+
+    ``pool_pointers``: int64 ``[pools + drafts, 2]`` (or ``[.., 2, 2]`` NVFP4 data/scale pairs);
+    ``pool_mapping``: int32 ``[layers, 2]`` = (op pool, layer offset);
+    ``index_scales`` / ``kv_offsets``: int32 ``[drafts]``, one per virtual pool;
+    ``op_pools``: ``[(op_pool_id, source_pool_id)]``.
+    """
+
+    pool_pointers: torch.Tensor
+    pool_mapping: torch.Tensor
+    index_scales: torch.Tensor
+    kv_offsets: torch.Tensor
+    op_pools: list[tuple[int, int]]
+
+    @property
+    def num_pools(self) -> int:
+        """Storage pools (the op pools before the virtual ones)."""
+        return int(self.pool_pointers.shape[0]) - len(self.op_pools)
+
+    @property
+    def num_op_pools(self) -> int:
+        return int(self.pool_pointers.shape[0])
+
+    def virtual_index(self, op_pool: int) -> Optional[int]:
+        """Position of ``op_pool`` in ``op_pools`` (None for a storage pool)."""
+        for i, (op, _) in enumerate(self.op_pools):
+            if op == op_pool:
+                return i
+        return None
+
+
+def extend_attention_op_pools(
+    pool_pointers: torch.Tensor,
+    pool_mapping: torch.Tensor,
+    draft_layers: Sequence[DraftLayer],
+    *,
+    num_pools: Optional[int] = None,
+) -> VirtualPools:
+    """Append one virtual attention-op pool per draft layer; inputs are never mutated.
+
+    ``draft_layers``: ``[(local_layer, k_base_address, sub_pages_per_slot)]``. The new pool's
+    pointer row is ``[k_base_address, 0]`` (NVFP4 3-D rows: data pointer set, the rest 0), the
+    layer's mapping row becomes ``[new_pool, 0]``, index scale ``sub_pages_per_slot`` and kv
+    offset 1 (V page right after K). The source pool is the one the layer was mapped to.
+    """
+    if not isinstance(pool_pointers, torch.Tensor) or not isinstance(pool_mapping, torch.Tensor):
+        raise TypeError("pool_pointers and pool_mapping must be tensors")
+    if pool_pointers.dim() not in (2, 3) or pool_pointers.shape[1] != 2 or (
+        pool_pointers.dim() == 3 and pool_pointers.shape[2] != 2
+    ):
+        raise ValueError(
+            f"pool_pointers must be [pools, 2] or [pools, 2, 2], got {tuple(pool_pointers.shape)}"
+        )
+    if pool_mapping.dim() != 2 or pool_mapping.shape[1] != 2:
+        raise ValueError(f"pool_mapping must be [layers, 2], got {tuple(pool_mapping.shape)}")
+    base_pools = int(pool_pointers.shape[0]) if num_pools is None else int(num_pools)
+    if not 0 < base_pools <= pool_pointers.shape[0]:
+        raise ValueError(f"num_pools={num_pools} does not match {pool_pointers.shape[0]} pointer rows")
+
+    pointers = pool_pointers[:base_pools].clone()
+    mapping = pool_mapping.clone()
+    seen: set[int] = set()
+    new_rows: list[torch.Tensor] = []
+    scales: list[int] = []
+    op_pools: list[tuple[int, int]] = []
+    for entry in draft_layers:
+        if len(entry) != 3:
+            raise ValueError(f"draft layer entries are (layer, k_base_address, sub_pages), got {entry!r}")
+        layer, address, sub_pages = (int(x) for x in entry)
+        if not 0 <= layer < mapping.shape[0]:
+            raise ValueError(f"draft layer {layer} is outside the {mapping.shape[0]}-row pool mapping")
+        if layer in seen:
+            raise ValueError(f"draft layer {layer} listed twice")
+        if sub_pages < 2:
+            raise ValueError(f"draft layer {layer}: a slot must hold its K and V pages, "
+                             f"got sub_pages_per_slot={sub_pages}")
+        if address <= 0:
+            raise ValueError(f"draft layer {layer}: K base address must be > 0, got {address}")
+        source = int(pool_mapping[layer, 0])
+        if not 0 <= source < base_pools:
+            raise ValueError(f"draft layer {layer} maps to pool {source}, not a storage pool")
+        seen.add(layer)
+        row = torch.zeros_like(pool_pointers[0])
+        row.view(-1)[0] = address
+        new_rows.append(row)
+        op_pool = base_pools + len(op_pools)
+        mapping[layer, 0] = op_pool
+        mapping[layer, 1] = 0
+        scales.append(sub_pages)
+        op_pools.append((op_pool, source))
+
+    if new_rows:
+        pointers = torch.cat([pointers, torch.stack(new_rows)], dim=0)
+    index_scales = torch.tensor(scales, dtype=torch.int32)
+    kv_offsets = torch.ones(len(scales), dtype=torch.int32)
+    return VirtualPools(pointers, mapping, index_scales, kv_offsets, op_pools)
+
+
+def copy_pool_block_offsets(
+    dst: torch.Tensor,
+    host_offsets: torch.Tensor,
+    copy_index: torch.Tensor,
+    index_scale: int,
+    kv_offset: int,
+    max_blocks: Optional[int] = None,
+) -> None:
+    """Expand one pool's slot ids into attention-op K/V page indices.
+
+    ``host_offsets`` ``[rows, 2, W]`` holds slot ids in its K field (``[:, 0]``; negative =
+    unused). Row ``i`` of ``dst`` ``[R', 2, W']`` receives host row ``copy_index[i]``:
+    K = slot * index_scale, V = K + kv_offset; unused entries stay -1 in both fields.
+    """
+    if dst.dim() != 3 or host_offsets.dim() != 3 or dst.shape[1] != 2 or host_offsets.shape[1] != 2:
+        raise ValueError(f"block-offset tables must be [rows, 2, blocks], got dst "
+                         f"{tuple(dst.shape)} and host {tuple(host_offsets.shape)}")
+    rows = int(copy_index.numel())
+    if rows > dst.shape[0]:
+        raise ValueError(f"{rows} rows to copy but dst holds {dst.shape[0]}")
+    width = min(dst.shape[2], host_offsets.shape[2])
+    if max_blocks is not None:
+        width = min(width, int(max_blocks))
+    idx = copy_index.to(device=host_offsets.device, dtype=torch.long)
+    slots = host_offsets[idx, 0, :width].to(torch.int64)
+    valid = slots >= 0
+    k = torch.where(valid, slots * int(index_scale), torch.full_like(slots, -1))
+    v = torch.where(valid, k + int(kv_offset), k)
+    dst[:rows, 0, :width] = k.to(device=dst.device, dtype=dst.dtype)
+    dst[:rows, 1, :width] = v.to(device=dst.device, dtype=dst.dtype)
+
+
+CopyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, Optional[int]], None]
+
+
+def copy_block_offsets(
+    dst: torch.Tensor,
+    host_offsets: torch.Tensor,
+    copy_index: torch.Tensor,
+    pools: VirtualPools,
+    *,
+    base_index_scales: Sequence[int],
+    base_kv_offsets: Sequence[int],
+    max_blocks: Optional[int] = None,
+    copy_fn: CopyFn = copy_pool_block_offsets,
+) -> None:
+    """Fill ``dst`` ``[op_pools, R, 2, W]`` from ``host_offsets`` ``[pools, rows, 2, W]``.
+
+    The base copy runs first (storage pool ``p`` with its own scale and kv offset), then one
+    copy per virtual pool from its *source* pool's host row with the draft scale and offset.
+    ``copy_fn`` is the per-pool device copy (replaceable, e.g. by a fused kernel).
+    """
+    num_pools = pools.num_pools
+    if host_offsets.shape[0] != num_pools:
+        raise ValueError(f"host table has {host_offsets.shape[0]} pools, the op tables {num_pools}")
+    if dst.shape[0] < pools.num_op_pools:
+        raise ValueError(f"dst has {dst.shape[0]} pool rows, need {pools.num_op_pools}")
+    if len(base_index_scales) != num_pools or len(base_kv_offsets) != num_pools:
+        raise ValueError(f"need one base index scale and kv offset per storage pool ({num_pools})")
+    for p in range(num_pools):
+        copy_fn(dst[p], host_offsets[p], copy_index, int(base_index_scales[p]),
+                int(base_kv_offsets[p]), max_blocks)
+    for i, (op_pool, source) in enumerate(pools.op_pools):
+        copy_fn(dst[op_pool], host_offsets[source], copy_index, int(pools.index_scales[i]),
+                int(pools.kv_offsets[i]), max_blocks)

@@ -1,0 +1,107 @@
+"""Read-only access to a safetensors checkpoint: one file or a sharded index.
+
+Lists tensor names and shapes without reading data, so loaders can validate a whole checkpoint
+(names, shapes) before touching any weight.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's files or tensors do not match the model being loaded."""
+
+
+class SafetensorsSource:
+    INDEX = "model.safetensors.index.json"
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        self.root = path if path.is_dir() else path.parent
+        self.files = self._find_files(path)
+        self._file_of: dict[str, Path] = {}
+        self._shape: dict[str, tuple[int, ...]] = {}
+        for file in self.files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name in self._file_of:
+                        raise CheckpointError(f"{file}: tensor {name!r} also appears in {self._file_of[name]}")
+                    self._file_of[name] = file
+                    self._shape[name] = tuple(f.get_slice(name).get_shape())
+
+    def _find_files(self, path: Path) -> list[Path]:
+        if path.is_file():
+            return [path]
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint path {path} does not exist")
+        index = path / self.INDEX
+        if index.is_file():
+            with index.open() as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map'")
+            files = sorted({path / name for name in weight_map.values()})
+            missing = [str(p) for p in files if not p.is_file()]
+            if missing:
+                raise CheckpointError(f"{index}: shard files missing: {missing}")
+            return files
+        single = path / "model.safetensors"
+        if single.is_file():
+            return [single]
+        found = sorted(path.glob("*.safetensors"))
+        if len(found) == 1:
+            return found
+        raise CheckpointError(f"{path}: expected model.safetensors, {self.INDEX} or exactly one *.safetensors file, "
+                              f"found {[p.name for p in found]}")
+
+    @property
+    def where(self) -> str:
+        return str(self.files[0]) if len(self.files) == 1 else str(self.root / self.INDEX)
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(str(self._file_of[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Read several tensors, opening each shard once."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._file_of[name], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for file, group in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for name in group:
+                    out[name] = f.get_tensor(name)
+        return out
+
+
+def _preview(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def check_names(where: str, missing: list[str], unknown: list[str]) -> None:
+    """One error listing every missing and unknown tensor."""
+    if not missing and not unknown:
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing tensor(s): {_preview(sorted(missing))}")
+    if unknown:
+        parts.append(f"{len(unknown)} unknown tensor(s): {_preview(sorted(unknown))}")
+    raise CheckpointError(f"{where}: checkpoint does not match the model: " + "; ".join(parts))
+
+
+def check_shape(where: str, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(got)}, the model expects {tuple(want)}")

@@ -1,0 +1,163 @@
+"""`m3-eagle make-tiny OUT_DIR [--seed N]`: a tiny random MiniMax-M3 target and Eagle3 head.
+
+OUT_DIR/target is a production-layout checkpoint (`MiniMaxM3SparseForConditionalGeneration`,
+`language_model.model.layers.{i}...`, unfused expert w1/w2/w3) that transformers>=5.13 loads
+(vision weights are left out; transformers initialises its tiny vision tower itself). It has
+8 layers (3 dense + 5 MSA/MoE), block size 4 and top-3 blocks, so sparsity is active after
+12 tokens. OUT_DIR/draft is an Eagle3 head in the public `LlamaForCausalLMEagle3` layout
+(`midlayer.*`, `fc`, `fc_norm.{0,1,2}`, GQA, no embed/lm_head: it shares the target's).
+Output is a pure function of the seed. Only torch + safetensors are used (no transformers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+HIDDEN, LAYERS, DENSE_LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 8, 3, 4, 2, 16
+VOCAB, EXPERTS, TOP_K, EXPERT_I, DENSE_I, SHARED_I = 256, 8, 2, 32, 96, 32
+INDEX_HEADS, INDEX_DIM, BLOCK, TOPK_BLOCKS = 2, 16, 4, 3
+ROPE_THETA, DRAFT_I = 10000.0, 128
+
+
+def target_config() -> dict[str, Any]:
+    moe = [0] * DENSE_LAYERS + [1] * (LAYERS - DENSE_LAYERS)
+    text = {
+        "model_type": "minimax_m3_vl_text",
+        "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "intermediate_size": EXPERT_I, "dense_intermediate_size": DENSE_I, "shared_intermediate_size": SHARED_I,
+        "num_local_experts": EXPERTS, "num_experts_per_tok": TOP_K, "routed_scaling_factor": 2.0,
+        "scoring_func": "sigmoid", "hidden_act": "swigluoai", "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+        "moe_layer_freq": moe, "rms_norm_eps": 1e-6, "rope_theta": ROPE_THETA, "partial_rotary_factor": 0.5,
+        "rotary_dim": HEAD_DIM // 2, "qk_norm_type": "per_head", "use_gemma_norm": True,
+        "attention_output_gate": False, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "bos_token_id": None, "eos_token_id": None,
+        "sparse_attention_config": {
+            "use_sparse_attention": True, "sparse_index_dim": INDEX_DIM, "sparse_num_index_heads": INDEX_HEADS,
+            "sparse_topk_blocks": TOPK_BLOCKS, "sparse_block_size": BLOCK, "sparse_score_type": "max",
+            "sparse_init_block": 0, "sparse_local_block": 1, "sparse_disable_index_value": moe,
+            "sparse_attention_freq": moe,
+        },
+    }
+    vision = {
+        "model_type": "minimax_m3_vl_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "patch_size": 14, "image_size": 56, "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    return {
+        "architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
+        "text_config": text, "vision_config": vision, "projector_hidden_size": HIDDEN,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+
+
+def draft_config(aux_layer_ids: tuple[int, int, int] = (2, LAYERS // 2, LAYERS - 3)) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": HIDDEN, "intermediate_size": DRAFT_I, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "num_hidden_layers": 1, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": ROPE_THETA, "max_position_embeddings": 4096,
+        "vocab_size": VOCAB, "draft_vocab_size": VOCAB, "target_hidden_size": HIDDEN,
+        "tie_word_embeddings": False, "norm_output": True, "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
+    }
+
+
+def _target_shapes() -> dict[str, tuple[int, ...]]:
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    shapes: dict[str, tuple[int, ...]] = {
+        "language_model.model.embed_tokens.weight": (VOCAB, HIDDEN),
+        "language_model.model.norm.weight": (HIDDEN,),
+        "language_model.lm_head.weight": (VOCAB, HIDDEN),
+    }
+    for i in range(LAYERS):
+        p = f"language_model.model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
+            p + "self_attn.q_proj.weight": (q, HIDDEN), p + "self_attn.k_proj.weight": (kv, HIDDEN),
+            p + "self_attn.v_proj.weight": (kv, HIDDEN), p + "self_attn.o_proj.weight": (HIDDEN, q),
+            p + "self_attn.q_norm.weight": (HEAD_DIM,), p + "self_attn.k_norm.weight": (HEAD_DIM,),
+        })
+        if i < DENSE_LAYERS:
+            shapes.update({p + "mlp.gate_proj.weight": (DENSE_I, HIDDEN), p + "mlp.up_proj.weight": (DENSE_I, HIDDEN),
+                           p + "mlp.down_proj.weight": (HIDDEN, DENSE_I)})
+            continue
+        shapes.update({
+            p + "self_attn.index_q_proj.weight": (INDEX_HEADS * INDEX_DIM, HIDDEN),
+            p + "self_attn.index_k_proj.weight": (INDEX_DIM, HIDDEN),
+            p + "self_attn.index_q_norm.weight": (INDEX_DIM,), p + "self_attn.index_k_norm.weight": (INDEX_DIM,),
+        })
+        m = p + "block_sparse_moe."
+        shapes.update({m + "gate.weight": (EXPERTS, HIDDEN), m + "e_score_correction_bias": (EXPERTS,),
+                       m + "shared_experts.gate_proj.weight": (SHARED_I, HIDDEN),
+                       m + "shared_experts.up_proj.weight": (SHARED_I, HIDDEN),
+                       m + "shared_experts.down_proj.weight": (HIDDEN, SHARED_I)})
+        for e in range(EXPERTS):
+            shapes.update({f"{m}experts.{e}.w1.weight": (EXPERT_I, HIDDEN), f"{m}experts.{e}.w3.weight": (EXPERT_I, HIDDEN),
+                           f"{m}experts.{e}.w2.weight": (HIDDEN, EXPERT_I)})
+    return shapes
+
+
+def _draft_shapes() -> dict[str, tuple[int, ...]]:
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    p = "midlayer."
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (HIDDEN, 3 * HIDDEN), "norm.weight": (HIDDEN,),
+        p + "input_layernorm.weight": (HIDDEN,), p + "hidden_norm.weight": (HIDDEN,),
+        p + "post_attention_layernorm.weight": (HIDDEN,),
+        p + "self_attn.q_proj.weight": (q, 2 * HIDDEN), p + "self_attn.k_proj.weight": (kv, 2 * HIDDEN),
+        p + "self_attn.v_proj.weight": (kv, 2 * HIDDEN), p + "self_attn.o_proj.weight": (HIDDEN, q),
+        p + "mlp.gate_proj.weight": (DRAFT_I, HIDDEN), p + "mlp.up_proj.weight": (DRAFT_I, HIDDEN),
+        p + "mlp.down_proj.weight": (HIDDEN, DRAFT_I),
+    }
+    shapes.update({f"fc_norm.{i}.weight": (HIDDEN,) for i in range(3)})
+    return shapes
+
+
+def _random_tensors(shapes: dict[str, tuple[int, ...]], seed: int, llama_norms: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in sorted(shapes):
+        x = torch.randn(shapes[name], generator=gen)
+        if name.endswith("norm.weight") or ".fc_norm." in name or name.startswith("fc_norm."):
+            # Gemma norms scale by 1 + w (w near 0); Llama norms by w (w near 1)
+            x = (1.0 if llama_norms else 0.0) + 0.2 * x
+        elif "e_score_correction_bias" in name:
+            x = 0.1 * x
+        elif "embed_tokens" in name:
+            x = 0.5 * x
+        else:
+            x = x / shapes[name][-1] ** 0.5  # unit-variance outputs
+        out[name] = x.contiguous()
+    return out
+
+
+def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
+    """Write OUT_DIR/target and OUT_DIR/draft; returns both paths."""
+    out = Path(out_dir)
+    target, draft = out / "target", out / "draft"
+    _write(target, target_config(), _random_tensors(_target_shapes(), seed, llama_norms=False))
+    _write(draft, draft_config(), _random_tensors(_draft_shapes(), seed + 1, llama_norms=True))
+    return target, draft
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to create target/ and draft/ in")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (output is a pure function of it)")
+
+
+def main(args: argparse.Namespace) -> int:
+    target, draft = make_tiny(args.out_dir, args.seed)
+    print(f"wrote {target} and {draft}")
+    return 0

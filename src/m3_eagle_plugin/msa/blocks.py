@@ -1,0 +1,85 @@
+"""Block geometry shared by every MSA layer: block-size checks and per-token visible-block counts.
+
+MSA splits keys into blocks of ``block_size`` tokens (one block = one cache page). Each query
+token sees its own causal prefix, so the number of visible blocks is a per-token quantity;
+this module computes it without host synchronisation so it can run inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "MsaInputError",
+    "validate_block_size",
+    "per_token_valid_blocks",
+    "valid_blocks_from_positions",
+]
+
+
+class MsaInputError(ValueError):
+    """Raised when an MSA function or the step metadata receives inconsistent input."""
+
+
+def validate_block_size(block_size: object) -> int:
+    """Return ``block_size`` as an int after checking it is a positive power of two."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise MsaInputError(f"block_size must be a positive power of two, got {block_size}")
+    return block_size
+
+
+def valid_blocks_from_positions(positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Visible-block count of tokens at ``positions``: ``ceil((p + 1) / B)``, 0 for ``p < 0``."""
+    seen = (positions + 1).clamp(min=0)
+    return torch.div(seen + (block_size - 1), block_size, rounding_mode="floor").to(torch.int32)
+
+
+def _as_length_tensor(name: str, values: torch.Tensor | Sequence[int], device: torch.device | None) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise MsaInputError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        if values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {values.dtype}")
+        return values.to(torch.int64)
+    return torch.as_tensor(list(values), dtype=torch.int64, device=device)
+
+
+def per_token_valid_blocks(
+    qo_lens: torch.Tensor | Sequence[int],
+    kv_lens: torch.Tensor | Sequence[int],
+    block_size: int,
+    *,
+    num_tokens: int | None = None,
+) -> torch.Tensor:
+    """Per-token visible-block counts of a step, int32 ``[sum(qo_lens)]``.
+
+    Token ``t`` of request ``r`` sees ``ceil(min(kv_lens[r] - qo_lens[r] + t + 1, kv_lens[r]) / B)``
+    blocks (never negative). Output lives on the inputs' device. Pass ``num_tokens`` (the sum of
+    ``qo_lens``, known on the host) to keep device inputs free of host synchronisation; without
+    it the total is read back from the device.
+    """
+    block_size = validate_block_size(block_size)
+    device = qo_lens.device if isinstance(qo_lens, torch.Tensor) else None
+    if device is None and isinstance(kv_lens, torch.Tensor):
+        device = kv_lens.device
+    qo = _as_length_tensor("qo_lens", qo_lens, device)
+    kv = _as_length_tensor("kv_lens", kv_lens, device)
+    if qo.shape != kv.shape:
+        raise MsaInputError(f"qo_lens and kv_lens differ in length: {qo.numel()} vs {kv.numel()}")
+    if qo.device != kv.device:
+        raise MsaInputError(f"qo_lens is on {qo.device} but kv_lens is on {kv.device}")
+    if num_tokens is None:
+        num_tokens = int(qo.sum())  # free for CPU inputs; device callers pass num_tokens
+    if num_tokens < 0:
+        raise MsaInputError(f"num_tokens must be >= 0, got {num_tokens}")
+    request_ids = torch.arange(qo.numel(), device=qo.device)
+    token_request = torch.repeat_interleave(request_ids, qo.clamp(min=0), output_size=num_tokens)
+    first_token = torch.cumsum(qo, 0) - qo
+    intra = torch.arange(num_tokens, device=qo.device) - first_token[token_request]
+    kv_tok = kv[token_request]
+    seen = torch.minimum(kv_tok - qo[token_request] + intra + 1, kv_tok).clamp(min=0)
+    return torch.div(seen + (block_size - 1), block_size, rounding_mode="floor").to(torch.int32)

@@ -1,0 +1,105 @@
+"""Host-side helpers shared by the Triton kernels: availability, launch geometry, input checks.
+
+Kept free of `triton` imports so the CPU package (and CI) can import it; the kernel modules
+import `triton` at module level and are only imported once `triton_available()` says yes.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import torch
+
+#: SM count used to size split-K grids when no device is queried (H200 value).
+DEFAULT_SM_COUNT = 132
+
+FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
+)
+
+
+class KernelInputError(ValueError):
+    """An input tensor has a shape, dtype, device or layout the kernels cannot take."""
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_available(device: torch.device | str | None = None) -> bool:
+    """True when Triton kernels can run on `device` (CUDA, compute capability >= 8.0, triton installed)."""
+    if not triton_importable() or not torch.cuda.is_available():
+        return False
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda":
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 8
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def tokens_per_tile(num_tokens: int, num_requests: int, rows_per_token: int, max_qo_len: int | None) -> int:
+    """Tokens of one request handled together (a power of two), so a tile has >= 16 rows for tl.dot.
+
+    The kernels loop over a request's tokens in chunks of this size, so any split is correct;
+    a chunk that covers the whole verify row (1 + draft_len tokens) reads each page once.
+    """
+    if max_qo_len is None:
+        max_qo_len = -(-max(num_tokens, 1) // max(num_requests, 1))
+    chunk = next_pow2(min(max(int(max_qo_len), 1), 16))
+    return max(chunk, next_pow2(-(-16 // rows_per_token)))
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise KernelInputError(message)
+
+
+def check_cache_view(name: str, cache: torch.Tensor, ndim: int) -> None:
+    require(cache.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(cache.shape)}")
+    require(cache.stride(-1) == 1, f"{name} must be contiguous in its last dim (stride {cache.stride()})")
+
+
+def check_meta(meta: Any) -> None:
+    for field in ("block_tables", "kv_lens", "cu_qo_lens", "positions"):
+        require(hasattr(meta, field), f"metadata object lacks field {field!r}")
+    require(meta.block_tables.dtype == torch.int32, "meta.block_tables must be int32")
+    require(
+        meta.cu_qo_lens.shape[0] == meta.kv_lens.shape[0] + 1,
+        "meta.cu_qo_lens must have num_requests + 1 entries",
+    )
+
+
+def compute_dtype_of(q: torch.Tensor) -> torch.dtype:
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise KernelInputError(f"queries must be float32/float16/bfloat16, got {q.dtype}")
+    return q.dtype
+
+
+def scale_value(scale: float | torch.Tensor | None) -> float:
+    """Per-tensor dequant scale as a Python float (a 0-dim tensor is read once, on the host)."""
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        raise KernelInputError("pass fp8 scales as Python floats so graph capture needs no host sync")
+    return float(scale)

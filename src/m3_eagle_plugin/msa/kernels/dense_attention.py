@@ -1,0 +1,135 @@
+"""Triton dense verify attention (causal ladder) over paged HND K/V, split-K with an LSE merge.
+
+Why: the dense layers of M3 and the Eagle3 draft layer attend to a request's whole context. One
+program per (request, KV head, split) streams a contiguous range of the request's pages once
+for all verify tokens x the GQA group (16 query heads x 4 tokens = one 64-row MMA tile), each row
+masked to keys up to its own position. Mirrors `m3_eagle_plugin.msa.dense_attention`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import require, scale_value, tokens_per_tile
+from .merge import merge_splits
+from .sparse_attention import LOG2E, check_attention_inputs, choose_splits
+
+
+@triton.jit
+def _dense_verify_kernel(
+    q_ptr, s_q_t, s_q_h,
+    k_ptr, s_k_p, s_k_h, s_k_b,
+    v_ptr, s_v_p, s_v_h, s_v_b,
+    bt_ptr, s_bt_r, cu_ptr, pos_ptr, kvl_ptr,
+    o_ptr, s_o_t, s_o_h, lse_ptr,
+    qk_scale, v_scale,
+    G: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+    SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * G
+    t0 = tl.load(cu_ptr + r)
+    t1 = tl.load(cu_ptr + r + 1)
+    num_blocks = tl.cdiv(tl.load(kvl_ptr + r), BLOCK)
+    per_split = tl.cdiv(num_blocks, SPLITS)
+    b_lo = split * per_split
+    b_hi = tl.minimum(b_lo + per_split, num_blocks)
+
+    rows = tl.arange(0, QP * G)
+    head = g * G + rows % G
+    d = tl.arange(0, D)
+    j = tl.arange(0, BLOCK)
+    for c0 in range(t0, t1, QP):
+        tok = c0 + rows // G
+        row_ok = tok < t1
+        q = tl.load(q_ptr + tok[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+        m_i = tl.full([QP * G], -1.0e30, tl.float32)
+        l_i = tl.zeros([QP * G], tl.float32)
+        acc = tl.zeros([QP * G, D], tl.float32)
+        for b in range(b_lo, b_hi):
+            page = tl.load(bt_ptr + r * s_bt_r + b).to(tl.int64)
+            k = tl.load(k_ptr + page * s_k_p + g * s_k_h + j[:, None] * s_k_b + d[None, :]).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * qk_scale
+            s = tl.where((b * BLOCK + j)[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + page * s_v_p + g * s_v_h + j[:, None] * s_v_b + d[None, :]).to(q.dtype)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+            m_i = m_new
+
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        if SPLITS == 1:
+            o = acc / safe_l[:, None] * v_scale
+            tl.store(o_ptr + tok[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            prow = (tok * num_heads + head) * SPLITS + split
+            tl.store(o_ptr + prow[:, None] * D + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
+            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+            tl.store(lse_ptr + prow, lse, mask=row_ok)
+
+
+def dense_verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: Any,
+    *,
+    scale: float,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    max_qo_len: int | None = None,
+    splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """`[T, Hq, D]` in `q.dtype`: every token attends to its request's keys up to its own position."""
+    check_attention_inputs(q, k_cache, v_cache, meta)
+    num_tokens, num_heads, dim = q.shape
+    _, hkv, block, _ = k_cache.shape
+    group = num_heads // hkv
+    num_requests = meta.kv_lens.shape[0]
+    width = meta.block_tables.shape[1]
+    qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
+    if splits is None:
+        splits = choose_splits(num_requests, hkv, width, q.device)
+    require(splits >= 1, f"splits must be >= 1, got {splits}")
+    out = torch.zeros_like(q) if splits == 1 else torch.empty_like(q)
+    if num_tokens == 0 or num_requests == 0:
+        return out.zero_()
+    qk_scale = float(scale) * scale_value(k_scale) * LOG2E
+    vs = scale_value(v_scale)
+    if splits == 1:
+        o_buf, lse = out, out
+    else:
+        o_buf = torch.empty((num_tokens, num_heads, splits, dim), device=q.device, dtype=torch.float32)
+        lse = torch.empty((num_tokens, num_heads, splits), device=q.device, dtype=torch.float32)
+    _dense_verify_kernel[(num_requests, hkv, splits)](
+        q, q.stride(0), q.stride(1),
+        k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions, meta.kv_lens,
+        o_buf, out.stride(0), out.stride(1), lse,
+        qk_scale, vs,
+        G=group, QP=qp, BLOCK=block, D=dim, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits == 1:
+        return out
+    return merge_splits(o_buf, lse, out, meta.cu_qo_lens, vs)

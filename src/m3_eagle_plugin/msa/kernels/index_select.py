@@ -1,0 +1,201 @@
+"""Triton index scoring and per-token top-k block selection for decode / verify rows.
+
+Why: on a sparse layer the index-K read dominates the verify step's bytes. One program owns a
+slice of one request's pages and scores every verify token of that request against it, so each
+index-K page is read once per step whatever the draft length, and the slices spread a single
+long request over the whole GPU. A second tiny kernel turns the per-token block-score rows into
+the selection contract of `m3_eagle_plugin.msa.select_blocks_paged`: `[Hi, T, topk]` int32,
+logical block ids ascending, local block(s) forced, `-1` padded.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    FP8_DTYPES,
+    check_cache_view,
+    check_meta,
+    device_sm_count,
+    next_pow2,
+    require,
+    tokens_per_tile,
+)
+
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def _block_score_kernel(
+    iq_ptr, s_iq_t, s_iq_h,
+    ik_ptr, s_ik_p, s_ik_b,
+    bt_ptr, s_bt_r,
+    cu_ptr, pos_ptr, kvl_ptr,
+    score_ptr, s_sc_h, s_sc_t,
+    HI: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, DI: tl.constexpr,
+    BLOCKS_PER_PROG: tl.constexpr, IEEE: tl.constexpr,
+):
+    r = tl.program_id(0)
+    chunk = tl.program_id(1)
+    t0 = tl.load(cu_ptr + r)
+    t1 = tl.load(cu_ptr + r + 1)
+    num_blocks = tl.cdiv(tl.load(kvl_ptr + r), BLOCK)
+    b_lo = chunk * BLOCKS_PER_PROG
+    b_hi = tl.minimum(b_lo + BLOCKS_PER_PROG, num_blocks)
+
+    rows = tl.arange(0, QP * HI)
+    head = rows % HI
+    d = tl.arange(0, DI)
+    j = tl.arange(0, BLOCK)
+    for c0 in range(t0, t1, QP):
+        tok = c0 + rows // HI
+        row_ok = tok < t1
+        q = tl.load(iq_ptr + tok[:, None] * s_iq_t + head[:, None] * s_iq_h + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+        for b in range(b_lo, b_hi):
+            page = tl.load(bt_ptr + r * s_bt_r + b).to(tl.int64)
+            k = tl.load(ik_ptr + page * s_ik_p + j[:, None] * s_ik_b + d[None, :])
+            k = k.to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            visible = (b * BLOCK + j)[None, :] <= pos[:, None]
+            s = tl.where(visible, s, float("-inf"))
+            best = tl.max(s, axis=1)
+            tl.store(score_ptr + head * s_sc_h + tok * s_sc_t + b, best, mask=row_ok)
+
+
+@triton.jit
+def _topk_blocks_kernel(
+    score_ptr, s_sc_h, s_sc_t,
+    vb_ptr, cu_ptr, num_requests,
+    out_ptr, s_o_h, s_o_t,
+    NBP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    total = tl.load(cu_ptr + num_requests)
+    nv = tl.load(vb_ptr + t)
+    nv = tl.where(t < total, nv, 0)
+    ids = tl.arange(0, NBP)
+    visible = ids < nv
+    vals = tl.load(score_ptr + h * s_sc_h + t * s_sc_t + ids, mask=visible, other=float("-inf"))
+    forced = visible & ((ids >= nv - LOCAL) | (ids < INIT))
+    vals = tl.where(forced, float("inf"), vals)
+    # NaN scores must surface, not vanish: a NaN row selects nothing but its forced blocks
+    # and the caller's comparison against the reference fails loudly.
+    chosen = tl.zeros([NBP], dtype=tl.int1)
+    for _ in tl.static_range(TOPK):
+        open_ = visible & (chosen == 0)
+        cur = tl.where(open_, vals, float("-inf"))
+        best = tl.max(cur, axis=0)
+        hit = open_ & (cur == best)
+        first = tl.min(tl.where(hit, ids, NBP), axis=0)
+        chosen = chosen | (ids == first)
+    count = tl.sum(chosen.to(tl.int32), axis=0)
+    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    base = out_ptr + h * s_o_h + t * s_o_t
+    tl.store(base + slot, ids, mask=chosen)
+    pad = tl.arange(0, TOPK_P)
+    tl.store(base + pad, tl.full([TOPK_P], -1, tl.int32), mask=(pad >= count) & (pad < TOPK))
+
+
+def index_block_scores(
+    index_q: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    meta: Any,
+    *,
+    out: torch.Tensor | None = None,
+    max_qo_len: int | None = None,
+    blocks_per_program: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Max score of every visible block for every token: fp32 `[Hi, T, max_blocks]`.
+
+    Entries past a token's own request length are left unwritten (the top-k reads only
+    `[0, valid_blocks[t])`).
+    """
+    check_meta(meta)
+    check_cache_view("index_k_cache", index_k_cache, 3)
+    require(index_q.dim() == 3, f"index_q must be [T, Hi, Di], got {tuple(index_q.shape)}")
+    require(index_q.stride(-1) == 1, "index_q must be contiguous in its last dim")
+    num_tokens, num_heads, dim = index_q.shape
+    _, block, kdim = index_k_cache.shape
+    require(kdim == dim, f"index dims differ: index_q {dim} vs index_k_cache {kdim}")
+    require(block >= 16 and dim >= 16 and block & (block - 1) == 0 and dim & (dim - 1) == 0,
+            "block size and index dim must be powers of two >= 16")
+    require(index_k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES,
+            f"unsupported index_k dtype {index_k_cache.dtype}")
+    num_requests = meta.kv_lens.shape[0]
+    width = meta.block_tables.shape[1]
+    if out is None:
+        out = torch.empty((num_heads, num_tokens, width), device=index_q.device, dtype=torch.float32)
+    qp = tokens_per_tile(num_tokens, num_requests, num_heads, max_qo_len)
+    if blocks_per_program is None:
+        # ~4 programs per SM over the longest possible row; at least 2 pages per program.
+        target = 4 * device_sm_count(index_q.device)
+        per_req = max(1, -(-target // max(num_requests, 1)))
+        blocks_per_program = max(2, -(-width // per_req))
+    grid = (num_requests, triton.cdiv(width, blocks_per_program))
+    if num_requests and num_tokens:
+        _block_score_kernel[grid](
+            index_q, index_q.stride(0), index_q.stride(1),
+            index_k_cache, index_k_cache.stride(0), index_k_cache.stride(1),
+            meta.block_tables, meta.block_tables.stride(0),
+            meta.cu_qo_lens, meta.positions, meta.kv_lens,
+            out, out.stride(0), out.stride(1),
+            HI=num_heads, QP=qp, BLOCK=block, DI=dim,
+            BLOCKS_PER_PROG=blocks_per_program, IEEE=index_q.dtype == torch.float32,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    return out
+
+
+def topk_from_block_scores(
+    block_scores: torch.Tensor,
+    meta: Any,
+    *,
+    topk: int,
+    local_blocks: int = 1,
+    init_blocks: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token top-k over `block_scores[:, t, :valid_blocks[t]]` -> int32 `[Hi, T, topk]`."""
+    require(topk >= 1, f"topk must be >= 1, got {topk}")
+    require(local_blocks >= 0 and init_blocks >= 0, "local_blocks and init_blocks must be >= 0")
+    require(hasattr(meta, "valid_blocks"), "metadata object lacks field 'valid_blocks'")
+    num_heads, num_tokens, width = block_scores.shape
+    if out is None:
+        out = torch.empty((num_heads, num_tokens, topk), device=block_scores.device, dtype=torch.int32)
+    if num_tokens and num_heads:
+        _topk_blocks_kernel[(num_tokens, num_heads)](
+            block_scores, block_scores.stride(0), block_scores.stride(1),
+            meta.valid_blocks, meta.cu_qo_lens, meta.kv_lens.shape[0],
+            out, out.stride(0), out.stride(1),
+            NBP=next_pow2(max(width, 2)), TOPK=topk, TOPK_P=next_pow2(topk),
+            LOCAL=local_blocks, INIT=init_blocks,
+            num_warps=4 if width <= 1024 else 8,
+        )
+    return out
+
+
+def select_blocks_verify(
+    index_q: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    meta: Any,
+    *,
+    topk: int,
+    local_blocks: int = 1,
+    init_blocks: int = 0,
+    max_qo_len: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of `msa.select_blocks_paged`: int32 `[Hi, T, topk]`, ascending, `-1` padded."""
+    scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len)
+    return topk_from_block_scores(scores, meta, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)

@@ -1,0 +1,46 @@
+"""Split-K merge: combine per-split partial attention outputs by their log-sum-exp.
+
+Why: the sparse and dense verify kernels split a request's pages over several programs so small
+batches still fill the GPU; this kernel folds the splits back into `[T, Hq, D]` in `q.dtype`.
+Tokens past `cu_qo_lens[-1]` (graph padding) get zeros.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, s_o_t, s_o_h, cu_ptr, num_requests, num_heads, v_scale,
+    SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    live = t < tl.load(cu_ptr + num_requests)
+    s = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    row = t * num_heads + h
+    lse = tl.load(lse_ptr + row * SPLITS + s, mask=live & (s < SPLITS), other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    denom = tl.sum(w, axis=0)
+    part = tl.load(part_ptr + (row * SPLITS + s)[:, None] * D + d[None, :],
+                   mask=live & (s < SPLITS)[:, None], other=0.0)
+    o = tl.sum(w[:, None] * part, axis=0) / tl.where(denom > 0, denom, 1.0) * v_scale
+    tl.store(out_ptr + t * s_o_t + h * s_o_h + d, o.to(out_ptr.dtype.element_ty))
+
+
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu_qo_lens: torch.Tensor,
+                 v_scale: float = 1.0) -> torch.Tensor:
+    """`partial` fp32 `[T, Hq, S, D]` (normalised per split), `lse` fp32 `[T, Hq, S]` in log2 units."""
+    num_tokens, num_heads, splits, dim = partial.shape
+    if num_tokens and num_heads:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            partial, lse, out, out.stride(0), out.stride(1), cu_qo_lens, cu_qo_lens.shape[0] - 1,
+            num_heads, v_scale, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=dim,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,169 @@
+"""Per-token MSA block selection (the "indexer" top-k), as plain torch references.
+
+Every query token scores each causally visible key block by the max raw dot product between its
+index query and the block's index keys, forces its local (and optional init) blocks, and keeps the
+top-k blocks per index head. ``select_blocks`` works on one dense sequence; ``select_blocks_paged``
+reads index-K through the step metadata's block tables for a whole mixed batch. Triton kernels in
+``msa.kernels`` mirror these functions and are tested against them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from .blocks import MsaInputError, validate_block_size
+
+__all__ = ["select_blocks", "select_blocks_paged", "select_from_block_scores"]
+
+# Upper bound on the fp32 elements of one score chunk; keeps long prompts affordable on CPU.
+_SCORE_CHUNK_ELEMS = 1 << 24
+
+
+def _validate_selection_args(topk: int, local_blocks: int, init_blocks: int) -> None:
+    for name, value, low in (("topk", topk, 1), ("local_blocks", local_blocks, 0), ("init_blocks", init_blocks, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < low:
+            raise MsaInputError(f"{name} must be >= {low}, got {value}")
+    if local_blocks + init_blocks > topk:
+        raise MsaInputError(
+            f"local_blocks + init_blocks ({local_blocks} + {init_blocks}) exceed topk ({topk}): "
+            "forced blocks would not all fit"
+        )
+
+
+def _token_chunks(num_tokens: int, elems_per_token: int) -> Iterator[slice]:
+    step = max(1, _SCORE_CHUNK_ELEMS // max(1, elems_per_token))
+    for start in range(0, num_tokens, step):
+        yield slice(start, min(num_tokens, start + step))
+
+
+def select_from_block_scores(
+    block_scores: torch.Tensor,
+    query_blocks: torch.Tensor,
+    *,
+    topk: int,
+    local_blocks: int = 1,
+    init_blocks: int = 0,
+) -> torch.Tensor:
+    """Top-k selection from block scores ``[H, T, N]`` given each token's own block ``[T]``.
+
+    Blocks after a token's own block are invisible whatever their score. Forced blocks (the
+    ``local_blocks`` blocks ending at the token's block, and blocks ``0..init_blocks-1``) win over
+    any real score. Returns int32 ``[H, T, topk]``: ascending block ids, ``-1`` padded.
+    """
+    _validate_selection_args(topk, local_blocks, init_blocks)
+    num_heads, num_tokens, num_blocks = block_scores.shape
+    out = torch.full((num_heads, num_tokens, topk), -1, dtype=torch.int32, device=block_scores.device)
+    if num_blocks == 0 or num_tokens == 0:
+        return out
+    block_ids = torch.arange(num_blocks, device=block_scores.device)
+    own_block = query_blocks.to(torch.int64)[:, None]
+    visible = block_ids[None, :] <= own_block
+    forced = visible & ((block_ids[None, :] > own_block - local_blocks) | (block_ids[None, :] < init_blocks))
+    scores = block_scores.float().masked_fill(~visible, float("-inf")).masked_fill(forced, float("inf"))
+    kept = min(topk, num_blocks)
+    top_scores, top_ids = scores.topk(kept, dim=-1)
+    top_ids = top_ids.masked_fill(top_scores == float("-inf"), num_blocks)
+    top_ids = top_ids.sort(dim=-1).values
+    out[..., :kept] = top_ids.masked_fill(top_ids == num_blocks, -1).to(torch.int32)
+    return out
+
+
+def select_blocks(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    q_positions: torch.Tensor,
+    *,
+    block_size: int,
+    topk: int,
+    local_blocks: int = 1,
+    init_blocks: int = 0,
+) -> torch.Tensor:
+    """Dense single-sequence block selection, int32 ``[H_idx, T, topk]``.
+
+    ``index_q`` is ``[T, H_idx, D]`` and ``index_k`` ``[S, D]`` (already normed and rotated);
+    ``q_positions`` ``[T]`` are the queries' absolute positions in the sequence (each ``< S``).
+    Key ``j`` is visible to a query at ``p`` iff ``j <= p``; a block scores the max raw fp32 dot
+    product over its visible keys.
+    """
+    block_size = validate_block_size(block_size)
+    _validate_selection_args(topk, local_blocks, init_blocks)
+    if index_q.dim() != 3 or index_k.dim() != 2 or q_positions.dim() != 1:
+        raise MsaInputError(
+            "expected index_q [T, H, D], index_k [S, D], q_positions [T]; got "
+            f"{tuple(index_q.shape)}, {tuple(index_k.shape)}, {tuple(q_positions.shape)}"
+        )
+    num_tokens, num_heads, dim = index_q.shape
+    if index_k.shape[1] != dim or q_positions.shape[0] != num_tokens:
+        raise MsaInputError(
+            f"shape mismatch: index_q {tuple(index_q.shape)}, index_k {tuple(index_k.shape)}, "
+            f"q_positions {tuple(q_positions.shape)}"
+        )
+    seq_len = index_k.shape[0]
+    num_blocks = -(-seq_len // block_size)
+    padded = num_blocks * block_size
+    key_pos = torch.arange(padded, device=index_k.device)
+    keys = index_k.float()
+    block_scores = torch.empty((num_heads, num_tokens, num_blocks), dtype=torch.float32, device=index_q.device)
+    for chunk in _token_chunks(num_tokens, num_heads * padded):
+        scores = torch.einsum("thd,sd->hts", index_q[chunk].float(), keys)
+        scores = torch.nn.functional.pad(scores, (0, padded - seq_len), value=float("-inf"))
+        future = key_pos[None, :] > q_positions[chunk].to(torch.int64)[:, None]
+        scores = scores.masked_fill(future[None], float("-inf"))
+        block_scores[:, chunk] = scores.view(num_heads, -1, num_blocks, block_size).amax(dim=-1)
+    query_blocks = torch.div(q_positions.to(torch.int64), block_size, rounding_mode="floor")
+    return select_from_block_scores(
+        block_scores, query_blocks, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks
+    )
+
+
+def select_blocks_paged(
+    index_q: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    meta,
+    *,
+    topk: int,
+    local_blocks: int = 1,
+    init_blocks: int = 0,
+) -> torch.Tensor:
+    """Block selection for a whole step, reading index-K through ``meta.block_tables``.
+
+    ``index_q`` is ``[T, Hi, Di]``; ``index_k_cache`` ``[P, B, Di]`` may be a strided view into
+    a pooled cache (it is only indexed, never reshaped). ``meta`` is an ``MsaDecodeMetadata``
+    after ``prepare`` (and possibly ``on_update_kv_lens``). Returns int32 ``[Hi, T, topk]`` of
+    logical block ids of each token's request, ascending, ``-1`` padded.
+    """
+    _validate_selection_args(topk, local_blocks, init_blocks)
+    block_size = meta.block_size
+    num_tokens = meta.num_tokens
+    if index_q.dim() != 3 or index_q.shape[0] != num_tokens:
+        raise MsaInputError(f"index_q must be [T={num_tokens}, Hi, Di], got {tuple(index_q.shape)}")
+    if index_k_cache.dim() != 3 or index_k_cache.shape[1] != block_size or index_k_cache.shape[2] != index_q.shape[2]:
+        raise MsaInputError(
+            f"index_k_cache must be [P, B={block_size}, Di={index_q.shape[2]}], got {tuple(index_k_cache.shape)}"
+        )
+    num_heads = index_q.shape[1]
+    num_blocks = meta.max_step_blocks
+    block_scores = torch.full(
+        (num_heads, num_tokens, num_blocks), float("-inf"), dtype=torch.float32, device=index_q.device
+    )
+    positions = meta.positions.to(torch.int64)
+    if num_blocks > 0:
+        tables = meta.block_tables[:, :num_blocks].to(torch.int64)
+        token_tables = tables[meta.token_request.to(torch.int64)]
+        key_pos = torch.arange(num_blocks * block_size, device=index_q.device).view(num_blocks, block_size)
+        per_token = num_heads * num_blocks * block_size + num_blocks * block_size * index_q.shape[2]
+        for chunk in _token_chunks(num_tokens, per_token):
+            pages = token_tables[chunk]
+            keys = index_k_cache[pages.clamp(min=0)].float()  # [Tc, N, B, Di]
+            scores = torch.einsum("thd,tnbd->htnb", index_q[chunk].float(), keys)
+            hidden = (key_pos[None] > positions[chunk, None, None]) | (pages[:, :, None] < 0)
+            scores = scores.masked_fill(hidden[None], float("-inf"))
+            block_scores[:, chunk] = scores.amax(dim=-1)
+    query_blocks = torch.div(positions, block_size, rounding_mode="floor")
+    return select_from_block_scores(
+        block_scores, query_blocks, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks
+    )

@@ -1,0 +1,249 @@
+"""The plugin manager: where hosts look up model classes, cache managers, metadata, patches, drafters.
+
+`M3PluginManager` registers the built-in implementation as one plugin, then loads third-party plugins
+from the entry-point group `m3_eagle_plugin`, one at a time: a broken plugin is recorded in
+`load_errors` (and logged) instead of aborting the others; callers that must not run degraded
+(`M3_EAGLE_PLUGIN=require`) turn those errors into a failure. `M3_EAGLE_PLUGIN_LOAD` is an allow-list
+of entry-point names ("" = third-party plugins off), `M3_EAGLE_PLUGIN_TRACE=1` logs every hook call.
+`get_plugin_manager()` is the per-process singleton; `make_plugin_manager()` builds hermetic ones.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Iterable
+
+import pluggy
+
+from m3_eagle_plugin.hooks import PROJECT_NAME, DraftContext, M3EagleSpecs
+from m3_eagle_plugin.log import get_logger
+
+ENTRY_POINT_GROUP = "m3_eagle_plugin"
+BUILTIN_NAME = "builtin"
+LOAD_ENV = "M3_EAGLE_PLUGIN_LOAD"
+TRACE_ENV = "M3_EAGLE_PLUGIN_TRACE"
+_TRUE = ("1", "true", "yes", "on")
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded or registered (raised only where failure must be fatal)."""
+
+
+class PluginConflictError(PluginError):
+    """Two plugins claim the same component with different implementations."""
+
+
+class ResolveError(ImportError):
+    """A "module:qualname" reference does not resolve to an object."""
+
+
+@dataclass(frozen=True)
+class PluginLoadError:
+    name: str
+    value: str
+    distribution: str | None
+    error: str
+
+    def __str__(self) -> str:
+        dist = f" from {self.distribution}" if self.distribution else ""
+        return f"plugin {self.name!r} ({self.value}{dist}) failed to load: {self.error}"
+
+
+def resolve(reference: str) -> Any:
+    """Import "package.module:Qual.name" and return the object it names."""
+    if not isinstance(reference, str):
+        raise TypeError(f"resolve() expects a 'module:qualname' string, got {type(reference).__name__}")
+    module_name, sep, qualname = reference.partition(":")
+    if not sep or not module_name or not qualname:
+        raise ValueError(f"resolve() expects 'module:qualname', got {reference!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ResolveError(f"cannot import module {module_name!r} for {reference!r}: {exc}") from exc
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ResolveError(f"{reference!r}: {module_name!r} has no attribute path {qualname!r}") from exc
+    return obj
+
+
+def _allow_list(environ: os._Environ | dict) -> set[str] | None:
+    raw = environ.get(LOAD_ENV)
+    if raw is None:
+        return None
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+class M3PluginManager(pluggy.PluginManager):
+    """pluggy manager for project "m3_eagle_plugin" with safe entry-point loading and conflict checks."""
+
+    def __init__(self, *, register_builtin: bool = True, trace: bool | None = None) -> None:
+        super().__init__(PROJECT_NAME)
+        self.add_hookspecs(M3EagleSpecs)
+        self.load_errors: list[PluginLoadError] = []
+        self.distributions: dict[str, str] = {}  # plugin name -> "dist-name version" (entry points)
+        self._undo_trace: Callable[[], None] | None = None
+        if register_builtin:
+            from m3_eagle_plugin import builtin
+
+            self.register(builtin, name=BUILTIN_NAME)
+        if trace if trace is not None else os.environ.get(TRACE_ENV, "").strip().lower() in _TRUE:
+            self.enable_trace()
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load_entrypoints(self, group: str = ENTRY_POINT_GROUP, *, strict: bool = False,
+                         entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> list[str]:
+        """Load and register every entry point of `group`; returns the names registered.
+
+        A failing plugin is recorded in `load_errors` and logged; with `strict` it raises `PluginError`.
+        """
+        if entry_points is None:
+            entry_points = importlib.metadata.entry_points(group=group)
+        allowed = _allow_list(os.environ)
+        loaded: list[str] = []
+        for ep in entry_points:
+            if self.get_plugin(ep.name) is not None or self.is_blocked(ep.name):
+                continue
+            if allowed is not None and ep.name not in allowed:
+                continue
+            ep_dist = getattr(ep, "dist", None)
+            dist = getattr(ep_dist, "name", None)
+            try:
+                plugin = ep.load()
+                if self.is_registered(plugin):
+                    continue
+                self.register(plugin, name=ep.name)
+                if dist is not None:
+                    self.distributions[ep.name] = f"{dist} {ep_dist.version}"
+            except Exception as exc:  # a broken plugin must not take the others down
+                failure = PluginLoadError(ep.name, ep.value, dist, f"{type(exc).__name__}: {exc}")
+                self.load_errors.append(failure)
+                get_logger().warning(str(failure))
+                if strict:
+                    raise PluginError(str(failure)) from exc
+                continue
+            loaded.append(ep.name)
+        self.check_pending()
+        return loaded
+
+    # -- tracing ---------------------------------------------------------------------------------
+    def enable_trace(self, writer: Callable[[str], None] | None = None) -> None:
+        """Log every hook call (name, implementing plugins, arguments, outcome)."""
+        if self._undo_trace is not None:
+            return
+        write = writer or get_logger().info
+
+        def before(hook_name: str, impls: list, kwargs: dict) -> None:
+            write(f"hook {hook_name}({kwargs}) -> impls {[impl.plugin_name for impl in impls]}")
+
+        def after(outcome: Any, hook_name: str, impls: list, kwargs: dict) -> None:
+            try:
+                write(f"hook {hook_name} returned {outcome.get_result()!r}")
+            except BaseException as exc:  # noqa: BLE001 - report, the caller sees the exception
+                write(f"hook {hook_name} raised {type(exc).__name__}: {exc}")
+
+        self._undo_trace = self.add_hookcall_monitoring(before, after)
+
+    def disable_trace(self) -> None:
+        if self._undo_trace is not None:
+            self._undo_trace()
+            self._undo_trace = None
+
+    # -- queries used by hosts -------------------------------------------------------------------
+    def model_classes(self, host: str) -> dict[str, str]:
+        """Architecture -> "module:qualname", merged over all plugins; conflicting claims raise."""
+        merged: dict[str, str] = {}
+        owner: dict[str, str] = {}
+        for impl in reversed(self.hook.m3_eagle_model_classes.get_hookimpls()):
+            result = impl.function(host=host)
+            if result is None:
+                continue
+            if not isinstance(result, dict):
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r}: m3_eagle_model_classes must return a dict, got {type(result).__name__}"
+                )
+            for arch, reference in result.items():
+                if arch in merged and merged[arch] != reference:
+                    raise PluginConflictError(
+                        f"architecture {arch!r} claimed by plugin {owner[arch]!r} ({merged[arch]}) "
+                        f"and plugin {impl.plugin_name!r} ({reference})"
+                    )
+                merged[arch] = reference
+                owner[arch] = impl.plugin_name
+        return merged
+
+    def kv_cache_manager(self, host: str, sparse_config: Any) -> str | None:
+        return self.hook.m3_eagle_kv_cache_manager(host=host, sparse_config=sparse_config)
+
+    def attention_metadata(self, host: str) -> str | None:
+        return self.hook.m3_eagle_attention_metadata(host=host)
+
+    def host_patches(self, host: str) -> list[Any]:
+        patches: list[Any] = []
+        for result in self.hook.m3_eagle_host_patches(host=host):
+            patches.extend(result or [])
+        return patches
+
+    def propose_drafts(self, context: DraftContext) -> list[list[int]] | None:
+        """Drafts from a drafter plugin, or None (use the Eagle3 head); validates the answer's shape."""
+        drafts = self.hook.m3_eagle_propose_drafts(context=context)
+        if drafts is None:
+            return None
+        if len(drafts) != len(context.request_ids) or any(len(d) != context.draft_len for d in drafts):
+            raise PluginError(
+                f"m3_eagle_propose_drafts returned {[len(d) for d in drafts]} tokens for "
+                f"{len(context.request_ids)} requests; expected {context.draft_len} each"
+            )
+        return [[int(t) for t in d] for d in drafts]
+
+    def plugin_summary(self) -> list[dict[str, Any]]:
+        """One row per registered plugin: name, distribution/version, implemented hooks."""
+        rows = []
+        for name, plugin in self.list_name_plugin():
+            if plugin is None:
+                continue
+            hooks = sorted(caller.name for caller in (self.get_hookcallers(plugin) or []))
+            rows.append({
+                "name": name,
+                "module": getattr(plugin, "__name__", type(plugin).__name__) if isinstance(plugin, ModuleType)
+                else type(plugin).__name__,
+                "distribution": self.distributions.get(name),
+                "hooks": hooks,
+            })
+        return rows
+
+
+def make_plugin_manager(*, autoload: bool = False, strict: bool = False, register_builtin: bool = True,
+                        trace: bool | None = None) -> M3PluginManager:
+    """A fresh manager (hermetic by default: no entry points are loaded)."""
+    manager = M3PluginManager(register_builtin=register_builtin, trace=trace)
+    if autoload:
+        manager.load_entrypoints(strict=strict)
+    else:
+        manager.check_pending()
+    return manager
+
+
+_singleton: M3PluginManager | None = None
+_singleton_lock = threading.Lock()
+
+
+def get_plugin_manager(autoload: bool = True) -> M3PluginManager:
+    """The process-wide manager, built on first use (with entry points unless `autoload=False`)."""
+    global _singleton
+    with _singleton_lock:
+        if _singleton is None:
+            _singleton = make_plugin_manager(autoload=autoload)
+        return _singleton
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager (tests, or after installing a plugin at runtime)."""
+    global _singleton
+    with _singleton_lock:
+        _singleton = None

@@ -1,0 +1,125 @@
+"""Acceptance rules against naive references: greedy prefix matching, forced acceptance, and the
+lossless rejection-sampling rule (chi-square against the target distribution)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.eagle3.accept import forced_accept, greedy_accept, rejection_accept
+
+
+def naive_greedy(drafts, targets, draft_len):
+    a = 0
+    while a < draft_len and drafts[a] == targets[a]:
+        a += 1
+    return drafts[:a] + [targets[a]], a
+
+
+def test_greedy_reference_example():
+    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 2, 3], [5, 6, 7]])
+    targets = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [0, 2, 3, 4], [5, 6, 7, 8]])
+    result = greedy_accept(drafts, targets, torch.tensor([3, 3, 3, 1]))
+    assert result.num_accepted.tolist() == [3, 1, 0, 1]
+    assert result.tokens[0].tolist() == [5, 6, 7, 8]
+    assert result.tokens[1, :2].tolist() == [5, 9]
+    assert result.tokens[2, :1].tolist() == [0]
+    assert result.tokens[3, :2].tolist() == [5, 6]  # draft_len 1: the bonus is the target at position 1
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.data())
+def test_greedy_matches_naive_loop(data):
+    rows = data.draw(st.integers(1, 5))
+    k = data.draw(st.integers(0, 4))
+    vocab = data.draw(st.integers(2, 4))
+    drafts = [[data.draw(st.integers(0, vocab - 1)) for _ in range(k)] for _ in range(rows)]
+    targets = [[data.draw(st.integers(0, vocab - 1)) for _ in range(k + 1)] for _ in range(rows)]
+    lens = [data.draw(st.integers(0, k)) for _ in range(rows)]
+    result = greedy_accept(torch.tensor(drafts, dtype=torch.long).view(rows, k), torch.tensor(targets), torch.tensor(lens))
+    for r in range(rows):
+        tokens, a = naive_greedy(drafts[r], targets[r], lens[r])
+        assert int(result.num_accepted[r]) == a
+        assert result.tokens[r, : a + 1].tolist() == tokens
+
+
+def test_forced_accept_ignores_the_target():
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    targets = torch.tensor([[0, 0, 0, 9], [0, 7, 0, 9]])
+    result = forced_accept(drafts, targets, 2, torch.tensor([3, 1]))
+    assert result.num_accepted.tolist() == [2, 1]
+    assert result.tokens[0, :3].tolist() == [1, 2, 0]
+    assert result.tokens[1, :2].tolist() == [1, 7]
+    with pytest.raises(ValueError, match="num_forced"):
+        forced_accept(drafts, targets, -1)
+
+
+def test_shape_errors_name_the_cause():
+    with pytest.raises(ValueError, match=r"\[R, K \+ 1\]"):
+        greedy_accept(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_accept(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 3, 4), torch.ones(1, 3, 4) / 4)
+    with pytest.raises(ValueError, match="one generator per row"):
+        rejection_accept(torch.zeros(2, 1, dtype=torch.long), None, torch.ones(2, 2, 4) / 4, [torch.Generator()])
+
+
+def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability zero"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_rejection_sampling_is_lossless_chi_square():
+    gen = torch.Generator().manual_seed(1234)
+    p = torch.tensor([[0.5, 0.2, 0.1, 0.15, 0.05], [0.1, 0.1, 0.6, 0.0, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1], [0.3, 0.1, 0.2, 0.3, 0.1]])
+    rows = 20000
+    drafts = torch.stack([torch.multinomial(q[j], rows, replacement=True, generator=gen) for j in range(2)], dim=1)
+    result = rejection_accept(drafts, q.expand(rows, 2, 5), p.expand(rows, 3, 5), gen)
+    # df = 4 (first token) / 3 (second token has one zero-probability entry); 0.1% critical values.
+    assert chi_square(result.tokens[:, 0], p[0]) < 18.47
+    second = result.tokens[result.num_accepted >= 1, 1]
+    assert second.numel() > 2000
+    assert chi_square(second, p[1]) < 16.27
+    rate = result.num_accepted.double().mean().item()
+    assert 0.3 < rate < 1.5
+
+
+def test_deterministic_proposals_use_one_hot_q():
+    target = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]], [[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]])
+    result = rejection_accept(torch.tensor([[1], [1]]), None, target, torch.Generator().manual_seed(0))
+    assert result.num_accepted.tolist() == [1, 0]  # p(d) = 1 always accepted, p(d) = 0 never
+    assert result.tokens[0].tolist() == [1, 2]
+    assert result.tokens[1, 0].item() == 0  # residual max(p - onehot, 0) = p here
+
+
+def test_per_row_generators_make_rows_independent_of_the_batch():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(3, 4, 6), dim=-1)
+    q = torch.softmax(torch.randn(3, 3, 6), dim=-1)
+    drafts = torch.randint(0, 6, (3, 3))
+    batch = rejection_accept(drafts, q, p, [torch.Generator().manual_seed(s) for s in (7, 8, 9)])
+    alone = rejection_accept(drafts[1:2], q[1:2], p[1:2], [torch.Generator().manual_seed(8)])
+    assert batch.num_accepted[1] == alone.num_accepted[0]
+    assert torch.equal(batch.tokens[1], alone.tokens[0])
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.integers(1, 4), st.integers(0, 3), st.integers(2, 5), st.integers(0, 10_000))
+def test_rejection_outputs_are_consistent(rows, k, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(rows, k + 1, vocab, generator=gen) * 3, dim=-1)
+    p = torch.where(p < 0.05, torch.zeros_like(p), p)
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.softmax(torch.randn(rows, k, vocab, generator=gen), dim=-1)
+    drafts = torch.randint(0, vocab, (rows, k), generator=gen)
+    lens = torch.randint(0, k + 1, (rows,), generator=gen)
+    result = rejection_accept(drafts, q, p, gen, lens)
+    for r in range(rows):
+        a = int(result.num_accepted[r])
+        assert 0 <= a <= int(lens[r])
+        assert result.tokens[r, :a].tolist() == drafts[r, :a].tolist()
+        assert all(p[r, j, drafts[r, j]] > 0 for j in range(a))  # zero target mass is never accepted
+        assert p[r, a, result.tokens[r, a]] > 0

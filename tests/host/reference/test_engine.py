@@ -1,0 +1,110 @@
+"""Engine end to end on the fake hash model: continuous batching, chunked prefill, Eagle3 drafting,
+overlap, rollback, error isolation. Expected outputs come from the fake's naive greedy loop and
+the expected acceptance from an independent simulation of the head's known error pattern."""
+from __future__ import annotations
+
+import pytest
+
+from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
+
+from . import _fakes
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4], [7], [2, 2, 2, 2, 2, 2]]
+
+
+def build(draft_len=3, head=True, overlap=False, num_blocks=64, **config):
+    target = _fakes.FakeTarget()
+    cache = _fakes.make_cache(num_blocks)
+    kwargs = dict(draft_len=draft_len, max_batch_size=3, max_tokens_per_step=7, overlap=overlap)
+    kwargs.update(config)
+    engine = Engine(
+        target, cache, EngineConfig(**kwargs), vocab_size=_fakes.VOCAB,
+        head=_fakes.FakeHead(target.table) if head else None,
+        capture=_fakes.fake_capture() if head else None,
+    )
+    return engine, target, cache
+
+
+def test_target_only_matches_naive_greedy():
+    engine, target, cache = build(head=False)
+    result = engine.generate(PROMPTS, max_new_tokens=6)
+    assert result.outputs == [target.greedy(p, 6) for p in PROMPTS]
+    assert result.stats.draft_tokens == 0
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("draft_len", [1, 3, 5])
+def test_eagle3_greedy_equals_target_and_accepts_the_known_pattern(draft_len, overlap):
+    engine, target, cache = build(draft_len=draft_len, overlap=overlap, max_tokens_per_step=2 * (draft_len + 1))
+    num_new = 9
+    result = engine.generate(PROMPTS, max_new_tokens=num_new)
+    refs = [target.greedy(p, num_new + draft_len + 2) for p in PROMPTS]
+    assert result.outputs == [r[:num_new] for r in refs]
+    steps = accepted = 0
+    for prompt, ref in zip(PROMPTS, refs):
+        s, a = _fakes.expected_accepted(prompt, ref, num_new, draft_len)
+        steps, accepted = steps + s, accepted + a
+    assert result.stats.verify_steps == steps
+    assert result.stats.accepted_tokens == accepted
+    assert result.stats.draft_tokens == steps * draft_len
+    assert 0 < result.stats.acceptance_rate < 1
+    assert cache.num_free_blocks == cache.num_blocks
+    assert result.overlap is overlap
+
+
+def test_overlap_runs_ahead_and_matches_plain():
+    plain, _, _ = build(draft_len=3)
+    ahead, _, _ = build(draft_len=3, overlap=True)
+    a = plain.generate(PROMPTS, max_new_tokens=7)
+    b = ahead.generate(PROMPTS, max_new_tokens=7)
+    assert a.outputs == b.outputs
+    assert a.stats.accepted_tokens == b.stats.accepted_tokens
+
+
+def test_eos_stops_a_request_and_is_kept():
+    engine, target, cache = build(draft_len=2)
+    ref = target.greedy(PROMPTS[1], 8)
+    eos = ref[3]
+    engine.config = engine.config  # config is frozen; rebuild with eos below
+    engine, target, cache = build(draft_len=2, eos_ids=(eos,))
+    result = engine.generate([PROMPTS[1]], max_new_tokens=8)
+    assert result.outputs[0] == ref[: ref.index(eos) + 1]
+    assert result.stop_reasons[0] == "eos"
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_bad_requests_fail_alone_without_leaks():
+    engine, target, cache = build(draft_len=2, num_blocks=16)
+    prompts = [[1, 2], [1, 99], [], list(range(1, 11)) * 6, [3, 4, 5]]
+    result = engine.generate(prompts, max_new_tokens=4)
+    assert result.outputs[0] == target.greedy([1, 2], 4)
+    assert result.outputs[4] == target.greedy([3, 4, 5], 4)
+    assert "99" in result.errors[1] and "[0, 11)" in result.errors[1]
+    assert "empty" in result.errors[2]
+    assert "KV blocks" in result.errors[3]
+    assert result.outputs[1] == result.outputs[2] == result.outputs[3] == []
+    assert result.errors[0] is None and result.errors[4] is None
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_requests_wait_for_kv_budget_and_all_complete():
+    engine, target, cache = build(draft_len=2, num_blocks=12, max_batch_size=4)
+    prompts = [[i + 1, i + 2, i + 3] for i in range(6)]
+    result = engine.generate(prompts, max_new_tokens=5)
+    assert result.outputs == [target.greedy(p, 5) for p in prompts]
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_force_accepted_takes_drafts_regardless():
+    engine, target, cache = build(draft_len=3, force_accepted=2)
+    result = engine.generate(PROMPTS[:2], max_new_tokens=7)
+    assert result.forced_acceptance == 2
+    assert result.stats.accepted_tokens == 2 * result.stats.verify_steps
+    assert result.as_dict()["forced_acceptance"] == 2
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_cuda_graphs_refused_on_cpu():
+    with pytest.raises(ValueError, match="CUDA"):
+        build(cuda_graphs=True)

@@ -1,0 +1,61 @@
+"""Double of the pre-#18872 MiniMax-M3 model: no spec_metadata in the layers, DecoderModelForCausalLM base."""
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from .modeling_utils import DecoderModel, DecoderModelForCausalLM, register_auto_model
+
+
+class MiniMaxM3DecoderLayer(nn.Module):
+    def __init__(self, model_config, layer_idx: int, aux_stream_dict=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.proj = nn.Linear(model_config.pretrained_config.hidden_size,
+                              model_config.pretrained_config.hidden_size, bias=False)
+
+    def forward(self, position_ids, hidden_states, attn_metadata, residual, **kwargs):
+        residual = hidden_states if residual is None else residual + hidden_states
+        return torch.tanh(self.proj(residual)), residual
+
+
+class MiniMaxM3Model(DecoderModel):
+    def __init__(self, model_config):
+        super().__init__(model_config)
+        cfg = model_config.pretrained_config
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MiniMaxM3DecoderLayer(model_config, i)
+                                    for i in range(cfg.num_hidden_layers))
+
+    def forward(self, attn_metadata, input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(position_ids, hidden, attn_metadata, residual)
+        return hidden + residual
+
+
+@register_auto_model("MiniMaxM3SparseForCausalLM")
+class MiniMaxM3ForCausalLM(DecoderModelForCausalLM):
+    def __init__(self, model_config):
+        cfg = model_config.pretrained_config
+        super().__init__(MiniMaxM3Model(model_config), config=model_config,
+                         hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)
+
+    def load_weights(self, weights: Dict, weight_mapper=None, params_map: Optional[Dict[str, str]] = None,
+                     allow_partial_loading: bool = False) -> None:
+        fused = dict(weights)
+        for name in [n for n in fused if n.endswith("index_q_proj.weight")]:
+            k_name = name.replace("index_q_proj", "index_k_proj")
+            fused[name.replace("index_q_proj", "index_qk_proj")] = torch.cat(
+                [fused.pop(name), fused.pop(k_name)])
+        super().load_weights(fused, weight_mapper, params_map=params_map,
+                             allow_partial_loading=allow_partial_loading)
+
+    def setup_aliases(self) -> None:  # does not chain to super(), as in the real host
+        self.m3_aliases_set_up = True
+
+
+@register_auto_model("MiniMaxM3SparseForConditionalGeneration")
+class MiniMaxM3VLForConditionalGeneration(MiniMaxM3ForCausalLM):
+    pass

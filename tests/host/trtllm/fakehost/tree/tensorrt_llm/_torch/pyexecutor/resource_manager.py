@@ -1,0 +1,3 @@
+class KVCacheManager:
+    def __init__(self, *args, **kwargs):
+        self.kwargs = kwargs

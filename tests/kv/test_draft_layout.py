@@ -1,0 +1,73 @@
+"""Shared draft layout: the upstream case table and the spec-config layer count."""
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.kv import derive_shared_draft_layout, shared_draft_layer_count
+
+
+@pytest.mark.parametrize(
+    "num_layers, heads, num_draft, expected",
+    [
+        (60, 4, 1, ([60], 60)),  # scalar heads: the draft tail is appended to the target count
+        (60, [4] * 60 + [64], 1, ([60], 60)),  # a head list is the total (target + draft)
+        (60, [4] * 61, 1, ([60], 60)),  # equal head counts in the list
+        (61, [4] * 60 + [64], 1, ([60], 60)),  # num_layers already includes the draft layer
+        (60, [4] * 60, 0, ([], 60)),  # no draft
+        (60, 4, 0, ([], 60)),
+        (None, 4, 1, ([], None)),  # nothing pins the range
+        (None, [4] * 5, 2, ([3, 4], 3)),
+        (60, 4, 2, ([60, 61], 60)),
+    ],
+)
+def test_upstream_case_table(num_layers, heads, num_draft, expected):
+    assert derive_shared_draft_layout(num_layers, heads, num_draft) == expected
+
+
+def test_bad_draft_counts_are_rejected():
+    with pytest.raises(ValueError, match="num_draft_layers"):
+        derive_shared_draft_layout(60, 4, -1)
+    with pytest.raises(TypeError, match="num_draft_layers"):
+        derive_shared_draft_layout(60, 4, 1.5)
+    with pytest.raises(ValueError, match="do not fit"):
+        derive_shared_draft_layout(None, [4], 2)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(target=st.integers(0, 80), drafts=st.integers(0, 3), as_list=st.booleans(),
+       pre_extended=st.booleans())
+def test_draft_tail_sits_right_above_the_target(target, drafts, as_list, pre_extended):
+    heads = [4] * target + [8] * drafts if as_list else 4
+    num_layers = target + drafts if (pre_extended and as_list) else target
+    ids, num_target = derive_shared_draft_layout(num_layers, heads, drafts)
+    assert num_target == target
+    assert ids == [target + i for i in range(drafts)]
+
+
+def _eagle3(num_draft_hidden_layers=None):
+    mode = SimpleNamespace(is_mtp_eagle_one_model=lambda: False, is_mtp_vanilla=lambda: False,
+                           is_eagle3_one_model=lambda: True)
+    return SimpleNamespace(spec_dec_mode=mode, _num_draft_hidden_layers=num_draft_hidden_layers)
+
+
+def test_shared_draft_layer_count_follows_the_base_manager():
+    assert shared_draft_layer_count(_eagle3(), None) == 1
+    assert shared_draft_layer_count(_eagle3(2), None) == 2
+    assert shared_draft_layer_count(_eagle3(), [True] * 60) == 0
+    assert shared_draft_layer_count(None, None) == 0
+
+
+def test_shared_draft_layer_count_other_modes():
+    mtp = SimpleNamespace(
+        spec_dec_mode=SimpleNamespace(is_mtp_eagle_one_model=lambda: False,
+                                      is_mtp_vanilla=lambda: True),
+        num_nextn_predict_layers=3)
+    assert shared_draft_layer_count(mtp, None) == 3
+    shared = _eagle3()
+    shared._use_shared_kv_cache = True
+    assert shared_draft_layer_count(shared, None) == 0
+    two_model = SimpleNamespace(spec_dec_mode=SimpleNamespace(is_eagle3_one_model=lambda: False))
+    assert shared_draft_layer_count(two_model, None) == 0
+    with pytest.raises(TypeError, match="spec_dec_mode"):
+        shared_draft_layer_count(object(), None)

@@ -1,0 +1,139 @@
+"""Pool geometry: coalescing into the mega-slot, non-uniform offsets, split pools, draft hosting."""
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.kv import (
+    BufferSpec,
+    DraftLayerPlacementError,
+    build_pool_geometry,
+    minimax_m3_buffers,
+    minimax_m3_geometry,
+)
+
+B, D, DI = 128, 128, 128
+
+
+def _m3_tp4(**kw):
+    return minimax_m3_geometry(60, range(3, 60), 1, D, DI, B, num_draft_layers=1, **kw)
+
+
+def test_production_tp4_is_one_mega_slot_of_179_sub_pages():
+    geo = _m3_tp4()
+    assert len(geo.pools) == 1
+    assert geo.pools[0].sub_pages == 179 == 3 * 2 + 57 * 3 + 1 * 2
+    assert geo.pools[0].page_bytes == B * 1 * D * 2
+    assert geo.draft_layer_ids == (60,)
+    assert geo.target_layer_ids == tuple(range(60))
+
+
+def test_production_offsets_are_not_a_uniform_stride():
+    geo = _m3_tp4()
+    # dense layers 0..2: K, V at 2L, 2L+1; sparse layer L >= 3: K, V, index-K from 6 + 3(L-3).
+    for layer in range(3):
+        assert geo.locate(layer, "k").offset == 2 * layer
+        assert geo.locate(layer, "v").offset == 2 * layer + 1
+        assert not geo.has(layer, "index_k")
+    for layer in range(3, 60):
+        base = 6 + 3 * (layer - 3)
+        assert [geo.locate(layer, r).offset for r in ("k", "v", "index_k")] == [base, base + 1, base + 2]
+    assert geo.locate(60, "k").offset == 177 and geo.locate(60, "v").offset == 178
+    assert not geo.has(60, "index_k")
+    strides = {geo.locate(i + 1, "k").offset - geo.locate(i, "k").offset for i in range(60)}
+    assert strides == {2, 3}
+
+
+def test_four_kv_heads_per_rank_splits_into_two_pools():
+    geo = minimax_m3_geometry(6, [3, 4, 5], 4, D, DI, B, num_draft_layers=1)
+    assert [(p.page_bytes, p.sub_pages) for p in geo.pools] == [(4 * B * D * 2, 14), (B * DI * 2, 3)]
+    assert geo.locate(6, "k").pool_id == 0 and geo.locate(6, "k").offset == 12
+    assert [geo.locate(layer, "index_k").offset for layer in (3, 4, 5)] == [0, 1, 2]
+    assert all(geo.locate(layer, "index_k").pool_id == 1 for layer in (3, 4, 5))
+
+
+def test_fp8_kv_next_to_bf16_index_k_splits():
+    geo = minimax_m3_geometry(4, [3], 1, D, DI, B, num_draft_layers=1, kv_bytes_per_elem=1)
+    assert [(p.page_bytes, p.sub_pages) for p in geo.pools] == [(16384, 10), (32768, 1)]
+
+
+def test_unhostable_draft_layer_is_refused_with_the_reason():
+    with pytest.raises(DraftLayerPlacementError, match=r"draft layer 60 cannot be hosted.*32768"):
+        minimax_m3_geometry(60, range(3, 60), 1, D, DI, B, num_draft_layers=1, draft_num_kv_heads=8)
+    # a draft page equal to the index-K page is still refused: that pool holds no target K/V
+    with pytest.raises(DraftLayerPlacementError, match="cannot be hosted"):
+        minimax_m3_geometry(4, [3], 4, D, DI, B, num_draft_layers=1, draft_num_kv_heads=1)
+
+
+def test_draft_with_same_heads_in_split_geometry_is_hosted():
+    geo = minimax_m3_geometry(4, [3], 4, D, DI, B, num_draft_layers=2)
+    assert geo.draft_layer_ids == (4, 5)
+    assert geo.locate(5, "v").offset == 11 and geo.locate(5, "v").pool_id == 0
+
+
+@pytest.mark.parametrize(
+    "buffers, match",
+    [
+        ([], "at least one buffer"),
+        ([BufferSpec(0, "k", 8), BufferSpec(0, "k", 8)], "duplicate"),
+        ([BufferSpec(0, "k", 8)], "no V buffer"),
+        ([BufferSpec(0, "v", 8)], "no K buffer"),
+        ([BufferSpec(0, "k", 8), BufferSpec(1, "k", 8), BufferSpec(0, "v", 8), BufferSpec(1, "v", 8)],
+         "directly follow"),
+        ([BufferSpec(0, "k", 8), BufferSpec(0, "v", 16)], "directly follow"),
+    ],
+)
+def test_bad_buffer_lists_are_rejected(buffers, match):
+    with pytest.raises(ValueError, match=match):
+        build_pool_geometry(buffers)
+
+
+def test_bad_buffer_specs_are_rejected():
+    with pytest.raises(ValueError, match="role"):
+        BufferSpec(0, "q", 8)
+    with pytest.raises(ValueError, match="page size"):
+        BufferSpec(0, "k", 0)
+    with pytest.raises(ValueError, match="sparse_layer_ids"):
+        minimax_m3_buffers(4, [4], 1, D, DI, B)
+    with pytest.raises(ValueError, match="block_size"):
+        minimax_m3_buffers(4, [3], 1, D, DI, 0)
+
+
+def test_fingerprint_tells_geometries_apart():
+    a = _m3_tp4().fingerprint()
+    assert a == _m3_tp4().fingerprint()
+    assert a != minimax_m3_geometry(60, range(4, 60), 1, D, DI, B, num_draft_layers=1).fingerprint()
+    assert json.loads(a)["pools"] == [[32768, 179]]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    num_layers=st.integers(1, 12),
+    sparse_bits=st.integers(0, 2**12 - 1),
+    heads=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([8, 16]),
+    index_dim=st.sampled_from([8, 16, 32]),
+    block=st.sampled_from([2, 4]),
+    drafts=st.integers(0, 2),
+)
+def test_geometry_matches_a_naive_packing(num_layers, sparse_bits, heads, head_dim, index_dim, block, drafts):
+    sparse = [i for i in range(num_layers) if sparse_bits >> i & 1]
+    geo = minimax_m3_geometry(num_layers, sparse, heads, head_dim, index_dim, block, num_draft_layers=drafts)
+    kv_page, ik_page = heads * block * head_dim * 2, block * index_dim * 2
+    # naive reference: walk the layers, append each page to the pool of its size
+    expected, counts, order = {}, {}, []
+    for layer in range(num_layers + drafts):
+        roles = ["k", "v"] + (["index_k"] if layer in sparse else [])
+        for role in roles:
+            size = ik_page if role == "index_k" else kv_page
+            if size not in counts:
+                counts[size] = 0
+                order.append(size)
+            expected[(layer, role)] = (order.index(size), counts[size])
+            counts[size] += 1
+    got = {key: (sp.pool_id, sp.offset) for key, sp in geo.placements.items()}
+    assert got == expected
+    assert [(p.page_bytes, p.sub_pages) for p in geo.pools] == [(s, counts[s]) for s in order]
+    for pool in geo.pools:
+        offsets = sorted(sp.offset for sp in geo.placements.values() if sp.pool_id == pool.pool_id)
+        assert offsets == list(range(pool.sub_pages))

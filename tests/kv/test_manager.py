@@ -1,0 +1,234 @@
+"""PagedKVCache: zero-copy views, draft layers addressed through the virtual-pool tables."""
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.kv import (
+    DraftLayerPlacementError,
+    OutOfBlocksError,
+    PagedKVCache,
+    UnknownBufferError,
+)
+
+B, D, DI = 4, 8, 8
+
+
+def _coalesced(num_blocks=6, **kw):
+    # 1 KV head: a K page (1*4*8) equals an index-K page (4*8) -> one 13-sub-page mega-slot
+    return PagedKVCache.for_minimax_m3(4, [1, 2, 3], 1, D, DI, B, num_blocks,
+                                       num_draft_layers=1, dtype=torch.float32, **kw)
+
+
+def _regions(cache):
+    """Every (layer, role) view of the cache."""
+    out = {}
+    for layer in range(cache.num_target_layers + len(cache.draft_layer_ids)):
+        out[(layer, "k")] = cache.k(layer)
+        out[(layer, "v")] = cache.v(layer)
+        if layer in cache.sparse_layer_ids:
+            out[(layer, "index_k")] = cache.index_k(layer)
+    return out
+
+
+def test_layout_and_shapes_of_a_tiny_m3_cache():
+    cache = _coalesced()
+    assert cache.draft_layer_ids == [4] and cache.num_target_layers == 4
+    assert cache.sparse_layer_ids == [1, 2, 3]
+    assert [tuple(cache.storage(p.pool_id).shape) for p in cache.geometry.pools] == [(6, 13, 32)]
+    assert cache.k(0).shape == (6, 1, B, D) and cache.v(4).shape == (6, 1, B, D)
+    assert cache.index_k(2).shape == (6, B, DI)
+    assert cache.op_tables.op_pools == [(1, 0)]
+    assert cache.op_tables.index_scales.tolist() == [13]
+    assert cache.op_tables.pool_mapping[4].tolist() == [1, 0]
+
+
+def test_views_are_zero_copy_at_the_hand_computed_sub_pages():
+    cache = _coalesced()
+    storage = cache.storage(0)
+    # dense layer 0: K 0, V 1; sparse layer L in 1..3: K, V, index-K from 2 + 3(L-1); draft: 11, 12
+    expected = {(0, "k"): 0, (0, "v"): 1, (4, "k"): 11, (4, "v"): 12}
+    for layer in (1, 2, 3):
+        for i, role in enumerate(("k", "v", "index_k")):
+            expected[(layer, role)] = 2 + 3 * (layer - 1) + i
+    regions = _regions(cache)
+    assert set(regions) == set(expected)
+    for key, view in regions.items():
+        for slot in range(cache.num_blocks):
+            assert view[slot].data_ptr() == storage[slot, expected[key]].data_ptr(), key
+    cache.k(4)[3, 0, 2, 5] = 42.0
+    assert storage[3, 11].view(1, B, D)[0, 2, 5] == 42.0
+
+
+def test_draft_layer_view_is_derived_from_the_tables():
+    cache = _coalesced()
+    good_v = cache.v(4)
+    # a wrong kv offset makes V alias K: writing V corrupts K, as it would for an attention op
+    cache.op_tables = dataclasses.replace(cache.op_tables,
+                                          kv_offsets=torch.zeros(1, dtype=torch.int32))
+    assert cache.v(4).data_ptr() == cache.k(4).data_ptr() != good_v.data_ptr()
+    # a wrong index scale walks past the storage: refused instead of reading garbage
+    cache.op_tables = dataclasses.replace(cache.op_tables, kv_offsets=torch.ones(1, dtype=torch.int32),
+                                          index_scales=torch.tensor([14], dtype=torch.int32))
+    with pytest.raises(ValueError, match="does not address whole pages"):
+        cache.k(4)
+    # a misaligned pool pointer is refused
+    pointers = cache.op_tables.pool_pointers.clone()
+    pointers[1, 0] += 4
+    cache.op_tables = dataclasses.replace(cache.op_tables, pool_pointers=pointers,
+                                          index_scales=torch.tensor([13], dtype=torch.int32))
+    with pytest.raises(ValueError, match="whole pages"):
+        cache.k(4)
+
+
+def test_tokens_written_through_slots_read_back_like_a_dense_cache():
+    """Naive reference: a dense per-request [T, Hkv, D] tensor vs the paged K of every layer."""
+    torch.manual_seed(0)
+    cache = _coalesced(num_blocks=8)
+    lengths = {"a": 7, "b": 5, "c": 9}
+    dense = {}
+    for rid, n in lengths.items():
+        cache.add_request(rid)
+        cache.reserve(rid, n)
+    for layer in range(5):
+        for rid, n in lengths.items():
+            k = torch.randn(n, 1, D)
+            dense[(layer, rid)] = k
+            pages = cache.pages(rid)
+            kc = cache.k(layer)
+            for t in range(n):
+                slot = pages[t // B] * B + t % B
+                kc[slot // B, :, slot % B] = k[t]
+    for layer in range(5):
+        kc = cache.k(layer)
+        for rid, n in lengths.items():
+            table = cache.block_table([rid])[0]
+            got = torch.stack([kc[table[t // B], :, t % B] for t in range(n)])
+            assert torch.equal(got, dense[(layer, rid)])
+
+
+def test_block_offsets_address_the_same_pages_as_the_views():
+    cache = PagedKVCache.for_minimax_m3(3, [2], 4, D, DI, B, 5, num_draft_layers=1,
+                                        dtype=torch.float32)
+    cache.add_request(0)
+    cache.reserve(0, 9)
+    cache.add_request(1)
+    cache.reserve(1, 2)
+    offsets = cache.block_offsets([1, 0], width=4)
+    assert offsets.shape == (cache.op_tables.num_op_pools, 2, 2, 4)
+    tables = cache.op_tables
+    for layer in range(4):
+        pool, layer_offset = tables.pool_mapping[layer].tolist()
+        source = tables.op_pools[tables.virtual_index(pool)][1] if tables.virtual_index(pool) is not None else pool
+        page_bytes = cache.geometry.pool(source).page_bytes
+        for row, rid in enumerate([1, 0]):
+            for b, page in enumerate(cache.pages(rid)):
+                for role_i, view in enumerate((cache.k(layer), cache.v(layer))):
+                    address = int(tables.pool_pointers[pool, 0]) + \
+                        (int(offsets[pool, row, role_i, b]) + layer_offset) * page_bytes
+                    assert address == view[page].data_ptr()
+    assert offsets[:, 0, :, 1:].eq(-1).all()
+
+
+def test_out_of_blocks_leaves_other_requests_untouched():
+    cache = _coalesced(num_blocks=4)
+    cache.add_request("a")
+    cache.reserve("a", 9)
+    cache.k(4)[cache.pages("a")] = 7.0
+    cache.add_request("b")
+    snapshot = cache.storage(0).clone()
+    with pytest.raises(OutOfBlocksError):
+        cache.reserve("b", 5)
+    assert cache.pages("b") == [] and cache.num_tokens("b") == 0
+    assert cache.pages("a") == [0, 1, 2] and cache.num_tokens("a") == 9
+    assert cache.num_free_blocks == 1
+    assert torch.equal(cache.storage(0), snapshot)
+    assert isinstance(OutOfBlocksError("x"), RuntimeError)
+
+
+def test_request_lifecycle_delegates_to_the_allocator():
+    cache = _coalesced(num_blocks=5)
+    cache.add_request(3)
+    cache.reserve(3, 6)  # prompt
+    cache.reserve(3, 6 + 1 + 3)  # verify tokens
+    assert cache.block_table([3], width=4).tolist() == [[0, 1, 2, -1]]
+    cache.rewind(3, 8)
+    assert cache.num_tokens(3) == 8 and cache.block_table([3]).tolist() == [[0, 1]]
+    cache.free(3)
+    assert cache.num_free_blocks == 5
+
+
+def test_non_coalesced_geometry_works():
+    cache = PagedKVCache.for_minimax_m3(3, [1, 2], 4, D, DI, B, 5, num_draft_layers=1,
+                                        dtype=torch.bfloat16)
+    assert [tuple(cache.storage(p.pool_id).shape) for p in cache.geometry.pools] == \
+        [(5, 8, 4 * B * D), (5, 2, B * DI)]
+    assert cache.storage(0).dtype == torch.bfloat16
+    assert cache.k(3).shape == (5, 4, B, D)
+    assert cache.k(3)[2].data_ptr() == cache.storage(0)[2, 6].data_ptr()
+    assert cache.v(3)[4].data_ptr() == cache.storage(0)[4, 7].data_ptr()
+    assert cache.index_k(2)[1].data_ptr() == cache.storage(1)[1, 1].data_ptr()
+
+
+def test_bad_configurations_are_rejected():
+    with pytest.raises(DraftLayerPlacementError, match="cannot be hosted"):
+        PagedKVCache.for_minimax_m3(4, [1], 1, D, DI, B, 4, num_draft_layers=1, draft_num_kv_heads=2)
+    cache = _coalesced()
+    with pytest.raises(UnknownBufferError):
+        cache.index_k(0)
+    with pytest.raises(ValueError):
+        cache.index_k(4)
+    with pytest.raises(TypeError, match="dtype"):
+        PagedKVCache.for_minimax_m3(2, [1], 1, D, DI, B, 2, dtype=torch.int32)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    num_layers=st.integers(1, 5),
+    sparse_bits=st.integers(0, 31),
+    heads=st.sampled_from([1, 2]),
+    num_drafts=st.integers(1, 2),
+    lengths=st.lists(st.integers(1, 13), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_writing_the_draft_layer_never_touches_a_target_region(num_layers, sparse_bits, heads,
+                                                               num_drafts, lengths, seed):
+    sparse = [i for i in range(num_layers) if sparse_bits >> i & 1]
+    cache = PagedKVCache.for_minimax_m3(num_layers, sparse, heads, D, DI, B, 12,
+                                        num_draft_layers=num_drafts, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    for rid, n in enumerate(lengths):
+        cache.add_request(rid)
+        cache.reserve(rid, n)
+    regions = _regions(cache)
+    # a distinct constant per (layer, role), on every page of every request
+    for i, view in enumerate(regions.values()):
+        for rid in range(len(lengths)):
+            view[cache.pages(rid)] = float(i + 1)
+    before = {key: view.clone() for key, view in regions.items()}
+    for d in cache.draft_layer_ids:
+        for rid in range(len(lengths)):
+            pages = cache.pages(rid)
+            cache.k(d)[pages] = torch.randn(cache.k(d)[pages].shape, generator=gen) + 100 * d
+            cache.v(d)[pages] = torch.randn(cache.v(d)[pages].shape, generator=gen) - 100 * d
+    for (layer, role), view in regions.items():
+        if layer in cache.draft_layer_ids:
+            continue
+        assert torch.equal(view, before[(layer, role)]), (layer, role)
+    # and the draft data really sits at the draft's sub-pages of the real storage
+    for d in cache.draft_layer_ids:
+        sp = cache.geometry.locate(d, "v")
+        direct = cache.storage(sp.pool_id)[:, sp.offset].view(cache.num_blocks, heads, B, D)
+        assert torch.equal(direct, cache.v(d))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_draft_view_on_cuda_matches_storage():
+    cache = _coalesced(device="cuda")
+    cache.add_request(0)
+    cache.reserve(0, 5)
+    cache.v(4)[cache.pages(0)] = 3.0
+    assert cache.k(4).device.type == "cuda"
+    assert torch.all(cache.storage(0)[cache.pages(0), 12] == 3.0)
+    assert torch.all(cache.storage(0)[cache.pages(0), 11] == 0.0)

@@ -1,0 +1,131 @@
+"""Export/import of one request's pages between two caches."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.kv import (
+    GeometryMismatchError,
+    KVTransferPayload,
+    OutOfBlocksError,
+    PagedKVCache,
+    export_request,
+    import_request,
+)
+
+B, D, DI = 4, 8, 8
+
+
+def _cache(num_blocks=8, heads=1, dtype=torch.bfloat16, sparse=(1, 2)):
+    return PagedKVCache.for_minimax_m3(3, list(sparse), heads, D, DI, B, num_blocks,
+                                       num_draft_layers=1, dtype=dtype)
+
+
+def _per_token(cache, rid, n):
+    """Every layer's K, V (and index-K) of a request as dense per-token tensors."""
+    pages = cache.pages(rid)
+    out = {}
+    for layer in range(4):
+        views = {"k": cache.k(layer), "v": cache.v(layer)}
+        if layer in cache.sparse_layer_ids:
+            views["index_k"] = cache.index_k(layer)
+        for role, view in views.items():
+            if role == "index_k":
+                out[(layer, role)] = torch.stack([view[pages[t // B], t % B] for t in range(n)])
+            else:
+                out[(layer, role)] = torch.stack([view[pages[t // B], :, t % B] for t in range(n)])
+    return out
+
+
+def _fill(cache, rid, gen):
+    for layer in range(4):
+        views = [cache.k(layer), cache.v(layer)]
+        if layer in cache.sparse_layer_ids:
+            views.append(cache.index_k(layer))
+        for view in views:
+            pages = cache.pages(rid)
+            view[pages] = torch.randn(view[pages].shape, generator=gen).to(view.dtype)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(n=st.integers(1, 15), occupied=st.integers(0, 3), heads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 1000))
+def test_round_trip_preserves_every_layer_draft_and_index_k_included(n, occupied, heads, seed):
+    gen = torch.Generator().manual_seed(seed)
+    src, dst = _cache(heads=heads), _cache(heads=heads)
+    src.add_request("r")
+    src.reserve("r", n)
+    _fill(src, "r", gen)
+    dst.add_request("other")
+    dst.reserve("other", occupied * B)  # so the imported pages land at different ids
+    other_before = _per_token(dst, "other", occupied * B) if occupied else {}
+
+    payload = export_request(src, "r")
+    table = import_request(dst, "new", payload)
+
+    assert table.dtype == torch.int32 and table.tolist() == dst.pages("new")
+    assert dst.num_tokens("new") == n
+    expected, got = _per_token(src, "r", n), _per_token(dst, "new", n)
+    assert set(got) == set(expected) and (3, "k") in got and (2, "index_k") in got
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+    for key, value in other_before.items():
+        assert torch.equal(_per_token(dst, "other", occupied * B)[key], value)
+
+
+def test_payload_is_self_describing_bytes():
+    src = _cache()
+    src.add_request(0)
+    src.reserve(0, 6)
+    payload = export_request(src, 0)
+    assert isinstance(payload, KVTransferPayload)
+    assert payload.num_tokens == 6 and payload.num_pages == 2
+    assert [t.dtype for t in payload.pool_pages] == [torch.uint8]
+    assert [tuple(t.shape) for t in payload.pool_pages] == [(2, 2 + 2 * 3 + 2, B * D * 2)]
+    assert '"block_size":4' in payload.fingerprint
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda: _cache(dtype=torch.float16),  # same bytes per page, different meaning
+        lambda: _cache(sparse=(2,)),
+        lambda: _cache(heads=2),
+        lambda: PagedKVCache.for_minimax_m3(3, [1, 2], 1, D, DI, B, 8, dtype=torch.bfloat16),
+    ],
+)
+def test_geometry_mismatch_is_refused_and_changes_nothing(other):
+    src = _cache()
+    src.add_request(0)
+    src.reserve(0, 5)
+    dst = other()
+    with pytest.raises(GeometryMismatchError, match="geometry differs"):
+        import_request(dst, 0, export_request(src, 0))
+    assert dst.num_free_blocks == dst.num_blocks
+
+
+def test_import_out_of_blocks_changes_nothing():
+    src, dst = _cache(), _cache(num_blocks=3)
+    src.add_request(0)
+    src.reserve(0, 9)
+    dst.add_request("x")
+    dst.reserve("x", 2)
+    snapshot = dst.storage(0).clone()
+    with pytest.raises(OutOfBlocksError):
+        import_request(dst, 0, export_request(src, 0))
+    assert 0 not in dst.allocator and dst.num_free_blocks == 2
+    assert torch.equal(dst.storage(0), snapshot)
+
+
+def test_import_rejects_bad_payloads():
+    src, dst = _cache(), _cache()
+    src.add_request(0)
+    src.reserve(0, 5)
+    payload = export_request(src, 0)
+    with pytest.raises(TypeError):
+        import_request(dst, 0, {"pages": 1})
+    truncated = KVTransferPayload(payload.fingerprint, 9, payload.pool_pages)
+    with pytest.raises(ValueError, match="expected"):
+        import_request(dst, 0, truncated)
+    dst.add_request(0)
+    with pytest.raises(ValueError, match="already exists"):
+        import_request(dst, 0, payload)

@@ -1,0 +1,199 @@
+"""Virtual attention-op pools: the host's worked example, NVFP4 pairs, and the block-offset copy."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.kv import (
+    VirtualPools,
+    copy_block_offsets,
+    copy_pool_block_offsets,
+    extend_attention_op_pools,
+)
+
+DRAFT_LAYER = 60
+SCALE = 179  # 3 dense x 2 + 57 sparse x 3 + 1 draft x 2
+DRAFT_K_ADDR = 0x7000_0000
+TARGET_ADDR = 0x6000_0000
+
+
+def _worked_example_inputs():
+    pointers = torch.tensor([[TARGET_ADDR, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, i] for i in range(61)], dtype=torch.int32)
+    return pointers, mapping
+
+
+def test_worked_example_virtual_pool_is_rooted_at_the_draft_k_page():
+    pointers, mapping = _worked_example_inputs()
+    pools = extend_attention_op_pools(pointers, mapping, [(DRAFT_LAYER, DRAFT_K_ADDR, SCALE)])
+    assert isinstance(pools, VirtualPools)
+    assert pools.pool_pointers.tolist() == [[TARGET_ADDR, 0], [DRAFT_K_ADDR, 0]]
+    assert pools.pool_pointers.dtype == torch.int64
+    assert pools.pool_mapping[DRAFT_LAYER].tolist() == [1, 0]
+    assert pools.pool_mapping[:DRAFT_LAYER].tolist() == [[0, i] for i in range(60)]
+    assert pools.pool_mapping.dtype == torch.int32
+    assert pools.index_scales.tolist() == [SCALE]
+    assert pools.kv_offsets.tolist() == [1]
+    assert pools.op_pools == [(1, 0)]
+    assert (pools.num_pools, pools.num_op_pools) == (1, 2)
+
+
+def test_inputs_are_never_mutated_and_results_do_not_alias_them():
+    pointers, mapping = _worked_example_inputs()
+    before = (pointers.clone(), mapping.clone())
+    pools = extend_attention_op_pools(pointers, mapping, [(DRAFT_LAYER, DRAFT_K_ADDR, SCALE)])
+    assert torch.equal(pointers, before[0]) and torch.equal(mapping, before[1])
+    pools.pool_mapping[0, 1] = 99
+    pools.pool_pointers[0, 0] = 1
+    assert torch.equal(pointers, before[0]) and torch.equal(mapping, before[1])
+
+
+def test_nvfp4_pointer_tensors_keep_data_scale_pairs():
+    pointers = torch.tensor([[[TARGET_ADDR, 0x6100_0000], [0, 0]]], dtype=torch.int64)
+    mapping = torch.tensor([[0, 0]], dtype=torch.int32)
+    pools = extend_attention_op_pools(pointers, mapping, [(0, DRAFT_K_ADDR, SCALE)])
+    assert pools.pool_pointers.shape == (2, 2, 2)
+    assert pools.pool_pointers[0].tolist() == [[TARGET_ADDR, 0x6100_0000], [0, 0]]
+    assert pools.pool_pointers[1].tolist() == [[DRAFT_K_ADDR, 0], [0, 0]]
+
+
+def test_no_draft_layers_leaves_the_tables_alone():
+    pointers = torch.tensor([[TARGET_ADDR, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, 3]], dtype=torch.int32)
+    pools = extend_attention_op_pools(pointers, mapping, [])
+    assert pools.pool_pointers.tolist() == pointers.tolist()
+    assert pools.pool_mapping.tolist() == mapping.tolist()
+    assert pools.index_scales.numel() == 0 and pools.kv_offsets.numel() == 0
+    assert pools.op_pools == []
+
+
+def test_two_draft_layers_in_two_source_pools():
+    pointers = torch.tensor([[0x1000, 0], [0x2000, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, 0], [1, 0], [0, 2], [1, 2]], dtype=torch.int32)
+    pools = extend_attention_op_pools(pointers, mapping, [(2, 0x1100, 4), (3, 0x2200, 6)])
+    assert pools.pool_pointers[2:].tolist() == [[0x1100, 0], [0x2200, 0]]
+    assert pools.pool_mapping.tolist() == [[0, 0], [1, 0], [2, 0], [3, 0]]
+    assert pools.op_pools == [(2, 0), (3, 1)]
+    assert pools.index_scales.tolist() == [4, 6] and pools.kv_offsets.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "draft_layers, match",
+    [
+        ([(61, DRAFT_K_ADDR, SCALE)], "outside"),
+        ([(60, DRAFT_K_ADDR, SCALE), (60, DRAFT_K_ADDR, SCALE)], "twice"),
+        ([(60, DRAFT_K_ADDR, 1)], "K and V"),
+        ([(60, 0, SCALE)], "address"),
+        ([(60, DRAFT_K_ADDR)], "entries"),
+    ],
+)
+def test_bad_draft_layers_are_rejected(draft_layers, match):
+    pointers, mapping = _worked_example_inputs()
+    with pytest.raises(ValueError, match=match):
+        extend_attention_op_pools(pointers, mapping, draft_layers)
+
+
+def test_bad_tables_are_rejected():
+    with pytest.raises(ValueError, match="pool_pointers"):
+        extend_attention_op_pools(torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 2), [])
+    with pytest.raises(ValueError, match="pool_mapping"):
+        extend_attention_op_pools(torch.zeros(1, 2, dtype=torch.int64), torch.zeros(2), [])
+    with pytest.raises(TypeError):
+        extend_attention_op_pools([[1, 0]], torch.zeros(1, 2), [])
+
+
+def test_pool_block_offset_copy_reference_values():
+    host = torch.full((3, 2, 4), -1, dtype=torch.int32)
+    host[0, :, :2] = torch.tensor([5, 7], dtype=torch.int32)
+    host[2, :, :3] = torch.tensor([0, 1, 9], dtype=torch.int32)
+    dst = torch.full((2, 2, 4), -7, dtype=torch.int32)
+    copy_pool_block_offsets(dst, host, torch.tensor([2, 0]), SCALE, 1)
+    assert dst[0].tolist() == [[0, 179, 1611, -1], [1, 180, 1612, -1]]
+    assert dst[1].tolist() == [[895, 1253, -1, -1], [896, 1254, -1, -1]]
+    dst2 = torch.full((1, 2, 4), -7, dtype=torch.int32)
+    copy_pool_block_offsets(dst2, host, torch.tensor([2]), 3, 1, max_blocks=2)
+    assert dst2[0].tolist() == [[0, 3, -7, -7], [1, 4, -7, -7]]
+
+
+def test_block_offset_copy_runs_the_base_copy_first_then_one_per_op_pool():
+    calls = []
+
+    def recording_copy(dst, host, copy_index, scale, kv_offset, max_blocks):
+        calls.append((dst.data_ptr(), host.data_ptr(), copy_index, scale, kv_offset, max_blocks))
+
+    pointers = torch.tensor([[0x1000, 0], [0x2000, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, 0], [1, 0], [1, 3]], dtype=torch.int32)
+    pools = extend_attention_op_pools(pointers, mapping, [(2, 0x2300, 5)])
+    host = torch.zeros((2, 4, 2, 8), dtype=torch.int32)
+    dst = torch.zeros((3, 4, 2, 8), dtype=torch.int32)
+    idx = torch.tensor([2, 0])
+    copy_block_offsets(dst, host, idx, pools, base_index_scales=[7, 5], base_kv_offsets=[1, 1],
+                       max_blocks=6, copy_fn=recording_copy)
+    assert calls == [
+        (dst[0].data_ptr(), host[0].data_ptr(), idx, 7, 1, 6),
+        (dst[1].data_ptr(), host[1].data_ptr(), idx, 5, 1, 6),
+        (dst[2].data_ptr(), host[1].data_ptr(), idx, 5, 1, 6),  # the virtual pool from source pool 1
+    ]
+
+
+def test_block_offset_copy_is_untouched_without_draft_layers():
+    calls = []
+    pools = extend_attention_op_pools(torch.tensor([[0x1000, 0]]), torch.zeros(2, 2, dtype=torch.int32), [])
+    copy_block_offsets(torch.zeros(1, 1, 2, 4, dtype=torch.int32), torch.zeros(1, 1, 2, 4, dtype=torch.int32),
+                       torch.tensor([0]), pools, base_index_scales=[2], base_kv_offsets=[1],
+                       copy_fn=lambda *a: calls.append(a))
+    assert len(calls) == 1
+
+
+def test_block_offset_copy_checks_table_shapes():
+    pointers, mapping = _worked_example_inputs()
+    pools = extend_attention_op_pools(pointers, mapping, [(DRAFT_LAYER, DRAFT_K_ADDR, SCALE)])
+    host = torch.zeros((1, 2, 2, 4), dtype=torch.int32)
+    with pytest.raises(ValueError, match="pool rows"):
+        copy_block_offsets(torch.zeros((1, 2, 2, 4), dtype=torch.int32), host, torch.tensor([0]), pools,
+                           base_index_scales=[SCALE], base_kv_offsets=[1])
+    with pytest.raises(ValueError, match="host table"):
+        copy_block_offsets(torch.zeros((2, 2, 2, 4), dtype=torch.int32), host.repeat(2, 1, 1, 1),
+                           torch.tensor([0]), pools, base_index_scales=[SCALE], base_kv_offsets=[1])
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    layer_sub_pages=st.lists(st.sampled_from([2, 3]), min_size=1, max_size=8),
+    draft_sub_pages=st.integers(1, 3),
+    page_bytes=st.sampled_from([64, 256, 4096]),
+    slots=st.lists(st.integers(0, 50), min_size=1, max_size=6),
+)
+def test_virtual_pool_addresses_equal_real_pool_addresses(layer_sub_pages, draft_sub_pages, page_bytes, slots):
+    """Independent model: a slot is `sub_pages` consecutive pages; a layer's K is at its offset."""
+    offsets, cursor = [], 0
+    for n in layer_sub_pages:
+        offsets.append(cursor)
+        cursor += n
+    draft = len(layer_sub_pages)
+    offsets.append(cursor)
+    sub_pages = cursor + 2 + draft_sub_pages - 1  # the draft's K, V and trailing padding pages
+    base = 0x10_0000
+    pointers = torch.tensor([[base, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, o] for o in offsets], dtype=torch.int32)
+    k_addr = base + offsets[draft] * page_bytes
+    pools = extend_attention_op_pools(pointers, mapping, [(draft, k_addr, sub_pages)])
+
+    host = torch.full((1, 1, 2, len(slots) + 1), -1, dtype=torch.int32)
+    host[0, 0, :, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    dst = torch.full((2, 1, 2, len(slots) + 1), -1, dtype=torch.int32)
+    copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[sub_pages],
+                       base_kv_offsets=[1])
+    op_pool, layer_offset = pools.pool_mapping[draft].tolist()
+    ptr = int(pools.pool_pointers[op_pool, 0])
+    for b, slot in enumerate(slots):
+        for kv in (0, 1):
+            real = base + (slot * sub_pages + offsets[draft] + kv) * page_bytes
+            virtual = ptr + (int(dst[op_pool, 0, kv, b]) + layer_offset) * page_bytes
+            assert virtual == real
+            # target layers keep addressing the storage pool unchanged
+            for layer in range(draft):
+                t_pool, t_off = pools.pool_mapping[layer].tolist()
+                assert t_pool == 0
+                assert base + (int(dst[0, 0, kv, b]) + t_off) * page_bytes == \
+                    base + (slot * sub_pages + offsets[layer] + kv) * page_bytes
+    assert dst[:, 0, :, len(slots)].eq(-1).all()

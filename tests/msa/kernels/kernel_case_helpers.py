@@ -1,0 +1,80 @@
+"""Shared builders and oracles for the Triton kernel tests (random paged steps, selection checks)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from m3_eagle_plugin.bench.inputs import Geometry, make_cache, shuffled_block_tables, verify_queries
+from m3_eagle_plugin.bench.step_meta import build_step_meta
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a CUDA device")
+
+SMALL = Geometry(q_heads=8, kv_heads=2, head_dim=32, index_heads=2, index_dim=32, block=16, topk=4)
+M3 = Geometry()
+
+
+def random_step(geo: Geometry, qo_lens: list[int], kv_lens: list[int], *, kv_dtype=torch.bfloat16,
+                index_dtype=torch.bfloat16, q_dtype=torch.bfloat16, seed: int = 0, pad_tokens: int = 0,
+                spare_pages: int = 3, correlation: float = 0.0):
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(seed)
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    num_pages = sum(-(-kv // geo.block) for kv in kv_lens) + spare_pages
+    width = max(-(-kv // geo.block) for kv in kv_lens) + 1
+    tables = shuffled_block_tables(kv_lens, geo.block, num_pages, gen, width=width)
+    meta = build_step_meta(qo_lens, kv_lens, tables, geo.block, device=device, pad_tokens=pad_tokens)
+    cache = make_cache(num_pages, geo, kv_dtype=kv_dtype, index_dtype=index_dtype, device=device, generator=dgen)
+    total = sum(qo_lens) + pad_tokens
+    q = torch.randn(total, geo.q_heads, geo.head_dim, device=device, generator=dgen).to(q_dtype)
+    index_q = torch.randn(total, geo.index_heads, geo.index_dim, device=device, generator=dgen)
+    if correlation:
+        index_q = correlation * index_q[:1] + (1 - correlation ** 2) ** 0.5 * index_q
+    return meta, cache, q, index_q.to(index_dtype)
+
+
+def exact_block_scores(index_q, index_k_cache, meta) -> list[torch.Tensor]:
+    """Per token: float64 `[Hi, n_valid]` max visible score of each block (the oracle's view)."""
+    block = index_k_cache.shape[1]
+    out = []
+    cu = meta.cu_qo_lens.tolist()
+    for r, kv in enumerate(meta.kv_lens.tolist()):
+        nb = -(-kv // block)
+        pages = index_k_cache[meta.block_tables[r, :nb].long()].double().reshape(nb * block, -1)
+        for t in range(cu[r], cu[r + 1]):
+            p = int(meta.positions[t])
+            s = index_q[t].double() @ pages[: p + 1].T                      # [Hi, p + 1]
+            nv = p // block + 1
+            padded = torch.full((s.shape[0], nv * block), -math.inf, dtype=torch.float64, device=s.device)
+            padded[:, : p + 1] = s
+            out.append(padded.view(s.shape[0], nv, block).amax(-1).cpu())
+    return out
+
+
+def assert_valid_selection(selection: torch.Tensor, scores: list[torch.Tensor], topk: int,
+                           local_blocks: int = 1, init_blocks: int = 0, tol: float = 1e-2) -> None:
+    """Shape/order/padding rules plus top-k optimality up to `tol` (ties may break either way)."""
+    sel = selection.cpu()
+    for t, s in enumerate(scores):
+        nv = s.shape[1]
+        for h in range(sel.shape[0]):
+            row = sel[h, t]
+            want = min(topk, nv)
+            ids = row[:want]
+            assert (row[want:] == -1).all(), f"token {t} head {h}: padding {row.tolist()}"
+            assert (ids >= 0).all() and (ids < nv).all(), f"token {t}: ids out of range {row.tolist()}"
+            assert (ids[1:] > ids[:-1]).all(), f"token {t}: ids not strictly ascending {row.tolist()}"
+            forced = {b for b in range(nv) if b >= nv - local_blocks or b < init_blocks}
+            chosen = set(ids.tolist())
+            assert forced.issubset(chosen) or len(forced) > topk, f"token {t}: forced {forced} missing in {chosen}"
+            free_chosen = [s[h, b].item() for b in chosen - forced]
+            unchosen = [s[h, b].item() for b in range(nv) if b not in chosen]
+            if free_chosen and unchosen:
+                assert min(free_chosen) >= max(unchosen) - tol, f"token {t} head {h}: not a top-{topk} set"
+
+
+def assert_close_rel(out: torch.Tensor, expect: torch.Tensor, rel: float) -> None:
+    assert torch.isfinite(out).all(), "kernel output has NaN/inf"
+    err = ((out.double() - expect.double()).norm() / expect.double().norm().clamp_min(1e-30)).item()
+    assert err < rel, f"relative error {err:.3e} >= {rel:.1e}"

@@ -1,0 +1,58 @@
+"""Triton index scoring + per-token top-k vs an exact float64 oracle and the naive torch reference."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kernel_case_helpers import M3, SMALL, assert_valid_selection, exact_block_scores, needs_gpu, random_step
+from m3_eagle_plugin.bench import torch_reference as ref
+
+pytestmark = needs_gpu
+
+
+def _select(index_q, cache, meta, **kw):
+    from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+
+    return select_blocks_verify(index_q, cache.index_k, meta, **kw)
+
+
+def test_matches_reference_small_geometry():
+    meta, cache, _, index_q = random_step(SMALL, [4, 4, 1, 3], [200, 37, 16, 130], index_dtype=torch.float32)
+    sel = _select(index_q, cache, meta, topk=SMALL.topk)
+    expect = ref.select_blocks(index_q, cache.index_k, meta, topk=SMALL.topk)
+    assert sel.shape == (SMALL.index_heads, 12, SMALL.topk) and sel.dtype == torch.int32
+    assert torch.equal(sel.cpu(), expect.cpu())
+
+
+def test_m3_geometry_bf16_with_graph_padding():
+    meta, cache, _, index_q = random_step(M3, [4, 4, 4], [4000, 2100, 129], pad_tokens=3)
+    sel = _select(index_q, cache, meta, topk=M3.topk, max_qo_len=4)
+    live = int(meta.cu_qo_lens[-1])
+    assert (sel[:, live:].cpu() == -1).all()
+    scores = exact_block_scores(index_q, cache.index_k, meta)
+    assert_valid_selection(sel[:, :live], scores, M3.topk)
+
+
+def test_fp8_index_k_and_init_blocks():
+    meta, cache, _, index_q = random_step(SMALL, [3, 2], [300, 90], index_dtype=torch.float8_e4m3fn,
+                                          q_dtype=torch.bfloat16)
+    index_q = index_q.to(torch.bfloat16)
+    sel = _select(index_q, cache, meta, topk=SMALL.topk, local_blocks=2, init_blocks=1)
+    scores = exact_block_scores(index_q, cache.index_k, meta)
+    assert_valid_selection(sel, scores, SMALL.topk, local_blocks=2, init_blocks=1)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    reqs=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 400)), min_size=1, max_size=5),
+    topk=st.integers(1, 8),
+    local=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_property_any_step_is_a_valid_topk(reqs, topk, local, seed):
+    qo_lens = [q for q, _ in reqs]
+    kv_lens = [q + extra for q, extra in reqs]
+    meta, cache, _, index_q = random_step(SMALL, qo_lens, kv_lens, index_dtype=torch.float32, seed=seed)
+    sel = _select(index_q, cache, meta, topk=topk, local_blocks=local)
+    assert_valid_selection(sel, exact_block_scores(index_q, cache.index_k, meta), topk, local_blocks=local,
+                           tol=1e-4)

@@ -1,0 +1,79 @@
+"""Triton union-loading sparse verify attention vs the naive torch reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kernel_case_helpers import M3, SMALL, assert_close_rel, needs_gpu, random_step
+from m3_eagle_plugin.bench import torch_reference as ref
+
+pytestmark = needs_gpu
+
+
+def _run(q, cache, meta, sel, **kw):
+    from m3_eagle_plugin.msa.kernels.sparse_attention import sparse_verify_attention
+
+    return sparse_verify_attention(q, cache.k, cache.v, meta, sel, **kw)
+
+
+def _random_selection(meta, hkv, topk, block, seed):
+    """Each token: its own local block plus random earlier blocks (ascending, -1 padded)."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = meta.positions.tolist()
+    live = int(meta.cu_qo_lens[-1])
+    sel = torch.full((hkv, len(pos), topk), -1, dtype=torch.int32)
+    for h in range(hkv):
+        for t in range(live):
+            local = pos[t] // block
+            others = torch.randperm(local, generator=gen)[: topk - 1].tolist() if local else []
+            ids = sorted(set(others + [local]))
+            sel[h, t, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return sel.to(meta.positions.device)
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_matches_reference_fp32(splits):
+    meta, cache, q, _ = random_step(SMALL, [4, 1, 3], [150, 20, 64], kv_dtype=torch.float32, q_dtype=torch.float32)
+    sel = _random_selection(meta, SMALL.kv_heads, SMALL.topk, SMALL.block, 1)
+    out = _run(q, cache, meta, sel, scale=0.3, splits=splits)
+    assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.3), 1e-4)
+
+
+def test_m3_geometry_fp8_with_scales_and_padding():
+    meta, cache, q, _ = random_step(M3, [4, 4, 4, 4], [5000, 300, 2048, 4], kv_dtype=torch.float8_e4m3fn,
+                                    pad_tokens=2)
+    sel = _random_selection(meta, M3.kv_heads, M3.topk, M3.block, 2)
+    scale = 1 / math.sqrt(M3.head_dim)
+    out = _run(q, cache, meta, sel, scale=scale, k_scale=cache.k_scale, v_scale=cache.v_scale, max_qo_len=4)
+    expect = ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=cache.k_scale,
+                                  v_scale=cache.v_scale)
+    assert_close_rel(out, expect, 2e-2)
+    assert (out[16:] == 0).all()
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    reqs=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 300)), min_size=1, max_size=4),
+    topk=st.integers(1, 6),
+    splits=st.sampled_from([None, 1, 2, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_steps(reqs, topk, splits, seed):
+    qo_lens = [q for q, _ in reqs]
+    kv_lens = [q + extra for q, extra in reqs]
+    meta, cache, q, _ = random_step(SMALL, qo_lens, kv_lens, kv_dtype=torch.float32, q_dtype=torch.float32, seed=seed)
+    sel = _random_selection(meta, SMALL.kv_heads, topk, SMALL.block, seed)
+    out = _run(q, cache, meta, sel, scale=0.2, splits=splits)
+    assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.2), 1e-4)
+
+
+def test_nan_in_selected_page_propagates():
+    meta, cache, q, _ = random_step(SMALL, [2], [40], kv_dtype=torch.float32, q_dtype=torch.float32)
+    sel = _random_selection(meta, SMALL.kv_heads, SMALL.topk, SMALL.block, 3)
+    page = int(meta.block_tables[0, 2])  # the local block of both tokens: always selected
+    cache.v[page, 0, 0, 0] = float("nan")
+    out = _run(q, cache, meta, sel, scale=0.2)
+    assert torch.isnan(out[:, : SMALL.q_heads // SMALL.kv_heads]).any()

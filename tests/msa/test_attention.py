@@ -1,0 +1,172 @@
+"""Tests for msa.attention: paged sparse and dense attention references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin.msa import (
+    MsaDecodeMetadata,
+    MsaInputError,
+    dense_attention,
+    select_blocks_paged,
+    sparse_attention,
+    write_index_k,
+    write_kv,
+)
+
+from ._hf_oracle import BLOCK_SIZE, TOPK, OracleRun, SparseLayerOracle
+from ._paged import PooledCache, naive_attention, padded_table, random_page_tables
+
+PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def oracle() -> SparseLayerOracle:
+    return SparseLayerOracle(seed=1)
+
+
+class PagedRuns:
+    """HF runs of several requests held in a pooled paged cache, written through the step metadata."""
+
+    def __init__(self, runs: list[OracleRun], seed: int = 0) -> None:
+        self.runs = runs
+        lengths = [r.k.shape[0] for r in runs]
+        pages = sum(-(-n // BLOCK_SIZE) for n in lengths) + 4
+        self.cache = PooledCache(pages, BLOCK_SIZE, kv_heads=2, head_dim=16, index_dim=16)
+        self.table = padded_table(random_page_tables(lengths, BLOCK_SIZE, pages, seed), 12)
+        self.meta = MsaDecodeMetadata(len(runs), 64, 12, BLOCK_SIZE, "cpu", max_draft_len=4, num_index_heads=2)
+
+    def step(self, qo: list[int], kv: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's tokens, select, attend; returns (selection, sparse output)."""
+        meta = self.meta
+        meta.prepare(qo, kv, self.table)
+        pick = lambda name: torch.cat([getattr(r, name)[k - q : k] for r, q, k in zip(self.runs, qo, kv)])  # noqa: E731
+        write_kv(self.cache.k, self.cache.v, meta.cache_slots, pick("k"), pick("v"))
+        write_index_k(self.cache.index_k, meta.cache_slots, pick("index_k"))
+        sel = select_blocks_paged(pick("index_q"), self.cache.index_k, meta, topk=TOPK)
+        out = sparse_attention(pick("q"), self.cache.k, self.cache.v, meta, sel, scale=self.runs[0].scale)
+        return sel, out
+
+    def expected(self, qo: list[int], kv: list[int]) -> torch.Tensor:
+        return torch.cat([r.attention[k - q : k] for r, q, k in zip(self.runs, qo, kv)])
+
+
+def test_sparse_attention_matches_hf_on_a_mixed_batch(oracle: SparseLayerOracle) -> None:
+    lengths, prefixes = [30, 26, 19, 8], [0, 22, 18, 3]  # prompt, 4-token verify, decode, chunk
+    paged = PagedRuns([oracle.run(n, seed=20 + i) for i, n in enumerate(lengths)], seed=1)
+    paged.step(prefixes, prefixes)
+    qo = [n - p for n, p in zip(lengths, prefixes)]
+    _, out = paged.step(qo, lengths)
+    torch.testing.assert_close(out, paged.expected(qo, lengths), **TOL)
+
+
+def test_dense_attention_equals_hf_before_sparsity_starts(oracle: SparseLayerOracle) -> None:
+    # Up to topk * block tokens every visible block is selected: sparse == dense causal.
+    run = oracle.run(TOPK * BLOCK_SIZE, seed=7)
+    paged = PagedRuns([run])
+    paged.step([TOPK * BLOCK_SIZE], [TOPK * BLOCK_SIZE])
+    q = run.q
+    out = dense_attention(q, paged.cache.k, paged.cache.v, paged.meta, scale=run.scale)
+    torch.testing.assert_close(out, run.attention, **TOL)
+
+
+def test_verify_chunk_equals_single_token_steps(oracle: SparseLayerOracle) -> None:
+    run = oracle.run(30, seed=9)
+    prefix, draft = 25, 4
+    verify = PagedRuns([run], seed=2)
+    verify.step([prefix], [prefix])
+    sel_chunk, out_chunk = verify.step([1 + draft], [prefix + 1 + draft])
+
+    single = PagedRuns([run], seed=3)
+    single.step([prefix], [prefix])
+    steps = [single.step([1], [prefix + t + 1]) for t in range(1 + draft)]
+    assert torch.equal(sel_chunk, torch.cat([s for s, _ in steps], dim=1))
+    torch.testing.assert_close(out_chunk, torch.cat([o for _, o in steps]), **TOL)
+    torch.testing.assert_close(out_chunk, run.attention[prefix:], **TOL)
+
+
+def _random_step(rows, block, heads_q, heads_kv, dim, seed, shrink):
+    gen = torch.Generator().manual_seed(seed)
+    staged = [k for _, k in rows]
+    pages = sum(-(-k // block) for k in staged) + 2
+    cache = PooledCache(pages, block, heads_kv, dim, index_dim=4)
+    tables = random_page_tables(staged, block, pages, seed)
+    width = max([len(t) for t in tables] + [1])
+    meta = MsaDecodeMetadata(len(rows), 64, width, block, "cpu", max_draft_len=3)
+    seqs = [(torch.randn(k, heads_kv, dim, generator=gen), torch.randn(k, heads_kv, dim, generator=gen)) for k in staged]
+    for r, k in enumerate(staged):
+        if k:
+            meta.prepare([k], [k], padded_table([tables[r]], width))
+            write_kv(cache.k, cache.v, meta.cache_slots, *seqs[r])
+    meta.prepare([q for q, _ in rows], staged, padded_table(tables, width))
+    corrected = [max(0, k - s) for k, s in zip(staged, shrink)]
+    meta.on_update_kv_lens(torch.tensor(corrected))
+    q = torch.randn(meta.num_tokens, heads_q, dim, generator=gen)
+    return meta, cache, seqs, q, corrected, gen
+
+
+@PROPERTY
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 14)), min_size=1, max_size=3),
+    log_block=st.integers(0, 3),
+    group=st.sampled_from([1, 2]),
+    topk=st.integers(1, 4),
+    shrink=st.lists(st.integers(0, 2), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_sparse_and_dense_match_naive(rows, log_block, group, topk, shrink, seed) -> None:
+    block, heads_kv, dim = 1 << log_block, 2, 4
+    rows = [(q, q + extra) for q, extra in rows]
+    meta, cache, seqs, q, corrected, gen = _random_step(rows, block, heads_kv * group, heads_kv, dim, seed, shrink)
+    # Random selections: distinct block ids (some past the token's block, some -1 padding).
+    num_blocks = max(1, meta.max_step_blocks)
+    sel = torch.stack(
+        [torch.randperm(num_blocks + topk, generator=gen)[:topk] for _ in range(heads_kv * meta.num_tokens)]
+    ).view(heads_kv, meta.num_tokens, topk)
+    sel = torch.where(sel < num_blocks, sel, torch.full_like(sel, -1)).to(torch.int32)
+    scale = 0.7
+    sparse = sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale)
+    dense = dense_attention(q, cache.k, cache.v, meta, scale=scale)
+    t = 0
+    for r, (qo, _) in enumerate(rows):
+        keys, values = seqs[r]
+        for i in range(qo):
+            p = corrected[r] - qo + i
+            visible = list(range(p + 1))
+            allowed = [[j for j in visible if j // block in sel[h, t].tolist()] for h in range(heads_kv)]
+            exp_sparse = naive_attention(q[t], keys, values, allowed, scale)
+            exp_dense = naive_attention(q[t], keys, values, [visible] * heads_kv, scale)
+            torch.testing.assert_close(sparse[t].double(), exp_sparse, **TOL)
+            torch.testing.assert_close(dense[t].double(), exp_dense, **TOL)
+            t += 1
+
+
+def test_output_dtype_follows_q() -> None:
+    meta = MsaDecodeMetadata(1, 4, 1, 4, "cpu")
+    meta.prepare([2], [2], torch.tensor([[0]], dtype=torch.int32))
+    k_cache = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16)
+    q = torch.randn(2, 2, 8, dtype=torch.bfloat16)
+    out = dense_attention(q, k_cache, k_cache, meta, scale=0.3)
+    assert out.dtype == torch.bfloat16
+    sel = torch.tensor([[[0], [0]]], dtype=torch.int32)
+    torch.testing.assert_close(sparse_attention(q, k_cache, k_cache, meta, sel, scale=0.3), out)
+
+
+def test_bad_arguments_raise() -> None:
+    meta = MsaDecodeMetadata(1, 4, 1, 4, "cpu")
+    meta.prepare([2], [2], torch.tensor([[0]], dtype=torch.int32))
+    k_cache = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(MsaInputError, match="multiple of KV heads"):
+        dense_attention(torch.zeros(2, 3, 8), k_cache, k_cache, meta, scale=1.0)
+    with pytest.raises(MsaInputError, match="selection"):
+        sparse_attention(torch.zeros(2, 2, 8), k_cache, k_cache, meta, torch.zeros(1, 2, 1, dtype=torch.int32), scale=1.0)
+    with pytest.raises(MsaInputError, match="scale"):
+        dense_attention(torch.zeros(2, 2, 8), k_cache, k_cache, meta, scale=0.0)
+    with pytest.raises(MsaInputError, match="q must be"):
+        dense_attention(torch.zeros(3, 2, 8), k_cache, k_cache, meta, scale=1.0)
+    with pytest.raises(MsaInputError, match="block_size"):
+        dense_attention(torch.zeros(2, 2, 8), torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), meta, scale=1.0)

@@ -1,0 +1,82 @@
+"""Tests for msa.blocks: block-size validation and per-token visible-block counts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin.msa import MsaInputError, per_token_valid_blocks, validate_block_size
+
+
+def naive_valid_blocks(qo_lens: list[int], kv_lens: list[int], block_size: int) -> list[int]:
+    out = []
+    for qo, kv in zip(qo_lens, kv_lens):
+        for t in range(qo):
+            seen = min(kv - qo + t + 1, kv)
+            out.append(max(0, math.ceil(seen / block_size)))
+    return out
+
+
+def test_worked_example_counts() -> None:
+    # Host worked example: page 4, qo (2, 3), corrected kv (8, 12).
+    got = per_token_valid_blocks(torch.tensor([2, 3]), torch.tensor([8, 12]), 4)
+    assert got.dtype == torch.int32
+    assert got.tolist() == [2, 2, 3, 3, 3]
+
+
+def test_lists_are_accepted_and_empty_rows_contribute_nothing() -> None:
+    assert per_token_valid_blocks([0, 1, 0, 2], [5, 5, 0, 129], 128).tolist() == [1, 1, 2]
+
+
+def test_num_tokens_hint_gives_same_result() -> None:
+    qo, kv = torch.tensor([3, 1]), torch.tensor([7, 1])
+    assert per_token_valid_blocks(qo, kv, 2, num_tokens=4).tolist() == per_token_valid_blocks(qo, kv, 2).tolist()
+
+
+@pytest.mark.parametrize("bad", [0, -4, 3, 12, 100])
+def test_block_size_must_be_power_of_two(bad: int) -> None:
+    with pytest.raises(MsaInputError, match="power of two"):
+        per_token_valid_blocks([1], [1], bad)
+
+
+def test_block_size_type_is_checked() -> None:
+    with pytest.raises(TypeError):
+        validate_block_size(4.0)
+    with pytest.raises(TypeError):
+        validate_block_size(True)
+    assert validate_block_size(128) == 128
+
+
+def test_mismatched_lengths_raise() -> None:
+    with pytest.raises(MsaInputError, match="differ"):
+        per_token_valid_blocks([1, 2], [3], 4)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), min_size=0, max_size=6),
+    log_block=st.integers(0, 5),
+)
+def test_matches_naive_loop(rows: list[tuple[int, int]], log_block: int) -> None:
+    block_size = 1 << log_block
+    qo = [q for q, _ in rows]
+    kv = [q + extra for q, extra in rows]  # kv counts the step's tokens
+    got = per_token_valid_blocks(torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32), block_size)
+    assert got.tolist() == naive_valid_blocks(qo, kv, block_size)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_inputs_stay_on_device_without_sync() -> None:
+    qo = torch.tensor([2, 3], device="cuda")
+    kv = torch.tensor([8, 12], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = per_token_valid_blocks(qo, kv, 4, num_tokens=5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.device.type == "cuda"
+    assert got.cpu().tolist() == [2, 2, 3, 3, 3]

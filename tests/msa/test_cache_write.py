@@ -1,0 +1,123 @@
+"""Tests for msa.cache_write: scatter of K/V/index-K into strided paged caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin.msa import MsaInputError, write_index_k, write_kv
+
+from ._paged import PooledCache
+
+
+def naive_write(cache_k, cache_v, cache_i, slots, k, v, ik, block):
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        page, off = divmod(slot, block)
+        cache_k[page, :, off] = k[t]
+        cache_v[page, :, off] = v[t]
+        cache_i[page, off] = ik[t]
+
+
+def test_writes_land_in_pool_storage_and_skip_negative_slots() -> None:
+    cache = PooledCache(num_pages=3, block_size=4, kv_heads=2, head_dim=3, index_dim=5)
+    before = cache.pool.clone()
+    k, v, ik = torch.randn(3, 2, 3), torch.randn(3, 2, 3), torch.randn(3, 5)
+    slots = torch.tensor([9, -1, 2], dtype=torch.int32)
+    write_kv(cache.k, cache.v, slots, k, v)
+    write_index_k(cache.index_k, slots, ik)
+    assert torch.equal(cache.k[2, :, 1], k[0]) and torch.equal(cache.v[0, :, 2], v[2])
+    assert torch.equal(cache.index_k[2, 1], ik[0]) and torch.equal(cache.index_k[0, 2], ik[2])
+    changed = ~(cache.pool.isnan() & before.isnan()) & (cache.pool != before)
+    assert int(changed.sum()) == 2 * (2 * 2 * 3) + 2 * 5  # nothing but the two kept tokens
+
+
+def test_all_skipped_leaves_cache_untouched() -> None:
+    cache = PooledCache(num_pages=2, block_size=2, kv_heads=1, head_dim=2, index_dim=2)
+    cache.pool.normal_()
+    before = cache.pool.clone()
+    slots = torch.tensor([-1, -5])
+    write_kv(cache.k, cache.v, slots, torch.zeros(2, 1, 2), torch.zeros(2, 1, 2))
+    write_index_k(cache.index_k, slots, torch.zeros(2, 2))
+    assert torch.equal(cache.pool, before)
+
+
+def test_values_are_cast_to_cache_dtype() -> None:
+    k_cache = torch.zeros(2, 1, 2, 4, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(1, 1, 4)
+    write_kv(k_cache, v_cache, torch.tensor([3]), k, k)
+    assert torch.equal(k_cache[1, 0, 1], k[0, 0].to(torch.bfloat16))
+
+
+def test_shape_errors_name_the_argument() -> None:
+    k_cache = torch.zeros(2, 1, 2, 4)
+    with pytest.raises(MsaInputError, match="k and v"):
+        write_kv(k_cache, k_cache.clone(), torch.tensor([0]), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))
+    with pytest.raises(MsaInputError, match="slots"):
+        write_kv(k_cache, k_cache.clone(), torch.tensor([0, 1]), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    with pytest.raises(TypeError, match="slots"):
+        write_index_k(torch.zeros(2, 2, 4), torch.tensor([0.0]), torch.zeros(1, 4))
+    with pytest.raises(MsaInputError, match="ik"):
+        write_index_k(torch.zeros(2, 2, 4), torch.tensor([0]), torch.zeros(1, 3))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    num_pages=st.integers(1, 5),
+    log_block=st.integers(0, 3),
+    data=st.data(),
+)
+def test_matches_naive_scatter(num_pages: int, log_block: int, data) -> None:
+    block = 1 << log_block
+    capacity = num_pages * block
+    slots = data.draw(
+        st.lists(st.integers(-3, capacity - 1), max_size=capacity + 2).filter(
+            lambda s: len({x for x in s if x >= 0}) == len([x for x in s if x >= 0])
+        )
+    )
+    cache = PooledCache(num_pages, block, kv_heads=2, head_dim=3, index_dim=4)
+    cache.pool.normal_()
+    expected = PooledCache(num_pages, block, kv_heads=2, head_dim=3, index_dim=4)
+    expected.pool.copy_(cache.pool)
+    gen = torch.Generator().manual_seed(len(slots))
+    k, v = torch.randn(len(slots), 2, 3, generator=gen), torch.randn(len(slots), 2, 3, generator=gen)
+    ik = torch.randn(len(slots), 4, generator=gen)
+    write_kv(cache.k, cache.v, torch.tensor(slots, dtype=torch.int64), k, v)
+    write_index_k(cache.index_k, torch.tensor(slots, dtype=torch.int32), ik)
+    naive_write(expected.k, expected.v, expected.index_k, slots, k, v, ik, block)
+    assert torch.equal(cache.pool, expected.pool)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_writers_are_capturable_in_a_cuda_graph() -> None:
+    k_cache = torch.zeros(4, 2, 4, 8, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    ik_cache = torch.zeros(4, 4, 8, device="cuda")
+    slots = torch.tensor([5, -1, 6], device="cuda")
+    k = torch.randn(3, 2, 8, device="cuda")
+    ik = torch.randn(3, 8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        write_kv(k_cache, v_cache, slots, k, k)  # warm-up
+        write_index_k(ik_cache, slots, ik)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            write_kv(k_cache, v_cache, slots, k, k)
+            write_index_k(ik_cache, slots, ik)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    k_cache.zero_()
+    ik_cache.zero_()
+    slots.copy_(torch.tensor([-1, 9, -1]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache[2, :, 1], k[1]) and torch.equal(ik_cache[2, 1], ik[1])
+    assert int((k_cache != 0).sum()) == 2 * 8

@@ -1,0 +1,192 @@
+"""Tests for msa.selection: dense and paged per-token block selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin.msa import (
+    MsaDecodeMetadata,
+    MsaInputError,
+    select_blocks,
+    select_blocks_paged,
+    select_from_block_scores,
+    write_index_k,
+)
+
+from ._hf_oracle import BLOCK_SIZE, TOPK, SparseLayerOracle, hf_selection_sets, selection_sets
+from ._paged import PooledCache, naive_selection, padded_table, random_page_tables
+
+PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
+
+
+@pytest.fixture(scope="module")
+def oracle() -> SparseLayerOracle:
+    return SparseLayerOracle(seed=0)
+
+
+def assert_well_formed(sel: torch.Tensor, topk: int) -> None:
+    assert sel.dtype == torch.int32 and sel.shape[-1] == topk
+    for row in sel.reshape(-1, topk).tolist():
+        valid = [b for b in row if b >= 0]
+        assert row == valid + [-1] * (topk - len(valid)), row  # -1 only as right padding
+        assert valid == sorted(set(valid)), row  # ascending, no repeats
+
+
+def test_select_from_block_scores_hand_example() -> None:
+    scores = torch.tensor([[[5.0, 1.0, 9.0, 2.0, 7.0, 100.0]]])  # 1 head, 1 token, 6 blocks
+    # own block 4: block 5 is invisible despite its score; block 4 forced; best others 2 then 0.
+    sel = select_from_block_scores(scores, torch.tensor([4]), topk=3)
+    assert sel.tolist() == [[[0, 2, 4]]]
+    # init block 0 forced as well: block 2 remains the single free pick.
+    sel = select_from_block_scores(scores, torch.tensor([4]), topk=3, init_blocks=1)
+    assert sel.tolist() == [[[0, 2, 4]]]
+    sel = select_from_block_scores(scores, torch.tensor([1]), topk=3)
+    assert sel.tolist() == [[[0, 1, -1]]]
+    sel = select_from_block_scores(scores, torch.tensor([-1]), topk=2)
+    assert sel.tolist() == [[[-1, -1]]]
+
+
+def test_select_blocks_matches_hf_indexer(oracle: SparseLayerOracle) -> None:
+    run = oracle.run(41, seed=3)
+    positions = torch.arange(41)
+    sel = select_blocks(run.index_q, run.index_k, positions, block_size=BLOCK_SIZE, topk=TOPK)
+    assert sel.shape == (2, 41, TOPK)
+    assert_well_formed(sel, TOPK)
+    assert selection_sets(sel) == hf_selection_sets(run.selection)
+    # Sparsity is active past topk * block tokens: some token leaves a visible block out.
+    assert any(len(s) < p // BLOCK_SIZE + 1 for head in selection_sets(sel) for p, s in enumerate(head))
+
+
+def test_select_blocks_subset_of_queries_matches_hf(oracle: SparseLayerOracle) -> None:
+    run = oracle.run(37, seed=4)
+    positions = torch.tensor([36, 12, 30])
+    sel = select_blocks(run.index_q[positions], run.index_k, positions, block_size=BLOCK_SIZE, topk=TOPK)
+    expected = hf_selection_sets(run.selection[:, positions])
+    assert selection_sets(sel) == expected
+
+
+@PROPERTY
+@given(
+    seq_len=st.integers(1, 40),
+    log_block=st.integers(0, 3),
+    topk=st.integers(1, 5),
+    local=st.integers(0, 2),
+    init=st.integers(0, 2),
+    heads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_select_blocks_matches_naive(seq_len, log_block, topk, local, init, heads, seed) -> None:
+    if local + init > topk:
+        local, init = min(local, topk), 0
+    block = 1 << log_block
+    gen = torch.Generator().manual_seed(seed)
+    iq = torch.randn(seq_len, heads, 8, generator=gen)
+    ik = torch.randn(seq_len, 8, generator=gen)
+    positions = torch.randperm(seq_len, generator=gen)[: max(1, seq_len // 2)]
+    sel = select_blocks(iq[positions], ik, positions, block_size=block, topk=topk, local_blocks=local, init_blocks=init)
+    assert sel.shape == (heads, positions.numel(), topk)
+    assert_well_formed(sel, topk)
+    for t, p in enumerate(positions.tolist()):
+        expected = naive_selection(iq[p], ik, p, block, topk, local, init)
+        assert [s[t] for s in selection_sets(sel)] == expected
+        if p // block + 1 <= topk:  # few visible blocks: all of them
+            assert all(s[t] == frozenset(range(p // block + 1)) for s in selection_sets(sel))
+
+
+def test_select_blocks_rejects_bad_arguments() -> None:
+    iq, ik, pos = torch.zeros(2, 1, 4), torch.zeros(3, 4), torch.tensor([0, 1])
+    with pytest.raises(MsaInputError, match="power of two"):
+        select_blocks(iq, ik, pos, block_size=6, topk=2)
+    with pytest.raises(MsaInputError, match="exceed topk"):
+        select_blocks(iq, ik, pos, block_size=2, topk=2, local_blocks=2, init_blocks=1)
+    with pytest.raises(MsaInputError, match="shape mismatch"):
+        select_blocks(iq, torch.zeros(3, 5), pos, block_size=2, topk=2)
+    with pytest.raises(MsaInputError, match="topk"):
+        select_blocks(iq, ik, pos, block_size=2, topk=0)
+
+
+def _paged_batch(rows, block, heads, dim, seed, corrections=None):
+    """Fill a pooled index-K cache for requests ``rows = [(qo, kv)]``; return meta, cache, data."""
+    qo = [q for q, _ in rows]
+    kv = [k for _, k in rows]
+    pages = max(1, sum(-(-k // block) for k in kv)) + 3
+    cache = PooledCache(pages, block, kv_heads=1, head_dim=dim, index_dim=dim)
+    tables = random_page_tables(kv, block, pages, seed)
+    width = max([len(t) for t in tables] + [1])
+    meta = MsaDecodeMetadata(len(rows) + 1, max([1, sum(qo)] + kv), width + 1, block, "cpu", max_draft_len=3)
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randn(k, dim, generator=gen) for k in kv]
+    # Whole sequences go in through the writer (one "prefill" per request), then the step is staged.
+    for r, k in enumerate(kv):
+        if k:
+            meta.prepare([k], [k], padded_table([tables[r]], width))
+            write_index_k(cache.index_k, meta.cache_slots, seqs[r])
+    meta.prepare(qo, kv, padded_table(tables, width))
+    if corrections is not None:
+        meta.on_update_kv_lens(torch.tensor(corrections, dtype=torch.int32))
+    iq = torch.randn(sum(qo), heads, dim, generator=gen)
+    return meta, cache, seqs, iq
+
+
+@PROPERTY
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 20)), min_size=1, max_size=4),
+    log_block=st.integers(0, 3),
+    topk=st.integers(1, 4),
+    shrink=st.lists(st.integers(0, 3), min_size=4, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_select_blocks_paged_equals_dense_per_request(rows, log_block, topk, shrink, seed) -> None:
+    block = 1 << log_block
+    rows = [(q, q + extra) for q, extra in rows]
+    corrected = [max(0, k - s) for (_, k), s in zip(rows, shrink)]
+    meta, cache, seqs, iq = _paged_batch(rows, block, heads=2, dim=8, seed=seed, corrections=corrected)
+    sel = select_blocks_paged(iq, cache.index_k, meta, topk=topk)
+    assert sel.shape == (2, meta.num_tokens, topk)
+    assert_well_formed(sel, topk)
+    start = 0
+    for r, (q, _) in enumerate(rows):
+        rows_of_r = slice(start, start + q)
+        start += q
+        positions = torch.arange(corrected[r] - q, corrected[r])
+        live = positions >= 0
+        assert (sel[:, rows_of_r][:, ~live] == -1).all()  # overhang tokens see nothing
+        if live.any():
+            dense = select_blocks(
+                iq[rows_of_r][live], seqs[r][: corrected[r]], positions[live], block_size=block, topk=topk
+            )
+            assert torch.equal(sel[:, rows_of_r][:, live], dense)
+
+
+def test_select_blocks_paged_matches_hf_mixed_batch(oracle: SparseLayerOracle) -> None:
+    lengths, prefixes = [30, 26, 19, 8], [0, 22, 18, 3]  # prompt, 4-token verify, decode, chunk
+    runs = [oracle.run(n, seed=10 + i) for i, n in enumerate(lengths)]
+    rows = [(n - p, n) for n, p in zip(lengths, prefixes)]
+    pages = 40
+    cache = PooledCache(pages, BLOCK_SIZE, kv_heads=1, head_dim=16, index_dim=16)
+    tables = random_page_tables(lengths, BLOCK_SIZE, pages, seed=5)
+    table = padded_table(tables, 10)
+    meta = MsaDecodeMetadata(4, 64, 10, BLOCK_SIZE, "cpu", max_draft_len=3, num_index_heads=2)
+    meta.prepare([p for p in prefixes], prefixes, table)
+    write_index_k(cache.index_k, meta.cache_slots, torch.cat([r.index_k[:p] for r, p in zip(runs, prefixes)]))
+    meta.prepare([q for q, _ in rows], [k for _, k in rows], table)
+    write_index_k(cache.index_k, meta.cache_slots, torch.cat([r.index_k[p:] for r, p in zip(runs, prefixes)]))
+    iq = torch.cat([r.index_q[p:] for r, p in zip(runs, prefixes)])
+    sel = select_blocks_paged(iq, cache.index_k, meta, topk=TOPK)
+    expected = [[], []]
+    for run, p in zip(runs, prefixes):
+        for h, head in enumerate(hf_selection_sets(run.selection)):
+            expected[h].extend(head[p:])
+    assert selection_sets(sel) == expected
+
+
+def test_select_blocks_paged_checks_cache_shape() -> None:
+    meta = MsaDecodeMetadata(1, 4, 2, 4, "cpu")
+    meta.prepare([2], [2], torch.tensor([[0]], dtype=torch.int32))
+    with pytest.raises(MsaInputError, match="index_k_cache"):
+        select_blocks_paged(torch.zeros(2, 1, 8), torch.zeros(3, 2, 8), meta, topk=2)
+    with pytest.raises(MsaInputError, match="index_q"):
+        select_blocks_paged(torch.zeros(3, 1, 8), torch.zeros(3, 4, 8), meta, topk=2)

@@ -1,0 +1,148 @@
+"""Fixtures for the plugin machinery: a fake `tensorrt_llm` on sys.path and hermetic global state."""
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from m3_eagle_plugin import activation, config_key, registry
+from m3_eagle_plugin._bootstrap import remove_hook
+from m3_eagle_plugin.hooks import hookimpl
+
+PLUGIN_ENV = ("M3_EAGLE_PLUGIN", "M3_EAGLE_PLUGIN_FORCE", "M3_EAGLE_PLUGIN_TRACE", "M3_EAGLE_PLUGIN_LOAD")
+
+FAKE_LLM_ARGS = '''
+ALLOWED = {"model", "max_batch_size", "speculative_config", "kv_cache_config"}
+
+
+def update_llm_args_with_extra_dict(llm_args, llm_args_dict, extra_llm_api_options=None):
+    """Like the host: unknown top-level keys are rejected."""
+    unknown = set(llm_args_dict) - ALLOWED
+    if unknown:
+        raise ValueError(f"unknown LlmArgs fields: {sorted(unknown)}")
+    return {**llm_args, **llm_args_dict}
+
+
+def update_llm_args_with_extra_options(llm_args, extra_llm_api_options):
+    import yaml
+    with open(extra_llm_api_options) as f:
+        return update_llm_args_with_extra_dict(llm_args, yaml.safe_load(f), extra_llm_api_options)
+'''
+
+FAKE_SERVE = '''
+import yaml
+from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
+
+
+def load_args(path):
+    with open(path) as f:
+        return update_llm_args_with_extra_dict({"model": "m"}, yaml.safe_load(f))
+'''
+
+
+def write_fake_host(root: Path, version: str, *, install_double: bool = False) -> Path:
+    """A minimal `tensorrt_llm` (with dist-info so importlib.metadata reports `version`) under `root`."""
+    pkg = root / "tensorrt_llm"
+    (pkg / "llmapi").mkdir(parents=True)
+    (pkg / "commands").mkdir()
+    init = f"__version__ = {version!r}\nimport tensorrt_llm.llmapi.llm_utils\n"
+    if install_double:
+        # Test double for the adapter's install(): activation runs right after this module executes.
+        init += textwrap.dedent('''
+            import m3_eagle_plugin.host.trtllm as _adapter
+            _adapter.install = lambda: {"patches": ["fake-patch"], "installed_by": "fake host"}
+        ''')
+    (pkg / "__init__.py").write_text(init)
+    (pkg / "llmapi" / "__init__.py").write_text("")
+    (pkg / "llmapi" / "llm_args.py").write_text(FAKE_LLM_ARGS)
+    (pkg / "llmapi" / "llm_utils.py").write_text(
+        "from tensorrt_llm.llmapi.llm_args import update_llm_args_with_extra_dict\n")
+    (pkg / "commands" / "__init__.py").write_text("")
+    (pkg / "commands" / "serve.py").write_text(FAKE_SERVE)
+    dist = root / f"tensorrt_llm-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: {version}\n")
+    return root
+
+
+def _forget_host_modules() -> None:
+    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
+        del sys.modules[name]
+
+
+class RecordingPlugin:
+    """A hermetic stand-in for the built-in plugin with known answers."""
+
+    @hookimpl
+    def m3_eagle_model_classes(self, host):
+        return {"MiniMaxM3SparseForCausalLM": "fake.model:M3"}
+
+    @hookimpl
+    def m3_eagle_kv_cache_manager(self, host, sparse_config):
+        return "fake.kv:Manager"
+
+    @hookimpl
+    def m3_eagle_attention_metadata(self, host):
+        return "fake.msa:Metadata"
+
+    @hookimpl
+    def m3_eagle_host_patches(self, host):
+        return [SimpleNamespace(id="fake-a"), SimpleNamespace(id="fake-b"), SimpleNamespace(id="fake-a")]
+
+
+@pytest.fixture
+def clean_state(monkeypatch):
+    """Plugin env vars unset, no activation decision, no singleton manager, no hooks installed."""
+    for name in PLUGIN_ENV:
+        monkeypatch.setenv(name, "")  # records the original value, so activation's writes are undone
+        monkeypatch.delenv(name)
+    activation._reset_for_tests()
+    registry.reset_plugin_manager()
+    yield
+    config_key.uninstall_host_hook()
+    remove_hook()
+    activation._reset_for_tests()
+    registry.reset_plugin_manager()
+    _forget_host_modules()
+
+
+@pytest.fixture
+def hermetic_manager(clean_state, monkeypatch):
+    """The process-wide manager replaced by one holding only `RecordingPlugin` (no entry points)."""
+    manager = registry.make_plugin_manager(register_builtin=False)
+    manager.register(RecordingPlugin(), name="recording")
+    monkeypatch.setattr(registry, "_singleton", manager)
+    return manager
+
+
+@pytest.fixture
+def fake_install(monkeypatch):
+    """Replace the adapter's install() with a recorder (the real one needs a real TensorRT-LLM)."""
+    import m3_eagle_plugin.host.trtllm as adapter
+
+    calls = []
+
+    def install():
+        calls.append(1)
+        return {"patches": ["fake-a", "fake-b"]}
+
+    monkeypatch.setattr(adapter, "install", install, raising=False)
+    return calls
+
+
+@pytest.fixture
+def fake_host(tmp_path, monkeypatch, clean_state):
+    """Returns make(version) that puts a fake `tensorrt_llm` of that version first on sys.path."""
+
+    def make(version: str = "1.3.0rc24") -> Path:
+        root = write_fake_host(tmp_path / f"host-{version}", version)
+        monkeypatch.syspath_prepend(str(root))
+        importlib.invalidate_caches()
+        _forget_host_modules()
+        return root
+
+    return make

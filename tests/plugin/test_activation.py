@@ -1,0 +1,196 @@
+"""Activation modes against a fake `tensorrt_llm` (version from its dist-info METADATA)."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+import m3_eagle_plugin
+from m3_eagle_plugin import activation
+from m3_eagle_plugin.activation import ActivationError, InvalidModeError, resolve_mode
+from m3_eagle_plugin.log import LOGGER_NAME
+
+
+@pytest.fixture
+def log_lines():
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = Collect()
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
+@pytest.fixture
+def active_env(hermetic_manager, fake_install, fake_host):
+    return fake_host, fake_install
+
+
+def test_mode_resolution(monkeypatch, clean_state):
+    assert resolve_mode() == "off"
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", " Require ")
+    assert resolve_mode() == "require"
+    assert resolve_mode("AUTO") == "auto"
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "yes")
+    with pytest.raises(InvalidModeError, match=r"M3_EAGLE_PLUGIN='yes'.*off, auto, require"):
+        resolve_mode()
+    with pytest.raises(InvalidModeError, match="activate"):
+        resolve_mode("on")
+    with pytest.raises(InvalidModeError):
+        resolve_mode(1)
+
+
+def test_off_touches_nothing(active_env, log_lines):
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    report = m3_eagle_plugin.activate()
+    assert (report.mode, report.ok, report.activated) == ("off", True, False)
+    assert installs == [] and log_lines == []
+
+
+def test_auto_on_tested_host_activates_once(active_env, log_lines, monkeypatch):
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    report = m3_eagle_plugin.activate("auto")
+    assert report.ok and report.activated
+    assert report["verdict"] == "supported" and report["host_version"] == "1.3.0rc24"
+    assert report.patches == ["fake-a", "fake-b"]
+    assert report.components["model_classes"] == {"MiniMaxM3SparseForCausalLM": "fake.model:M3"}
+    assert report.components["kv_cache_manager"] == "fake.kv:Manager"
+    assert dict(report)["mode"] == "auto" and set(report) >= {"mode", "host", "verdict", "components", "patches"}
+    assert m3_eagle_plugin.activate("auto") is report and m3_eagle_plugin.activate("require") is report
+    assert m3_eagle_plugin.status() is report
+    assert installs == [1]
+    assert len(log_lines) == 1 and "activated" in log_lines[0] and "fake-a" in log_lines[0]
+    assert activation.os.environ["M3_EAGLE_PLUGIN"] == "auto"  # spawned workers agree
+
+
+def test_activation_is_thread_safe(active_env):
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    reports = []
+    threads = [threading.Thread(target=lambda: reports.append(m3_eagle_plugin.activate("auto"))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert installs == [1] and all(r is reports[0] for r in reports)
+
+
+def test_auto_on_untested_host_activates_with_verdict(active_env):
+    make_host, installs = active_env
+    make_host("1.3.0")
+    report = m3_eagle_plugin.activate("auto")
+    assert report.activated and report.verdict == "untested" and installs == [1]
+
+
+def test_require_on_untested_host_raises_unless_forced(active_env, monkeypatch):
+    make_host, installs = active_env
+    make_host("1.3.0")
+    with pytest.raises(ActivationError, match="M3_EAGLE_PLUGIN_FORCE"):
+        m3_eagle_plugin.activate("require")
+    assert installs == []
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "1")
+    assert m3_eagle_plugin.activate("require").activated
+
+
+@pytest.mark.parametrize("mode", ["auto", "require"])
+def test_defer_on_upstream_host(active_env, monkeypatch, log_lines, mode):
+    make_host, installs = active_env
+    make_host("1.4.0rc1")
+    if mode == "require":
+        with pytest.raises(ActivationError, match="18872"):
+            m3_eagle_plugin.activate(mode)
+    else:
+        report = m3_eagle_plugin.activate(mode)
+        assert report.verdict == "defer" and report.ok and not report.activated
+        assert len(log_lines) == 1 and "defer" in log_lines[0]
+    assert installs == []
+
+
+def test_force_overrides_defer(active_env, monkeypatch):
+    make_host, installs = active_env
+    make_host("1.4.0rc1")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "1")
+    report = m3_eagle_plugin.activate("auto")
+    assert report.activated and "overridden" in report.reason and installs == [1]
+
+
+def test_unsupported_host_auto_logs_one_line_require_raises(active_env, log_lines):
+    make_host, installs = active_env
+    make_host("1.2.0")
+    report = m3_eagle_plugin.activate("auto")
+    assert not report.ok and report.verdict == "unsupported" and "outside" in report.reason
+    assert m3_eagle_plugin.activate("auto") is report
+    assert len(log_lines) == 1 and "left untouched" in log_lines[0]
+    with pytest.raises(ActivationError, match="outside the supported range"):
+        m3_eagle_plugin.activate("require")
+    assert installs == []
+
+
+def test_missing_host(hermetic_manager, fake_install, monkeypatch):
+    monkeypatch.setattr(activation, "host_version", lambda package="tensorrt_llm": (False, None))
+    assert not m3_eagle_plugin.activate("auto").ok
+    with pytest.raises(ActivationError, match="tensorrt_llm"):
+        m3_eagle_plugin.activate("require")
+
+
+def test_install_failure(active_env, monkeypatch):
+    make_host, _ = active_env
+    make_host("1.3.0rc24")
+    import m3_eagle_plugin.host.trtllm as adapter
+
+    def broken():
+        raise RuntimeError("host symbol tensorrt_llm.x:y missing")
+
+    monkeypatch.setattr(adapter, "install", broken, raising=False)
+    report = m3_eagle_plugin.activate("auto")
+    assert not report.ok and not report.activated and "symbol" in report.reason
+    with pytest.raises(ActivationError, match="symbol"):
+        m3_eagle_plugin.activate("require")
+
+
+def test_broken_third_party_plugin(active_env):
+    make_host, _ = active_env
+    make_host("1.3.0rc24")
+    from m3_eagle_plugin.registry import PluginLoadError, get_plugin_manager
+
+    get_plugin_manager().load_errors.append(PluginLoadError("broken", "x:y", None, "ImportError: boom"))
+    with pytest.raises(ActivationError, match="broken"):
+        m3_eagle_plugin.activate("require")
+    report = m3_eagle_plugin.activate("auto")
+    assert report.activated and report.plugin_errors
+
+
+def test_host_ready_hook_sees_the_report(active_env, hermetic_manager):
+    make_host, _ = active_env
+    make_host("1.3.0rc24")
+    from m3_eagle_plugin.hooks import hookimpl
+
+    seen = []
+
+    class Ready:
+        @hookimpl
+        def m3_eagle_host_ready(self, host, report):
+            seen.append((host, report["patches"]))
+
+    report = m3_eagle_plugin.activate("auto")
+    hermetic_manager.register(Ready(), name="ready")  # historic: late registrants are called too
+    assert seen == [("tensorrt_llm", report.patches)]
+
+
+def test_status_without_activation(active_env, monkeypatch):
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    report = m3_eagle_plugin.status()
+    assert report.verdict == "supported" and not report.activated and installs == []
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "bad")
+    bad = m3_eagle_plugin.status()
+    assert not bad.ok and "allowed values" in bad.reason

@@ -1,0 +1,122 @@
+"""Interpreter-start bootstrap: the env/argv gate, the post-import hook, and what it imports."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin import _bootstrap
+from m3_eagle_plugin._bootstrap import installed_hook, wants_bootstrap
+
+REPO_SRC = Path(__file__).resolve().parents[2] / "src"
+PTH_FILE = REPO_SRC / "m3_eagle_plugin.pth"
+START_FILE = REPO_SRC / "m3_eagle_plugin.start"
+
+
+def _pth_gate():
+    """The inline gate of the .pth line, as a function of (environ, argv) - evaluated, not re-typed."""
+    line = PTH_FILE.read_text().strip()
+    assert line.startswith("import os, sys; ") and line.endswith(
+        ' and __import__("m3_eagle_plugin._bootstrap")._bootstrap.main()')
+    expression = line[len("import os, sys; "):-len(' and __import__("m3_eagle_plugin._bootstrap")._bootstrap.main()')]
+
+    def gate(environ, argv):
+        fake_os = type("os", (), {"environ": environ})
+        fake_sys = type("sys", (), {"argv": argv})
+        return bool(eval(expression, {"os": fake_os, "sys": fake_sys}))  # noqa: S307 - our own file
+
+    return gate
+
+
+def test_startup_files():
+    assert START_FILE.read_text().strip() == "m3_eagle_plugin._bootstrap:main"
+    assert len(PTH_FILE.read_text().strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "environ, argv, expected",
+    [
+        ({}, ["-c"], False),
+        ({"M3_EAGLE_PLUGIN": "off"}, ["x.py"], False),
+        ({"M3_EAGLE_PLUGIN": " OFF "}, [], False),
+        ({"M3_EAGLE_PLUGIN": ""}, [], False),
+        ({"M3_EAGLE_PLUGIN": "auto"}, [], True),
+        ({"M3_EAGLE_PLUGIN": "Require"}, [], True),
+        ({"M3_EAGLE_PLUGIN": "typo"}, [], True),  # activation reports the bad value when the host loads
+        ({}, ["/usr/bin/trtllm-serve", "m", "--extra_llm_api_options", "x.yaml"], True),
+        ({}, ["/usr/bin/trtllm-serve", "m", "--config=x.yaml"], True),
+        ({"M3_EAGLE_PLUGIN": "off"}, ["serve", "--config", "x.yaml"], True),
+    ],
+)
+def test_gate_examples(environ, argv, expected):
+    assert wants_bootstrap(environ, argv) is expected
+    assert _pth_gate()(environ, argv) is expected
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    st.one_of(st.none(), st.sampled_from(["", "off", "OFF", " off", "auto", "require", "x", "0"])),
+    st.lists(st.sampled_from(["-c", "m", "--config", "--config=a", "--extra_llm_api_options", "--conf", "-x"]),
+             max_size=4),
+)
+def test_pth_gate_matches_bootstrap(mode, argv):
+    environ = {} if mode is None else {"M3_EAGLE_PLUGIN": mode}
+    assert _pth_gate()(environ, argv) == wants_bootstrap(environ, argv)
+
+
+def test_hook_activates_right_after_the_host_import(fake_host, hermetic_manager, fake_install, monkeypatch):
+    fake_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    _bootstrap.main()
+    _bootstrap.main()  # .pth lines may run twice (lib and lib64 site dirs): one hook only
+    assert sum(getattr(f, "_m3_eagle_host_hook", False) for f in sys.meta_path) == 1
+    import json as _unrelated  # noqa: F401 - other imports pass through untouched
+
+    assert fake_install == []
+    import tensorrt_llm
+
+    assert fake_install == [1]
+    assert installed_hook() is None
+    assert type(tensorrt_llm.__loader__).__name__ != "_PostImportLoader"
+    assert tensorrt_llm.__spec__.loader is tensorrt_llm.__loader__
+    from m3_eagle_plugin.activation import status
+
+    assert status().activated and status().patches == ["fake-a", "fake-b"]
+
+
+def test_require_failure_surfaces_at_host_import(fake_host, hermetic_manager, fake_install, monkeypatch):
+    fake_host("1.2.0")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "require")
+    _bootstrap.main()
+    from m3_eagle_plugin.activation import ActivationError
+
+    with pytest.raises(ActivationError, match="outside the supported range"):
+        import tensorrt_llm  # noqa: F401
+    assert fake_install == []
+
+
+def test_hook_runs_at_once_when_host_already_imported(fake_host, hermetic_manager, fake_install, monkeypatch):
+    fake_host("1.3.0rc24")
+    import tensorrt_llm  # noqa: F401
+
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    _bootstrap.main()
+    assert fake_install == [1] and installed_hook() is None
+
+
+def test_bootstrap_imports_nothing_heavy():
+    code = (
+        "import sys; before = set(sys.modules); import m3_eagle_plugin._bootstrap as b; b.main(); "
+        "new = sorted(set(sys.modules) - before); print(','.join(new))"
+    )
+    env = {**os.environ, "M3_EAGLE_PLUGIN": "auto"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    new = set(out.stdout.strip().splitlines()[-1].split(","))
+    assert new <= {"m3_eagle_plugin", "m3_eagle_plugin._version", "m3_eagle_plugin._bootstrap"}, new
+    assert not any(re.match(r"(torch|tensorrt_llm|pluggy|packaging|typing)\b", m) for m in new)

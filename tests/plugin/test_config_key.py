@@ -1,0 +1,107 @@
+"""The `m3_eagle_plugin:` YAML key: pure parsing, env export, and stripping before the host validates."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin.config_key import (
+    CONFIG_KEY,
+    ConfigKeyError,
+    ConfigKeySettings,
+    apply_settings,
+    install_host_hook,
+    parse_config_value,
+    settings_env,
+    split_config_key,
+)
+
+yaml = pytest.importorskip("yaml")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("m3_eagle_plugin: auto", ConfigKeySettings("auto")),
+        ("m3_eagle_plugin: require", ConfigKeySettings("require")),
+        ("m3_eagle_plugin: off", ConfigKeySettings("off")),  # YAML 1.1 reads `off` as false
+        ("m3_eagle_plugin: on", ConfigKeySettings("auto")),
+        ("m3_eagle_plugin: 'off'", ConfigKeySettings("off")),
+        ("m3_eagle_plugin:", ConfigKeySettings("off")),
+        ("m3_eagle_plugin: {mode: require, force: true}", ConfigKeySettings("require", force=True)),
+        ("m3_eagle_plugin:\n  trace: false", ConfigKeySettings("auto", trace=False)),
+    ],
+)
+def test_parse_yaml_values(text, expected):
+    config = yaml.safe_load(text + "\nmax_batch_size: 8\n")
+    remaining, parsed = split_config_key(config)
+    assert parsed == expected
+    assert remaining == {"max_batch_size": 8}
+    assert CONFIG_KEY in config  # the input is not modified
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("maybe", "mode must be one of"), (3, "mode must be one of"), ({"mode": "auto", "speed": 1}, "unknown field"),
+     ({"force": "yes"}, "force' must be true or false")],
+)
+def test_bad_values(value, message):
+    with pytest.raises(ConfigKeyError, match=message):
+        parse_config_value(value)
+
+
+def test_configs_without_the_key_pass_through():
+    config = {"max_batch_size": 8}
+    assert split_config_key(config) == (config, None)
+    assert split_config_key(None) == (None, None)
+
+
+def test_settings_env_and_explicit_env_wins():
+    settings = ConfigKeySettings("require", force=True, trace=False)
+    assert settings_env(settings) == {"M3_EAGLE_PLUGIN": "require", "M3_EAGLE_PLUGIN_FORCE": "1",
+                                      "M3_EAGLE_PLUGIN_TRACE": "0"}
+    environ = {"M3_EAGLE_PLUGIN": "auto"}
+    applied = apply_settings(settings, environ)
+    assert environ["M3_EAGLE_PLUGIN"] == "auto" and "M3_EAGLE_PLUGIN" not in applied
+    assert environ["M3_EAGLE_PLUGIN_FORCE"] == "1"
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    st.dictionaries(st.text(min_size=1, max_size=8).filter(lambda k: k != CONFIG_KEY), st.integers(), max_size=4),
+    st.sampled_from(["off", "auto", "require", True, False, None]),
+    st.one_of(st.none(), st.booleans()),
+)
+def test_split_property(other, mode, force):
+    value = {"mode": mode} if force is None else {"mode": mode, "force": force}
+    remaining, parsed = split_config_key({**other, CONFIG_KEY: value})
+    assert remaining == other
+    expected_mode = {True: "auto", False: "off", None: "off"}.get(mode, mode) if not isinstance(mode, str) else mode
+    assert parsed.mode == expected_mode and parsed.force == force
+    env = settings_env(parsed)
+    assert env["M3_EAGLE_PLUGIN"] == expected_mode
+    assert ("M3_EAGLE_PLUGIN_FORCE" in env) == (force is not None)
+
+
+def test_host_yaml_is_stripped_and_activates(fake_host, hermetic_manager, fake_install, tmp_path):
+    fake_host("1.3.0rc24")
+    import tensorrt_llm.commands.serve as serve  # binds the host function by `from ... import`
+    import tensorrt_llm.llmapi.llm_args as llm_args
+
+    config = tmp_path / "extra.yaml"
+    config.write_text("max_batch_size: 8\nm3_eagle_plugin: auto\n")
+    with pytest.raises(ValueError, match="unknown LlmArgs fields"):
+        serve.load_args(config)  # the host alone rejects the key
+    rebound = install_host_hook()
+    assert {"tensorrt_llm.commands.serve", "tensorrt_llm.llmapi.llm_args", "tensorrt_llm.llmapi.llm_utils"} <= set(rebound)
+    assert serve.load_args(config) == {"model": "m", "max_batch_size": 8}
+    assert os.environ["M3_EAGLE_PLUGIN"] == "auto"
+    assert fake_install == [1]
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("max_batch_size: 4\n")
+    assert llm_args.update_llm_args_with_extra_options({}, str(plain)) == {"max_batch_size": 4}
+    assert install_host_hook() == []  # idempotent: nothing left to rebind
+    assert sys.modules["tensorrt_llm.llmapi.llm_utils"].update_llm_args_with_extra_dict is serve.update_llm_args_with_extra_dict

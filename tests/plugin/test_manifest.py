@@ -1,0 +1,148 @@
+"""plugin_manifest.toml: the shipped file, validation errors naming the field, host verdicts."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from packaging.version import Version
+
+from m3_eagle_plugin.manifest import (
+    DEFER,
+    SUPPORTED,
+    UNSUPPORTED,
+    UNTESTED,
+    ManifestError,
+    host_verdict,
+    load_manifest,
+    parse_manifest,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ROOT_MANIFEST = REPO_ROOT / "plugin_manifest.toml"
+REQUIRED_PATCHES = {
+    "route-sparse-kv-cache-manager",
+    "route-msa-backend",
+    "unified-draft-kv-policy",
+    "trtllm-gen-page-size-opt-in",
+}
+
+
+def raw_manifest() -> dict:
+    return tomllib.loads(ROOT_MANIFEST.read_text())
+
+
+def test_shipped_manifest_loads_and_lists_the_patches():
+    manifest = load_manifest()
+    assert manifest.name == "m3-eagle-plugin"
+    assert manifest.host.package == "tensorrt_llm"
+    assert REQUIRED_PATCHES <= {p.id for p in manifest.patches}
+    for record in manifest.patches:
+        assert record.why and record.upstream and ":" in record.target
+    assert manifest.patch("route-msa-backend").remove_when.startswith("tensorrt_llm")
+
+
+def test_packaged_manifest_is_the_root_file():
+    from m3_eagle_plugin.manifest import default_manifest_path
+
+    assert default_manifest_path().read_bytes() == ROOT_MANIFEST.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda m: m.pop("manifest_version"), "manifest_version"),
+        (lambda m: m["host"].pop("requires"), "host.requires"),
+        (lambda m: m["host"].__setitem__("requires", 13), "host.requires"),
+        (lambda m: m["host"].__setitem__("requires", ">>1.3"), "host.requires"),
+        (lambda m: m["host"].__setitem__("defer_from", "=<1.4"), "host.defer_from"),
+        (lambda m: m["host"].__setitem__("tested", "1.3.0"), "host.tested"),
+        (lambda m: m["host"].__setitem__("tested", ["not a version!"]), "host.tested"),
+        (lambda m: m.__setitem__("name", "other-plugin"), "name"),
+        (lambda m: m.__setitem__("manifest_version", "99"), "manifest_version"),
+        (lambda m: m["activation"].__setitem__("on_untested_host", "maybe"), "activation.on_untested_host"),
+        (lambda m: m["patches"][0].pop("why"), "patches[0].why"),
+        (lambda m: m["patches"][1].__setitem__("target", "no_colon"), "patches[1].target"),
+        (lambda m: m["patches"][2].__setitem__("remove_when", ">=1.4"), "patches[2].remove_when"),
+        (lambda m: m["patches"][3].__setitem__("id", m["patches"][0]["id"]), "duplicate patch id"),
+        (lambda m: m["patches"][0].__setitem__("upstream", True), "patches[0].upstream"),
+    ],
+)
+def test_bad_manifest_names_the_field(mutate, field):
+    raw = copy.deepcopy(raw_manifest())
+    mutate(raw)
+    with pytest.raises(ManifestError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        parse_manifest(raw)
+
+
+def test_unreadable_and_invalid_toml(tmp_path):
+    with pytest.raises(ManifestError, match="cannot read"):
+        load_manifest(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("manifest_version = \n")
+    with pytest.raises(ManifestError, match="not valid TOML"):
+        load_manifest(bad)
+
+
+def test_extra_patch_fields_are_kept():
+    raw = copy.deepcopy(raw_manifest())
+    raw["patches"][0]["processes"] = ["driver", "worker"]
+    assert parse_manifest(raw).patches[0].extra == {"processes": ["driver", "worker"]}
+
+
+@pytest.mark.parametrize(
+    "version, force, status",
+    [
+        (None, False, UNSUPPORTED),
+        ("garbage", False, UNSUPPORTED),
+        ("1.2.0", False, UNSUPPORTED),
+        ("1.3.0rc0", False, UNSUPPORTED),
+        ("1.3.0rc1", False, UNTESTED),
+        ("1.3.0rc24", False, SUPPORTED),
+        ("1.3.0", False, UNTESTED),
+        ("1.4.0rc1", False, DEFER),   # prerelease must match >=1.4.0rc1
+        ("1.4.0rc1", True, UNTESTED),
+        ("1.4.2", False, DEFER),
+        ("1.5.0rc1", False, UNSUPPORTED),  # <1.5 excludes 1.5 prereleases (PEP 440)
+        ("1.5.0", False, UNSUPPORTED),
+    ],
+)
+def test_host_verdict_examples(version, force, status):
+    verdict = host_verdict(version, force=force)
+    assert verdict.status == status, verdict.reason
+    if version is None:
+        assert "tensorrt_llm is not installed" in verdict.reason
+    if status == DEFER:
+        assert "18872" in verdict.reason and "M3_EAGLE_PLUGIN_FORCE" in verdict.reason
+    assert verdict.forced == (force and status != UNSUPPORTED and version == "1.4.0rc1")
+
+
+versions = st.builds(
+    lambda major, minor, patch, pre: f"{major}.{minor}.{patch}{pre}",
+    st.integers(0, 2), st.integers(0, 6), st.integers(0, 3),
+    st.sampled_from(["", "rc1", "rc7", "rc24", "a1", "b2", ".post1", ".dev3"]),
+)
+
+
+def _expected(version: str, force: bool) -> str:
+    # Independent restatement of the manifest's rules with plain version comparisons.
+    v = Version(version)
+    if not (Version("1.3.0rc1") <= v and v.release < (1, 5)):
+        return UNSUPPORTED
+    if v >= Version("1.4.0rc1") and not force:
+        return DEFER
+    return SUPPORTED if v == Version("1.3.0rc24") else UNTESTED
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(versions, st.booleans())
+def test_host_verdict_property(version, force):
+    assert host_verdict(version, force=force).status == _expected(version, force)

@@ -1,0 +1,244 @@
+"""Plugin manager: hermetic registration, safe entry points, conflicts, tracing, resolve()."""
+from __future__ import annotations
+
+import importlib.metadata
+import textwrap
+
+import pluggy
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin import builtin, registry
+from m3_eagle_plugin.hooks import DraftContext, hookimpl
+from m3_eagle_plugin.registry import (
+    PluginConflictError,
+    PluginError,
+    ResolveError,
+    make_plugin_manager,
+    resolve,
+)
+
+
+class Drafter:
+    @hookimpl
+    def m3_eagle_propose_drafts(self, context):
+        return [[seq[-1]] * context.draft_len for seq in context.tokens]
+
+
+class OtherModel:
+    @hookimpl
+    def m3_eagle_model_classes(self, host):
+        return {"MiniMaxM3SparseForCausalLM": "other.pkg:M3"}
+
+
+class ReadyRecorder:
+    def __init__(self):
+        self.seen = []
+
+    @hookimpl
+    def m3_eagle_host_ready(self, host, report):
+        self.seen.append((host, report))
+
+
+@pytest.fixture
+def manager():
+    pm = make_plugin_manager()  # hermetic: built-in only, no entry points
+    yield pm
+    for name, plugin in list(pm.list_name_plugin()):
+        if name != registry.BUILTIN_NAME:
+            pm.unregister(plugin)
+
+
+def test_hermetic_factory_has_only_builtin(manager):
+    assert [name for name, _ in manager.list_name_plugin()] == [registry.BUILTIN_NAME]
+    assert manager.load_errors == []
+
+
+def test_builtin_reference_components(manager):
+    classes = manager.model_classes("reference")
+    assert classes["MiniMaxM3SparseForCausalLM"] == "m3_eagle_plugin.models:MiniMaxM3ForCausalLM"
+    assert manager.kv_cache_manager("reference", {"algorithm": "minimax_m3"}) == "m3_eagle_plugin.kv:PagedKVCache"
+    assert manager.kv_cache_manager("reference", {"algorithm": "dsa"}) is None
+    assert manager.kv_cache_manager("reference", None) is None
+    assert manager.attention_metadata("reference") == "m3_eagle_plugin.msa:MsaDecodeMetadata"
+    assert manager.model_classes("some-other-host") == {}
+
+
+def test_builtin_reference_components_resolve_when_present(manager):
+    for reference in manager.model_classes("reference").values():
+        try:
+            obj = resolve(reference)
+        except ResolveError:
+            pytest.skip(f"{reference} not written yet")
+        assert isinstance(obj, type)
+
+
+def test_builtin_trtllm_patches_come_from_the_adapter(manager):
+    pytest.importorskip("m3_eagle_plugin.host.trtllm.patches")
+    ids = {p.id for p in manager.host_patches("tensorrt_llm")}
+    assert {"route-sparse-kv-cache-manager", "route-msa-backend"} <= ids
+    assert manager.host_patches("reference") == []
+
+
+def test_drafter_plugin_overrides_the_eagle3_head(manager):
+    ctx = DraftContext.build([7, 9], [[1, 2, 3], [4, 5]], 3)
+    assert manager.propose_drafts(ctx) is None  # default: the Eagle3 head drafts
+    manager.register(Drafter(), name="last-token")
+    assert manager.propose_drafts(ctx) == [[3, 3, 3], [5, 5, 5]]
+
+
+def test_drafter_with_wrong_shape_is_rejected(manager):
+    class Bad:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            return [[1]]
+
+    manager.register(Bad(), name="bad")
+    with pytest.raises(PluginError, match="expected 2 each"):
+        manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
+
+
+def test_draft_context_validates():
+    with pytest.raises(ValueError, match="request_ids"):
+        DraftContext((1, 2), ((1,),), 1)
+    with pytest.raises(ValueError, match="draft_len"):
+        DraftContext((1,), ((1,),), -1)
+
+
+def test_model_class_conflict_is_detected(manager):
+    class SameAsBuiltin:
+        @hookimpl
+        def m3_eagle_model_classes(self, host):
+            return {"MiniMaxM3SparseForCausalLM": "m3_eagle_plugin.models:MiniMaxM3ForCausalLM"}
+
+    manager.register(SameAsBuiltin(), name="same")
+    manager.model_classes("reference")  # agreeing claims are fine
+    manager.register(OtherModel(), name="other")
+    with pytest.raises(PluginConflictError, match="MiniMaxM3SparseForCausalLM.*other"):
+        manager.model_classes("reference")
+
+
+def test_historic_host_ready_reaches_late_plugins(manager):
+    early = ReadyRecorder()
+    manager.register(early, name="early")
+    manager.hook.m3_eagle_host_ready.call_historic(kwargs={"host": "tensorrt_llm", "report": {"ok": True}})
+    late = ReadyRecorder()
+    manager.register(late, name="late")
+    assert early.seen == late.seen == [("tensorrt_llm", {"ok": True})]
+
+
+def test_misspelled_hook_fails_check_pending(manager):
+    class Typo:
+        @hookimpl
+        def m3_eagle_model_clases(self, host):
+            return {}
+
+    manager.register(Typo(), name="typo")
+    with pytest.raises(pluggy.PluginValidationError):
+        manager.check_pending()
+
+
+class _FakeEntryPoint:
+    def __init__(self, name, value, loader):
+        self.name, self.value, self._loader, self.dist = name, value, loader, None
+
+    def load(self):
+        return self._loader()
+
+
+def _raise():
+    raise ImportError("No module named 'missing_dependency'")
+
+
+def test_broken_entry_point_is_reported_not_fatal(manager, monkeypatch):
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    eps = [_FakeEntryPoint("broken", "broken_pkg:plugin", _raise), _FakeEntryPoint("drafter", "ok:Drafter", Drafter)]
+    loaded = manager.load_entrypoints(entry_points=eps)
+    assert loaded == ["drafter"]
+    assert [e.name for e in manager.load_errors] == ["broken"]
+    assert "missing_dependency" in str(manager.load_errors[0])
+
+
+def test_broken_entry_point_is_fatal_when_strict(manager):
+    with pytest.raises(PluginError, match="broken"):
+        manager.load_entrypoints(entry_points=[_FakeEntryPoint("broken", "x:y", _raise)], strict=True)
+
+
+def test_allow_list_env(manager, monkeypatch):
+    monkeypatch.setenv(registry.LOAD_ENV, "")
+    assert manager.load_entrypoints(entry_points=[_FakeEntryPoint("drafter", "ok:Drafter", Drafter)]) == []
+
+
+def test_real_entry_point_group_from_a_fake_distribution(tmp_path, monkeypatch):
+    """A dist-info on sys.path with a broken entry point: loaded through importlib.metadata."""
+    site = tmp_path / "site"
+    (site / "good_m3_plugin").mkdir(parents=True)
+    (site / "good_m3_plugin" / "__init__.py").write_text(textwrap.dedent("""
+        from m3_eagle_plugin.hooks import hookimpl
+
+        @hookimpl
+        def m3_eagle_attention_metadata(host):
+            return "good_m3_plugin:Meta"
+    """))
+    dist = site / "good_m3_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: good-m3-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[m3_eagle_plugin]\ngood = good_m3_plugin\nbroken = no_such_module_xyz:plugin\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    pm = make_plugin_manager(autoload=True)
+    assert pm.get_plugin("good") is not None
+    assert pm.attention_metadata("reference") == "good_m3_plugin:Meta"  # registered last, called first
+    assert any(e.name == "broken" and e.distribution == "good-m3-plugin" for e in pm.load_errors)
+    assert pm.get_plugin("builtin") is builtin  # the built-in entry point is not registered twice
+    rows = {row["name"]: row for row in pm.plugin_summary()}
+    assert rows["good"]["distribution"] == "good-m3-plugin 1.0"
+    assert rows["good"]["hooks"] == ["m3_eagle_attention_metadata"]
+
+
+def test_singleton_and_reset(clean_state):
+    first = registry.get_plugin_manager(autoload=False)
+    assert registry.get_plugin_manager() is first
+    registry.reset_plugin_manager()
+    assert registry.get_plugin_manager(autoload=False) is not first
+
+
+def test_trace_logs_hook_calls(monkeypatch):
+    lines = []
+    monkeypatch.setenv(registry.TRACE_ENV, "1")
+    pm = make_plugin_manager()
+    pm.disable_trace()
+    pm.enable_trace(writer=lines.append)
+    pm.attention_metadata("reference")
+    assert any("m3_eagle_attention_metadata" in line and "builtin" in line for line in lines)
+    assert any("MsaDecodeMetadata" in line for line in lines)
+    pm.disable_trace()
+    lines.clear()
+    pm.attention_metadata("reference")
+    assert lines == []
+
+
+def test_resolve():
+    assert resolve("importlib.metadata:version") is importlib.metadata.version
+    assert resolve("m3_eagle_plugin.registry:M3PluginManager.model_classes") is registry.M3PluginManager.model_classes
+    with pytest.raises(ValueError, match="module:qualname"):
+        resolve("no.colon")
+    with pytest.raises(TypeError):
+        resolve(42)
+    with pytest.raises(ResolveError, match="cannot import module"):
+        resolve("no_such_module_abc:x")
+    with pytest.raises(ResolveError, match="no attribute path"):
+        resolve("importlib.metadata:nope")
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=6), min_size=1, max_size=4),
+       st.integers(0, 5))
+def test_propose_drafts_property(tokens, draft_len):
+    pm = make_plugin_manager()
+    pm.register(Drafter(), name="last-token")
+    ctx = DraftContext.build(range(len(tokens)), tokens, draft_len)
+    drafts = pm.propose_drafts(ctx)
+    assert drafts == [[seq[-1]] * draft_len for seq in tokens]

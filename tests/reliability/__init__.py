@@ -1,0 +1,1 @@
+"""Reliability suite: hostile inputs, fuzzed KV schedules, injected faults, bad files, soak."""

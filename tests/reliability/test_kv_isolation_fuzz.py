@@ -1,0 +1,158 @@
+"""KV isolation under fuzzed request schedules: joins, verify steps, rejections, finishes, transfers.
+
+Hypothesis draws bounded, seeded schedules (derandomized, so CI is repeatable). After every
+operation each live request's K, V, index-K and draft-layer KV must equal its single-request
+shadow, no page may be shared by two live requests, and no block may be lost.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ._counts import bump
+from ._shadow import KVWorld
+
+GEOMETRIES = {
+    # K page (1 head x 4 x 8) == index-K page (4 x 8): everything coalesces into one mega-slot pool
+    "mega-slot": dict(num_layers=3, sparse=[1, 2], num_kv_heads=1, head_dim=8, index_dim=8),
+    # K page (2 x 4 x 8) != index-K page (4 x 8): K/V and index-K live in separate pools
+    "split-pools": dict(num_layers=2, sparse=[1], num_kv_heads=2, head_dim=8, index_dim=8),
+}
+BLOCK = 4
+BLOCKS = (14, 10)
+
+
+def _modules():
+    kv = pytest.importorskip("m3_eagle_plugin.kv")
+    msa = pytest.importorskip("m3_eagle_plugin.msa")
+    for name in ("PagedKVCache", "export_request", "import_request", "OutOfBlocksError"):
+        if not hasattr(kv, name):
+            pytest.skip(f"m3_eagle_plugin.kv.{name} not written yet")
+    if not (hasattr(msa, "write_kv") or hasattr(getattr(msa, "cache_write", None), "write_kv")):
+        pytest.skip("m3_eagle_plugin.msa.write_kv not written yet")
+    return kv, msa
+
+
+def _fault(world: KVWorld, data, kv_mod) -> None:
+    """Inject one bad call; it must raise a clear error and change nothing (checked by the caller)."""
+    live = sorted(world.home)
+    kind = data.draw(st.sampled_from(["rewind-past-end", "unknown-request", "duplicate-import",
+                                      "negative-reserve", "duplicate-join"]), label="fault")
+    bump("faults.injected")
+    if kind == "unknown-request":
+        with pytest.raises(KeyError, match="10000"):
+            world.caches[0].rewind(10_000, 0)
+        return
+    if not live:
+        return
+    rid = data.draw(st.sampled_from(live), label="fault rid")
+    cache = world.caches[world.home[rid]]
+    if kind == "rewind-past-end":
+        with pytest.raises(ValueError, match="rewind"):
+            cache.rewind(rid, cache.num_tokens(rid) + 1)
+    elif kind == "negative-reserve":
+        with pytest.raises(ValueError):
+            cache.reserve(rid, -1)
+    elif kind == "duplicate-join":
+        with pytest.raises(ValueError, match="exists"):
+            cache.add_request(rid)
+    else:  # import a request into the cache that already holds it
+        payload = kv_mod.export_request(cache, rid)
+        free = cache.num_free_blocks
+        with pytest.raises(ValueError):
+            kv_mod.import_request(cache, rid, payload)
+        assert cache.num_free_blocks == free, "a refused import kept blocks"
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(data=st.data(), geometry=st.sampled_from(sorted(GEOMETRIES)))
+def test_fuzzed_schedules_keep_every_request_isolated(data, geometry):
+    kv_mod, msa = _modules()
+    world = KVWorld(kv_mod, msa, block_size=BLOCK, num_blocks=BLOCKS,
+                    seed=data.draw(st.integers(0, 2 ** 16), label="seed"), **GEOMETRIES[geometry])
+    next_rid = 0
+    bump("fuzz.examples")
+    for _ in range(data.draw(st.integers(4, 24), label="operations")):
+        live = sorted(world.home)
+        op = data.draw(st.sampled_from(["join", "verify", "verify", "finish", "migrate", "fault"]), label="op")
+        if op == "join" or not live:
+            where = data.draw(st.integers(0, 1), label="cache")
+            world.join(next_rid, where)
+            prompt = data.draw(st.integers(1, 9), label="prompt")
+            if not world.step(where, [(next_rid, prompt)]):
+                world.finish(next_rid)
+            next_rid += 1
+            bump("fuzz.requests")
+        elif op == "verify":
+            where = world.home[data.draw(st.sampled_from(live), label="anchor")]
+            rows = [r for r in live if world.home[r] == where]
+            batch = data.draw(st.lists(st.sampled_from(rows), min_size=1, max_size=4, unique=True), label="batch")
+            drafts = {rid: data.draw(st.integers(0, 3), label="draft_len") for rid in batch}
+            before = {rid: world.shadow[rid].length for rid in batch}
+            if world.step(where, [(rid, 1 + drafts[rid]) for rid in batch]):
+                for rid in batch:
+                    accepted = data.draw(st.integers(0, drafts[rid]), label="accepted")
+                    world.rewind(rid, before[rid] + 1 + accepted)
+                    bump("fuzz.rewinds", int(accepted < drafts[rid]))
+        elif op == "finish":
+            world.finish(data.draw(st.sampled_from(live), label="finish"))
+        elif op == "migrate":
+            bump("fuzz.migrations", int(world.migrate(data.draw(st.sampled_from(live), label="migrate"))))
+        else:
+            _fault(world, data, kv_mod)
+        world.check()
+        bump("fuzz.steps")
+    for rid in sorted(world.home):
+        world.finish(rid)
+    world.check()
+    for cache in world.caches:
+        assert cache.num_free_blocks == cache.num_blocks, "blocks leaked after every request finished"
+
+
+def test_import_into_a_different_geometry_is_refused_and_changes_nothing():
+    kv_mod, msa = _modules()
+    world = KVWorld(kv_mod, msa, block_size=BLOCK, num_blocks=BLOCKS, seed=1, **GEOMETRIES["mega-slot"])
+    world.join(0, 0)
+    assert world.step(0, [(0, 6)])
+    payload = kv_mod.export_request(world.caches[0], 0)
+    other = kv_mod.PagedKVCache.for_minimax_m3(2, [1], 2, 8, 8, BLOCK, 8, num_draft_layers=1, dtype=torch.float32)
+    bump("faults.injected")
+    with pytest.raises(ValueError, match="geometry"):
+        kv_mod.import_request(other, 0, payload)
+    assert other.num_free_blocks == other.num_blocks and 0 not in other.allocator
+
+
+def test_truncated_payload_is_refused_and_changes_nothing():
+    kv_mod, msa = _modules()
+    world = KVWorld(kv_mod, msa, block_size=BLOCK, num_blocks=BLOCKS, seed=2, **GEOMETRIES["split-pools"])
+    world.join(0, 0)
+    assert world.step(0, [(0, 9)])  # 3 pages
+    payload = kv_mod.export_request(world.caches[0], 0)
+    cut = type(payload)(payload.fingerprint, payload.num_tokens, tuple(t[:-1] for t in payload.pool_pages))
+    target = world.caches[1]
+    bump("faults.injected")
+    with pytest.raises(ValueError):
+        kv_mod.import_request(target, 0, cut)
+    assert target.num_free_blocks == target.num_blocks and 0 not in target.allocator
+
+
+def test_payload_is_a_snapshot_not_a_view():
+    """Writes after export (or after the source frees and reuses the pages) never reach the payload."""
+    kv_mod, msa = _modules()
+    world = KVWorld(kv_mod, msa, block_size=BLOCK, num_blocks=BLOCKS, seed=3, **GEOMETRIES["mega-slot"])
+    world.join(0, 0)
+    assert world.step(0, [(0, 7)])
+    payload = kv_mod.export_request(world.caches[0], 0)
+    world.finish(0)
+    world.join(1, 0)  # reuses request 0's pages
+    assert world.step(0, [(1, 8)])
+    kv_mod.import_request(world.caches[1], 0, payload)
+    world.home[0] = 1
+    # request 0's expected values: a fresh world with the same seed writes the same numbers
+    again = KVWorld(kv_mod, msa, block_size=BLOCK, num_blocks=BLOCKS, seed=3, **GEOMETRIES["mega-slot"])
+    again.join(0, 0)
+    assert again.step(0, [(0, 7)])
+    world.shadow[0] = again.shadow[0]
+    world.check()
