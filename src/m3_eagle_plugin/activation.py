@@ -50,6 +50,8 @@ class ActivationReport(Mapping):
     activated: bool = False
     plugin_version: str = __version__
     plugin_errors: list[str] = field(default_factory=list)
+    host_report: dict[str, Any] = field(default_factory=dict)  # what the host adapter's install() returned
+    fingerprint: str = ""  # plugin version + applied patches: equal on every rank of one deployment
 
     def __getitem__(self, key: str) -> Any:
         if key not in self._keys():
@@ -108,7 +110,16 @@ def host_version(package: str = HOST_PACKAGE) -> tuple[bool, str | None]:
 _lock = threading.RLock()
 _active: ActivationReport | None = None
 _last: dict[str, ActivationReport] = {}
+_in_progress: ActivationReport | None = None  # re-entry guard: install() may import tensorrt_llm
 _logged = False
+
+
+def fingerprint(patches: list[str]) -> str:
+    """A short digest of what is active, logged per process so a driver/worker split is visible."""
+    import hashlib
+
+    text = "\n".join([__version__, *sorted(patches)])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _log_once(message: str, *, warning: bool = False) -> None:
@@ -174,27 +185,31 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
 
     from m3_eagle_plugin.host.trtllm import install
 
-    installed_report = install() or {}
+    installed_report = dict(install() or {})
     report.patches = list(installed_report.get("patches", planned))
-    for key, value in installed_report.items():
-        if key not in ("patches",):
-            report.components.setdefault(key, value)
+    if installed_report.get("models"):
+        report.components["registered_models"] = installed_report["models"]
+    report.host_report = installed_report
+    report.fingerprint = fingerprint(report.patches)
     report.activated, report.ok = True, True
     manager.hook.m3_eagle_host_ready.call_historic(kwargs={"host": manifest.host.package, "report": report})
 
 
 def activate(mode: str | None = None) -> ActivationReport:
     """Activate on TensorRT-LLM according to `mode` (default `$M3_EAGLE_PLUGIN`); see the module doc."""
-    global _active
+    global _active, _in_progress
     resolved = resolve_mode(mode)
     with _lock:
         if _active is not None:
             return _active
+        if _in_progress is not None:  # same thread, from inside install(): the outer call decides
+            return _in_progress
         if resolved == "off":
             return _last.setdefault("off", ActivationReport(mode="off", reason=f"{MODE_ENV} is off"))
         if resolved in _last:
             return _last[resolved]
         report = ActivationReport(mode=resolved)
+        _in_progress = report
         try:
             _evaluate(resolved, report)
         except Exception as exc:  # noqa: BLE001 - auto must never break the host
@@ -208,6 +223,8 @@ def activate(mode: str | None = None) -> ActivationReport:
             _log_once(f"not activated (auto): {report.reason}; TensorRT-LLM left untouched", warning=True)
             _last[resolved] = report
             return report
+        finally:
+            _in_progress = None
         if mode is not None:
             os.environ[MODE_ENV] = resolved  # spawned workers must make the same decision
         if report.activated:
@@ -215,7 +232,8 @@ def activate(mode: str | None = None) -> ActivationReport:
             _log_once(
                 f"activated m3-eagle-plugin {__version__} ({resolved}) on {report.host} {report.host_version} "
                 f"[{report.verdict}]: model={report.components.get('model_classes')}, "
-                f"kv={report.components.get('kv_cache_manager')}, patches={report.patches}"
+                f"kv={report.components.get('kv_cache_manager')}, patches={report.patches}, "
+                f"fingerprint={report.fingerprint}"
             )
         else:
             _log_once(f"not activated ({resolved}): {report.reason}")
@@ -271,8 +289,9 @@ def on_host_imported(module: Any) -> None:
 
 def _reset_for_tests() -> None:
     """Forget every decision (tests only; real processes activate at most once)."""
-    global _active, _logged
+    global _active, _logged, _in_progress
     with _lock:
         _active = None
+        _in_progress = None
         _logged = False
         _last.clear()

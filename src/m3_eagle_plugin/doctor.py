@@ -94,6 +94,8 @@ def collect(host_source: str | None = None) -> dict[str, Any]:
         data["plugins"] = get_plugin_manager().plugin_summary()
     except Exception as exc:  # noqa: BLE001
         data["plugins"] = [{"error": f"{type(exc).__name__}: {exc}"}]
+    adapter, why = _optional_call("m3_eagle_plugin.host.trtllm", "report")
+    data["adapter"] = adapter if why is None else {"unavailable": why}
     backend, why = _optional_call("m3_eagle_plugin.msa.kernels", "backend_report")
     data["kernel_backend"] = backend if why is None else {"unavailable": why}
     if host_source is not None:
@@ -126,6 +128,7 @@ def render_table(data: dict[str, Any]) -> str:
         ("reference host", data["components"].get("reference")),
         ("plugins", [f"{p.get('name')} ({p.get('distribution') or p.get('module')})" for p in data["plugins"]]),
         ("plugin errors", data["plugin_errors"] or None),
+        ("host adapter", data["adapter"]),
         ("kernel backend", data["kernel_backend"]),
     ]
     if "host_source" in data:

@@ -15,7 +15,7 @@ import os
 import threading
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import pluggy
 
@@ -72,7 +72,7 @@ def resolve(reference: str) -> Any:
     return obj
 
 
-def _allow_list(environ: os._Environ | dict) -> set[str] | None:
+def _allow_list(environ: Mapping[str, str]) -> set[str] | None:
     raw = environ.get(LOAD_ENV)
     if raw is None:
         return None

@@ -70,11 +70,13 @@ def test_bad_calls_are_rejected():
         BlockAllocator(0, 4)
 
 
-op = st.tuples(st.sampled_from(["add", "reserve", "rewind", "free"]), st.integers(0, 3), st.integers(0, 40))
+op = st.tuples(st.sampled_from(["add", "reserve", "rewind", "free"]), st.integers(0, 3),
+               st.integers(0, 40))
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(ops=st.lists(op, max_size=40), num_blocks=st.integers(1, 12), block=st.sampled_from([1, 4, 8]))
+@given(ops=st.lists(op, max_size=40), num_blocks=st.integers(1, 12),
+       block=st.sampled_from([1, 4, 8]))
 def test_random_operations_match_a_naive_model(ops, num_blocks, block):
     alloc = BlockAllocator(num_blocks, block)
     tokens: dict[int, int] = {}

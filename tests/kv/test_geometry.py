@@ -37,7 +37,8 @@ def test_production_offsets_are_not_a_uniform_stride():
         assert not geo.has(layer, "index_k")
     for layer in range(3, 60):
         base = 6 + 3 * (layer - 3)
-        assert [geo.locate(layer, r).offset for r in ("k", "v", "index_k")] == [base, base + 1, base + 2]
+        offsets = [geo.locate(layer, r).offset for r in ("k", "v", "index_k")]
+        assert offsets == [base, base + 1, base + 2]
     assert geo.locate(60, "k").offset == 177 and geo.locate(60, "v").offset == 178
     assert not geo.has(60, "index_k")
     strides = {geo.locate(i + 1, "k").offset - geo.locate(i, "k").offset for i in range(60)}
@@ -46,7 +47,8 @@ def test_production_offsets_are_not_a_uniform_stride():
 
 def test_four_kv_heads_per_rank_splits_into_two_pools():
     geo = minimax_m3_geometry(6, [3, 4, 5], 4, D, DI, B, num_draft_layers=1)
-    assert [(p.page_bytes, p.sub_pages) for p in geo.pools] == [(4 * B * D * 2, 14), (B * DI * 2, 3)]
+    pools = [(p.page_bytes, p.sub_pages) for p in geo.pools]
+    assert pools == [(4 * B * D * 2, 14), (B * DI * 2, 3)]
     assert geo.locate(6, "k").pool_id == 0 and geo.locate(6, "k").offset == 12
     assert [geo.locate(layer, "index_k").offset for layer in (3, 4, 5)] == [0, 1, 2]
     assert all(geo.locate(layer, "index_k").pool_id == 1 for layer in (3, 4, 5))
@@ -78,7 +80,8 @@ def test_draft_with_same_heads_in_split_geometry_is_hosted():
         ([BufferSpec(0, "k", 8), BufferSpec(0, "k", 8)], "duplicate"),
         ([BufferSpec(0, "k", 8)], "no V buffer"),
         ([BufferSpec(0, "v", 8)], "no K buffer"),
-        ([BufferSpec(0, "k", 8), BufferSpec(1, "k", 8), BufferSpec(0, "v", 8), BufferSpec(1, "v", 8)],
+        ([BufferSpec(0, "k", 8), BufferSpec(1, "k", 8),
+          BufferSpec(0, "v", 8), BufferSpec(1, "v", 8)],
          "directly follow"),
         ([BufferSpec(0, "k", 8), BufferSpec(0, "v", 16)], "directly follow"),
     ],
@@ -116,9 +119,11 @@ def test_fingerprint_tells_geometries_apart():
     block=st.sampled_from([2, 4]),
     drafts=st.integers(0, 2),
 )
-def test_geometry_matches_a_naive_packing(num_layers, sparse_bits, heads, head_dim, index_dim, block, drafts):
+def test_geometry_matches_a_naive_packing(num_layers, sparse_bits, heads, head_dim, index_dim,
+                                          block, drafts):
     sparse = [i for i in range(num_layers) if sparse_bits >> i & 1]
-    geo = minimax_m3_geometry(num_layers, sparse, heads, head_dim, index_dim, block, num_draft_layers=drafts)
+    geo = minimax_m3_geometry(num_layers, sparse, heads, head_dim, index_dim, block,
+                              num_draft_layers=drafts)
     kv_page, ik_page = heads * block * head_dim * 2, block * index_dim * 2
     # naive reference: walk the layers, append each page to the pool of its size
     expected, counts, order = {}, {}, []

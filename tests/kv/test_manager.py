@@ -69,7 +69,8 @@ def test_draft_layer_view_is_derived_from_the_tables():
                                           kv_offsets=torch.zeros(1, dtype=torch.int32))
     assert cache.v(4).data_ptr() == cache.k(4).data_ptr() != good_v.data_ptr()
     # a wrong index scale walks past the storage: refused instead of reading garbage
-    cache.op_tables = dataclasses.replace(cache.op_tables, kv_offsets=torch.ones(1, dtype=torch.int32),
+    cache.op_tables = dataclasses.replace(cache.op_tables,
+                                          kv_offsets=torch.ones(1, dtype=torch.int32),
                                           index_scales=torch.tensor([14], dtype=torch.int32))
     with pytest.raises(ValueError, match="does not address whole pages"):
         cache.k(4)
@@ -120,7 +121,8 @@ def test_block_offsets_address_the_same_pages_as_the_views():
     tables = cache.op_tables
     for layer in range(4):
         pool, layer_offset = tables.pool_mapping[layer].tolist()
-        source = tables.op_pools[tables.virtual_index(pool)][1] if tables.virtual_index(pool) is not None else pool
+        virtual = tables.virtual_index(pool)
+        source = pool if virtual is None else tables.op_pools[virtual][1]
         page_bytes = cache.geometry.pool(source).page_bytes
         for row, rid in enumerate([1, 0]):
             for b, page in enumerate(cache.pages(rid)):
@@ -173,7 +175,8 @@ def test_non_coalesced_geometry_works():
 
 def test_bad_configurations_are_rejected():
     with pytest.raises(DraftLayerPlacementError, match="cannot be hosted"):
-        PagedKVCache.for_minimax_m3(4, [1], 1, D, DI, B, 4, num_draft_layers=1, draft_num_kv_heads=2)
+        PagedKVCache.for_minimax_m3(4, [1], 1, D, DI, B, 4, num_draft_layers=1,
+                                    draft_num_kv_heads=2)
     cache = _coalesced()
     with pytest.raises(UnknownBufferError):
         cache.index_k(0)
@@ -232,3 +235,18 @@ def test_draft_view_on_cuda_matches_storage():
     assert cache.k(4).device.type == "cuda"
     assert torch.all(cache.storage(0)[cache.pages(0), 12] == 3.0)
     assert torch.all(cache.storage(0)[cache.pages(0), 11] == 0.0)
+
+
+def test_production_tp4_cache_reproduces_the_worked_example_tables():
+    cache = PagedKVCache.for_minimax_m3(60, range(3, 60), 1, 128, 128, 128, 2,
+                                        num_draft_layers=1, dtype=torch.bfloat16)
+    tables = cache.op_tables
+    assert cache.draft_layer_ids == [60]
+    assert tables.index_scales.tolist() == [179] and tables.kv_offsets.tolist() == [1]
+    assert tables.op_pools == [(1, 0)]
+    assert tables.pool_mapping[60].tolist() == [1, 0]
+    storage = cache.storage(0)
+    assert tables.pool_pointers.tolist() == [[storage.data_ptr(), 0],
+                                             [storage[0, 177].data_ptr(), 0]]
+    assert cache.k(60)[1].data_ptr() == storage.data_ptr() + (179 + 177) * 128 * 128 * 2
+    assert cache.v(60)[1].data_ptr() == storage.data_ptr() + (179 + 178) * 128 * 128 * 2

@@ -131,14 +131,17 @@ def test_block_offset_copy_runs_the_base_copy_first_then_one_per_op_pool():
     assert calls == [
         (dst[0].data_ptr(), host[0].data_ptr(), idx, 7, 1, 6),
         (dst[1].data_ptr(), host[1].data_ptr(), idx, 5, 1, 6),
-        (dst[2].data_ptr(), host[1].data_ptr(), idx, 5, 1, 6),  # the virtual pool from source pool 1
+        # the virtual pool, fed from its source pool 1
+        (dst[2].data_ptr(), host[1].data_ptr(), idx, 5, 1, 6),
     ]
 
 
 def test_block_offset_copy_is_untouched_without_draft_layers():
     calls = []
-    pools = extend_attention_op_pools(torch.tensor([[0x1000, 0]]), torch.zeros(2, 2, dtype=torch.int32), [])
-    copy_block_offsets(torch.zeros(1, 1, 2, 4, dtype=torch.int32), torch.zeros(1, 1, 2, 4, dtype=torch.int32),
+    pools = extend_attention_op_pools(torch.tensor([[0x1000, 0]]),
+                                      torch.zeros(2, 2, dtype=torch.int32), [])
+    table = torch.zeros(1, 1, 2, 4, dtype=torch.int32)
+    copy_block_offsets(table.clone(), table,
                        torch.tensor([0]), pools, base_index_scales=[2], base_kv_offsets=[1],
                        copy_fn=lambda *a: calls.append(a))
     assert len(calls) == 1
@@ -149,7 +152,8 @@ def test_block_offset_copy_checks_table_shapes():
     pools = extend_attention_op_pools(pointers, mapping, [(DRAFT_LAYER, DRAFT_K_ADDR, SCALE)])
     host = torch.zeros((1, 2, 2, 4), dtype=torch.int32)
     with pytest.raises(ValueError, match="pool rows"):
-        copy_block_offsets(torch.zeros((1, 2, 2, 4), dtype=torch.int32), host, torch.tensor([0]), pools,
+        copy_block_offsets(torch.zeros((1, 2, 2, 4), dtype=torch.int32), host, torch.tensor([0]),
+                           pools,
                            base_index_scales=[SCALE], base_kv_offsets=[1])
     with pytest.raises(ValueError, match="host table"):
         copy_block_offsets(torch.zeros((2, 2, 2, 4), dtype=torch.int32), host.repeat(2, 1, 1, 1),
@@ -163,7 +167,8 @@ def test_block_offset_copy_checks_table_shapes():
     page_bytes=st.sampled_from([64, 256, 4096]),
     slots=st.lists(st.integers(0, 50), min_size=1, max_size=6),
 )
-def test_virtual_pool_addresses_equal_real_pool_addresses(layer_sub_pages, draft_sub_pages, page_bytes, slots):
+def test_virtual_pool_addresses_equal_real_pool_addresses(layer_sub_pages, draft_sub_pages,
+                                                          page_bytes, slots):
     """Independent model: a slot is `sub_pages` consecutive pages; a layer's K is at its offset."""
     offsets, cursor = [], 0
     for n in layer_sub_pages:

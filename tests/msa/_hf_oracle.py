@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
-hf = __import__("pytest").importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
-from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig  # noqa: E402
+hf = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+MiniMaxM3VLTextConfig = hf.MiniMaxM3VLTextConfig
 
 BLOCK_SIZE = 4
 TOPK = 3
@@ -62,23 +63,26 @@ class OracleRun:
     index_q: torch.Tensor
     index_k: torch.Tensor
     selection: torch.Tensor  # [Hi, S, min(topk, blocks)], HF order (local first), -1 padded
-    attention: torch.Tensor  # [S, Hq, D] sparse attention before o_proj
+    attention: torch.Tensor  # [S, Hq, D] the layer's attention output before o_proj
     scale: float
 
 
 class SparseLayerOracle:
-    """One HF sparse attention layer with randomised weights (norm weights included)."""
+    """One HF attention layer (sparse layer 1, or dense layer 0) with randomised weights."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, *, dense: bool = False) -> None:
         torch.manual_seed(seed)
         self.config = tiny_config()
-        self.attn = hf.MiniMaxM3VLAttention(self.config, layer_idx=1).eval()
+        self.attn = hf.MiniMaxM3VLAttention(self.config, layer_idx=0 if dense else 1).eval()
         self.rotary = hf.MiniMaxM3VLRotaryEmbedding(self.config)
         with torch.no_grad():
-            for module in (self.attn.q_norm, self.attn.k_norm, self.attn.indexer.q_norm, self.attn.indexer.k_norm):
+            for module in (self.attn.q_norm, self.attn.k_norm):
                 module.weight.normal_(0.0, 0.3)
-            # Sharper index scores make the top-k decisions far from ties.
-            self.attn.indexer.q_proj.weight.mul_(3.0)
+            if not dense:
+                self.attn.indexer.q_norm.weight.normal_(0.0, 0.3)
+                self.attn.indexer.k_norm.weight.normal_(0.0, 0.3)
+                # Sharper index scores keep the top-k decisions far from ties.
+                self.attn.indexer.q_proj.weight.mul_(3.0)
 
     @torch.no_grad()
     def run(self, seq_len: int, seed: int) -> OracleRun:
@@ -92,15 +96,21 @@ class SparseLayerOracle:
         k = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
         v = attn.v_proj(hidden).view(shape).transpose(1, 2)
         q, k = hf.apply_rotary_pos_emb(q, k, cos, sin)
-        iq = indexer.q_norm(indexer.q_proj(hidden).view(1, seq_len, -1, INDEX_DIM)).transpose(1, 2)
-        ik = indexer.k_norm(indexer.k_proj(hidden).view(1, seq_len, 1, INDEX_DIM)).transpose(1, 2)
-        iq, ik = hf.apply_rotary_pos_emb(iq, ik, cos[..., :INDEX_DIM], sin[..., :INDEX_DIM])
-        selection = indexer(hidden, (cos, sin), None, position_ids)
+        if indexer is None:  # dense layer: no index branch
+            iq = torch.zeros(1, INDEX_HEADS, seq_len, INDEX_DIM)
+            ik = torch.zeros(1, 1, seq_len, INDEX_DIM)
+            selection = torch.empty(1, 0, seq_len, 0, dtype=torch.long)
+        else:
+            iq = indexer.q_norm(indexer.q_proj(hidden).view(1, seq_len, -1, INDEX_DIM)).transpose(1, 2)
+            ik = indexer.k_norm(indexer.k_proj(hidden).view(1, seq_len, 1, INDEX_DIM)).transpose(1, 2)
+            iq, ik = hf.apply_rotary_pos_emb(iq, ik, cos[..., :INDEX_DIM], sin[..., :INDEX_DIM])
+            selection = indexer(hidden, (cos, sin), None, position_ids)
 
         captured = {}
         hook = attn.o_proj.register_forward_pre_hook(lambda _m, args: captured.setdefault("x", args[0]))
         try:
-            attn(hidden, (cos, sin), None, cache=None, position_ids=position_ids)
+            causal = torch.full((seq_len, seq_len), float("-inf")).triu(1)[None, None]
+            attn(hidden, (cos, sin), causal, cache=None, position_ids=position_ids)
         finally:
             hook.remove()
         return OracleRun(
@@ -115,10 +125,6 @@ class SparseLayerOracle:
         )
 
 
-def hf_selection_sets(selection: torch.Tensor) -> list[list[frozenset[int]]]:
-    """HF selection ``[Hi, S, k]`` as per-(head, token) sets of block ids."""
-    return [[frozenset(b for b in row if b >= 0) for row in head.tolist()] for head in selection]
-
-
 def selection_sets(selection: torch.Tensor) -> list[list[frozenset[int]]]:
-    return hf_selection_sets(selection)
+    """A selection ``[H, T, k]`` (any order, ``-1`` padded) as per-(head, token) sets of block ids."""
+    return [[frozenset(b for b in row if b >= 0) for row in head.tolist()] for head in selection]

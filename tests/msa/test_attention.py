@@ -40,11 +40,18 @@ class PagedRuns:
         self.table = padded_table(random_page_tables(lengths, BLOCK_SIZE, pages, seed), 12)
         self.meta = MsaDecodeMetadata(len(runs), 64, 12, BLOCK_SIZE, "cpu", max_draft_len=4, num_index_heads=2)
 
+    def tokens(self, name: str, qo: list[int], kv: list[int]) -> torch.Tensor:
+        """The step's rows of one HF tensor (``q``, ``k``, ``v``, ``index_q``, ``index_k``)."""
+        return torch.cat([getattr(r, name)[k - q : k] for r, q, k in zip(self.runs, qo, kv)])
+
     def step(self, qo: list[int], kv: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's tokens, select, attend; returns (selection, sparse output)."""
         meta = self.meta
         meta.prepare(qo, kv, self.table)
-        pick = lambda name: torch.cat([getattr(r, name)[k - q : k] for r, q, k in zip(self.runs, qo, kv)])  # noqa: E731
+
+        def pick(name: str) -> torch.Tensor:
+            return self.tokens(name, qo, kv)
+
         write_kv(self.cache.k, self.cache.v, meta.cache_slots, pick("k"), pick("v"))
         write_index_k(self.cache.index_k, meta.cache_slots, pick("index_k"))
         sel = select_blocks_paged(pick("index_q"), self.cache.index_k, meta, topk=TOPK)
@@ -72,6 +79,20 @@ def test_dense_attention_equals_hf_before_sparsity_starts(oracle: SparseLayerOra
     q = run.q
     out = dense_attention(q, paged.cache.k, paged.cache.v, paged.meta, scale=run.scale)
     torch.testing.assert_close(out, run.attention, **TOL)
+
+
+def test_dense_attention_matches_hf_dense_layer_on_a_mixed_batch() -> None:
+    oracle = SparseLayerOracle(seed=2, dense=True)
+    lengths, prefixes = [21, 14, 9, 6], [0, 10, 8, 2]  # prompt, 4-token verify, decode, chunk
+    paged = PagedRuns([oracle.run(n, seed=40 + i) for i, n in enumerate(lengths)], seed=4)
+    qo = [n - p for n, p in zip(lengths, prefixes)]
+    for step_qo, step_kv in ((prefixes, prefixes), (qo, lengths)):
+        paged.meta.prepare(step_qo, step_kv, paged.table)
+        k, v = paged.tokens("k", step_qo, step_kv), paged.tokens("v", step_qo, step_kv)
+        write_kv(paged.cache.k, paged.cache.v, paged.meta.cache_slots, k, v)
+    q = paged.tokens("q", qo, lengths)
+    out = dense_attention(q, paged.cache.k, paged.cache.v, paged.meta, scale=paged.runs[0].scale)
+    torch.testing.assert_close(out, paged.expected(qo, lengths), **TOL)
 
 
 def test_verify_chunk_equals_single_token_steps(oracle: SparseLayerOracle) -> None:
@@ -124,6 +145,8 @@ def test_sparse_and_dense_match_naive(rows, log_block, group, topk, shrink, seed
     meta, cache, seqs, q, corrected, gen = _random_step(rows, block, heads_kv * group, heads_kv, dim, seed, shrink)
     # Random selections: distinct block ids (some past the token's block, some -1 padding).
     num_blocks = max(1, meta.max_step_blocks)
+    if meta.num_tokens == 0:
+        return
     sel = torch.stack(
         [torch.randperm(num_blocks + topk, generator=gen)[:topk] for _ in range(heads_kv * meta.num_tokens)]
     ).view(heads_kv, meta.num_tokens, topk)
@@ -170,3 +193,36 @@ def test_bad_arguments_raise() -> None:
         dense_attention(torch.zeros(3, 2, 8), k_cache, k_cache, meta, scale=1.0)
     with pytest.raises(MsaInputError, match="block_size"):
         dense_attention(torch.zeros(2, 2, 8), torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), meta, scale=1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_references_match_cpu_without_host_sync(oracle: SparseLayerOracle) -> None:
+    lengths, prefixes = [30, 26, 19, 8], [0, 22, 18, 3]
+    paged = PagedRuns([oracle.run(n, seed=20 + i) for i, n in enumerate(lengths)], seed=1)
+    paged.step(prefixes, prefixes)
+    qo = [n - p for n, p in zip(lengths, prefixes)]
+    sel_cpu, out_cpu = paged.step(qo, lengths)
+    dense_cpu = dense_attention(paged.tokens("q", qo, lengths), paged.cache.k, paged.cache.v, paged.meta, scale=0.25)
+
+    meta = MsaDecodeMetadata(4, 64, 12, BLOCK_SIZE, "cuda", max_draft_len=4, num_index_heads=2)
+    meta.prepare(qo, lengths, paged.table)
+    k_cache = torch.zeros_like(paged.cache.k, device="cuda")
+    v_cache = torch.zeros_like(paged.cache.v, device="cuda")
+    ik_cache = torch.zeros_like(paged.cache.index_k, device="cuda")
+    meta_prefix = MsaDecodeMetadata(4, 64, 12, BLOCK_SIZE, "cuda")
+    meta_prefix.prepare(lengths, lengths, paged.table)
+    every = {name: paged.tokens(name, lengths, lengths).cuda() for name in ("k", "v", "index_k")}
+    step = {name: paged.tokens(name, qo, lengths).cuda() for name in ("q", "index_q")}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        write_kv(k_cache, v_cache, meta_prefix.cache_slots, every["k"], every["v"])
+        write_index_k(ik_cache, meta_prefix.cache_slots, every["index_k"])
+        sel = select_blocks_paged(step["index_q"], ik_cache, meta, topk=TOPK)
+        out = sparse_attention(step["q"], k_cache, v_cache, meta, sel, scale=0.25)
+        dense = dense_attention(step["q"], k_cache, v_cache, meta, scale=0.25)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(sel.cpu(), sel_cpu)
+    torch.testing.assert_close(out.cpu(), out_cpu, **TOL)
+    torch.testing.assert_close(dense.cpu(), dense_cpu, **TOL)

@@ -16,7 +16,7 @@ from m3_eagle_plugin.msa import (
     write_index_k,
 )
 
-from ._hf_oracle import BLOCK_SIZE, TOPK, SparseLayerOracle, hf_selection_sets, selection_sets
+from ._hf_oracle import BLOCK_SIZE, TOPK, SparseLayerOracle, selection_sets
 from ._paged import PooledCache, naive_selection, padded_table, random_page_tables
 
 PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
@@ -55,7 +55,7 @@ def test_select_blocks_matches_hf_indexer(oracle: SparseLayerOracle) -> None:
     sel = select_blocks(run.index_q, run.index_k, positions, block_size=BLOCK_SIZE, topk=TOPK)
     assert sel.shape == (2, 41, TOPK)
     assert_well_formed(sel, TOPK)
-    assert selection_sets(sel) == hf_selection_sets(run.selection)
+    assert selection_sets(sel) == selection_sets(run.selection)
     # Sparsity is active past topk * block tokens: some token leaves a visible block out.
     assert any(len(s) < p // BLOCK_SIZE + 1 for head in selection_sets(sel) for p, s in enumerate(head))
 
@@ -64,7 +64,7 @@ def test_select_blocks_subset_of_queries_matches_hf(oracle: SparseLayerOracle) -
     run = oracle.run(37, seed=4)
     positions = torch.tensor([36, 12, 30])
     sel = select_blocks(run.index_q[positions], run.index_k, positions, block_size=BLOCK_SIZE, topk=TOPK)
-    expected = hf_selection_sets(run.selection[:, positions])
+    expected = selection_sets(run.selection[:, positions])
     assert selection_sets(sel) == expected
 
 
@@ -178,7 +178,7 @@ def test_select_blocks_paged_matches_hf_mixed_batch(oracle: SparseLayerOracle) -
     sel = select_blocks_paged(iq, cache.index_k, meta, topk=TOPK)
     expected = [[], []]
     for run, p in zip(runs, prefixes):
-        for h, head in enumerate(hf_selection_sets(run.selection)):
+        for h, head in enumerate(selection_sets(run.selection)):
             expected[h].extend(head[p:])
     assert selection_sets(sel) == expected
 

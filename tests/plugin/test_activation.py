@@ -68,6 +68,8 @@ def test_auto_on_tested_host_activates_once(active_env, log_lines, monkeypatch):
     assert m3_eagle_plugin.status() is report
     assert installs == [1]
     assert len(log_lines) == 1 and "activated" in log_lines[0] and "fake-a" in log_lines[0]
+    assert report.fingerprint == activation.fingerprint(["fake-b", "fake-a"]) and report.fingerprint in log_lines[0]
+    assert activation.fingerprint(["fake-a"]) != report.fingerprint
     assert activation.os.environ["M3_EAGLE_PLUGIN"] == "auto"  # spawned workers agree
 
 
@@ -194,3 +196,20 @@ def test_status_without_activation(active_env, monkeypatch):
     monkeypatch.setenv("M3_EAGLE_PLUGIN", "bad")
     bad = m3_eagle_plugin.status()
     assert not bad.ok and "allowed values" in bad.reason
+
+
+def test_reentrant_activation_from_install(active_env, monkeypatch):
+    """install() may import tensorrt_llm, which fires the bootstrap hook: no second evaluation."""
+    make_host, _ = active_env
+    make_host("1.3.0rc24")
+    import m3_eagle_plugin.host.trtllm as adapter
+
+    inner = []
+
+    def install():
+        inner.append(m3_eagle_plugin.activate())
+        return {"patches": ["p"]}
+
+    monkeypatch.setattr(adapter, "install", install, raising=False)
+    report = m3_eagle_plugin.activate("auto")
+    assert report.activated and len(inner) == 1 and inner[0] is report

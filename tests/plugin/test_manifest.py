@@ -94,8 +94,10 @@ def test_unreadable_and_invalid_toml(tmp_path):
 
 def test_extra_patch_fields_are_kept():
     raw = copy.deepcopy(raw_manifest())
-    raw["patches"][0]["processes"] = ["driver", "worker"]
-    assert parse_manifest(raw).patches[0].extra == {"processes": ["driver", "worker"]}
+    raw["patches"][0]["test_only_field"] = ["driver", "worker"]
+    extra = parse_manifest(raw).patches[0].extra
+    assert extra["test_only_field"] == ["driver", "worker"]
+    assert not {"id", "target", "why", "upstream", "remove_when"} & set(extra)
 
 
 @pytest.mark.parametrize(

@@ -209,6 +209,7 @@ def test_trace_logs_hook_calls(monkeypatch):
     lines = []
     monkeypatch.setenv(registry.TRACE_ENV, "1")
     pm = make_plugin_manager()
+    assert pm._undo_trace is not None  # M3_EAGLE_PLUGIN_TRACE=1 turned tracing on
     pm.disable_trace()
     pm.enable_trace(writer=lines.append)
     pm.attention_metadata("reference")
@@ -242,3 +243,18 @@ def test_propose_drafts_property(tokens, draft_len):
     ctx = DraftContext.build(range(len(tokens)), tokens, draft_len)
     drafts = pm.propose_drafts(ctx)
     assert drafts == [[seq[-1]] * draft_len for seq in tokens]
+
+
+def test_every_hookspec_documents_an_example():
+    from m3_eagle_plugin.hooks import M3EagleSpecs
+
+    names = [n for n in vars(M3EagleSpecs) if n.startswith("m3_eagle_")]
+    assert set(names) == {"m3_eagle_model_classes", "m3_eagle_kv_cache_manager", "m3_eagle_attention_metadata",
+                          "m3_eagle_host_patches", "m3_eagle_propose_drafts", "m3_eagle_host_ready"}
+    pm = make_plugin_manager()
+    for name in names:
+        assert "Example" in getattr(M3EagleSpecs, name).__doc__, name
+    opts = {name: getattr(pm.hook, name).spec.opts for name in names}
+    assert opts["m3_eagle_kv_cache_manager"]["firstresult"] and opts["m3_eagle_propose_drafts"]["firstresult"]
+    assert opts["m3_eagle_attention_metadata"]["firstresult"] and opts["m3_eagle_host_ready"]["historic"]
+    assert not opts["m3_eagle_model_classes"]["firstresult"] and not opts["m3_eagle_host_patches"]["firstresult"]

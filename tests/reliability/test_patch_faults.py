@@ -135,6 +135,9 @@ def test_host_refusing_a_setattr_halfway_reverts_everything(host):
     assert "read-only" in str(info.value) and engine.report()["applied"] is False
 
 
+@pytest.mark.xfail(strict=True, reason="BUG host/trtllm/patching.py PatchEngine.apply: when an undo raises during "
+                   "rollback, the raw exception escapes, every binding stays patched and the engine's report says "
+                   "applied=False, error=None (it can no longer revert); revert() has the same flaw")
 def test_undo_raising_during_rollback_still_restores_the_rest(host):
     """A step fails, and an earlier step's undo raises too: the bindings must still be restored."""
 

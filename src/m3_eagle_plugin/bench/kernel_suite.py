@@ -114,9 +114,10 @@ def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Call
                                              k_scale=ks, v_scale=vs))
     if name == "sparse_step":
         def kernel():
-            sel = select_blocks_verify(step["index_q"], cache.index_k, meta, topk=geo.topk, max_qo_len=qo)
+            sel, union = select_blocks_verify(step["index_q"], cache.index_k, meta, topk=geo.topk, max_qo_len=qo,
+                                              union_group=geo.q_heads // geo.kv_heads)
             return sparse_verify_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=ks, v_scale=vs,
-                                           max_qo_len=qo)
+                                           max_qo_len=qo, union=union)
 
         def reference():
             sel = ref.select_blocks(step["index_q"], cache.index_k, meta, topk=geo.topk)

@@ -25,7 +25,8 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if int(num_blocks) <= 0 or int(block_size) <= 0:
-            raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         self._free: list[int] = list(range(self.num_blocks))
@@ -100,7 +101,8 @@ class BlockAllocator:
         pages = self._require(rid)
         if not 0 <= int(num_tokens) <= self._tokens[rid]:
             raise ValueError(
-                f"cannot rewind request {rid!r} to {num_tokens} tokens: it holds {self._tokens[rid]}"
+                f"cannot rewind request {rid!r} to {num_tokens} tokens: "
+                f"it holds {self._tokens[rid]}"
             )
         keep = self.blocks_for(num_tokens)
         freed = pages[keep:]

@@ -128,6 +128,14 @@ class PagedKVCache:
             drafts.append((layer, address, pool.sub_pages))
         return extend_attention_op_pools(pointers, mapping, drafts)
 
+    @property
+    def num_layers(self) -> int:
+        """Target plus draft layers."""
+        return self.num_target_layers + len(self.draft_layer_ids)
+
+    def has_index_k(self, layer: int) -> bool:
+        return self.geometry.has(layer, "index_k")
+
     # ---- allocator ------------------------------------------------------------------------
     def add_request(self, rid: Hashable) -> None:
         self.allocator.add_request(rid)
@@ -201,7 +209,8 @@ class PagedKVCache:
                              f"{page_bytes}-byte page of pool {source}")
         byte_offset = base - storage.data_ptr() + (layer_offset + kv_offset) * page_bytes
         last_page_end = byte_offset + ((self.num_blocks - 1) * scale + 1) * page_bytes
-        if byte_offset < 0 or byte_offset % page_bytes or last_page_end > storage.numel() * self._itemsize:
+        storage_bytes = storage.numel() * self._itemsize
+        if byte_offset < 0 or byte_offset % page_bytes or last_page_end > storage_bytes:
             raise ValueError(
                 f"draft layer {layer}: op pool {op_pool} (base {base:#x}, scale {scale}, kv offset "
                 f"{kv_offset}) does not address whole pages inside pool {source}'s storage"

@@ -21,7 +21,7 @@ class GeometryMismatchError(ValueError):
     """The payload's cache geometry differs from the importing cache's."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KVTransferPayload:
     """A request's pages: ``pool_pages[p]`` is uint8 ``[num_pages, sub_pages, page_bytes]``."""
 

@@ -18,7 +18,7 @@ import torch
 DraftLayer = tuple[int, int, int]  # (local layer, K page base address, sub-pages per slot)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class VirtualPools:
     """Attention-op tables after adding one virtual pool per shared draft layer.
 
@@ -77,7 +77,8 @@ def extend_attention_op_pools(
         raise ValueError(f"pool_mapping must be [layers, 2], got {tuple(pool_mapping.shape)}")
     base_pools = int(pool_pointers.shape[0]) if num_pools is None else int(num_pools)
     if not 0 < base_pools <= pool_pointers.shape[0]:
-        raise ValueError(f"num_pools={num_pools} does not match {pool_pointers.shape[0]} pointer rows")
+        raise ValueError(
+            f"num_pools={num_pools} does not match {pool_pointers.shape[0]} pointer rows")
 
     pointers = pool_pointers[:base_pools].clone()
     mapping = pool_mapping.clone()
@@ -87,10 +88,12 @@ def extend_attention_op_pools(
     op_pools: list[tuple[int, int]] = []
     for entry in draft_layers:
         if len(entry) != 3:
-            raise ValueError(f"draft layer entries are (layer, k_base_address, sub_pages), got {entry!r}")
+            raise ValueError(
+                f"draft layer entries are (layer, k_base_address, sub_pages), got {entry!r}")
         layer, address, sub_pages = (int(x) for x in entry)
         if not 0 <= layer < mapping.shape[0]:
-            raise ValueError(f"draft layer {layer} is outside the {mapping.shape[0]}-row pool mapping")
+            raise ValueError(
+                f"draft layer {layer} is outside the {mapping.shape[0]}-row pool mapping")
         if layer in seen:
             raise ValueError(f"draft layer {layer} listed twice")
         if sub_pages < 2:
@@ -132,7 +135,7 @@ def copy_pool_block_offsets(
     unused). Row ``i`` of ``dst`` ``[R', 2, W']`` receives host row ``copy_index[i]``:
     K = slot * index_scale, V = K + kv_offset; unused entries stay -1 in both fields.
     """
-    if dst.dim() != 3 or host_offsets.dim() != 3 or dst.shape[1] != 2 or host_offsets.shape[1] != 2:
+    if (dst.dim(), host_offsets.dim(), dst.shape[1], host_offsets.shape[1]) != (3, 3, 2, 2):
         raise ValueError(f"block-offset tables must be [rows, 2, blocks], got dst "
                          f"{tuple(dst.shape)} and host {tuple(host_offsets.shape)}")
     rows = int(copy_index.numel())

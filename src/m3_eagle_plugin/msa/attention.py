@@ -3,8 +3,9 @@
 Both read K/V through the step metadata (``token_request``, ``positions``, ``block_tables``) so a
 mixed batch of prompt chunks, verify rows and single decode tokens runs in one call, each token
 following its own causal ladder: it sees keys ``j <= position``. The sparse variant further
-restricts keys to the blocks chosen by the selector, per KV head. Math is fp32; work is chunked
-over tokens so a long prompt never materialises ``T x cache`` tensors at once.
+restricts keys to the blocks chosen by the selector, per KV head. Math is fp32; each request's
+pages are gathered once and its tokens are processed in chunks, so a long prompt never holds more
+than a bounded ``tokens x keys`` score tile.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .blocks import MsaInputError
 
 __all__ = ["sparse_attention", "dense_attention"]
 
-# Upper bound on gathered fp32 elements per token chunk.
+# Upper bound on the fp32 score elements of one token chunk.
 _GATHER_CHUNK_ELEMS = 1 << 24
 
 
@@ -32,64 +33,76 @@ def _check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, me
     _, num_kv_heads, block_size, cache_dim = k_cache.shape
     if block_size != meta.block_size or cache_dim != dim:
         raise MsaInputError(
-            f"k_cache [P, Hkv, B, D] = {tuple(k_cache.shape)} does not match block_size {meta.block_size} / head dim {dim}"
+            f"k_cache [P, Hkv, B, D] = {tuple(k_cache.shape)} does not match "
+            f"block_size {meta.block_size} / head dim {dim}"
         )
     if num_q_heads % num_kv_heads:
         raise MsaInputError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
     return num_q_heads // num_kv_heads, num_kv_heads
 
 
-def _attend_blocks(
+def _attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta,
-    token_blocks,
-    num_blocks: int,
+    selection: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of each token over logical blocks ``token_blocks(chunk) -> [Tc, Hkv|1, N]``.
+    """Attention of each token over its request's cache, optionally restricted to selected blocks.
 
-    Keys are masked when the block id is negative, unmapped in the block table, or the key's
-    position is past the token's own. Tokens with no visible key produce zeros.
+    Each request's K/V pages are gathered once (up to its staged kv length). Key ``j`` is
+    visible to a token at ``p`` iff ``j <= p``, its page is mapped and, when ``selection``
+    (``[Hkv, T, topk]``) is given, its block is selected for the token's KV head. Tokens with no
+    visible key produce zeros.
     """
     group, num_kv_heads = _check_qkv(q, k_cache, v_cache, meta)
     num_tokens, num_q_heads, dim = q.shape
     block_size = meta.block_size
     out = torch.zeros((num_tokens, num_q_heads, dim), dtype=q.dtype, device=q.device)
-    if num_tokens == 0 or num_blocks == 0:
-        return out
-    tables = meta.block_tables.to(torch.int64)
-    table_width = tables.shape[1]
-    requests = meta.token_request.to(torch.int64)
     positions = meta.positions.to(torch.int64)
-    heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
-    offsets = torch.arange(block_size, device=q.device)
-    per_token = num_blocks * block_size * (num_kv_heads * 2 * dim + num_q_heads)
-    step = max(1, _GATHER_CHUNK_ELEMS // per_token)
-    for start in range(0, num_tokens, step):
-        chunk = slice(start, min(num_tokens, start + step))
-        blocks = token_blocks(chunk).to(torch.int64)  # [Tc, Hkv or 1, N]
-        tc, hb, nb = blocks.shape
-        token_table = tables[requests[chunk]]  # [Tc, W]
-        pages = token_table.gather(1, blocks.clamp(0, table_width - 1).reshape(tc, hb * nb)).view(tc, hb, nb)
-        mapped = (blocks >= 0) & (blocks < table_width) & (pages >= 0)
-        pages = pages.clamp(min=0)
-        keys = k_cache[pages, heads].float()  # [Tc, Hkv, N, B, D]
-        values = v_cache[pages, heads].float()
-        key_pos = blocks[..., None] * block_size + offsets  # [Tc, Hkv|1, N, B]
-        visible = mapped[..., None] & (key_pos <= positions[chunk, None, None, None])
-        visible = visible.expand(tc, num_kv_heads, nb, block_size).reshape(tc, num_kv_heads, 1, nb * block_size)
-        queries = q[chunk].float().view(tc, num_kv_heads, group, dim)
-        scores = torch.einsum("thgd,thnd->thgn", queries, keys.reshape(tc, num_kv_heads, nb * block_size, dim))
-        scores = (scores * scale).masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        probs = torch.where(visible.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
-        # Unwritten or stale slots may hold NaN/inf: zero masked values so 0 * NaN cannot leak.
-        values = values.reshape(tc, num_kv_heads, nb * block_size, dim).masked_fill(~visible[:, :, 0, :, None], 0.0)
-        context = torch.einsum("thgn,thnd->thgd", probs, values)
-        out[chunk] = context.reshape(tc, num_q_heads, dim).to(q.dtype)
+    kv_lens = meta.kv_lens
+    start = 0
+    for r, (qo, kv) in enumerate(zip(meta.qo_lens_host, meta.kv_lens_host)):
+        rows = range(start, start + qo)
+        start += qo
+        if qo == 0 or kv == 0:
+            continue
+        num_blocks = -(-kv // block_size)
+        num_keys = num_blocks * block_size
+        pages = meta.block_tables[r, :num_blocks].to(torch.int64)
+        keys = k_cache[pages.clamp(min=0)].float().permute(1, 0, 2, 3).reshape(num_kv_heads, num_keys, dim)
+        values = v_cache[pages.clamp(min=0)].float().permute(1, 0, 2, 3).reshape(num_kv_heads, num_keys, dim)
+        key_pos = torch.arange(num_keys, device=q.device)
+        key_ok = (pages >= 0).repeat_interleave(block_size)
+        # Slots past the (corrected) length may hold stale or uninitialised data: 0 * NaN must not leak.
+        values = values.masked_fill(~(key_ok & (key_pos < kv_lens[r]))[None, :, None], 0.0)
+        step = max(1, _GATHER_CHUNK_ELEMS // (num_q_heads * num_keys))
+        for chunk_start in range(rows.start, rows.stop, step):
+            chunk = slice(chunk_start, min(rows.stop, chunk_start + step))
+            visible = key_ok[None, :] & (key_pos[None, :] <= positions[chunk, None])  # [Tc, S]
+            if selection is None:
+                visible = visible[None].expand(num_kv_heads, -1, -1)
+            else:
+                visible = visible[None] & _selected_keys(selection[:, chunk], num_blocks, block_size)
+            queries = q[chunk].float().unflatten(1, (num_kv_heads, group))  # [Tc, Hkv, G, D]
+            scores = torch.einsum("thgd,hsd->hgts", queries, keys) * scale
+            scores = scores.masked_fill(~visible[:, None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            probs = torch.where(visible[:, None].any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
+            context = torch.einsum("hgts,hsd->thgd", probs, values)
+            out[chunk] = context.reshape(-1, num_q_heads, dim).to(q.dtype)
     return out
+
+
+def _selected_keys(selection: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Key mask ``[Hkv, Tc, N * B]`` of the blocks listed in ``selection`` ``[Hkv, Tc, topk]``."""
+    heads, tokens, _ = selection.shape
+    ids = selection.to(torch.int64)
+    ids = torch.where((ids >= 0) & (ids < num_blocks), ids, torch.full_like(ids, num_blocks))
+    chosen = torch.zeros((heads, tokens, num_blocks + 1), dtype=torch.bool, device=selection.device)
+    chosen.scatter_(2, ids, True)
+    return chosen[..., :num_blocks].repeat_interleave(block_size, dim=-1)
 
 
 def _check_scale(scale: float) -> float:
@@ -118,8 +131,7 @@ def sparse_attention(
         raise MsaInputError(
             f"selection must be [Hkv={num_kv_heads}, T={q.shape[0]}, topk], got {tuple(selection.shape)}"
         )
-    by_token = selection.permute(1, 0, 2)
-    return _attend_blocks(q, k_cache, v_cache, meta, lambda chunk: by_token[chunk], selection.shape[2], scale)
+    return _attend(q, k_cache, v_cache, meta, selection, scale)
 
 
 def dense_attention(
@@ -132,10 +144,4 @@ def dense_attention(
 ) -> torch.Tensor:
     """Causal attention over each token's request cache: keys at positions ``< token_kv_lens``."""
     scale = _check_scale(scale)
-    num_blocks = meta.max_step_blocks
-    all_blocks = torch.arange(num_blocks, device=q.device).view(1, 1, num_blocks)
-
-    def token_blocks(chunk: slice) -> torch.Tensor:
-        return all_blocks.expand(chunk.stop - chunk.start, 1, num_blocks)
-
-    return _attend_blocks(q, k_cache, v_cache, meta, token_blocks, num_blocks, scale)
+    return _attend(q, k_cache, v_cache, meta, None, scale)

@@ -28,13 +28,17 @@ def _redirect_skipped(
     value it already holds.
     """
     keep = slots >= 0
-    any_kept = keep.any()
-    first_kept = torch.argmax(keep.to(torch.int32))
-    fallback_slot = torch.where(any_kept, slots[first_kept], torch.zeros_like(slots[first_kept]))
-    fallback_value = torch.where(any_kept, values[first_kept], read_slot(0).to(values.dtype))
+    # 1-element index tensors, not 0-d ones: indexing with a 0-d tensor would read it on the host.
+    first_kept = torch.argmax(keep.to(torch.float32)).view(1)
+    any_kept = keep.any().view(1)
+    no_slot = torch.zeros_like(any_kept, dtype=slots.dtype)
+    fallback_slot = torch.where(any_kept, slots.index_select(0, first_kept), no_slot)
     shape = (-1,) + (1,) * (values.dim() - 1)
+    fallback_value = torch.where(
+        any_kept.view(shape), values.index_select(0, first_kept), read_slot(0).to(values.dtype).unsqueeze(0)
+    )
     safe_slots = torch.where(keep, slots, fallback_slot)
-    safe_values = torch.where(keep.view(shape), values, fallback_value.unsqueeze(0))
+    safe_values = torch.where(keep.view(shape), values, fallback_value)
     return safe_slots, safe_values
 
 

@@ -206,7 +206,9 @@ class MsaDecodeMetadata:
         if not isinstance(block_tables, torch.Tensor):
             raise TypeError(f"block_tables must be a tensor, got {type(block_tables).__name__}")
         if block_tables.dim() != 2 or block_tables.shape[0] != num_requests:
-            raise MsaInputError(f"block_tables must be [num_requests={num_requests}, W], got {tuple(block_tables.shape)}")
+            raise MsaInputError(
+                f"block_tables must be [num_requests={num_requests}, W], got {tuple(block_tables.shape)}"
+            )
         if block_tables.dtype.is_floating_point or block_tables.dtype == torch.bool:
             raise TypeError(f"block_tables must be an integer tensor, got {block_tables.dtype}")
         width = block_tables.shape[1]
@@ -214,10 +216,10 @@ class MsaDecodeMetadata:
         for r, (q, k) in enumerate(zip(qo, kv)):
             if q < 0 or k < 0:
                 raise MsaInputError(f"request {r}: lengths must be >= 0, got qo_len={q}, kv_len={k}")
-            if q > k:
-                raise MsaInputError(f"request {r}: qo_len {q} exceeds kv_len {k} (kv_len counts the step's tokens)")
             if k == 0 and q != 0:
                 raise MsaInputError(f"request {r}: kv_len is 0 but qo_len is {q}")
+            if q > k:
+                raise MsaInputError(f"request {r}: qo_len {q} exceeds kv_len {k} (kv_len counts the step's tokens)")
             pages = -(-k // self.block_size)
             if pages > self.max_blocks_per_seq:
                 raise MsaInputError(

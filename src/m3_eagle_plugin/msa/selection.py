@@ -72,6 +72,30 @@ def select_from_block_scores(
     return out
 
 
+def _block_scores_into(
+    out: torch.Tensor,
+    index_q: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    key_ok: torch.Tensor | None,
+    block_size: int,
+) -> None:
+    """Write max-over-visible-keys block scores ``[H, T, N]`` of queries against one sequence.
+
+    ``keys`` is ``[N * B, D]`` (fp32); key ``j`` is visible to a query at ``p`` iff ``j <= p``
+    and ``key_ok[j]`` (when given). Blocks with no visible key score ``-inf``.
+    """
+    num_heads, num_tokens, num_blocks = out.shape
+    key_pos = torch.arange(num_blocks * block_size, device=keys.device)
+    for chunk in _token_chunks(num_tokens, num_heads * keys.shape[0]):
+        scores = torch.einsum("thd,sd->hts", index_q[chunk].float(), keys)
+        hidden = key_pos[None, :] > positions[chunk, None]
+        if key_ok is not None:
+            hidden = hidden | ~key_ok[None, :]
+        scores = scores.masked_fill(hidden[None], float("-inf"))
+        out[:, chunk] = scores.view(num_heads, -1, num_blocks, block_size).amax(dim=-1)
+
+
 def select_blocks(
     index_q: torch.Tensor,
     index_k: torch.Tensor,
@@ -104,17 +128,12 @@ def select_blocks(
         )
     seq_len = index_k.shape[0]
     num_blocks = -(-seq_len // block_size)
-    padded = num_blocks * block_size
-    key_pos = torch.arange(padded, device=index_k.device)
-    keys = index_k.float()
+    keys = torch.nn.functional.pad(index_k.float(), (0, 0, 0, num_blocks * block_size - seq_len))
+    key_ok = torch.arange(num_blocks * block_size, device=index_k.device) < seq_len
+    positions = q_positions.to(torch.int64)
     block_scores = torch.empty((num_heads, num_tokens, num_blocks), dtype=torch.float32, device=index_q.device)
-    for chunk in _token_chunks(num_tokens, num_heads * padded):
-        scores = torch.einsum("thd,sd->hts", index_q[chunk].float(), keys)
-        scores = torch.nn.functional.pad(scores, (0, padded - seq_len), value=float("-inf"))
-        future = key_pos[None, :] > q_positions[chunk].to(torch.int64)[:, None]
-        scores = scores.masked_fill(future[None], float("-inf"))
-        block_scores[:, chunk] = scores.view(num_heads, -1, num_blocks, block_size).amax(dim=-1)
-    query_blocks = torch.div(q_positions.to(torch.int64), block_size, rounding_mode="floor")
+    _block_scores_into(block_scores, index_q, keys, positions, key_ok, block_size)
+    query_blocks = torch.div(positions, block_size, rounding_mode="floor")
     return select_from_block_scores(
         block_scores, query_blocks, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks
     )
@@ -134,7 +153,9 @@ def select_blocks_paged(
     ``index_q`` is ``[T, Hi, Di]``; ``index_k_cache`` ``[P, B, Di]`` may be a strided view into
     a pooled cache (it is only indexed, never reshaped). ``meta`` is an ``MsaDecodeMetadata``
     after ``prepare`` (and possibly ``on_update_kv_lens``). Returns int32 ``[Hi, T, topk]`` of
-    logical block ids of each token's request, ascending, ``-1`` padded.
+    logical block ids of each token's request, ascending, ``-1`` padded. Each request's index-K
+    is gathered once, up to its staged length; keys past the (corrected) length never count
+    because every token only sees keys up to its own position.
     """
     _validate_selection_args(topk, local_blocks, init_blocks)
     block_size = meta.block_size
@@ -145,24 +166,25 @@ def select_blocks_paged(
         raise MsaInputError(
             f"index_k_cache must be [P, B={block_size}, Di={index_q.shape[2]}], got {tuple(index_k_cache.shape)}"
         )
-    num_heads = index_q.shape[1]
+    num_heads, dim = index_q.shape[1], index_q.shape[2]
     num_blocks = meta.max_step_blocks
     block_scores = torch.full(
         (num_heads, num_tokens, num_blocks), float("-inf"), dtype=torch.float32, device=index_q.device
     )
     positions = meta.positions.to(torch.int64)
-    if num_blocks > 0:
-        tables = meta.block_tables[:, :num_blocks].to(torch.int64)
-        token_tables = tables[meta.token_request.to(torch.int64)]
-        key_pos = torch.arange(num_blocks * block_size, device=index_q.device).view(num_blocks, block_size)
-        per_token = num_heads * num_blocks * block_size + num_blocks * block_size * index_q.shape[2]
-        for chunk in _token_chunks(num_tokens, per_token):
-            pages = token_tables[chunk]
-            keys = index_k_cache[pages.clamp(min=0)].float()  # [Tc, N, B, Di]
-            scores = torch.einsum("thd,tnbd->htnb", index_q[chunk].float(), keys)
-            hidden = (key_pos[None] > positions[chunk, None, None]) | (pages[:, :, None] < 0)
-            scores = scores.masked_fill(hidden[None], float("-inf"))
-            block_scores[:, chunk] = scores.amax(dim=-1)
+    start = 0
+    for r, (qo, kv) in enumerate(zip(meta.qo_lens_host, meta.kv_lens_host)):
+        rows = slice(start, start + qo)
+        start += qo
+        if qo == 0 or kv == 0:
+            continue
+        request_blocks = -(-kv // block_size)
+        pages = meta.block_tables[r, :request_blocks].to(torch.int64)
+        keys = index_k_cache[pages.clamp(min=0)].float().reshape(request_blocks * block_size, dim)
+        key_ok = (pages >= 0).repeat_interleave(block_size)
+        _block_scores_into(
+            block_scores[:, rows, :request_blocks], index_q[rows], keys, positions[rows], key_ok, block_size
+        )
     query_blocks = torch.div(positions, block_size, rounding_mode="floor")
     return select_from_block_scores(
         block_scores, query_blocks, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks

@@ -21,8 +21,11 @@ def _purge() -> None:
     for name in list(sys.modules):
         if name == "tensorrt_llm" or name.startswith("tensorrt_llm."):
             del sys.modules[name]
-    for component in _ADAPTER_COMPONENTS:
+    package = sys.modules.get("m3_eagle_plugin.host.trtllm")
+    for component in _ADAPTER_COMPONENTS:  # they bind host classes at import time
         sys.modules.pop(f"m3_eagle_plugin.host.trtllm.{component}", None)
+        if package is not None:
+            vars(package).pop(component, None)
 
 
 def _activate(path):

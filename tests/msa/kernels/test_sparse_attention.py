@@ -56,18 +56,44 @@ def test_m3_geometry_fp8_with_scales_and_padding():
 
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(
-    reqs=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 300)), min_size=1, max_size=4),
+    reqs=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 300)), min_size=1, max_size=4),
     topk=st.integers(1, 6),
     splits=st.sampled_from([None, 1, 2, 5]),
+    hint=st.sampled_from([None, 2, 9]),
     seed=st.integers(0, 2**16),
 )
-def test_property_random_steps(reqs, topk, splits, seed):
+def test_property_random_steps(reqs, topk, splits, hint, seed):
     qo_lens = [q for q, _ in reqs]
     kv_lens = [q + extra for q, extra in reqs]
     meta, cache, q, _ = random_step(SMALL, qo_lens, kv_lens, kv_dtype=torch.float32, q_dtype=torch.float32, seed=seed)
     sel = _random_selection(meta, SMALL.kv_heads, topk, SMALL.block, seed)
-    out = _run(q, cache, meta, sel, scale=0.2, splits=splits)
+    out = _run(q, cache, meta, sel, scale=0.2, splits=splits,
+               max_qo_len=None if hint is None else max(hint, max(qo_lens)))
     assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.2), 1e-4)
+
+
+def test_fused_union_from_topk_gives_same_output():
+    from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+
+    meta, cache, q, index_q = random_step(M3, [4, 4, 1], [3000, 700, 129], kv_dtype=torch.float8_e4m3fn,
+                                          correlation=0.9)
+    sel, union = select_blocks_verify(index_q, cache.index_k, meta, topk=M3.topk, max_qo_len=4, union_group=16)
+    kw = dict(scale=0.088, k_scale=cache.k_scale, v_scale=cache.v_scale, max_qo_len=4)
+    fused = _run(q, cache, meta, sel, union=union, **kw)
+    assert_close_rel(fused, ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.088, k_scale=cache.k_scale,
+                                                 v_scale=cache.v_scale), 2e-2)
+    # Same blocks, possibly another order (ascending vs first-seen): equal up to summation order.
+    assert_close_rel(fused, _run(q, cache, meta, sel, **kw), 2e-3)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("key_tile", [16, 64])
+def test_main_loop_variants_agree_with_reference(prefetch, key_tile):
+    meta, cache, q, _ = random_step(M3, [4, 1, 4], [900, 300, 4000], kv_dtype=torch.float8_e4m3fn)
+    sel = _random_selection(meta, M3.kv_heads, M3.topk, M3.block, 5)
+    kw = dict(scale=0.088, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    out = _run(q, cache, meta, sel, max_qo_len=4, prefetch=prefetch, key_tile=key_tile, splits=3, **kw)
+    assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, **kw), 2e-2)
 
 
 def test_nan_in_selected_page_propagates():

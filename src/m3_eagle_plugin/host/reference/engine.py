@@ -80,6 +80,7 @@ class Engine:
         plugin_manager=None,
         device: torch.device | str = "cpu",
         metadata_factory=None,
+        num_index_heads: int = 1,
     ) -> None:
         self.device = torch.device(device)
         if config.cuda_graphs and self.device.type != "cuda":
@@ -105,7 +106,7 @@ class Engine:
                 draft_len=self.k, max_batch_size=config.max_batch_size,
                 max_tokens_per_step=config.max_tokens_per_step, max_blocks_per_seq=int(cache.num_blocks),
                 block_size=block_size, device=self.device, sampling=config.sampling,
-                force_accepted=config.force_accepted,
+                force_accepted=config.force_accepted, num_index_heads=num_index_heads,
             ),
             head=head, capture=capture, metadata_factory=metadata_factory,
         )
@@ -156,6 +157,7 @@ class Engine:
         self.scheduler.release(request)
 
     # ----- the step loop -------------------------------------------------------------------
+    @torch.no_grad()
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         progress: Callable[[int, int], None] | None = None,

@@ -34,6 +34,7 @@ class RunnerConfig:
     device: torch.device
     sampling: SamplingParams = SamplingParams()
     force_accepted: int | None = None
+    num_index_heads: int = 1
 
 
 @dataclass
@@ -86,13 +87,13 @@ class StepRunner:
         k = config.draft_len
         self.meta = metadata_factory(
             config.max_batch_size, config.max_tokens_per_step, config.max_blocks_per_seq, config.block_size,
-            config.device, max_draft_len=k,
+            config.device, max_draft_len=k, num_index_heads=config.num_index_heads,
         )
         num_draft_metas = max(k - 1, 0) if head is not None else 0
         self.draft_metas = [
             metadata_factory(
                 config.max_batch_size, config.max_batch_size, config.max_blocks_per_seq, config.block_size,
-                config.device, max_draft_len=0,
+                config.device, max_draft_len=0, num_index_heads=config.num_index_heads,
             )
             for _ in range(num_draft_metas)
         ]

@@ -79,6 +79,21 @@ def _register_models():
     return undo_and_forget
 
 
+def _preflight() -> None:
+    """Resolve every contract symbol first, so a missing one is reported with all the others."""
+    from m3_eagle_plugin.host.trtllm.contract import HostSymbolMissing, resolve_owner
+
+    missing = []
+    for sym in CONTRACT:
+        try:
+            resolve_owner(sym)
+        except HostSymbolMissing as exc:
+            missing.append(str(exc))
+    if missing:
+        raise HostPatchError("the installed host lacks symbols the adapter needs (nothing was patched): "
+                             + "; ".join(missing))
+
+
 def install(force: bool = False) -> dict:
     """Apply every host patch and register the model classes, all or nothing.
 
@@ -91,8 +106,10 @@ def install(force: bool = False) -> dict:
         if _engine.applied:
             _engine.revert()
         try:
+            _preflight()
             patches = _host_patches()
-        except HostPatchError:
+        except HostPatchError as exc:
+            _engine.record_error(str(exc))
             raise
         except Exception as exc:
             raise HostPatchError(f"collecting host patches failed: {type(exc).__name__}: {exc}") from exc

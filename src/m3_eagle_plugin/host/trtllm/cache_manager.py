@@ -28,6 +28,17 @@ def _pinned_like(new: torch.Tensor, old: Any) -> torch.Tensor:
     return new
 
 
+def _host_name(name: str, required: bool = True) -> Any:
+    """A name the host's M3 manager module (or its V2 base module) imported, e.g. `Role`."""
+    for cls in (HostMiniMaxM3KVCacheManagerV2, HostMiniMaxM3KVCacheManagerV2.__mro__[1]):
+        value = getattr(sys.modules[cls.__module__], name, None)
+        if value is not None:
+            return value
+    if required:
+        raise LookupError(f"the host KV-cache modules bind no {name!r}")
+    return None
+
+
 def _requests(scheduled_batch: Any) -> Iterable[Any]:
     all_requests = getattr(scheduled_batch, "all_requests", None)
     if callable(all_requests):
@@ -55,6 +66,7 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
         # Set before the base constructor: it builds the page tables (and calls our override).
         self.shared_draft_layer_ids: tuple[int, ...] = tuple(draft_ids)
         self.num_target_layers: Optional[int] = num_target
+        self.max_draft_len: int = int(getattr(kwargs.get("spec_config"), "max_draft_len", 0) or 0)
         self.virtual_pools: Optional[core_kv.VirtualPools] = None
         self._draft_op_pools: tuple[tuple[int, int], ...] = ()
         super().__init__(*args, sparse_layer_ids=sparse_layer_ids, **kwargs)
@@ -91,10 +103,14 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
         """(local layer, K page base address, sub-pages per slot) of a draft layer."""
         layer_offsets = getattr(self, "layer_offsets", None)
         local = layer_offsets[global_layer] if layer_offsets is not None else global_layer
-        role = sys.modules[HostMiniMaxM3KVCacheManagerV2.__module__].Role
-        address = int(self.impl.get_mem_pool_base_address(local, role.KEY))
+        role = _host_name("Role")
+        index_mode = _host_name("PageIndexMode", required=False)
+        if index_mode is None:  # older V2 storage: (layer, role)
+            address = self.impl.get_mem_pool_base_address(local, role.KEY)
+        else:
+            address = self.impl.get_mem_pool_base_address(local, role.KEY, index_mode.SHARED)
         sub_pages = int(self.impl.get_page_index_converter(local, role.KEY).scale)
-        return local, address, sub_pages
+        return local, int(address), sub_pages
 
     # ----- per-step block offsets ----------------------------------------------------------
     def copy_batch_block_offsets(self, dst_tensor: torch.Tensor, request_ids: List[int],

@@ -114,6 +114,9 @@ CONTRACT: tuple[HostSymbol, ...] = (
     # Components: the KV manager and its V2 base.
     _sym("m3_kv_manager", tuple(f"{m}.cache_manager" for m in _M3_PKG),
          "MiniMaxM3KVCacheManagerV2.__init__", "method", ("self",), "cache_manager"),
+    _sym("m3_kv_slot_ids", tuple(f"{m}.cache_manager" for m in _M3_PKG),
+         "MiniMaxM3KVCacheManagerV2.get_block_ids_per_seq", "method", ("self", "request_ids"),
+         "msa_metadata"),
     _sym("m3_kv_role", tuple(f"{m}.cache_manager" for m in _M3_PKG), "Role", "binding",
          used_by="cache_manager"),
     _sym("v2_prepare_page_table", _KV_V2, "KVCacheManagerV2._prepare_page_table_tensor", "method",

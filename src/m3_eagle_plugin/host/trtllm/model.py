@@ -65,13 +65,23 @@ class Eagle3CaptureHooks:
         self._handles = []
 
 
-class MiniMaxM3Eagle3ForCausalLM(SpecDecOneEngineForCausalLM, _HostM3Weights):
+# A host that already ships NVIDIA/TensorRT-LLM#18872 (only reached when activation is forced)
+# has an Eagle3-capable M3 class whose layers capture by themselves: extend it directly.
+HOST_M3_IS_EAGLE3 = issubclass(HostMiniMaxM3ForCausalLM, SpecDecOneEngineForCausalLM)
+_BASES = (HostMiniMaxM3ForCausalLM,) if HOST_M3_IS_EAGLE3 else (SpecDecOneEngineForCausalLM, _HostM3Weights)
+
+
+class MiniMaxM3Eagle3ForCausalLM(*_BASES):
     """MiniMax-M3 text model as a one-model Eagle3 target."""
 
     def __init__(self, model_config: Any) -> None:
         mark_unified_draft_kv(getattr(model_config, "spec_config", None))
-        SpecDecOneEngineForCausalLM.__init__(self, HostMiniMaxM3Model(model_config), model_config)
-        self.eagle3_capture = Eagle3CaptureHooks(self.model.layers)
+        if HOST_M3_IS_EAGLE3:
+            HostMiniMaxM3ForCausalLM.__init__(self, model_config)
+            self.eagle3_capture = Eagle3CaptureHooks([])
+        else:
+            SpecDecOneEngineForCausalLM.__init__(self, HostMiniMaxM3Model(model_config), model_config)
+            self.eagle3_capture = Eagle3CaptureHooks(self.model.layers)
 
     def forward(self, attn_metadata: Any, input_ids: Any = None, position_ids: Any = None,
                 inputs_embeds: Any = None, return_context_logits: bool = False,

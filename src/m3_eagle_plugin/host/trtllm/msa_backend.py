@@ -70,17 +70,14 @@ class M3EagleMsaMetadata(HostMsaMetadata):
 
     # ----- per step ------------------------------------------------------------------------
     def _host_kv_lens(self, num_seqs: int) -> torch.Tensor:
-        """Host kv lengths of the step without the speculative extra slots."""
+        """Host kv lengths of the step; the host's `kv_lens` add the speculative extra slots."""
         extra = int(getattr(getattr(self, "kv_cache_params", None), "num_extra_kv_tokens", 0) or 0)
         return self.kv_lens[:num_seqs].to(torch.int64) - extra
 
     def _block_tables(self, request_ids: list[int]) -> torch.Tensor:
-        rows = self.kv_cache_manager.get_batch_cache_indices(request_ids)
-        width = max([len(r) for r in rows] + [1])
-        table = torch.full((len(rows), width), -1, dtype=torch.int32)
-        for i, row in enumerate(rows):
-            table[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.int32)
-        return table
+        """Raw slot ids per request. (V2's `get_batch_cache_indices` returns ids already multiplied
+        by the mega-slot's page-index scale, which are not slots.)"""
+        return self.kv_cache_manager.get_block_ids_per_seq(request_ids)
 
     def prepare(self) -> None:
         super().prepare()
@@ -98,8 +95,8 @@ class M3EagleMsaMetadata(HostMsaMetadata):
         step = self.m3_eagle_step
         if step is None or step.num_requests == 0:
             return
-        extra = int(getattr(getattr(self, "kv_cache_params", None), "num_extra_kv_tokens", 0) or 0)
-        step.on_update_kv_lens(self.kv_lens_cuda[: step.num_requests] - extra)
+        # kv_lens_cuda never counts the speculative extra slots (the host kv_lens do).
+        step.on_update_kv_lens(self.kv_lens_cuda[: step.num_requests])
         self._publish()
 
     def _publish(self) -> None:

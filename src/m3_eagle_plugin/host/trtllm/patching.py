@@ -124,6 +124,12 @@ class PatchEngine:
             self._state = _State(bindings=done, undos=undos, patch_ids=ids, step_names=step_names)
             return self.report()
 
+    def record_error(self, message: str) -> None:
+        """Note a failure found before `apply` (e.g. a preflight check) for `report()`."""
+        with self._lock:
+            if not self.applied:
+                self._state = _State(error=message)
+
     def revert(self) -> dict:
         """Undo everything this engine applied (no-op when nothing is applied)."""
         with self._lock:

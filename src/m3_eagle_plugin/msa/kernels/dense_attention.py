@@ -26,7 +26,7 @@ def _dense_verify_kernel(
     bt_ptr, s_bt_r, cu_ptr, pos_ptr, kvl_ptr,
     o_ptr, s_o_t, s_o_h, lse_ptr,
     qk_scale, v_scale,
-    G: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+    G: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -43,7 +43,7 @@ def _dense_verify_kernel(
     rows = tl.arange(0, QP * G)
     head = g * G + rows % G
     d = tl.arange(0, D)
-    j = tl.arange(0, BLOCK)
+    jn = tl.arange(0, BN)
     for c0 in range(t0, t1, QP):
         tok = c0 + rows // G
         row_ok = tok < t1
@@ -53,20 +53,23 @@ def _dense_verify_kernel(
         m_i = tl.full([QP * G], -1.0e30, tl.float32)
         l_i = tl.zeros([QP * G], tl.float32)
         acc = tl.zeros([QP * G, D], tl.float32)
-        for b in range(b_lo, b_hi):
+        # One flat loop over BN-key sub-tiles of this split's pages (see sparse_attention).
+        for kt in range(b_lo * (BLOCK // BN), b_hi * (BLOCK // BN)):
+            b = kt // (BLOCK // BN)
+            key0 = (kt % (BLOCK // BN)) * BN
             page = tl.load(bt_ptr + r * s_bt_r + b).to(tl.int64)
-            k = tl.load(k_ptr + page * s_k_p + g * s_k_h + j[:, None] * s_k_b + d[None, :]).to(q.dtype)
+            k = tl.load(k_ptr + page * s_k_p + g * s_k_h + (key0 + jn)[:, None] * s_k_b + d[None, :]).to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
             s = s * qk_scale
-            s = tl.where((b * BLOCK + j)[None, :] <= pos[:, None], s, float("-inf"))
+            s = tl.where((b * BLOCK + key0 + jn)[None, :] <= pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + page * s_v_p + g * s_v_h + j[:, None] * s_v_b + d[None, :]).to(q.dtype)
+            v = tl.load(v_ptr + page * s_v_p + g * s_v_h + (key0 + jn)[:, None] * s_v_b + d[None, :]).to(q.dtype)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
             else:
@@ -98,6 +101,7 @@ def dense_verify_attention(
     splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    key_tile: int | None = None,
 ) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`: every token attends to its request's keys up to its own position."""
     check_attention_inputs(q, k_cache, v_cache, meta)
@@ -113,6 +117,8 @@ def dense_verify_attention(
     out = torch.zeros_like(q) if splits == 1 else torch.empty_like(q)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
+    if key_tile is None:  # measured on H200 at B64/32K: 128 for 16-bit KV, 32 for fp8 KV
+        key_tile = 128 if k_cache.element_size() >= 2 else 32
     qk_scale = float(scale) * scale_value(k_scale) * LOG2E
     vs = scale_value(v_scale)
     if splits == 1:
@@ -127,7 +133,7 @@ def dense_verify_attention(
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions, meta.kv_lens,
         o_buf, out.stride(0), out.stride(1), lse,
         qk_scale, vs,
-        G=group, QP=qp, BLOCK=block, D=dim, SPLITS=splits,
+        G=group, QP=qp, BLOCK=block, BN=min(block, key_tile), D=dim, SPLITS=splits,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:

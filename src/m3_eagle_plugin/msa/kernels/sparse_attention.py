@@ -1,14 +1,15 @@
 """Triton sparse verify attention: each request's union of selected pages read once.
 
 Why: the 1 + draft_len verify tokens of a request select nearly the same pages. One program per
-(request, KV head, split) deduplicates the tokens' selections, loads every page of the union
-once and applies it to all of the request's query rows (tokens x GQA group in one MMA tile);
-a row only sees a page its own token selected and keys up to its own position. Splits over the
-union plus an LSE merge keep small batches busy. Mirrors `m3_eagle_plugin.msa.sparse_attention`.
+(request, KV head, token chunk, split) walks the chunk's block-union list (`block_union`), loads
+every page of the union once and applies it to all of the chunk's query rows (tokens x GQA group
+in one MMA tile); a row only sees a page its own token selected (bitmask) and keys up to its own
+position. Splits over the union plus an LSE merge keep small batches busy. Mirrors `m3_eagle_plugin.msa.sparse_attention`.
 """
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -26,9 +27,33 @@ from ._common import (
     scale_value,
     tokens_per_tile,
 )
+from .block_union import BlockUnion, chunk_count, union_from_selection
 from .merge import merge_splits
 
 LOG2E = 1.4426950408889634
+#: Tuning override: "0" selects the plain (non-prefetching) main loop.
+PREFETCH_ENV = "M3_EAGLE_SPARSE_PREFETCH"
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos, IEEE: tl.constexpr):
+    """One key tile of flash attention in log2 units; keys masked per row by selection and causality."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    visible = row_has[:, None] & (key_pos[None, :] <= pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -36,80 +61,90 @@ def _sparse_verify_kernel(
     q_ptr, s_q_t, s_q_h,
     k_ptr, s_k_p, s_k_h, s_k_b,
     v_ptr, s_v_p, s_v_h, s_v_b,
-    sel_ptr, s_sel_h, s_sel_t,
+    ids_ptr, pages_ptr, bits_ptr, cnt_ptr,
     bt_ptr, s_bt_r, cu_ptr, pos_ptr,
     o_ptr, s_o_t, s_o_h, lse_ptr,
     qk_scale, v_scale,
-    G: tl.constexpr, QP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
-    BLOCK: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    G: tl.constexpr, QP: tl.constexpr, UMAX: tl.constexpr, NCH: tl.constexpr,
+    BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    PREFETCH: tl.constexpr, EP: tl.constexpr,
 ):
     r = tl.program_id(0)
     g = tl.program_id(1)
-    split = tl.program_id(2)
+    c = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     num_heads = tl.num_programs(1) * G
-    t0 = tl.load(cu_ptr + r)
+    unit = (r * tl.num_programs(1) + g) * NCH + c
     t1 = tl.load(cu_ptr + r + 1)
+    c0 = tl.load(cu_ptr + r) + c * QP
 
     rows = tl.arange(0, QP * G)
+    tok_i = rows // G
+    tok = c0 + tok_i
     head = g * G + rows % G
+    row_ok = tok < t1
     d = tl.arange(0, D)
-    j = tl.arange(0, BLOCK)
-    n = tl.arange(0, QP * TOPK_P)
-    kk = tl.arange(0, TOPK_P)
-    sel_base = sel_ptr + g * s_sel_h
-    for c0 in range(t0, t1, QP):
-        tok = c0 + rows // G
-        row_ok = tok < t1
-        q = tl.load(q_ptr + tok[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
-        # Union of this chunk's selections: entry n is kept if no earlier entry has its id.
-        n_tok = c0 + n // TOPK_P
-        n_ok = (n_tok < t1) & (n % TOPK_P < TOPK)
-        cand = tl.load(sel_base + n_tok * s_sel_t + n % TOPK_P, mask=n_ok, other=-1)
-        same = (cand[:, None] == cand[None, :]) & (n[None, :] < n[:, None])
-        first = (cand >= 0) & (tl.max(same.to(tl.int32), axis=1) == 0)
-        rank = tl.cumsum(first.to(tl.int32), axis=0) - 1
-        num_unique = tl.sum(first.to(tl.int32), axis=0)
-        row_sel = tl.load(sel_base + tok[:, None] * s_sel_t + kk[None, :],
-                          mask=row_ok[:, None] & (kk < TOPK)[None, :], other=-1)
+    q = tl.load(q_ptr + tok[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+    count = tl.load(cnt_ptr + unit)
 
-        m_i = tl.full([QP * G], -1.0e30, tl.float32)
-        l_i = tl.zeros([QP * G], tl.float32)
-        acc = tl.zeros([QP * G, D], tl.float32)
-        for u in range(split, num_unique, SPLITS):
-            b = tl.sum(tl.where(first & (rank == u), cand, 0), axis=0)
-            row_has = tl.max((row_sel == b).to(tl.int32), axis=1) > 0
-            page = tl.load(bt_ptr + r * s_bt_r + b).to(tl.int64)
-            k = tl.load(k_ptr + page * s_k_p + g * s_k_h + j[:, None] * s_k_b + d[None, :]).to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * qk_scale
-            visible = row_has[:, None] & ((b * BLOCK + j)[None, :] <= pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + page * s_v_p + g * s_v_h + j[:, None] * s_v_b + d[None, :]).to(q.dtype)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-            m_i = m_new
+    m_i = tl.full([QP * G], -1.0e30, tl.float32)
+    l_i = tl.zeros([QP * G], tl.float32)
+    acc = tl.zeros([QP * G, D], tl.float32)
+    jn = tl.arange(0, BN)
+    mine = tl.maximum(count - split + SPLITS - 1, 0) // SPLITS
+    if PREFETCH:
+        # This split's union entries live in registers, and the next sub-tile's K/V are loaded
+        # while the current one is used: the compiler does not pipeline loads that reach the
+        # MMA through an fp8 -> bf16 conversion, and the entry -> page -> K chain is 3 round trips.
+        e = tl.arange(0, EP)
+        e_ok = split + e * SPLITS < count
+        e_ids = tl.load(ids_ptr + unit * UMAX + split + e * SPLITS, mask=e_ok, other=0)
+        e_bits = tl.load(bits_ptr + unit * UMAX + split + e * SPLITS, mask=e_ok, other=0)
+        e_pages = tl.load(pages_ptr + unit * UMAX + split + e * SPLITS, mask=e_ok, other=0)
+        n_it = mine * (BLOCK // BN)
+        page = tl.sum(tl.where(e == 0, e_pages, 0), axis=0).to(tl.int64)
+        k = tl.load(k_ptr + page * s_k_p + g * s_k_h + jn[:, None] * s_k_b + d[None, :], mask=n_it > 0, other=0.0)
+        v = tl.load(v_ptr + page * s_v_p + g * s_v_h + jn[:, None] * s_v_b + d[None, :], mask=n_it > 0, other=0.0)
+        for it in range(0, n_it):
+            nit = it + 1
+            npage = tl.sum(tl.where(e == nit // (BLOCK // BN), e_pages, 0), axis=0).to(tl.int64)
+            nkey = (nit % (BLOCK // BN)) * BN + jn
+            k_next = tl.load(k_ptr + npage * s_k_p + g * s_k_h + nkey[:, None] * s_k_b + d[None, :],
+                             mask=nit < n_it, other=0.0)
+            v_next = tl.load(v_ptr + npage * s_v_p + g * s_v_h + nkey[:, None] * s_v_b + d[None, :],
+                             mask=nit < n_it, other=0.0)
+            cur = it // (BLOCK // BN)
+            b = tl.sum(tl.where(e == cur, e_ids, 0), axis=0)
+            bits = tl.sum(tl.where(e == cur, e_bits, 0), axis=0)
+            key0 = (it % (BLOCK // BN)) * BN
+            m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), m_i, l_i, acc, qk_scale,
+                                                 ((bits >> tok_i) & 1) != 0, b * BLOCK + key0 + jn, pos, IEEE)
+            k, v = k_next, v_next
+    else:
+        # Flat loop over (this split's union entries) x (BN-key sub-tiles of each page).
+        for it in range(0, mine * (BLOCK // BN)):
+            entry = unit * UMAX + split + (it // (BLOCK // BN)) * SPLITS
+            b = tl.load(ids_ptr + entry)
+            bits = tl.load(bits_ptr + entry)
+            page = tl.load(pages_ptr + entry).to(tl.int64)
+            key = (it % (BLOCK // BN)) * BN + jn
+            k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :]).to(q.dtype)
+            v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :]).to(q.dtype)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, ((bits >> tok_i) & 1) != 0,
+                                                 b * BLOCK + key, pos, IEEE)
 
-        safe_l = tl.where(l_i > 0, l_i, 1.0)
-        if SPLITS == 1:
-            o = acc / safe_l[:, None] * v_scale
-            tl.store(o_ptr + tok[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            prow = (tok * num_heads + head) * SPLITS + split
-            tl.store(o_ptr + prow[:, None] * D + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
-            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-            tl.store(lse_ptr + prow, lse, mask=row_ok)
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    if SPLITS == 1:
+        o = acc / safe_l[:, None] * v_scale
+        tl.store(o_ptr + tok[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        prow = (tok * num_heads + head) * SPLITS + split
+        tl.store(o_ptr + prow[:, None] * D + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + prow, lse, mask=row_ok)
 
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any) -> None:
@@ -146,11 +181,20 @@ def sparse_verify_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
     max_qo_len: int | None = None,
+    union: BlockUnion | None = None,
     splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    key_tile: int = 64,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
-    """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids."""
+    """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids.
+
+    `max_qo_len` (the most query tokens any request has; 1 + draft_len on verify steps) sizes the
+    grid; leave it None only when unknown (then a worst-case bound is used). `union` is the
+    block list the fused top-k wrote for this selection (`select_blocks_verify(..., union_group=)`);
+    without it a small kernel derives it.
+    """
     check_attention_inputs(q, k_cache, v_cache, meta)
     require(selection.dim() == 3 and selection.dtype == torch.int32 and selection.stride(-1) == 1,
             f"selection must be int32 [Hkv, T, topk] with unit last stride, got {selection.dtype} {tuple(selection.shape)}")
@@ -161,9 +205,17 @@ def sparse_verify_attention(
     group = num_heads // hkv
     topk = selection.shape[2]
     num_requests = meta.kv_lens.shape[0]
-    qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
+    if union is None:
+        qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
+        union = union_from_selection(selection, meta.cu_qo_lens, meta.block_tables, chunk=qp,
+                                     num_chunks=chunk_count(num_tokens, num_requests, qp, max_qo_len))
+    qp, nch = union.chunk, union.num_chunks
+    if prefetch is None:
+        prefetch = os.environ.get(PREFETCH_ENV, "1") != "0"
+    require(qp * group >= 16, f"union chunk {qp} x group {group} must give >= 16 rows")
+    require(union.counts.shape[:2] == (num_requests, hkv), "union does not match requests x KV heads")
     if splits is None:
-        splits = choose_splits(num_requests, hkv, topk + qp - 1, q.device)
+        splits = choose_splits(num_requests * nch, hkv, min(topk * qp, 4 * topk), q.device)
     # Zeroed so graph-padding rows (past cu_qo_lens[-1]) read 0 on the single-split path too.
     out = torch.zeros_like(q) if splits == 1 else torch.empty_like(q)
     if num_tokens == 0 or num_requests == 0:
@@ -175,16 +227,16 @@ def sparse_verify_attention(
     else:
         o_buf = torch.empty((num_tokens, num_heads, splits, dim), device=q.device, dtype=torch.float32)
         lse = torch.empty((num_tokens, num_heads, splits), device=q.device, dtype=torch.float32)
-    _sparse_verify_kernel[(num_requests, hkv, splits)](
+    _sparse_verify_kernel[(num_requests, hkv, nch * splits)](
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        selection, selection.stride(0), selection.stride(1),
+        union.ids, union.pages, union.bits, union.counts,
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions,
         o_buf, out.stride(0), out.stride(1), lse,
         qk_scale, vs,
-        G=group, QP=qp, TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block, D=dim, SPLITS=splits,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        G=group, QP=qp, UMAX=union.umax, NCH=nch, BLOCK=block, BN=min(block, key_tile), D=dim, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, PREFETCH=prefetch, EP=next_pow2(-(-union.umax // splits)), num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
         return out

@@ -15,8 +15,9 @@ class TrtllmAttentionMetadata(AttentionMetadata):
     def prepare(self) -> None:
         n = self.num_seqs
         cached = torch.tensor(self.kv_cache_params.num_cached_tokens_per_seq[:n], dtype=torch.int32)
-        kv = cached + self.seq_lens[:n].to(torch.int32) + self.kv_cache_params.num_extra_kv_tokens
-        self.kv_lens[:n] = kv
+        kv = cached + self.seq_lens[:n].to(torch.int32)
+        # as in the host: the host copy adds the speculative extra slots, the device copy does not
+        self.kv_lens[:n] = kv + self.kv_cache_params.num_extra_kv_tokens
         self.kv_lens_cuda[:n].copy_(kv)
 
 

@@ -27,6 +27,11 @@ class _PageIndexConverter:
         self.scale, self.layer_offset = scale, layer_offset
 
 
+class PageIndexMode(enum.Enum):
+    SHARED = "shared"
+    PER_LAYER = "per_layer"
+
+
 class _Storage:
     """Layer-major sub-page placement inside one slot."""
 
@@ -34,7 +39,8 @@ class _Storage:
         self.offsets = [sum(sub_pages_per_layer[:i]) for i in range(len(sub_pages_per_layer))]
         self.scale = sum(sub_pages_per_layer)
 
-    def get_mem_pool_base_address(self, layer: int, role) -> int:
+    def get_mem_pool_base_address(self, layer: int, role, index_mode=None) -> int:
+        assert index_mode in (None, PageIndexMode.SHARED)
         return POOL_BASE_ADDRESS + (self.offsets[layer] + (role == Role.VALUE)) * PAGE_BYTES
 
     def get_page_index_converter(self, layer: int, role) -> _PageIndexConverter:
@@ -96,7 +102,8 @@ class KVCacheManagerV2:
         self.host_kv_cache_block_offsets[:, row, 0, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
 
     def get_batch_cache_indices(self, request_ids: List[int]) -> List[List[int]]:
-        return [list(self._slots[r]) for r in request_ids]
+        """Page indices already multiplied by the page-index scale (as the real accessor)."""
+        return [[slot * self.impl.scale for slot in self._slots[r]] for r in request_ids]
 
     def copy_batch_block_offsets(self, dst_tensor: torch.Tensor, request_ids: List[int],
                                  beam_width: int, num_contexts: int, num_seqs: int):

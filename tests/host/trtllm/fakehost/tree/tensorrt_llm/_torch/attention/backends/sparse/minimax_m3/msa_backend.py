@@ -19,7 +19,7 @@ class MiniMaxM3MsaSparseAttentionMetadata(TrtllmAttentionMetadata):
     def prepare(self) -> None:
         super().prepare()
         page = self.kv_cache_manager.tokens_per_block
-        rows = self.kv_cache_manager.get_batch_cache_indices(self.request_ids[: self.num_seqs])
+        rows = self.kv_cache_manager.get_block_ids_per_seq(self.request_ids[: self.num_seqs]).tolist()
         for i in range(self.num_seqs):  # one token per row: the last position only
             pos = int(self.kv_lens[i]) - self.kv_cache_params.num_extra_kv_tokens - 1
             self.msa_out_cache_loc[i] = rows[i][pos // page] * page + pos % page

@@ -1,0 +1,174 @@
+"""`m3-eagle run`: generation with one-model Eagle3 on the reference host.
+
+Prompts are token ids (`--prompt-ids 1,2,3`, repeatable, or `--prompts FILE` with one JSON list of
+ids per line). A bad prompt fails alone with its message in the output; the others complete.
+`--json` prints one JSON object on stdout; a progress bar goes to stderr when it is a terminal.
+Exit status: 0 when at least one request completed (per-request errors are in the output), 1 when
+none did, 2 for bad arguments or setup errors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["add_arguments", "main", "read_prompts"]
+
+FORCED_NOTE = "forced acceptance: {n} drafts per verify step are accepted regardless (benchmark mode; outputs are NOT the target's)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="MiniMax-M3 target checkpoint directory (HF layout)")
+    parser.add_argument("--draft", default=None, help="Eagle3 head checkpoint directory (omit: target only)")
+    parser.add_argument("--draft-len", type=int, default=3, help="draft tokens per verify step (default 3)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt-ids", action="append", help="comma-separated token ids of one prompt (repeatable)")
+    source.add_argument("--prompts", type=Path, help="JSON-lines file: one list of token ids per line")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay generation steps from CUDA graphs (GPU only)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="prepare step N+1 before step N's acceptance is known (device-side correction)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force-accepted", type=int, default=None, metavar="N",
+                        help="benchmark mode: accept N drafts per step regardless of the target")
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--max-tokens-per-step", type=int, default=256, help="token budget of one step (chunked prefill)")
+    parser.add_argument("--eos-ids", default="", help="comma-separated ids that end a request (kept in the output)")
+    parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache blocks (default: all prompts fit at once)")
+    parser.add_argument("--proposer", choices=["default", "prompt-lookup"], default="default",
+                        help="default: the m3_eagle_propose_drafts plugin hook, else the Eagle3 head")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _parse_ids(text: str, where: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise ValueError(f"{where}: token ids must be comma-separated integers, got {text!r}") from None
+
+
+def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]:
+    """Prompts and, per prompt, a parse error (such a prompt is passed on as-is and fails alone)."""
+    prompts: list[Any] = []
+    errors: list[str | None] = []
+    if args.prompt_ids:
+        for n, text in enumerate(args.prompt_ids):
+            try:
+                prompts.append(_parse_ids(text, f"--prompt-ids #{n}"))
+                errors.append(None)
+            except ValueError as error:
+                prompts.append(None)
+                errors.append(str(error))
+        return prompts, errors
+    lines = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+    for n, line in enumerate(lines, start=1):
+        try:
+            value = json.loads(line)
+            errors.append(None if isinstance(value, list) else f"{args.prompts}:{n}: expected a JSON list of token ids")
+            prompts.append(value)
+        except json.JSONDecodeError as error:
+            prompts.append(None)
+            errors.append(f"{args.prompts}:{n}: not JSON ({error.msg})")
+    return prompts, errors
+
+
+class ProgressBar:
+    """A one-line bar on a terminal; silent elsewhere (no extra dependencies)."""
+
+    def __init__(self, stream: TextIO | None = None, width: int = 30) -> None:
+        self.stream, self.width = (sys.stderr if stream is None else stream), width
+        self.enabled = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total == 0:
+            return
+        filled = self.width * done // total
+        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} requests")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _report_text(report: dict, out: TextIO) -> None:
+    if report.get("forced_acceptance") is not None:
+        out.write(FORCED_NOTE.format(n=report["forced_acceptance"]) + "\n")
+    for n, (ids, error) in enumerate(zip(report["outputs"], report["errors"])):
+        out.write(f"[{n}] error: {error}\n" if error else f"[{n}] {' '.join(map(str, ids))}\n")
+    out.write(
+        f"draft_len={report['draft_len']} source={report['draft_source']} overlap={report['overlap']} "
+        f"acceptance_rate={report['acceptance_rate']:.3f} mean_acceptance_length={report['mean_acceptance_length']:.3f} "
+        f"draft_tokens={report['draft_tokens']} accepted_tokens={report['accepted_tokens']} "
+        f"tokens_per_s={report['tokens_per_s']:.1f}\n"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from m3_eagle_plugin.host.reference.build import DTYPES, blocks_for_prompts, build_engine
+    from m3_eagle_plugin.host.reference.engine import EngineConfig
+    from m3_eagle_plugin.host.reference.sampler import SamplingParams
+
+    try:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        if args.cuda_graphs and args.device != "cuda":
+            raise ValueError("--cuda-graphs needs --device cuda (CUDA graphs do not exist on CPU)")
+        if args.draft_len < 0 or args.max_new_tokens < 1:
+            raise ValueError("--draft-len must be >= 0 and --max-new-tokens >= 1")
+        prompts, parse_errors = read_prompts(args)
+        eos_ids = tuple(_parse_ids(args.eos_ids, "--eos-ids"))
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        config = EngineConfig(
+            draft_len=args.draft_len, max_batch_size=args.max_batch_size,
+            max_tokens_per_step=args.max_tokens_per_step, overlap=args.overlap, cuda_graphs=args.cuda_graphs,
+            sampling=sampling, force_accepted=args.force_accepted, eos_ids=eos_ids,
+        )
+        proposer = None
+        if args.proposer == "prompt-lookup":
+            from m3_eagle_plugin.host.reference.proposers import PromptLookupProposer
+
+            proposer = PromptLookupProposer()
+        from m3_eagle_plugin.registry import get_plugin_manager
+
+        num_blocks = args.kv_blocks
+        if num_blocks is None:
+            from m3_eagle_plugin.models.config import M3Config
+
+            valid = [p for p, e in zip(prompts, parse_errors) if e is None]
+            block_size = M3Config.from_file(args.model).block_size
+            num_blocks = blocks_for_prompts(valid, args.max_new_tokens, args.draft_len, block_size)
+        engine = build_engine(
+            args.model, args.draft, config, num_blocks=num_blocks, device=args.device,
+            dtype=DTYPES[args.dtype], plugin_manager=get_plugin_manager(), proposer=proposer,
+        )
+    except (ValueError, TypeError, OSError) as error:
+        print(f"m3-eagle run: {error}", file=sys.stderr)
+        return 2
+
+    bar = ProgressBar()
+    result = engine.generate([p if e is None else None for p, e in zip(prompts, parse_errors)],
+                             args.max_new_tokens, progress=bar)
+    bar.close()
+    for n, error in enumerate(parse_errors):
+        if error is not None:
+            result.errors[n] = error
+    report = result.as_dict()
+    report["kv_blocks"] = int(num_blocks)
+    report["kv_blocks_free_after"] = int(engine.cache.num_free_blocks)
+    if args.json:
+        json.dump(report, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _report_text(report, sys.stdout)
+    return 0 if any(e is None for e in result.errors) else 1

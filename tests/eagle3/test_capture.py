@@ -1,0 +1,91 @@
+"""AuxCapture: layer-id convention, storage modes, and equality with transformers' hidden states."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin.eagle3.capture import AuxCapture
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(ids=st.lists(st.integers(0, 12), min_size=1, max_size=4, unique=True), tokens=st.integers(1, 5),
+       hidden=st.sampled_from([4, 8]), preallocate=st.booleans())
+def test_stacked_is_the_concat_in_layer_id_order(ids, tokens, hidden, preallocate):
+    capture = AuxCapture(ids)
+    if preallocate:
+        capture.allocate(8, hidden, torch.float32, "cpu")
+    recorded = {}
+    for layer in range(13):  # a forward visits layers in order; ids may be given in any order
+        x = torch.full((tokens, hidden), float(layer)) + torch.arange(tokens)[:, None]
+        if capture.wants(layer):
+            recorded[layer] = x
+        capture.record(layer, x)
+    want = torch.cat([recorded[i] for i in ids], dim=-1)
+    assert torch.equal(capture.stacked(), want)
+    for i in ids:
+        assert torch.equal(capture.get(i), recorded[i])
+
+
+def test_output_layer_ids_are_shifted_by_one():
+    assert AuxCapture.from_output_layer_ids([1, 29, 56]).layer_ids == (2, 30, 57)
+
+
+def test_preallocated_buffer_is_reused():
+    capture = AuxCapture([0, 2]).allocate(4, 3, torch.float32, "cpu")
+    capture.record(0, torch.ones(2, 3))
+    capture.record(2, torch.ones(2, 3) * 2)
+    first = capture.stacked()
+    capture.reset()
+    capture.record(0, torch.ones(3, 3) * 5)
+    capture.record(2, torch.ones(3, 3) * 6)
+    second = capture.stacked()
+    assert second.shape == (3, 6) and first.data_ptr() == second.data_ptr()
+    assert torch.equal(second[:, 3:], torch.full((3, 3), 6.0))
+
+
+def test_errors():
+    with pytest.raises(ValueError):
+        AuxCapture([])
+    with pytest.raises(ValueError):
+        AuxCapture([1, 1])
+    capture = AuxCapture([1, 2])
+    capture.record(1, torch.zeros(1, 2))
+    with pytest.raises(RuntimeError, match=r"\[2\]"):
+        capture.stacked()
+    with pytest.raises(KeyError):
+        capture.get(3)
+    small = AuxCapture([0]).allocate(1, 2, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="too small"):
+        small.record(0, torch.zeros(2, 2))
+
+
+def test_captures_equal_transformers_hidden_states(tmp_path):
+    """Input of layer i == transformers' output_hidden_states[i], for every token of a verify step."""
+    from transformers import MiniMaxM3SparseForConditionalGeneration
+
+    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.models.loader import load_target
+    from m3_eagle_plugin.models.tiny import make_tiny
+    from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
+
+    target_dir, _ = make_tiny(tmp_path, seed=2)
+    hf = MiniMaxM3SparseForConditionalGeneration.from_pretrained(target_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(input_ids=ids[None], output_hidden_states=True).hidden_states
+    model = load_target(target_dir)
+    cfg = model.config
+    cache = PagedKVCache.for_minimax_m3(cfg.num_layers, cfg.sparse_layer_ids, cfg.num_kv_heads, cfg.head_dim,
+                                        cfg.index_dim, cfg.block_size, 16, dtype=torch.float32)
+    meta = MsaDecodeMetadata(1, 32, 16, cfg.block_size, "cpu", max_draft_len=4, num_index_heads=cfg.index_heads)
+    cache.add_request("r")
+    capture = AuxCapture([0, 3, 5, 7])
+    for start, n in ((0, 16), (16, 4)):  # prefill, then a 1+3 verify chunk
+        cache.reserve("r", start + n)
+        meta.prepare([n], [start + n], cache.block_table(["r"]))
+        with torch.no_grad():
+            model(ids[start:start + n], meta, cache, capture=capture)
+        for i in capture.layer_ids:
+            torch.testing.assert_close(capture.get(i), want[i][0, start:start + n], atol=1e-4, rtol=0)

@@ -1,0 +1,145 @@
+"""Eagle3 draft loading: name variants, shared embeddings, d2t, and clear errors."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from m3_eagle_plugin.eagle3.checkpoint import CheckpointError, canonical_name, load_draft
+from m3_eagle_plugin.models.config import ConfigError
+from m3_eagle_plugin.models.loader import load_target
+from m3_eagle_plugin.models.tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    target_dir, draft_dir = make_tiny(tmp_path_factory.mktemp("tiny"), seed=3)
+    return load_target(target_dir), draft_dir
+
+
+def _variant(src, dst, edit_tensors=None, edit_config=None):
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    if edit_tensors:
+        tensors = edit_tensors(tensors) or tensors
+    if edit_config:
+        edit_config(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_loads_public_layout_and_shares_target_embeddings(tiny):
+    target, draft_dir = tiny
+    head = load_draft(draft_dir, target)
+    raw = load_file(str(draft_dir / "model.safetensors"))
+    assert head.embed_tokens is target.embed_tokens and head.lm_head is target.lm_head
+    assert torch.equal(head.layers[0].self_attn.k_proj.weight, raw["midlayer.self_attn.k_proj.weight"])
+    assert torch.equal(head.fc_norm[2].weight, raw["fc_norm.2.weight"])
+    assert head.aux_layer_ids == (2, 4, 5)
+
+
+def test_layers0_and_model_prefix_names_are_equivalent(tiny, tmp_path):
+    target, draft_dir = tiny
+    renamed = _variant(draft_dir, tmp_path / "d", lambda t: {
+        ("model." + k.replace("midlayer.", "layers.0.")): v for k, v in t.items()})
+    a, b = load_draft(draft_dir, target), load_draft(renamed, target)
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    assert canonical_name("model.midlayer.mlp.up_proj.weight") == "layers.0.mlp.up_proj.weight"
+
+
+def test_own_embed_and_lm_head_are_used_when_present(tiny, tmp_path):
+    target, draft_dir = tiny
+    own = torch.randn(256, 64)
+
+    def add(t):
+        t["embed_tokens.weight"], t["lm_head.weight"] = own, own * 2
+    head = load_draft(_variant(draft_dir, tmp_path / "d", add), target)
+    assert head.embed_tokens is not target.embed_tokens
+    assert torch.equal(head.embed_tokens.weight, own) and torch.equal(head.lm_head.weight, own * 2)
+
+
+def test_d2t_places_draft_logits_at_target_ids(tiny, tmp_path):
+    target, draft_dir = tiny
+    vd = 32
+    d2t = torch.arange(vd) * 7 % 200 - torch.arange(vd)  # draft id d -> target id (7d mod 200)
+
+    def add(t):
+        t["d2t"], t["t2d"] = d2t, torch.zeros(256, dtype=torch.bool)
+
+    def cfg(c):
+        c["draft_vocab_size"] = vd
+    head = load_draft(_variant(draft_dir, tmp_path / "d", add, cfg), target)
+    target_ids = torch.arange(vd) + d2t
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[target_ids])  # restricted target head
+    hidden = torch.randn(3, 64)
+    draft = head.draft_logits(hidden)
+    full = head.to_target_logits(draft)
+    assert full.shape == (3, 256)
+    assert torch.equal(full[:, target_ids], draft)
+    mask = torch.ones(256, dtype=torch.bool)
+    mask[target_ids] = False
+    assert torch.isinf(full[:, mask]).all()
+    assert torch.equal(head.draft_to_target(draft.argmax(-1)), full.argmax(-1))
+
+
+def test_reduced_vocab_without_d2t_is_an_error(tiny, tmp_path):
+    target, draft_dir = tiny
+    path = _variant(draft_dir, tmp_path / "d", edit_config=lambda c: c.update(draft_vocab_size=32))
+    with pytest.raises(CheckpointError, match="no 'd2t'"):
+        load_draft(path, target)
+
+
+def test_unknown_and_missing_tensors_in_one_error(tiny, tmp_path):
+    target, draft_dir = tiny
+
+    def edit(t):
+        del t["midlayer.hidden_norm.weight"], t["fc_norm.1.weight"]
+        t["midlayer.self_attn.q_norm.weight"] = torch.ones(16)
+    path = _variant(draft_dir, tmp_path / "d", edit)
+    with pytest.raises(CheckpointError) as err:
+        load_draft(path, target)
+    msg = str(err.value)
+    assert "model.safetensors" in msg and "2 missing" in msg and "layers.0.hidden_norm.weight" in msg
+    assert "fc_norm.1.weight" in msg and "1 unknown" in msg and "midlayer.self_attn.q_norm.weight" in msg
+
+
+def test_shape_mismatch_names_tensor_and_shapes(tiny, tmp_path):
+    target, draft_dir = tiny
+
+    def edit(t):
+        t["midlayer.self_attn.k_proj.weight"] = torch.zeros(64, 128)
+    path = _variant(draft_dir, tmp_path / "d", edit)
+    with pytest.raises(CheckpointError, match=r"midlayer\.self_attn\.k_proj\.weight.*\(64, 128\).*\(32, 128\)"):
+        load_draft(path, target)
+
+
+def test_hidden_size_mismatch_is_clear(tiny, tmp_path):
+    target, draft_dir = tiny
+    path = _variant(draft_dir, tmp_path / "d", edit_config=lambda c: c.update(hidden_size=96))
+    with pytest.raises(ConfigError, match="hidden_size 96.*target model's hidden size 64"):
+        load_draft(path, target)
+
+
+def test_aux_ids_out_of_range(tiny, tmp_path):
+    target, draft_dir = tiny
+    path = _variant(draft_dir, tmp_path / "d",
+                    edit_config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 4, 8]))
+    with pytest.raises(ConfigError, match=r"\[8\]"):
+        load_draft(path, target)
+
+
+def test_nothing_is_assigned_when_validation_fails(tiny, tmp_path):
+    """A failed load leaves the target untouched (shared modules are attached only at the end)."""
+    target, draft_dir = tiny
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    path = _variant(draft_dir, tmp_path / "d", lambda t: {k: v for k, v in t.items() if k != "norm.weight"})
+    with pytest.raises(CheckpointError):
+        load_draft(path, target)
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+    shutil.rmtree(path)

@@ -1,0 +1,106 @@
+"""The device-only draft loop against a naive sequential reference.
+
+A toy head writes its input token into the draft layer and predicts from the sum of every draft-layer
+token it can see (positions <= its own), so draft KV read past the accepted position (stale tokens
+from rejected verify positions) or written at the optimistic instead of the corrected position
+changes the drafts.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.eagle3.draft_loop import run_draft_loop
+from m3_eagle_plugin.kv import PagedKVCache
+from m3_eagle_plugin.msa import MsaDecodeMetadata
+
+VOCAB, BLOCK, DRAFT_LAYER = 13, 4, 1
+
+
+class SumHead:
+    def forward(self, input_ids, hidden, meta, cache):
+        k = cache.k(DRAFT_LAYER)
+        for slot, token in zip(meta.cache_slots.tolist(), input_ids.tolist()):
+            k[slot // BLOCK, 0, slot % BLOCK, 0] = float(token)
+        out = []
+        for t, (r, pos) in enumerate(zip(meta.token_request.tolist(), meta.positions.tolist())):
+            table = meta.block_tables[r]
+            seen = sum(int(k[int(table[p // BLOCK]), 0, p % BLOCK, 0]) for p in range(pos + 1))
+            out.append((int(hidden[t, 0]) + seen) % VOCAB)
+        logits = torch.nn.functional.one_hot(torch.tensor(out, dtype=torch.long), VOCAB).float().reshape(-1, VOCAB)
+        return logits, (hidden[:, :1] + input_ids.unsqueeze(1).float())
+
+
+def naive(prior, ids, features, gather, num_drafts):
+    """Sequential reference: draft cache = prior tokens + step-0 ids up to the gathered position."""
+    cache = list(prior) + list(ids[: gather + 1])
+    h = features[gather]
+    drafts = [(h + sum(cache)) % VOCAB]
+    h = h + ids[gather]
+    for _ in range(num_drafts - 1):
+        cache.append(drafts[-1])
+        drafts.append((h + sum(cache)) % VOCAB)
+        h = h + drafts[-2]
+    return drafts
+
+
+def run_case(prior, ids, features, accepted, num_drafts):
+    """One row of len(ids) tokens after `prior` committed ones; the head continues from token `accepted`."""
+    cache = PagedKVCache.for_minimax_m3(1, [], 1, 4, 4, BLOCK, 32, num_draft_layers=1, dtype=torch.float32)
+    cache.add_request(0)
+    start, length = len(prior), len(ids)
+    staged = start + length
+    cache.reserve(0, staged + num_drafts)
+    table = cache.block_table([0], width=32)
+    k = cache.k(DRAFT_LAYER)
+    for p, token in enumerate(prior):
+        k[int(table[0, p // BLOCK]), 0, p % BLOCK, 0] = float(token)
+    meta = MsaDecodeMetadata(2, 16, 32, BLOCK, "cpu", max_draft_len=num_drafts)
+    meta.prepare([length], [staged], table)
+    step_metas = []
+    for step in range(1, num_drafts):
+        m = MsaDecodeMetadata(2, 2, 32, BLOCK, "cpu")
+        m.prepare([1], [staged + step], table)  # optimistic: as if the last token were gathered
+        step_metas.append(m)
+    feats = torch.tensor(features, dtype=torch.float32).view(-1, 1)
+    result = run_draft_loop(
+        SumHead(), cache, first_meta=meta, first_input_ids=torch.tensor(ids), first_features=feats,
+        gather_index=torch.tensor([accepted]), step_metas=step_metas,
+        gathered_kv_lens=torch.tensor([start + accepted + 1], dtype=torch.int32), num_drafts=num_drafts,
+        choose=lambda logits: (torch.argmax(logits, -1), None),
+    )
+    return result
+
+
+def test_verify_row_with_a_rejection_drafts_from_the_accepted_position():
+    prior, ids, features = [3, 1, 4, 1, 5], [9, 2, 6, 5], [2, 7, 1, 8]
+    result = run_case(prior, ids, features, accepted=1, num_drafts=3)
+    assert result.tokens.tolist() == [naive(prior, ids, features, 1, 3)]
+    assert result.probs is None
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.data())
+def test_draft_loop_matches_sequential_reference(data):
+    num_drafts = data.draw(st.integers(1, 4))
+    prior = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=9))
+    length = data.draw(st.integers(1, 6))
+    ids = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=length, max_size=length))
+    features = data.draw(st.lists(st.integers(0, 20), min_size=length, max_size=length))
+    accepted = data.draw(st.integers(0, length - 1))
+    result = run_case(prior, ids, features, accepted, num_drafts)
+    assert result.tokens.tolist() == [naive(prior, ids, features, accepted, num_drafts)]
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="num_drafts"):
+        run_draft_loop(SumHead(), None, first_meta=None, first_input_ids=torch.zeros(1, dtype=torch.long),
+                       first_features=torch.zeros(1, 1), gather_index=torch.zeros(1, dtype=torch.long),
+                       step_metas=[], gathered_kv_lens=torch.ones(1, dtype=torch.int32), num_drafts=0,
+                       choose=lambda x: (x.argmax(-1), None))
+    with pytest.raises(ValueError, match="prepared step metadata"):
+        run_draft_loop(SumHead(), None, first_meta=None, first_input_ids=torch.zeros(1, dtype=torch.long),
+                       first_features=torch.zeros(1, 1), gather_index=torch.zeros(1, dtype=torch.long),
+                       step_metas=[], gathered_kv_lens=torch.ones(1, dtype=torch.int32), num_drafts=3,
+                       choose=lambda x: (x.argmax(-1), None))

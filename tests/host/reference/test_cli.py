@@ -1,0 +1,51 @@
+"""`m3-eagle run` through the top-level CLI on the tiny checkpoints."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from m3_eagle_plugin.cli import main
+
+
+def run_cli(capsys, *argv):
+    rc = main(["run", *argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_json_output_has_the_documented_fields_and_isolates_bad_prompts(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("[1, 2, 3]\n[5, 300]\nnot json\n[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]\n")
+    rc, out, _ = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--draft-len", "2",
+                         "--prompts", str(prompts), "--max-new-tokens", "3", "--json")
+    assert rc == 0
+    report = json.loads(out)
+    for key in ("outputs", "acceptance_rate", "mean_acceptance_length", "draft_tokens", "accepted_tokens",
+                "tokens_per_s"):
+        assert key in report
+    assert [len(o) for o in report["outputs"]] == [3, 0, 0, 3]
+    assert "300" in report["errors"][1] and "not JSON" in report["errors"][2]
+    assert report["errors"][0] is None and report["errors"][3] is None
+    assert report["kv_blocks_free_after"] == report["kv_blocks"]
+
+
+def test_text_output_announces_forced_acceptance(tiny_pair, capsys):
+    target, draft = tiny_pair
+    rc, out, _ = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--draft-len", "2",
+                         "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--force-accepted", "2")
+    assert rc == 0
+    assert "forced acceptance: 2" in out and "NOT the target's" in out
+    assert "acceptance_rate=1.000" in out
+
+
+def test_cuda_graphs_on_cpu_is_refused_clearly(tiny_pair, capsys):
+    rc, _, err = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", "1,2", "--cuda-graphs")
+    assert rc == 2 and "--cuda-graphs needs --device cuda" in err
+
+
+def test_all_requests_failing_exits_1(tiny_pair, capsys):
+    rc, out, _ = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", "1,x", "--json")
+    assert rc == 1
+    assert "comma-separated integers" in json.loads(out)["errors"][0]

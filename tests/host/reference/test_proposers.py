@@ -1,0 +1,81 @@
+"""Host proposers through the engine: replayed drafts with controlled mistakes must be accepted
+exactly up to the first mistake, and no proposal changes the greedy output."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.hooks import DraftContext
+from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
+from m3_eagle_plugin.host.reference.proposers import DrafterPlugin, PromptLookupProposer, ReplayProposer
+from m3_eagle_plugin.registry import make_plugin_manager
+
+from . import _fakes
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 1], [7]]
+NEW = 10
+
+
+def run(proposer=None, plugin_manager=None, overlap=False, draft_len=3):
+    target = _fakes.FakeTarget()
+    cache = _fakes.make_cache()
+    engine = Engine(target, cache, EngineConfig(draft_len=draft_len, max_batch_size=2, max_tokens_per_step=8,
+                                                overlap=overlap),
+                    vocab_size=_fakes.VOCAB, proposer=proposer, plugin_manager=plugin_manager)
+    result = engine.generate(PROMPTS, max_new_tokens=NEW)
+    assert result.outputs == [target.greedy(p, NEW) for p in PROMPTS]
+    assert cache.num_free_blocks == cache.num_blocks
+    return result
+
+
+def references():
+    target = _fakes.FakeTarget()
+    return {i: p + target.greedy(p, NEW + 8) for i, p in enumerate(PROMPTS)}
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 1.0, 0.3, 0.7])
+def test_replay_acceptance_equals_correct_proposals(error_rate):
+    proposer = ReplayProposer.with_error_rate(references(), _fakes.VOCAB, error_rate, seed=5)
+    result = run(proposer, overlap=True)
+    assert result.stats.accepted_tokens == proposer.expected_accepted
+    assert result.stats.draft_tokens == proposer.proposed
+    assert result.overlap is False  # host proposals need committed tokens
+    if error_rate == 0.0:
+        assert result.stats.acceptance_rate == 1.0
+        assert result.stats.mean_acceptance_length == 4.0
+    if error_rate == 1.0:
+        assert result.stats.accepted_tokens == 0
+
+
+def test_prompt_lookup_through_the_plugin_hook():
+    manager = make_plugin_manager(register_builtin=False)
+    manager.register(DrafterPlugin(PromptLookupProposer()), name="lookup")
+    result = run(plugin_manager=manager)
+    assert result.draft_source == "plugin"
+    assert result.stats.draft_tokens > 0
+
+
+def test_prompt_lookup_reference_examples():
+    lookup = PromptLookupProposer(max_ngram=2)
+    assert lookup.propose_one([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
+    assert lookup.propose_one([5, 6, 7], 2) == []
+    assert lookup.propose_one([4, 4], 3) == [4]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=12), st.integers(1, 4))
+def test_prompt_lookup_proposes_what_followed_a_matching_suffix(tokens, k):
+    proposal = PromptLookupProposer(max_ngram=3).propose_one(tokens, k)
+    assert len(proposal) <= k
+    if proposal:
+        n = len(tokens)
+        assert any(
+            tokens[s: s + m] == tokens[n - m:] and tokens[s + m: s + m + len(proposal)] == proposal
+            for m in range(1, 4) for s in range(0, n - m)
+        )
+
+
+def test_replay_refuses_a_diverged_request():
+    proposer = ReplayProposer({0: [1, 2, 3, 4]}, 11)
+    with pytest.raises(ValueError, match="diverged"):
+        proposer(DraftContext.build([0], [[1, 9]], 2))

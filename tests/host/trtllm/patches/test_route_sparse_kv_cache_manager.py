@@ -1,0 +1,55 @@
+"""KV-manager routing: M3 gets the plugin manager in every namespace, other algorithms do not."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from m3_eagle_plugin.host import trtllm as adapter
+from m3_eagle_plugin.host.trtllm.contract import import_first, symbol
+
+KEYS = ("sparse_kv_manager_dispatch", "sparse_pkg_kv_manager_binding",
+        "attention_pkg_kv_manager_binding", "util_kv_manager_binding")
+
+
+def test_every_namespace_routes_m3_only(host):
+    from tensorrt_llm.llmapi.llm_args import MiniMaxM3SparseAttentionConfig, RocketSparseAttentionConfig
+
+    namespaces = [import_first(symbol(k).modules) for k in KEYS]
+    rocket_before = namespaces[0].get_sparse_attn_kv_cache_manager(RocketSparseAttentionConfig())
+    adapter.install()
+    for namespace in namespaces:
+        m3 = namespace.get_sparse_attn_kv_cache_manager(MiniMaxM3SparseAttentionConfig())
+        assert m3.__name__ == "M3EagleKVCacheManagerV2" and m3.__mro__[1].__name__ == "MiniMaxM3KVCacheManagerV2"
+        assert namespace.get_sparse_attn_kv_cache_manager(RocketSparseAttentionConfig()) is rocket_before
+        assert namespace.get_sparse_attn_kv_cache_manager(
+            MiniMaxM3SparseAttentionConfig(), True).__name__ == "M3EagleKVCacheManagerV2"
+    from tensorrt_llm._torch.pyexecutor import _util
+
+    model_config = SimpleNamespace(sparse_attention_config=MiniMaxM3SparseAttentionConfig())
+    assert _util.get_kv_cache_manager_cls(model_config).__name__ == "M3EagleKVCacheManagerV2"
+
+
+def test_a_plugin_can_pick_another_manager(current_host):
+    from m3_eagle_plugin.hooks import hookimpl
+    from m3_eagle_plugin.registry import get_plugin_manager
+    from tensorrt_llm.llmapi.llm_args import MiniMaxM3SparseAttentionConfig
+
+    class Other:
+        @hookimpl
+        def m3_eagle_kv_cache_manager(self, host, sparse_config):
+            return "collections:OrderedDict"
+
+    pm = get_plugin_manager()
+    pm.register(Other(), name="test-other-manager")
+    try:
+        adapter.install()
+        from tensorrt_llm._torch.pyexecutor import _util
+
+        import collections
+
+        assert _util.get_sparse_attn_kv_cache_manager(MiniMaxM3SparseAttentionConfig()) is collections.OrderedDict
+    finally:
+        pm.unregister(name="test-other-manager")
+    with pytest.raises(ValueError):
+        _util.get_sparse_attn_kv_cache_manager(SimpleNamespace(algorithm="bogus"))

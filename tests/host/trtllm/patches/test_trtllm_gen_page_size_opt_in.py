@@ -1,0 +1,74 @@
+"""trtllm-gen page-size opt-in: consulted only after the allowlist rejects the page size."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin.host import trtllm as adapter
+from m3_eagle_plugin.host.trtllm.contract import import_first, symbol
+
+from ..conftest import _activate, _deactivate
+from ..fakehost import CURRENT
+
+
+def _gate(num_heads=8, num_kv_heads=2):
+    module = import_first(symbol("trtllm_gen_support_check").modules)
+    attn = SimpleNamespace(num_heads=num_heads, num_kv_heads=num_kv_heads, sparse_params=None)
+    return module.FlashInferTrtllmGenFmha(attn), module.FlashInferTrtllmGenFmha
+
+
+def _meta(page, extra=None):
+    manager = SimpleNamespace(tokens_per_block=page)
+    if extra is not None:
+        manager.trtllm_gen_extra_tokens_per_block = frozenset(extra)
+    return SimpleNamespace(kv_cache_manager=manager)
+
+
+CASES = {
+    "plain-64": (dict(), _meta(64)),
+    "plain-128": (dict(), _meta(128)),
+    "opt-in-128": (dict(), _meta(128, {128})),
+    "opt-in-128-heads-ratio": (dict(num_heads=128, num_kv_heads=2), _meta(128, {128})),
+    "opt-in-96": (dict(), _meta(96, {96})),
+    "opt-in-other-size": (dict(), _meta(128, {256})),
+}
+
+
+def test_reference_cases(host):
+    before = {}
+    for name, (heads, meta) in CASES.items():
+        fmha, _ = _gate(**heads)
+        before[name] = fmha._is_supported_with_reason(None, None, None, fmha.attn, meta, None)
+    adapter.install()
+    after = {}
+    for name, (heads, meta) in CASES.items():
+        fmha, cls = _gate(**heads)
+        after[name] = fmha._is_supported_with_reason(None, None, None, fmha.attn, meta, None)
+        assert fmha.is_supported(None, None, None, meta, None) == after[name][0]
+    assert after["opt-in-128"] == (True, "")
+    assert before["opt-in-128"][0] is False
+    assert {k: v for k, v in after.items() if k != "opt-in-128"} == \
+        {k: v for k, v in before.items() if k != "opt-in-128"}
+    assert "heads ratio" in after["opt-in-128-heads-ratio"][1]
+    assert cls.SUPPORTED_TOKENS_PER_BLOCK == {16, 32, 64}  # never widened globally
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(page=st.sampled_from([8, 16, 32, 48, 64, 96, 128, 256]),
+       extra=st.one_of(st.none(), st.frozensets(st.sampled_from([32, 64, 96, 128, 256]), max_size=3)),
+       ratio_ok=st.booleans())
+def test_patched_answer_is_the_allowlist_union_rule(fake_host_dirs, page, extra, ratio_ok):
+    root = fake_host_dirs[CURRENT]
+    _activate(root)
+    try:
+        adapter.install()
+        fmha, _ = _gate(num_heads=8 if ratio_ok else 128)
+        ok, reason = fmha._is_supported_with_reason(None, None, None, fmha.attn, _meta(page, extra), None)
+        power_of_two = page & (page - 1) == 0
+        expected = ratio_ok and power_of_two and (page in {16, 32, 64} or page in (extra or ()))
+        assert ok == expected
+        assert (reason == "") == ok
+    finally:
+        _deactivate(root)

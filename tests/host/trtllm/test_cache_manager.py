@@ -1,0 +1,153 @@
+"""The plugin's M3 KV manager on the host double: upstream's shared-draft-layer cases re-expressed."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin.host import trtllm as adapter
+
+from .conftest import _activate, _deactivate
+from .fakehost import CURRENT
+
+
+def _classes():
+    adapter.install()
+    from tensorrt_llm._torch.pyexecutor import _util
+    from tensorrt_llm.llmapi.llm_args import MiniMaxM3SparseAttentionConfig
+
+    plugin = _util.get_sparse_attn_kv_cache_manager(MiniMaxM3SparseAttentionConfig())
+    return plugin, plugin.__mro__[1]
+
+
+def _spec(draft_layers=None):
+    from tensorrt_llm.llmapi.llm_args import Eagle3DecodingConfig
+
+    spec = Eagle3DecodingConfig()
+    spec._num_draft_hidden_layers = draft_layers
+    return spec
+
+
+def _kv_module():
+    import sys
+
+    from m3_eagle_plugin.host.trtllm.cache_manager import HostMiniMaxM3KVCacheManagerV2
+
+    return sys.modules[HostMiniMaxM3KVCacheManagerV2.__mro__[1].__module__]
+
+
+def _make(cls, **overrides):
+    kwargs = dict(num_layers=60, num_kv_heads=4, tokens_per_block=128, max_seq_len=1024,
+                  max_batch_size=4, spec_config=_spec())
+    kwargs.update(overrides)
+    return cls(None, None, **kwargs)
+
+
+def test_virtual_pool_is_rooted_at_the_draft_k_page(host):
+    plugin, host_cls = _classes()
+    kv_module = _kv_module()
+    manager = _make(plugin)
+    reference = _make(host_cls)
+    # 3 dense + 57 sparse (K, V, index-K) + 1 draft layer = 179 sub-pages per slot; layer 60 is
+    # the draft layer and its K page follows the 3*2 + 57*3 = 177 target sub-pages.
+    draft_k = kv_module.POOL_BASE_ADDRESS + 177 * kv_module.PAGE_BYTES
+    assert manager.shared_draft_layer_ids == (60,) and manager.num_target_layers == 60
+    assert manager.kv_cache_pool_pointers.tolist() == [[kv_module.POOL_BASE_ADDRESS, 0], [draft_k, 0]]
+    assert manager.kv_cache_pool_mapping[60].tolist() == [1, 0]
+    assert torch.equal(manager.kv_cache_pool_mapping[:60], reference.kv_cache_pool_mapping[:60])
+    assert manager.virtual_pools.index_scales.tolist() == [179]
+    assert manager.virtual_pools.kv_offsets.tolist() == [1]
+    assert manager.virtual_pools.op_pools == [(1, 0)]
+    assert manager.num_attention_op_pools == 2
+    assert manager.trtllm_gen_extra_tokens_per_block == frozenset({128})
+    assert manager.sparse_layer_ids == list(range(3, 60))
+
+
+@pytest.mark.parametrize("overrides", [dict(spec_config=None), dict(layer_mask=[True] * 60),
+                                       dict(is_draft=True)], ids=["no-spec", "layer-mask", "draft-manager"])
+def test_no_draft_layers_leaves_the_tables_alone(current_host, overrides):
+    plugin, host_cls = _classes()
+    manager, reference = _make(plugin, **overrides), _make(host_cls, **overrides)
+    assert torch.equal(manager.kv_cache_pool_pointers, reference.kv_cache_pool_pointers)
+    assert torch.equal(manager.kv_cache_pool_mapping, reference.kv_cache_pool_mapping)
+    assert manager.virtual_pools is None and manager.trtllm_gen_extra_tokens_per_block == frozenset()
+
+
+def test_page_size_opt_in_only_at_128(current_host):
+    plugin, _ = _classes()
+    assert _make(plugin, tokens_per_block=64).trtllm_gen_extra_tokens_per_block == frozenset()
+    assert plugin.trtllm_gen_extra_tokens_per_block == frozenset()  # class default, not widened
+
+
+def test_block_offset_copy_feeds_the_virtual_pool_from_the_source_pool(host):
+    from tensorrt_llm.bindings.internal.batch_manager import kv_cache_manager_v2_utils as native
+
+    plugin, _ = _classes()
+    manager = _make(plugin)
+    manager.add_sequence(7, [3, 5])
+    manager.add_sequence(9, [0, 2, 4])
+    dst = torch.full((2, 2, 2, manager.max_blocks_per_seq), -9, dtype=torch.int32)
+    native.CALLS.clear()
+    manager.copy_batch_block_offsets(dst, [9, 7], 1, 0, 2)
+    # base copy (every storage pool) first, then one copy into op pool 1 from source pool 0
+    assert [(src, dst_rows) for src, dst_rows, _ in native.CALLS] == [(1, 2), (1, 1)]
+    pad = [-1] * (manager.max_blocks_per_seq - 3)
+    for pool in (0, 1):
+        assert dst[pool, 0, 0].tolist() == [0, 2 * 179, 4 * 179] + pad
+        assert dst[pool, 0, 1].tolist() == [1, 2 * 179 + 1, 4 * 179 + 1] + pad
+        assert dst[pool, 1, 0].tolist() == [3 * 179, 5 * 179, -1] + pad
+        assert dst[pool, 1, 1].tolist() == [3 * 179 + 1, 5 * 179 + 1, -1] + pad
+
+
+def test_block_offset_copy_is_untouched_without_draft_layers(current_host):
+    from tensorrt_llm.bindings.internal.batch_manager import kv_cache_manager_v2_utils as native
+
+    plugin, _ = _classes()
+    manager = _make(plugin, spec_config=None)
+    manager.add_sequence(1, [2])
+    native.CALLS.clear()
+    manager.copy_batch_block_offsets(torch.zeros((1, 1, 2, 8), dtype=torch.int32), [1], 1, 0, 1)
+    assert len(native.CALLS) == 1
+
+
+def test_update_resources_refuses_tree_acceptance(current_host):
+    plugin, _ = _classes()
+    manager = _make(plugin)
+    linear = SimpleNamespace(context_requests=[], generation_requests=[
+        SimpleNamespace(py_request_id=1, py_num_accepted_draft_tokens_indices=None)])
+    manager.update_resources(linear)
+    assert manager.update_calls == [linear]
+    tree = SimpleNamespace(all_requests=lambda: [
+        SimpleNamespace(py_request_id=4, py_num_accepted_draft_tokens_indices=[0, 2])])
+    with pytest.raises(NotImplementedError, match="request 4"):
+        manager.update_resources(tree)
+    assert manager.update_calls == [linear]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(num_target=st.integers(1, 12), num_draft=st.integers(1, 2),
+       page=st.sampled_from([16, 32, 64, 128]))
+def test_every_draft_layer_gets_its_own_virtual_pool(fake_host_dirs, num_target, num_draft, page):
+    root = fake_host_dirs[CURRENT]
+    _activate(root)
+    try:
+        plugin, _ = _classes()
+        kv_module = _kv_module()
+        manager = _make(plugin, num_layers=num_target, tokens_per_block=page,
+                        spec_config=_spec(num_draft))
+        sparse = set(range(3, num_target))
+        sub_pages = [3 if layer in sparse else 2 for layer in range(num_target + num_draft)]
+        assert manager.shared_draft_layer_ids == tuple(range(num_target, num_target + num_draft))
+        for i, layer in enumerate(manager.shared_draft_layer_ids):
+            address = kv_module.POOL_BASE_ADDRESS + sum(sub_pages[:layer]) * kv_module.PAGE_BYTES
+            assert manager.kv_cache_pool_pointers[1 + i].tolist() == [address, 0]
+            assert manager.kv_cache_pool_mapping[layer].tolist() == [1 + i, 0]
+        assert manager.virtual_pools.index_scales.tolist() == [sum(sub_pages)] * num_draft
+        for layer in range(num_target):
+            assert manager.kv_cache_pool_mapping[layer].tolist() == [0, sum(sub_pages[:layer])]
+        assert manager.trtllm_gen_extra_tokens_per_block == (frozenset({128}) if page == 128 else frozenset())
+    finally:
+        _deactivate(root)

@@ -1,0 +1,117 @@
+"""install() / uninstall() / report() on the host double, in both module layouts."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from m3_eagle_plugin.host import trtllm as adapter
+from m3_eagle_plugin.host.trtllm.contract import PATCH_IDS
+
+from .test_patching import snapshot
+
+
+def _rocket():
+    from tensorrt_llm.llmapi.llm_args import RocketSparseAttentionConfig
+
+    return RocketSparseAttentionConfig()
+
+
+def _m3():
+    from tensorrt_llm.llmapi.llm_args import MiniMaxM3SparseAttentionConfig
+
+    return MiniMaxM3SparseAttentionConfig()
+
+
+def test_install_patches_everything_and_uninstall_restores(host):
+    before = snapshot()
+    report = adapter.install()
+    assert report["installed"] and report["patches"] == sorted(PATCH_IDS)
+    assert report["layout"] == host.layout and report["host_version"] == "1.3.0rc24"
+    assert set(report["models"]) == {"MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"}
+    assert report["error"] is None
+    from tensorrt_llm._torch.pyexecutor import _util
+
+    assert _util.get_sparse_attn_kv_cache_manager(_m3()).__name__ == "M3EagleKVCacheManagerV2"
+    adapter.uninstall()
+    assert all(snapshot()[k] is before[k] for k in before)
+    assert _util.get_sparse_attn_kv_cache_manager(_m3()).__name__ == "MiniMaxM3KVCacheManagerV2"
+    assert adapter.report()["installed"] is False and adapter.report()["models"] == {}
+
+
+def test_double_install_is_a_noop_and_force_reapplies(host):
+    first = adapter.install()
+    from tensorrt_llm._torch.speculative import interface
+
+    wrapped = interface.should_use_separate_draft_kv_cache
+    assert adapter.install() == first
+    assert interface.should_use_separate_draft_kv_cache is wrapped
+    again = adapter.install(force=True)
+    assert again["installed"] and interface.should_use_separate_draft_kv_cache is not wrapped
+    assert interface.should_use_separate_draft_kv_cache.__wrapped__ is wrapped.__wrapped__
+
+
+def test_missing_symbol_raises_and_leaves_the_double_untouched(host):
+    from m3_eagle_plugin.host.trtllm.contract import import_first, symbol
+    from tensorrt_llm._torch.models import modeling_minimaxm3, modeling_utils  # noqa: F401 (host registers)
+
+    dispatch = import_first(symbol("m3_backend_resolver").modules)
+    del dispatch._resolve_minimax_m3_backend_cls
+    mapping_before = dict(modeling_utils.MODEL_CLASS_MAPPING)
+    from tensorrt_llm._torch.speculative import interface
+
+    predicate = interface.should_use_separate_draft_kv_cache
+    with pytest.raises(adapter.HostPatchError, match="nothing was patched.*_resolve_minimax_m3_backend_cls"):
+        adapter.install()
+    assert interface.should_use_separate_draft_kv_cache is predicate
+    assert modeling_utils.MODEL_CLASS_MAPPING == mapping_before
+    assert adapter.report()["installed"] is False
+    assert "_resolve_minimax_m3_backend_cls" in adapter.report()["error"]
+
+
+def test_non_m3_models_see_identical_behaviour(host):
+    from tensorrt_llm._torch.pyexecutor import _util
+    from tensorrt_llm.llmapi.llm_args import Eagle3DecodingConfig
+
+    class _Cfg:
+        sparse_attention_config = None
+
+    spec = Eagle3DecodingConfig()
+    two_model = Eagle3DecodingConfig(one_model=False)
+    probes = {
+        "rocket manager": lambda: _util.get_sparse_attn_kv_cache_manager(_rocket()),
+        "dense manager": lambda: _util.get_kv_cache_manager_cls(_Cfg()),
+        "predicate one-model": lambda: _util.should_use_separate_draft_kv_cache(spec),
+        "predicate two-model": lambda: _util.should_use_separate_draft_kv_cache(two_model),
+        "predicate none": lambda: _util.should_use_separate_draft_kv_cache(None),
+        "creator": lambda: _util.KvCacheCreator(speculative_config=spec, sparse_attention_config=_rocket())
+        ._should_create_separate_draft_kv_cache(),
+    }
+    before = {name: probe() for name, probe in probes.items()}
+    with pytest.raises(ValueError, match="Unsupported") as unpatched_error:
+        _util.get_sparse_attn_kv_cache_manager(type("C", (), {"algorithm": "bogus"})())
+    adapter.install()
+    assert {name: probe() for name, probe in probes.items()} == before
+    with pytest.raises(ValueError, match="Unsupported") as patched_error:
+        _util.get_sparse_attn_kv_cache_manager(type("C", (), {"algorithm": "bogus"})())
+    assert str(patched_error.value) == str(unpatched_error.value)
+
+
+def test_install_from_many_threads_applies_once(current_host):
+    reports = []
+    threads = [threading.Thread(target=lambda: reports.append(adapter.install())) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(reports) == 6 and all(r["installed"] for r in reports)
+    assert len({tuple(r["bindings"]) for r in reports}) == 1
+
+
+def test_components_are_named_for_the_registry():
+    from m3_eagle_plugin.registry import make_plugin_manager
+
+    pm = make_plugin_manager()
+    assert pm.kv_cache_manager("tensorrt_llm", {"algorithm": "minimax_m3"}) == adapter.COMPONENTS["kv_cache_manager"]
+    assert pm.model_classes("tensorrt_llm")["MiniMaxM3SparseForCausalLM"] == adapter.COMPONENTS["model"]
+    assert {p.id for p in pm.host_patches("tensorrt_llm")} == set(PATCH_IDS)

@@ -1,0 +1,75 @@
+"""The MiniMax-M3 Eagle3 model class on the host double: Eagle3 base, capture, weights, aliases."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from m3_eagle_plugin.host import trtllm as adapter
+
+
+def _model_config(spec=True):
+    from tensorrt_llm.llmapi.llm_args import Eagle3DecodingConfig, MiniMaxM3SparseAttentionConfig
+
+    return SimpleNamespace(
+        pretrained_config=SimpleNamespace(hidden_size=8, vocab_size=16, num_hidden_layers=4),
+        spec_config=Eagle3DecodingConfig() if spec else None,
+        sparse_attention_config=MiniMaxM3SparseAttentionConfig())
+
+
+def _classes():
+    adapter.install()
+    from tensorrt_llm._torch.models.modeling_utils import get_registered_model_class
+
+    return (get_registered_model_class("MiniMaxM3SparseForCausalLM"),
+            get_registered_model_class("MiniMaxM3SparseForConditionalGeneration"))
+
+
+def test_model_is_a_one_engine_eagle3_target_with_unified_kv(host):
+    from tensorrt_llm._torch.models.modeling_minimaxm3 import MiniMaxM3ForCausalLM
+    from tensorrt_llm._torch.models.modeling_speculative import SpecDecOneEngineForCausalLM
+
+    text_cls, _ = _classes()
+    torch.manual_seed(0)
+    model = text_cls(_model_config())
+    assert isinstance(model, SpecDecOneEngineForCausalLM) and isinstance(model, MiniMaxM3ForCausalLM)
+    assert model.use_separate_draft_kv_cache is False
+    assert model.spec_worker.use_separate_draft_kv_cache is False
+    model.setup_aliases()
+    assert model.aliases_set_up and model.m3_aliases_set_up  # both setup_aliases ran
+
+
+def test_capture_hooks_record_hidden_plus_residual_at_layer_exit(host):
+    from tensorrt_llm._torch.speculative import SpecMetadata
+
+    text_cls, _ = _classes()
+    torch.manual_seed(0)
+    model = text_cls(_model_config())
+    ids = torch.tensor([1, 5, 7])
+    spec = SpecMetadata(layers_to_capture=(1, 3))
+    model.forward(None, input_ids=ids, spec_metadata=spec)
+    # independent walk through the host model's layers
+    hidden, residual, expected = model.model.embed_tokens(ids), None, {}
+    for layer in model.model.layers:
+        hidden, residual = layer(None, hidden, None, residual)
+        expected[layer.layer_idx] = hidden + residual
+    assert set(spec.captured) == {1, 3}
+    for layer_id in (1, 3):
+        torch.testing.assert_close(spec.captured[layer_id], expected[layer_id])
+    spec.captured.clear()
+    model.forward(None, input_ids=ids)  # no spec metadata: nothing captured, nothing stale
+    assert spec.captured == {} and model.eagle3_capture.spec_metadata is None
+
+
+def test_weights_go_through_the_host_m3_loader(host):
+    text_cls, vl_cls = _classes()
+    a, b, c = torch.ones(2, 3), torch.zeros(2, 3), torch.full((1,), 7.0)
+    model = text_cls(_model_config())
+    model.load_weights({"model.layers.0.index_q_proj.weight": a,
+                        "model.layers.0.index_k_proj.weight": b, "draft_model.fc.weight": c})
+    assert set(model.loaded) == {"model.layers.0.index_qk_proj.weight"}
+    torch.testing.assert_close(model.loaded["model.layers.0.index_qk_proj.weight"], torch.cat([a, b]))
+    vl = vl_cls(_model_config())
+    vl.load_weights({"language_model.lm_head.weight": c, "vision_tower.patch.weight": a,
+                     "language_model.model.mtp.0.weight": b})
+    assert set(vl.loaded) == {"lm_head.weight"}

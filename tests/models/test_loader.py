@@ -1,0 +1,119 @@
+"""Target checkpoint loading: layouts, shards, ignored tensors and clear errors."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from m3_eagle_plugin.models.loader import CheckpointError, detect_layout, load_target
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    """Copy a single-file checkpoint with its tensors edited by `edit(dict)`."""
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_production_tensors_are_fused_as_documented(tiny_dir):
+    """w1 = gate (first rows of gate_up), w3 = up, w2 = down; index_* go to the indexer."""
+    path = tiny_dir / "target"
+    raw = load_file(str(path / "model.safetensors"))
+    model = load_target(path)
+    p = "language_model.model.layers.4."
+    experts = model.layers[4].mlp.experts
+    i = raw[p + "block_sparse_moe.experts.3.w1.weight"].shape[0]
+    assert torch.equal(experts.gate_up_proj[3, :i], raw[p + "block_sparse_moe.experts.3.w1.weight"])
+    assert torch.equal(experts.gate_up_proj[3, i:], raw[p + "block_sparse_moe.experts.3.w3.weight"])
+    assert torch.equal(experts.down_proj[3], raw[p + "block_sparse_moe.experts.3.w2.weight"])
+    assert torch.equal(model.layers[4].mlp.gate.e_score_correction_bias,
+                       raw[p + "block_sparse_moe.e_score_correction_bias"])
+    assert torch.equal(model.layers[4].self_attn.indexer.k_proj.weight, raw[p + "self_attn.index_k_proj.weight"])
+    dense = model.layers[0].mlp.gate_up_proj.weight
+    gate = raw["language_model.model.layers.0.mlp.gate_proj.weight"]
+    assert torch.equal(dense[:gate.shape[0]], gate)
+    assert torch.equal(model.lm_head.weight, raw["language_model.lm_head.weight"])
+
+
+def test_sharded_checkpoint_loads_like_the_single_file(tiny_dir, tmp_path):
+    src = tiny_dir / "target"
+    tensors = load_file(str(src / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(tmp_path / file))
+    index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    _same_weights(load_target(tmp_path), load_target(src))
+
+
+def test_mtp_and_vision_tensors_are_ignored(tiny_dir, tmp_path):
+    def add(t):
+        t["mtp.0.enorm.weight"] = torch.ones(4)
+        t["vision_tower.vision_model.pre_layrnorm.weight"] = torch.ones(4)
+        t["multi_modal_projector.linear_1.weight"] = torch.ones(2, 2)
+    path = _rewrite(tiny_dir / "target", tmp_path / "x", add)
+    _same_weights(load_target(path), load_target(tiny_dir / "target"))
+
+
+def test_transformers_resave_of_the_vl_model_loads(tiny_dir, tmp_path):
+    """transformers writes the VL model back in production names, vision weights under model.*."""
+    from transformers import MiniMaxM3SparseForConditionalGeneration
+
+    hf = MiniMaxM3SparseForConditionalGeneration.from_pretrained(tiny_dir / "target", dtype=torch.float32)
+    hf.save_pretrained(tmp_path)
+    _same_weights(load_target(tmp_path), load_target(tiny_dir / "target"))
+
+
+def test_text_layout_detection(hf_text_checkpoint, tiny_dir):
+    assert detect_layout(set(load_file(str(hf_text_checkpoint / "model.safetensors")))) == "text"
+    assert detect_layout(set(load_file(str(tiny_dir / "target" / "model.safetensors")))) == "production"
+
+
+def test_unknown_and_missing_tensors_are_listed_in_one_error(tiny_dir, tmp_path):
+    def edit(t):
+        del t["language_model.model.layers.5.block_sparse_moe.experts.2.w3.weight"]
+        del t["language_model.model.norm.weight"]
+        t["language_model.model.layers.1.self_attn.surprise.weight"] = torch.zeros(2)
+    path = _rewrite(tiny_dir / "target", tmp_path / "bad", edit)
+    with pytest.raises(CheckpointError) as err:
+        load_target(path)
+    msg = str(err.value)
+    assert str(path / "model.safetensors") in msg
+    assert "2 missing" in msg and "experts.2.w3.weight" in msg and "language_model.model.norm.weight" in msg
+    assert "1 unknown" in msg and "surprise" in msg
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes(hf_text_checkpoint, tmp_path):
+    def edit(t):
+        t["model.layers.2.mlp.experts.down_proj"] = torch.zeros(6, 64, 31)
+    path = _rewrite(hf_text_checkpoint, tmp_path / "bad", edit)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.down_proj.*\(6, 64, 31\).*\(6, 64, 32\)"):
+        load_target(path)
+
+
+def test_missing_checkpoint_files(tmp_path, tiny_dir):
+    shutil.copy(tiny_dir / "target" / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_target(tmp_path)
+
+
+def test_bf16_load_keeps_router_bias_fp32(tiny_dir):
+    model = load_target(tiny_dir / "target", dtype=torch.bfloat16)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.layers[3].mlp.gate.e_score_correction_bias.dtype == torch.float32

@@ -1,0 +1,42 @@
+"""Gemma and Llama RMSNorm vs the formulas and vs transformers' modules."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin.models.norms import GemmaRMSNorm, LlamaRMSNorm
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 5), dim=st.sampled_from([4, 16, 64]), eps=st.sampled_from([1e-6, 1e-5]),
+       scale=st.floats(0.01, 100.0))
+def test_formulas(rows, dim, eps, scale):
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = torch.randn(rows, dim, generator=gen) * scale
+    w = torch.randn(dim, generator=gen)
+    xd, wd = x.double(), w.double()
+    rms = torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps)
+    gemma, llama = GemmaRMSNorm(dim, eps), LlamaRMSNorm(dim, eps)
+    with torch.no_grad():
+        gemma.weight.copy_(w)
+        llama.weight.copy_(w)
+    torch.testing.assert_close(gemma(x).double(), xd / rms * (1 + wd), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(llama(x).double(), xd / rms * wd, atol=1e-5, rtol=1e-5)
+
+
+def test_match_transformers_modules_in_bf16_and_fp32():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm as HFLlama
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm as HFGemma
+
+    w = torch.randn(32)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 32).to(dtype)
+        for ours, theirs in ((GemmaRMSNorm(32, 1e-6), HFGemma(32, 1e-6)), (LlamaRMSNorm(32, 1e-6), HFLlama(32, 1e-6))):
+            with torch.no_grad():
+                ours.weight.copy_(w)
+                theirs.weight.copy_(w)
+            ours, theirs = ours.to(dtype), theirs.to(dtype)
+            got = ours(x)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, theirs(x))

@@ -1,0 +1,94 @@
+"""Block-union lists (from a given selection, and from the fused top-k) vs a Python set oracle."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kernel_case_helpers import SMALL, needs_gpu, random_step
+
+pytestmark = needs_gpu
+
+
+def expected_union(selection, meta, chunk, num_chunks):
+    """{(r, h, c): {block: bitmask}} computed with Python sets."""
+    sel = selection.cpu()
+    cu = meta.cu_qo_lens.tolist()
+    out = {}
+    for h in range(sel.shape[0]):
+        for r in range(len(cu) - 1):
+            for c in range(num_chunks):
+                entry = {}
+                for i in range(chunk):
+                    t = cu[r] + c * chunk + i
+                    if t >= cu[r + 1]:
+                        break
+                    for b in sel[h, t].tolist():
+                        if b >= 0:
+                            entry[b] = entry.get(b, 0) | (1 << i)
+                out[(r, h, c)] = entry
+    return out
+
+
+def union_as_dict(union, block_tables):
+    ids, bits, counts, pages = union.ids.cpu(), union.bits.cpu(), union.counts.cpu(), union.pages.cpu()
+    tables = block_tables.cpu()
+    out = {}
+    for r, h, c in itertools.product(*map(range, counts.shape)):
+        n = int(counts[r, h, c])
+        got_ids = ids[r, h, c, :n].tolist()
+        assert len(set(got_ids)) == n, f"duplicate ids in union {got_ids}"
+        assert pages[r, h, c, :n].tolist() == [int(tables[r, b]) for b in got_ids], "pages differ from block table"
+        out[(r, h, c)] = dict(zip(got_ids, bits[r, h, c, :n].tolist()))
+    return out
+
+
+def _random_selection(meta, heads, topk, block, seed):
+    gen = torch.Generator().manual_seed(seed)
+    pos = meta.positions.tolist()
+    sel = torch.full((heads, len(pos), topk), -1, dtype=torch.int32)
+    for h in range(heads):
+        for t in range(int(meta.cu_qo_lens[-1])):
+            local = pos[t] // block
+            ids = sorted(set(torch.randperm(local + 1, generator=gen)[: topk - 1].tolist() + [local]))
+            sel[h, t, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return sel.to(meta.positions.device)
+
+
+def test_union_from_selection_matches_sets():
+    from m3_eagle_plugin.msa.kernels.block_union import union_from_selection
+
+    meta, _, _, _ = random_step(SMALL, [4, 3, 1, 6], [100, 64, 7, 90])
+    sel = _random_selection(meta, SMALL.kv_heads, SMALL.topk, SMALL.block, 0)
+    union = union_from_selection(sel, meta.cu_qo_lens, meta.block_tables, chunk=4, num_chunks=2)
+    assert union_as_dict(union, meta.block_tables) == expected_union(sel, meta, 4, 2)
+
+
+def test_fused_topk_union_matches_its_own_selection():
+    from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+
+    meta, cache, _, index_q = random_step(SMALL, [4, 4, 2], [300, 120, 50], index_dtype=torch.float32,
+                                          pad_tokens=2)
+    sel, union = select_blocks_verify(index_q, cache.index_k, meta, topk=SMALL.topk, max_qo_len=4, union_group=4)
+    assert union.chunk == 4 and union.num_chunks == 1
+    assert union_as_dict(union, meta.block_tables) == expected_union(sel, meta, 4, 1)
+    assert (sel[:, 10:].cpu() == -1).all()
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    reqs=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 200)), min_size=1, max_size=5),
+    chunk=st.sampled_from([1, 2, 4, 8]),
+    topk=st.integers(1, 6),
+    seed=st.integers(0, 1000),
+)
+def test_property_union_from_selection(reqs, chunk, topk, seed):
+    from m3_eagle_plugin.msa.kernels.block_union import chunk_count, union_from_selection
+
+    qo_lens = [q for q, _ in reqs]
+    meta, _, _, _ = random_step(SMALL, qo_lens, [q + e for q, e in reqs], seed=seed)
+    sel = _random_selection(meta, SMALL.kv_heads, topk, SMALL.block, seed)
+    nch = chunk_count(sum(qo_lens), len(qo_lens), chunk, max(qo_lens))
+    union = union_from_selection(sel, meta.cu_qo_lens, meta.block_tables, chunk=chunk, num_chunks=nch)
+    assert union_as_dict(union, meta.block_tables) == expected_union(sel, meta, chunk, nch)

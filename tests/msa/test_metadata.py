@@ -1,0 +1,238 @@
+"""Tests for msa.metadata: step staging, per-token derivation and on_update_kv_lens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m3_eagle_plugin.msa import MsaDecodeMetadata, MsaInputError, per_token_valid_blocks
+
+from ._paged import padded_table, random_page_tables
+
+
+def worked_example_tables() -> torch.Tensor:
+    return torch.tensor([list(range(0, 8)), list(range(25, 33))], dtype=torch.int32)
+
+
+def test_host_worked_example() -> None:
+    meta = MsaDecodeMetadata(4, 8, 8, 4, "cpu", max_draft_len=2)
+    meta.prepare([2, 3], [9, 12], worked_example_tables())
+    meta.on_update_kv_lens(torch.tensor([8, 12], dtype=torch.int32))
+    assert meta.cache_slots.tolist() == [6, 7, 109, 110, 111]
+    assert meta.cache_slots_buffer.tolist() == [6, 7, 109, 110, 111, -1, -1, -1]
+    assert meta.valid_blocks.tolist() == [2, 2, 3, 3, 3]
+    assert meta.token_kv_lens.tolist() == [7, 8, 10, 11, 12]
+    assert meta.positions.tolist() == [6, 7, 9, 10, 11]
+    assert meta.qo_offsets.tolist() == [6, 9]
+    assert meta.kv_lens.tolist() == [8, 12] and meta.kv_lens_staged.tolist() == [9, 12]
+    assert meta.token_request.tolist() == [0, 0, 1, 1, 1]
+    assert meta.cu_qo_lens.tolist() == [0, 2, 5]
+    assert meta.qo_lens.tolist() == [2, 3]
+    assert all(t.dtype == torch.int32 for t in (meta.cache_slots, meta.valid_blocks, meta.block_tables))
+    # A second call changes nothing.
+    fields = lambda: (meta.cache_slots_buffer, meta.valid_blocks, meta.token_kv_lens)  # noqa: E731
+    before = [x.clone() for x in fields()]
+    meta.on_update_kv_lens()
+    assert all(torch.equal(a, b) for a, b in zip(before, fields()))
+
+
+def test_staged_values_before_correction() -> None:
+    meta = MsaDecodeMetadata(2, 8, 8, 4, "cpu", max_draft_len=2)
+    meta.prepare([2, 3], [9, 12], worked_example_tables())
+    assert meta.cache_slots.tolist() == [7, 8, 109, 110, 111]
+    assert meta.valid_blocks.tolist() == [2, 3, 3, 3, 3]
+    assert meta.qo_offsets.tolist() == [7, 9]
+    assert meta.max_step_blocks == 3 and meta.is_decode_only
+
+
+def test_corrections_above_staged_lengths_are_clamped() -> None:
+    meta = MsaDecodeMetadata(2, 8, 8, 4, "cpu", max_draft_len=2)
+    meta.prepare([2, 3], [9, 12], worked_example_tables())
+    meta.on_update_kv_lens(torch.tensor([50, 11]))
+    assert meta.kv_lens.tolist() == [9, 11]
+    assert meta.cache_slots.tolist() == [7, 8, 108, 109, 110]
+
+
+def test_no_op_without_speculation() -> None:
+    meta = MsaDecodeMetadata(2, 8, 8, 4, "cpu")
+    meta.prepare([2, 3], [9, 12], worked_example_tables())
+    meta.cache_slots_buffer.fill_(99)  # a re-derivation would overwrite this
+    meta.on_update_kv_lens()
+    assert meta.cache_slots.tolist() == [99] * 5
+    meta.on_update_kv_lens(torch.tensor([8, 12]))  # explicit lengths always apply
+    assert meta.cache_slots.tolist() == [6, 7, 109, 110, 111]
+
+    spec = MsaDecodeMetadata(2, 8, 8, 4, "cpu", max_draft_len=1)
+    spec.prepare([2, 3], [9, 12], worked_example_tables())
+    spec.cache_slots_buffer.fill_(99)
+    spec.on_update_kv_lens()
+    assert spec.cache_slots.tolist() == [7, 8, 109, 110, 111]
+
+
+def test_undersized_proxy_scratch_raises() -> None:
+    tables = torch.arange(4, dtype=torch.int32).view(2, 2)
+    by_batch = MsaDecodeMetadata(2, 16, 4, 4, "cpu")  # scratch sized by batch only: 2 tokens
+    assert by_batch.scratch_decode_tokens == 2
+    with pytest.raises(MsaInputError, match="proxy scratch"):
+        by_batch.prepare([4, 4], [8, 8], tables, num_context_requests=0)
+    per_token = MsaDecodeMetadata(2, 16, 4, 4, "cpu", max_draft_len=3, num_index_heads=2)
+    assert per_token.scratch_decode_tokens == 8
+    assert per_token.proxy_scores.shape == (2, 8, 4) and per_token.proxy_scores.dtype == torch.float32
+    per_token.prepare([4, 4], [8, 8], tables)
+    assert per_token.is_decode_only
+    assert per_token.proxy_scores_view().shape == (2, 8, 2)
+    # Prompt rows are not decode rows: a prefill step is not bound by the scratch.
+    by_batch.prepare([4, 4], [8, 8], tables)
+    assert not by_batch.is_decode_only
+    with pytest.raises(MsaInputError, match="proxy scratch"):
+        by_batch.proxy_scores_view()
+
+
+@pytest.mark.parametrize(
+    ("qo", "kv", "table", "match"),
+    [
+        ([3], [2], [[0]], "request 0: qo_len 3 exceeds kv_len 2"),
+        ([0, 1], [1, 0], [[0], [1]], "request 1: kv_len is 0"),
+        ([1], [9], [[0, 1]], "request 0: kv_len 9 needs 3 pages, block_tables has 2"),
+        ([1], [40], [[0] * 10], "request 0: kv_len 40 needs 10 blocks, max_blocks_per_seq is 8"),
+        ([1], [5], [[0, -1]], "request 0: block_tables has an unmapped page"),
+        ([1, 1, 1], [1, 1, 1], [[0], [1], [2]], "num_requests 3 exceeds max_num_requests 2"),
+        ([5, 5], [5, 5], [[0, 1], [2, 3]], "step has 10 tokens, max_num_tokens is 8"),
+        ([1, 1], [1, 1], [[0]], "block_tables must be"),
+        ([1], [1, 2], [[0]], "qo_lens has 1 entries but kv_lens has 2"),
+        ([-1], [2], [[0]], "lengths must be >= 0"),
+    ],
+)
+def test_prepare_rejects_bad_steps(qo, kv, table, match) -> None:
+    meta = MsaDecodeMetadata(2, 8, 8, 4, "cpu", max_draft_len=2)
+    with pytest.raises(MsaInputError, match=match):
+        meta.prepare(qo, kv, torch.tensor(table, dtype=torch.int32))
+
+
+def test_constructor_and_update_validation() -> None:
+    with pytest.raises(MsaInputError, match="power of two"):
+        MsaDecodeMetadata(1, 1, 1, 48, "cpu")
+    with pytest.raises(MsaInputError, match="max_num_tokens"):
+        MsaDecodeMetadata(1, 0, 1, 4, "cpu")
+    with pytest.raises(TypeError, match="qo_lens entries"):
+        MsaDecodeMetadata(1, 4, 1, 4, "cpu").prepare([1.0], [1], torch.zeros(1, 1, dtype=torch.int32))
+    meta = MsaDecodeMetadata(2, 8, 8, 4, "cpu", max_draft_len=1)
+    meta.prepare([1, 1], [2, 2], torch.tensor([[0], [1]], dtype=torch.int32))
+    with pytest.raises(MsaInputError, match="num_requests=2"):
+        meta.on_update_kv_lens(torch.tensor([1]))
+    with pytest.raises(TypeError, match="integer"):
+        meta.on_update_kv_lens(torch.tensor([1.0, 2.0]))
+
+
+def test_buffers_stay_put_and_wide_tables_are_cut() -> None:
+    meta = MsaDecodeMetadata(2, 8, 3, 2, "cpu", max_draft_len=1)
+    meta.prepare([2], [6], torch.tensor([[7, 8, 9, 10, 11]], dtype=torch.int32))
+    pointers = [meta.cache_slots_buffer.data_ptr(), meta.block_tables.data_ptr(), meta.proxy_scores.data_ptr()]
+    assert meta.block_tables.tolist() == [[7, 8, 9]]
+    assert meta.cache_slots.tolist() == [18, 19]
+    meta.prepare([1, 0], [1, 0], torch.tensor([[4], [-1]], dtype=torch.int32))  # empty second row
+    assert meta.cache_slots_buffer.tolist() == [8] + [-1] * 7
+    assert meta.block_tables.tolist() == [[4, -1, -1], [-1, -1, -1]]
+    assert [meta.cache_slots_buffer.data_ptr(), meta.block_tables.data_ptr(), meta.proxy_scores.data_ptr()] == pointers
+
+
+def naive_fields(qo, staged, corrected, tables, block):
+    slots, valid, kv_tok, pos_all = [], [], [], []
+    for r, q in enumerate(qo):
+        kv = max(0, min(corrected[r], staged[r]))
+        for t in range(q):
+            p = kv - q + t
+            pos_all.append(p)
+            kv_tok.append(max(0, p + 1))
+            valid.append(math.ceil(max(0, p + 1) / block))
+            slots.append(tables[r][p // block] * block + p % block if p >= 0 else -1)
+    return slots, valid, kv_tok, pos_all
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 20)), min_size=0, max_size=5),
+    log_block=st.integers(0, 4),
+    deltas=st.lists(st.integers(-6, 2), min_size=5, max_size=5),
+    seed=st.integers(0, 1000),
+)
+def test_derivation_matches_naive_and_stays_in_own_pages(rows, log_block, deltas, seed) -> None:
+    block = 1 << log_block
+    qo = [q for q, _ in rows]
+    staged = [q + extra for q, extra in rows]
+    corrected = [max(0, k + d) for k, d in zip(staged, deltas)]
+    pages = sum(-(-k // block) for k in staged) + 1
+    tables = random_page_tables(staged, block, pages, seed)
+    width = max([len(t) for t in tables] + [1])
+    meta = MsaDecodeMetadata(5, 32, width + 1, block, "cpu", max_draft_len=5)
+    meta.prepare(qo, staged, padded_table(tables, width))
+    meta.on_update_kv_lens(torch.tensor(corrected, dtype=torch.int64))
+    slots, valid, kv_tok, positions = naive_fields(qo, staged, corrected, tables, block)
+    n = sum(qo)
+    assert meta.cache_slots_buffer.tolist() == slots + [-1] * (32 - n)
+    assert meta.valid_blocks.tolist() == valid
+    assert meta.token_kv_lens.tolist() == kv_tok
+    assert meta.positions.tolist() == positions
+    true_kv = [min(c, s) for c, s in zip(corrected, staged)]
+    assert meta.kv_lens.tolist() == true_kv
+    assert meta.qo_offsets.tolist() == [k - q for k, q in zip(true_kv, qo)]
+    # Every written slot lies in a page its own request owns.
+    for slot, r in zip(meta.cache_slots.tolist(), meta.token_request.tolist()):
+        assert slot == -1 or slot // block in tables[r][: -(-staged[r] // block)]
+    # Live tokens agree with the public per-token formula.
+    expected_valid = per_token_valid_blocks(qo, true_kv, block).tolist()
+    assert [v for v, p in zip(meta.valid_blocks.tolist(), positions) if p >= 0] == [
+        v for v, p in zip(expected_valid, positions) if p >= 0
+    ]
+    # Idempotent, and identical to staging the corrected lengths directly (when they cover qo).
+    fields = lambda: (meta.cache_slots_buffer, meta.valid_blocks, meta.token_kv_lens, meta.qo_offsets)  # noqa: E731
+    snapshot = [x.clone() for x in fields()]
+    meta.on_update_kv_lens()
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, fields()))
+    if all(k >= q for k, q in zip(true_kv, qo)):
+        fresh = MsaDecodeMetadata(5, 32, width + 1, block, "cpu", max_draft_len=5)
+        fresh.prepare(qo, true_kv, padded_table(tables, width))
+        assert torch.equal(fresh.cache_slots_buffer, meta.cache_slots_buffer)
+        assert torch.equal(fresh.valid_blocks, meta.valid_blocks)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_update_kv_lens_in_a_cuda_graph_equals_eager() -> None:
+    tables = worked_example_tables()
+    graphed = MsaDecodeMetadata(4, 16, 8, 4, "cuda", max_draft_len=2)
+    eager = MsaDecodeMetadata(4, 16, 8, 4, "cuda", max_draft_len=2)
+    graphed.prepare([2, 3], [9, 12], tables.cuda())
+    eager.prepare([2, 3], [9, 12], tables)
+    corrections = torch.tensor([9, 12], dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graphed.on_update_kv_lens(corrections)  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            graphed.on_update_kv_lens(corrections)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    names = ("cache_slots_buffer", "valid_blocks", "token_kv_lens", "positions", "qo_offsets", "kv_lens")
+    for new in ([8, 12], [7, 10], [9, 11], [50, 50]):
+        new_lens = torch.tensor(new, dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            corrections.copy_(new_lens)
+            graph.replay()
+            eager.on_update_kv_lens(new_lens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for name in names:
+            assert torch.equal(getattr(graphed, name), getattr(eager, name)), (new, name)
+    # After the last (too large) correction every length is clamped back to the staged one.
+    assert graphed.cache_slots.cpu().tolist() == [7, 8, 109, 110, 111]

@@ -1,0 +1,168 @@
+"""Bounded soak of the reference host: many requests of mixed lengths and random stop points,
+with and without speculation. No KV block may leak, memory must stay flat from round to round,
+and every output must equal what the request produces alone.
+
+Two models: a prefix-hash target that reads its whole prefix back from the paged cache (cheap, so
+150+ requests fit the CPU budget; any foreign or stale slot changes its output), and the tiny
+MiniMax-M3 checkpoint from `make-tiny` with its Eagle3 head (fewer requests on CPU, more on GPU).
+"""
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from ._counts import bump
+from ._prefix_lm import NoisyOracle, PrefixHashLM
+
+VOCAB = 48
+EOS = (5, 17)  # each generated token stops its request with probability ~1/24: random stop points
+
+
+def _host():
+    engine = pytest.importorskip("m3_eagle_plugin.host.reference.engine")
+    kv = pytest.importorskip("m3_eagle_plugin.kv")
+    msa = pytest.importorskip("m3_eagle_plugin.msa")
+    return engine, kv, msa
+
+
+@pytest.fixture
+def one_thread():
+    """The CI box has 2 shared cores: intra-op threads only add contention for these tiny ops."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.choice([1, 2, 3, 5, 8, 13, 21]))] for _ in range(n)]
+
+
+def _live_tensor_bytes() -> tuple[int, int]:
+    gc.collect()
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    return len(tensors), sum(t.untyped_storage().nbytes() for t in tensors if t.device.type == "cpu")
+
+
+def _prefix_engine(engine_mod, kv_mod, msa, *, speculative: bool, overlap: bool, num_blocks: int = 96):
+    model = PrefixHashLM(VOCAB, msa)
+    cache = kv_mod.PagedKVCache.for_minimax_m3(1, [], 1, 4, 4, 4, num_blocks, dtype=torch.float32)
+    proposer = NoisyOracle(model, error_rate=0.35, seed=7) if speculative else None
+    config = engine_mod.EngineConfig(draft_len=3 if speculative else 0, max_batch_size=8,
+                                     max_tokens_per_step=40, overlap=overlap, eos_ids=EOS)
+    engine = engine_mod.Engine(model, cache, config, vocab_size=VOCAB, proposer=proposer)
+    return engine, model, cache, proposer
+
+
+@pytest.mark.parametrize("speculative,overlap", [(False, False), (False, True), (True, False)],
+                         ids=["plain", "overlap", "speculative"])
+def test_prefix_model_soak(speculative, overlap, one_thread):
+    engine_mod, kv_mod, msa = _host()
+    engine, model, cache, proposer = _prefix_engine(engine_mod, kv_mod, msa, speculative=speculative, overlap=overlap)
+    rng = random.Random(11)
+    footprint = []
+    for round_index in range(3):
+        prompts = _prompts(50, seed=100 + round_index)
+        max_new = rng.choice([6, 9, 12])
+        result = engine.generate(prompts, max_new_tokens=max_new)
+        assert all(e is None for e in result.errors), [e for e in result.errors if e]
+        for i, (prompt, out) in enumerate(zip(prompts, result.outputs)):
+            assert out == model.reference(prompt, max_new, EOS), f"round {round_index} request {i} differs when batched"
+        assert cache.num_free_blocks == cache.num_blocks, f"round {round_index}: KV blocks leaked"
+        assert not cache.allocator.request_ids, "finished requests are still known to the allocator"
+        footprint.append(_live_tensor_bytes())
+        bump("soak.requests", len(prompts))
+        bump("soak.tokens", sum(len(o) for o in result.outputs))
+    assert footprint[-1][0] <= footprint[0][0] + 16, f"live tensors grow round to round: {footprint}"
+    assert footprint[-1][1] <= footprint[0][1] + (1 << 20), f"tensor memory grows round to round: {footprint}"
+    stops = {len(o) for o in result.outputs}
+    assert len(stops) > 2, "stop points are not mixed"
+    if speculative:
+        stats = result.stats
+        assert stats.draft_tokens > 0 and 0 < stats.acceptance_rate < 1, "speculation did not exercise rejection"
+
+
+def test_prefix_model_single_request_runs_match_the_reference(one_thread):
+    """The cache-free reference used above is what the engine produces for a request alone."""
+    engine_mod, kv_mod, msa = _host()
+    for i, prompt in enumerate(_prompts(6, seed=3)):
+        for speculative in (False, True):
+            engine, model, cache, _ = _prefix_engine(engine_mod, kv_mod, msa, speculative=speculative, overlap=False)
+            alone = engine.generate([prompt], max_new_tokens=10).outputs[0]
+            assert alone == model.reference(prompt, 10, EOS), f"request {i} alone (speculative={speculative})"
+            bump("soak.requests")
+
+
+# ---- the tiny MiniMax-M3 checkpoint with its Eagle3 head ----
+
+TINY_EOS = (3, 9, 27)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    tiny = pytest.importorskip("m3_eagle_plugin.models.tiny")
+    return tiny.make_tiny(tmp_path_factory.mktemp("soak_tiny"), seed=1)
+
+
+def _engine_factory(dirs, device: str, num_blocks: int, batch: int):
+    """Engines over the tiny checkpoint, built the way `m3-eagle run` builds them."""
+    build = pytest.importorskip("m3_eagle_plugin.host.reference.build")
+    engine_mod, _, _ = _host()
+
+    def make(speculative: bool, overlap: bool = False, cuda_graphs: bool = False):
+        config = engine_mod.EngineConfig(draft_len=3 if speculative else 0, max_batch_size=batch,
+                                         max_tokens_per_step=48, overlap=overlap, cuda_graphs=cuda_graphs,
+                                         eos_ids=TINY_EOS)
+        return build.build_engine(dirs[0], dirs[1] if speculative else None, config, num_blocks=num_blocks,
+                                  device=device)
+    return make
+
+
+def _tiny_soak(make, *, configs, num_requests: int, singles: int, vocab: int = 256):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 4, 7, 13, 18]))] for _ in range(num_requests)]
+    max_new = 7
+    outputs = {}
+    for name, kwargs in configs.items():
+        engine = make(**kwargs)
+        result = engine.generate(prompts, max_new_tokens=max_new)
+        assert all(e is None for e in result.errors), [e for e in result.errors if e]
+        assert engine.cache.num_free_blocks == engine.cache.num_blocks, f"{name}: KV blocks leaked"
+        outputs[name] = result.outputs
+        bump("soak.requests", num_requests)
+    for name, outs in outputs.items():
+        assert outs == outputs["plain"], f"{name}: greedy outputs differ from plain batched decoding"
+    plain = make(speculative=False)
+    for i in range(singles):
+        alone = plain.generate([prompts[i]], max_new_tokens=max_new).outputs[0]
+        assert alone == outputs["plain"][i], f"request {i}: batched output differs from its single-request output"
+        bump("soak.requests")
+    assert plain.cache.num_free_blocks == plain.cache.num_blocks
+    assert len({len(o) for o in outputs["plain"]}) > 1, "stop points are not mixed"
+
+
+def test_tiny_m3_soak_cpu(tiny_dirs, one_thread):
+    make = _engine_factory(tiny_dirs, "cpu", num_blocks=64, batch=6)
+    configs = {"plain": dict(speculative=False), "eagle3": dict(speculative=True),
+               "eagle3+overlap": dict(speculative=True, overlap=True)}
+    _tiny_soak(make, configs=configs, num_requests=12, singles=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tiny_m3_soak_gpu(tiny_dirs):
+    make = _engine_factory(tiny_dirs, "cuda", num_blocks=1024, batch=16)
+    configs = {"plain": dict(speculative=False), "eagle3": dict(speculative=True),
+               "eagle3+overlap": dict(speculative=True, overlap=True),
+               "eagle3+graphs": dict(speculative=True, cuda_graphs=True),
+               "eagle3+overlap+graphs": dict(speculative=True, overlap=True, cuda_graphs=True)}
+    torch.cuda.reset_peak_memory_stats()
+    _tiny_soak(make, configs=configs, num_requests=120, singles=24)
+    first_peak = torch.cuda.max_memory_allocated()
+    _tiny_soak(make, configs={"plain": dict(speculative=False), "eagle3": dict(speculative=True)},
+               num_requests=120, singles=0)
+    assert torch.cuda.max_memory_allocated() <= first_peak * 1.05, "GPU memory grows from soak to soak"
