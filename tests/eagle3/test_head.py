@@ -30,12 +30,12 @@ def tiny(tmp_path_factory):
 
 
 class Runner:
-    def __init__(self, target, head, dtype=torch.float32) -> None:
+    def __init__(self, target, head, dtype=torch.float32, device="cpu") -> None:
         tc, dc = target.config, head.config
         self.cache = PagedKVCache.for_minimax_m3(
             tc.num_layers, tc.sparse_layer_ids, tc.num_kv_heads, tc.head_dim, tc.index_dim, tc.block_size, 32,
-            num_draft_layers=1, draft_num_kv_heads=dc.num_kv_heads, dtype=dtype)
-        self.meta = MsaDecodeMetadata(4, 64, 32, tc.block_size, "cpu", max_draft_len=7,
+            num_draft_layers=1, draft_num_kv_heads=dc.num_kv_heads, dtype=dtype, device=device)
+        self.meta = MsaDecodeMetadata(4, 64, 32, tc.block_size, device, max_draft_len=7,
                                       num_index_heads=tc.index_heads)
         self.lengths: dict[str, int] = {}
 
@@ -192,3 +192,27 @@ def test_bf16_smoke(tiny):
         assert torch.isfinite(logits).all()
         outs.append((logits, nxt.float()))
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=0.15, rtol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_dense_reference(tiny):
+    for dtype, atol in ((torch.float32, 1e-3), (torch.bfloat16, 0.25)):
+        target = load_target(tiny[0], dtype=dtype, device="cuda")
+        head = load_draft(tiny[1], target, dtype=dtype, device="cuda")
+        gen = torch.Generator().manual_seed(4)
+        ids = torch.randint(0, 256, (9,), generator=gen)
+        rows = [torch.randn(6, 3 * 64, generator=gen), torch.randn(3, 64, generator=gen)]
+        runner = Runner(target, head, dtype=dtype, device="cuda")
+        got = []
+        with torch.no_grad():
+            for start, hidden in ((0, rows[0]), (6, rows[1])):
+                n = hidden.shape[0]
+                runner.prepare([("r", n)])
+                logits, _ = head(ids[start:start + n].cuda(), hidden.to("cuda", dtype), runner.meta, runner.cache)
+                got.append(logits.cpu())
+        ref_target = load_target(tiny[0])
+        ref_head = load_draft(tiny[1], ref_target)
+        want, _, _ = naive_head(ref_head, ref_target.embed_tokens.weight, ref_target.lm_head.weight, ids,
+                                list(rows[0]) + list(rows[1]))
+        torch.testing.assert_close(torch.cat(got).double(), want, atol=atol, rtol=0)

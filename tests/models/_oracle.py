@@ -53,13 +53,11 @@ class PagedRunner:
     """Runs steps of several requests through PagedKVCache + MsaDecodeMetadata."""
 
     def __init__(self, config: M3Config, *, num_blocks: int = 64, max_tokens: int = 64, max_requests: int = 4,
-                 num_draft_layers: int = 0, draft_num_kv_heads: int | None = None) -> None:
+                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.cache = PagedKVCache.for_minimax_m3(
             config.num_layers, config.sparse_layer_ids, config.num_kv_heads, config.head_dim,
-            config.index_dim or config.head_dim, config.block_size, num_blocks,
-            num_draft_layers=num_draft_layers, draft_num_kv_heads=draft_num_kv_heads,
-            dtype=torch.float32)
-        self.meta = MsaDecodeMetadata(max_requests, max_tokens, num_blocks, config.block_size, "cpu",
+            config.index_dim or config.head_dim, config.block_size, num_blocks, dtype=dtype, device=device)
+        self.meta = MsaDecodeMetadata(max_requests, max_tokens, num_blocks, config.block_size, device,
                                       max_draft_len=7, num_index_heads=max(config.index_heads, 1))
         self.lengths: dict[str, int] = {}
 

@@ -119,3 +119,27 @@ def test_forward_rejects_batched_input(hf_text_checkpoint):
     runner.prepare([("a", 2)])
     with pytest.raises(ValueError, match="1-D"):
         model(torch.zeros(1, 2, dtype=torch.long), runner.meta, runner.cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp32_and_bf16_match_transformers(tiny_dir):
+    from transformers import MiniMaxM3SparseForConditionalGeneration
+
+    path = tiny_dir / "target"
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(8))
+    hf = load_oracle(path, MiniMaxM3SparseForConditionalGeneration)
+    with torch.no_grad():
+        want = hf(input_ids=ids[None]).logits[0].float()
+    for dtype, atol in ((torch.float32, 1e-3), (torch.bfloat16, 0.25)):
+        model = load_target(path, dtype=dtype, device="cuda")
+        runner = PagedRunner(model.config, device="cuda", dtype=dtype)
+        start, rows = 0, []
+        with torch.no_grad():
+            for n in (14, 4, 1, 4, 1):
+                runner.prepare([("r", n)])
+                rows.append(model.compute_logits(model(ids[start:start + n].cuda(), runner.meta, runner.cache)))
+                start += n
+        got = torch.cat(rows).cpu()
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        torch.testing.assert_close(got, want[:start], atol=atol, rtol=0)

@@ -205,31 +205,53 @@ def test_one_engine_racing_in_threads_patches_once(host):
     assert host.untouched()
 
 
+@pytest.mark.xfail(strict=True, reason="BUG host/trtllm/patching.py: two PatchEngines racing: engine A plans "
+                   "(slow wrapper factory), engine B applies meanwhile, then A's setattr silently replaces B's "
+                   "wrappers; both reports say applied=True although only A's wrappers are live (the "
+                   "already-wrapped check runs at plan time, not under a lock shared by engines at bind time)")
 def test_two_engines_racing_in_threads_patch_once(host):
-    """Two engines apply concurrently: exactly one wins, the host is wrapped once, reports agree."""
-    for trial in range(20):
-        engines = [patching.PatchEngine(), patching.PatchEngine()]
-        barrier = threading.Barrier(2)
-        outcome: dict[int, object] = {}
+    """Two engines apply concurrently: exactly one may report the host as patched by it."""
+    import time
 
-        def activate(i):
-            barrier.wait()
-            try:
-                outcome[i] = engines[i].apply(host_patches(host, patching, contract))
-            except patching.HostPatchError as exc:
-                outcome[i] = exc
+    planning = threading.Event()  # set once engine A has planned every patch but the last
+    engines = [patching.PatchEngine(), patching.PatchEngine()]
 
-        threads = [threading.Thread(target=activate, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        bump("faults.injected")
-        winners = [i for i in range(2) if engines[i].report()["applied"]]
-        assert host.fully_patched(), f"trial {trial}: host not cleanly patched"
-        assert len(winners) == 1, f"trial {trial}: both engines believe they patched the host"
-        engines[winners[0]].revert()
-        assert host.untouched(), f"trial {trial}: revert of the winner left a wrapper behind"
+    def slow_last(patches):
+        out = list(patches)
+        last = out[-1]
+
+        def factory(original, make=last.factory):
+            planning.set()
+            time.sleep(0.3)  # engine B applies everything in this window
+            return make(original)
+
+        out[-1] = patching.Patch(last.id, last.target, factory, last.rebinds)
+        return out
+
+    def engine_a():
+        engines[0].apply(slow_last(host_patches(host, patching, contract)))
+
+    def engine_b():
+        planning.wait(5)
+        engines[1].apply(host_patches(host, patching, contract))
+
+    errors = []
+
+    def guarded(fn):
+        try:
+            fn()
+        except patching.HostPatchError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(fn,)) for fn in (engine_a, engine_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bump("faults.injected")
+    assert host.fully_patched(), "host not cleanly patched"
+    winners = [i for i in range(2) if engines[i].report()["applied"]]
+    assert len(winners) == 1, "both engines believe they patched the host; one engine's wrappers were replaced"
 
 
 # ---- a spawned child process: it starts untouched and decides for itself ----

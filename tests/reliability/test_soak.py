@@ -109,16 +109,30 @@ def tiny_dirs(tmp_path_factory):
 
 
 def _engine_factory(dirs, device: str, num_blocks: int, batch: int):
-    """Engines over the tiny checkpoint, built the way `m3-eagle run` builds them."""
-    build = pytest.importorskip("m3_eagle_plugin.host.reference.build")
-    engine_mod, _, _ = _host()
+    """Engines over the tiny checkpoint, assembled as `m3-eagle run` does (host/reference/build.py),
+    but loading the checkpoints once."""
+    engine_mod, kv_mod, _ = _host()
+    loader = pytest.importorskip("m3_eagle_plugin.models.loader")
+    ckpt = pytest.importorskip("m3_eagle_plugin.eagle3.checkpoint")
+    capture_mod = pytest.importorskip("m3_eagle_plugin.eagle3.capture")
+    target = loader.load_target(dirs[0], device=device)
+    head = ckpt.load_draft(dirs[1], target, device=device)
+    c = target.config
 
     def make(speculative: bool, overlap: bool = False, cuda_graphs: bool = False):
+        target.set_graph_safe_moe(cuda_graphs)
         config = engine_mod.EngineConfig(draft_len=3 if speculative else 0, max_batch_size=batch,
                                          max_tokens_per_step=48, overlap=overlap, cuda_graphs=cuda_graphs,
                                          eos_ids=TINY_EOS)
-        return build.build_engine(dirs[0], dirs[1] if speculative else None, config, num_blocks=num_blocks,
-                                  device=device)
+        cache = kv_mod.PagedKVCache.for_minimax_m3(
+            c.num_layers, list(c.sparse_layer_ids), c.num_kv_heads, c.head_dim, c.index_dim, c.block_size,
+            num_blocks, num_draft_layers=1 if speculative else 0, draft_num_kv_heads=head.config.num_kv_heads,
+            dtype=torch.float32, device=device)
+        return engine_mod.Engine(
+            target, cache, config, vocab_size=c.vocab_size, device=device,
+            head=head if speculative else None,
+            capture=capture_mod.AuxCapture(head.config.aux_layer_ids) if speculative else None,
+            num_index_heads=max(c.index_heads, 1))
     return make
 
 
@@ -166,3 +180,50 @@ def test_tiny_m3_soak_gpu(tiny_dirs):
     _tiny_soak(make, configs={"plain": dict(speculative=False), "eagle3": dict(speculative=True)},
                num_requests=120, singles=0)
     assert torch.cuda.max_memory_allocated() <= first_peak * 1.05, "GPU memory grows from soak to soak"
+
+
+# ---- faults under load: a step that raises must lose nothing and leave the engine usable ----
+
+class _Flaky:
+    """Wraps a model or proposer; the `fail_at`-th call raises."""
+
+    def __init__(self, inner, fail_at: int) -> None:
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+    def _tick(self) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError(f"injected failure at call {self.calls}")
+
+    def __call__(self, *args, **kwargs):
+        self._tick()
+        return self.inner(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self._tick()
+        return self.inner.forward(*args, **kwargs)
+
+    def compute_logits(self, hidden):
+        return self.inner.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("where,fail_at", [("target", 3), ("target", 11), ("proposer", 4)])
+def test_a_failing_step_loses_no_blocks_and_the_engine_recovers(where, fail_at, one_thread):
+    engine_mod, kv_mod, msa = _host()
+    model = PrefixHashLM(VOCAB, msa)
+    cache = kv_mod.PagedKVCache.for_minimax_m3(1, [], 1, 4, 4, 4, 96, dtype=torch.float32)
+    flaky_model = _Flaky(model, fail_at) if where == "target" else model
+    proposer = NoisyOracle(model, error_rate=0.3, seed=1)
+    flaky_proposer = _Flaky(proposer, fail_at) if where == "proposer" else proposer
+    config = engine_mod.EngineConfig(draft_len=3, max_batch_size=6, max_tokens_per_step=32, eos_ids=EOS)
+    engine = engine_mod.Engine(flaky_model, cache, config, vocab_size=VOCAB, proposer=flaky_proposer)
+    prompts = _prompts(20, seed=42)
+    bump("faults.injected")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        engine.generate(prompts, max_new_tokens=8)
+    assert cache.num_free_blocks == cache.num_blocks, "a failed step leaked KV blocks"
+    assert not cache.allocator.request_ids, "a failed step left requests in the cache"
+    result = engine.generate(prompts, max_new_tokens=8)  # the same engine, after the failure
+    assert result.outputs == [model.reference(p, 8, EOS) for p in prompts]
+    assert cache.num_free_blocks == cache.num_blocks
+    bump("soak.requests", len(prompts))

@@ -97,7 +97,6 @@ def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Call
     """(kernel thunk, torch-reference thunk) for one input set."""
     from m3_eagle_plugin.msa.kernels.dense_attention import dense_verify_attention
     from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
-    from m3_eagle_plugin.msa.kernels.kv_lens_update import update_kv_lens
     from m3_eagle_plugin.msa.kernels.sparse_attention import sparse_verify_attention
 
     meta, cache, q = step["meta"], step["cache"], step["q"]
@@ -128,27 +127,29 @@ def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Call
                                                max_qo_len=qo),
                 lambda: ref.dense_attention(q, cache.k, cache.v, meta, scale=scale, k_scale=ks, v_scale=vs))
     if name == "kv_lens_update":
-        outs = {k: torch.empty_like(getattr(meta, k)) for k in
-                ("kv_lens", "qo_offsets", "positions", "token_kv_lens", "valid_blocks", "cache_slots")}
+        from m3_eagle_plugin.msa import MsaDecodeMetadata
+        from m3_eagle_plugin.msa.kernels.kv_lens_update import on_update_kv_lens_fused
+
+        qo_lens, kv_lens = meta.qo_lens.tolist(), meta.kv_lens.tolist()
+        msa_meta = MsaDecodeMetadata(len(qo_lens), len(meta.positions), meta.block_tables.shape[1], geo.block,
+                                     q.device, max_draft_len=max(qo_lens) - 1)
+        msa_meta.prepare(qo_lens, kv_lens, meta.block_tables.cpu())
         new = (meta.kv_lens - 1).clamp_min(meta.qo_lens)
-        return (lambda: update_kv_lens(staged_kv_lens=meta.kv_lens, new_kv_lens=new, qo_lens=meta.qo_lens,
-                                       cu_qo_lens=meta.cu_qo_lens, token_request=meta.token_request,
-                                       block_tables=meta.block_tables, block_size=geo.block,
-                                       kv_lens_out=outs["kv_lens"], qo_offsets_out=outs["qo_offsets"],
-                                       positions_out=outs["positions"], token_kv_lens_out=outs["token_kv_lens"],
-                                       valid_blocks_out=outs["valid_blocks"], cache_slots_out=outs["cache_slots"])
-                or outs,
-                lambda: ref.update_kv_lens(meta.kv_lens, new, meta.qo_lens, meta.block_tables, geo.block,
-                                           meta.positions.shape[0]))
+        step["msa_meta"] = msa_meta
+        return (lambda: on_update_kv_lens_fused(msa_meta, new), lambda: msa_meta.on_update_kv_lens(new))
     raise ValueError(f"unknown kernel {name!r}; choose from {KERNELS}")
+
+
+def _kv_fields(meta) -> dict[str, torch.Tensor]:
+    return {k: getattr(meta, k).clone() for k in
+            ("kv_lens", "qo_offsets", "positions", "token_kv_lens", "valid_blocks", "cache_slots")}
 
 
 def _error(name: str, got: Any, expect: Any, step: dict[str, Any], geo: Geometry) -> float:
     if name == "index_select":
         return selection_mismatch(got, expect)
-    if name == "kv_lens_update":
-        bad = [k for k, v in expect.items() if not torch.equal(got[k].long().cpu()[: v.shape[0]], v)]
-        return float(len(bad))
+    if name == "kv_lens_update":  # number of fields that differ from MsaDecodeMetadata's torch path
+        return float(sum(not torch.equal(got[k], v) for k, v in expect.items()))
     return relative_error(got, expect)
 
 
@@ -183,6 +184,13 @@ def run_case(name: str, steps: StepSet, qo_len: int, *, ceiling_gbps: float, che
     got = kernels[0]()
     if check:
         expect = pairs[0][1]()
+        if name == "kv_lens_update":  # both write the metadata's buffers: snapshot, poison, rerun the kernel
+            msa_meta = sets[0]["msa_meta"]
+            expect = _kv_fields(msa_meta)
+            for field in ("_positions", "_token_kv_lens", "_valid_blocks", "_cache_slots"):
+                getattr(msa_meta, field).fill_(-777)
+            kernels[0]()
+            got = _kv_fields(msa_meta)
         row["error"] = _error(name, got, expect, sets[0], geo)
     nbytes, union = _bytes(name, sets[0], geo, steps.kv_dtype, steps.index_dtype, got)
     row["eager_us"] = time_eager_us(kernels)

@@ -97,32 +97,3 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qr = q[t0:t1].float().view(t1 - t0, hkv, num_heads // hkv, dim)
         out[t0:t1] = _attend(qr, k, v, visible, scale).reshape(t1 - t0, num_heads, dim).to(q.dtype)
     return out
-
-
-def update_kv_lens(staged_kv_lens: torch.Tensor, new_kv_lens: torch.Tensor | None, qo_lens: torch.Tensor,
-                   block_tables: torch.Tensor, block_size: int, num_tokens: int) -> dict[str, torch.Tensor]:
-    """The per-request and per-token fields re-derived from `min(new, staged)` kv lengths."""
-    kv = staged_kv_lens.long().cpu()
-    if new_kv_lens is not None:
-        kv = torch.minimum(kv, new_kv_lens.long().cpu()[: kv.shape[0]])
-    qo = qo_lens.long().cpu()
-    tables = block_tables.long().cpu()
-    positions, slots, req = [], [], []
-    for r in range(kv.shape[0]):
-        for t in range(int(qo[r])):
-            p = int(kv[r] - qo[r] + t)
-            blk = p // block_size
-            page = int(tables[r, blk]) if 0 <= blk < tables.shape[1] else -1
-            positions.append(p)
-            slots.append(page * block_size + p % block_size if page >= 0 else -1)
-            req.append(r)
-    live = len(positions)
-    pos = torch.tensor(positions, dtype=torch.long)
-    return {
-        "kv_lens": kv,
-        "qo_offsets": kv - qo,
-        "positions": pos,
-        "token_kv_lens": pos + 1,
-        "valid_blocks": (pos + block_size) // block_size,
-        "cache_slots": torch.tensor(slots + [-1] * (num_tokens - live), dtype=torch.long),
-    }

@@ -75,8 +75,11 @@ def _attend(
         values = v_cache[pages.clamp(min=0)].float().permute(1, 0, 2, 3).reshape(num_kv_heads, num_keys, dim)
         key_pos = torch.arange(num_keys, device=q.device)
         key_ok = (pages >= 0).repeat_interleave(block_size)
-        # Slots past the (corrected) length may hold stale or uninitialised data: 0 * NaN must not leak.
-        values = values.masked_fill(~(key_ok & (key_pos < kv_lens[r]))[None, :, None], 0.0)
+        # Slots past the (corrected) length may hold stale or uninitialised data (NaN even), which a
+        # masked score or a zero weight would still propagate: clear them.
+        unwritten = ~(key_ok & (key_pos < kv_lens[r]))[None, :, None]
+        keys = keys.masked_fill(unwritten, 0.0)
+        values = values.masked_fill(unwritten, 0.0)
         step = max(1, _GATHER_CHUNK_ELEMS // (num_q_heads * num_keys))
         for chunk_start in range(rows.start, rows.stop, step):
             chunk = slice(chunk_start, min(rows.stop, chunk_start + step))
@@ -85,12 +88,16 @@ def _attend(
                 visible = visible[None].expand(num_kv_heads, -1, -1)
             else:
                 visible = visible[None] & _selected_keys(selection[:, chunk], num_blocks, block_size)
-            queries = q[chunk].float().unflatten(1, (num_kv_heads, group))  # [Tc, Hkv, G, D]
-            scores = torch.einsum("thgd,hsd->hgts", queries, keys) * scale
-            scores = scores.masked_fill(~visible[:, None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            probs = torch.where(visible[:, None].any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
-            context = torch.einsum("hgts,hsd->thgd", probs, values)
+            queries = q[chunk].float().unflatten(1, (num_kv_heads, group)).permute(1, 2, 0, 3)  # [Hkv, G, Tc, D]
+            context = torch.nn.functional.scaled_dot_product_attention(
+                queries,
+                keys[:, None].expand(-1, group, -1, -1),
+                values[:, None].expand(-1, group, -1, -1),
+                attn_mask=visible[:, None],
+                scale=scale,
+            )  # [Hkv, G, Tc, D]; rows without a visible key are undefined here and zeroed below
+            has_key = visible.any(dim=-1)[:, None, :, None]
+            context = torch.where(has_key, context, torch.zeros_like(context)).permute(2, 0, 1, 3)
             out[chunk] = context.reshape(-1, num_q_heads, dim).to(q.dtype)
     return out
 

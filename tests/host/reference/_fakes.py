@@ -86,9 +86,10 @@ class FakeTarget:
 class FakeHead:
     """Predicts the target's token at p + 2 from (token p + 1, hash of 0..p); wrong when that hash % 3 == 0."""
 
-    def __init__(self, table: torch.Tensor, draft_layer: int = 1) -> None:
+    def __init__(self, table: torch.Tensor, draft_layer: int = 1, wrong=lambda h: h % 3 == 0) -> None:
         self.table = table
         self.draft_layer = draft_layer
+        self.wrong = wrong
 
     def forward(self, input_ids, hidden, meta, cache):
         k = cache.k(self.draft_layer)
@@ -99,7 +100,7 @@ class FakeHead:
             token = int(k[page, 0, pos % BLOCK, 0])  # read back by position
             h = fold(int(hidden[t, 0]), token)
             row = self.table[h]
-            logits.append(torch.roll(row, 1) if h % 3 == 0 else row)
+            logits.append(torch.roll(row, 1) if self.wrong(h) else row)
             next_hidden.append([float(h), float(pos + 1)])
         return torch.stack(logits) if logits else torch.empty(0, VOCAB), torch.tensor(next_hidden).reshape(-1, 2)
 

@@ -78,3 +78,14 @@ def assert_close_rel(out: torch.Tensor, expect: torch.Tensor, rel: float) -> Non
     assert torch.isfinite(out).all(), "kernel output has NaN/inf"
     err = ((out.double() - expect.double()).norm() / expect.double().norm().clamp_min(1e-30)).item()
     assert err < rel, f"relative error {err:.3e} >= {rel:.1e}"
+
+
+def msa_metadata(step_meta, max_draft_len: int = 4):
+    """The package's own `MsaDecodeMetadata` for the same step (contract oracle for the kernels)."""
+    from m3_eagle_plugin.msa import MsaDecodeMetadata
+
+    qo, kv = step_meta.qo_lens.tolist(), step_meta.kv_lens.tolist()
+    meta = MsaDecodeMetadata(len(qo), max(sum(qo), 1), step_meta.block_tables.shape[1], step_meta.block_size,
+                             "cuda", max_draft_len=max_draft_len)
+    meta.prepare(qo, kv, step_meta.block_tables.cpu())
+    return meta

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernel_case_helpers import M3, SMALL, assert_close_rel, needs_gpu, random_step
+from kernel_case_helpers import M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, random_step
 from m3_eagle_plugin.bench import torch_reference as ref
 
 pytestmark = needs_gpu
@@ -48,3 +48,12 @@ def test_property_random_steps(reqs, splits, seed):
     meta, cache, q, _ = random_step(SMALL, qo_lens, kv_lens, kv_dtype=torch.float32, q_dtype=torch.float32, seed=seed)
     out = _run(q, cache, meta, scale=0.2, splits=splits)
     assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=0.2), 1e-4)
+
+
+def test_matches_package_reference_on_msa_metadata():
+    from m3_eagle_plugin.msa import dense_attention
+
+    step, cache, q, _ = random_step(M3, [4, 1, 4], [2500, 300, 129], kv_dtype=torch.bfloat16)
+    meta = msa_metadata(step)
+    out = _run(q, cache, meta, scale=0.088, max_qo_len=4)
+    assert_close_rel(out, dense_attention(q, cache.k, cache.v, meta, scale=0.088), 1e-2)

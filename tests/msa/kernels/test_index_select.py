@@ -4,7 +4,15 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernel_case_helpers import M3, SMALL, assert_valid_selection, exact_block_scores, needs_gpu, random_step
+from kernel_case_helpers import (
+    M3,
+    SMALL,
+    assert_valid_selection,
+    exact_block_scores,
+    msa_metadata,
+    needs_gpu,
+    random_step,
+)
 from m3_eagle_plugin.bench import torch_reference as ref
 
 pytestmark = needs_gpu
@@ -56,3 +64,13 @@ def test_property_any_step_is_a_valid_topk(reqs, topk, local, seed):
     sel = _select(index_q, cache, meta, topk=topk, local_blocks=local)
     assert_valid_selection(sel, exact_block_scores(index_q, cache.index_k, meta), topk, local_blocks=local,
                            tol=1e-4)
+
+
+def test_matches_package_reference_on_msa_metadata():
+    from m3_eagle_plugin.msa import select_blocks_paged
+
+    step, cache, _, index_q = random_step(M3, [4, 4, 4, 1], [2000, 5000, 300, 129], index_dtype=torch.float32)
+    meta = msa_metadata(step)
+    sel = _select(index_q, cache, meta, topk=M3.topk, max_qo_len=4)
+    expect = select_blocks_paged(index_q, cache.index_k, meta, topk=M3.topk)
+    assert torch.equal(sel.cpu(), expect.cpu())

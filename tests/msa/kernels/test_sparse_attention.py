@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernel_case_helpers import M3, SMALL, assert_close_rel, needs_gpu, random_step
+from kernel_case_helpers import M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, random_step
 from m3_eagle_plugin.bench import torch_reference as ref
 
 pytestmark = needs_gpu
@@ -103,3 +103,13 @@ def test_nan_in_selected_page_propagates():
     cache.v[page, 0, 0, 0] = float("nan")
     out = _run(q, cache, meta, sel, scale=0.2)
     assert torch.isnan(out[:, : SMALL.q_heads // SMALL.kv_heads]).any()
+
+
+def test_matches_package_reference_on_msa_metadata():
+    from m3_eagle_plugin.msa import sparse_attention
+
+    step, cache, q, _ = random_step(M3, [4, 4, 1, 4], [3000, 129, 700, 6000], kv_dtype=torch.bfloat16)
+    meta = msa_metadata(step)
+    sel = _random_selection(step, M3.kv_heads, M3.topk, M3.block, 9)
+    out = _run(q, cache, meta, sel, scale=0.088, max_qo_len=4)
+    assert_close_rel(out, sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.088), 1e-2)

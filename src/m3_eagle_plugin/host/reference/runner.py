@@ -222,7 +222,7 @@ class StepRunner:
         if cfg.sampling.greedy:
             target_tokens = torch.argmax(verify_logits, dim=-1).view(num_verify, k + 1)
             return greedy_accept(drafts, target_tokens, lens)
-        target_probs = filtered_probs(verify_logits, cfg.sampling).view(num_verify, k + 1, -1)
+        target_probs = filtered_probs(verify_logits, cfg.sampling).view(num_verify, k + 1, verify_logits.shape[-1])
         draft_probs = None
         row_probs = [rows[i].request.pending_draft_probs for i in verify_rows]
         if k and any(p is not None for p in row_probs):

@@ -119,3 +119,13 @@ def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=N
     if k_scale is not None or v_scale is not None:
         raise KernelBackendError("fp8 KV scales need the Triton backend")
     return _reference("dense_attention")(q, k_cache, v_cache, meta, scale=scale)
+
+
+def on_update_kv_lens(meta, kv_lens=None) -> None:
+    """`meta.on_update_kv_lens(kv_lens)` in one fused launch on CUDA, the metadata's torch path elsewhere."""
+    if use_triton(meta.device):
+        from .kv_lens_update import on_update_kv_lens_fused
+
+        on_update_kv_lens_fused(meta, kv_lens)
+    else:
+        meta.on_update_kv_lens(kv_lens)

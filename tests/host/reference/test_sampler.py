@@ -1,0 +1,63 @@
+"""Token choice: greedy argmax and the filtered sampling distribution (temperature, top-k, top-p)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.host.reference.sampler import SamplingParams, choose_tokens, filtered_probs, request_generator
+
+
+def test_reference_examples():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    nucleus = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    torch.testing.assert_close(nucleus, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    top2 = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(top2, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    hot = filtered_probs(logits, SamplingParams(temperature=0.5))
+    want = torch.tensor([0.25, 0.09, 0.0225, 0.0025])
+    torch.testing.assert_close(hot[0], want / want.sum())
+    tokens, probs = choose_tokens(logits, SamplingParams())
+    assert tokens.tolist() == [0] and probs is None
+
+
+def test_bad_parameters_name_the_cause():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="greedy"):
+        filtered_probs(torch.zeros(1, 3), SamplingParams())
+    with pytest.raises(ValueError, match="generator per row"):
+        choose_tokens(torch.zeros(2, 3), SamplingParams(temperature=1.0), [torch.Generator()])
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.integers(2, 8), st.floats(0.3, 2.0), st.integers(0, 8), st.floats(0.05, 1.0), st.integers(0, 1000))
+def test_filtered_distribution_properties(vocab, temperature, top_k, top_p, seed):
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    probs = filtered_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    for row, p in zip(logits, probs):
+        support = (p > 0).nonzero().flatten().tolist()
+        order = torch.argsort(row, descending=True).tolist()
+        assert order[0] in support
+        if 0 < top_k < vocab:
+            assert len(support) <= top_k
+        # the nucleus is a prefix of the descending order, minimal for top_p
+        assert sorted(support, key=order.index) == order[: len(support)]
+        base = torch.softmax(row / temperature, 0)
+        if 0 < top_k < vocab:
+            kept = order[:top_k]
+            base = torch.zeros_like(base).index_put_((torch.tensor(kept),), torch.softmax(row[kept] / temperature, 0))
+        mass_without_last = float(base[order[: len(support) - 1]].sum())
+        assert mass_without_last < top_p + 1e-6 or math.isclose(mass_without_last, top_p, abs_tol=1e-6)
+
+
+def test_request_generators_are_reproducible_per_request():
+    a = torch.rand(4, generator=request_generator(7, 3, "cpu"))
+    b = torch.rand(4, generator=request_generator(7, 3, "cpu"))
+    c = torch.rand(4, generator=request_generator(7, 4, "cpu"))
+    assert torch.equal(a, b) and not torch.equal(a, c)
