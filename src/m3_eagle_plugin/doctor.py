@@ -102,7 +102,7 @@ def collect(host_source: str | None = None) -> dict[str, Any]:
         findings, why = _optional_call("m3_eagle_plugin.host.trtllm.contract", "check_source_tree", host_source)
         data["host_source"] = {"dir": host_source, "findings": findings} if why is None else {
             "dir": host_source, "error": why}
-        if why is not None:
+        if why is not None or not all(getattr(f, "ok", False) for f in findings):
             data["ok"] = False
     return _jsonable(data)
 

@@ -197,7 +197,7 @@ def test_bf16_smoke(tiny):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_dense_reference(tiny):
-    for dtype, atol in ((torch.float32, 1e-3), (torch.bfloat16, 0.25)):
+    for dtype, atol in ((torch.float32, 1e-3), (torch.bfloat16, 0.5)):
         target = load_target(tiny[0], dtype=dtype, device="cuda")
         head = load_draft(tiny[1], target, dtype=dtype, device="cuda")
         gen = torch.Generator().manual_seed(4)

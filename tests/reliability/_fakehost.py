@@ -25,10 +25,6 @@ class FakeHost:
     util: types.ModuleType
     fmha: types.ModuleType
 
-    @property
-    def originals(self) -> dict[str, object]:
-        return {"pick": self._pick, "supported": self._supported}
-
     def untouched(self) -> bool:
         """Every host name is bound to its original object again."""
         return (self.dispatch.pick_manager is self._pick and self.pkg.pick_manager is self._pick

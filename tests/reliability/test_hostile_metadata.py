@@ -260,6 +260,18 @@ def test_update_below_qo_or_negative_stays_in_bounds(corrected):
             assert torch.isfinite(out["dense"][t]).all(), f"token {t} read a poisoned slot"
 
 
+@pytest.mark.parametrize("bad", [torch.tensor([8, 7], dtype=torch.int32), torch.tensor([8.0, 7.0, 12.0]),
+                                 [8, 7, 12]], ids=["wrong-length", "float", "list"])
+def test_update_with_a_malformed_correction_is_refused_and_changes_nothing(bad):
+    msa = _msa()
+    meta, table, pool, qo, kv = _staged_step(msa)
+    before = {n: _ints(getattr(meta, n)) for n in ("cache_slots", "valid_blocks", "token_kv_lens", "positions")}
+    bump("faults.injected")
+    with pytest.raises(CLEAR_ERRORS):
+        meta.on_update_kv_lens(bad)
+    assert {n: _ints(getattr(meta, n)) for n in before} == before
+
+
 def test_update_is_idempotent():
     msa = _msa()
     meta, table, pool, qo, kv = _staged_step(msa)

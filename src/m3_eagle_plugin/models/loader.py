@@ -118,6 +118,15 @@ def _assemble(recipe: _Recipe, tensors: dict[str, torch.Tensor]) -> torch.Tensor
     return torch.stack(parts)
 
 
+def _with_aliases(recipe: _Recipe, names: set[str]) -> _Recipe:
+    """Accept `block_sparse_moe.{gate,up,down}_proj` for a dense MLP: transformers 5.17 re-saves it so."""
+    sources = []
+    for src in recipe.sources:
+        alias = re.sub(r"\.mlp\.(gate|up|down)_proj\.", r".block_sparse_moe.\1_proj.", src)
+        sources.append(alias if src not in names and alias in names else src)
+    return _Recipe(tuple(sources), recipe.combine)
+
+
 def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> dict[str, _Recipe]:
     """Map every model tensor to its checkpoint tensors; raise on any name or shape mismatch."""
     names = source.names()
@@ -128,6 +137,7 @@ def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> 
         recipes = _production_recipes(keys, model.config)
     else:
         recipes = _fused_recipes(keys, "model." if layout == "text" else "model.language_model.")
+    recipes = {k: _with_aliases(r, names) for k, r in recipes.items()}
     lm_src = recipes["lm_head.weight"].sources[0]
     if lm_src not in names and model.config.tie_word_embeddings:
         recipes["lm_head.weight"] = recipes["embed_tokens.weight"]

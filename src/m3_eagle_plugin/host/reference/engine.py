@@ -107,6 +107,7 @@ class Engine:
                 max_tokens_per_step=config.max_tokens_per_step, max_blocks_per_seq=int(cache.num_blocks),
                 block_size=block_size, device=self.device, sampling=config.sampling,
                 force_accepted=config.force_accepted, num_index_heads=num_index_heads,
+                cuda_graphs=config.cuda_graphs,
             ),
             head=head, capture=capture, metadata_factory=metadata_factory,
         )

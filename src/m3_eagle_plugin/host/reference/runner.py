@@ -35,6 +35,7 @@ class RunnerConfig:
     sampling: SamplingParams = SamplingParams()
     force_accepted: int | None = None
     num_index_heads: int = 1
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -97,6 +98,11 @@ class StepRunner:
             )
             for _ in range(num_draft_metas)
         ]
+        self.graphs = None
+        if config.cuda_graphs:
+            from m3_eagle_plugin.host.reference.cuda_graphs import GenerationGraphs
+
+            self.graphs = GenerationGraphs(self)
 
     # ----- host side ---------------------------------------------------------------------------
     def _reserve_tokens(self, staged_kv: int) -> int:
@@ -110,6 +116,8 @@ class StepRunner:
     def launch(self, rows: Sequence[ScheduledRow], step_id: int) -> StepOutput:
         cfg, k, device = self.config, self.config.draft_len, self.config.device
         rows = list(rows)
+        if self.graphs is not None and self.graphs.eligible(rows):
+            return self.graphs.launch(rows, step_id)
         qo_lens, staged, rids = [], [], []
         offsets, offset = [], 0
         for row in rows:

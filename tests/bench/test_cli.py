@@ -1,0 +1,51 @@
+"""`m3-eagle bench` on CPU: the reference-only smoke table, JSON output, argument parsing."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from m3_eagle_plugin.bench import cli
+from m3_eagle_plugin.bench.end_to_end import register_end_to_end, run_end_to_end
+from m3_eagle_plugin.bench.table import format_table
+from m3_eagle_plugin.cli import main as m3_main
+
+
+def test_parse_configs():
+    assert cli.parse_configs("16x32K, 1x8192") == [(16, 32768), (1, 8192)]
+    with pytest.raises(argparse.ArgumentTypeError, match="BATCHxCONTEXT"):
+        cli.parse_configs("16by32")
+
+
+def test_cpu_smoke_writes_json_and_prints_table_last(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = m3_main(["bench", "--device", "cpu", "--configs", "2x64", "--qo-lens", "4,1", "--json", str(out)])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:2] == ["section", "kernel"] and lines[-1].split()[0] == "reference_smoke"
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {(r["kernel"], r["qo_len"]) for r in rows} == {
+        (k, q) for k in ("index_select", "sparse_attn", "dense_attn") for q in (4, 1)}
+    # tiny geometry: block 16, index dim 32, head dim 32, fp32; 2 requests x 64 tokens = 8 pages
+    by = {(r["kernel"], r["qo_len"]): r for r in rows}
+    assert by[("index_select", 4)]["bytes"] == 8 * 16 * 32 * 4
+    assert by[("dense_attn", 1)]["bytes"] == 8 * 2 * 16 * 32 * 4
+    assert all(r["torch_us"] > 0 for r in rows)
+
+
+def test_end_to_end_hook(monkeypatch):
+    import m3_eagle_plugin.bench.end_to_end as e2e
+
+    monkeypatch.setattr(e2e, "_hook", None)
+    assert run_end_to_end(argparse.Namespace())[0]["note"] == "not implemented yet"
+    register_end_to_end(lambda args: [{"kernel": "e2e", "tokens_per_s": 12.5}])
+    assert run_end_to_end(argparse.Namespace()) == [{"section": "end_to_end", "kernel": "e2e", "tokens_per_s": 12.5}]
+
+
+def test_table_formats_missing_cells_and_floats():
+    text = format_table([{"kernel": "a", "graph_us": 1.23456}, {"kernel": "bb", "note": "x"}])
+    header, rule, first, second = text.splitlines()
+    assert header.split() == ["kernel", "graph_us", "note"] and first.split() == ["a", "1.23"]
+    assert second.split() == ["bb", "x"]

@@ -1,0 +1,40 @@
+"""Bench inputs: strided pool views, shuffled distinct pages, anchor-style shared selections."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.bench.inputs import Geometry, make_step, shuffled_block_tables, union_blocks
+
+GEO = Geometry(q_heads=4, kv_heads=1, head_dim=8, index_heads=1, index_dim=8, block=8, topk=4)
+
+
+def test_cache_views_are_strided_into_a_pool():
+    step = make_step(2, 50, 4, GEO, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
+                     device="cpu")
+    cache = step["cache"]
+    assert not cache.k.is_contiguous() and cache.k.stride(0) == 3 * GEO.block * GEO.head_dim
+    assert cache.k.data_ptr() != cache.v.data_ptr() and cache.index_k.stride(0) == 2 * GEO.block * GEO.index_dim
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(kv=st.lists(st.integers(1, 60), min_size=1, max_size=5), spare=st.integers(0, 5), seed=st.integers(0, 99))
+def test_property_tables_use_distinct_pages(kv, spare, seed):
+    need = [-(-k // 8) for k in kv]
+    table = shuffled_block_tables(kv, 8, sum(need) + spare, torch.Generator().manual_seed(seed))
+    used = [p for r, n in enumerate(need) for p in table[r, :n].tolist()]
+    assert len(set(used)) == len(used) and all(0 <= p < sum(need) + spare for p in used)
+    assert all((table[r, n:] == -1).all() for r, n in enumerate(need))
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(batch=st.integers(1, 4), context=st.integers(4, 200), qo=st.integers(1, 4), seed=st.integers(0, 99))
+def test_property_shared_selection_is_valid_and_mostly_shared(batch, context, qo, seed):
+    step = make_step(batch, context, qo, GEO, kv_dtype=torch.float32, index_dtype=torch.float32,
+                     q_dtype=torch.float32, device="cpu", seed=seed)
+    meta, sel = step["meta"], step["selection"]
+    for t, p in enumerate(meta.positions.tolist()):
+        ids = [b for b in sel[0, t].tolist() if b >= 0]
+        assert ids == sorted(set(ids)) and p // GEO.block in ids and all(b <= p // GEO.block for b in ids)
+    # every token adds at most its local block and one swapped block to the request's union
+    assert union_blocks(sel, meta) <= batch * (GEO.topk + 2 * (qo - 1))

@@ -1,0 +1,36 @@
+"""The bench's host-built step metadata vs the DESIGN formulas (and MsaDecodeMetadata)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.bench.inputs import shuffled_block_tables
+from m3_eagle_plugin.bench.step_meta import build_step_meta
+from m3_eagle_plugin.msa import MsaDecodeMetadata
+
+
+def test_worked_example():
+    tables = torch.tensor([[5, 2, -1], [7, 1, 3]], dtype=torch.int32)
+    meta = build_step_meta([4, 1], [18, 33], tables, 16, pad_tokens=1)
+    assert meta.positions.tolist() == [14, 15, 16, 17, 32, 0]
+    assert meta.valid_blocks.tolist() == [1, 1, 2, 2, 3, 0]
+    assert meta.cache_slots.tolist() == [5 * 16 + 14, 5 * 16 + 15, 2 * 16, 2 * 16 + 1, 3 * 16, -1]
+    assert meta.cu_qo_lens.tolist() == [0, 4, 5] and meta.qo_offsets.tolist() == [14, 32]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(reqs=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 100)), min_size=1, max_size=6),
+       block=st.sampled_from([1, 4, 16]), seed=st.integers(0, 99))
+def test_property_matches_design_formula_and_msa_metadata(reqs, block, seed):
+    qo = [q for q, _ in reqs]
+    kv = [q + e for q, e in reqs]
+    tables = shuffled_block_tables(kv, block, sum(-(-k // block) for k in kv), torch.Generator().manual_seed(seed))
+    meta = build_step_meta(qo, kv, tables, block)
+    expect = [math.ceil(min(k - q + t + 1, k) / block) for q, k in zip(qo, kv) for t in range(q)]
+    assert meta.valid_blocks.tolist() == expect
+    msa = MsaDecodeMetadata(len(qo), sum(qo), tables.shape[1], block, "cpu")
+    msa.prepare(qo, kv, tables)
+    for field in ("positions", "valid_blocks", "token_kv_lens", "cache_slots", "token_request", "cu_qo_lens"):
+        assert getattr(meta, field).tolist() == getattr(msa, field).tolist(), field

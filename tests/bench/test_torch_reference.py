@@ -1,0 +1,64 @@
+"""The bench's naive torch references vs brute-force per-token loops and the package references."""
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.bench import torch_reference as ref
+from m3_eagle_plugin.bench.inputs import Geometry, make_step
+from m3_eagle_plugin.msa import MsaDecodeMetadata, dense_attention, select_blocks_paged, sparse_attention
+
+GEO = Geometry(q_heads=4, kv_heads=2, head_dim=8, index_heads=2, index_dim=8, block=4, topk=3)
+
+
+def _step(batch, context, qo, seed):
+    return make_step(batch, context, qo, GEO, kv_dtype=torch.float32, index_dtype=torch.float32,
+                     q_dtype=torch.float32, device="cpu", seed=seed)
+
+
+def _brute_attention(q, k, v, meta, selection, scale):
+    """One (token, head) at a time, keys listed one by one."""
+    out = torch.zeros_like(q, dtype=torch.float64)
+    cu = meta.cu_qo_lens.tolist()
+    group = q.shape[1] // k.shape[1]
+    for r in range(len(cu) - 1):
+        for t in range(cu[r], cu[r + 1]):
+            p = int(meta.positions[t])
+            for h in range(q.shape[1]):
+                g = h // group
+                keys = [j for j in range(p + 1)
+                        if selection is None or j // GEO.block in selection[g, t].tolist()]
+                pages = [int(meta.block_tables[r, j // GEO.block]) for j in keys]
+                kk = torch.stack([k[pg, g, j % GEO.block].double() for pg, j in zip(pages, keys)])
+                vv = torch.stack([v[pg, g, j % GEO.block].double() for pg, j in zip(pages, keys)])
+                w = torch.softmax(kk @ q[t, h].double() * scale, 0)
+                out[t, h] = w @ vv
+    return out
+
+
+def test_attention_references_match_brute_force():
+    step = _step(2, 23, 3, 1)
+    meta, cache, q = step["meta"], step["cache"], step["q"]
+    sel = ref.select_blocks(step["index_q"], cache.index_k, meta, topk=GEO.topk)
+    torch.testing.assert_close(ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.3).double(),
+                               _brute_attention(q, cache.k, cache.v, meta, sel, 0.3), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref.dense_attention(q, cache.k, cache.v, meta, scale=0.3).double(),
+                               _brute_attention(q, cache.k, cache.v, meta, None, 0.3), rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(batch=st.integers(1, 3), context=st.integers(4, 40), qo=st.integers(1, 4), seed=st.integers(0, 999))
+def test_property_agrees_with_package_references(batch, context, qo, seed):
+    step = _step(batch, context, qo, seed)
+    sm, cache, q = step["meta"], step["cache"], step["q"]
+    meta = MsaDecodeMetadata(batch, batch * qo, sm.block_tables.shape[1], GEO.block, "cpu", max_draft_len=qo)
+    meta.prepare(sm.qo_lens.tolist(), sm.kv_lens.tolist(), sm.block_tables)
+    sel = ref.select_blocks(step["index_q"], cache.index_k, sm, topk=GEO.topk)
+    assert torch.equal(sel, select_blocks_paged(step["index_q"], cache.index_k, meta, topk=GEO.topk))
+    scale = 1 / math.sqrt(GEO.head_dim)
+    torch.testing.assert_close(ref.sparse_attention(q, cache.k, cache.v, sm, sel, scale=scale),
+                               sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.dense_attention(q, cache.k, cache.v, sm, scale=scale),
+                               dense_attention(q, cache.k, cache.v, meta, scale=scale), rtol=1e-5, atol=1e-5)
