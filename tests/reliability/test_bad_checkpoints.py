@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from ._counts import bump
 
 CLEAR_ERRORS = (ValueError, TypeError)

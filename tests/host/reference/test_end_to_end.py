@@ -55,12 +55,17 @@ def test_eagle3_greedy_equals_target_only(tiny_pair, prompts, target_only, draft
     assert result.stats.draft_tokens == draft_len * result.stats.verify_steps > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graphs_equal_eager_on_gpu(tiny_pair, prompts, target_only):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda_graphs,overlap", [(False, False), (True, False), (True, True)])
+def test_gpu_eager_and_cuda_graphs_equal_target_only(tiny_pair, prompts, target_only, cuda_graphs, overlap):
     target_dir, draft_dir = tiny_pair
-    cfg = EngineConfig(draft_len=3, max_batch_size=2, max_tokens_per_step=16, cuda_graphs=True)
+    cfg = EngineConfig(draft_len=3, max_batch_size=2, max_tokens_per_step=16, cuda_graphs=cuda_graphs,
+                       overlap=overlap)
     engine = build_engine(target_dir, draft_dir, cfg, num_blocks=blocks_for_prompts(prompts, NEW, 3, 4),
                           device="cuda")
-    with torch.no_grad():
-        result = engine.generate(prompts, NEW)
+    result = engine.generate(prompts, NEW)
     assert result.outputs == target_only
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    if cuda_graphs:
+        assert all(b.graph is not None for b in engine.runner.graphs.buckets.values())
+        assert engine.runner.graphs.buckets

@@ -63,10 +63,8 @@ def test_overlap_runs_ahead_and_matches_plain():
 
 
 def test_eos_stops_a_request_and_is_kept():
-    engine, target, cache = build(draft_len=2)
-    ref = target.greedy(PROMPTS[1], 8)
+    ref = _fakes.FakeTarget().greedy(PROMPTS[1], 8)
     eos = ref[3]
-    engine.config = engine.config  # config is frozen; rebuild with eos below
     engine, target, cache = build(draft_len=2, eos_ids=(eos,))
     result = engine.generate([PROMPTS[1]], max_new_tokens=8)
     assert result.outputs[0] == ref[: ref.index(eos) + 1]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from m3_eagle_plugin.bench.inputs import Geometry, make_cache, shuffled_block_tables, verify_queries
+from m3_eagle_plugin.bench.inputs import Geometry, make_cache, shuffled_block_tables
 from m3_eagle_plugin.bench.step_meta import build_step_meta
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a CUDA device")

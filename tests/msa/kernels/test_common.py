@@ -1,9 +1,12 @@
 """Launch-geometry helpers: properties the kernels rely on."""
 from __future__ import annotations
 
+import types
+
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from m3_eagle_plugin.msa.kernels._common import is_pow2, next_pow2, tokens_per_tile
+from m3_eagle_plugin.msa.kernels._common import KernelInputError, is_pow2, next_pow2, qo_len_hint, tokens_per_tile
 
 
 def test_reference_values():
@@ -23,3 +26,12 @@ def test_tile_is_pow2_fills_mma_and_covers_verify_rows(tokens, requests, rows, h
     assert qp * rows >= 16
     if hint is not None and hint <= 16:
         assert qp >= hint
+
+
+def test_qo_len_hint_prefers_caller_then_metadata():
+    assert qo_len_hint(types.SimpleNamespace(max_qo_len=4), None) == 4
+    assert qo_len_hint(types.SimpleNamespace(max_qo_len=4), 7) == 7
+    assert qo_len_hint(types.SimpleNamespace(max_qo_len=0), None) is None
+    assert qo_len_hint(object(), None) is None
+    with pytest.raises(KernelInputError, match="max_qo_len"):
+        qo_len_hint(object(), 0)

@@ -17,7 +17,6 @@ import torch
 
 from m3_eagle_plugin.eagle3.accept import AcceptResult, forced_accept, greedy_accept, rejection_accept
 from m3_eagle_plugin.eagle3.draft_loop import run_draft_loop
-from m3_eagle_plugin.host.reference.request import Request
 from m3_eagle_plugin.host.reference.sampler import SamplingParams, choose_tokens, filtered_probs
 from m3_eagle_plugin.host.reference.scheduler import RowKind, ScheduledRow
 

@@ -54,6 +54,16 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def qo_len_hint(meta: Any, max_qo_len: int | None) -> int | None:
+    """The caller's bound on query tokens per request, else the metadata's host value
+    (`MsaDecodeMetadata.max_qo_len`, set by `prepare`), else None (kernels use a worst case)."""
+    if max_qo_len is not None:
+        require(int(max_qo_len) >= 1, f"max_qo_len must be >= 1, got {max_qo_len}")
+        return int(max_qo_len)
+    host = getattr(meta, "max_qo_len", None)
+    return int(host) if isinstance(host, int) and host > 0 else None
+
+
 def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import require, scale_value, tokens_per_tile
+from ._common import qo_len_hint, require, scale_value, tokens_per_tile
 from .merge import merge_splits
 from .sparse_attention import LOG2E, check_attention_inputs, choose_splits
 
@@ -105,6 +105,7 @@ def dense_verify_attention(
 ) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`: every token attends to its request's keys up to its own position."""
     check_attention_inputs(q, k_cache, v_cache, meta)
+    max_qo_len = qo_len_hint(meta, max_qo_len)
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
     group = num_heads // hkv

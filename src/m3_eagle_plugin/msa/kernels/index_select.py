@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .block_union import BlockUnion, allocate_union, chunk_count
 from ._common import (
+    qo_len_hint,
     FP8_DTYPES,
     check_cache_view,
     check_meta,
@@ -25,8 +26,6 @@ from ._common import (
     require,
     tokens_per_tile,
 )
-
-NEG_INF = float("-inf")
 
 
 @triton.jit
@@ -144,6 +143,7 @@ def index_block_scores(
     """
     check_meta(meta)
     check_cache_view("index_k_cache", index_k_cache, 3)
+    max_qo_len = qo_len_hint(meta, max_qo_len)
     require(index_q.dim() == 3, f"index_q must be [T, Hi, Di], got {tuple(index_q.shape)}")
     require(index_q.stride(-1) == 1, "index_q must be contiguous in its last dim")
     num_tokens, num_heads, dim = index_q.shape
@@ -199,6 +199,7 @@ def topk_from_block_scores(
     require(hasattr(meta, "valid_blocks"), "metadata object lacks field 'valid_blocks'")
     num_heads, num_tokens, width = block_scores.shape
     num_requests = meta.kv_lens.shape[0]
+    max_qo_len = qo_len_hint(meta, max_qo_len)
     out = torch.empty((num_heads, num_tokens, topk), device=block_scores.device, dtype=torch.int32)
     qp = tokens_per_tile(num_tokens, num_requests, union_group or 16, max_qo_len)
     nch = chunk_count(num_tokens, num_requests, qp, max_qo_len)

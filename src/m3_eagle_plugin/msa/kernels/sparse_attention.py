@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    qo_len_hint,
     FP8_DTYPES,
     check_cache_view,
     check_meta,
@@ -196,6 +197,7 @@ def sparse_verify_attention(
     without it a small kernel derives it.
     """
     check_attention_inputs(q, k_cache, v_cache, meta)
+    max_qo_len = qo_len_hint(meta, max_qo_len)
     require(selection.dim() == 3 and selection.dtype == torch.int32 and selection.stride(-1) == 1,
             f"selection must be int32 [Hkv, T, topk] with unit last stride, got {selection.dtype} {tuple(selection.shape)}")
     num_tokens, num_heads, dim = q.shape
