@@ -65,16 +65,20 @@ class KVWorld:
         self.home[rid] = where
         self.shadow[rid] = Shadow()
 
-    def step(self, where: int, work: list[tuple[int, int]]) -> bool:
+    def step(self, where: int, work: list[tuple[int, int]], overshoot: dict[int, int] | None = None) -> bool:
         """One forward step in cache `where`: each (rid, qo) writes qo new tokens after its prefix.
 
-        False (and nothing changed) when the cache has no blocks for the step."""
+        `overshoot[rid]` > 0 stages an optimistic kv length (as the overlap scheduler does) that
+        `on_update_kv_lens` then corrects on the device; the request keeps the extra reserved
+        pages until the caller rewinds it. False (and nothing changed) when blocks run out."""
         cache = self.caches[where]
+        overshoot = overshoot or {}
         rids = [rid for rid, _ in work]
         qo = [q for _, q in work]
         kv = [self.shadow[rid].length + q for rid, q in work]
+        staged = [n + overshoot.get(rid, 0) for rid, n in zip(rids, kv)]
         held = [cache.num_tokens(rid) for rid in rids]
-        for i, (rid, n) in enumerate(zip(rids, kv)):
+        for i, (rid, n) in enumerate(zip(rids, staged)):
             try:
                 cache.reserve(rid, n)
             except self.kv.OutOfBlocksError:
@@ -85,9 +89,12 @@ class KVWorld:
         table = cache.block_table(rids)
         slots = token_fields(qo, kv, table, self.block_size)["cache_slots"]
         if self.metadata is not None:
-            self.metadata.prepare(qo, kv, table)
-            got = [int(s) for s in torch.as_tensor(self.metadata.cache_slots).flatten().tolist()]
-            assert got == slots.tolist(), "metadata cache_slots differ from the page table's"
+            self.metadata.prepare(qo, staged, table)
+            if staged != kv:
+                self.metadata.on_update_kv_lens(torch.tensor(kv, dtype=torch.int32))
+            got = torch.as_tensor(self.metadata.cache_slots).to(torch.int64)
+            assert got.tolist() == slots.tolist(), "metadata cache_slots differ from the page table's"
+            slots = got  # write where the metadata says: the shadow check then catches any misplacement
         total = sum(qo)
         rows = [rid for rid, q in work for _ in range(q)]
         write_kv = getattr(self.msa, "write_kv", None) or self.msa.cache_write.write_kv

@@ -1,4 +1,5 @@
-"""KV isolation under fuzzed request schedules: joins, verify steps, rejections, finishes, transfers.
+"""KV isolation under fuzzed request schedules: joins, verify steps (some staged with optimistic
+lengths and corrected on the device, as under the overlap scheduler), rejections, finishes, transfers.
 
 Hypothesis draws bounded, seeded schedules (derandomized, so CI is repeatable). After every
 operation each live request's K, V, index-K and draft-layer KV must equal its single-request
@@ -74,7 +75,7 @@ def test_fuzzed_schedules_keep_every_request_isolated(data, geometry):
                     seed=data.draw(st.integers(0, 2 ** 16), label="seed"), **GEOMETRIES[geometry])
     next_rid = 0
     bump("fuzz.examples")
-    for _ in range(data.draw(st.integers(4, 24), label="operations")):
+    for _ in range(data.draw(st.integers(6, 36), label="operations")):
         live = sorted(world.home)
         op = data.draw(st.sampled_from(["join", "verify", "verify", "finish", "migrate", "fault"]), label="op")
         if op == "join" or not live:
@@ -91,7 +92,9 @@ def test_fuzzed_schedules_keep_every_request_isolated(data, geometry):
             batch = data.draw(st.lists(st.sampled_from(rows), min_size=1, max_size=4, unique=True), label="batch")
             drafts = {rid: data.draw(st.integers(0, 3), label="draft_len") for rid in batch}
             before = {rid: world.shadow[rid].length for rid in batch}
-            if world.step(where, [(rid, 1 + drafts[rid]) for rid in batch]):
+            overshoot = {rid: data.draw(st.integers(0, 3), label="optimistic overshoot") for rid in batch}
+            bump("fuzz.corrected_rows", sum(1 for x in overshoot.values() if x))
+            if world.step(where, [(rid, 1 + drafts[rid]) for rid in batch], overshoot):
                 for rid in batch:
                     accepted = data.draw(st.integers(0, drafts[rid]), label="accepted")
                     world.rewind(rid, before[rid] + 1 + accepted)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from m3_eagle_plugin import msa
+from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.models.norms import LlamaRMSNorm
 from m3_eagle_plugin.models.rope import RotaryEmbedding, apply_rope
 
@@ -74,7 +75,7 @@ class Eagle3Attention(nn.Module):
         layer = cache.draft_layer_ids[0]
         k_cache, v_cache = cache.k(layer), cache.v(layer)
         msa.write_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype))
-        out = msa.dense_attention(q, k_cache, v_cache, meta, scale=self.scale)
+        out = kernels.dense_attention(q, k_cache, v_cache, meta, scale=self.scale)
         return self.o_proj(out.reshape(t, -1).to(x.dtype))
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from m3_eagle_plugin import msa
+from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.models.config import M3Config
 from m3_eagle_plugin.models.norms import GemmaRMSNorm
 from m3_eagle_plugin.models.rope import apply_rope
@@ -66,12 +67,12 @@ class M3Attention(nn.Module):
         k_cache, v_cache = cache.k(self.layer_id), cache.v(self.layer_id)
         msa.write_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype))
         if self.indexer is None:
-            out = msa.dense_attention(q, k_cache, v_cache, meta, scale=self.scale)
+            out = kernels.dense_attention(q, k_cache, v_cache, meta, scale=self.scale)
         else:
             index_q, index_k = self.indexer(x, cos, sin)
             index_k_cache = cache.index_k(self.layer_id)
             msa.write_index_k(index_k_cache, meta.cache_slots, index_k.to(index_k_cache.dtype))
-            selection = msa.select_blocks_paged(index_q, index_k_cache, meta, topk=self.topk_blocks,
+            selection = kernels.select_blocks_paged(index_q, index_k_cache, meta, topk=self.topk_blocks,
                                                 local_blocks=self.local_blocks, init_blocks=self.init_blocks)
-            out = msa.sparse_attention(q, k_cache, v_cache, meta, selection, scale=self.scale)
+            out = kernels.sparse_attention(q, k_cache, v_cache, meta, selection, scale=self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim).to(x.dtype))

@@ -342,5 +342,22 @@ class MsaDecodeMetadata:
                 raise MsaInputError(f"kv_lens must be [num_requests={self.num_requests}], got {tuple(kv_lens.shape)}")
             if kv_lens.dtype.is_floating_point or kv_lens.dtype == torch.bool:
                 raise TypeError(f"kv_lens must be an integer tensor, got {kv_lens.dtype}")
+        fused = self._fused_kv_lens_update()
+        if fused is not None:
+            fused(self, kv_lens)
+            return
+        if kv_lens is not None:
             self._kv_lens[: self.num_requests].copy_(kv_lens)
         self._derive_token_fields()
+
+    def _fused_kv_lens_update(self):
+        """The one-launch Triton twin of `_derive_token_fields` on capable CUDA devices, else None."""
+        if self.device.type != "cuda":
+            return None
+        from m3_eagle_plugin.msa import kernels
+
+        if not kernels.use_triton(self.device):
+            return None
+        from m3_eagle_plugin.msa.kernels.kv_lens_update import on_update_kv_lens_fused
+
+        return on_update_kv_lens_fused

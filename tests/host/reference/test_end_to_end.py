@@ -69,3 +69,33 @@ def test_gpu_eager_and_cuda_graphs_equal_target_only(tiny_pair, prompts, target_
     if cuda_graphs:
         assert all(b.graph is not None for b in engine.runner.graphs.buckets.values())
         assert engine.runner.graphs.buckets
+
+
+def proposals_per_request(pair, prompts, **config):
+    """Every draft proposal the engine makes, per request, in order (spying on launched steps)."""
+    target_dir, draft_dir = pair
+    engine = build_engine(target_dir, draft_dir, EngineConfig(draft_len=3, **config),
+                          num_blocks=blocks_for_prompts(prompts, NEW, 3, 4))
+    seen = {i: [] for i in range(len(prompts))}
+    launch = engine._launch
+
+    def spy(rows, step_id):
+        out = launch(rows, step_id)
+        for j, row_index in enumerate(out.drafting_rows):
+            seen[out.rows[row_index].request.index].append(out.next_inputs[j, 1:].tolist())
+        return out
+
+    engine._launch = spy
+    outputs = engine.generate(prompts, NEW).outputs
+    return outputs, seen
+
+
+def test_head_drafts_do_not_depend_on_chunking_batching_or_overlap(tiny_pair, prompts, target_only):
+    """Drafts depend only on each request's committed tokens: one request at a time with whole
+    prompts must propose exactly what chunked, batched, overlapped decoding proposes."""
+    alone = [proposals_per_request(tiny_pair, [p], max_batch_size=1, max_tokens_per_step=64) for p in prompts]
+    outputs, mixed = proposals_per_request(tiny_pair, prompts, max_batch_size=3, max_tokens_per_step=9, overlap=True)
+    assert outputs == target_only
+    for i, (out, seen) in enumerate(alone):
+        assert out == [target_only[i]]
+        assert mixed[i] == seen[0] and len(seen[0]) >= 2

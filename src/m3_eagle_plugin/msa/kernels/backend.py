@@ -75,6 +75,15 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, Any]:
     return report
 
 
+#: Smallest head dim and block size the kernels tile (tl.dot needs 16-wide operands).
+MIN_KERNEL_DIM = 16
+
+
+def _kernel_shape_ok(head_dim: int, block_size: int) -> bool:
+    """Tiny test models (head dim 16, block 4) stay on the torch references."""
+    return all(n >= MIN_KERNEL_DIM and n & (n - 1) == 0 for n in (int(head_dim), int(block_size)))
+
+
 def _reference(name: str) -> Callable[..., Any]:
     msa = importlib.import_module("m3_eagle_plugin.msa")
     fn = getattr(msa, name, None)
@@ -86,7 +95,7 @@ def _reference(name: str) -> Callable[..., Any]:
 def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, init_blocks=0,
                         max_qo_len: int | None = None):
     """Dispatching twin of `msa.select_blocks_paged`."""
-    if use_triton(index_q.device):
+    if use_triton(index_q.device) and _kernel_shape_ok(index_q.shape[-1], meta.block_size):
         from .index_select import select_blocks_verify
 
         return select_blocks_verify(index_q, index_k_cache, meta, topk=topk, local_blocks=local_blocks,
@@ -98,7 +107,7 @@ def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, i
 def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=None, v_scale=None,
                      max_qo_len: int | None = None):
     """Dispatching twin of `msa.sparse_attention` (fp8 scales handled by the kernel only)."""
-    if use_triton(q.device):
+    if use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size):
         from .sparse_attention import sparse_verify_attention
 
         return sparse_verify_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale,
@@ -111,7 +120,7 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
 def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=None,
                     max_qo_len: int | None = None):
     """Dispatching twin of `msa.dense_attention`."""
-    if use_triton(q.device):
+    if use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size):
         from .dense_attention import dense_verify_attention
 
         return dense_verify_attention(q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale,
