@@ -25,6 +25,7 @@ class PoisonedPool:
     v: torch.Tensor = field(init=False)
     index_k: torch.Tensor = field(init=False)
     owned: torch.Tensor = field(init=False)
+    sentinel: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         nan = float("nan")
@@ -33,6 +34,8 @@ class PoisonedPool:
         self.v = torch.full(shape, nan)
         self.index_k = torch.full((self.num_pages, self.block_size, self.index_dim), nan)
         self.owned = torch.zeros(self.num_pages, self.block_size, dtype=torch.bool)
+        self.sentinel = torch.zeros(self.num_pages, self.block_size, dtype=torch.bool)
+        self.sentinel_value = 0.0
         self._gen = torch.Generator().manual_seed(self.seed)
 
     def _rand(self, *shape: int) -> torch.Tensor:
@@ -53,9 +56,25 @@ class PoisonedPool:
             page = block_row[pos // self.block_size]
             self.own(page, range(pos % self.block_size, pos % self.block_size + 1), fill=pos < prefix_len)
 
+    def mark_tails(self, value: float) -> None:
+        """Not-yet-written slots of partly owned pages (a request's last-page tail, and its own
+        slots still to be written) hold the finite `value` instead of NaN: a kernel that loads
+        them but masks them exactly then passes, one that lets them into the result does not.
+        (NaN tails are checked separately.)"""
+        partly = self.owned.any(dim=1, keepdim=True).expand_as(self.owned)
+        fill = partly & torch.isnan(self.k.permute(0, 2, 1, 3)).all(-1).all(-1)
+        self.k.permute(0, 2, 1, 3)[fill] = value
+        self.v.permute(0, 2, 1, 3)[fill] = value
+        self.index_k[fill] = value
+        self.sentinel, self.sentinel_value = fill & ~self.owned, float(value)
+
     def assert_unowned_untouched(self) -> None:
-        """Every unowned slot of K, V and index-K still holds NaN (nothing wrote out of bounds)."""
-        unowned = ~self.owned
+        """Every unowned slot of K, V and index-K still holds NaN, or its tail sentinel (nothing
+        wrote out of bounds)."""
+        for name, t in (("k", self.k.permute(0, 2, 1, 3)), ("v", self.v.permute(0, 2, 1, 3)), ("index_k", self.index_k)):
+            if not (t[self.sentinel] == self.sentinel_value).all():
+                raise AssertionError(f"write into an unowned {name} tail slot")
+        unowned = ~self.owned & ~self.sentinel
         k_bad = ~torch.isnan(self.k.permute(0, 2, 1, 3)[unowned]).all()
         v_bad = ~torch.isnan(self.v.permute(0, 2, 1, 3)[unowned]).all()
         i_bad = ~torch.isnan(self.index_k[unowned]).all()

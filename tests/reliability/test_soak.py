@@ -227,3 +227,21 @@ def test_a_failing_step_loses_no_blocks_and_the_engine_recovers(where, fail_at, 
     assert result.outputs == [model.reference(p, 8, EOS) for p in prompts]
     assert cache.num_free_blocks == cache.num_blocks
     bump("soak.requests", len(prompts))
+
+
+def test_tiny_m3_never_reads_a_slot_it_does_not_own(tiny_dirs, one_thread):
+    """Every cache slot starts as NaN: a read of any slot a request has not written (the tail of its
+    last page, a freed page, another request's page) would turn its logits into NaN."""
+    make = _engine_factory(tiny_dirs, "cpu", num_blocks=48, batch=4)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 6, 13, 17, 3, 9)]
+    for speculative in (False, True):
+        clean = make(speculative=speculative).generate(prompts, max_new_tokens=6)
+        engine = make(speculative=speculative)
+        for pool in range(len(engine.cache.geometry.pools)):
+            engine.cache.storage(pool).fill_(float("nan"))
+        poisoned = engine.generate(prompts, max_new_tokens=6)
+        assert poisoned.errors == clean.errors
+        assert poisoned.outputs == clean.outputs, f"speculative={speculative}: a poisoned slot leaked into outputs"
+        assert poisoned.stats.accepted_tokens == clean.stats.accepted_tokens
+        bump("soak.requests", 2 * len(prompts))

@@ -48,3 +48,21 @@ def test_all_requests_failing_exits_1(tiny_pair, capsys):
     rc, out, _ = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", "1,x", "--json")
     assert rc == 1
     assert "comma-separated integers" in json.loads(out)["errors"][0]
+
+
+def test_progress_bar_draws_only_on_a_terminal():
+    import io
+
+    from m3_eagle_plugin.host.reference.cli import ProgressBar
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        bar = ProgressBar(stream, width=4)
+        bar(1, 2)
+        bar.close()
+    assert tty.getvalue() == "\r[##..] 1/2 requests\n"
+    assert pipe.getvalue() == ""

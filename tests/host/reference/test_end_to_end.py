@@ -99,3 +99,41 @@ def test_head_drafts_do_not_depend_on_chunking_batching_or_overlap(tiny_pair, pr
     for i, (out, seen) in enumerate(alone):
         assert out == [target_only[i]]
         assert mixed[i] == seen[0] and len(seen[0]) >= 2
+
+
+def test_first_drafts_follow_eagle3_semantics_with_transformers_features(tiny_pair, prompts, target_only):
+    """Independent reference for the first proposal: transformers' hidden states at the head's aux
+    layers for positions 0..P-1, ids shifted by one (prompt[1:] + first token), one unchunked head
+    pass on a fresh cache, then single-token steps fed with the head's own hidden."""
+    from transformers import MiniMaxM3SparseForConditionalGeneration
+
+    from m3_eagle_plugin.msa import MsaDecodeMetadata
+
+    _, mixed = proposals_per_request(tiny_pair, prompts, max_batch_size=3, max_tokens_per_step=9)
+    engine = build_engine(*tiny_pair, EngineConfig(draft_len=3), num_blocks=32)
+    head, cache = engine.head, engine.cache
+    hf = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
+        tiny_pair[0], dtype=torch.float32, attn_implementation="eager").eval()
+    for index, prompt in enumerate(prompts):
+        with torch.no_grad():
+            states = hf(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        features = torch.cat([states[i][0] for i in head.aux_layer_ids], dim=-1)
+        ids = torch.tensor(prompt[1:] + [target_only[index][0]])
+        rid = f"reference-{index}"
+        cache.add_request(rid)
+        cache.reserve(rid, len(prompt) + 3)
+        meta = MsaDecodeMetadata(1, 64, 32, cache.block_size, "cpu")
+        drafts = []
+        with torch.no_grad():
+            meta.prepare([len(prompt)], [len(prompt)], cache.block_table([rid]))
+            logits, hidden = head(ids, features, meta, cache)
+            token, hidden = logits[-1:].argmax(-1), hidden[-1:]
+            for step in range(3):
+                drafts.append(int(token))
+                if step == 2:
+                    break
+                meta.prepare([1], [len(prompt) + step + 1], cache.block_table([rid]))
+                logits, hidden = head(token, hidden, meta, cache)
+                token = logits.argmax(-1)
+        cache.free(rid)
+        assert mixed[index][0] == drafts

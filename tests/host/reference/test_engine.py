@@ -106,3 +106,12 @@ def test_force_accepted_takes_drafts_regardless():
 def test_cuda_graphs_refused_on_cpu():
     with pytest.raises(ValueError, match="CUDA"):
         build(cuda_graphs=True)
+
+
+def test_statistics_are_per_generate_call():
+    engine, target, cache = build(draft_len=2)
+    first = engine.generate(PROMPTS[:1], max_new_tokens=5).stats.as_dict()
+    second = engine.generate(PROMPTS[:1], max_new_tokens=5).stats.as_dict()
+    for key in ("draft_tokens", "accepted_tokens", "verify_steps", "generated_tokens"):
+        assert first[key] == second[key]
+    assert second["generated_tokens"] == 5

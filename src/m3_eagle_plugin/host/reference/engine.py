@@ -163,6 +163,7 @@ class Engine:
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
+        self.stats = SpecStats(draft_len=self.k)  # per call
         requests = [self._make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         started = time.perf_counter()
         inflight: StepOutput | None = None
@@ -187,8 +188,8 @@ class Engine:
                     self._finish(request)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.stats.elapsed_s += time.perf_counter() - started
-        self.stats.engine_steps += step_id
+        self.stats.elapsed_s = time.perf_counter() - started
+        self.stats.engine_steps = step_id
         return GenerationResult(
             outputs=[list(r.output) if r.state is RequestState.FINISHED else [] for r in requests],
             errors=[r.error for r in requests],

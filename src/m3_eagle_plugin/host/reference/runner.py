@@ -158,7 +158,7 @@ class StepRunner:
         logits = self.target.compute_logits(hidden.index_select(0, torch.cat([final_index, verify_index])))
         final_logits, verify_logits = logits[: len(final_rows)], logits[len(final_rows):]
         first_tokens, _ = choose_tokens(final_logits, cfg.sampling, self._generators(rows, final_rows))
-        draft_lens = [rows[i].request.pending_draft_len if rows[i].kind is RowKind.VERIFY else 0 for i in range(len(rows))]
+        draft_lens = [row.request.pending_draft_len if row.kind is RowKind.VERIFY else 0 for row in rows]
         accept = self._accept(rows, verify_rows, verify_logits, draft_lens)
 
         num_rows = len(rows)
@@ -177,7 +177,7 @@ class StepRunner:
 
         last_emitted = torch.cat([first_tokens, accept.tokens.gather(1, accept.num_accepted.unsqueeze(1)).squeeze(1)])
         drafts, draft_probs = self._draft(
-            rows, offsets, staged_dev, shrink, final_rows, verify_rows, first_tokens, accept, input_ids, use_head
+            rows, offsets, staged_dev, shrink, final_rows, verify_rows, first_tokens, accept, use_head
         )
         next_inputs = torch.cat([last_emitted.unsqueeze(1), drafts], dim=1)
         return StepOutput(
@@ -241,7 +241,7 @@ class StepRunner:
         return rejection_accept(drafts, draft_probs, target_probs, self._generators(rows, verify_rows), lens)
 
     def _draft(
-        self, rows, offsets, staged_dev, shrink, final_rows, verify_rows, first_tokens, accept, input_ids, use_head
+        self, rows, offsets, staged_dev, shrink, final_rows, verify_rows, first_tokens, accept, use_head
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The Eagle3 draft loop over this step's tokens; zeros (no drafts) without a head."""
         cfg, k, device = self.config, self.config.draft_len, self.config.device

@@ -1,0 +1,20 @@
+"""Multi-GPU pieces: tensor-parallel sharding of the MiniMax-M3 target and its cache geometry,
+and moving a request's KV between ranks for disaggregated serving.
+
+`sharding` is pure arithmetic; `tp_model` cuts a loaded target into a rank's shard with an
+all-reduce after attention and after the MLP / MoE; `transfer` sends a `kv.transfer` payload
+over torch.distributed; `disagg` hands a prefilled request from one reference-host engine to
+another. Everything is device-agnostic: gloo on CPU processes, NCCL on GPUs.
+"""
+from m3_eagle_plugin.parallel.sharding import (
+    RankShape,
+    ShardingError,
+    index_k_coalesced,
+    rank_config,
+    rank_pool_geometry,
+    shard_heads,
+    shard_width,
+)
+
+__all__ = ["RankShape", "ShardingError", "index_k_coalesced", "rank_config", "rank_pool_geometry",
+           "shard_heads", "shard_width"]

@@ -1,0 +1,21 @@
+"""Fixtures of the multi-rank tests: one tiny checkpoint pair per session, one torch thread."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """`m3-eagle make-tiny` output: (target dir, draft dir); 2 KV heads and 2 index heads, so TP2 splits."""
+    from m3_eagle_plugin.models.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("parallel_tiny"), seed=3)

@@ -1,0 +1,100 @@
+"""Per-rank geometry vs hand-computed MiniMax-M3 production values (64 q / 4 KV / 4 index heads,
+head and index dim 128, block 128, 60 layers of which 57 sparse)."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.models.config import M3Config
+from m3_eagle_plugin.parallel import (
+    ShardingError,
+    index_k_coalesced,
+    rank_config,
+    rank_pool_geometry,
+    shard_heads,
+)
+
+
+def production_config() -> M3Config:
+    pattern = (False,) * 3 + (True,) * 57
+    return M3Config(
+        vocab_size=200064, hidden_size=6144, num_layers=60, num_heads=64, num_kv_heads=4, head_dim=128,
+        rotary_dim=64, rope_theta=5e6, rms_norm_eps=1e-6, sparse_layers=pattern, moe_layers=pattern,
+        dense_intermediate_size=12288, moe_intermediate_size=3072, shared_intermediate_size=3072,
+        num_experts=128, num_experts_per_tok=4, routed_scaling_factor=2.0, swiglu_alpha=1.702,
+        swiglu_limit=7.0, index_heads=4, index_dim=128, block_size=128, topk_blocks=16, local_blocks=1,
+        init_blocks=0,
+    )
+
+
+@pytest.mark.parametrize("tp, q, kv, idx", [(1, 64, 4, 4), (2, 32, 2, 2), (4, 16, 1, 1)])
+def test_production_heads_per_rank(tp, q, kv, idx):
+    shape = shard_heads(64, 4, 4, tp)
+    assert (shape.q_heads, shape.kv_heads, shape.index_heads) == (q, kv, idx)
+    assert list(shape.q_head_range(tp - 1)) == list(range(64 - q, 64))
+    assert list(shape.kv_head_range(tp - 1)) == list(range(4 - kv, 4))
+
+
+def test_production_rank_config_at_tp4():
+    cfg = rank_config(production_config(), 4)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.index_heads) == (16, 1, 1)
+    assert (cfg.dense_intermediate_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size) == (3072, 768, 768)
+    assert (cfg.num_experts, cfg.hidden_size, cfg.head_dim, cfg.index_dim) == (128, 6144, 128, 128)
+
+
+def test_mega_slot_coalesces_per_rank_at_tp4():
+    # bf16: K page = 1 head x 128 tokens x 128 x 2 B = 32768 B = index-K page 128 x 128 x 2 B
+    geometry = rank_pool_geometry(production_config(), 4, num_draft_layers=1, draft_num_kv_heads=4)
+    assert [(p.page_bytes, p.sub_pages) for p in geometry.pools] == [(32768, 60 * 2 + 57 + 2)]
+    assert index_k_coalesced(geometry)
+    assert geometry.locate(2, "v").offset == 5
+    assert [geometry.locate(3, r).offset for r in ("k", "v", "index_k")] == [6, 7, 8]
+    assert geometry.locate(59, "index_k").offset == 6 + 3 * 56 + 2 == 176
+    assert geometry.locate(60, "k").offset == 177  # the shared draft layer, 1 of its 4 KV heads per rank
+
+
+@pytest.mark.parametrize("tp, kv_page", [(1, 131072), (2, 65536)])
+def test_no_mega_slot_when_k_pages_are_bigger(tp, kv_page):
+    geometry = rank_pool_geometry(production_config(), tp)
+    assert [(p.page_bytes, p.sub_pages) for p in geometry.pools] == [(kv_page, 120), (32768, 57)]
+    assert not index_k_coalesced(geometry)
+    assert geometry.locate(3, "index_k").pool_id == 1
+
+
+def test_indivisible_counts_name_the_cause():
+    with pytest.raises(ShardingError, match="num_key_value_heads = 4 does not split over 8"):
+        shard_heads(64, 4, 4, 8)
+    with pytest.raises(ShardingError, match="index heads"):
+        shard_heads(64, 4, 2, 2)
+    with pytest.raises(ShardingError, match="tp_size"):
+        shard_heads(64, 4, 4, 0)
+    with pytest.raises(TypeError):
+        shard_heads(64, 4, 4, 2.0)
+    with pytest.raises(ShardingError, match="moe_intermediate_size"):
+        rank_config(production_config().__class__(**{**production_config().__dict__, "moe_intermediate_size": 3070}), 4)
+    with pytest.raises(ShardingError, match="draft"):
+        rank_pool_geometry(production_config(), 4, num_draft_layers=1, draft_num_kv_heads=2)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(kv=st.integers(1, 8), group=st.integers(1, 8), tp=st.integers(1, 8),
+       head_dim=st.sampled_from([16, 32, 64, 128]), index_dim=st.sampled_from([16, 32, 64, 128]))
+def test_sharding_partitions_heads_and_coalesces_exactly_when_pages_match(kv, group, tp, head_dim, index_dim):
+    if kv % tp:
+        with pytest.raises(ShardingError):
+            shard_heads(kv * group, kv, kv, tp)
+        return
+    shape = shard_heads(kv * group, kv, kv, tp)
+    q_heads = [h for r in range(tp) for h in shape.q_head_range(r)]
+    kv_heads = [h for r in range(tp) for h in shape.kv_head_range(r)]
+    assert q_heads == list(range(kv * group)) and kv_heads == list(range(kv))
+    # a rank's query heads read only its own KV heads (GQA group = h // group)
+    for r in range(tp):
+        assert {h // group for h in shape.q_head_range(r)} == set(shape.kv_head_range(r))
+    assert list(shape.index_head_range(0)) == list(shape.kv_head_range(0))
+    base = production_config()
+    cfg = base.__class__(**{**base.__dict__, "num_layers": 4, "sparse_layers": (False, True, True, True),
+                            "moe_layers": (False,) * 4, "num_heads": kv * group, "num_kv_heads": kv,
+                            "index_heads": kv, "head_dim": head_dim, "rotary_dim": 16, "index_dim": index_dim,
+                            "block_size": 8})
+    geometry = rank_pool_geometry(cfg, tp)
+    assert index_k_coalesced(geometry) == (kv // tp * head_dim == index_dim)
+    assert len(geometry.pools) == (1 if kv // tp * head_dim == index_dim else 2)
