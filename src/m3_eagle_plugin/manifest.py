@@ -37,6 +37,10 @@ class ManifestError(ValueError):
     """The manifest is missing, malformed, or a field has the wrong type or value."""
 
 
+class _FieldProblem(ManifestError):
+    """A bad field, raised without the file name; `parse_manifest` re-raises it naming its source."""
+
+
 @dataclass(frozen=True)
 class PatchRecord:
     """One host patch as the manifest documents it; `extra` keeps fields this loader does not know."""
@@ -105,13 +109,13 @@ def _get(table: Mapping[str, Any], key: str, kind: type | tuple[type, ...], wher
     name = f"{where}.{key}" if where else key
     if key not in table:
         if default is ...:
-            raise ManifestError(f"{MANIFEST_FILENAME}: missing required field {name!r}")
+            raise _FieldProblem(f"missing required field {name!r}")
         return default
     value = table[key]
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ManifestError(
-            f"{MANIFEST_FILENAME}: field {name!r} must be {expected}, got {type(value).__name__} ({value!r})"
+        raise _FieldProblem(
+            f"field {name!r} must be {expected}, got {type(value).__name__} ({value!r})"
         )
     return value
 
@@ -120,7 +124,7 @@ def _str_list(table: Mapping[str, Any], key: str, where: str, *, default: Any = 
     values = _get(table, key, list, where, default=default)
     for item in values:
         if not isinstance(item, str):
-            raise ManifestError(f"{MANIFEST_FILENAME}: field '{where}.{key}' must be a list of strings, got {item!r}")
+            raise _FieldProblem(f"field '{where}.{key}' must be a list of strings, got {item!r}")
     return tuple(values)
 
 
@@ -128,7 +132,7 @@ def _specifier(text: str, name: str) -> SpecifierSet:
     try:
         return SpecifierSet(text)
     except InvalidSpecifier as exc:
-        raise ManifestError(f"{MANIFEST_FILENAME}: field {name!r} is not a valid PEP 440 specifier: {text!r}") from exc
+        raise _FieldProblem(f"field {name!r} is not a valid PEP 440 specifier: {text!r}") from exc
 
 
 def _parse_host(raw: Mapping[str, Any]) -> HostSpec:
@@ -138,7 +142,7 @@ def _parse_host(raw: Mapping[str, Any]) -> HostSpec:
         try:
             Version(version)
         except InvalidVersion as exc:
-            raise ManifestError(f"{MANIFEST_FILENAME}: 'host.tested' holds an invalid version {version!r}") from exc
+            raise _FieldProblem(f"'host.tested' holds an invalid version {version!r}") from exc
     defer_text = _get(table, "defer_from", str, "host", default=None)
     return HostSpec(
         package=_get(table, "package", str, "host"),
@@ -155,12 +159,12 @@ def _parse_activation(raw: Mapping[str, Any]) -> ActivationSpec:
     table = _get(raw, "activation", dict, "")
     policy = _get(table, "on_untested_host", str, "activation", default="warn")
     if policy not in UNTESTED_POLICIES:
-        raise ManifestError(
-            f"{MANIFEST_FILENAME}: field 'activation.on_untested_host' must be one of {UNTESTED_POLICIES}, got {policy!r}"
+        raise _FieldProblem(
+            f"field 'activation.on_untested_host' must be one of {UNTESTED_POLICIES}, got {policy!r}"
         )
     bootstrap = _get(table, "bootstrap", str, "activation")
     if ":" not in bootstrap:
-        raise ManifestError(f"{MANIFEST_FILENAME}: field 'activation.bootstrap' must be 'module:callable', got {bootstrap!r}")
+        raise _FieldProblem(f"field 'activation.bootstrap' must be 'module:callable', got {bootstrap!r}")
     return ActivationSpec(
         env=_get(table, "env", str, "activation"),
         force_env=_get(table, "force_env", str, "activation", default="M3_EAGLE_PLUGIN_FORCE"),
@@ -180,23 +184,23 @@ def _parse_patches(raw: Mapping[str, Any]) -> tuple[PatchRecord, ...]:
     for index, entry in enumerate(entries):
         where = f"patches[{index}]"
         if not isinstance(entry, dict):
-            raise ManifestError(f"{MANIFEST_FILENAME}: {where!r} must be a table, got {type(entry).__name__}")
+            raise _FieldProblem(f"{where!r} must be a table, got {type(entry).__name__}")
         values = {key: _get(entry, key, str, where) for key in _PATCH_FIELDS}
         if not values["id"]:
-            raise ManifestError(f"{MANIFEST_FILENAME}: field '{where}.id' must not be empty")
+            raise _FieldProblem(f"field '{where}.id' must not be empty")
         if values["id"] in seen:
-            raise ManifestError(f"{MANIFEST_FILENAME}: duplicate patch id {values['id']!r} at {where!r}")
+            raise _FieldProblem(f"duplicate patch id {values['id']!r} at {where!r}")
         seen.add(values["id"])
         module, sep, qualname = values["target"].partition(":")
         if not sep or not module or not qualname:
-            raise ManifestError(
-                f"{MANIFEST_FILENAME}: field '{where}.target' must be 'module:qualname', got {values['target']!r}"
+            raise _FieldProblem(
+                f"field '{where}.target' must be 'module:qualname', got {values['target']!r}"
             )
         try:
             Requirement(values["remove_when"])
         except InvalidRequirement as exc:
-            raise ManifestError(
-                f"{MANIFEST_FILENAME}: field '{where}.remove_when' must be a requirement such as "
+            raise _FieldProblem(
+                f"field '{where}.remove_when' must be a requirement such as "
                 f"'tensorrt_llm>=1.4.0rc1', got {values['remove_when']!r}"
             ) from exc
         extra = {key: value for key, value in entry.items() if key not in _PATCH_FIELDS}
@@ -205,15 +209,22 @@ def _parse_patches(raw: Mapping[str, Any]) -> tuple[PatchRecord, ...]:
 
 
 def parse_manifest(raw: Mapping[str, Any], source: str = "<memory>") -> Manifest:
-    """Validate a manifest already parsed from TOML; raises `ManifestError` naming the bad field."""
+    """Validate a manifest already parsed from TOML; raises `ManifestError` naming `source` and the bad field."""
+    try:
+        return _parse_fields(raw, source)
+    except _FieldProblem as exc:
+        raise ManifestError(f"{source}: {exc}") from exc.__cause__
+
+
+def _parse_fields(raw: Mapping[str, Any], source: str) -> Manifest:
     version = _get(raw, "manifest_version", str, "")
     if version not in SUPPORTED_MANIFEST_VERSIONS:
-        raise ManifestError(
-            f"{MANIFEST_FILENAME}: field 'manifest_version' is {version!r}; this loader reads {SUPPORTED_MANIFEST_VERSIONS}"
+        raise _FieldProblem(
+            f"field 'manifest_version' is {version!r}; this loader reads {SUPPORTED_MANIFEST_VERSIONS}"
         )
     name = _get(raw, "name", str, "")
     if name != DIST_NAME:
-        raise ManifestError(f"{MANIFEST_FILENAME}: field 'name' must equal the distribution name {DIST_NAME!r}, got {name!r}")
+        raise _FieldProblem(f"field 'name' must equal the distribution name {DIST_NAME!r}, got {name!r}")
     return Manifest(
         manifest_version=version,
         name=name,

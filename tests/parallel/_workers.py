@@ -66,17 +66,26 @@ def greedy_verify_loop(model, prompts=TP_PROMPTS, steps=VERIFY_STEPS, k=DRAFT_LE
     return {"tokens": tokens, "logits": all_logits, "sparse_active": max(kv) > cfg.block_size * cfg.topk_blocks}
 
 
-def engine_run(model, new_tokens: int = 10) -> tuple[list, dict]:
-    """The reference host with a host-side drafter (prompt lookup) on ``model``: outputs, stats."""
+def engine_run(model, references: dict[int, list[int]] | None, new_tokens: int = 10) -> tuple[list, dict]:
+    """The reference host on ``model``: outputs and stats. With ``references`` (prompt + output per
+    request) drafts replay them with seeded mistakes, so acceptance is neither 0 nor 1."""
     from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
-    from m3_eagle_plugin.host.reference.proposers import PromptLookupProposer
+    from m3_eagle_plugin.host.reference.proposers import ReplayProposer
 
     cfg = model.config
+    proposer = None
+    if references is not None:
+        proposer = ReplayProposer.with_error_rate(references, cfg.vocab_size, 0.3, seed=1)
     engine = Engine(model, _cache(cfg), EngineConfig(draft_len=DRAFT_LEN, max_batch_size=2, max_tokens_per_step=64),
-                    vocab_size=cfg.vocab_size, proposer=PromptLookupProposer(), num_index_heads=cfg.index_heads)
+                    vocab_size=cfg.vocab_size, proposer=proposer, num_index_heads=cfg.index_heads)
     result = engine.generate(TP_PROMPTS, new_tokens)
     stats = {key: value for key, value in result.stats.as_dict().items() if key not in ("elapsed_s", "tokens_per_s")}
     return result.outputs, stats
+
+
+def _replay_references(full) -> dict[int, list[int]]:
+    outputs, _ = engine_run(full, None)
+    return {i: prompt + out for i, (prompt, out) in enumerate(zip(TP_PROMPTS, outputs))}
 
 
 def tp_worker(rank: int, world_size: int, target_dir: str, out_dir: str) -> None:
@@ -84,19 +93,20 @@ def tp_worker(rank: int, world_size: int, target_dir: str, out_dir: str) -> None
     from m3_eagle_plugin.parallel.tp_model import shard_target
 
     full = load_target(target_dir, dtype=torch.float32).eval()
+    references = _replay_references(full)  # TP1 target-only output: what the drafter replays
     shard = shard_target(full, rank, world_size)
     result = greedy_verify_loop(shard)
-    result["engine_outputs"], result["engine_stats"] = engine_run(shard)
+    result["engine_outputs"], result["engine_stats"] = engine_run(shard, references)
     torch.save(result, Path(out_dir) / f"tp2_rank{rank}.pt")
     dist.barrier()
     if rank == 0:  # TP1: the unsharded model, no collectives
         result = greedy_verify_loop(full)
-        result["engine_outputs"], result["engine_stats"] = engine_run(full)
+        result["engine_outputs"], result["engine_stats"] = engine_run(full, references)
         torch.save(result, Path(out_dir) / "tp1.pt")
 
 
 # ----- disaggregated serving: context engine on rank 0, generation engine on rank 1 -------------
-DISAGG_PROMPTS = [[11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13], [7, 300, 7, 301, 7, 300, 7, 301, 9]]
+DISAGG_PROMPTS = [[11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13], [7, 200, 7, 201, 7, 200, 7, 201, 9]]
 DISAGG_NEW, DISAGG_K = 12, 3
 
 
@@ -106,9 +116,38 @@ def _stats(result) -> dict:
     return {key: result.stats.as_dict()[key] for key in keep}
 
 
+def record_drafts(engine) -> dict[int, list[list[int]]]:
+    """Log every draft proposal the engine's steps make, per request index (test instrumentation)."""
+    log: dict[int, list[list[int]]] = {}
+    launch = engine.runner.launch
+
+    def logged(rows, step_id):
+        out = launch(rows, step_id)
+        proposals = out.next_inputs.tolist()
+        for j, row_index in enumerate(out.drafting_rows):
+            log.setdefault(out.rows[row_index].request.index, []).append(proposals[j][1:])
+        return out
+
+    engine.runner.launch = logged
+    return log
+
+
+def _without_draft_layer(handoff, cache):
+    """The handoff with the shared draft layer's K/V pages zeroed (a negative control)."""
+    import dataclasses
+
+    pages = [t.clone() for t in handoff.payload.pool_pages]
+    for role in ("k", "v"):
+        where = cache.geometry.locate(cache.draft_layer_ids[0], role)
+        pages[where.pool_id][:, where.offset] = 0
+    payload = dataclasses.replace(handoff.payload, pool_pages=tuple(pages))
+    return dataclasses.replace(handoff, payload=payload)
+
+
 def disagg_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out_dir: str) -> None:
     from m3_eagle_plugin.host.reference.build import blocks_for_prompts, build_engine
     from m3_eagle_plugin.host.reference.engine import EngineConfig
+    from m3_eagle_plugin.host.reference.proposers import ReplayProposer
     from m3_eagle_plugin.parallel.disagg import (continue_generation, export_handoff, import_handoff, recv_handoff,
                                                  run_context_phase, send_handoff)
     from m3_eagle_plugin.parallel.transfer import recv_ints, send_ints
@@ -116,33 +155,60 @@ def disagg_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, o
     config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
     blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
 
-    def engine():
-        return build_engine(target_dir, draft_dir, config, num_blocks=blocks + rank * 3)
+    def engine(references=None):
+        proposer = None
+        if references is not None:  # host drafter replaying the known output with seeded mistakes
+            proposer = ReplayProposer.with_error_rate(references, 256, 0.3, seed=2)
+        return build_engine(target_dir, draft_dir, config, num_blocks=blocks + rank * 3, proposer=proposer)
 
     out = Path(out_dir)
     if rank == 0:
-        aggregated = engine().generate(DISAGG_PROMPTS, DISAGG_NEW)
+        aggregated_engine = engine()
+        aggregated_drafts = record_drafts(aggregated_engine)
+        aggregated = aggregated_engine.generate(DISAGG_PROMPTS, DISAGG_NEW)
         context = engine()
+        context_drafts = record_drafts(context)
         requests = run_context_phase(context, DISAGG_PROMPTS, DISAGG_NEW)
         handoffs = [export_handoff(context, r) for r in requests]
         send_ints([len(handoffs)], 1)
         for handoff in handoffs:
             send_handoff(handoff, 1)
         sent = [[t.clone() for t in h.payload.pool_pages] for h in handoffs]
+        # scenario B: a drafter that is right about 70% of the time, so acceptance is neither 0 nor 1
+        references = {i: p + o for i, (p, o) in enumerate(zip(DISAGG_PROMPTS, aggregated.outputs))}
+        for i in range(len(DISAGG_PROMPTS)):
+            send_ints(references[i], 1)
+        replay = engine(references).generate(DISAGG_PROMPTS, DISAGG_NEW)
+        context_b = engine(references)
+        for request in run_context_phase(context_b, DISAGG_PROMPTS, DISAGG_NEW):
+            send_handoff(export_handoff(context_b, request), 1)
         torch.save({"outputs": aggregated.outputs, "stats": _stats(aggregated), "sent_pages": sent,
+                    "replay_outputs": replay.outputs, "replay_stats": _stats(replay),
                     "context_outputs": [h.output for h in handoffs], "free_after": context.cache.num_free_blocks,
-                    "total_blocks": context.cache.num_blocks}, out / "rank0.pt")
+                    "total_blocks": context.cache.num_blocks, "drafts": aggregated_drafts,
+                    "context_drafts": context_drafts}, out / "rank0.pt")
     else:
         handoffs = [recv_handoff(0) for _ in range(recv_ints(0)[0])]
         generation = engine()
         generation.cache.add_request("other")  # occupy pages, so imported pages get other ids
         generation.cache.reserve("other", 9)
+        drafts = record_drafts(generation)
         requests = [import_handoff(generation, h) for h in handoffs]
         pages = [generation.cache.pages(r.rid) for r in requests]
         result = continue_generation(generation, requests)
+        control = engine()
+        control_drafts = record_drafts(control)
+        control_requests = [import_handoff(control, _without_draft_layer(h, control.cache)) for h in handoffs]
+        control_result = continue_generation(control, control_requests)
+        references = {i: recv_ints(0) for i in range(len(DISAGG_PROMPTS))}
+        handoffs_b = [recv_handoff(0) for _ in DISAGG_PROMPTS]
+        generation_b = engine(references)
+        replay = continue_generation(generation_b, [import_handoff(generation_b, h) for h in handoffs_b])
         torch.save({"outputs": result.outputs, "stats": _stats(result), "pages": pages,
+                    "replay_outputs": replay.outputs, "replay_stats": _stats(replay),
                     "received_pages": [list(h.payload.pool_pages) for h in handoffs],
-                    "errors": result.errors}, out / "rank1.pt")
+                    "errors": result.errors, "drafts": drafts, "control_drafts": control_drafts,
+                    "control_outputs": control_result.outputs}, out / "rank1.pt")
 
 
 # ----- payload round trips --------------------------------------------------------------------

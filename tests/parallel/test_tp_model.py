@@ -112,4 +112,5 @@ def test_tp2_greedy_output_and_logits_equal_tp1(tiny_pair, tmp_path):
             assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
         assert tp2["engine_outputs"] == tp1["engine_outputs"]
         assert tp2["engine_stats"] == tp1["engine_stats"]
-    assert tp1["sparse_active"]
+    assert tp1["sparse_active"]  # some token saw more than top-k blocks: selection really pruned
+    assert 0 < tp1["engine_stats"]["acceptance_rate"] < 1

@@ -21,8 +21,3 @@ def token_fields(qo_lens: list[int], kv_lens: list[int], table: torch.Tensor, bl
     return {"cache_slots": as_int(slots), "valid_blocks": as_int(valid), "token_kv_lens": as_int(kv),
             "positions": as_int(pos), "token_request": as_int(row)}
 
-
-def request_pages(table: torch.Tensor, row: int, kv_len: int, block_size: int) -> list[int]:
-    """Pages a request legitimately addresses: the first ceil(kv_len / B) entries of its row."""
-    n = math.ceil(max(kv_len, 0) / block_size)
-    return [int(p) for p in table[row, :n]]

@@ -52,7 +52,7 @@ class KVWorld:
         self.gen = torch.Generator().manual_seed(seed)
         self.metadata = None
         if hasattr(msa_mod, "MsaDecodeMetadata"):
-            self.metadata = msa_mod.MsaDecodeMetadata(64, 256, 64, block_size, torch.device("cpu"))
+            self.metadata = msa_mod.MsaDecodeMetadata(64, 256, 64, block_size, torch.device("cpu"), max_draft_len=3)
 
     def _view(self, cache, layer: int, role: str) -> torch.Tensor:
         if role == "index_k":

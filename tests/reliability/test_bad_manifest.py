@@ -100,8 +100,6 @@ def test_manifest_with_bad_values_is_refused_naming_the_field(edit, field):
         manifest.parse_manifest(raw, source="x.toml")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG manifest.py: field errors name the constant 'plugin_manifest.toml' "
-                   "instead of the file actually loaded (load_manifest(path) knows the path)")
 def test_manifest_file_error_names_the_file_loaded(tmp_path):
     manifest = _manifest_mod()
     text = manifest.default_manifest_path().read_text(encoding="utf-8")

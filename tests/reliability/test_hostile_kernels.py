@@ -24,6 +24,13 @@ DEVICES = [
 ]
 
 
+def _devices_with_cuda_bug(reason: str) -> list:
+    """DEVICES, with the CUDA run marked as a known kernel bug (strict: a fix turns it into a failure)."""
+    return [DEVICES[0], pytest.param("cuda", id="triton-cuda", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        pytest.mark.xfail(strict=True, reason=reason)])]
+
+
 def _mods(device: str):
     """(torch references, the kernel dispatcher). The dispatcher is used through its own module:
     the package attribute `kernels.sparse_attention` does not stay a function (see the test below)."""
@@ -54,10 +61,11 @@ class _Step:
         self.ik, self.iq = torch.randn(t, DI, generator=g), torch.randn(t, HKV, DI, generator=g)
         self.q = torch.randn(t, HQ, D, generator=g)
 
-    def meta(self, table_on_device: bool = False):
-        meta = self.msa.MsaDecodeMetadata(MAX_REQ, MAX_TOK, MAX_BLOCKS, B, self.device, max_draft_len=3,
+    def meta(self, table_on_device: bool = False, device: str | None = None):
+        device = device or self.device
+        meta = self.msa.MsaDecodeMetadata(MAX_REQ, MAX_TOK, MAX_BLOCKS, B, device, max_draft_len=3,
                                           num_index_heads=HKV)
-        table = self.table.to(self.device) if table_on_device else self.table
+        table = self.table.to(device) if table_on_device else self.table
         meta.prepare(self.qo, self.kv, table)
         return meta
 
@@ -118,22 +126,25 @@ CORRECTIONS = {
 def test_fused_correction_matches_the_metadata_and_stays_in_bounds(device, case):
     msa, kernels = _mods(device)
     step = _Step(msa, kernels, device, qo=[4, 4, 1, 4], kv=[20, 33, 16, 50], seed=2)
-    corrected = torch.tensor(CORRECTIONS[case](step.kv), dtype=torch.int32, device=device)
-    fused, plain = step.meta(), step.meta()
+    corrected = torch.tensor(CORRECTIONS[case](step.kv), dtype=torch.int32)
+    fused, host = step.meta(), step.meta(device="cpu")  # on CUDA the metadata itself runs the fused kernel
     bump("faults.injected")
-    kernels.on_update_kv_lens(fused, corrected)
-    plain.on_update_kv_lens(corrected)
+    kernels.on_update_kv_lens(fused, corrected.to(device))
+    host.on_update_kv_lens(corrected)  # the torch derivation, independent of the kernel
     for name in ("cache_slots", "valid_blocks", "token_kv_lens", "positions", "kv_lens"):
-        assert _ints(getattr(fused, name)) == _ints(getattr(plain, name)), f"{case}: {name} differs"
+        assert _ints(getattr(fused, name)) == _ints(getattr(host, name)), f"{case}: {name} differs"
     live = [t for t, p in enumerate(_ints(fused.positions)) if p >= 0]
-    ref, ker = step.run(msa, plain), step.run(kernels, fused)
+    ref, ker = step.run(msa, fused), step.run(kernels, fused)
     ker["pool"].assert_unowned_untouched()
     for name in ("sparse", "dense"):
         assert torch.isfinite(ker[name][live]).all(), f"{case}: kernel {name} read a poisoned slot"
         _same(ker[name][live], ref[name][live], f"{case} {name}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", _devices_with_cuda_bug(
+    "BUG msa/kernels/dense_attention.py: with a device block table holding -1 inside a request's kv range, the "
+    "Triton dense verify kernel reads page -1 (memory before the cache) and returns NaN for that request; the "
+    "torch reference treats the page as unmapped (seen on H200; the sparse kernel given the same selection is fine)"))
 def test_unmapped_page_in_a_device_table_is_never_read(device):
     """A device-resident table is not checked on the host: a -1 page inside kv must read as unmapped."""
     msa, kernels = _mods(device)
@@ -159,7 +170,10 @@ def test_unmapped_page_in_a_device_table_is_never_read(device):
         _same(ker[name], ref[name], name)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", _devices_with_cuda_bug(
+    "BUG msa/kernels/sparse_attention.py (block union): a selected block id whose table entry is -1 (here block 3, "
+    "all in the tokens' future) is loaded from page -1 and its NaN reaches every token of the request; the torch "
+    "reference ignores it (seen on H200)"))
 def test_selection_of_blocks_a_token_cannot_see_is_ignored(device):
     msa, kernels = _mods(device)
     step = _Step(msa, kernels, device, qo=[3], kv=[35], seed=4)  # positions 32..34, blocks 0..2 mapped

@@ -13,6 +13,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ._counts import bump
 from ._prefix_lm import NoisyOracle, PrefixHashLM
@@ -245,3 +247,32 @@ def test_tiny_m3_never_reads_a_slot_it_does_not_own(tiny_dirs, one_thread):
         assert poisoned.outputs == clean.outputs, f"speculative={speculative}: a poisoned slot leaked into outputs"
         assert poisoned.stats.accepted_tokens == clean.stats.accepted_tokens
         bump("soak.requests", 2 * len(prompts))
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_random_engine_shapes_keep_outputs_and_blocks(data):
+    """Random batch sizes, step budgets (forcing chunked prefill), draft lengths and drafter error
+    rates: outputs stay each request's own, and the cache returns to full."""
+    engine_mod, kv_mod, msa = _host()
+    draft_len = data.draw(st.integers(0, 3), label="draft_len")
+    model = PrefixHashLM(VOCAB, msa)
+    proposer = None
+    if draft_len:
+        proposer = NoisyOracle(model, error_rate=data.draw(st.sampled_from([0.0, 0.3, 1.0]), label="error"), seed=3)
+    config = engine_mod.EngineConfig(
+        draft_len=draft_len, max_batch_size=data.draw(st.integers(1, 6), label="batch"),
+        max_tokens_per_step=data.draw(st.integers(1 + draft_len, 24), label="step budget"), eos_ids=EOS)
+    cache = kv_mod.PagedKVCache.for_minimax_m3(1, [], 1, 4, 4, 4, data.draw(st.integers(24, 64), label="blocks"),
+                                               dtype=torch.float32)
+    engine = engine_mod.Engine(model, cache, config, vocab_size=VOCAB, proposer=proposer)
+    prompts = data.draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=25),
+                                 min_size=1, max_size=10), label="prompts")
+    max_new = data.draw(st.integers(1, 8), label="max_new_tokens")
+    result = engine.generate(prompts, max_new_tokens=max_new)
+    for i, (prompt, out, err) in enumerate(zip(prompts, result.outputs, result.errors)):
+        if err is None:
+            assert out == model.reference(prompt, max_new, EOS), f"request {i} differs"
+    assert cache.num_free_blocks == cache.num_blocks, "KV blocks leaked"
+    bump("soak.requests", len(prompts))
+    bump("soak.random_engines")

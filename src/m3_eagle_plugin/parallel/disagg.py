@@ -90,7 +90,7 @@ def export_handoff(engine: Engine, request: Request) -> ContextHandoff:
     if request.state is not RequestState.DECODE or request.pending_inputs is None or request.inflight_steps:
         raise HandoffError(f"request {request.index} is {request.state.value} with "
                            f"{request.inflight_steps} steps in flight; only a committed decoding request "
-                           "can be handed off")
+                           f"can be handed off{': ' + request.error if request.error else ''}")
     payload = export_request(engine.cache, request.rid)
     handoff = ContextHandoff(
         index=request.index, prompt=list(request.prompt), max_new_tokens=request.max_new_tokens,

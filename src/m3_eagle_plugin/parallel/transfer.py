@@ -47,7 +47,6 @@ def send_payload(payload: KVTransferPayload, dst: int, group: dist.ProcessGroup 
     """Send ``payload`` to rank ``dst`` (blocking until it is handed to the transport)."""
     if not isinstance(payload, KVTransferPayload):
         raise TypeError(f"payload must be a KVTransferPayload, got {type(payload).__name__}")
-    device = comm_device(group)
     fingerprint = torch.frombuffer(bytearray(payload.fingerprint.encode("utf-8")), dtype=torch.uint8)
     header = [fingerprint.numel(), payload.num_tokens, len(payload.pool_pages)]
     for pages in payload.pool_pages:
@@ -57,6 +56,7 @@ def send_payload(payload: KVTransferPayload, dst: int, group: dist.ProcessGroup 
         header.extend(int(x) for x in pages.shape)
     if not header[0]:
         raise ValueError("payload has an empty geometry fingerprint")
+    device = comm_device(group)
     send_ints(header, dst, group)
     dist.send(fingerprint.to(device), dst, group=group)
     for pages in payload.pool_pages:

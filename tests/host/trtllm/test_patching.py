@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import functools
+import sys
 import threading
+import types
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from m3_eagle_plugin.host.trtllm.contract import CONTRACT, HostSymbol, resolve_owner, symbol
 from m3_eagle_plugin.host.trtllm.patches import builtin_patches
@@ -156,3 +160,165 @@ def test_concurrent_apply_patches_once(current_host):
     assert getattr(interface.should_use_separate_draft_kv_cache.__wrapped__, PATCH_MARK, None) is None
     engine.revert()
     assert getattr(interface.should_use_separate_draft_kv_cache, PATCH_MARK, None) is None
+
+
+# ---- rollback that meets a failure keeps going, and says what is still patched ----
+
+def _undo_step(name: str, log: list[str], fail: dict[str, bool]):
+    """A step whose undo appends `name` to `log`, or raises while `fail[name]` is set."""
+    def step():
+        def undo():
+            if fail.get(name):
+                raise RuntimeError(f"undo of {name} exploded")
+            log.append(name)
+        return undo
+
+    step.__name__ = name
+    return step
+
+
+def _failing_step():
+    raise RuntimeError("registration exploded")
+
+
+def test_raising_undo_during_apply_rollback_still_restores_the_rest(current_host):
+    before = snapshot()
+    log: list[str] = []
+    fail = {"flaky": True}
+    engine = PatchEngine()
+    steps = [_undo_step("first", log, fail), _undo_step("flaky", log, fail), _failing_step]
+    with pytest.raises(HostPatchError) as info:
+        engine.apply(builtin_patches(), steps=steps)
+    assert all(snapshot()[k] is before[k] for k in before), "a raising undo left bindings patched"
+    assert log == ["first"], "the rollback stopped at the raising undo"
+    report = engine.report()
+    for needle in ("registration exploded", "undo of flaky exploded", "'flaky' is still in effect"):
+        assert needle in str(info.value) and needle in report["error"]
+    assert report["applied"] is False and report["bindings"] == []
+    assert len(report["still_patched"]) == 1 and "flaky" in report["still_patched"][0]
+    with pytest.raises(HostPatchError, match=r"call revert\(\) first"):
+        engine.apply(builtin_patches())
+    with pytest.raises(HostPatchError, match="undo of flaky exploded"):
+        engine.revert()  # still failing: kept for the next try
+    fail["flaky"] = False
+    assert engine.revert()["still_patched"] == [] and log == ["first", "flaky"]
+    assert engine.apply(builtin_patches())["applied"] is True
+    engine.revert()
+
+
+def _frozen_host(monkeypatch):
+    """A module holding a class whose attributes cannot be reassigned while `lock[0]` is set."""
+    lock = [False]
+
+    class Frozen(type):
+        def __setattr__(cls, name, value):
+            if lock[0]:
+                raise AttributeError(f"{cls.__name__} is read-only")
+            super().__setattr__(name, value)
+
+    class Gen(metaclass=Frozen):
+        def supported(self, q, k):
+            return ("host", q, k)
+
+    module = types.ModuleType("m3_test_frozen_host")
+    module.Gen = Gen
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    sym = HostSymbol("gen_supported", (module.__name__,), "Gen.supported", "method", ("self", "q", "k"), "test")
+    return Gen, Patch("frozen", sym, _tagging), lock
+
+
+def test_revert_restores_every_binding_it_can_and_names_the_rest(current_host, monkeypatch):
+    before = snapshot()
+    gen, frozen_patch, lock = _frozen_host(monkeypatch)
+    original = vars(gen)["supported"]
+    log: list[str] = []
+    fail = {"flaky": True}
+    engine = PatchEngine()
+    engine.apply([*builtin_patches(), frozen_patch], steps=[_undo_step("flaky", log, fail)])
+    lock[0] = True
+    with pytest.raises(HostPatchError) as info:
+        engine.revert()
+    assert all(snapshot()[k] is before[k] for k in before), "one failed restore stopped the others"
+    report = engine.report()
+    for needle in ("Gen.supported is still patched", "read-only", "undo of flaky exploded"):
+        assert needle in str(info.value) and needle in report["error"]
+    assert report["applied"] is False and len(report["bindings"]) == 1
+    assert report["bindings"][0].startswith("frozen: ") and report["bindings"][0].endswith("Gen.supported")
+    assert len(report["still_patched"]) == 2
+    assert getattr(vars(gen)["supported"], PATCH_MARK) == "frozen"
+    lock[0], fail["flaky"] = False, False
+    report = engine.revert()
+    assert vars(gen)["supported"] is original and log == ["flaky"]
+    assert report["still_patched"] == [] and report["bindings"] == [] and report["error"] is None
+
+
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(undo_fails=st.lists(st.booleans(), min_size=0, max_size=4), step_fails=st.booleans())
+def test_rollback_property_every_undo_runs_and_failures_are_named(current_host, undo_fails, step_fails):
+    """Whatever undos raise: every binding is restored, every other undo runs, each failure is named."""
+    before = snapshot()
+    log: list[str] = []
+    names = [f"s{i}" for i in range(len(undo_fails))]
+    fail = dict(zip(names, undo_fails))
+    engine = PatchEngine()
+    steps = [_undo_step(n, log, fail) for n in names] + ([_failing_step] if step_fails else [])
+    try:
+        engine.apply(builtin_patches(), steps=steps)
+        engine.revert()
+    except HostPatchError as exc:
+        message = str(exc)
+    else:
+        message = ""
+    assert all(snapshot()[k] is before[k] for k in before)
+    assert log == [n for n in reversed(names) if not fail[n]]
+    failed = [n for n in names if fail[n]]
+    assert [n for n in failed if f"undo of {n} exploded" in message] == failed
+    assert len(engine.report()["still_patched"]) == len(failed)
+    assert bool(message) == (step_fails or bool(failed))
+    for n in failed:
+        fail[n] = False
+    engine.revert()
+    assert engine.report()["still_patched"] == []
+
+
+# ---- two engines: binding is atomic across engines ----
+
+def test_two_engines_racing_bind_exactly_once(current_host):
+    before = snapshot()
+    planning, other_done = threading.Event(), threading.Event()
+    patches = builtin_patches()
+    last = patches[-1]
+
+    def blocking_factory(original, make=last.factory):
+        planning.set()
+        assert other_done.wait(10), "the other engine never applied"
+        return make(original)
+
+    slow = [*patches[:-1], Patch(last.id, last.target, blocking_factory, last.rebinds)]
+    slow_engine, fast_engine = PatchEngine(), PatchEngine()
+    errors: list[Exception] = []
+
+    def apply_slowly():
+        try:
+            slow_engine.apply(slow)
+        except HostPatchError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=apply_slowly)
+    thread.start()
+    assert planning.wait(10)
+    fast_engine.apply(builtin_patches())  # while the slow engine is between planning and binding
+    other_done.set()
+    thread.join(10)
+    assert len(errors) == 1 and "already wrapped" in str(errors[0]) and "another engine" in str(errors[0])
+    assert fast_engine.report()["applied"] is True
+    assert slow_engine.report()["applied"] is False and slow_engine.report()["bindings"] == []
+    from tensorrt_llm._torch.speculative import interface
+
+    wrapped = interface.should_use_separate_draft_kv_cache
+    assert getattr(wrapped, PATCH_MARK) and getattr(wrapped.__wrapped__, PATCH_MARK, None) is None
+    slow_engine.revert()
+    assert getattr(interface.should_use_separate_draft_kv_cache, PATCH_MARK) == getattr(wrapped, PATCH_MARK)
+    fast_engine.revert()
+    assert all(snapshot()[k] is before[k] for k in before)

@@ -6,7 +6,7 @@ import itertools
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernel_case_helpers import SMALL, needs_gpu, random_step
+from .kernel_case_helpers import SMALL, needs_gpu, random_step
 
 pytestmark = needs_gpu
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernel_case_helpers import M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, random_step
+from .kernel_case_helpers import M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, random_step
 from m3_eagle_plugin.bench import torch_reference as ref
 
 pytestmark = needs_gpu

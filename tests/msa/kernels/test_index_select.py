@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernel_case_helpers import (
+from .kernel_case_helpers import (
     M3,
     SMALL,
     assert_valid_selection,

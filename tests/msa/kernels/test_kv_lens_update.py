@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernel_case_helpers import needs_gpu
+from .kernel_case_helpers import needs_gpu
 from m3_eagle_plugin.bench.inputs import shuffled_block_tables
 
 pytestmark = needs_gpu

@@ -3,9 +3,11 @@
 TensorRT-LLM has no extension points for the KV-manager choice, the draft-KV policy or the
 trtllm-gen page-size allowlist, so the adapter wraps host functions. Wrapping is only safe if it
 is atomic (a half-patched host would route one process differently from another), revertible
-(tests, `uninstall()`), refuses to wrap a wrapper (double activation), and also rebinds the
-names other modules copied with `from X import name` at import time. This module does exactly
-that and records what it did for `m3-eagle doctor`.
+(tests, `uninstall()`), refuses to wrap a wrapper (double activation, also by another engine
+racing in another thread), and also rebinds the names other modules copied with
+`from X import name` at import time. This module does exactly that and records what it did for
+`m3-eagle doctor`. When undoing itself fails, it still undoes everything else and reports what
+stays patched and why.
 """
 from __future__ import annotations
 
@@ -24,10 +26,15 @@ PATCH_MARK = "__m3_eagle_patch__"
 
 WrapperFactory = Callable[[Callable[..., Any]], Callable[..., Any]]
 Step = Callable[[], Callable[[], None]]  # performs a change, returns its undo
+_Undo = tuple[str, Callable[[], None]]  # (name of the step it undoes, the undo)
+
+# Shared by every engine: host names are checked and bound (or restored) only while holding it, so
+# two engines can never both wrap the same host. Engines take their own lock first, then this one.
+_BIND_LOCK = threading.RLock()
 
 
 class HostPatchError(RuntimeError):
-    """Patching the host failed; nothing stays patched. The message names the cause."""
+    """Patching (or unpatching) the host failed. The message names the cause and anything left patched."""
 
 
 @dataclass(frozen=True)
@@ -55,17 +62,28 @@ class _Binding:
 
     @property
     def label(self) -> str:
-        return f"{getattr(self.owner, '__module__', '')}:{getattr(self.owner, '__qualname__', getattr(self.owner, '__name__', self.owner))}.{self.name}".lstrip(":")
+        owner_name = getattr(self.owner, "__qualname__", getattr(self.owner, "__name__", self.owner))
+        return f"{getattr(self.owner, '__module__', '')}:{owner_name}.{self.name}".lstrip(":")
 
 
 @dataclass
 class _State:
     bindings: list[_Binding] = field(default_factory=list)
-    undos: list[Callable[[], None]] = field(default_factory=list)
+    undos: list[_Undo] = field(default_factory=list)
     patch_ids: tuple[str, ...] = ()
     step_names: tuple[str, ...] = ()
     error: str | None = None
     revert_notes: list[str] = field(default_factory=list)
+    still_patched: list[str] = field(default_factory=list)  # non-empty after an incomplete rollback
+
+
+@dataclass
+class _Rollback:
+    """What a rollback could not undo: kept so that `revert()` can try again."""
+
+    undos: list[_Undo]
+    bindings: list[_Binding]
+    failures: list[str]
 
 
 def _owner_value(owner: Any, name: str) -> tuple[Any, bool]:
@@ -75,8 +93,58 @@ def _owner_value(owner: Any, name: str) -> tuple[Any, bool]:
     return getattr(owner, name), False
 
 
+def _restore(binding: _Binding, notes: list[str]) -> None:
+    current = vars(binding.owner).get(binding.name) if hasattr(binding.owner, "__dict__") else None
+    if current is not binding.replacement:
+        notes.append(f"{binding.label} was re-bound by someone else; left as is")
+        return
+    if binding.had_own:
+        setattr(binding.owner, binding.name, binding.original)
+    else:
+        delattr(binding.owner, binding.name)
+
+
+def _roll_back(undos: Sequence[_Undo], bindings: Sequence[_Binding], notes: list[str]) -> _Rollback:
+    """Run every undo (newest first), then restore every binding; a failure never stops the rest."""
+    left_undos: list[_Undo] = []
+    left_bindings: list[_Binding] = []
+    failures: list[str] = []
+    for name, undo in reversed(undos):
+        try:
+            undo()
+        except Exception as exc:  # noqa: BLE001 - collected, reported and kept for a later revert
+            left_undos.append((name, undo))
+            failures.append(f"step {name!r} is still in effect: its undo raised {type(exc).__name__}: {exc}")
+    for binding in reversed(bindings):
+        try:
+            _restore(binding, notes)
+        except Exception as exc:  # noqa: BLE001 - collected, reported and kept for a later revert
+            left_bindings.append(binding)
+            failures.append(f"{binding.patch_id}: {binding.label} is still patched: restoring it raised "
+                            f"{type(exc).__name__}: {exc}")
+    return _Rollback(left_undos[::-1], left_bindings[::-1], failures)
+
+
+def _check_unchanged_since_plan(binding: _Binding) -> None:
+    """Re-check at bind time (under `_BIND_LOCK`) that the host still holds what was planned against."""
+    try:
+        current, had_own = _owner_value(binding.owner, binding.name)
+    except AttributeError:
+        raise HostPatchError(f"patch {binding.patch_id!r}: {binding.label} vanished while the patches were "
+                             "planned; nothing was patched") from None
+    if current is binding.original and had_own == binding.had_own:
+        return
+    mark = getattr(current, PATCH_MARK, None)
+    if mark is not None:
+        raise HostPatchError(f"patch {binding.patch_id!r}: {binding.label} is already wrapped by patch {mark!r}: "
+                             "another engine patched the host while this one was planning; this engine patched "
+                             "nothing")
+    raise HostPatchError(f"patch {binding.patch_id!r}: {binding.label} was re-bound to {current!r} while the "
+                         "patches were planned; nothing was patched")
+
+
 class PatchEngine:
-    """Applies a set of patches (plus optional extra steps) atomically; thread-safe."""
+    """Applies a set of patches (plus optional extra steps) atomically; thread-safe across engines."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -84,17 +152,24 @@ class PatchEngine:
 
     @property
     def applied(self) -> bool:
-        return bool(self._state.bindings or self._state.undos)
+        """True when this engine's whole patch set is in place (not after an incomplete rollback)."""
+        s = self._state
+        return bool(s.bindings or s.undos) and not s.still_patched
 
     def apply(self, patches: Sequence[Patch], steps: Sequence[Step] = ()) -> dict:
         """Apply every patch, then every step; on any failure revert all and raise HostPatchError.
 
         Applying the same patch set again is a no-op that returns the current report; applying a
-        different set while one is applied is refused (revert first).
+        different set while one is applied is refused (revert first), and so is applying after a
+        rollback that left something patched. If another engine wrapped a target meanwhile, this
+        engine patches nothing and says so.
         """
         ids = tuple(p.id for p in patches)
         step_names = tuple(getattr(s, "__name__", repr(s)) for s in steps)
         with self._lock:
+            if self._state.still_patched:
+                raise HostPatchError("an earlier incomplete rollback left the host partly patched ("
+                                     + "; ".join(self._state.still_patched) + "); call revert() first")
             if self.applied:
                 if ids == self._state.patch_ids and step_names == self._state.step_names:
                     return self.report()
@@ -105,41 +180,40 @@ class PatchEngine:
             except HostPatchError as exc:
                 self._state = _State(error=str(exc))
                 raise
-            done: list[_Binding] = []
-            undos: list[Callable[[], None]] = []
-            try:
-                for binding in plan:
-                    setattr(binding.owner, binding.name, binding.replacement)
-                    done.append(binding)
-                for step in steps:
-                    undos.append(step())
-            except BaseException as exc:
-                for undo in reversed(undos):
-                    undo()
-                for binding in reversed(done):
-                    self._restore(binding, [])
-                message = f"applying patches failed midway and was fully reverted: {type(exc).__name__}: {exc}"
-                self._state = _State(error=message)
-                raise HostPatchError(message) from exc
-            self._state = _State(bindings=done, undos=undos, patch_ids=ids, step_names=step_names)
+            with _BIND_LOCK:
+                try:
+                    for binding in plan:
+                        _check_unchanged_since_plan(binding)
+                except HostPatchError as exc:
+                    self._state = _State(error=str(exc))
+                    raise
+                self._bind(plan, steps, step_names, ids)
             return self.report()
 
     def record_error(self, message: str) -> None:
         """Note a failure found before `apply` (e.g. a preflight check) for `report()`."""
         with self._lock:
-            if not self.applied:
+            if not (self._state.bindings or self._state.undos):
                 self._state = _State(error=message)
 
     def revert(self) -> dict:
-        """Undo everything this engine applied (no-op when nothing is applied)."""
-        with self._lock:
+        """Undo everything this engine applied (no-op when nothing is applied).
+
+        Every undo and restore is attempted even when one fails; if any failed, the engine keeps
+        what is still patched (a later `revert()` retries it) and raises HostPatchError naming it.
+        """
+        with self._lock, _BIND_LOCK:
+            s = self._state
             notes: list[str] = []
-            for undo in reversed(self._state.undos):
-                undo()
-            for binding in reversed(self._state.bindings):
-                self._restore(binding, notes)
-            self._state = _State(revert_notes=notes)
-            return self.report()
+            left = _roll_back(s.undos, s.bindings, notes)
+            if not left.failures:
+                self._state = _State(revert_notes=notes)
+                return self.report()
+            message = "reverting the patches was incomplete: " + "; ".join(left.failures)
+            self._state = _State(bindings=left.bindings, undos=left.undos, patch_ids=s.patch_ids,
+                                 step_names=s.step_names, error=message, revert_notes=notes,
+                                 still_patched=left.failures)
+            raise HostPatchError(message)
 
     def report(self) -> dict:
         with self._lock:
@@ -151,9 +225,37 @@ class PatchEngine:
                 "bindings": [f"{b.patch_id}: {b.label}" for b in s.bindings],
                 "error": s.error,
                 "revert_notes": list(s.revert_notes),
+                "still_patched": list(s.still_patched),
             }
 
     # -----------------------------------------------------------------------------------------
+
+    def _bind(self, plan: list[_Binding], steps: Sequence[Step], step_names: tuple[str, ...],
+              ids: tuple[str, ...]) -> None:
+        """Bind the checked plan and run the steps; on failure roll back everything (caller holds locks)."""
+        done: list[_Binding] = []
+        undos: list[_Undo] = []
+        try:
+            for binding in plan:
+                setattr(binding.owner, binding.name, binding.replacement)
+                done.append(binding)
+            for name, step in zip(step_names, steps):
+                undos.append((name, step()))
+        except BaseException as exc:
+            notes: list[str] = []
+            left = _roll_back(undos, done, notes)
+            cause = f"{type(exc).__name__}: {exc}"
+            if not left.failures:
+                message = f"applying patches failed midway and was fully reverted: {cause}"
+                self._state = _State(error=message, revert_notes=notes)
+            else:
+                message = (f"applying patches failed midway ({cause}) and the rollback was incomplete: "
+                           + "; ".join(left.failures))
+                self._state = _State(bindings=left.bindings, undos=left.undos, patch_ids=ids,
+                                     step_names=step_names, error=message, revert_notes=notes,
+                                     still_patched=left.failures)
+            raise HostPatchError(message) from exc
+        self._state = _State(bindings=done, undos=undos, patch_ids=ids, step_names=step_names)
 
     def _plan(self, patches: Iterable[Patch]) -> list[_Binding]:
         plan: list[_Binding] = []
@@ -196,14 +298,3 @@ class PatchEngine:
                 plan.append(_Binding(patch.id, rowner, rebind.name, original, replacement, True))
                 seen.add((id(rowner), rebind.name))
         return plan
-
-    @staticmethod
-    def _restore(binding: _Binding, notes: list[str]) -> None:
-        current = vars(binding.owner).get(binding.name) if hasattr(binding.owner, "__dict__") else None
-        if current is not binding.replacement:
-            notes.append(f"{binding.label} was re-bound by someone else; left as is")
-            return
-        if binding.had_own:
-            setattr(binding.owner, binding.name, binding.original)
-        else:
-            delattr(binding.owner, binding.name)

@@ -1,0 +1,27 @@
+"""Sending a `kv.transfer` payload between two gloo processes: the bytes arrive unchanged."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from m3_eagle_plugin.kv.transfer import KVTransferPayload
+from m3_eagle_plugin.parallel.transfer import send_payload
+
+from ._spawn import run_ranks
+from ._workers import echo_worker
+
+
+def test_payload_round_trips_between_two_ranks(tmp_path):
+    """Property test (hypothesis on rank 0): random pool shapes, zero-page payloads, unicode
+    fingerprints are sent to rank 1 and back byte for byte."""
+    run_ranks(echo_worker, 2, str(tmp_path), timeout_s=90)
+    assert json.loads((Path(tmp_path) / "echo.json").read_text())["checked"] == 20
+
+
+def test_send_refuses_what_is_not_a_payload():
+    with pytest.raises(TypeError, match="KVTransferPayload"):
+        send_payload({"pages": torch.zeros(1)}, 1)
+    bad = KVTransferPayload("fp", 4, (torch.zeros(1, 2, 3, dtype=torch.float32),))
+    with pytest.raises(ValueError, match="uint8"):
+        send_payload(bad, 1)
