@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from m3_eagle_plugin.eagle3.accept import forced_accept, greedy_accept, rejection_accept
+from m3_eagle_plugin.eagle3.accept import forced_accept, forced_count_at, greedy_accept, rejection_accept
 
 
 def naive_greedy(drafts, targets, draft_len):
@@ -52,6 +52,42 @@ def test_forced_accept_ignores_the_target():
     assert result.tokens[1, :2].tolist() == [1, 7]
     with pytest.raises(ValueError, match="num_forced"):
         forced_accept(drafts, targets, -1)
+
+
+def test_forced_accept_takes_a_device_count():
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    targets = torch.tensor([[0, 0, 0, 9], [0, 7, 8, 9]])
+    shared = forced_accept(drafts, targets, torch.tensor(3), torch.tensor([3, 2]))
+    assert shared.num_accepted.tolist() == [3, 2]
+    assert shared.tokens.tolist() == [[1, 2, 3, 9], [4, 5, 8, 8]]
+    per_row = forced_accept(drafts, targets, torch.tensor([0, 1]))
+    assert per_row.num_accepted.tolist() == [0, 1]
+    assert per_row.tokens[:, :2].tolist() == [[0, 0], [4, 7]]
+    with pytest.raises(ValueError, match="num_forced"):
+        forced_accept(drafts, targets, torch.tensor([1, 1, 1]))
+
+
+def test_forced_count_alternates_for_two_and_a_half():
+    counts = [int(forced_count_at(2.5, torch.tensor(s))) for s in range(6)]
+    assert counts == [2, 3, 2, 3, 2, 3]
+    assert [int(forced_count_at(2, torch.tensor(s))) for s in range(3)] == [2, 2, 2]
+    assert forced_count_at(1.25, torch.arange(4)).tolist() == [1, 1, 1, 2]
+    for bad in (-0.5, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="forced acceptance"):
+            forced_count_at(bad, torch.tensor(0))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.integers(0, 3), st.integers(1, 9), st.integers(1, 40))
+def test_forced_count_running_sum_is_exact(whole, tenths, steps):
+    mean = whole + tenths / 10
+    counts = forced_count_at(mean, torch.arange(steps)).tolist()
+    low = int(mean)  # a naive running floor: sum of the first n counts is floor(n * mean)
+    assert all(c in (low, low + 1) for c in counts)
+    running = 0
+    for n, c in enumerate(counts, start=1):
+        running += c
+        assert running == (n * (10 * whole + tenths)) // 10
 
 
 def test_shape_errors_name_the_cause():

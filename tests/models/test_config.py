@@ -71,7 +71,7 @@ def test_missing_sparse_key_names_the_section():
 def test_missing_text_layout_field(hf_text_checkpoint):
     raw = json.loads((hf_text_checkpoint / "config.json").read_text())
     del raw["layer_types"]
-    with pytest.raises(ConfigError, match="x.json.*'layer_types'"):
+    with pytest.raises(ConfigError, match="x.json: layer_types: required field is missing"):
         M3Config.from_dict(raw, "x.json")
 
 
@@ -110,3 +110,134 @@ def test_production_patterns_roundtrip_like_transformers(layers, factor, theta):
     text["moe_layer_freq"] = [int(m) for _, m in layers]
     text["partial_rotary_factor"], text["rope_theta"] = factor, theta
     _assert_same(M3Config.from_dict(raw), _as_transformers_sees_it(raw))
+
+
+# ---- bad files and bad values: one ConfigError "<file>: <field>: <what is wrong>" ----
+
+@pytest.mark.parametrize("field,value,what", [
+    ("hidden_size", "sixty-four", "expected an integer, got str 'sixty-four'"),
+    ("num_hidden_layers", [8], "expected an integer, got list [8]"),
+    ("hidden_size", 64.5, "expected an integer, got 64.5"),
+    ("vocab_size", True, "expected an integer, got bool True"),
+    ("num_attention_heads", -4, "must be >= 1, got -4"),
+    ("num_key_value_heads", 0, "must be >= 1, got 0"),
+    ("rms_norm_eps", "tiny", "expected a finite number, got str 'tiny'"),
+    ("tie_word_embeddings", "yes", "expected true or false, got str 'yes'"),
+])
+def test_wrong_type_or_range_names_file_and_field(field, value, what):
+    raw = target_config()
+    raw["text_config"][field] = value
+    with pytest.raises(ConfigError) as info:
+        M3Config.from_dict(raw, "x.json")
+    assert str(info.value) == f"x.json: text_config.{field}: {what}"
+
+
+def test_integral_float_is_accepted_as_an_int():
+    raw = target_config()
+    raw["text_config"]["vocab_size"] = float(raw["text_config"]["vocab_size"])
+    assert M3Config.from_dict(raw).vocab_size == target_config()["text_config"]["vocab_size"]
+
+
+@pytest.mark.parametrize("text,what", [
+    ('{"text_config": {', "not valid JSON (Expecting property name enclosed in double quotes at line 1 column 17)"),
+    ("[1, 2]", "top level must be a JSON object, got list"),
+    ('"config"', "top level must be a JSON object, got str"),
+])
+def test_unparsable_config_file_names_the_file(tmp_path, text, what):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        M3Config.from_file(tmp_path)
+    assert str(info.value) == f"{tmp_path / 'config.json'}: {what}"
+
+
+def test_non_utf8_config_file_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(ConfigError, match=r"config\.json: not valid JSON \(not UTF-8 text\)"):
+        M3Config.from_file(tmp_path)
+
+
+@pytest.mark.parametrize("path,value", [
+    (("text_config",), [1]),
+    (("text_config", "sparse_attention_config"), "yes"),
+    (("text_config", "rope_parameters"), 5),
+])
+def test_section_that_is_not_an_object(path, value):
+    raw = target_config()
+    parent = raw
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
+    with pytest.raises(ConfigError) as info:
+        M3Config.from_dict(raw, "x.json")
+    assert str(info.value) == f"x.json: {'.'.join(path)}: must be a JSON object, got {type(value).__name__}"
+
+
+def test_unsupported_rope_type_names_file_and_field():
+    raw = target_config()
+    raw["text_config"]["rope_parameters"] = {"rope_type": "yarn"}
+    with pytest.raises(ConfigError) as info:
+        M3Config.from_dict(raw, "x.json")
+    assert str(info.value) == "x.json: text_config.rope_parameters.rope_type: 'yarn' is not supported (only 'default')"
+
+
+@pytest.mark.parametrize("section,key", [
+    ("sparse_attention_config", "sparse_attention_freq"),
+    ("sparse_attention_config", "sparse_disable_index_value"),
+    ("", "moe_layer_freq"),
+])
+def test_short_production_pattern_names_the_list_and_the_length(section, key):
+    raw = target_config()
+    text = raw["text_config"]
+    (text[section] if section else text)[key] = [0, 1]
+    field = f"text_config.{section}.{key}" if section else f"text_config.{key}"
+    with pytest.raises(ConfigError) as info:
+        M3Config.from_dict(raw, "x.json")
+    n = text["num_hidden_layers"]
+    assert str(info.value) == f"x.json: {field}: has 2 entries, expected {n} (one per layer: num_hidden_layers)"
+
+
+@pytest.mark.parametrize("key", ["layer_types", "mlp_layer_types"])
+def test_short_text_pattern_names_the_list_and_the_length(hf_text_checkpoint, key):
+    raw = json.loads((hf_text_checkpoint / "config.json").read_text())
+    raw[key] = raw[key][:1]
+    with pytest.raises(ConfigError, match=rf"^x\.json: {key}: has 1 entries, expected {raw['num_hidden_layers']} "):
+        M3Config.from_dict(raw, "x.json")
+
+
+@pytest.mark.parametrize("entry", [2, "1", [1], None])
+def test_bad_pattern_entry_names_its_index(entry):
+    raw = target_config()
+    raw["text_config"]["moe_layer_freq"][3] = entry
+    with pytest.raises(ConfigError, match=r"^x\.json: text_config\.moe_layer_freq\[3\]: .* is not one of \[0, 1\]$"):
+        M3Config.from_dict(raw, "x.json")
+
+
+def test_index_value_branch_error_names_the_layers():
+    raw = target_config()
+    sp = raw["text_config"]["sparse_attention_config"]
+    first_sparse = sp["sparse_attention_freq"].index(1)
+    sp["sparse_disable_index_value"][first_sparse] = 0
+    with pytest.raises(ConfigError, match=rf"sparse_disable_index_value: sparse layers \[{first_sparse}\] keep"):
+        M3Config.from_dict(raw, "x.json")
+
+
+_JSON_VALUES = st.one_of(
+    st.integers(-3, 300), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.text(max_size=4),
+    st.lists(st.integers(0, 9), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(field=st.sampled_from(["vocab_size", "intermediate_size", "dense_intermediate_size"]), value=_JSON_VALUES)
+def test_any_json_value_for_a_size_parses_exactly_or_fails_naming_the_field(field, value):
+    raw = target_config()
+    raw["text_config"][field] = value
+    positive_int = (not isinstance(value, bool) and isinstance(value, (int, float))
+                    and float(value).is_integer() and value >= 1)
+    attr = {"vocab_size": "vocab_size", "intermediate_size": "moe_intermediate_size",
+            "dense_intermediate_size": "dense_intermediate_size"}[field]
+    if positive_int:
+        assert getattr(M3Config.from_dict(raw, "x.json"), attr) == value
+    else:
+        with pytest.raises(ConfigError, match=rf"^x\.json: text_config\.{field}: "):
+            M3Config.from_dict(raw, "x.json")

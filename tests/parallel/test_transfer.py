@@ -8,15 +8,12 @@ import torch
 from m3_eagle_plugin.kv.transfer import KVTransferPayload
 from m3_eagle_plugin.parallel.transfer import send_payload
 
-from ._spawn import run_ranks
-from ._workers import echo_worker
 
 
-def test_payload_round_trips_between_two_ranks(tmp_path):
-    """Property test (hypothesis on rank 0): random pool shapes, zero-page payloads, unicode
-    fingerprints are sent to rank 1 and back byte for byte."""
-    run_ranks(echo_worker, 2, str(tmp_path), timeout_s=90)
-    assert json.loads((Path(tmp_path) / "echo.json").read_text())["checked"] == 20
+def test_payload_round_trips_between_two_ranks(two_rank_run):
+    """Property test (hypothesis on rank 0, `_workers.echo_worker`): random pool shapes, zero-page
+    payloads, unicode fingerprints are sent to rank 1 and back byte for byte."""
+    assert json.loads((Path(two_rank_run) / "echo.json").read_text())["checked"] == 20
 
 
 def test_send_refuses_what_is_not_a_payload():

@@ -148,3 +148,62 @@ def _expected(version: str, force: bool) -> str:
 @given(versions, st.booleans())
 def test_host_verdict_property(version, force):
     assert host_verdict(version, force=force).status == _expected(version, force)
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda m: m["host"].__setitem__("requires", 13), "host.requires"),
+        (lambda m: m["host"].__setitem__("requires", ">>1.3"), "host.requires"),
+        (lambda m: m["activation"].pop("bootstrap"), "activation.bootstrap"),
+        (lambda m: m["patches"][1].__setitem__("target", "no_colon"), "patches[1].target"),
+    ],
+)
+def test_field_error_names_the_file_loaded(tmp_path, mutate, field):
+    raw = copy.deepcopy(raw_manifest())
+    mutate(raw)
+    bad = tmp_path / "site_override.toml"
+    bad.write_text(_to_toml(raw), encoding="utf-8")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(bad)
+    message = str(info.value)
+    assert message.startswith(f"{bad}: ") and field in message, message
+    assert "plugin_manifest.toml" not in message, message
+
+
+def test_parsed_manifest_errors_name_the_given_source():
+    raw = copy.deepcopy(raw_manifest())
+    raw["host"]["defer_from"] = "=<1.4"
+    with pytest.raises(ManifestError, match=r"^overrides/site\.toml: field 'host\.defer_from'") as info:
+        parse_manifest(raw, source="overrides/site.toml")
+    assert type(info.value.__cause__).__name__ == "InvalidSpecifier"
+
+
+def _to_toml(raw: dict) -> str:
+    """A minimal TOML writer for the manifest's shapes (strings, numbers, string lists, tables)."""
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
+        raise TypeError(type(v))
+
+    lines = [f"{k} = {value(v)}" for k, v in raw.items() if not isinstance(v, (dict, list)) or
+             isinstance(v, list) and not (v and isinstance(v[0], dict))]
+    for key, v in raw.items():
+        if isinstance(v, dict):
+            lines += ["", f"[{key}]"] + [f"{k} = {value(x)}" for k, x in v.items()]
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            for entry in v:
+                lines += ["", f"[[{key}]]"] + [f"{k} = {value(x)}" for k, x in entry.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_toml_writer_round_trips_the_shipped_manifest():
+    assert tomllib.loads(_to_toml(raw_manifest())) == raw_manifest()

@@ -9,11 +9,12 @@ host sync, so the host can keep preparing the next step while these run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Sequence
 
 import torch
 
-__all__ = ["AcceptResult", "greedy_accept", "rejection_accept", "forced_accept"]
+__all__ = ["AcceptResult", "greedy_accept", "rejection_accept", "forced_accept", "forced_count_at"]
 
 
 @dataclass
@@ -70,15 +71,40 @@ def greedy_accept(
 
 
 def forced_accept(
-    draft_tokens: torch.Tensor, target_tokens: torch.Tensor, num_forced: int, draft_lens: torch.Tensor | None = None
+    draft_tokens: torch.Tensor, target_tokens: torch.Tensor, num_forced: int | torch.Tensor,
+    draft_lens: torch.Tensor | None = None,
 ) -> AcceptResult:
-    """Benchmark mode: accept ``min(num_forced, draft_len)`` drafts whatever they are (output is NOT the target's)."""
-    if num_forced < 0:
-        raise ValueError(f"num_forced must be >= 0, got {num_forced}")
+    """Benchmark mode: accept ``min(num_forced, draft_len)`` drafts whatever they are (output is NOT the target's).
+
+    ``num_forced`` is an int, or a device tensor (0-d or ``[R]``) such as `forced_count_at` returns;
+    a tensor is not range-checked here (that would read it back to the host).
+    """
     draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
-    num_accepted = torch.clamp(draft_lens, max=num_forced)
+    if isinstance(num_forced, torch.Tensor):
+        if num_forced.dim() > 1 or (num_forced.dim() == 1 and num_forced.shape[0] != draft_lens.shape[0]):
+            raise ValueError(f"num_forced must be an int, a 0-d tensor or [R] = [{draft_lens.shape[0]}], "
+                             f"got shape {tuple(num_forced.shape)}")
+        num_accepted = torch.minimum(draft_lens, num_forced.to(device=draft_lens.device, dtype=torch.long))
+    else:
+        if num_forced < 0:
+            raise ValueError(f"num_forced must be >= 0, got {num_forced}")
+        num_accepted = torch.clamp(draft_lens, max=num_forced)
     bonus = target_tokens.to(torch.long).gather(1, num_accepted.unsqueeze(1)).squeeze(1)
     return AcceptResult(_emit(draft_tokens.to(torch.long), num_accepted, bonus), num_accepted)
+
+
+def forced_count_at(mean: float, step: torch.Tensor) -> torch.Tensor:
+    """Drafts to force at verify step ``step`` (a device counter) so the running mean is ``mean``.
+
+    ``floor((s + 1) * mean) - floor(s * mean)`` in exact rational arithmetic: each count is
+    ``floor(mean)`` or ``ceil(mean)``, the first ``n`` counts sum to ``floor(n * mean)`` (2.5 gives
+    2, 3, 2, 3, ...). Computed on the device from ``step``, so a CUDA graph can replay it.
+    """
+    if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 <= mean < float("inf"):
+        raise ValueError(f"mean forced acceptance must be a finite number >= 0, got {mean!r}")
+    ratio = Fraction(mean).limit_denominator(1000)
+    step = step.to(torch.long)
+    return ((step + 1) * ratio.numerator) // ratio.denominator - (step * ratio.numerator) // ratio.denominator
 
 
 def _row_generators(generator: torch.Generator | Sequence[torch.Generator] | None, num_rows: int):

@@ -11,7 +11,6 @@ all validated before anything is assigned.
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,7 +19,7 @@ import torch
 from torch import nn
 
 from m3_eagle_plugin.eagle3.head import Eagle3Config, Eagle3Head
-from m3_eagle_plugin.models.config import ConfigError
+from m3_eagle_plugin.models.config import ConfigError, ConfigFields, read_json_object
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.models.rope import RotaryEmbedding
 from m3_eagle_plugin.models.safetensors_source import CheckpointError, SafetensorsSource, check_names, check_shape
@@ -29,43 +28,56 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.|^t2d$")
 _OPTIONAL = ("embed_tokens.weight", "lm_head.weight", "d2t")
 
 
-def _get(raw: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    eagle = raw.get("eagle_config") or {}
-    if key in raw and raw[key] is not None:
-        return raw[key]
-    return eagle.get(key, default)
-
-
 def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_size: int,
                        target_vocab_size: int, default_aux_layer_ids: tuple[int, ...],
-                       has_fc_norm: bool) -> Eagle3Config:
-    def need(key: str) -> Any:
-        if raw.get(key) is None:
-            raise ConfigError(f"{source}: required field '{key}' is missing")
-        return raw[key]
+                       has_fc_norm: bool, target_num_layers: int | None = None) -> Eagle3Config:
+    """Validate a draft `config.json` against its target; every error is "<file>: <field>: <what>"."""
+    top = ConfigFields(raw, source)
+    eagle = top.get_section("eagle_config") or ConfigFields({}, source, "eagle_config")
 
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    declared_target = int(raw.get("target_hidden_size") or hidden)
+    def flat_or_eagle(key: str) -> ConfigFields:  # a flat key wins over the same key in eagle_config
+        return top if top.has(key) else eagle
+
+    hidden = top.get_int("hidden_size", minimum=1)
+    heads = top.get_int("num_attention_heads", minimum=1)
+    kv_heads = top.get_int("num_key_value_heads", heads, minimum=1)
+    if heads % kv_heads:
+        raise top.error("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads {heads}")
+    head_dim = top.get_int("head_dim", 0, minimum=0) or hidden // heads
+    if head_dim < 1:
+        raise top.error("num_attention_heads", f"{heads} heads leave no room in hidden_size {hidden}")
+    declared_target = top.get_int("target_hidden_size", hidden, minimum=1)
     if hidden != target_hidden_size or declared_target != target_hidden_size:
-        raise ConfigError(f"{source}: draft hidden_size {hidden} (target_hidden_size {declared_target}) does not "
-                          f"match the target model's hidden size {target_hidden_size}")
-    vocab = int(raw.get("vocab_size") or target_vocab_size)
+        raise ConfigError(f"{source}: hidden_size: draft hidden_size {hidden} (target_hidden_size {declared_target}) "
+                          f"does not match the target model's hidden size {target_hidden_size}")
+    vocab = top.get_int("vocab_size", target_vocab_size, minimum=1)
     if vocab != target_vocab_size:
-        raise ConfigError(f"{source}: draft vocab_size {vocab} != target vocab_size {target_vocab_size}")
-    rope_params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"{source}: unsupported draft rope type {rope_type!r} (only 'default')")
-    theta = float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    aux = _get(raw, "eagle_aux_hidden_state_layer_ids") or default_aux_layer_ids
+        raise top.error("vocab_size", f"draft vocab_size {vocab} != target vocab_size {target_vocab_size}")
+    draft_vocab = top.get_int("draft_vocab_size", vocab, minimum=1)
+    if draft_vocab > vocab:
+        raise top.error("draft_vocab_size", f"{draft_vocab} exceeds vocab_size {vocab}")
+    rope_key = "rope_parameters" if top.has("rope_parameters") else "rope_scaling"
+    rope = top.get_section(rope_key) or ConfigFields({}, source, rope_key)
+    type_key = "rope_type" if rope.has("rope_type") else "type"
+    rope_type = rope.need(type_key, "default")
+    if rope_type != "default":
+        raise rope.error(type_key, f"unsupported draft rope type {rope_type!r} (only 'default')")
+    theta = (rope if rope.has("rope_theta") else top).get_float("rope_theta", 10000.0, positive=True)
+    aux_key = "eagle_aux_hidden_state_layer_ids"
+    aux_fields = flat_or_eagle(aux_key)
+    aux = aux_fields.get_int_list(aux_key, ()) or tuple(default_aux_layer_ids)
+    if target_num_layers is not None:
+        bad = [i for i in aux if not 0 <= i < target_num_layers]
+        if bad:
+            raise aux_fields.error(aux_key, f"aux layer ids {bad} out of range for a {target_num_layers}-layer target")
     return Eagle3Config(
-        hidden_size=hidden, num_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads), intermediate_size=int(need("intermediate_size")),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, vocab_size=vocab,
-        draft_vocab_size=int(raw.get("draft_vocab_size") or vocab), target_hidden_size=target_hidden_size,
-        aux_layer_ids=tuple(int(i) for i in aux), norm_output=bool(_get(raw, "norm_output", False)),
-        norm_before_residual=bool(_get(raw, "norm_before_residual", False)), has_fc_norm=has_fc_norm,
+        hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=top.get_int("intermediate_size", minimum=1),
+        rms_norm_eps=top.get_float("rms_norm_eps", 1e-6, positive=True), rope_theta=theta, vocab_size=vocab,
+        draft_vocab_size=draft_vocab, target_hidden_size=target_hidden_size, aux_layer_ids=aux,
+        norm_output=flat_or_eagle("norm_output").get_bool("norm_output", False),
+        norm_before_residual=flat_or_eagle("norm_before_residual").get_bool("norm_before_residual", False),
+        has_fc_norm=has_fc_norm,
     )
 
 
@@ -85,7 +97,7 @@ def load_draft(path: str | Path, target: MiniMaxM3ForCausalLM, dtype: torch.dtyp
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"no config.json at {config_path}")
-    raw = json.loads(config_path.read_text())
+    raw = read_json_object(config_path)
     source = SafetensorsSource(path)
     by_canon: dict[str, str] = {}
     for name in source.names():
@@ -97,10 +109,7 @@ def load_draft(path: str | Path, target: MiniMaxM3ForCausalLM, dtype: torch.dtyp
     tc = target.config
     config = parse_draft_config(raw, str(config_path), target_hidden_size=tc.hidden_size,
                                 target_vocab_size=tc.vocab_size, default_aux_layer_ids=tc.default_aux_layer_ids,
-                                has_fc_norm=has_fc_norm)
-    bad = [i for i in config.aux_layer_ids if not 0 <= i < tc.num_layers]
-    if bad:
-        raise ConfigError(f"{config_path}: aux layer ids {bad} out of range for a {tc.num_layers}-layer target")
+                                has_fc_norm=has_fc_norm, target_num_layers=tc.num_layers)
     with torch.device("meta"):
         head = Eagle3Head(config)
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}

@@ -7,21 +7,128 @@ Two `config.json` shapes exist for the same model:
     given as flat `rope_theta` / `partial_rotary_factor` / `rotary_dim`;
 (b) the text-only layout transformers writes (`MiniMaxM3VLForCausalLM`, model_type
     `minimax_m3_vl_text`): `layer_types`, `mlp_layer_types`, `index_*` and `rope_parameters`.
-Both parse into one flat, validated `M3Config` so nothing downstream knows the layout.
+Both parse into one flat, validated `M3Config` so nothing downstream knows the layout. Every
+field is read through `ConfigFields`, so a wrong type or range fails as one `ConfigError`
+"<file>: <field>: <what is wrong>" before any weight is touched.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 SPARSE_LAYER = "minimax_m3_sparse"
 DENSE_LAYER = "full_attention"
+_REQUIRED = object()
 
 
 class ConfigError(ValueError):
     """A checkpoint config is missing a field or holds a value the model cannot run."""
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The top-level JSON object of a config file; unreadable, malformed or non-object JSON is a ConfigError."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot be read ({error.strerror or error})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+class ConfigFields:
+    """Typed, range-checked reads from one JSON object of a config file; errors name the file and field."""
+
+    def __init__(self, raw: Any, source: str, section: str = "") -> None:
+        if not isinstance(raw, Mapping):
+            what = section or "top level"
+            raise ConfigError(f"{source}: {what}: must be a JSON object, got {type(raw).__name__}")
+        self.raw, self.source, self.section = raw, source, section
+
+    def name(self, key: str) -> str:
+        return f"{self.section}.{key}" if self.section else key
+
+    def error(self, key: str, what: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {self.name(key)}: {what}")
+
+    def has(self, key: str) -> bool:
+        return self.raw.get(key) is not None
+
+    def need(self, key: str, default: Any = _REQUIRED) -> Any:
+        """The raw value; a missing or null field takes `default` (none given: the field is required)."""
+        value = self.raw.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise self.error(key, "required field is missing")
+            return default
+        return value
+
+    def get_int(self, key: str, default: Any = _REQUIRED, minimum: int | None = None) -> int:
+        value = self.need(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(key, f"expected an integer, got {type(value).__name__} {_show(value)}")
+        if isinstance(value, float) and not value.is_integer():
+            raise self.error(key, f"expected an integer, got {_show(value)}")
+        value = int(value)
+        if minimum is not None and value < minimum:
+            raise self.error(key, f"must be >= {minimum}, got {value}")
+        return value
+
+    def get_float(self, key: str, default: Any = _REQUIRED, positive: bool = False) -> float:
+        value = self.need(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.error(key, f"expected a finite number, got {type(value).__name__} {_show(value)}")
+        if positive and value <= 0:
+            raise self.error(key, f"must be > 0, got {value}")
+        return float(value)
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self.need(key, default)
+        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+            return bool(value)
+        raise self.error(key, f"expected true or false, got {type(value).__name__} {_show(value)}")
+
+    def get_int_list(self, key: str, default: Any = _REQUIRED) -> tuple[int, ...]:
+        values = self.need(key, default)
+        if not isinstance(values, (list, tuple)):
+            raise self.error(key, f"must be a list of integers, got {type(values).__name__}")
+        for i, value in enumerate(values):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise self.error(f"{key}[{i}]", f"expected an integer, got {type(value).__name__} {_show(value)}")
+        return tuple(values)
+
+    def get_section(self, key: str) -> "ConfigFields | None":
+        """A nested object (None when absent)."""
+        if not self.has(key):
+            return None
+        return ConfigFields(self.raw[key], self.source, self.name(key))
+
+    def get_pattern(self, key: str, meaning: Mapping[Any, bool], num_layers: int) -> tuple[bool, ...]:
+        """A per-layer list whose entries are keys of `meaning`, exactly one per layer."""
+        values = self.need(key)
+        if not isinstance(values, (list, tuple)):
+            raise self.error(key, f"must be a list, got {type(values).__name__}")
+        if len(values) != num_layers:
+            raise self.error(key, f"has {len(values)} entries, expected {num_layers} (one per layer: num_hidden_layers)")
+        out = []
+        for i, value in enumerate(values):
+            entry = int(value) if isinstance(value, bool) else value
+            if not isinstance(entry, (str, int)) or entry not in meaning:
+                raise self.error(f"{key}[{i}]", f"{_show(value)} is not one of {sorted(meaning, key=str)}")
+            out.append(meaning[entry])
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -57,6 +164,9 @@ class M3Config:
 
     def __post_init__(self) -> None:
         where = self.source
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}: {name}: must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"{where}: num_attention_heads {self.num_heads} is not a multiple of "
                               f"num_key_value_heads {self.num_kv_heads}")
@@ -92,14 +202,12 @@ class M3Config:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "<dict>") -> "M3Config":
-        text = raw.get("text_config", raw)
-        if not isinstance(text, Mapping):
-            raise ConfigError(f"{source}: 'text_config' must be an object")
-        section = "text_config" if "text_config" in raw else ""
+        top = ConfigFields(raw, source)
+        text = top.get_section("text_config") or top
         # transformers re-saves the VL wrapper with a text-style text_config; the field style decides
-        if "layer_types" in text or "mlp_layer_types" in text:
-            return _parse_text(text, source, section)
-        return _parse_production(text, source, section)
+        if text.has("layer_types") or text.has("mlp_layer_types"):
+            return _parse_text(text)
+        return _parse_production(text)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "M3Config":
@@ -109,90 +217,83 @@ class M3Config:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json at {path}")
-        with path.open() as f:
-            return cls.from_dict(json.load(f), source=str(path))
+        return cls.from_dict(read_json_object(path), source=str(path))
 
 
-def _need(raw: Mapping[str, Any], key: str, source: str, section: str = "") -> Any:
-    if key not in raw or raw[key] is None:
-        where = f"{section}.{key}" if section else key
-        raise ConfigError(f"{source}: required field '{where}' is missing")
-    return raw[key]
-
-
-def _flags(values: Any, truthy: set[Any], key: str, source: str) -> tuple[bool, ...]:
-    if not isinstance(values, (list, tuple)):
-        raise ConfigError(f"{source}: '{key}' must be a list, got {type(values).__name__}")
-    return tuple(v in truthy for v in values)
-
-
-def _common(t: Mapping[str, Any], source: str, section: str) -> dict[str, Any]:
-    hidden = int(_need(t, "hidden_size", source, section))
-    heads = int(_need(t, "num_attention_heads", source, section))
-    head_dim = t.get("head_dim") or hidden // heads
+def _common(t: ConfigFields) -> dict[str, Any]:
+    hidden = t.get_int("hidden_size", minimum=1)
+    heads = t.get_int("num_attention_heads", minimum=1)
+    head_dim = t.get_int("head_dim", 0, minimum=0) or hidden // heads
+    shared_key = "n_shared_experts" if "n_shared_experts" in t.raw else "num_shared_experts"
+    shared_experts = t.get_int(shared_key, 0 if shared_key in t.raw else 1, minimum=0)  # explicit null: none
+    num_experts_key = "num_local_experts" if t.has("num_local_experts") else "num_experts"
     return dict(
-        vocab_size=int(_need(t, "vocab_size", source, section)),
+        vocab_size=t.get_int("vocab_size", minimum=1),
         hidden_size=hidden,
-        num_layers=int(_need(t, "num_hidden_layers", source, section)),
+        num_layers=t.get_int("num_hidden_layers", minimum=1),
         num_heads=heads,
-        num_kv_heads=int(_need(t, "num_key_value_heads", source, section)),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-        dense_intermediate_size=int(t.get("dense_intermediate_size", 12288)),
-        moe_intermediate_size=int(_need(t, "intermediate_size", source, section)),
-        shared_intermediate_size=int(t.get("shared_intermediate_size", 3072))
-        * int(t.get("n_shared_experts", t.get("num_shared_experts", 1)) or 0),
-        num_experts=int(t.get("num_local_experts", t.get("num_experts", 128))),
-        num_experts_per_tok=int(t.get("num_experts_per_tok", 4)),
-        routed_scaling_factor=float(t.get("routed_scaling_factor", 2.0)),
-        swiglu_alpha=float(t.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(t.get("swiglu_limit", 7.0)),
-        tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
-        source=source,
+        num_kv_heads=t.get_int("num_key_value_heads", minimum=1),
+        head_dim=head_dim,
+        rms_norm_eps=t.get_float("rms_norm_eps", 1e-6, positive=True),
+        dense_intermediate_size=t.get_int("dense_intermediate_size", 12288, minimum=1),
+        moe_intermediate_size=t.get_int("intermediate_size", minimum=1),
+        shared_intermediate_size=t.get_int("shared_intermediate_size", 3072, minimum=0) * shared_experts,
+        num_experts=t.get_int(num_experts_key, 128, minimum=1),
+        num_experts_per_tok=t.get_int("num_experts_per_tok", 4, minimum=1),
+        routed_scaling_factor=t.get_float("routed_scaling_factor", 2.0),
+        swiglu_alpha=t.get_float("swiglu_alpha", 1.702),
+        swiglu_limit=t.get_float("swiglu_limit", 7.0, positive=True),
+        tie_word_embeddings=t.get_bool("tie_word_embeddings", False),
+        source=t.source,
     )
 
 
-def _rope(t: Mapping[str, Any], head_dim: int, use_rotary_dim: bool) -> tuple[int, float]:
-    params = t.get("rope_parameters") or {}
-    if params.get("rope_type", "default") not in ("default", None):
-        raise ConfigError(f"unsupported rope_type {params['rope_type']!r} (only 'default')")
-    theta = float(params.get("rope_theta", t.get("rope_theta", 5e6)))
-    factor = params.get("partial_rotary_factor", t.get("partial_rotary_factor"))
-    if factor is not None:  # what transformers reads; its text layout writes a stale rotary_dim
-        return int(head_dim * float(factor)), theta
-    if use_rotary_dim and t.get("rotary_dim"):
-        return int(t["rotary_dim"]), theta
+def _rope(t: ConfigFields, head_dim: int, use_rotary_dim: bool) -> tuple[int, float]:
+    params = t.get_section("rope_parameters") or ConfigFields({}, t.source, t.name("rope_parameters"))
+    rope_type = params.need("rope_type", "default")
+    if rope_type != "default":
+        raise params.error("rope_type", f"{_show(rope_type)} is not supported (only 'default')")
+    where = params if params.has("rope_theta") else t
+    theta = where.get_float("rope_theta", 5e6, positive=True)
+    where = params if params.has("partial_rotary_factor") else t
+    if where.has("partial_rotary_factor"):  # what transformers reads; its text layout writes a stale rotary_dim
+        factor = where.get_float("partial_rotary_factor", positive=True)
+        return int(head_dim * factor), theta
+    if use_rotary_dim and t.get_int("rotary_dim", 0, minimum=0):
+        return t.get_int("rotary_dim"), theta
     return head_dim, theta
 
 
-def _check_scoring(t: Mapping[str, Any], source: str) -> None:
-    scoring = t.get("scoring_func", "sigmoid")
+def _check_scoring(t: ConfigFields) -> None:
+    scoring = t.need("scoring_func", "sigmoid")
     if scoring != "sigmoid":
-        raise ConfigError(f"{source}: scoring_func {scoring!r} is not supported (MiniMax-M3 routes with sigmoid)")
+        raise t.error("scoring_func", f"{_show(scoring)} is not supported (MiniMax-M3 routes with sigmoid)")
 
 
-def _parse_production(t: Mapping[str, Any], source: str, section: str) -> M3Config:
-    _check_scoring(t, source)
-    common = _common(t, source, section)
+_ZERO_ONE = {0: False, 1: True}
+
+
+def _parse_production(t: ConfigFields) -> M3Config:
+    _check_scoring(t)
+    common = _common(t)
     n = common["num_layers"]
     rotary_dim, theta = _rope(t, common["head_dim"], use_rotary_dim=True)
-    sp = t.get("sparse_attention_config")
-    if sp is None:
-        sp = {}
-        sparse = (False,) * n
-    else:
-        if sp.get("use_sparse_attention", True):
-            sparse = _flags(_need(sp, "sparse_attention_freq", source, f"{section}.sparse_attention_config"),
-                            {1, True}, "sparse_attention_freq", source)
-        else:
-            sparse = (False,) * n
-        if sp.get("sparse_score_type", "max") != "max":
-            raise ConfigError(f"{source}: sparse_score_type {sp['sparse_score_type']!r} is not supported (only 'max')")
-        disable_iv = sp.get("sparse_disable_index_value")
-        if disable_iv is not None and any(s and not d for s, d in zip(sparse, disable_iv)):
-            raise ConfigError(f"{source}: sparse layers with an index-value branch are not supported")
-    moe = _flags(_need(t, "moe_layer_freq", source, section), {1, True}, "moe_layer_freq", source)
-    sect = f"{section}.sparse_attention_config"
+    given = t.get_section("sparse_attention_config")
+    sp = given or ConfigFields({}, t.source, t.name("sparse_attention_config"))
+    sparse = (False,) * n
+    if given is not None:
+        if sp.get_bool("use_sparse_attention", True):
+            sparse = sp.get_pattern("sparse_attention_freq", _ZERO_ONE, n)
+        score_type = sp.need("sparse_score_type", "max")
+        if score_type != "max":
+            raise sp.error("sparse_score_type", f"{_show(score_type)} is not supported (only 'max')")
+        if sp.has("sparse_disable_index_value"):
+            disabled = sp.get_pattern("sparse_disable_index_value", _ZERO_ONE, n)
+            with_iv = [i for i, (s, d) in enumerate(zip(sparse, disabled)) if s and not d]
+            if with_iv:
+                raise sp.error("sparse_disable_index_value", f"sparse layers {with_iv} keep the index-value "
+                               "branch, which is not supported")
+    moe = t.get_pattern("moe_layer_freq", _ZERO_ONE, n)
     need_index = any(sparse)
     return M3Config(
         **common,
@@ -200,41 +301,35 @@ def _parse_production(t: Mapping[str, Any], source: str, section: str) -> M3Conf
         rope_theta=theta,
         sparse_layers=sparse,
         moe_layers=moe,
-        index_heads=int(_need(sp, "sparse_num_index_heads", source, sect) if need_index else 0),
-        index_dim=int(_need(sp, "sparse_index_dim", source, sect) if need_index else 0),
-        block_size=int(_need(sp, "sparse_block_size", source, sect) if need_index else 128),
-        topk_blocks=int(_need(sp, "sparse_topk_blocks", source, sect) if need_index else 16),
-        local_blocks=int(sp.get("sparse_local_block", 1)),
-        init_blocks=int(sp.get("sparse_init_block", 0)),
+        index_heads=sp.get_int("sparse_num_index_heads", minimum=1) if need_index else 0,
+        index_dim=sp.get_int("sparse_index_dim", minimum=1) if need_index else 0,
+        block_size=sp.get_int("sparse_block_size", minimum=1) if need_index else 128,
+        topk_blocks=sp.get_int("sparse_topk_blocks", minimum=1) if need_index else 16,
+        local_blocks=sp.get_int("sparse_local_block", 1, minimum=0),
+        init_blocks=sp.get_int("sparse_init_block", 0, minimum=0),
         layout="production",
     )
 
 
-def _parse_text(raw: Mapping[str, Any], source: str, section: str) -> M3Config:
-    _check_scoring(raw, source)
-    common = _common(raw, source, section)
-    rotary_dim, theta = _rope(raw, common["head_dim"], use_rotary_dim=False)
-    layer_types = _need(raw, "layer_types", source, section)
-    unknown = sorted({x for x in layer_types} - {SPARSE_LAYER, DENSE_LAYER})
-    if unknown:
-        raise ConfigError(f"{source}: unknown layer_types {unknown}")
-    mlp_types = _need(raw, "mlp_layer_types", source, section)
-    unknown = sorted({x for x in mlp_types} - {"sparse", "dense"})
-    if unknown:
-        raise ConfigError(f"{source}: unknown mlp_layer_types {unknown}")
-    sparse = _flags(layer_types, {SPARSE_LAYER}, "layer_types", source)
+def _parse_text(t: ConfigFields) -> M3Config:
+    _check_scoring(t)
+    common = _common(t)
+    n = common["num_layers"]
+    rotary_dim, theta = _rope(t, common["head_dim"], use_rotary_dim=False)
+    sparse = t.get_pattern("layer_types", {SPARSE_LAYER: True, DENSE_LAYER: False}, n)
+    moe = t.get_pattern("mlp_layer_types", {"sparse": True, "dense": False}, n)
     need_index = any(sparse)
     return M3Config(
         **common,
         rotary_dim=rotary_dim,
         rope_theta=theta,
         sparse_layers=sparse,
-        moe_layers=_flags(mlp_types, {"sparse"}, "mlp_layer_types", source),
-        index_heads=int(_need(raw, "index_n_heads", source, section) if need_index else 0),
-        index_dim=int(_need(raw, "index_head_dim", source, section) if need_index else 0),
-        block_size=int(_need(raw, "index_block_size", source, section) if need_index else 128),
-        topk_blocks=int(_need(raw, "index_topk_blocks", source, section) if need_index else 16),
-        local_blocks=int(raw.get("index_local_blocks", 1)),
+        moe_layers=moe,
+        index_heads=t.get_int("index_n_heads", minimum=1) if need_index else 0,
+        index_dim=t.get_int("index_head_dim", minimum=1) if need_index else 0,
+        block_size=t.get_int("index_block_size", minimum=1) if need_index else 128,
+        topk_blocks=t.get_int("index_topk_blocks", minimum=1) if need_index else 16,
+        local_blocks=t.get_int("index_local_blocks", 1, minimum=0),
         init_blocks=0,
         layout="text",
     )

@@ -1,7 +1,8 @@
 """Read-only access to a safetensors checkpoint: one file or a sharded index.
 
 Lists tensor names and shapes without reading data, so loaders can validate a whole checkpoint
-(names, shapes) before touching any weight.
+(names, shapes) before touching any weight. A truncated or corrupt file, or a broken shard index,
+is a `CheckpointError` naming the file (never safetensors' own exception).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 
 class CheckpointError(ValueError):
@@ -26,12 +27,16 @@ class SafetensorsSource:
         self._file_of: dict[str, Path] = {}
         self._shape: dict[str, tuple[int, ...]] = {}
         for file in self.files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if name in self._file_of:
-                        raise CheckpointError(f"{file}: tensor {name!r} also appears in {self._file_of[name]}")
-                    self._file_of[name] = file
-                    self._shape[name] = tuple(f.get_slice(name).get_shape())
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            except (SafetensorError, OSError) as error:
+                raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(error)})") from None
+            for name, shape in shapes.items():
+                if name in self._file_of:
+                    raise CheckpointError(f"{file}: tensor {name!r} also appears in {self._file_of[name]}")
+                self._file_of[name] = file
+                self._shape[name] = shape
 
     def _find_files(self, path: Path) -> list[Path]:
         if path.is_file():
@@ -40,10 +45,7 @@ class SafetensorsSource:
             raise CheckpointError(f"checkpoint path {path} does not exist")
         index = path / self.INDEX
         if index.is_file():
-            with index.open() as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: no 'weight_map'")
+            weight_map = _read_weight_map(index)
             files = sorted({path / name for name in weight_map.values()})
             missing = [str(p) for p in files if not p.is_file()]
             if missing:
@@ -69,8 +71,7 @@ class SafetensorsSource:
         return self._shape[name]
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self._file_of[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        return _read(self._file_of[name], [name])[name]
 
     def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Read several tensors, opening each shard once."""
@@ -79,10 +80,41 @@ class SafetensorsSource:
             by_file.setdefault(self._file_of[name], []).append(name)
         out: dict[str, torch.Tensor] = {}
         for file, group in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for name in group:
-                    out[name] = f.get_tensor(name)
+            out.update(_read(file, group))
         return out
+
+
+def _read(file: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    name = "<header>"
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                out[name] = f.get_tensor(name)
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({_one_line(error)})") from None
+    return out
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    try:
+        raw = json.loads(index.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{index}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") \
+            from None
+    except (UnicodeDecodeError, OSError) as error:
+        raise CheckpointError(f"{index}: cannot be read ({_one_line(error)})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map: missing or not a JSON object")
+    bad = sorted(name for name, shard in weight_map.items() if not isinstance(shard, str) or not shard)
+    if bad:
+        raise CheckpointError(f"{index}: weight_map: tensors without a shard file name: {_preview(bad)}")
+    return weight_map
 
 
 def _preview(names: list[str], limit: int = 20) -> str:

@@ -36,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--force-accepted", type=int, default=None, metavar="N",
-                        help="benchmark mode: accept N drafts per step regardless of the target")
+    parser.add_argument("--force-accepted", type=_forced_count, default=None, metavar="N",
+                        help="benchmark mode: accept N drafts per step regardless of the target "
+                             "(fractional N: that mean, e.g. 2.5 alternates 2 and 3)")
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--max-tokens-per-step", type=int, default=256, help="token budget of one step (chunked prefill)")
     parser.add_argument("--eos-ids", default="", help="comma-separated ids that end a request (kept in the output)")
@@ -45,6 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proposer", choices=["default", "prompt-lookup"], default="default",
                         help="default: the m3_eagle_propose_drafts plugin hook, else the Eagle3 head")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _forced_count(text: str) -> int | float:
+    """'2' -> 2 (integer behaviour unchanged), '2.5' -> 2.5 (a mean per verify step)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--force-accepted: expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"--force-accepted must be a finite number, got {text!r}")
+    return int(value) if value.is_integer() else value
 
 
 def _parse_ids(text: str, where: str) -> list[int]:

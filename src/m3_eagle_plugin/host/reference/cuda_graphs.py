@@ -73,7 +73,7 @@ class GenerationGraphs:
         target_tokens = torch.argmax(runner.target.compute_logits(hidden), dim=-1).view(num_rows, k + 1)
         drafts = bucket.input_ids.view(num_rows, k + 1)[:, 1:]
         if runner.config.force_accepted is not None:
-            accept = forced_accept(drafts, target_tokens, runner.config.force_accepted, bucket.draft_lens)
+            accept = forced_accept(drafts, target_tokens, runner.forced_count(), bucket.draft_lens)
         else:
             accept = greedy_accept(drafts, target_tokens, bucket.draft_lens)
         gathered_kv = (bucket.true_kv.to(torch.long) - k + accept.num_accepted).to(torch.int32)
@@ -113,11 +113,14 @@ class GenerationGraphs:
         if not self.capture:
             outputs = self._body(bucket)
         elif bucket.graph is None:
+            forced_step = None if runner.forced_step is None else runner.forced_step.clone()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self._body(bucket)  # warm-up; idempotent with the replay below (same inputs)
             torch.cuda.current_stream().wait_stream(side)
+            if forced_step is not None:
+                runner.forced_step.copy_(forced_step)  # the warm-up is not a verify step
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 bucket.outputs = self._body(bucket)

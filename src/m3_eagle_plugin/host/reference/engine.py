@@ -34,13 +34,13 @@ class EngineConfig:
     overlap: bool = False
     cuda_graphs: bool = False
     sampling: SamplingParams = SamplingParams()
-    force_accepted: int | None = None
+    force_accepted: float | None = None  # fractional: that mean per verify step (2.5 -> 2, 3, 2, ...)
     eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.draft_len < 0:
             raise ValueError(f"draft_len must be >= 0, got {self.draft_len}")
-        if self.force_accepted is not None and self.force_accepted < 0:
+        if self.force_accepted is not None and not self.force_accepted >= 0:
             raise ValueError(f"force_accepted must be >= 0, got {self.force_accepted}")
 
 
@@ -51,7 +51,7 @@ class GenerationResult:
     stop_reasons: list[str | None]
     stats: SpecStats
     overlap: bool = False
-    forced_acceptance: int | None = None
+    forced_acceptance: float | None = None
     draft_source: str = "none"
     extra: dict = field(default_factory=dict)
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from m3_eagle_plugin.eagle3.accept import AcceptResult, forced_accept, greedy_accept, rejection_accept
+from m3_eagle_plugin.eagle3.accept import AcceptResult, forced_accept, forced_count_at, greedy_accept, rejection_accept
 from m3_eagle_plugin.eagle3.draft_loop import run_draft_loop
 from m3_eagle_plugin.host.reference.sampler import SamplingParams, choose_tokens, filtered_probs
 from m3_eagle_plugin.host.reference.scheduler import RowKind, ScheduledRow
@@ -32,7 +32,7 @@ class RunnerConfig:
     block_size: int
     device: torch.device
     sampling: SamplingParams = SamplingParams()
-    force_accepted: int | None = None
+    force_accepted: float | None = None  # int: that many per step; fractional: that mean (see forced_count)
     num_index_heads: int = 1
     cuda_graphs: bool = False
 
@@ -97,11 +97,22 @@ class StepRunner:
             )
             for _ in range(num_draft_metas)
         ]
+        fractional = config.force_accepted is not None and not float(config.force_accepted).is_integer()
+        self.forced_step = torch.zeros((), dtype=torch.long, device=config.device) if fractional else None
         self.graphs = None
         if config.cuda_graphs:
             from m3_eagle_plugin.host.reference.cuda_graphs import GenerationGraphs
 
             self.graphs = GenerationGraphs(self)
+
+    def forced_count(self) -> int | torch.Tensor:
+        """Drafts to force in this verify step: the configured int, or for a fractional mean the next
+        count of `forced_count_at`'s schedule, read from a device step counter that this advances."""
+        if self.forced_step is None:
+            return int(self.config.force_accepted)
+        count = forced_count_at(float(self.config.force_accepted), self.forced_step)
+        self.forced_step.add_(1)
+        return count
 
     # ----- host side ---------------------------------------------------------------------------
     def _reserve_tokens(self, staged_kv: int) -> int:
@@ -225,7 +236,7 @@ class StepRunner:
         lens = self._to_device([draft_lens[i] for i in verify_rows])
         if cfg.force_accepted is not None:
             target_tokens = torch.argmax(verify_logits, dim=-1).view(num_verify, k + 1)
-            return forced_accept(drafts, target_tokens, cfg.force_accepted, lens)
+            return forced_accept(drafts, target_tokens, self.forced_count() if num_verify else 0, lens)
         if cfg.sampling.greedy:
             target_tokens = torch.argmax(verify_logits, dim=-1).view(num_verify, k + 1)
             return greedy_accept(drafts, target_tokens, lens)
