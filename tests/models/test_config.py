@@ -139,7 +139,7 @@ def test_integral_float_is_accepted_as_an_int():
 
 
 @pytest.mark.parametrize("text,what", [
-    ('{"text_config": {', "not valid JSON (Expecting property name enclosed in double quotes at line 1 column 17)"),
+    ('{"text_config": {', "not valid JSON (Expecting property name enclosed in double quotes at line 1 column 18)"),
     ("[1, 2]", "top level must be a JSON object, got list"),
     ('"config"', "top level must be a JSON object, got str"),
 ])

@@ -1,4 +1,4 @@
-"""Run a function on N local ranks (spawned processes, gloo on 127.0.0.1) with a hard deadline."""
+"""Run a function on N local ranks (spawned processes rendezvousing on 127.0.0.1) with a hard deadline."""
 from __future__ import annotations
 
 import socket
@@ -15,20 +15,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+def _entry(rank: int, fn, world_size: int, port: int, backend: str, args: tuple) -> None:
     from m3_eagle_plugin.parallel.process_group import init_local_group
 
     torch.set_num_threads(1)
-    init_local_group(rank, world_size, port, backend="gloo", timeout_s=60.0)
+    init_local_group(rank, world_size, port, backend=backend, timeout_s=60.0)
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: str = "gloo") -> None:
     """``fn(rank, world_size, *args)`` on every rank; a failing rank's error is raised here."""
-    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
+    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:

@@ -19,10 +19,16 @@ TP_PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [200, 17, 3, 99, 17, 3
 VERIFY_STEPS, DRAFT_LEN = 6, 2
 
 
-def _cache(cfg, num_blocks=NUM_BLOCKS, num_draft_layers=0, draft_heads=None) -> PagedKVCache:
+def _device() -> torch.device:
+    """This rank's device: the CPU under gloo, its own GPU under NCCL."""
+    from m3_eagle_plugin.parallel.process_group import comm_device
+
+    return comm_device() if dist.is_initialized() else torch.device("cpu")
+
+
+def _cache(cfg, device) -> PagedKVCache:
     return PagedKVCache.for_minimax_m3(cfg.num_layers, cfg.sparse_layer_ids, cfg.num_kv_heads, cfg.head_dim,
-                                       cfg.index_dim, cfg.block_size, num_blocks, num_draft_layers=num_draft_layers,
-                                       draft_num_kv_heads=draft_heads, dtype=torch.float32)
+                                       cfg.index_dim, cfg.block_size, NUM_BLOCKS, dtype=torch.float32, device=device)
 
 
 @torch.no_grad()
@@ -30,8 +36,9 @@ def greedy_verify_loop(model, prompts=TP_PROMPTS, steps=VERIFY_STEPS, k=DRAFT_LE
     """Prefill, then ``steps`` verify chunks of ``1 + k`` tokens with rule-made drafts and greedy
     acceptance; returns the tokens and every logits row the steps computed."""
     cfg = model.config
-    cache = _cache(cfg)
-    meta = MsaDecodeMetadata(len(prompts), 64, NUM_BLOCKS, cfg.block_size, "cpu", max_draft_len=k,
+    device = next(model.parameters()).device
+    cache = _cache(cfg, device)
+    meta = MsaDecodeMetadata(len(prompts), 64, NUM_BLOCKS, cfg.block_size, device, max_draft_len=k,
                              num_index_heads=cfg.index_heads)
     rids = list(range(len(prompts)))
     kv = [len(p) for p in prompts]
@@ -39,7 +46,7 @@ def greedy_verify_loop(model, prompts=TP_PROMPTS, steps=VERIFY_STEPS, k=DRAFT_LE
         cache.add_request(rid)
         cache.reserve(rid, kv[rid])
     meta.prepare(kv, kv, cache.block_table(rids, NUM_BLOCKS), num_context_requests=len(rids))
-    logits = model.compute_logits(model(torch.tensor(sum(prompts, [])), meta, cache))
+    logits = model.compute_logits(model(torch.tensor(sum(prompts, []), device=device), meta, cache)).cpu()
     last = torch.tensor(kv).cumsum(0) - 1
     all_logits = [logits[last]]
     tokens = [[int(t)] for t in logits[last].argmax(-1)]
@@ -52,7 +59,7 @@ def greedy_verify_loop(model, prompts=TP_PROMPTS, steps=VERIFY_STEPS, k=DRAFT_LE
         for rid in rids:
             cache.reserve(rid, staged[rid])
         meta.prepare([1 + k] * len(rids), staged, cache.block_table(rids, NUM_BLOCKS))
-        logits = model.compute_logits(model(torch.tensor(ids), meta, cache))
+        logits = model.compute_logits(model(torch.tensor(ids, device=device), meta, cache)).cpu()
         all_logits.append(logits)
         target = logits.argmax(-1).view(len(rids), 1 + k).tolist()
         for rid in rids:
@@ -76,8 +83,10 @@ def engine_run(model, references: dict[int, list[int]] | None, new_tokens: int =
     proposer = None
     if references is not None:
         proposer = ReplayProposer.with_error_rate(references, cfg.vocab_size, 0.3, seed=1)
-    engine = Engine(model, _cache(cfg), EngineConfig(draft_len=DRAFT_LEN, max_batch_size=2, max_tokens_per_step=64),
-                    vocab_size=cfg.vocab_size, proposer=proposer, num_index_heads=cfg.index_heads)
+    device = next(model.parameters()).device
+    engine = Engine(model, _cache(cfg, device),
+                    EngineConfig(draft_len=DRAFT_LEN, max_batch_size=2, max_tokens_per_step=64),
+                    vocab_size=cfg.vocab_size, proposer=proposer, num_index_heads=cfg.index_heads, device=device)
     result = engine.generate(TP_PROMPTS, new_tokens)
     stats = {key: value for key, value in result.stats.as_dict().items() if key not in ("elapsed_s", "tokens_per_s")}
     return result.outputs, stats
@@ -92,7 +101,7 @@ def tp_worker(rank: int, world_size: int, target_dir: str, out_dir: str) -> None
     from m3_eagle_plugin.models.loader import load_target
     from m3_eagle_plugin.parallel.tp_model import shard_target
 
-    full = load_target(target_dir, dtype=torch.float32).eval()
+    full = load_target(target_dir, dtype=torch.float32, device=_device()).eval()
     references = _replay_references(full)  # TP1 target-only output: what the drafter replays
     shard = shard_target(full, rank, world_size)
     result = greedy_verify_loop(shard)
@@ -165,7 +174,8 @@ def disagg_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, o
         proposer = None
         if references is not None:
             proposer = ReplayProposer.with_error_rate(references, 256, 0.3, seed=2)
-        return build_engine(target_dir, draft_dir, config, num_blocks=blocks + rank * 3, proposer=proposer)
+        return build_engine(target_dir, draft_dir, config, num_blocks=blocks + rank * 3, proposer=proposer,
+                            device=_device())
 
     def prefill_and_send(context) -> list:
         handoffs = [export_handoff(context, r) for r in run_context_phase(context, DISAGG_PROMPTS, DISAGG_NEW)]

@@ -55,6 +55,12 @@ def test_rank_shapes_and_replicated_weights(full_model):
     assert torch.equal(shard.lm_head.weight, full_model.lm_head.weight)
 
 
+def test_tp1_shard_is_the_model(full_model):
+    shard = shard_target(full_model, 0, 1)
+    assert all(torch.equal(a, b) for a, b in zip(shard.state_dict().values(), full_model.state_dict().values()))
+    assert not shard.layers[0].self_attn._forward_hooks  # nothing to reduce
+
+
 def test_bad_input_is_refused(full_model):
     with pytest.raises(TypeError):
         shard_target(torch.nn.Linear(2, 2), 0, 2)

@@ -103,7 +103,7 @@ def install(force: bool = False) -> dict:
     with _lock:
         if _engine.applied and not force:
             return report()
-        if _engine.applied:
+        if _engine.applied or (force and _engine.report().get("still_patched")):
             _engine.revert()
         try:
             _preflight()
@@ -151,4 +151,5 @@ def report() -> dict[str, Any]:
             "components": dict(COMPONENTS),
             "error": engine["error"],
             "revert_notes": engine["revert_notes"],
+            "still_patched": engine.get("still_patched", []),
         }
