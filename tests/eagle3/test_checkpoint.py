@@ -6,12 +6,14 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from m3_eagle_plugin.eagle3.checkpoint import CheckpointError, canonical_name, load_draft
+from m3_eagle_plugin.eagle3.checkpoint import CheckpointError, canonical_name, load_draft, parse_draft_config
 from m3_eagle_plugin.models.config import ConfigError
 from m3_eagle_plugin.models.loader import load_target
-from m3_eagle_plugin.models.tiny import make_tiny
+from m3_eagle_plugin.models.tiny import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, VOCAB, draft_config, make_tiny
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +145,82 @@ def test_nothing_is_assigned_when_validation_fails(tiny, tmp_path):
         load_draft(path, target)
     assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
     shutil.rmtree(path)
+
+
+# ---- bad draft configs and files: one error "<file>: <field>: <what is wrong>", nothing loaded ----
+
+def _parse(raw, **overrides):
+    kwargs = dict(target_hidden_size=HIDDEN, target_vocab_size=VOCAB, default_aux_layer_ids=(2, 4, 5),
+                  has_fc_norm=True, target_num_layers=8)
+    kwargs.update(overrides)
+    return parse_draft_config(raw, "d.json", **kwargs)
+
+
+def test_parse_draft_config_reads_the_tiny_draft():
+    config = _parse(draft_config())
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (HEADS, KV_HEADS, HEAD_DIM)
+    assert config.aux_layer_ids == (2, 4, 5) and config.norm_output is True
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda r: r.update(num_attention_heads="four"),
+     "d.json: num_attention_heads: expected an integer, got str 'four'"),
+    (lambda r: r.update(intermediate_size=[96]), "d.json: intermediate_size: expected an integer, got list [96]"),
+    (lambda r: r.update(head_dim=16.5), "d.json: head_dim: expected an integer, got 16.5"),
+    (lambda r: r.update(num_key_value_heads=-1), "d.json: num_key_value_heads: must be >= 1, got -1"),
+    (lambda r: r.update(num_key_value_heads=3), "d.json: num_key_value_heads: 3 does not divide num_attention_heads 4"),
+    (lambda r: r.update(rms_norm_eps="small"), "d.json: rms_norm_eps: expected a finite number, got str 'small'"),
+    (lambda r: r.update(draft_vocab_size=10 ** 6), "d.json: draft_vocab_size: 1000000 exceeds vocab_size 256"),
+    (lambda r: r.update(eagle_config="yes"), "d.json: eagle_config: must be a JSON object, got str"),
+    (lambda r: r["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, "4", 5]),
+     "d.json: eagle_config.eagle_aux_hidden_state_layer_ids[1]: expected an integer, got str '4'"),
+    (lambda r: r["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 99]),
+     "d.json: eagle_config.eagle_aux_hidden_state_layer_ids: aux layer ids [99] out of range for a 8-layer target"),
+    (lambda r: r.update(norm_output="yes"), "d.json: norm_output: expected true or false, got str 'yes'"),
+    (lambda r: r.update(rope_scaling={"type": "yarn"}),
+     "d.json: rope_scaling.type: unsupported draft rope type 'yarn' (only 'default')"),
+])
+def test_bad_draft_config_values(edit, message):
+    raw = draft_config()
+    edit(raw)
+    with pytest.raises(ConfigError) as info:
+        _parse(raw)
+    assert str(info.value) == message
+
+
+def test_draft_config_that_is_not_an_object():
+    with pytest.raises(ConfigError, match="^d.json: top level: must be a JSON object, got list$"):
+        _parse([1, 2])
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(value=st.one_of(st.integers(-2, 9), st.floats(-2, 9), st.booleans(), st.text(max_size=3),
+                       st.lists(st.integers(1, 4), max_size=2)))
+def test_any_json_value_for_draft_heads_parses_exactly_or_names_the_field(value):
+    raw = draft_config()
+    kv_heads = raw["num_key_value_heads"]
+    raw["num_attention_heads"] = value
+    raw.pop("head_dim")  # derived from the head count, so any divisor of hidden_size is a valid config
+    exact = not isinstance(value, bool) and isinstance(value, (int, float)) and float(value).is_integer()
+    if exact and value >= kv_heads and value % kv_heads == 0 and raw["hidden_size"] // value >= 1:
+        assert _parse(raw).num_heads == value
+    else:
+        with pytest.raises(ConfigError, match=r"^d\.json: (num_attention_heads|num_key_value_heads): "):
+            _parse(raw)
+
+
+def test_draft_config_that_is_not_json_names_the_file(tiny, tmp_path):
+    target, draft_dir = tiny
+    path = _variant(draft_dir, tmp_path / "d")
+    (path / "config.json").write_text('{"hidden_size": 64,')
+    with pytest.raises(ConfigError, match=rf"^{path / 'config.json'}: not valid JSON \("):
+        load_draft(path, target)
+
+
+def test_truncated_draft_safetensors_names_the_file(tiny, tmp_path):
+    target, draft_dir = tiny
+    path = _variant(draft_dir, tmp_path / "d")
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match=rf"^{file}: not a readable safetensors file \("):
+        load_draft(path, target)

@@ -207,7 +207,9 @@ def test_short_text_pattern_names_the_list_and_the_length(hf_text_checkpoint, ke
 @pytest.mark.parametrize("entry", [2, "1", [1], None])
 def test_bad_pattern_entry_names_its_index(entry):
     raw = target_config()
-    raw["text_config"]["moe_layer_freq"][3] = entry
+    pattern = list(raw["text_config"]["moe_layer_freq"])  # target_config() may share this list with sparse_*
+    pattern[3] = entry
+    raw["text_config"]["moe_layer_freq"] = pattern
     with pytest.raises(ConfigError, match=r"^x\.json: text_config\.moe_layer_freq\[3\]: .* is not one of \[0, 1\]$"):
         M3Config.from_dict(raw, "x.json")
 
@@ -216,7 +218,7 @@ def test_index_value_branch_error_names_the_layers():
     raw = target_config()
     sp = raw["text_config"]["sparse_attention_config"]
     first_sparse = sp["sparse_attention_freq"].index(1)
-    sp["sparse_disable_index_value"][first_sparse] = 0
+    sp["sparse_disable_index_value"] = [int(i != first_sparse) for i in range(len(sp["sparse_attention_freq"]))]
     with pytest.raises(ConfigError, match=rf"sparse_disable_index_value: sparse layers \[{first_sparse}\] keep"):
         M3Config.from_dict(raw, "x.json")
 

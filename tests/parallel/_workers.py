@@ -92,25 +92,49 @@ def engine_run(model, references: dict[int, list[int]] | None, new_tokens: int =
     return result.outputs, stats
 
 
+def eagle_engine_run(target, head, new_tokens: int = 10) -> dict:
+    """The reference host with the Eagle3 head drafting: outputs, stats and every draft proposal."""
+    from m3_eagle_plugin.eagle3.capture import AuxCapture
+    from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
+
+    cfg, device = target.config, next(target.parameters()).device
+    cache = PagedKVCache.for_minimax_m3(cfg.num_layers, cfg.sparse_layer_ids, cfg.num_kv_heads, cfg.head_dim,
+                                        cfg.index_dim, cfg.block_size, NUM_BLOCKS, num_draft_layers=1,
+                                        draft_num_kv_heads=head.config.num_kv_heads, dtype=torch.float32,
+                                        device=device)
+    engine = Engine(target, cache, EngineConfig(draft_len=3, max_batch_size=2, max_tokens_per_step=64),
+                    vocab_size=cfg.vocab_size, head=head, capture=AuxCapture(head.aux_layer_ids),
+                    num_index_heads=cfg.index_heads, device=device)
+    drafts = record_drafts(engine)
+    result = engine.generate(TP_PROMPTS, new_tokens)
+    return {"eagle_outputs": result.outputs, "eagle_stats": _stats(result), "eagle_drafts": drafts,
+            "eagle_pools": len(cache.geometry.pools)}
+
+
 def _replay_references(full) -> dict[int, list[int]]:
     outputs, _ = engine_run(full, None)
     return {i: prompt + out for i, (prompt, out) in enumerate(zip(TP_PROMPTS, outputs))}
 
 
-def tp_worker(rank: int, world_size: int, target_dir: str, out_dir: str) -> None:
+def tp_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out_dir: str) -> None:
+    from m3_eagle_plugin.eagle3.checkpoint import load_draft
     from m3_eagle_plugin.models.loader import load_target
-    from m3_eagle_plugin.parallel.tp_model import shard_target
+    from m3_eagle_plugin.parallel.tp_model import shard_draft_head, shard_target
 
     full = load_target(target_dir, dtype=torch.float32, device=_device()).eval()
     references = _replay_references(full)  # TP1 target-only output: what the drafter replays
     shard = shard_target(full, rank, world_size)
     result = greedy_verify_loop(shard)
     result["engine_outputs"], result["engine_stats"] = engine_run(shard, references)
+    head = load_draft(draft_dir, full, dtype=torch.float32, device=_device()).eval()
+    result.update(eagle_engine_run(shard, shard_draft_head(head, rank, world_size)))
     torch.save(result, Path(out_dir) / f"tp2_rank{rank}.pt")
     dist.barrier()
-    # TP1 (the unsharded model, no collectives), split over the two processes to halve the wait
+    # TP1 (the unsharded models, no collectives), split over the two processes to halve the wait
     if rank == 0:
-        torch.save(greedy_verify_loop(full), Path(out_dir) / "tp1_loop.pt")
+        result = greedy_verify_loop(full)
+        result.update(eagle_engine_run(full, head))
+        torch.save(result, Path(out_dir) / "tp1_loop.pt")
     else:
         outputs, stats = engine_run(full, references)
         torch.save({"engine_outputs": outputs, "engine_stats": stats}, Path(out_dir) / "tp1_engine.pt")
@@ -264,7 +288,7 @@ def echo_worker(rank: int, world_size: int, out_dir: str) -> None:
 
 def all_workers(rank: int, world_size: int, target_dir: str, draft_dir: str, out_dir: str) -> None:
     """Every two-rank check in one pair of processes (spawning costs more than the checks)."""
-    tp_worker(rank, world_size, target_dir, out_dir)
+    tp_worker(rank, world_size, target_dir, draft_dir, out_dir)
     dist.barrier()
     echo_worker(rank, world_size, out_dir)
     dist.barrier()

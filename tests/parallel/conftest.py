@@ -1,16 +1,7 @@
-"""Fixtures of the multi-rank tests: one tiny checkpoint pair per session, one torch thread."""
+"""Fixtures of the multi-rank tests: one tiny checkpoint pair and one two-rank run per session."""
 from __future__ import annotations
 
 import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

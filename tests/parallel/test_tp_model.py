@@ -2,8 +2,8 @@
 
 The single-process checks add the ranks' partial outputs by hand (what the all-reduce does);
 the two-process check runs the real all-reduce hooks over gloo and compares greedy tokens and
-logits of a prefill + verify-style steps, and a reference-host engine run, with the unsharded
-model (TP1).
+logits of a prefill + verify-style steps, and reference-host engine runs (host drafter; Eagle3
+head sharded alongside), with the unsharded models (TP1).
 """
 from pathlib import Path
 
@@ -15,7 +15,6 @@ from m3_eagle_plugin.models.loader import load_target
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.parallel import ShardingError, rank_config
 from m3_eagle_plugin.parallel.tp_model import shard_state_dict, shard_target
-
 
 TP = 2
 
@@ -55,6 +54,36 @@ def test_rank_shapes_and_replicated_weights(full_model):
     assert torch.equal(shard.lm_head.weight, full_model.lm_head.weight)
 
 
+def test_draft_head_mlp_partial_sums_and_cuts(full_model, tiny_pair):
+    from m3_eagle_plugin.eagle3.checkpoint import load_draft
+    from m3_eagle_plugin.parallel.tp_model import shard_draft_head
+
+    head = load_draft(tiny_pair[1], full_model, dtype=torch.float32)
+    whole = shard_draft_head(head, 0, 1)
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), head.state_dict().values()))
+    shapes = {n: t.shape for n, t in _draft_skeleton(head).state_dict().items()}
+    parts = [shard_state_dict(head.state_dict(), shapes, r, TP) for r in range(TP)]
+    full_mlp = head.layers[0].mlp
+    x = torch.randn(5, head.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    total = 0
+    for part in parts:
+        gate, up = part["layers.0.mlp.gate_proj.weight"], part["layers.0.mlp.up_proj.weight"]
+        total = total + torch.nn.functional.silu(x @ gate.T) * (x @ up.T) @ part["layers.0.mlp.down_proj.weight"].T
+    assert torch.allclose(total, full_mlp(x), atol=1e-5)
+    assert torch.equal(parts[1]["layers.0.self_attn.k_proj.weight"], head.layers[0].self_attn.k_proj.weight[16:])
+    assert torch.equal(parts[1]["fc.weight"], head.fc.weight)
+
+
+def _draft_skeleton(head):
+    import dataclasses
+
+    from m3_eagle_plugin.eagle3.head import Eagle3Head
+
+    c = head.config
+    return Eagle3Head(dataclasses.replace(c, num_heads=c.num_heads // TP, num_kv_heads=c.num_kv_heads // TP,
+                                          intermediate_size=c.intermediate_size // TP))
+
+
 def test_tp1_shard_is_the_model(full_model):
     shard = shard_target(full_model, 0, 1)
     assert all(torch.equal(a, b) for a, b in zip(shard.state_dict().values(), full_model.state_dict().values()))
@@ -64,6 +93,8 @@ def test_tp1_shard_is_the_model(full_model):
 def test_bad_input_is_refused(full_model):
     with pytest.raises(TypeError):
         shard_target(torch.nn.Linear(2, 2), 0, 2)
+    with pytest.raises(ValueError, match="outside"):
+        shard_target(full_model, 2, 2)
     with pytest.raises(RuntimeError, match="process group"):
         shard_target(full_model, 0, 2)
     with pytest.raises(ShardingError, match="num_key_value_heads"):
@@ -116,5 +147,12 @@ def test_tp2_greedy_output_and_logits_equal_tp1(two_rank_run):
             assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
         assert tp2["engine_outputs"] == tp1["engine_outputs"]
         assert tp2["engine_stats"] == tp1["engine_stats"]
+        # Eagle3 head sharded too: same tokens, the same draft proposals, the same statistics
+        assert tp2["eagle_outputs"] == tp1["eagle_outputs"] == tp1["engine_outputs"]
+        assert tp2["eagle_drafts"] == tp1["eagle_drafts"] and len(tp1["eagle_drafts"][0]) >= 3
+        assert tp2["eagle_stats"] == tp1["eagle_stats"]
+        # tiny TP2 mirrors production TP4: 1 KV head x block 4 x dim 16 = the index-K page 4 x 16, so
+        # each rank runs on the one-pool mega-slot (draft layer included); TP1 needs two pools
+        assert (tp2["eagle_pools"], tp1["eagle_pools"]) == (1, 2)
     assert tp1["sparse_active"]  # some token saw more than top-k blocks: selection really pruned
     assert 0 < tp1["engine_stats"]["acceptance_rate"] < 1

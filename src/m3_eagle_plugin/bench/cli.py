@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import e2e  # noqa: F401 - registers the end-to-end runner behind --e2e
 from .end_to_end import run_end_to_end
 from .inputs import Geometry
 from .kernel_suite import KERNELS, StepSet, run_kernel_suite
@@ -49,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with the torch reference")
     parser.add_argument("--no-reference-timing", action="store_true", help="do not time the torch reference")
     parser.add_argument("--e2e", action="store_true", help="also run the end-to-end section")
+    e2e.add_arguments(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write all rows and context as JSON")
 

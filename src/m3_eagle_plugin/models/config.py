@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -77,9 +78,9 @@ class ConfigFields:
 
     def get_int(self, key: str, default: Any = _REQUIRED, minimum: int | None = None) -> int:
         value = self.need(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise self.error(key, f"expected an integer, got {type(value).__name__} {_show(value)}")
-        if isinstance(value, float) and not value.is_integer():
+        if not isinstance(value, numbers.Integral) and not float(value).is_integer():
             raise self.error(key, f"expected an integer, got {_show(value)}")
         value = int(value)
         if minimum is not None and value < minimum:
@@ -88,7 +89,7 @@ class ConfigFields:
 
     def get_float(self, key: str, default: Any = _REQUIRED, positive: bool = False) -> float:
         value = self.need(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise self.error(key, f"expected a finite number, got {type(value).__name__} {_show(value)}")
         if positive and value <= 0:
             raise self.error(key, f"must be > 0, got {value}")
@@ -105,9 +106,9 @@ class ConfigFields:
         if not isinstance(values, (list, tuple)):
             raise self.error(key, f"must be a list of integers, got {type(values).__name__}")
         for i, value in enumerate(values):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise self.error(f"{key}[{i}]", f"expected an integer, got {type(value).__name__} {_show(value)}")
-        return tuple(values)
+        return tuple(int(v) for v in values)
 
     def get_section(self, key: str) -> "ConfigFields | None":
         """A nested object (None when absent)."""
@@ -124,7 +125,7 @@ class ConfigFields:
             raise self.error(key, f"has {len(values)} entries, expected {num_layers} (one per layer: num_hidden_layers)")
         out = []
         for i, value in enumerate(values):
-            entry = int(value) if isinstance(value, bool) else value
+            entry = int(value) if isinstance(value, numbers.Integral) else value  # bool counts as 0 / 1
             if not isinstance(entry, (str, int)) or entry not in meaning:
                 raise self.error(f"{key}[{i}]", f"{_show(value)} is not one of {sorted(meaning, key=str)}")
             out.append(meaning[entry])

@@ -86,7 +86,7 @@ class SafetensorsSource:
 
 def _read(file: Path, names: list[str]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    name = "<header>"
+    name = names[0] if names else "<header>"
     try:
         with safe_open(str(file), framework="pt") as f:
             for name in names:

@@ -3,8 +3,9 @@ and moving a request's KV between ranks for disaggregated serving.
 
 `sharding` is pure arithmetic; `tp_model` cuts a loaded target into a rank's shard with an
 all-reduce after attention and after the MLP / MoE; `transfer` sends a `kv.transfer` payload
-over torch.distributed; `disagg` hands a prefilled request from one reference-host engine to
-another. Everything is device-agnostic: gloo on CPU processes, NCCL on GPUs.
+over torch.distributed (`process_group` starts a local group); `disagg` hands a prefilled request
+from one reference-host engine to another (it sits at host level, so it is not imported here).
+Everything is device-agnostic: gloo on CPU processes, NCCL on GPUs (NVLS off by default).
 """
 from m3_eagle_plugin.parallel.sharding import (
     RankShape,

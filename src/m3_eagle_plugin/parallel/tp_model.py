@@ -6,21 +6,24 @@ Megatron style: q/k/v and index_q are column-parallel (this rank's contiguous he
 row-parallel, the MLP / shared expert / routed experts are split on the intermediate dim (gate
 and up halves each); the router, embeddings, norms, lm_head and the single shared index_k head
 are replicated. Attention's o_proj and the MLP / MoE then hold partial sums, so a forward hook
-all-reduces each of them: two all-reduces per layer, the only communication.
+all-reduces each of them: two all-reduces per layer, the only communication. The Eagle3 head's
+one layer is cut the same way (`shard_draft_head`), so its KV heads per rank match the target's.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from m3_eagle_plugin.eagle3.head import Eagle3Head
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
-from m3_eagle_plugin.parallel.sharding import ShardingError, rank_config
+from m3_eagle_plugin.parallel.sharding import ShardingError, rank_config, shard_width
 
-__all__ = ["shard_state_dict", "shard_target", "attach_all_reduce"]
+__all__ = ["shard_state_dict", "shard_target", "shard_draft_head", "attach_all_reduce"]
 
 # (name suffix, how to cut): "rows" = dim 0 slice, "cols" = last dim slice, "halves" = gate and up
 # halves of a fused gate_up, each sliced on its intermediate dim (dim -2).
@@ -31,6 +34,8 @@ _RULES: tuple[tuple[str, str], ...] = (
     ("self_attn.indexer.q_proj.weight", "rows"),
     ("self_attn.o_proj.weight", "cols"),
     ("gate_up_proj.weight", "halves"),
+    ("mlp.gate_proj.weight", "rows"),  # the Eagle3 head's unfused SiLU-GLU
+    ("mlp.up_proj.weight", "rows"),
     ("down_proj.weight", "cols"),
     ("experts.gate_up_proj", "halves"),
     ("experts.down_proj", "cols"),
@@ -56,9 +61,11 @@ def _cut(full: torch.Tensor, rule: str, rank: int, tp_size: int) -> torch.Tensor
 def shard_state_dict(full: dict[str, torch.Tensor], shard_shapes: dict[str, torch.Size], rank: int,
                      tp_size: int) -> dict[str, torch.Tensor]:
     """Cut ``full`` to ``shard_shapes`` (a rank model's state-dict shapes); unsplit names are copied."""
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} is outside [0, {tp_size})")
     missing = sorted(set(shard_shapes) - set(full))
     if missing:
-        raise KeyError(f"full state dict lacks {missing[:5]}")
+        raise ShardingError(f"the full state dict lacks {missing[:5]}")
     out = {}
     for name, want in shard_shapes.items():
         tensor = full[name]
@@ -75,7 +82,7 @@ def shard_state_dict(full: dict[str, torch.Tensor], shard_shapes: dict[str, torc
     return out
 
 
-def attach_all_reduce(model: MiniMaxM3ForCausalLM,
+def attach_all_reduce(model: MiniMaxM3ForCausalLM | Eagle3Head,
                       reduce: Callable[[torch.Tensor], None]) -> list[torch.utils.hooks.RemovableHandle]:
     """Hook ``reduce`` (an in-place sum over the ranks) on every layer's attention and MLP / MoE."""
     def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -89,34 +96,73 @@ def attach_all_reduce(model: MiniMaxM3ForCausalLM,
     return handles
 
 
+def _check_group(rank: int, tp_size: int, group: dist.ProcessGroup | None) -> None:
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} is outside [0, {tp_size})")
+    if tp_size > 1:
+        if not dist.is_initialized():
+            raise RuntimeError("tensor-parallel sharding needs an initialised torch.distributed process group")
+        if dist.get_world_size(group) != tp_size or dist.get_rank(group) != rank:
+            raise ShardingError(f"process group rank {dist.get_rank(group)} of {dist.get_world_size(group)} "
+                                f"does not match rank {rank} of tp_size {tp_size}")
+
+
+def _cut_copy(source: nn.Module, build: Callable[[], nn.Module], rank: int, tp_size: int) -> nn.Module:
+    """``build()`` on the meta device (shapes only), then filled with ``source``'s cut weights."""
+    with torch.device("meta"):
+        shard = build()
+    shapes = {name: t.shape for name, t in shard.state_dict().items()}
+    shard.load_state_dict(shard_state_dict(source.state_dict(), shapes, rank, tp_size), strict=True, assign=True)
+    shard.rotary = copy.deepcopy(source.rotary)
+    for name, buffer in source.named_buffers():  # buffers the state dict skips (None at build time)
+        if buffer is not None and name not in shapes and "." not in name:
+            setattr(shard, name, buffer)
+    left = [name for name, t in [*shard.named_parameters(), *shard.named_buffers()] if t.is_meta]
+    if left:
+        raise ShardingError(f"shard tensors left unassigned: {left[:5]}")
+    return shard.eval()
+
+
 def shard_target(model: MiniMaxM3ForCausalLM, rank: int, tp_size: int, *,
                  group: dist.ProcessGroup | None = None) -> MiniMaxM3ForCausalLM:
     """This rank's shard of ``model`` (left untouched), with the all-reduces attached.
 
     With ``tp_size == 1`` nothing is reduced. Otherwise the default (or given) process group of
-    ``tp_size`` ranks must be initialised; tensors are reduced where they live, so the same code
-    runs with gloo on CPU and NCCL on GPUs.
+    ``tp_size`` ranks must be initialised and ``rank`` must be this process's rank in it; tensors
+    are reduced where they live, so the same code runs with gloo on CPU and NCCL on GPUs.
+    Replicated weights share storage with ``model`` (inference only).
     """
     if not isinstance(model, MiniMaxM3ForCausalLM):
         raise TypeError(f"model must be a MiniMaxM3ForCausalLM, got {type(model).__name__}")
-    if tp_size > 1:
-        if not dist.is_initialized():
-            raise RuntimeError("tensor-parallel sharding needs an initialised torch.distributed process group")
-        if dist.get_world_size(group) != tp_size:
-            raise ShardingError(f"process group has {dist.get_world_size(group)} ranks, tp_size is {tp_size}")
+    _check_group(rank, tp_size, group)
     config = rank_config(model.config, tp_size)
-    with torch.device("meta"):  # shapes only: the weights come from ``model``
-        shard = MiniMaxM3ForCausalLM(config)
-    shapes = {name: t.shape for name, t in shard.state_dict().items()}
-    shard.load_state_dict(shard_state_dict(model.state_dict(), shapes, rank, tp_size), strict=True, assign=True)
-    shard.rotary = copy.deepcopy(model.rotary)
-    left = [name for name, t in shard.state_dict(keep_vars=True).items() if t.is_meta]
-    if left:
-        raise ShardingError(f"shard tensors left unassigned: {left[:5]}")
+    shard = _cut_copy(model, lambda: MiniMaxM3ForCausalLM(config), rank, tp_size)
     for layer, source in zip(shard.layers, model.layers):
         if hasattr(source.mlp, "graph_safe"):
             layer.mlp.graph_safe = source.mlp.graph_safe
-    shard.eval()
+    if tp_size > 1:
+        attach_all_reduce(shard, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
+    return shard
+
+
+def shard_draft_head(head: Eagle3Head, rank: int, tp_size: int, *,
+                     group: dist.ProcessGroup | None = None) -> Eagle3Head:
+    """This rank's shard of the Eagle3 head, cut like a target layer (q/k/v and gate/up by column,
+    o/down by row, fc / norms / embeddings / lm_head / d2t replicated), all-reduces attached.
+
+    Its KV heads per rank then match the target's, so the shared draft layer keeps fitting the
+    target's K/V pool on every rank.
+    """
+    if not isinstance(head, Eagle3Head):
+        raise TypeError(f"head must be an Eagle3Head, got {type(head).__name__}")
+    _check_group(rank, tp_size, group)
+    cfg = head.config
+    config = dataclasses.replace(
+        cfg, num_heads=shard_width("draft num_attention_heads", cfg.num_heads, tp_size),
+        num_kv_heads=shard_width("draft num_key_value_heads", cfg.num_kv_heads, tp_size),
+        intermediate_size=shard_width("draft intermediate_size", cfg.intermediate_size, tp_size),
+    )
+    shard = _cut_copy(head, lambda: Eagle3Head(config), rank, tp_size)
     if tp_size > 1:
         attach_all_reduce(shard, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
     return shard

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
 from m3_eagle_plugin.cli import main
 
@@ -37,6 +38,20 @@ def test_text_output_announces_forced_acceptance(tiny_pair, capsys):
     assert rc == 0
     assert "forced acceptance: 2" in out and "NOT the target's" in out
     assert "acceptance_rate=1.000" in out
+
+
+def test_fractional_forced_acceptance_is_a_mean_per_verify_step(tiny_pair, capsys):
+    target, draft = tiny_pair
+    rc, out, _ = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--draft-len", "3",
+                         "--prompt-ids", "1,2,3", "--max-new-tokens", "15", "--force-accepted", "2.5", "--json")
+    report = json.loads(out)
+    assert rc == 0 and report["forced_acceptance"] == 2.5
+    # accepted 2, 3, 2, 3 per verify step: 1 + 3 + 4 + 3 + 4 = 15 tokens in 4 verify steps
+    assert (report["verify_steps"], report["accepted_tokens"]) == (4, 10)
+    assert report["mean_acceptance_length"] == 3.5
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--model", str(target), "--prompt-ids", "1", "--force-accepted", "two"])
+    assert exit_info.value.code == 2 and "--force-accepted: expected a number" in capsys.readouterr().err
 
 
 def test_cuda_graphs_on_cpu_is_refused_clearly(tiny_pair, capsys):

@@ -53,9 +53,9 @@ def _forced_count(text: str) -> int | float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--force-accepted: expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if value != value or value in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"--force-accepted must be a finite number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return int(value) if value.is_integer() else value
 
 

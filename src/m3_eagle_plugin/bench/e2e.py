@@ -1,0 +1,400 @@
+"""End-to-end section of `m3-eagle bench`: reference-host decode throughput with and without Eagle3.
+
+Why: the kernel suite times pieces; this times what a user gets. A random MiniMax-M3-shaped model
+(one rank's geometry: 16 q heads, 1 KV head, head dim 128, 1 index head of dim 128, block 128,
+top-16; 3 dense + 5 sparse MoE layers) and a random Eagle3 head are built in memory, and the
+reference host decodes the same prompts twice per batch size, side by side: target only, and
+Eagle3 under forced acceptance (a random head would accept nothing, so acceptance is forced to a
+mean of 2.5 drafts per verify step = mean acceptance length 3.5 at draft_len 3). On CUDA both
+modes replay their decode steps from CUDA graphs; on CPU a tiny shape runs eagerly so CI can
+exercise the path. Only full-batch decode is timed: from the first commit after which every
+request has its first token to the last commit before any request finishes (the scheduler runs
+decode rows first, so requests prefilled early start generating while later prompts prefill;
+each commit reads results back, so the clock sees finished device work).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+
+from .end_to_end import register_end_to_end
+
+__all__ = ["E2EShape", "GPU_SHAPE", "CPU_SHAPE", "TargetOnlyGraphs", "build_random_models", "measure_decode",
+           "run_e2e", "add_arguments"]
+
+
+@dataclass(frozen=True)
+class E2EShape:
+    """Model geometry and workload of one end-to-end run."""
+
+    hidden: int = 6144
+    q_heads: int = 16
+    kv_heads: int = 1
+    head_dim: int = 128
+    index_heads: int = 1
+    index_dim: int = 128
+    block: int = 128
+    topk: int = 16
+    num_layers: int = 8
+    dense_layers: int = 3
+    num_experts: int = 16  # one expert-parallel rank's share of 128
+    experts_per_tok: int = 4
+    moe_intermediate: int = 3072
+    dense_intermediate: int = 3072
+    shared_intermediate: int = 768
+    vocab: int = 32768
+    draft_intermediate: int = 4608
+    prompt_len: int = 4096  # 32 blocks of 128: top-16 selection is active
+    new_tokens: int = 256
+    max_tokens_per_step: int = 4096
+    batches: tuple[int, ...] = (1, 16)
+    draft_len: int = 3
+    forced_mean: float = 2.5  # accepted drafts per verify step: mean acceptance length 3.5 at K = 3
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if self.dense_layers > self.num_layers or self.num_layers < 3:
+            raise ValueError(f"need >= 3 layers and dense_layers <= num_layers, "
+                             f"got {self.num_layers}/{self.dense_layers}")
+        if not 0 <= self.forced_mean <= self.draft_len:
+            raise ValueError(f"forced_mean {self.forced_mean} must lie in [0, draft_len={self.draft_len}]")
+        if self.new_tokens < 4 or self.repeats < 1 or self.prompt_len < 1:
+            raise ValueError("new_tokens must be >= 4, prompt_len and repeats >= 1")
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"batches must be non-empty and >= 1, got {self.batches}")
+
+
+GPU_SHAPE = E2EShape()
+CPU_SHAPE = E2EShape(
+    hidden=64, q_heads=4, head_dim=16, index_dim=16, block=4, topk=3, num_experts=4, experts_per_tok=2,
+    moe_intermediate=32, dense_intermediate=64, shared_intermediate=32, vocab=256, draft_intermediate=96,
+    prompt_len=20, new_tokens=12, max_tokens_per_step=320, batches=(1, 16), repeats=1,
+)
+
+
+# ----- the random model ------------------------------------------------------------------------
+def m3_config(shape: E2EShape):
+    """The target's `M3Config`, through the production config layout (the public contract)."""
+    from m3_eagle_plugin.models.config import M3Config
+
+    moe = [0] * shape.dense_layers + [1] * (shape.num_layers - shape.dense_layers)
+    text = {
+        "vocab_size": shape.vocab, "hidden_size": shape.hidden, "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.q_heads, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
+        "intermediate_size": shape.moe_intermediate, "dense_intermediate_size": shape.dense_intermediate,
+        "shared_intermediate_size": shape.shared_intermediate, "num_local_experts": shape.num_experts,
+        "num_experts_per_tok": shape.experts_per_tok, "routed_scaling_factor": 2.0, "scoring_func": "sigmoid",
+        "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "moe_layer_freq": moe, "rms_norm_eps": 1e-6,
+        "rope_theta": 5e6, "partial_rotary_factor": 0.5, "tie_word_embeddings": False,
+        "sparse_attention_config": {
+            "use_sparse_attention": True, "sparse_index_dim": shape.index_dim,
+            "sparse_num_index_heads": shape.index_heads, "sparse_topk_blocks": shape.topk,
+            "sparse_block_size": shape.block, "sparse_score_type": "max", "sparse_init_block": 0,
+            "sparse_local_block": 1, "sparse_disable_index_value": moe, "sparse_attention_freq": moe,
+        },
+    }
+    return M3Config.from_dict({"text_config": text}, source="<bench e2e>")
+
+
+def _random_state(module: torch.nn.Module, *, norm_value: float, dtype: torch.dtype, device: torch.device,
+                  generator: torch.Generator, skip: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+    """Weights with unit-variance outputs (std 1/sqrt(fan_in)), norms at their identity, biases zero."""
+    state = {}
+    for name, meta in module.state_dict().items():
+        if any(name.startswith(prefix) for prefix in skip):
+            continue
+        if name.endswith("e_score_correction_bias"):
+            state[name] = torch.zeros(meta.shape, dtype=torch.float32, device=device)
+        elif meta.dim() == 1:
+            state[name] = torch.full(meta.shape, norm_value, dtype=dtype, device=device)
+        else:
+            std = 1.0 if "embed_tokens" in name else meta.shape[-1] ** -0.5
+            state[name] = (torch.randn(meta.shape, generator=generator, device=device) * std).to(dtype)
+    return state
+
+
+def build_random_models(shape: E2EShape, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """(target, Eagle3 head) with random weights; the head shares the target's embedding and lm_head."""
+    from m3_eagle_plugin.eagle3.head import Eagle3Config, Eagle3Head
+    from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
+    from m3_eagle_plugin.models.rope import RotaryEmbedding
+
+    config = m3_config(shape)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        target = MiniMaxM3ForCausalLM(config)
+    target.load_state_dict(_random_state(target, norm_value=0.0, dtype=dtype, device=device, generator=generator),
+                           strict=True, assign=True)  # Gemma norms scale by 1 + w
+    target.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta).to(device)
+    target = target.eval().requires_grad_(False)
+
+    head_config = Eagle3Config(
+        hidden_size=shape.hidden, num_heads=shape.q_heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        intermediate_size=shape.draft_intermediate, rms_norm_eps=1e-6, rope_theta=config.rope_theta,
+        vocab_size=shape.vocab, draft_vocab_size=shape.vocab, target_hidden_size=shape.hidden,
+        aux_layer_ids=config.default_aux_layer_ids, norm_output=True, has_fc_norm=True,
+    )
+    with torch.device("meta"):
+        head = Eagle3Head(head_config)
+    shared = ("embed_tokens", "lm_head")
+    state = _random_state(head, norm_value=1.0, dtype=dtype, device=device, generator=generator, skip=shared)
+    for name in shared:  # placeholders so load_state_dict skips the shared modules
+        setattr(head, name, torch.nn.Identity())
+    head.load_state_dict(state, strict=True, assign=True)
+    head.embed_tokens, head.lm_head = target.embed_tokens, target.lm_head
+    head.rotary = RotaryEmbedding(head_config.head_dim, head_config.rope_theta).to(device)
+    return target, head.eval().requires_grad_(False)
+
+
+# ----- the no-speculation decode step under CUDA graphs ------------------------------------------
+@dataclass
+class _Bucket:
+    input_ids: torch.Tensor  # [R]
+    true_kv: torch.Tensor  # [R] int32
+    zeros: torch.Tensor  # [R]
+    graph: "torch.cuda.CUDAGraph | None" = None
+    tokens: torch.Tensor | None = None
+
+
+class TargetOnlyGraphs:
+    """Fixed-shape replay of the target-only decode step (the host's `GenerationGraphs` needs a head).
+
+    Same staging as the host's graphs: lengths staged at the cache's capacity on the host, the true
+    lengths applied on the device through ``on_update_kv_lens`` inside the graph. ``capture=False``
+    runs the same step eagerly (CPU tests of the staging).
+    """
+
+    def __init__(self, runner, *, capture: bool = True) -> None:
+        cfg = runner.config
+        if capture and cfg.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        if cfg.draft_len != 0 or runner.head is not None:
+            raise ValueError("TargetOnlyGraphs replays decode without speculation: it needs draft_len 0 and no head")
+        if not cfg.sampling.greedy:
+            raise ValueError("TargetOnlyGraphs supports greedy decoding only")
+        self.runner, self.capture = runner, capture
+        self.buckets: dict[int, _Bucket] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.capacity = cfg.max_blocks_per_seq * cfg.block_size
+
+    @staticmethod
+    def eligible(rows) -> bool:
+        from m3_eagle_plugin.host.reference.scheduler import RowKind
+
+        return bool(rows) and all(row.kind is RowKind.VERIFY for row in rows)
+
+    def _bucket(self, num_rows: int) -> _Bucket:
+        if num_rows not in self.buckets:
+            device = self.runner.config.device
+            self.buckets[num_rows] = _Bucket(
+                input_ids=torch.zeros(num_rows, dtype=torch.long, device=device),
+                true_kv=torch.zeros(num_rows, dtype=torch.int32, device=device),
+                zeros=torch.zeros(num_rows, dtype=torch.long, device=device),
+            )
+        return self.buckets[num_rows]
+
+    def _body(self, bucket: _Bucket) -> torch.Tensor:
+        runner = self.runner
+        runner.meta.on_update_kv_lens(bucket.true_kv)
+        hidden = runner.target.forward(bucket.input_ids, runner.meta, runner.cache)
+        return torch.argmax(runner.target.compute_logits(hidden), dim=-1)
+
+    def launch(self, rows, step_id: int):
+        from m3_eagle_plugin.host.reference.runner import StepOutput
+
+        runner, cfg = self.runner, self.runner.config
+        rows = list(rows)
+        rids, staged = [], []
+        for row in rows:
+            kv = row.request.kv_len + 1
+            runner.cache.reserve(row.request.rid, runner._reserve_tokens(kv))
+            rids.append(row.request.rid)
+            staged.append(kv)
+        # Unreserved columns point at page 0; its keys sit past every true length, so stay invisible.
+        tables = runner.cache.block_table(rids, width=cfg.max_blocks_per_seq).clamp(min=0)
+        runner.meta.prepare([1] * len(rows), [self.capacity] * len(rows), tables, num_context_requests=0)
+        bucket = self._bucket(len(rows))
+        input_ids, shrink = runner._step_inputs(rows, list(range(len(rows))))
+        bucket.input_ids.copy_(input_ids)
+        true_kv = runner._to_device(staged, torch.int32)
+        bucket.true_kv.copy_(true_kv if shrink is None else true_kv - shrink)
+        if not self.capture:
+            tokens = self._body(bucket)
+        else:
+            if bucket.graph is None:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._body(bucket)  # warm-up, idempotent with the replay below
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    bucket.tokens = self._body(bucket)
+                bucket.graph = graph
+            bucket.graph.replay()
+            tokens = bucket.tokens.clone()  # the next replay overwrites the static output
+        emitted = tokens.unsqueeze(1)
+        return StepOutput(
+            step_id=step_id, rows=rows, draft_lens=[0] * len(rows), emitted=emitted,
+            num_emitted=bucket.zeros + 1, num_accepted=bucket.zeros, deficit=bucket.zeros,
+            drafting_rows=list(range(len(rows))), next_inputs=emitted, next_draft_probs=None, head_drafts=False,
+        )
+
+
+# ----- engines and timing ----------------------------------------------------------------------
+def _engine(target, head, shape: E2EShape, *, speculate: bool, batch: int, prompts, device, dtype, graphs: bool):
+    from m3_eagle_plugin.eagle3.capture import AuxCapture
+    from m3_eagle_plugin.host.reference.build import blocks_for_prompts
+    from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
+    from m3_eagle_plugin.kv import PagedKVCache
+
+    tc = target.config
+    k = shape.draft_len if speculate else 0
+    config = EngineConfig(
+        draft_len=k, max_batch_size=batch, max_tokens_per_step=max(shape.max_tokens_per_step, batch * (k + 1)),
+        cuda_graphs=graphs and speculate, force_accepted=shape.forced_mean if speculate else None,
+    )
+    num_blocks = blocks_for_prompts(prompts, shape.new_tokens, k, tc.block_size)
+    cache = PagedKVCache.for_minimax_m3(
+        tc.num_layers, list(tc.sparse_layer_ids), tc.num_kv_heads, tc.head_dim, tc.index_dim, tc.block_size,
+        num_blocks, num_draft_layers=1 if speculate else 0,
+        draft_num_kv_heads=head.config.num_kv_heads if speculate else None, dtype=dtype, device=device,
+    )
+    engine = Engine(
+        target, cache, config, vocab_size=tc.vocab_size, head=head if speculate else None,
+        capture=AuxCapture(head.aux_layer_ids) if speculate else None, device=device,
+        num_index_heads=max(tc.index_heads, 1),
+    )
+    if graphs and not speculate:
+        engine.runner.graphs = TargetOnlyGraphs(engine.runner)
+    return engine
+
+
+@dataclass
+class DecodeMeasurement:
+    """One timed `generate`: the full-batch decode window's tokens, verify steps, accepted drafts and
+    seconds, plus the whole run's generated tokens and engine steps."""
+
+    tokens: int
+    verify_steps: int
+    accepted: int
+    seconds: float
+    generated_total: int
+    engine_steps: int
+    outputs: list[list[int]] = field(repr=False, default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
+def measure_decode(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> DecodeMeasurement:
+    """Generate; time the window from every request having its first token to the last commit
+    before a request finishes (every step in it is a full-batch decode step)."""
+    marks: list[tuple[float, int, int, int]] = []
+
+    def on_commit(done: int, total: int) -> None:
+        stats = engine.stats
+        if done == 0 and stats.generated_tokens >= len(prompts):
+            marks.append((time.perf_counter(), stats.generated_tokens, stats.verify_steps, stats.accepted_tokens))
+
+    result = engine.generate(prompts, max_new_tokens, progress=on_commit)
+    failed = [e for e in result.errors if e]
+    if failed:
+        raise RuntimeError(f"end-to-end generation failed: {failed[0]}")
+    if len(marks) < 2:
+        raise ValueError(f"no full-batch decode window: raise new_tokens ({max_new_tokens}) so every request "
+                         "decodes at least two steps together")
+    (t0, g0, v0, a0), (t1, g1, v1, a1) = marks[0], marks[-1]
+    return DecodeMeasurement(tokens=g1 - g0, verify_steps=v1 - v0, accepted=a1 - a0, seconds=t1 - t0,
+                             generated_total=result.stats.generated_tokens, engine_steps=result.stats.engine_steps,
+                             outputs=result.outputs)
+
+
+def _prompts(shape: E2EShape, batch: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, shape.vocab, (batch, shape.prompt_len), generator=generator).tolist()
+
+
+def run_e2e(shape: E2EShape, device: torch.device | str, *, dtype: torch.dtype | None = None,
+            graphs: bool | None = None, seed: int = 0, log=None) -> list[dict[str, Any]]:
+    """Rows (batch, mode, tokens/s, mean acceptance length, speed-up), no-spec and Eagle3 side by side."""
+    device = torch.device(device)
+    graphs = device.type == "cuda" if graphs is None else graphs
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    target, head = build_random_models(shape, device, dtype, seed)
+    target.set_graph_safe_moe(graphs)
+    rows = []
+    for batch in shape.batches:
+        prompts = _prompts(shape, batch, seed + batch)
+        engines = {spec: _engine(target, head, shape, speculate=spec, batch=batch, prompts=prompts, device=device,
+                                 dtype=dtype, graphs=graphs) for spec in (False, True)}
+        for engine in engines.values():
+            measure_decode(engine, prompts, shape.new_tokens)  # warm-up: captures every graph the run replays
+        runs: dict[bool, list[DecodeMeasurement]] = {False: [], True: []}
+        for _ in range(shape.repeats):
+            for spec, engine in engines.items():  # interleaved: both modes see the same machine state
+                runs[spec].append(measure_decode(engine, prompts, shape.new_tokens))
+        median = {spec: statistics.median(m.tokens_per_s for m in ms) for spec, ms in runs.items()}
+        for spec, ms in runs.items():
+            last = ms[-1]
+            rows.append({
+                "kernel": "e2e", "batch": batch, "context": shape.prompt_len, "mode": "eagle3" if spec else "no_spec",
+                "draft_len": shape.draft_len if spec else 0, "tokens_per_s": median[spec],
+                "mean_acceptance_length": last.mean_acceptance_length,
+                "speedup": median[spec] / median[False] if median[False] > 0 else 0.0,
+                "decode_tokens": last.tokens, "decode_steps": last.verify_steps // batch,
+                "engine_steps": last.engine_steps, "generated_tokens": last.generated_total,
+                "hidden": shape.hidden, "dtype": str(dtype).replace("torch.", ""), "cuda_graphs": graphs,
+            })
+            if log is not None:
+                log(f"e2e batch {batch} {rows[-1]['mode']}: {median[spec]:.1f} tok/s, "
+                    f"AL {last.mean_acceptance_length:.2f}, speed-up {rows[-1]['speedup']:.2f}x")
+        del engines
+    return rows
+
+
+# ----- CLI -------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--e2e-hidden", type=int, default=None, help="end-to-end target hidden size (GPU default 6144)")
+    parser.add_argument("--e2e-tokens", type=int, default=None, help="end-to-end tokens generated per request")
+    parser.add_argument("--e2e-context", type=int, default=None, help="end-to-end prompt length")
+    parser.add_argument("--e2e-batches", default=None, help="end-to-end batch sizes, comma list (default 1,16)")
+    parser.add_argument("--e2e-repeats", type=int, default=None, help="timed runs per mode (median reported)")
+
+
+def shape_from_args(args: argparse.Namespace, device: torch.device) -> E2EShape:
+    shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
+    overrides: dict[str, Any] = {}
+    for option, name in (("e2e_hidden", "hidden"), ("e2e_tokens", "new_tokens"), ("e2e_context", "prompt_len"),
+                         ("e2e_repeats", "repeats")):
+        value = getattr(args, option, None)
+        if value is not None:
+            overrides[name] = value
+    batches = getattr(args, "e2e_batches", None)
+    if batches:
+        try:
+            overrides["batches"] = tuple(int(b) for b in batches.split(",") if b.strip())
+        except ValueError:
+            raise ValueError(f"--e2e-batches: expected a comma list of integers, got {batches!r}") from None
+    return replace(shape, **overrides)
+
+
+@register_end_to_end
+def bench_end_to_end(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The `m3-eagle bench --e2e` runner: GPU shape with CUDA graphs on CUDA, the tiny shape elsewhere."""
+    import sys
+
+    want = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(want)
+    shape = shape_from_args(args, device)
+    return run_e2e(shape, device, log=lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -1,0 +1,137 @@
+"""The end-to-end bench section on CPU (tiny shape, eager): its rows, forced fractional acceptance
+against a naive step count, the speed-up as the ratio of the two measured rates, the target-only
+fixed-shape step against the engine's eager path, and the `m3-eagle bench --e2e` wiring."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from m3_eagle_plugin.bench import e2e
+from m3_eagle_plugin.cli import main as m3_main
+
+SMALL = replace(e2e.CPU_SHAPE, prompt_len=9, new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    return e2e.build_random_models(SMALL, torch.device("cpu"), torch.float32, seed=3)
+
+
+def naive_steps(new_tokens: int, counts) -> int:
+    """Target steps to emit new_tokens: one prompt step (first token), then verify steps emitting
+    accepted + 1 tokens each, accepted following `counts` (a plain loop, no engine)."""
+    emitted, steps = 1, 1
+    counts = iter(counts)
+    while emitted < new_tokens:
+        emitted += next(counts) + 1
+        steps += 1
+    return steps
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch)
+    return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+
+
+def engine(models, *, speculate: bool, batch: int, shape=SMALL, graphs: bool = False):
+    target, head = models
+    return e2e._engine(target, head, shape, speculate=speculate, batch=batch,
+                       prompts=prompts(batch, shape.prompt_len, shape.vocab), device=torch.device("cpu"),
+                       dtype=torch.float32, graphs=graphs)
+
+
+def test_forced_two_and_a_half_takes_fewer_target_steps(models):
+    batch = 3
+    spec = e2e.measure_decode(engine(models, speculate=True, batch=batch), prompts(batch, 9, 256), 12)
+    plain = e2e.measure_decode(engine(models, speculate=False, batch=batch), prompts(batch, 9, 256), 12)
+    assert spec.generated_total == plain.generated_total == batch * 12
+    assert plain.engine_steps == naive_steps(12, [0] * 20) == 12
+    assert spec.engine_steps == naive_steps(12, [2, 3] * 10) == 5  # 1 + 3, 4, 3, 4 tokens
+    # window: first token -> last step before a request finishes (accepted 2, 3, 2 -> 3, 4, 3 tokens)
+    assert (spec.tokens, spec.verify_steps, spec.accepted) == (batch * 10, batch * 3, batch * 7)
+    assert spec.mean_acceptance_length == pytest.approx(10 / 3)
+    assert plain.mean_acceptance_length == 1.0 and plain.tokens == batch * 10
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(st.sampled_from([0.5, 1.5, 2.5, 2.0, 1.25]), st.integers(4, 14))
+def test_target_steps_follow_the_forced_schedule(models, mean, new_tokens):
+    shape = replace(SMALL, forced_mean=mean, new_tokens=new_tokens)
+    run = engine(models, speculate=True, batch=1, shape=shape).generate(prompts(1, 9, 256), new_tokens)
+    whole, frac = int(mean), mean - int(mean)
+    counts = [int((s + 1) * mean) - int(s * mean) for s in range(new_tokens)]  # floor-running schedule
+    assert all(c in (whole, whole + (frac > 0)) for c in counts)
+    assert run.stats.engine_steps == naive_steps(new_tokens, counts)
+    assert len(run.outputs[0]) == new_tokens
+
+
+def test_target_only_fixed_shape_step_matches_eager(models):
+    eager = engine(models, speculate=False, batch=3)
+    staged = engine(models, speculate=False, batch=3)
+    staged.runner.graphs = e2e.TargetOnlyGraphs(staged.runner, capture=False)
+    a = eager.generate(prompts(3, 9, 256), 7)
+    b = staged.generate(prompts(3, 9, 256), 7)
+    assert a.outputs == b.outputs and all(len(o) == 7 for o in a.outputs)
+    assert 3 in staged.runner.graphs.buckets
+    assert staged.cache.num_free_blocks == staged.cache.num_blocks
+    with pytest.raises(ValueError, match="draft_len 0"):
+        e2e.TargetOnlyGraphs(engine(models, speculate=True, batch=1).runner, capture=False)
+    with pytest.raises(ValueError, match="CUDA"):
+        e2e.TargetOnlyGraphs(eager.runner)
+
+
+def test_rows_report_both_modes_and_the_measured_speedup():
+    shape = replace(e2e.CPU_SHAPE, batches=(1, 4))
+    rows = e2e.run_e2e(shape, "cpu", seed=1)
+    assert [(r["batch"], r["mode"]) for r in rows] == [(1, "no_spec"), (1, "eagle3"), (4, "no_spec"), (4, "eagle3")]
+    for plain, spec in (rows[0:2], rows[2:4]):
+        assert plain["speedup"] == 1.0 and plain["mean_acceptance_length"] == 1.0
+        assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / plain["tokens_per_s"])
+        assert plain["tokens_per_s"] > 0 and spec["tokens_per_s"] > 0
+        assert 3.0 <= spec["mean_acceptance_length"] <= 4.0
+        assert spec["generated_tokens"] == plain["generated_tokens"] == plain["batch"] * shape.new_tokens
+        assert spec["engine_steps"] < plain["engine_steps"]
+        assert spec["decode_steps"] < plain["decode_steps"]
+        assert plain["cuda_graphs"] is False and spec["draft_len"] == 3
+
+
+def test_random_model_stays_finite_in_bfloat16():
+    shape = replace(e2e.CPU_SHAPE, hidden=256, q_heads=8, num_experts=8, experts_per_tok=2, prompt_len=24,
+                    new_tokens=4, batches=(2,))
+    target, head = e2e.build_random_models(shape, torch.device("cpu"), torch.bfloat16)
+    assert head.embed_tokens is target.embed_tokens and head.lm_head is target.lm_head
+    assert target.layers[5].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    finite = []
+    target.norm.register_forward_hook(lambda mod, inp, out: finite.append(bool(torch.isfinite(inp[0]).all())))
+    run = e2e._engine(target, head, shape, speculate=True, batch=2, prompts=prompts(2, 24, 256),
+                      device=torch.device("cpu"), dtype=torch.bfloat16, graphs=False)
+    run.generate(prompts(2, 24, 256), 4)
+    assert finite and all(finite)
+
+
+def test_shape_and_argument_errors_name_the_cause():
+    with pytest.raises(ValueError, match="forced_mean"):
+        replace(e2e.CPU_SHAPE, forced_mean=3.5)
+    with pytest.raises(ValueError, match="batches"):
+        replace(e2e.CPU_SHAPE, batches=(0,))
+    with pytest.raises(ValueError, match="--e2e-batches"):
+        e2e.shape_from_args(argparse.Namespace(e2e_batches="1,x"), torch.device("cpu"))
+    shape = e2e.shape_from_args(argparse.Namespace(e2e_batches="2", e2e_tokens=6, e2e_hidden=None),
+                                torch.device("cpu"))
+    assert shape.batches == (2,) and shape.new_tokens == 6 and shape.hidden == e2e.CPU_SHAPE.hidden
+
+
+def test_bench_cli_prints_the_end_to_end_rows(capsys):
+    rc = m3_main(["bench", "--device", "cpu", "--configs", "1x16", "--qo-lens", "1", "--e2e",
+                  "--e2e-batches", "1", "--e2e-tokens", "8", "--e2e-context", "9"])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    header = lines[0].split()
+    e2e_lines = [line.split() for line in lines if line.split()[0] == "end_to_end"]
+    assert len(e2e_lines) == 2
+    assert {"tokens_per_s", "mean_acceptance_length", "speedup", "mode"} <= set(header)

@@ -1,0 +1,95 @@
+"""SafetensorsSource: broken files and shard indexes fail as one CheckpointError naming the file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from m3_eagle_plugin.models.safetensors_source import CheckpointError, SafetensorsSource
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("st") / "model.safetensors"
+    save_file({"a.weight": torch.arange(12.0).view(3, 4), "b.bias": torch.ones(5)}, str(out))
+    return out
+
+
+def _truncated(src: Path, dst_dir: Path, keep: int) -> Path:
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    dst = dst_dir / "model.safetensors"
+    dst.write_bytes(src.read_bytes()[:keep])
+    return dst
+
+
+def test_intact_file_lists_names_and_shapes_and_reads(good_file):
+    source = SafetensorsSource(good_file.parent)
+    assert source.names() == {"a.weight", "b.bias"}
+    assert source.shape("a.weight") == (3, 4)
+    assert torch.equal(source.get("a.weight"), torch.arange(12.0).view(3, 4))
+
+
+@pytest.mark.parametrize("keep", [0, 7, 20, -8], ids=["empty", "no-header-length", "header-cut", "data-cut"])
+def test_truncated_file_is_a_checkpoint_error_naming_it(good_file, tmp_path, keep):
+    size = good_file.stat().st_size
+    bad = _truncated(good_file, tmp_path, keep % size if keep < 0 else keep)
+    with pytest.raises(CheckpointError) as info:
+        SafetensorsSource(tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{bad}: not a readable safetensors file (") and "\n" not in message
+
+
+def test_garbage_file_is_a_checkpoint_error(tmp_path):
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a json header")
+    with pytest.raises(CheckpointError, match=rf"^{bad}: not a readable safetensors file"):
+        SafetensorsSource(tmp_path)
+
+
+def test_file_that_breaks_after_listing_names_file_and_tensor(good_file, tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(good_file.read_bytes())
+    source = SafetensorsSource(tmp_path)
+    path.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=rf"^{path}: tensor 'a.weight' cannot be read"):
+        source.get_many(["a.weight"])
+    with pytest.raises(CheckpointError, match=rf"^{path}: tensor 'b.bias' cannot be read"):
+        source.get("b.bias")
+
+
+@pytest.mark.parametrize("index_text,what", [
+    ('{"weight_map": ', "not valid JSON"),
+    ("[]", "weight_map: missing or not a JSON object"),
+    ('{"weight_map": ["model.safetensors"]}', "weight_map: missing or not a JSON object"),
+    ('{"weight_map": {"a.weight": 3}}', "weight_map: tensors without a shard file name: a.weight"),
+])
+def test_broken_shard_index_names_the_index(good_file, tmp_path, index_text, what):
+    (tmp_path / "model.safetensors").write_bytes(good_file.read_bytes())
+    index = tmp_path / SafetensorsSource.INDEX
+    index.write_text(index_text)
+    with pytest.raises(CheckpointError) as info:
+        SafetensorsSource(tmp_path)
+    assert str(info.value).startswith(f"{index}: {what}")
+
+
+def test_index_naming_a_missing_shard(good_file, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(good_file.read_bytes())
+    index = tmp_path / SafetensorsSource.INDEX
+    index.write_text(json.dumps({"weight_map": {"a.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match=rf"^{index}: shard files missing: .*model-00002-of-00002"):
+        SafetensorsSource(tmp_path)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(fraction=st.floats(0.0, 1.0, exclude_max=True))
+def test_any_truncation_is_refused_naming_the_file(good_file, tmp_path_factory, fraction):
+    size = good_file.stat().st_size
+    folder = tmp_path_factory.mktemp("cut")
+    bad = _truncated(good_file, folder, int(size * fraction))
+    with pytest.raises(CheckpointError, match=rf"^{bad}: not a readable safetensors file"):
+        SafetensorsSource(folder)
