@@ -7,10 +7,14 @@ reference host decodes the same prompts twice per batch size, side by side: targ
 Eagle3 under forced acceptance (a random head would accept nothing, so acceptance is forced to a
 mean of 2.5 drafts per verify step = mean acceptance length 3.5 at draft_len 3). On CUDA both
 modes replay their decode steps from CUDA graphs; on CPU a tiny shape runs eagerly so CI can
-exercise the path. Only full-batch decode is timed: from the first commit after which every
-request has its first token to the last commit before any request finishes (the scheduler runs
-decode rows first, so requests prefilled early start generating while later prompts prefill;
-each commit reads results back, so the clock sees finished device work).
+exercise the path. Under CUDA graphs the host's MoE runs every expert on every token (no host
+sync), so expert weights are read whole at any batch: speculation's gain here is that of a
+weight-bound model, an upper bound for routed top-k experts.
+
+Only full-batch decode is timed: from the first commit after which every request has its first
+token to the last commit before any request finishes (the scheduler runs decode rows first, so
+requests prefilled early start generating while later prompts prefill; each commit reads results
+back, so the clock sees finished device work).
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ import torch
 
 from .end_to_end import register_end_to_end
 
-__all__ = ["E2EShape", "GPU_SHAPE", "CPU_SHAPE", "TargetOnlyGraphs", "build_random_models", "measure_decode",
-           "run_e2e", "add_arguments"]
+__all__ = ["E2EShape", "GPU_SHAPE", "CPU_SHAPE", "SPEEDUP_GOAL_BATCH1", "TargetOnlyGraphs", "DecodeMeasurement",
+           "build_random_models", "measure_decode", "run_e2e", "add_arguments", "shape_from_args"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class E2EShape:
             raise ValueError(f"batches must be non-empty and >= 1, got {self.batches}")
 
 
+SPEEDUP_GOAL_BATCH1 = 2.5
 GPU_SHAPE = E2EShape()
 CPU_SHAPE = E2EShape(
     hidden=64, q_heads=4, head_dim=16, index_dim=16, block=4, topk=3, num_experts=4, experts_per_tok=2,
@@ -356,6 +361,10 @@ def run_e2e(shape: E2EShape, device: torch.device | str, *, dtype: torch.dtype |
                 "engine_steps": last.engine_steps, "generated_tokens": last.generated_total,
                 "hidden": shape.hidden, "dtype": str(dtype).replace("torch.", ""), "cuda_graphs": graphs,
             })
+            if spec and batch == 1:
+                met = "met" if rows[-1]["speedup"] >= SPEEDUP_GOAL_BATCH1 else "MISSED"
+                rows[-1]["note"] = (f"goal >= {SPEEDUP_GOAL_BATCH1}x at batch 1: {met}" if graphs
+                                    else "eager smoke shape: the speed-up goal is for the CUDA-graph run")
             if log is not None:
                 log(f"e2e batch {batch} {rows[-1]['mode']}: {median[spec]:.1f} tok/s, "
                     f"AL {last.mean_acceptance_length:.2f}, speed-up {rows[-1]['speedup']:.2f}x")
