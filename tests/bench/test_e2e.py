@@ -85,6 +85,19 @@ def test_target_only_fixed_shape_step_matches_eager(models):
         e2e.TargetOnlyGraphs(eager.runner)
 
 
+def test_fixed_shape_eagle3_step_keeps_the_forced_schedule(models):
+    from m3_eagle_plugin.host.reference.cuda_graphs import GenerationGraphs
+
+    eager = engine(models, speculate=True, batch=2)
+    staged = engine(models, speculate=True, batch=2)
+    staged.runner.graphs = GenerationGraphs(staged.runner, capture=False)
+    a = eager.generate(prompts(2, 9, 256), 12)
+    b = staged.generate(prompts(2, 9, 256), 12)
+    assert a.outputs == b.outputs
+    assert a.stats.engine_steps == b.stats.engine_steps == naive_steps(12, [2, 3] * 10)
+    assert b.stats.accepted_tokens == 2 * (2 + 3 + 2 + 3)
+
+
 def test_rows_report_both_modes_and_the_measured_speedup():
     shape = replace(e2e.CPU_SHAPE, batches=(1, 4))
     rows = e2e.run_e2e(shape, "cpu", seed=1)

@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ._counts import bump
 
@@ -140,7 +142,6 @@ def _config_case(mutate):
     return apply
 
 
-_CONFIG_BUG = "BUG models/config.py: "
 CONFIG_CASES = [
     pytest.param(_config_case(lambda r: r["text_config"].pop("hidden_size")), "hidden_size", id="missing-field"),
     pytest.param(_config_case(lambda r: r["text_config"].__setitem__("hidden_size", "sixty-four")), "hidden_size",
@@ -191,7 +192,6 @@ def _edit_json(path: Path, edit) -> None:
     path.write_text(json.dumps(raw))
 
 
-_DRAFT_BUG = "BUG eagle3/checkpoint.py: "
 DRAFT_CONFIG_CASES = [
     pytest.param(lambda r: r.update(hidden_size=32, target_hidden_size=32), "hidden_size", id="draft-hidden-32"),
     pytest.param(lambda r: r.update(target_hidden_size=128), "target_hidden_size", id="declared-target-hidden"),
@@ -297,3 +297,85 @@ def test_run_cli_with_a_truncated_checkpoint(target_copy, capsys):
     file.write_bytes(file.read_bytes()[:4096])
     code, err = _run_cli(capsys, "--model", str(target_copy))
     assert code == 2 and str(file) in err, err
+
+
+# ---- property: any one config field damaged -> loads, or one clear error naming file and field ----
+
+_WRONG_VALUES = ["x", [1], {"a": 1}, -3, 0, 2.5, None, True, "__delete__"]
+
+
+def _config_leaves(raw: dict, prefix: tuple = ()) -> list[tuple]:
+    leaves = []
+    for key, value in raw.items():
+        if key in ("vision_config",):  # not read by the text backbone
+            continue
+        leaves.append(prefix + (key,))
+        if isinstance(value, dict):
+            leaves += _config_leaves(value, prefix + (key,))
+    return leaves
+
+
+def _section(raw: dict, path: tuple) -> list[str]:
+    node = raw
+    for key in path:
+        node = node[key]
+    return list(node) if isinstance(node, dict) else []
+
+
+def _damage(raw: dict, path: tuple, value) -> None:
+    node = raw
+    for key in path[:-1]:
+        node = node[key]
+    if value == "__delete__":
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+
+
+def _assert_clear_or_loaded(call, file: Path, key: str, inner: tuple = ()) -> None:
+    """`inner`: a damaged section's own keys (a null or missing section may be reported through them)."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the type is the assertion
+        assert isinstance(exc, CLEAR_ERRORS), f"{type(exc).__name__} escaped for field {key!r}: {exc}"
+        assert str(file) in str(exc), f"the error for field {key!r} does not name the file: {exc}"
+        assert any(k in str(exc) for k in (key, *inner)), f"the error does not name field {key!r}: {exc}"
+        bump("bad_files.refused")
+    else:
+        bump("bad_files.accepted")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_target_config_field_fuzz(tiny_dirs, data):
+    import tempfile
+
+    from m3_eagle_plugin.models.config import M3Config
+
+    raw = json.loads((tiny_dirs[0] / "config.json").read_text())
+    path = data.draw(st.sampled_from(_config_leaves(raw)), label="field")
+    inner = tuple(_section(raw, path))
+    _damage(raw, path, data.draw(st.sampled_from(_WRONG_VALUES), label="value"))
+    bump("faults.injected")
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "config.json"
+        file.write_text(json.dumps(raw))
+        _assert_clear_or_loaded(lambda: M3Config.from_file(file), file, path[-1], inner)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_draft_config_field_fuzz(tiny_dirs, tiny_target, data):
+    import tempfile
+
+    ckpt = _draft_loader()
+    raw = json.loads((tiny_dirs[1] / "config.json").read_text())
+    path = data.draw(st.sampled_from(_config_leaves(raw)), label="field")
+    inner = tuple(_section(raw, path))
+    _damage(raw, path, data.draw(st.sampled_from(_WRONG_VALUES), label="value"))
+    bump("faults.injected")
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(tiny_dirs[1], Path(tmp) / "draft")
+        file = Path(tmp) / "draft" / "config.json"
+        file.write_text(json.dumps(raw))
+        _assert_clear_or_loaded(lambda: ckpt.load_draft(file.parent, tiny_target), file, path[-1], inner)

@@ -1,0 +1,221 @@
+"""Self-distillation of an Eagle3 head from its own target (what makes the tiny demo's drafts accept).
+
+Data (`collect_distill_data`): random prompts, the target's greedy continuations, and for every
+position p the target's aux capture `aux[p]` and greedy choice `next[p]` (argmax of its logits at
+p), all from the plugin's own paged target forward with `AuxCapture` (one batched prefill, then
+one-token decode steps). Objective (the Eagle3 shift rule): at position p the head consumes
+(token at p + 1, aux[p]) and must predict `next[p + 1]`, the target's greedy token at p + 2.
+
+Training runs a DENSE forward of the head's own submodules (`dense_head_step`: full causal SDPA
+over each sequence, no paged cache) with autograd. Test-time training (TTT) pass s >= 1 feeds the
+pass s - 1 output hidden from position q - 1 and attends exactly what draft step s of the chain
+started at p = q - s sees at inference: pass-0 keys at positions <= p and pass-r keys at p + r.
+Only the head's own weights train; the embedding and lm_head it shares with the target stay frozen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from m3_eagle_plugin.eagle3.capture import AuxCapture
+from m3_eagle_plugin.eagle3.head import Eagle3Head
+from m3_eagle_plugin.models.rope import apply_rope
+
+__all__ = ["DistillData", "collect_distill_data", "dense_head_step", "distill_loss", "train_head"]
+
+
+@dataclass(frozen=True)
+class DistillData:
+    """Right-padded sequences: `tokens [N, S]`, `aux [N, S, n*H]`, `target_next [N, S]`, `lengths [N]`."""
+
+    tokens: torch.Tensor
+    aux: torch.Tensor
+    target_next: torch.Tensor
+    lengths: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n, s = self.tokens.shape
+        if self.aux.shape[:2] != (n, s) or self.target_next.shape != (n, s) or self.lengths.shape != (n,):
+            raise ValueError(f"inconsistent distillation data shapes: tokens {tuple(self.tokens.shape)}, aux "
+                             f"{tuple(self.aux.shape)}, target_next {tuple(self.target_next.shape)}, "
+                             f"lengths {tuple(self.lengths.shape)}")
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@torch.no_grad()
+def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences: int, new_tokens: int,
+                         prompt_lens: tuple[int, int] = (2, 16), seed: int = 0) -> DistillData:
+    """Greedy continuations of random prompts on the paged cache, with aux features and target choices.
+
+    `target` is a `MiniMaxM3ForCausalLM`; prompt lengths are uniform in `prompt_lens` (inclusive).
+    """
+    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
+
+    _check_positive(num_sequences=num_sequences, new_tokens=new_tokens)
+    low, high = prompt_lens
+    if not 1 <= low <= high:
+        raise ValueError(f"prompt_lens must satisfy 1 <= low <= high, got {prompt_lens}")
+    cfg = target.config
+    param = next(target.parameters())
+    device, dtype = param.device, param.dtype
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (num_sequences,), generator=gen).tolist()
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    total = [n + new_tokens for n in lengths]
+    blocks_per_seq = -(-max(total) // cfg.block_size)
+    cache = PagedKVCache.for_minimax_m3(
+        cfg.num_layers, list(cfg.sparse_layer_ids), cfg.num_kv_heads, cfg.head_dim, cfg.index_dim or cfg.head_dim,
+        cfg.block_size, blocks_per_seq * num_sequences, dtype=dtype, device=device)
+    meta = MsaDecodeMetadata(num_sequences, max(sum(lengths), num_sequences), blocks_per_seq, cfg.block_size, device,
+                             num_index_heads=max(cfg.index_heads, 1))
+    capture = AuxCapture(aux_layer_ids)
+    rids = list(range(num_sequences))
+    for rid, n in zip(rids, lengths):
+        cache.add_request(rid)
+        cache.reserve(rid, n)
+
+    tokens = [list(p) for p in prompts]
+    aux_rows: list[list[torch.Tensor]] = [[] for _ in rids]
+    next_rows: list[list[torch.Tensor]] = [[] for _ in rids]
+
+    def step(step_ids: list[list[int]], kv_lens: list[int]) -> torch.Tensor:
+        meta.prepare([len(ids) for ids in step_ids], kv_lens, cache.block_table(rids, width=blocks_per_seq),
+                     num_context_requests=num_sequences if kv_lens == lengths else 0)
+        flat = torch.tensor([t for ids in step_ids for t in ids], dtype=torch.long, device=device)
+        hidden = target(flat, meta, cache, capture=capture)
+        choice = target.compute_logits(hidden).argmax(dim=-1)
+        offset = 0
+        for r, ids in enumerate(step_ids):
+            aux_rows[r].append(capture.stacked()[offset:offset + len(ids)].float())
+            next_rows[r].append(choice[offset:offset + len(ids)])
+            offset += len(ids)
+        return choice
+
+    choice = step(prompts, lengths)
+    last_of_prompt = torch.tensor(lengths, device=device).cumsum(0) - 1
+    new = choice[last_of_prompt].tolist()
+    kv = list(lengths)
+    for _ in range(new_tokens - 1):
+        for r in rids:
+            tokens[r].append(new[r])
+            kv[r] += 1
+            cache.reserve(r, kv[r])
+        new = step([[t] for t in new], kv).tolist()
+    for r in rids:
+        tokens[r].append(new[r])  # the last choice is a token with no aux row: it only serves as a label
+
+    width = max(total)
+    out_tokens = torch.zeros(num_sequences, width, dtype=torch.long)
+    out_aux = torch.zeros(num_sequences, width, aux_rows[0][0].shape[-1])
+    out_next = torch.zeros(num_sequences, width, dtype=torch.long)
+    for r in rids:
+        n = total[r] - 1  # positions that went through the target
+        out_tokens[r, :total[r]] = torch.tensor(tokens[r])
+        out_aux[r, :n] = torch.cat(aux_rows[r]).cpu()
+        out_next[r, :n] = torch.cat(next_rows[r]).cpu()
+    return DistillData(out_tokens, out_aux, out_next, torch.tensor([t - 1 for t in total]))
+
+
+def dense_head_step(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
+                    prior_kv: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One head step over whole sequences `input_ids [B, S]`, `hidden [B, S, W]` (aux or head width).
+
+    With no `prior_kv` this is causal attention over the sequence (= draft step 0). With s earlier
+    passes' keys/values it is TTT pass s (see the module docstring). Returns (fp32 target-vocabulary
+    logits `[B, S, V]`, next-step hidden `[B, S, H]`, this pass's (k, v) `[B, Hkv, S, D]`).
+    """
+    cfg = head.config
+    b, s = input_ids.shape
+    if hidden.shape[:2] != (b, s):
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    layer = head.layers[0]
+    attn = layer.self_attn
+    g = head.combine_aux(hidden) if hidden.shape[-1] != cfg.hidden_size else hidden
+    h = layer.hidden_norm(g)
+    residual = h if layer.norm_before_residual else g
+    x = torch.cat((layer.input_layernorm(head.embed_tokens(input_ids)), h), dim=-1).reshape(b * s, -1)
+    cos, sin = head.rotary.cos_sin(torch.arange(s, device=x.device).repeat(b))
+    q = apply_rope(attn.q_proj(x).view(b * s, attn.num_heads, attn.head_dim), cos, sin)
+    k = apply_rope(attn.k_proj(x).view(b * s, attn.num_kv_heads, attn.head_dim), cos, sin)
+    v = attn.v_proj(x).view(b * s, attn.num_kv_heads, attn.head_dim)
+
+    def heads_first(t: torch.Tensor) -> torch.Tensor:
+        return t.view(b, s, t.shape[1], attn.head_dim).transpose(1, 2)
+
+    q, k, v = heads_first(q), heads_first(k), heads_first(v)
+    passes = len(prior_kv)
+    query = torch.arange(s, device=x.device)[:, None]
+    key = torch.arange(s, device=x.device)[None, :]
+    masks = [key <= query - passes] + [key == query - passes + r for r in range(1, passes + 1)]
+    keys = torch.cat([kv[0] for kv in prior_kv] + [k], dim=2)
+    values = torch.cat([kv[1] for kv in prior_kv] + [v], dim=2)
+    group = attn.num_heads // attn.num_kv_heads
+    out = F.scaled_dot_product_attention(
+        q, keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1),
+        attn_mask=torch.cat(masks, dim=1), scale=attn.scale)
+    y = residual + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+    z = y + layer.mlp(layer.post_attention_layernorm(y))
+    normed = head.norm(z)
+    logits = head.to_target_logits(head.draft_logits(normed).reshape(b * s, -1)).view(b, s, -1)
+    return logits, (normed if cfg.norm_output else z), (k, v)
+
+
+def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1) -> torch.Tensor:
+    """Mean cross-entropy of passes 0..ttt_steps-1 against the target's greedy tokens (Eagle3 shift rule)."""
+    tokens, aux, target_next, lengths = data.tokens, data.aux, data.target_next, data.lengths
+    s = tokens.shape[1] - 1
+    input_ids = tokens[:, 1:]                  # token at p + 1
+    features = aux[:, :s]                      # aux at p
+    labels = target_next[:, 1:]                # target's greedy token at p + 2
+    positions = torch.arange(s)[None, :]
+    valid = positions + 1 < lengths[:, None]   # position p + 1 went through the target
+    hidden: torch.Tensor = features
+    prior: list[tuple[torch.Tensor, torch.Tensor]] = []
+    losses = []
+    for pass_index in range(ttt_steps):
+        logits, out, kv = dense_head_step(head, input_ids, hidden, prior)
+        mask = valid & (positions >= pass_index)
+        losses.append(F.cross_entropy(logits[mask], labels[mask]))
+        prior.append(kv)
+        hidden = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)  # from q - 1 to q
+    return torch.stack(losses).mean()
+
+
+def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: int = 16, lr: float = 3e-3,
+               ttt_steps: int = 2, seed: int = 0) -> list[float]:
+    """AdamW on the head's own weights (not the shared embedding / lm_head); returns the loss per step."""
+    _check_positive(steps=steps, batch_size=batch_size, ttt_steps=ttt_steps)
+    shared = {id(p) for module in (head.embed_tokens, head.lm_head) for p in module.parameters()}
+    params = [p for p in head.parameters() if id(p) not in shared]
+    for p in head.parameters():
+        p.requires_grad_(id(p) not in shared)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 20) * (1 - i / steps))
+    gen = torch.Generator().manual_seed(seed)
+    n = data.tokens.shape[0]
+    history = []
+    head.train()
+    try:
+        for _ in range(steps):
+            pick = torch.randperm(n, generator=gen)[:batch_size]
+            batch = DistillData(data.tokens[pick], data.aux[pick], data.target_next[pick], data.lengths[pick])
+            loss = distill_loss(head, batch, ttt_steps)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            history.append(float(loss))
+    finally:
+        head.eval().requires_grad_(False)
+    return history
