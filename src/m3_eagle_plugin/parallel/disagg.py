@@ -58,8 +58,8 @@ def _check_engine(engine: Engine) -> None:
 
 
 def _step(engine: Engine, rows, requests: list[Request], step_id: int) -> None:
-    out = engine._launch(rows, step_id)
-    engine._commit(out, requests, None)
+    out = engine.launch(rows, step_id)
+    engine.commit(out, requests, None)
 
 
 @torch.no_grad()
@@ -70,7 +70,7 @@ def run_context_phase(engine: Engine, prompts: Sequence[Sequence[int]], max_new_
     inputs, or done (a request that ended on its first token, or failed validation).
     """
     _check_engine(engine)
-    requests = [engine._make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+    requests = [engine.make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
     step_id = 0
     while True:
         rows = [r for r in engine.scheduler.schedule(requests) if r.kind is RowKind.CONTEXT]
@@ -99,7 +99,7 @@ def export_handoff(engine: Engine, request: Request) -> ContextHandoff:
         pending_draft_len=request.pending_draft_len, payload=payload,
     )
     request.state, request.stop_reason = RequestState.FINISHED, HANDED_OFF
-    engine._finish(request)
+    engine.finish(request)
     return handoff
 
 
@@ -112,7 +112,7 @@ def import_handoff(engine: Engine, handoff: ContextHandoff) -> Request:
     request = Request(index=handoff.index, prompt=list(handoff.prompt), max_new_tokens=handoff.max_new_tokens,
                       eos_ids=frozenset(engine.config.eos_ids))
     engine.scheduler.check_fits(request)
-    if not engine.scheduler._admit(request):
+    if not engine.scheduler.admit(request):
         raise HandoffError(f"request {handoff.index}: no KV budget left on the generation engine")
     try:
         import_request(engine.cache, request.rid, handoff.payload)
@@ -144,7 +144,7 @@ def continue_generation(engine: Engine, requests: list[Request]) -> GenerationRe
         for request in requests:
             if not request.done:
                 request.fail("engine stopped before the request finished")
-                engine._finish(request)
+                engine.finish(request)
     engine.stats.engine_steps += step_id
     return GenerationResult(
         outputs=[list(r.output) if r.state is RequestState.FINISHED else [] for r in requests],

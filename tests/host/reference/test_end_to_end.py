@@ -77,7 +77,7 @@ def proposals_per_request(pair, prompts, **config):
     engine = build_engine(target_dir, draft_dir, EngineConfig(draft_len=3, **config),
                           num_blocks=blocks_for_prompts(prompts, NEW, 3, 4))
     seen = {i: [] for i in range(len(prompts))}
-    launch = engine._launch
+    launch = engine.launch
 
     def spy(rows, step_id):
         out = launch(rows, step_id)
@@ -85,7 +85,7 @@ def proposals_per_request(pair, prompts, **config):
             seen[out.rows[row_index].request.index].append(out.next_inputs[j, 1:].tolist())
         return out
 
-    engine._launch = spy
+    engine.launch = spy
     outputs = engine.generate(prompts, NEW).outputs
     return outputs, seen
 

@@ -128,7 +128,8 @@ class Engine:
         return "eagle3" if self.head is not None else "none"
 
     # ----- requests ------------------------------------------------------------------------
-    def _make_request(self, index: int, prompt, max_new_tokens: int) -> Request:
+    def make_request(self, index: int, prompt, max_new_tokens: int) -> Request:
+        """Validate a prompt and register its KV; a bad prompt yields a FAILED request, not an exception."""
         request = Request(index=index, prompt=[], max_new_tokens=max_new_tokens,
                           eos_ids=frozenset(self.config.eos_ids))
         try:
@@ -153,7 +154,8 @@ class Engine:
         self.cache.add_request(request.rid)
         return request
 
-    def _finish(self, request: Request) -> None:
+    def finish(self, request: Request) -> None:
+        """Return a finished (or failed) request's pages and its scheduler slot."""
         self.cache.free(request.rid)
         self.scheduler.release(request)
 
@@ -164,7 +166,7 @@ class Engine:
         progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
         self.stats = SpecStats(draft_len=self.k)  # per call
-        requests = [self._make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        requests = [self.make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         started = time.perf_counter()
         inflight: StepOutput | None = None
         step_id = 0
@@ -173,19 +175,19 @@ class Engine:
                 rows = self.scheduler.schedule(requests)
                 if not rows and inflight is None:
                     break
-                launched = self._launch(rows, step_id) if rows else None
+                launched = self.launch(rows, step_id) if rows else None
                 step_id += 1
                 if inflight is not None:
-                    self._commit(inflight, requests, progress)
+                    self.commit(inflight, requests, progress)
                 inflight = launched
                 if inflight is not None and not self.overlap:
-                    self._commit(inflight, requests, progress)
+                    self.commit(inflight, requests, progress)
                     inflight = None
         finally:
             for request in requests:
                 if not request.done:
                     request.fail("engine stopped before the request finished")
-                    self._finish(request)
+                    self.finish(request)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.elapsed_s = time.perf_counter() - started
@@ -198,7 +200,8 @@ class Engine:
             draft_source=self.draft_source,
         )
 
-    def _launch(self, rows, step_id: int) -> StepOutput:
+    def launch(self, rows, step_id: int) -> StepOutput:
+        """Run one step's rows and stage lengths as if every draft were accepted (corrected on commit)."""
         out = self.runner.launch(rows, step_id)
         for row_index, row in enumerate(out.rows):
             request = row.request
@@ -220,7 +223,8 @@ class Engine:
             request.pending_step = step_id
         return out
 
-    def _commit(self, out: StepOutput, requests: list[Request], progress) -> None:
+    def commit(self, out: StepOutput, requests: list[Request], progress) -> None:
+        """Apply a launched step's acceptance: stats, emitted tokens, KV rewind, finished requests."""
         emitted = out.emitted.cpu().tolist()
         num_emitted = out.num_emitted.cpu().tolist()
         num_accepted = out.num_accepted.cpu().tolist()
@@ -238,7 +242,7 @@ class Engine:
             request.append_tokens(emitted[i][: num_emitted[i]])
             self.stats.generated_tokens += len(request.output) - before
             if request.done:
-                self._finish(request)
+                self.finish(request)
             else:
                 self._rewind(request)
         if self._hook_drafts:

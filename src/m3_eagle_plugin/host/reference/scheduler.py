@@ -75,7 +75,8 @@ class Scheduler:
             self.admitted_blocks -= self.blocks_needed(request)
             request.kv_budget_tokens = 0
 
-    def _admit(self, request: Request) -> bool:
+    def admit(self, request: Request) -> bool:
+        """Reserve the KV blocks a request needs for its whole life; False when they do not fit now."""
         need = self.blocks_needed(request)
         if self.admitted_blocks + need > self.total_blocks:
             return False
@@ -102,7 +103,7 @@ class Scheduler:
         for request in requests:
             if len(verify_rows) + len(context_rows) == self.max_batch_size or tokens == self.max_tokens_per_step:
                 break
-            if request.state is RequestState.WAITING and not self._admit(request):
+            if request.state is RequestState.WAITING and not self.admit(request):
                 break
             if request.state is not RequestState.PREFILL:
                 continue
