@@ -20,6 +20,14 @@ def _cell(value: Any) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One table per section (kernels and end to end have different columns), in first-seen order."""
+    sections: dict[Any, list[dict[str, Any]]] = {}
+    for row in rows:
+        sections.setdefault(row.get("section"), []).append(row)
+    return "\n\n".join(_format_section(part) for part in sections.values())
+
+
+def _format_section(rows: Sequence[dict[str, Any]]) -> str:
     present = [c for c in COLUMNS if any(c in r for r in rows)]
     extra = sorted({k for r in rows for k in r} - set(COLUMNS) - {"bytes"})
     cols = present + extra

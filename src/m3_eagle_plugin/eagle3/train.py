@@ -24,7 +24,7 @@ from m3_eagle_plugin.eagle3.capture import AuxCapture
 from m3_eagle_plugin.eagle3.head import Eagle3Head
 from m3_eagle_plugin.models.rope import apply_rope
 
-__all__ = ["DistillData", "collect_distill_data", "dense_head_step", "distill_loss", "train_head"]
+__all__ = ["DistillData", "collect_distill_data", "concat_data", "dense_head_step", "distill_loss", "train_head"]
 
 
 @dataclass(frozen=True)
@@ -51,78 +51,66 @@ def _check_positive(**values: int) -> None:
 
 
 @torch.no_grad()
-def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences: int, new_tokens: int,
-                         prompt_lens: tuple[int, int] = (2, 16), seed: int = 0) -> DistillData:
-    """Greedy continuations of random prompts on the paged cache, with aux features and target choices.
+def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences: int, seq_len: int,
+                         prompt_lens: tuple[int, int] = (2, 16), iterations: int = 8, seed: int = 0) -> DistillData:
+    """Random prompts continued greedily by `target` (a `MiniMaxM3ForCausalLM`), with aux features.
 
-    `target` is a `MiniMaxM3ForCausalLM`; prompt lengths are uniform in `prompt_lens` (inclusive).
+    Continuations come from Jacobi fixed-point iteration of batched prefills on the paged cache
+    (decode steps cost a full pass per request; a prefill costs little per token): start from random
+    tokens, prefill every sequence, replace each continuation token by the target's greedy choice at
+    the position before it, repeat. After i iterations at least the first i continuation tokens are
+    exactly greedy, and every later one is the target's greedy choice for an almost-converged context.
+    Every iteration's prefill is kept (`iterations * num_sequences` rows, the last ones the most
+    greedy-like): its aux and `target_next` are exact for its tokens. Prompt lengths are uniform in
+    `prompt_lens` (inclusive).
     """
     from m3_eagle_plugin.kv import PagedKVCache
     from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
 
-    _check_positive(num_sequences=num_sequences, new_tokens=new_tokens)
+    _check_positive(num_sequences=num_sequences, seq_len=seq_len, iterations=iterations)
     low, high = prompt_lens
-    if not 1 <= low <= high:
-        raise ValueError(f"prompt_lens must satisfy 1 <= low <= high, got {prompt_lens}")
+    if not 1 <= low <= high <= seq_len:
+        raise ValueError(f"prompt_lens must satisfy 1 <= low <= high <= seq_len ({seq_len}), got {prompt_lens}")
     cfg = target.config
-    param = next(target.parameters())
-    device, dtype = param.device, param.dtype
+    device = next(target.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(low, high + 1, (num_sequences,), generator=gen).tolist()
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    total = [n + new_tokens for n in lengths]
-    blocks_per_seq = -(-max(total) // cfg.block_size)
+    prompt_len = torch.randint(low, high + 1, (num_sequences, 1), generator=gen)
+    tokens = torch.randint(0, cfg.vocab_size, (num_sequences, seq_len), generator=gen)
+    is_prompt = torch.arange(seq_len)[None, :] < prompt_len
+    blocks_per_seq = -(-seq_len // cfg.block_size)
     cache = PagedKVCache.for_minimax_m3(
         cfg.num_layers, list(cfg.sparse_layer_ids), cfg.num_kv_heads, cfg.head_dim, cfg.index_dim or cfg.head_dim,
-        cfg.block_size, blocks_per_seq * num_sequences, dtype=dtype, device=device)
-    meta = MsaDecodeMetadata(num_sequences, max(sum(lengths), num_sequences), blocks_per_seq, cfg.block_size, device,
+        cfg.block_size, blocks_per_seq * num_sequences, dtype=next(target.parameters()).dtype, device=device)
+    meta = MsaDecodeMetadata(num_sequences, num_sequences * seq_len, blocks_per_seq, cfg.block_size, device,
                              num_index_heads=max(cfg.index_heads, 1))
-    capture = AuxCapture(aux_layer_ids)
-    rids = list(range(num_sequences))
-    for rid, n in zip(rids, lengths):
+    for rid in range(num_sequences):
         cache.add_request(rid)
-        cache.reserve(rid, n)
+        cache.reserve(rid, seq_len)
+    lens = [seq_len] * num_sequences
+    meta.prepare(lens, lens, cache.block_table(list(range(num_sequences)), width=blocks_per_seq),
+                 num_context_requests=num_sequences)
+    capture = AuxCapture(aux_layer_ids)
 
-    tokens = [list(p) for p in prompts]
-    aux_rows: list[list[torch.Tensor]] = [[] for _ in rids]
-    next_rows: list[list[torch.Tensor]] = [[] for _ in rids]
+    def prefill(ids: torch.Tensor) -> DistillData:
+        hidden = target(ids.reshape(-1).to(device), meta, cache, capture=capture)
+        greedy = target.compute_logits(hidden).argmax(dim=-1).view(num_sequences, seq_len).cpu()
+        aux = capture.stacked().float().cpu().view(num_sequences, seq_len, -1)
+        return DistillData(ids, aux, greedy, torch.full((num_sequences,), seq_len))
 
-    def step(step_ids: list[list[int]], kv_lens: list[int]) -> torch.Tensor:
-        meta.prepare([len(ids) for ids in step_ids], kv_lens, cache.block_table(rids, width=blocks_per_seq),
-                     num_context_requests=num_sequences if kv_lens == lengths else 0)
-        flat = torch.tensor([t for ids in step_ids for t in ids], dtype=torch.long, device=device)
-        hidden = target(flat, meta, cache, capture=capture)
-        choice = target.compute_logits(hidden).argmax(dim=-1)
-        offset = 0
-        for r, ids in enumerate(step_ids):
-            aux_rows[r].append(capture.stacked()[offset:offset + len(ids)].float())
-            next_rows[r].append(choice[offset:offset + len(ids)])
-            offset += len(ids)
-        return choice
+    rounds = []
+    for _ in range(iterations):
+        rounds.append(prefill(tokens))
+        shifted = torch.cat((tokens[:, :1], rounds[-1].target_next[:, :-1]), dim=1)
+        tokens = torch.where(is_prompt, tokens, shifted)
+    return concat_data(rounds)
 
-    choice = step(prompts, lengths)
-    last_of_prompt = torch.tensor(lengths, device=device).cumsum(0) - 1
-    new = choice[last_of_prompt].tolist()
-    kv = list(lengths)
-    for _ in range(new_tokens - 1):
-        for r in rids:
-            tokens[r].append(new[r])
-            kv[r] += 1
-            cache.reserve(r, kv[r])
-        new = step([[t] for t in new], kv).tolist()
-    for r in rids:
-        tokens[r].append(new[r])  # the last choice is a token with no aux row: it only serves as a label
 
-    width = max(total)
-    out_tokens = torch.zeros(num_sequences, width, dtype=torch.long)
-    out_aux = torch.zeros(num_sequences, width, aux_rows[0][0].shape[-1])
-    out_next = torch.zeros(num_sequences, width, dtype=torch.long)
-    for r in rids:
-        n = total[r] - 1  # positions that went through the target
-        out_tokens[r, :total[r]] = torch.tensor(tokens[r])
-        out_aux[r, :n] = torch.cat(aux_rows[r]).cpu()
-        out_next[r, :n] = torch.cat(next_rows[r]).cpu()
-    return DistillData(out_tokens, out_aux, out_next, torch.tensor([t - 1 for t in total]))
+def concat_data(parts: Sequence[DistillData]) -> DistillData:
+    """Stack equally long `DistillData` sets along the sequence axis."""
+    widths = {p.tokens.shape[1] for p in parts}
+    if len(widths) != 1:
+        raise ValueError(f"cannot concatenate distillation data of different lengths {sorted(widths)}")
+    return DistillData(*(torch.cat([getattr(p, f) for p in parts]) for f in ("tokens", "aux", "target_next", "lengths")))
 
 
 def dense_head_step(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
@@ -215,7 +203,7 @@ def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: i
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             schedule.step()
-            history.append(float(loss))
+            history.append(float(loss.detach()))
     finally:
         head.eval().requires_grad_(False)
     return history
