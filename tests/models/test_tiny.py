@@ -1,13 +1,15 @@
-"""`m3-eagle make-tiny`: deterministic, loadable, and free of transformers at runtime."""
+"""`m3-eagle make-tiny`: deterministic, loadable, free of transformers at runtime, draft training wired."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
+import pytest
 from safetensors.torch import load_file
 
 from m3_eagle_plugin.cli import main as cli_main
+from m3_eagle_plugin.models import tiny
 
 
 def _read(path):
@@ -15,9 +17,8 @@ def _read(path):
 
 
 def test_cli_writes_target_and_draft_deterministically(tmp_path):
-    assert cli_main(["make-tiny", str(tmp_path / "a"), "--seed", "7"]) == 0
-    assert cli_main(["make-tiny", str(tmp_path / "b"), "--seed", "7"]) == 0
-    assert cli_main(["make-tiny", str(tmp_path / "c"), "--seed", "8"]) == 0
+    for name, seed in (("a", "7"), ("b", "7"), ("c", "8")):
+        assert cli_main(["make-tiny", str(tmp_path / name), "--seed", seed, "--train-steps", "0"]) == 0
     for part in ("target", "draft"):
         (ca, ta), (cb, tb), (_, tc) = (_read(tmp_path / d / part) for d in "abc")
         assert ca == cb and ta.keys() == tb.keys() == tc.keys()
@@ -42,3 +43,29 @@ def test_make_tiny_does_not_import_transformers(tmp_path):
             f"make_tiny({str(tmp_path)!r}, 1); print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_cli_trains_the_draft_by_default_and_zero_keeps_it_random(tmp_path, monkeypatch, capsys):
+    """The CLI default distills the head (the real training is covered by tests/eagle3/test_train.py and
+    tests/host/reference/test_trained_draft.py); here only the wiring of --train-steps is checked."""
+    import m3_eagle_plugin.eagle3.train as train
+
+    calls = []
+    monkeypatch.setattr(train, "distill_checkpoint",
+                        lambda target, draft, *, plan, seed: calls.append((target, draft, plan.steps, seed)) or [])
+    assert cli_main(["make-tiny", str(tmp_path / "a"), "--seed", "3"]) == 0
+    assert calls == [(tmp_path / "a" / "target", tmp_path / "a" / "draft", tiny.DEFAULT_TRAIN_STEPS, 3)]
+    assert "trained for" in capsys.readouterr().out
+    assert cli_main(["make-tiny", str(tmp_path / "b"), "--seed", "3", "--train-steps", "0"]) == 0
+    assert len(calls) == 1 and "random" in capsys.readouterr().out
+    # the (stubbed) training left draft a as written: the same random head as --train-steps 0
+    _, draft_a = _read(tmp_path / "a" / "draft")
+    _, draft_b = _read(tmp_path / "b" / "draft")
+    assert draft_a.keys() == draft_b.keys() and all((draft_a[k] == draft_b[k]).all() for k in draft_a)
+
+
+def test_bad_train_steps_fail_with_the_cause(tmp_path, capsys):
+    assert cli_main(["make-tiny", str(tmp_path), "--train-steps", "-1"]) == 2
+    assert "--train-steps" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="train_steps"):
+        tiny.make_tiny(tmp_path, train_steps=-2)

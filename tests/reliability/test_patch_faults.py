@@ -245,6 +245,11 @@ def test_two_engines_racing_in_threads_patch_once(host):
     assert host.fully_patched(), "host not cleanly patched"
     winners = [i for i in range(2) if engines[i].report()["applied"]]
     assert len(winners) == 1, "both engines believe they patched the host; one engine's wrappers were replaced"
+    assert len(errors) == 1 and "already wrapped" in str(errors[0]), errors
+    loser = engines[1 - winners[0]].report()
+    assert loser["applied"] is False and loser["error"], "the refused engine's report does not say why"
+    engines[winners[0]].revert()
+    assert host.untouched(), "reverting the winner left a wrapper behind"
 
 
 # ---- a spawned child process: it starts untouched and decides for itself ----

@@ -1,10 +1,11 @@
 """Self-distillation of an Eagle3 head from its own target (what makes the tiny demo's drafts accept).
 
-Data (`collect_distill_data`): random prompts, the target's greedy continuations, and for every
-position p the target's aux capture `aux[p]` and greedy choice `next[p]` (argmax of its logits at
-p), all from the plugin's own paged target forward with `AuxCapture` (one batched prefill, then
-one-token decode steps). Objective (the Eagle3 shift rule): at position p the head consumes
-(token at p + 1, aux[p]) and must predict `next[p + 1]`, the target's greedy token at p + 2.
+Data (`collect_distill_data`): random prompts, the target's greedy continuations (Jacobi
+iteration of batched prefills), and for every position p the target's aux capture `aux[p]`, its
+distribution and greedy choice `next[p]` for the token at p + 1, all from the plugin's own paged
+target forward with `AuxCapture`. Objective (the Eagle3 shift rule): at position p the head
+consumes (token at p + 1, aux[p]) and must predict the target's distribution at p + 1, i.e. for the
+token at p + 2 (`distill_loss`: KL, optionally plus cross-entropy against `next[p + 1]`).
 
 Training runs a DENSE forward of the head's own submodules (`dense_head_step`: full causal SDPA
 over each sequence, no paged cache) with autograd. Test-time training (TTT) pass s >= 1 feeds the
@@ -24,21 +25,32 @@ from m3_eagle_plugin.eagle3.capture import AuxCapture
 from m3_eagle_plugin.eagle3.head import Eagle3Head
 from m3_eagle_plugin.models.rope import apply_rope
 
-__all__ = ["DistillData", "collect_distill_data", "concat_data", "dense_head_step", "distill_loss", "train_head"]
+__all__ = [
+    "DistillData", "DistillPlan", "collect_distill_data", "concat_data", "dense_head_step", "distill_checkpoint",
+    "distill_loss", "train_head",
+]
 
 
 @dataclass(frozen=True)
 class DistillData:
-    """Right-padded sequences: `tokens [N, S]`, `aux [N, S, n*H]`, `target_next [N, S]`, `lengths [N]`."""
+    """Right-padded sequences: `tokens [N, S]`, `aux [N, S, n*H]`, `target_next [N, S]`, `lengths [N]`,
+    and the target's log-probabilities `target_logprobs [N, S, V]` (the soft labels of `distill_loss`)."""
 
     tokens: torch.Tensor
     aux: torch.Tensor
     target_next: torch.Tensor
     lengths: torch.Tensor
+    target_logprobs: torch.Tensor
+
+    FIELDS = ("tokens", "aux", "target_next", "lengths", "target_logprobs")
+
+    def select(self, rows: torch.Tensor) -> "DistillData":
+        return DistillData(*(getattr(self, f)[rows] for f in self.FIELDS))
 
     def __post_init__(self) -> None:
         n, s = self.tokens.shape
-        if self.aux.shape[:2] != (n, s) or self.target_next.shape != (n, s) or self.lengths.shape != (n,):
+        if (self.aux.shape[:2] != (n, s) or self.target_next.shape != (n, s) or self.lengths.shape != (n,)
+                or self.target_logprobs.shape[:2] != (n, s)):
             raise ValueError(f"inconsistent distillation data shapes: tokens {tuple(self.tokens.shape)}, aux "
                              f"{tuple(self.aux.shape)}, target_next {tuple(self.target_next.shape)}, "
                              f"lengths {tuple(self.lengths.shape)}")
@@ -93,9 +105,9 @@ def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences:
 
     def prefill(ids: torch.Tensor) -> DistillData:
         hidden = target(ids.reshape(-1).to(device), meta, cache, capture=capture)
-        greedy = target.compute_logits(hidden).argmax(dim=-1).view(num_sequences, seq_len).cpu()
+        logprobs = target.compute_logits(hidden).log_softmax(dim=-1).view(num_sequences, seq_len, -1).cpu()
         aux = capture.stacked().float().cpu().view(num_sequences, seq_len, -1)
-        return DistillData(ids, aux, greedy, torch.full((num_sequences,), seq_len))
+        return DistillData(ids, aux, logprobs.argmax(dim=-1), torch.full((num_sequences,), seq_len), logprobs)
 
     rounds = []
     for _ in range(iterations):
@@ -106,11 +118,11 @@ def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences:
 
 
 def concat_data(parts: Sequence[DistillData]) -> DistillData:
-    """Stack equally long `DistillData` sets along the sequence axis."""
+    """Stack `DistillData` sets of equal sequence length (more rows)."""
     widths = {p.tokens.shape[1] for p in parts}
     if len(widths) != 1:
         raise ValueError(f"cannot concatenate distillation data of different lengths {sorted(widths)}")
-    return DistillData(*(torch.cat([getattr(p, f) for p in parts]) for f in ("tokens", "aux", "target_next", "lengths")))
+    return DistillData(*(torch.cat([getattr(p, f) for p in parts]) for f in DistillData.FIELDS))
 
 
 def dense_head_step(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
@@ -158,9 +170,15 @@ def dense_head_step(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Ten
     return logits, (normed if cfg.norm_output else z), (k, v)
 
 
-def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1) -> torch.Tensor:
-    """Mean cross-entropy of passes 0..ttt_steps-1 against the target's greedy tokens (Eagle3 shift rule)."""
+def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_weight: float = 0.0) -> torch.Tensor:
+    """Mean over passes 0..ttt_steps-1 of KL(target || head) at the position the head predicts (Eagle3
+    shift rule), plus `hard_weight` times the cross-entropy against the target's greedy token.
+
+    The tiny random target's distributions are nearly flat, so its argmax is a fragile function of
+    the context: matching the whole distribution teaches far more per example than the argmax alone.
+    """
     tokens, aux, target_next, lengths = data.tokens, data.aux, data.target_next, data.lengths
+    soft = data.target_logprobs[:, 1:]         # the target's distribution for the token at p + 2
     s = tokens.shape[1] - 1
     input_ids = tokens[:, 1:]                  # token at p + 1
     features = aux[:, :s]                      # aux at p
@@ -173,16 +191,26 @@ def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1) -> tor
     for pass_index in range(ttt_steps):
         logits, out, kv = dense_head_step(head, input_ids, hidden, prior)
         mask = valid & (positions >= pass_index)
-        losses.append(F.cross_entropy(logits[mask], labels[mask]))
+        log_q = logits[mask].log_softmax(dim=-1)
+        loss = F.kl_div(log_q, soft[mask], log_target=True, reduction="batchmean")
+        if hard_weight:
+            loss = loss + hard_weight * F.nll_loss(log_q, labels[mask])
+        losses.append(loss)
         prior.append(kv)
         hidden = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)  # from q - 1 to q
     return torch.stack(losses).mean()
 
 
-def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: int = 16, lr: float = 3e-3,
-               ttt_steps: int = 2, seed: int = 0) -> list[float]:
-    """AdamW on the head's own weights (not the shared embedding / lm_head); returns the loss per step."""
+def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: int = 16, lr: float = 1e-2,
+               ttt_steps: int = 1, hard_weight: float = 0.0, seed: int = 0) -> list[float]:
+    """AdamW on the head's own weights (not the shared embedding / lm_head); returns the loss per step.
+
+    Each step draws `batch_size` rows of `data`; the learning rate warms up over 20 steps, then decays
+    linearly to 0. The head is left in eval mode with gradients off.
+    """
     _check_positive(steps=steps, batch_size=batch_size, ttt_steps=ttt_steps)
+    if not lr > 0 or not hard_weight >= 0:
+        raise ValueError(f"lr must be > 0 and hard_weight >= 0, got lr={lr!r}, hard_weight={hard_weight!r}")
     shared = {id(p) for module in (head.embed_tokens, head.lm_head) for p in module.parameters()}
     params = [p for p in head.parameters() if id(p) not in shared]
     for p in head.parameters():
@@ -196,8 +224,8 @@ def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: i
     try:
         for _ in range(steps):
             pick = torch.randperm(n, generator=gen)[:batch_size]
-            batch = DistillData(data.tokens[pick], data.aux[pick], data.target_next[pick], data.lengths[pick])
-            loss = distill_loss(head, batch, ttt_steps)
+            batch = data.select(pick)
+            loss = distill_loss(head, batch, ttt_steps, hard_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -206,4 +234,58 @@ def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: i
             history.append(float(loss.detach()))
     finally:
         head.eval().requires_grad_(False)
+    return history
+
+
+@dataclass(frozen=True)
+class DistillPlan:
+    """How much data and training `distill_checkpoint` spends (defaults: ~15 s on one CPU thread)."""
+
+    steps: int = 300
+    num_sequences: int = 64
+    seq_len: int = 48
+    iterations: int = 6
+    batch_size: int = 16
+    lr: float = 1e-2
+    ttt_steps: int = 1  # 2 trains draft step 2 as well but doubles the time for little gain on the tiny target
+    hard_weight: float = 0.0
+
+
+def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan(), seed: int = 0) -> list[float]:
+    """Train the Eagle3 head at `draft_dir` on its target at `target_dir` and overwrite its weights in place.
+
+    The tensor names and config stay exactly those of the input checkpoint (public Eagle3 layout).
+    Runs on one CPU thread, so the result is a pure function of the inputs, the plan and the seed.
+    Returns the training loss per step.
+    """
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from m3_eagle_plugin.eagle3.checkpoint import canonical_name, load_draft
+    from m3_eagle_plugin.models.loader import load_target
+
+    weights = Path(draft_dir) / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"no draft weights at {weights} (distill_checkpoint expects one safetensors file)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            target = load_target(target_dir)
+            head = load_draft(draft_dir, target)
+            data = collect_distill_data(target, head.aux_layer_ids, num_sequences=plan.num_sequences,
+                                        seq_len=plan.seq_len, iterations=plan.iterations, seed=seed)
+            history = train_head(head, data, steps=plan.steps, batch_size=plan.batch_size, lr=plan.lr,
+                                 ttt_steps=plan.ttt_steps, hard_weight=plan.hard_weight, seed=seed)
+    finally:
+        torch.set_num_threads(threads)
+    trained = head.state_dict()
+    old = load_file(str(weights))
+    new = {}
+    for name in sorted(old):  # names the head does not hold as weights (d2t, t2d) are kept as they were
+        value = trained.get(canonical_name(name), old[name])
+        new[name] = value.detach().to(old[name].dtype).contiguous()
+    save_file(new, str(weights), metadata={"format": "pt"})
     return history

@@ -1,4 +1,4 @@
-"""`m3-eagle make-tiny OUT_DIR [--seed N]`: a tiny random MiniMax-M3 target and Eagle3 head.
+"""`m3-eagle make-tiny OUT_DIR [--seed N] [--train-steps N]`: a tiny MiniMax-M3 target and Eagle3 head.
 
 OUT_DIR/target is a production-layout checkpoint (`MiniMaxM3SparseForConditionalGeneration`,
 `language_model.model.layers.{i}...`, unfused expert w1/w2/w3) that transformers>=5.13 loads
@@ -6,12 +6,16 @@ OUT_DIR/target is a production-layout checkpoint (`MiniMaxM3SparseForConditional
 8 layers (3 dense + 5 MSA/MoE), block size 4 and top-3 blocks, so sparsity is active after
 12 tokens. OUT_DIR/draft is an Eagle3 head in the public `LlamaForCausalLMEagle3` layout
 (`midlayer.*`, `fc`, `fc_norm.{0,1,2}`, GQA, no embed/lm_head: it shares the target's).
-Output is a pure function of the seed. Only torch + safetensors are used (no transformers).
+The target is random. The draft starts random and, unless `--train-steps 0`, is then
+self-distilled from the target (`eagle3.train.distill_checkpoint`, ~15 s on one CPU thread) so
+that the demo shows real acceptance; `make_tiny()` defaults to the random head (fast fixtures).
+Output is a pure function of the seed and the step count. Only torch + safetensors are used.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ HIDDEN, LAYERS, DENSE_LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 8, 3, 4, 2, 16
 VOCAB, EXPERTS, TOP_K, EXPERT_I, DENSE_I, SHARED_I = 256, 8, 2, 32, 96, 32
 INDEX_HEADS, INDEX_DIM, BLOCK, TOPK_BLOCKS = 2, 16, 4, 3
 ROPE_THETA, DRAFT_I = 10000.0, 128
+DEFAULT_TRAIN_STEPS = 300  # the CLI default; make_tiny() itself defaults to 0 (random head)
 
 
 def target_config() -> dict[str, Any]:
@@ -143,21 +148,37 @@ def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Ten
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
-    """Write OUT_DIR/target and OUT_DIR/draft; returns both paths."""
+def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple[Path, Path]:
+    """Write OUT_DIR/target and OUT_DIR/draft; returns both paths.
+
+    `train_steps > 0` self-distills the draft from the target for that many optimizer steps.
+    """
+    if isinstance(train_steps, bool) or not isinstance(train_steps, int) or train_steps < 0:
+        raise ValueError(f"train_steps must be a non-negative int, got {train_steps!r}")
     out = Path(out_dir)
     target, draft = out / "target", out / "draft"
     _write(target, target_config(), _random_tensors(_target_shapes(), seed, llama_norms=False))
     _write(draft, draft_config(), _random_tensors(_draft_shapes(), seed + 1, llama_norms=True))
+    if train_steps:
+        from m3_eagle_plugin.eagle3.train import DistillPlan, distill_checkpoint
+
+        distill_checkpoint(target, draft, plan=DistillPlan(steps=train_steps), seed=seed)
     return target, draft
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to create target/ and draft/ in")
     parser.add_argument("--seed", type=int, default=0, help="random seed (output is a pure function of it)")
+    parser.add_argument("--train-steps", type=int, default=DEFAULT_TRAIN_STEPS, metavar="N",
+                        help=f"self-distillation steps for the draft head (default {DEFAULT_TRAIN_STEPS}, "
+                             "~15 s on CPU; 0 = random head)")
 
 
 def main(args: argparse.Namespace) -> int:
-    target, draft = make_tiny(args.out_dir, args.seed)
-    print(f"wrote {target} and {draft}")
+    if args.train_steps < 0:
+        print(f"m3-eagle make-tiny: --train-steps must be >= 0, got {args.train_steps}", file=sys.stderr)
+        return 2
+    target, draft = make_tiny(args.out_dir, args.seed, args.train_steps)
+    how = f"trained for {args.train_steps} steps" if args.train_steps else "random"
+    print(f"wrote {target} and {draft} (draft head {how})")
     return 0

@@ -1,0 +1,204 @@
+"""Self-distillation of the Eagle3 head: data against transformers, the dense path against the paged head.
+
+References: transformers' MiniMax-M3 (labels and aux features of the collected data), the paged
+`Eagle3Head.forward` on the shared cache (itself checked against a naive dense reference in
+test_head.py) for both the plain step and the TTT pass, and the draft loop's positions/KV rule.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from m3_eagle_plugin.eagle3.checkpoint import load_draft
+from m3_eagle_plugin.eagle3.train import (
+    DistillData, DistillPlan, collect_distill_data, concat_data, dense_head_step, distill_checkpoint, distill_loss,
+    train_head,
+)
+from m3_eagle_plugin.kv import PagedKVCache
+from m3_eagle_plugin.models.loader import load_target
+from m3_eagle_plugin.models.tiny import make_tiny
+from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target_dir, draft_dir = make_tiny(tmp_path_factory.mktemp("train_tiny"), seed=4)
+    target = load_target(target_dir)
+    return target_dir, draft_dir, target, load_draft(draft_dir, target)
+
+
+@pytest.fixture(scope="module")
+def data(pair):
+    # 3 sequences, 20 tokens, prompts of 3..6 tokens, 4 Jacobi rounds -> 12 rows
+    return collect_distill_data(pair[2], pair[3].aux_layer_ids, num_sequences=3, seq_len=20, prompt_lens=(3, 6),
+                                iterations=4, seed=1)
+
+
+def _paged(target, head, num_blocks=32):
+    tc, dc = target.config, head.config
+    cache = PagedKVCache.for_minimax_m3(
+        tc.num_layers, tc.sparse_layer_ids, tc.num_kv_heads, tc.head_dim, tc.index_dim, tc.block_size, num_blocks,
+        num_draft_layers=1, draft_num_kv_heads=dc.num_kv_heads, dtype=torch.float32)
+    meta = MsaDecodeMetadata(1, 64, num_blocks, tc.block_size, "cpu", num_index_heads=tc.index_heads)
+    cache.add_request("r")
+    return cache, meta
+
+
+def test_collected_data_matches_transformers(pair, data):
+    from transformers import MiniMaxM3SparseForConditionalGeneration
+
+    target_dir, _, _, head = pair
+    hf = MiniMaxM3SparseForConditionalGeneration.from_pretrained(target_dir, dtype=torch.float32).eval()
+    assert data.tokens.shape == (12, 20) and data.aux.shape == (12, 20, 3 * 64)
+    with torch.no_grad():
+        out = hf(input_ids=data.tokens, output_hidden_states=True)
+    want_aux = torch.cat([out.hidden_states[i] for i in head.aux_layer_ids], dim=-1)
+    torch.testing.assert_close(data.aux, want_aux, atol=TOL, rtol=0)
+    torch.testing.assert_close(data.target_logprobs, out.logits.float().log_softmax(-1), atol=TOL, rtol=0)
+    assert torch.equal(data.target_next, data.target_logprobs.argmax(-1))
+
+
+def test_jacobi_rounds_converge_to_the_greedy_continuation(data):
+    rounds = data.tokens.view(4, 3, 20)  # [round, sequence, position]
+    for r in range(3):
+        changed = (rounds[:, r] != rounds[0, r]).any(0).nonzero()
+        prompt_len = int(changed[0])  # prompts never change; 3..6 tokens
+        assert 3 <= prompt_len <= 6 and torch.equal(rounds[:, r, :prompt_len], rounds[:1, r, :prompt_len].expand(4, -1))
+        last = 9 + r  # after 4 rounds the first 3 continuation tokens are the target's greedy choices
+        for t in range(prompt_len, prompt_len + 3):
+            assert data.tokens[last, t] == data.target_next[last, t - 1]
+
+
+def test_dense_step_equals_the_paged_head(pair, data):
+    _, _, target, head = pair
+    tokens, aux = data.tokens[-1], data.aux[-1]
+    cache, meta = _paged(target, head)
+    s = tokens.shape[0] - 1
+    cache.reserve("r", s)
+    meta.prepare([s], [s], cache.block_table(["r"]), num_context_requests=1)
+    with torch.no_grad():
+        want_logits, want_hidden = head(tokens[1:], aux[:s], meta, cache)
+        logits, hidden, _ = dense_head_step(head, tokens[None, 1:], aux[None, :s])
+    torch.testing.assert_close(logits[0], want_logits, atol=TOL, rtol=0)
+    torch.testing.assert_close(hidden[0], want_hidden, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("chain_start", [0, 5, 11])
+def test_ttt_passes_equal_the_draft_loop_steps(pair, data, chain_start):
+    """Pass s at q is draft step s of the chain from p = q - s: step 0 over 0..p, then one token per step."""
+    _, _, target, head = pair
+    tokens, aux = data.tokens[-2], data.aux[-2]
+    s = tokens.shape[0] - 1
+    with torch.no_grad():
+        dense, prior, hidden = [], [], aux[None, :s]
+        for _ in range(3):
+            logits, out, kv = dense_head_step(head, tokens[None, 1:], hidden, prior)
+            dense.append(logits[0])
+            prior.append(kv)
+            hidden = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)
+        cache, meta = _paged(target, head)
+        p = chain_start
+        cache.reserve("r", p + 3)
+        meta.prepare([p + 1], [p + 1], cache.block_table(["r"]), num_context_requests=1)
+        logits, out = head(tokens[1:p + 2], aux[:p + 1], meta, cache)
+        torch.testing.assert_close(logits[-1], dense[0][p], atol=TOL, rtol=0)
+        hidden = out[-1:]
+        for step in (1, 2):
+            meta.prepare([1], [p + 1 + step], cache.block_table(["r"]))
+            logits, hidden = head(tokens[p + 1 + step:p + 2 + step], hidden, meta, cache)
+            torch.testing.assert_close(logits[0], dense[step][p + step], atol=TOL, rtol=0)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(cut=st.integers(1, 18), passes=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_dense_step_is_causal(pair, cut, passes, seed):
+    """Outputs at q < cut never depend on tokens, features or earlier-pass keys at positions >= cut."""
+    head = pair[3]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (1, 19), generator=gen)
+    feats = torch.randn(1, 19, 3 * 64, generator=gen)
+    prior = [(torch.randn(1, 2, 19, 16, generator=gen), torch.randn(1, 2, 19, 16, generator=gen))
+             for _ in range(passes)]
+    ids2, feats2 = ids.clone(), feats.clone()
+    ids2[:, cut:] = torch.randint(0, 256, (1, 19 - cut), generator=gen)
+    feats2[:, cut:] += torch.randn(1, 19 - cut, 3 * 64, generator=gen)
+    prior2 = [(k.clone(), v.clone()) for k, v in prior]
+    for k, v in prior2:
+        k[:, :, cut:] += 1.0
+        v[:, :, cut:] -= 1.0
+    with torch.no_grad():
+        a, ha, _ = dense_head_step(head, ids, feats, prior)
+        b, hb, _ = dense_head_step(head, ids2, feats2, prior2)
+    torch.testing.assert_close(a[:, :cut], b[:, :cut], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ha[:, :cut], hb[:, :cut], atol=1e-5, rtol=0)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(rows=st.lists(st.integers(0, 11), min_size=1, max_size=4), passes=st.integers(1, 2))
+def test_loss_is_zero_exactly_when_the_head_matches_the_target(pair, data, rows, passes):
+    """KL(target || head) >= 0, and with the head's own distribution as the soft label it vanishes."""
+    head = pair[3]
+    batch = data.select(torch.tensor(rows))
+    with torch.no_grad():
+        loss = distill_loss(head, batch, passes)
+        logits, _, _ = dense_head_step(head, batch.tokens[:, 1:], batch.aux[:, :-1])
+    assert float(loss) > 0
+    own = torch.cat((logits.log_softmax(-1), torch.zeros_like(logits[:, :1])), dim=1)
+    agreeing = DistillData(batch.tokens, batch.aux, batch.target_next, batch.lengths, torch.roll(own, 1, dims=1))
+    with torch.no_grad():
+        assert abs(float(distill_loss(head, agreeing, 1))) < 1e-5
+
+
+def test_training_lowers_the_loss_and_keeps_the_shared_weights(pair, data, tmp_path):
+    target_dir, draft_dir, target, _ = pair
+    head = load_draft(draft_dir, target)
+    embed, lm_head = target.embed_tokens.weight.clone(), target.lm_head.weight.clone()
+    fc_before = head.fc.weight.clone()
+    with torch.no_grad():
+        before = float(distill_loss(head, data, 2))
+    history = train_head(head, data, steps=30, batch_size=6, lr=1e-2, ttt_steps=2, seed=0)
+    with torch.no_grad():
+        after = float(distill_loss(head, data, 2))
+    assert len(history) == 30 and after < 0.8 * before
+    assert torch.equal(target.embed_tokens.weight, embed) and torch.equal(target.lm_head.weight, lm_head)
+    assert not torch.equal(head.fc.weight, fc_before)
+    assert not head.training and not any(p.requires_grad for p in head.parameters())
+
+
+def test_distill_checkpoint_is_deterministic_and_keeps_the_layout(tmp_path):
+    plan = DistillPlan(steps=4, num_sequences=4, seq_len=16, iterations=2, batch_size=4)
+    results = []
+    for name in ("a", "b"):
+        target_dir, draft_dir = make_tiny(tmp_path / name, seed=2)
+        before = load_file(str(draft_dir / "model.safetensors"))
+        history = distill_checkpoint(target_dir, draft_dir, plan=plan, seed=3)
+        after = load_file(str(draft_dir / "model.safetensors"))
+        assert len(history) == 4 and all(h == h for h in history)
+        assert after.keys() == before.keys() and all(after[k].shape == before[k].shape for k in after)
+        assert any(not torch.equal(after[k], before[k]) for k in after)
+        load_draft(draft_dir, load_target(target_dir))  # still a valid public-layout checkpoint
+        results.append(after)
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_bad_inputs_fail_with_the_cause(pair, data, tmp_path):
+    target, head = pair[2], pair[3]
+    with pytest.raises(ValueError, match="prompt_lens"):
+        collect_distill_data(target, head.aux_layer_ids, num_sequences=2, seq_len=8, prompt_lens=(4, 9))
+    with pytest.raises(ValueError, match="num_sequences"):
+        collect_distill_data(target, head.aux_layer_ids, num_sequences=0, seq_len=8)
+    with pytest.raises(ValueError, match="steps"):
+        train_head(head, data, steps=0)
+    with pytest.raises(ValueError, match="inconsistent"):
+        DistillData(data.tokens, data.aux[:, :3], data.target_next, data.lengths, data.target_logprobs)
+    short = collect_distill_data(target, head.aux_layer_ids, num_sequences=1, seq_len=8, prompt_lens=(2, 2),
+                                 iterations=1)
+    with pytest.raises(ValueError, match="different lengths"):
+        concat_data([data, short])
+    with pytest.raises(FileNotFoundError, match="no draft weights"):
+        distill_checkpoint(pair[0], tmp_path, plan=DistillPlan(steps=1))
