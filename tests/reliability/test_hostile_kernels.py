@@ -212,10 +212,6 @@ def test_nan_in_the_unwritten_tail_of_a_page_never_reaches_the_output(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.xfail(strict=True, reason="BUG msa/kernels/__init__.py: the package re-exports the dispatchers "
-                   "`sparse_attention` and `dense_attention`, which share their names with submodules; the first "
-                   "CUDA call imports the submodule and Python rebinds the package attribute to it, so the next "
-                   "`kernels.sparse_attention(...)` raises TypeError: 'module' object is not callable (seen on H200)")
 def test_package_dispatchers_stay_functions_after_use():
     msa, backend = _mods("cuda")
     kernels = pytest.importorskip("m3_eagle_plugin.msa.kernels")

@@ -95,9 +95,9 @@ class StepSet:
 
 def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """(kernel thunk, torch-reference thunk) for one input set."""
-    from m3_eagle_plugin.msa.kernels.dense_attention import dense_verify_attention
+    from m3_eagle_plugin.msa.kernels.dense_verify import dense_verify_attention
     from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
-    from m3_eagle_plugin.msa.kernels.sparse_attention import sparse_verify_attention
+    from m3_eagle_plugin.msa.kernels.sparse_verify import sparse_verify_attention
 
     meta, cache, q = step["meta"], step["cache"], step["q"]
     scale = 1.0 / math.sqrt(geo.head_dim)

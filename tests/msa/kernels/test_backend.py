@@ -71,3 +71,13 @@ def test_cpu_on_update_kv_lens_falls_back(monkeypatch):
     on_update_kv_lens(meta, torch.tensor([69, 68], dtype=torch.int32))
     assert meta.kv_lens.tolist() == [69, 68]
     assert meta.positions.tolist() == [66, 67, 68, 65, 66, 67]
+
+
+def test_no_kernel_module_shadows_an_exported_dispatcher():
+    """Importing `kernels.<name>` as a submodule would rebind the package attribute `<name>`."""
+    from pathlib import Path
+
+    import m3_eagle_plugin.msa.kernels as kernels
+
+    modules = {p.stem for p in Path(kernels.__file__).parent.glob("*.py")}
+    assert not modules & set(kernels.__all__), sorted(modules & set(kernels.__all__))

@@ -1,8 +1,11 @@
 """Triton kernels for the MSA verify step, and the chooser between them and the torch references.
 
 Importing this package never imports `triton`; the kernel modules (`index_select`,
-`sparse_attention`, `dense_attention`, `kv_lens_update`, `merge`) do, and are loaded only when
+`sparse_verify`, `dense_verify`, `kv_lens_update`, `merge`) do, and are loaded only when
 `backend_report()` / `use_triton()` say they can run.
+
+No kernel module may share a name with an exported dispatcher: importing a submodule rebinds the
+package attribute of the same name, which would replace the function with the module.
 """
 from __future__ import annotations
 

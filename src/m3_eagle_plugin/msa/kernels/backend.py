@@ -108,7 +108,7 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
                      max_qo_len: int | None = None):
     """Dispatching twin of `msa.sparse_attention` (fp8 scales handled by the kernel only)."""
     if use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size):
-        from .sparse_attention import sparse_verify_attention
+        from .sparse_verify import sparse_verify_attention
 
         return sparse_verify_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale,
                                        v_scale=v_scale, max_qo_len=max_qo_len)
@@ -121,7 +121,7 @@ def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=N
                     max_qo_len: int | None = None):
     """Dispatching twin of `msa.dense_attention`."""
     if use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size):
-        from .dense_attention import dense_verify_attention
+        from .dense_verify import dense_verify_attention
 
         return dense_verify_attention(q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale,
                                       v_scale=v_scale, max_qo_len=max_qo_len)

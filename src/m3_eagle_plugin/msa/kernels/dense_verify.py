@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ._common import qo_len_hint, require, scale_value, tokens_per_tile
 from .merge import merge_splits
-from .sparse_attention import LOG2E, check_attention_inputs, choose_splits
+from .sparse_verify import LOG2E, check_attention_inputs, choose_splits
 
 
 @triton.jit

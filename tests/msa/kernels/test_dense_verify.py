@@ -14,7 +14,7 @@ pytestmark = needs_gpu
 
 
 def _run(q, cache, meta, **kw):
-    from m3_eagle_plugin.msa.kernels.dense_attention import dense_verify_attention
+    from m3_eagle_plugin.msa.kernels.dense_verify import dense_verify_attention
 
     return dense_verify_attention(q, cache.k, cache.v, meta, **kw)
 

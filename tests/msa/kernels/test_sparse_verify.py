@@ -14,7 +14,7 @@ pytestmark = needs_gpu
 
 
 def _run(q, cache, meta, sel, **kw):
-    from m3_eagle_plugin.msa.kernels.sparse_attention import sparse_verify_attention
+    from m3_eagle_plugin.msa.kernels.sparse_verify import sparse_verify_attention
 
     return sparse_verify_attention(q, cache.k, cache.v, meta, sel, **kw)
 
