@@ -111,12 +111,14 @@ def test_hook_runs_at_once_when_host_already_imported(fake_host, hermetic_manage
 
 
 def test_bootstrap_imports_nothing_heavy():
+    # Where the package is installed, the .pth already ran the bootstrap at interpreter start
+    # (M3_EAGLE_PLUGIN=auto); elsewhere the explicit call does. Either way nothing heavy may load.
     code = (
-        "import sys; before = set(sys.modules); import m3_eagle_plugin._bootstrap as b; b.main(); "
-        "new = sorted(set(sys.modules) - before); print(','.join(new))"
+        "import sys; import m3_eagle_plugin._bootstrap as b; b.main(); "
+        "print(','.join(sorted(m for m in sys.modules if m.startswith(('m3_eagle_plugin', 'torch', "
+        "'tensorrt_llm', 'pluggy', 'packaging', 'typing')))))"
     )
     env = {**os.environ, "M3_EAGLE_PLUGIN": "auto"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    new = set(out.stdout.strip().splitlines()[-1].split(","))
-    assert new <= {"m3_eagle_plugin", "m3_eagle_plugin._version", "m3_eagle_plugin._bootstrap"}, new
-    assert not any(re.match(r"(torch|tensorrt_llm|pluggy|packaging|typing)\b", m) for m in new)
+    loaded = set(out.stdout.strip().splitlines()[-1].split(","))
+    assert loaded <= {"m3_eagle_plugin", "m3_eagle_plugin._version", "m3_eagle_plugin._bootstrap"}, loaded

@@ -203,6 +203,15 @@ def _child(root: str, queue) -> None:
 
     import tensorrt_llm  # noqa: F401 - the host import that triggers activation in a real process
 
+    # Where the package is installed, its .pth bootstrap already ran in this fresh interpreter and
+    # activated on the host import above (the mode came from the parent's environment): that must
+    # be all or nothing. Undo it so the faults below start from a pristine host.
+    at_import = {k for k, v in _snapshot(contract).items() if getattr(v, PATCH_MARK, None)}
+    if at_import:
+        from m3_eagle_plugin.host import trtllm as adapter
+
+        adapter.uninstall()
+        activation._reset_for_tests()
     pristine = _snapshot(contract)
     states = []
     sym = contract.symbol("m3_backend_resolver")
@@ -220,6 +229,7 @@ def _child(root: str, queue) -> None:
         states.append({"report": {k: report.get(k) for k in ("activated", "ok", "reason", "mode")},
                        "wrapped": sorted(wrapped), "odd": sorted(odd)})
     queue.put({"pristine_is_unwrapped": not any(getattr(v, PATCH_MARK, None) for v in pristine.values()),
+               "wrapped_at_import": sorted(at_import),
                "states": states, "targets": sorted(_patch_targets(contract))})
 
 
@@ -233,7 +243,9 @@ def test_spawned_child_decides_for_itself(trtllm):
     child.join(timeout=60)
     bump("faults.injected")
     assert child.exitcode == 0
-    assert state["pristine_is_unwrapped"], "a spawned child started with patched host objects"
+    assert state["pristine_is_unwrapped"], "the child's host could not be brought back to pristine"
+    at_import = set(state["wrapped_at_import"])
+    assert not at_import or at_import >= set(state["targets"]), f"half-patched at the host import: {at_import}"
     missing, restored = state["states"]
     assert not missing["odd"] and not restored["odd"], state
     assert missing["report"]["activated"] is False and missing["wrapped"] == []

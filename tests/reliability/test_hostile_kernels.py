@@ -24,16 +24,8 @@ DEVICES = [
 ]
 
 
-def _devices_with_cuda_bug(reason: str) -> list:
-    """DEVICES, with the CUDA run marked as a known kernel bug (strict: a fix turns it into a failure)."""
-    return [DEVICES[0], pytest.param("cuda", id="triton-cuda", marks=[
-        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        pytest.mark.xfail(strict=True, reason=reason)])]
-
-
 def _mods(device: str):
-    """(torch references, the kernel dispatcher). The dispatcher is used through its own module:
-    the package attribute `kernels.sparse_attention` does not stay a function (see the test below)."""
+    """(torch references, the kernel dispatcher module)."""
     msa = pytest.importorskip("m3_eagle_plugin.msa")
     backend = pytest.importorskip("m3_eagle_plugin.msa.kernels.backend")
     if device == "cuda" and not backend.use_triton("cuda"):
@@ -141,11 +133,7 @@ def test_fused_correction_matches_the_metadata_and_stays_in_bounds(device, case)
         _same(ker[name][live], ref[name][live], f"{case} {name}")
 
 
-@pytest.mark.parametrize("device", _devices_with_cuda_bug(
-    "BUG msa/kernels/dense_attention.py: with a device block table holding -1 inside a request's kv range, the "
-    "Triton dense verify kernel reads page -1 (memory before the cache) and returns NaN for that request; the "
-    "torch reference treats the page as unmapped (seen on H200; the sparse kernel given the same selection is fine)"
-)[1:])  # CPU tables never get here: prepare() refuses them (test_hostile_metadata)
+@pytest.mark.parametrize("device", DEVICES[1:])  # CPU tables never get here: prepare() refuses them (test_hostile_metadata)
 def test_unmapped_page_in_a_device_table_is_never_read(device):
     """A device-resident table is not checked on the host: a -1 page inside kv must read as unmapped."""
     msa, kernels = _mods(device)
@@ -169,10 +157,7 @@ def test_unmapped_page_in_a_device_table_is_never_read(device):
         _same(ker[name], ref[name], name)
 
 
-@pytest.mark.parametrize("device", _devices_with_cuda_bug(
-    "BUG msa/kernels/sparse_attention.py (block union): a selected block id whose table entry is -1 (here block 3, "
-    "all in the tokens' future) is loaded from page -1 and its NaN reaches every token of the request; the torch "
-    "reference ignores it (seen on H200)"))
+@pytest.mark.parametrize("device", DEVICES)
 def test_selection_of_blocks_a_token_cannot_see_is_ignored(device):
     msa, kernels = _mods(device)
     step = _Step(msa, kernels, device, qo=[3], kv=[35], seed=4)  # positions 32..34, blocks 0..2 mapped
@@ -186,19 +171,7 @@ def test_selection_of_blocks_a_token_cannot_see_is_ignored(device):
     _same(b["sparse"], a["sparse"], "hostile selection")
 
 
-_NAN_TAIL_BUG = ("BUG msa/kernels (Triton sparse and dense verify attention): a NaN in the unwritten tail of a "
-                 "request's last page (slots >= kv_len) reaches the output; the torch reference clears those "
-                 "slots. Seen on H200: qo=[4,1,16,3], kv=[20,35,16,50] -> NaN for every token of the requests "
-                 "whose kv_len is not a multiple of the block (tokens 0-4, 21-23); with zeroed tails kernel == "
-                 "reference to 1.2e-6")
-
-
-@pytest.mark.parametrize("device", [
-    DEVICES[0],
-    pytest.param("cuda", id="triton-cuda", marks=[
-        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        pytest.mark.xfail(strict=True, reason=_NAN_TAIL_BUG)]),
-])
+@pytest.mark.parametrize("device", DEVICES)
 def test_nan_in_the_unwritten_tail_of_a_page_never_reaches_the_output(device):
     """Tail slots hold stale data in a real cache (NaN after torch.empty, or an fp8 NaN pattern)."""
     msa, kernels = _mods(device)

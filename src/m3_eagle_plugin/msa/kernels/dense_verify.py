@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ._common import qo_len_hint, require, scale_value, tokens_per_tile
 from .merge import merge_splits
-from .sparse_verify import LOG2E, check_attention_inputs, choose_splits
+from .sparse_verify import LOG2E, _online_softmax_step, check_attention_inputs, choose_splits
 
 
 @triton.jit
@@ -58,23 +58,15 @@ def _dense_verify_kernel(
             b = kt // (BLOCK // BN)
             key0 = (kt % (BLOCK // BN)) * BN
             page = tl.load(bt_ptr + r * s_bt_r + b).to(tl.int64)
-            k = tl.load(k_ptr + page * s_k_p + g * s_k_h + (key0 + jn)[:, None] * s_k_b + d[None, :]).to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * qk_scale
-            s = tl.where((b * BLOCK + key0 + jn)[None, :] <= pos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + page * s_v_p + g * s_v_h + (key0 + jn)[:, None] * s_v_b + d[None, :]).to(q.dtype)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-            m_i = m_new
+            mapped = page >= 0  # an unmapped (-1) page is never dereferenced and never attended
+            page = tl.maximum(page, 0)
+            key = key0 + jn
+            k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
+                        mask=mapped, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
+                        mask=mapped, other=0.0).to(q.dtype)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_ok & mapped,
+                                                 b * BLOCK + key, pos, IEEE)
 
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         if SPLITS == 1:

@@ -46,6 +46,9 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos
     s = s * qk_scale
     visible = row_has[:, None] & (key_pos[None, :] <= pos[:, None])
     s = tl.where(visible, s, float("-inf"))
+    # A key no row may see can hold anything (an unwritten tail slot is NaN after torch.empty or
+    # an fp8 NaN pattern), and p = 0 does not cancel it: 0 * NaN = NaN. Zero those V rows.
+    v = tl.where(tl.max(visible.to(tl.int32), axis=0)[:, None] > 0, v, 0.0).to(q.dtype)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -105,6 +108,8 @@ def _sparse_verify_kernel(
         e_bits = tl.load(bits_ptr + unit * UMAX + split + e * SPLITS, mask=e_ok, other=0)
         e_pages = tl.load(pages_ptr + unit * UMAX + split + e * SPLITS, mask=e_ok, other=0)
         n_it = mine * (BLOCK // BN)
+        e_mapped = e_pages >= 0
+        e_pages = tl.maximum(e_pages, 0)
         page = tl.sum(tl.where(e == 0, e_pages, 0), axis=0).to(tl.int64)
         k = tl.load(k_ptr + page * s_k_p + g * s_k_h + jn[:, None] * s_k_b + d[None, :], mask=n_it > 0, other=0.0)
         v = tl.load(v_ptr + page * s_v_p + g * s_v_h + jn[:, None] * s_v_b + d[None, :], mask=n_it > 0, other=0.0)
@@ -119,9 +124,11 @@ def _sparse_verify_kernel(
             cur = it // (BLOCK // BN)
             b = tl.sum(tl.where(e == cur, e_ids, 0), axis=0)
             bits = tl.sum(tl.where(e == cur, e_bits, 0), axis=0)
+            mapped = tl.sum(tl.where(e == cur, e_mapped.to(tl.int32), 0), axis=0) > 0
             key0 = (it % (BLOCK // BN)) * BN
             m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), m_i, l_i, acc, qk_scale,
-                                                 ((bits >> tok_i) & 1) != 0, b * BLOCK + key0 + jn, pos, IEEE)
+                                                 (((bits >> tok_i) & 1) != 0) & mapped, b * BLOCK + key0 + jn,
+                                                 pos, IEEE)
             k, v = k_next, v_next
     else:
         # Flat loop over (this split's union entries) x (BN-key sub-tiles of each page).
@@ -130,11 +137,15 @@ def _sparse_verify_kernel(
             b = tl.load(ids_ptr + entry)
             bits = tl.load(bits_ptr + entry)
             page = tl.load(pages_ptr + entry).to(tl.int64)
+            mapped = page >= 0  # an unmapped (-1) page is never dereferenced and never attended
+            page = tl.maximum(page, 0)
             key = (it % (BLOCK // BN)) * BN + jn
-            k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :]).to(q.dtype)
-            v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :]).to(q.dtype)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, ((bits >> tok_i) & 1) != 0,
-                                                 b * BLOCK + key, pos, IEEE)
+            k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
+                        mask=mapped, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
+                        mask=mapped, other=0.0).to(q.dtype)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale,
+                                                 (((bits >> tok_i) & 1) != 0) & mapped, b * BLOCK + key, pos, IEEE)
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     if SPLITS == 1:
