@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ._common import qo_len_hint, require, scale_value, tokens_per_tile
 from .merge import merge_splits
-from .sparse_verify import LOG2E, _online_softmax_step, check_attention_inputs, choose_splits
+from .sparse_verify import LOG2E, _online_softmax_step, _store_rows, check_attention_inputs, choose_splits
 
 
 @triton.jit
@@ -68,16 +68,8 @@ def _dense_verify_kernel(
             m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_ok & mapped,
                                                  b * BLOCK + key, pos, IEEE)
 
-        safe_l = tl.where(l_i > 0, l_i, 1.0)
-        if SPLITS == 1:
-            o = acc / safe_l[:, None] * v_scale
-            tl.store(o_ptr + tok[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            prow = (tok * num_heads + head) * SPLITS + split
-            tl.store(o_ptr + prow[:, None] * D + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
-            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-            tl.store(lse_ptr + prow, lse, mask=row_ok)
+        _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
+                    D, SPLITS)
 
 
 def dense_verify_attention(

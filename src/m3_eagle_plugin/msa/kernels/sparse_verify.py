@@ -61,6 +61,22 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos
 
 
 @triton.jit
+def _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
+                D: tl.constexpr, SPLITS: tl.constexpr):
+    """Write finished rows: the output itself (one split), or a partial and its LSE for `merge_splits`."""
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    if SPLITS == 1:
+        o = acc / safe_l[:, None] * v_scale
+        tl.store(o_ptr + tok[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        prow = (tok * num_heads + head) * SPLITS + split
+        tl.store(o_ptr + prow[:, None] * D + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + prow, lse, mask=row_ok)
+
+
+@triton.jit
 def _sparse_verify_kernel(
     q_ptr, s_q_t, s_q_h,
     k_ptr, s_k_p, s_k_h, s_k_b,
@@ -147,16 +163,8 @@ def _sparse_verify_kernel(
             m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale,
                                                  (((bits >> tok_i) & 1) != 0) & mapped, b * BLOCK + key, pos, IEEE)
 
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    if SPLITS == 1:
-        o = acc / safe_l[:, None] * v_scale
-        tl.store(o_ptr + tok[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        prow = (tok * num_heads + head) * SPLITS + split
-        tl.store(o_ptr + prow[:, None] * D + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-        tl.store(lse_ptr + prow, lse, mask=row_ok)
+    _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
+                D, SPLITS)
 
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any) -> None:
