@@ -13,123 +13,14 @@ field is read through `ConfigFields`, so a wrong type or range fails as one `Con
 """
 from __future__ import annotations
 
-import json
-import math
-import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from m3_eagle_plugin.models.config_fields import ConfigError, ConfigFields, read_json_object, show_value
+
 SPARSE_LAYER = "minimax_m3_sparse"
 DENSE_LAYER = "full_attention"
-_REQUIRED = object()
-
-
-class ConfigError(ValueError):
-    """A checkpoint config is missing a field or holds a value the model cannot run."""
-
-
-def _show(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """The top-level JSON object of a config file; unreadable, malformed or non-object JSON is a ConfigError."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not valid JSON (not UTF-8 text)") from None
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot be read ({error.strerror or error})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: top level must be a JSON object, got {type(raw).__name__}")
-    return raw
-
-
-class ConfigFields:
-    """Typed, range-checked reads from one JSON object of a config file; errors name the file and field."""
-
-    def __init__(self, raw: Any, source: str, section: str = "") -> None:
-        if not isinstance(raw, Mapping):
-            what = section or "top level"
-            raise ConfigError(f"{source}: {what}: must be a JSON object, got {type(raw).__name__}")
-        self.raw, self.source, self.section = raw, source, section
-
-    def name(self, key: str) -> str:
-        return f"{self.section}.{key}" if self.section else key
-
-    def error(self, key: str, what: str) -> ConfigError:
-        return ConfigError(f"{self.source}: {self.name(key)}: {what}")
-
-    def has(self, key: str) -> bool:
-        return self.raw.get(key) is not None
-
-    def need(self, key: str, default: Any = _REQUIRED) -> Any:
-        """The raw value; a missing or null field takes `default` (none given: the field is required)."""
-        value = self.raw.get(key)
-        if value is None:
-            if default is _REQUIRED:
-                raise self.error(key, "required field is missing")
-            return default
-        return value
-
-    def get_int(self, key: str, default: Any = _REQUIRED, minimum: int | None = None) -> int:
-        value = self.need(key, default)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise self.error(key, f"expected an integer, got {type(value).__name__} {_show(value)}")
-        if not isinstance(value, numbers.Integral) and not float(value).is_integer():
-            raise self.error(key, f"expected an integer, got {_show(value)}")
-        value = int(value)
-        if minimum is not None and value < minimum:
-            raise self.error(key, f"must be >= {minimum}, got {value}")
-        return value
-
-    def get_float(self, key: str, default: Any = _REQUIRED, positive: bool = False) -> float:
-        value = self.need(key, default)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise self.error(key, f"expected a finite number, got {type(value).__name__} {_show(value)}")
-        if positive and value <= 0:
-            raise self.error(key, f"must be > 0, got {value}")
-        return float(value)
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        value = self.need(key, default)
-        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
-            return bool(value)
-        raise self.error(key, f"expected true or false, got {type(value).__name__} {_show(value)}")
-
-    def get_int_list(self, key: str, default: Any = _REQUIRED) -> tuple[int, ...]:
-        values = self.need(key, default)
-        if not isinstance(values, (list, tuple)):
-            raise self.error(key, f"must be a list of integers, got {type(values).__name__}")
-        for i, value in enumerate(values):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise self.error(f"{key}[{i}]", f"expected an integer, got {type(value).__name__} {_show(value)}")
-        return tuple(int(v) for v in values)
-
-    def get_section(self, key: str) -> "ConfigFields | None":
-        """A nested object (None when absent)."""
-        if not self.has(key):
-            return None
-        return ConfigFields(self.raw[key], self.source, self.name(key))
-
-    def get_pattern(self, key: str, meaning: Mapping[Any, bool], num_layers: int) -> tuple[bool, ...]:
-        """A per-layer list whose entries are keys of `meaning`, exactly one per layer."""
-        values = self.need(key)
-        if not isinstance(values, (list, tuple)):
-            raise self.error(key, f"must be a list, got {type(values).__name__}")
-        if len(values) != num_layers:
-            raise self.error(key, f"has {len(values)} entries, expected {num_layers} (one per layer: num_hidden_layers)")
-        out = []
-        for i, value in enumerate(values):
-            entry = int(value) if isinstance(value, numbers.Integral) else value  # bool counts as 0 / 1
-            if not isinstance(entry, (str, int)) or entry not in meaning:
-                raise self.error(f"{key}[{i}]", f"{_show(value)} is not one of {sorted(meaning, key=str)}")
-            out.append(meaning[entry])
-        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -253,7 +144,7 @@ def _rope(t: ConfigFields, head_dim: int, use_rotary_dim: bool) -> tuple[int, fl
     params = t.get_section("rope_parameters") or ConfigFields({}, t.source, t.name("rope_parameters"))
     rope_type = params.need("rope_type", "default")
     if rope_type != "default":
-        raise params.error("rope_type", f"{_show(rope_type)} is not supported (only 'default')")
+        raise params.error("rope_type", f"{show_value(rope_type)} is not supported (only 'default')")
     where = params if params.has("rope_theta") else t
     theta = where.get_float("rope_theta", 5e6, positive=True)
     where = params if params.has("partial_rotary_factor") else t
@@ -268,7 +159,7 @@ def _rope(t: ConfigFields, head_dim: int, use_rotary_dim: bool) -> tuple[int, fl
 def _check_scoring(t: ConfigFields) -> None:
     scoring = t.need("scoring_func", "sigmoid")
     if scoring != "sigmoid":
-        raise t.error("scoring_func", f"{_show(scoring)} is not supported (MiniMax-M3 routes with sigmoid)")
+        raise t.error("scoring_func", f"{show_value(scoring)} is not supported (MiniMax-M3 routes with sigmoid)")
 
 
 _ZERO_ONE = {0: False, 1: True}
@@ -287,7 +178,7 @@ def _parse_production(t: ConfigFields) -> M3Config:
             sparse = sp.get_pattern("sparse_attention_freq", _ZERO_ONE, n)
         score_type = sp.need("sparse_score_type", "max")
         if score_type != "max":
-            raise sp.error("sparse_score_type", f"{_show(score_type)} is not supported (only 'max')")
+            raise sp.error("sparse_score_type", f"{show_value(score_type)} is not supported (only 'max')")
         if sp.has("sparse_disable_index_value"):
             disabled = sp.get_pattern("sparse_disable_index_value", _ZERO_ONE, n)
             with_iv = [i for i, (s, d) in enumerate(zip(sparse, disabled)) if s and not d]
