@@ -255,7 +255,7 @@ class StepRunner:
         self, rows, offsets, staged_dev, shrink, final_rows, verify_rows, first_tokens, accept, use_head
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The Eagle3 draft loop over this step's tokens; zeros (no drafts) without a head."""
-        cfg, k, device = self.config, self.config.draft_len, self.config.device
+        k, device = self.config.draft_len, self.config.device
         num_drafting = len(final_rows) + len(verify_rows)
         if not use_head:
             return torch.zeros((num_drafting, k), dtype=torch.long, device=device), None
