@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from m3_eagle_plugin.eagle3.checkpoint import load_draft
-from m3_eagle_plugin.kv import PagedKVCache
 from m3_eagle_plugin.models.loader import load_target
 from m3_eagle_plugin.models.tiny import make_tiny
-from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
+from tests.models._oracle import PagedRunner
 
 TOL = 1e-4
 
@@ -29,28 +28,12 @@ def tiny(tmp_path_factory):
     return target_dir, draft_dir
 
 
-class Runner:
-    def __init__(self, target, head, dtype=torch.float32, device="cpu") -> None:
-        tc, dc = target.config, head.config
-        self.cache = PagedKVCache.for_minimax_m3(
-            tc.num_layers, tc.sparse_layer_ids, tc.num_kv_heads, tc.head_dim, tc.index_dim, tc.block_size, 32,
-            num_draft_layers=1, draft_num_kv_heads=dc.num_kv_heads, dtype=dtype, device=device)
-        self.meta = MsaDecodeMetadata(4, 64, 32, tc.block_size, device, max_draft_len=7,
-                                      num_index_heads=tc.index_heads)
-        self.lengths: dict[str, int] = {}
+class Runner(PagedRunner):
+    """The models' paged runner with the draft layer hosted in the target cache."""
 
-    def prepare(self, chunks):
-        rids, qo, kv = [], [], []
-        for rid, n in chunks:
-            if rid not in self.lengths:
-                self.cache.add_request(rid)
-                self.lengths[rid] = 0
-            self.lengths[rid] += n
-            self.cache.reserve(rid, self.lengths[rid])
-            rids.append(rid)
-            qo.append(n)
-            kv.append(self.lengths[rid])
-        self.meta.prepare(qo, kv, self.cache.block_table(rids))
+    def __init__(self, target, head, dtype=torch.float32, device="cpu") -> None:
+        super().__init__(target.config, num_blocks=32, device=device, dtype=dtype,
+                         draft_num_kv_heads=head.config.num_kv_heads)
 
 
 def rms(x, w, eps):

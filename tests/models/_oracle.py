@@ -53,10 +53,12 @@ class PagedRunner:
     """Runs steps of several requests through PagedKVCache + MsaDecodeMetadata."""
 
     def __init__(self, config: M3Config, *, num_blocks: int = 64, max_tokens: int = 64, max_requests: int = 4,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, draft_num_kv_heads: int | None = None) -> None:
+        """`draft_num_kv_heads`: also host one shared Eagle3 draft layer with that many KV heads."""
         self.cache = PagedKVCache.for_minimax_m3(
             config.num_layers, config.sparse_layer_ids, config.num_kv_heads, config.head_dim,
-            config.index_dim or config.head_dim, config.block_size, num_blocks, dtype=dtype, device=device)
+            config.index_dim or config.head_dim, config.block_size, num_blocks, dtype=dtype, device=device,
+            num_draft_layers=0 if draft_num_kv_heads is None else 1, draft_num_kv_heads=draft_num_kv_heads)
         self.meta = MsaDecodeMetadata(max_requests, max_tokens, num_blocks, config.block_size, device,
                                       max_draft_len=7, num_index_heads=max(config.index_heads, 1))
         self.lengths: dict[str, int] = {}
