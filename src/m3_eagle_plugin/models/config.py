@@ -165,6 +165,25 @@ def _check_scoring(t: ConfigFields) -> None:
 _ZERO_ONE = {0: False, 1: True}
 
 
+#: The index-branch fields under their names in each layout: heads, dim, block, top-k, local blocks.
+_PRODUCTION_INDEX_KEYS = ("sparse_num_index_heads", "sparse_index_dim", "sparse_block_size",
+                          "sparse_topk_blocks", "sparse_local_block")
+_TEXT_INDEX_KEYS = ("index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks",
+                    "index_local_blocks")
+
+
+def _index_geometry(f: ConfigFields, need_index: bool, keys: tuple[str, ...]) -> dict[str, int]:
+    """Index-branch geometry; a model without sparse layers needs none of it (production defaults)."""
+    heads, dim, block, topk, local = keys
+    return {
+        "index_heads": f.get_int(heads, minimum=1) if need_index else 0,
+        "index_dim": f.get_int(dim, minimum=1) if need_index else 0,
+        "block_size": f.get_int(block, minimum=1) if need_index else 128,
+        "topk_blocks": f.get_int(topk, minimum=1) if need_index else 16,
+        "local_blocks": f.get_int(local, 1, minimum=0),
+    }
+
+
 def _parse_production(t: ConfigFields) -> M3Config:
     _check_scoring(t)
     common = _common(t)
@@ -186,18 +205,13 @@ def _parse_production(t: ConfigFields) -> M3Config:
                 raise sp.error("sparse_disable_index_value", f"sparse layers {with_iv} keep the index-value "
                                "branch, which is not supported")
     moe = t.get_pattern("moe_layer_freq", _ZERO_ONE, n)
-    need_index = any(sparse)
     return M3Config(
         **common,
         rotary_dim=rotary_dim,
         rope_theta=theta,
         sparse_layers=sparse,
         moe_layers=moe,
-        index_heads=sp.get_int("sparse_num_index_heads", minimum=1) if need_index else 0,
-        index_dim=sp.get_int("sparse_index_dim", minimum=1) if need_index else 0,
-        block_size=sp.get_int("sparse_block_size", minimum=1) if need_index else 128,
-        topk_blocks=sp.get_int("sparse_topk_blocks", minimum=1) if need_index else 16,
-        local_blocks=sp.get_int("sparse_local_block", 1, minimum=0),
+        **_index_geometry(sp, any(sparse), _PRODUCTION_INDEX_KEYS),
         init_blocks=sp.get_int("sparse_init_block", 0, minimum=0),
         layout="production",
     )
@@ -210,18 +224,13 @@ def _parse_text(t: ConfigFields) -> M3Config:
     rotary_dim, theta = _rope(t, common["head_dim"], use_rotary_dim=False)
     sparse = t.get_pattern("layer_types", {SPARSE_LAYER: True, DENSE_LAYER: False}, n)
     moe = t.get_pattern("mlp_layer_types", {"sparse": True, "dense": False}, n)
-    need_index = any(sparse)
     return M3Config(
         **common,
         rotary_dim=rotary_dim,
         rope_theta=theta,
         sparse_layers=sparse,
         moe_layers=moe,
-        index_heads=t.get_int("index_n_heads", minimum=1) if need_index else 0,
-        index_dim=t.get_int("index_head_dim", minimum=1) if need_index else 0,
-        block_size=t.get_int("index_block_size", minimum=1) if need_index else 128,
-        topk_blocks=t.get_int("index_topk_blocks", minimum=1) if need_index else 16,
-        local_blocks=t.get_int("index_local_blocks", 1, minimum=0),
+        **_index_geometry(t, any(sparse), _TEXT_INDEX_KEYS),
         init_blocks=0,
         layout="text",
     )
