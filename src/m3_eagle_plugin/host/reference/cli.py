@@ -122,6 +122,9 @@ def _report_text(report: dict, out: TextIO) -> None:
         f"draft_tokens={report['draft_tokens']} accepted_tokens={report['accepted_tokens']} "
         f"tokens_per_s={report['tokens_per_s']:.1f}\n"
     )
+    per_position = report.get("per_position_acceptance") or []
+    if per_position:
+        out.write("per_position_acceptance=" + ",".join(f"{p:.3f}" for p in per_position) + "\n")
 
 
 def main(args: argparse.Namespace) -> int:
