@@ -20,7 +20,6 @@ import pytest
 from ._counts import bump
 
 _FAKEHOST = Path(__file__).resolve().parents[1] / "host" / "trtllm" / "fakehost" / "__init__.py"
-_ADAPTER_COMPONENTS = ("model", "cache_manager", "msa_backend", "registration")
 PATCH_MARK = "__m3_eagle_patch__"
 
 
@@ -31,17 +30,6 @@ def _load_fakehost():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _purge_host() -> None:
-    for name in list(sys.modules):
-        if name == "tensorrt_llm" or name.startswith("tensorrt_llm."):
-            del sys.modules[name]
-    package = sys.modules.get("m3_eagle_plugin.host.trtllm")
-    for component in _ADAPTER_COMPONENTS:  # they bind host classes at import time
-        sys.modules.pop(f"m3_eagle_plugin.host.trtllm.{component}", None)
-        if package is not None:
-            vars(package).pop(component, None)
 
 
 def _snapshot(contract) -> dict[str, object]:
@@ -89,7 +77,7 @@ def trtllm(tmp_path, monkeypatch):
     monkeypatch.setenv("M3_EAGLE_PLUGIN", "off")  # activate(mode=...) exports the mode; restored at teardown
     monkeypatch.delenv("M3_EAGLE_PLUGIN_FORCE", raising=False)
     adapter.uninstall()
-    _purge_host()
+    fakehost.purge_host_modules()
     activation._reset_for_tests()
     sys.path.insert(0, str(root))
     importlib.invalidate_caches()
@@ -100,7 +88,7 @@ def trtllm(tmp_path, monkeypatch):
                           host=tensorrt_llm, before=before)
     adapter.uninstall()
     activation._reset_for_tests()
-    _purge_host()
+    fakehost.purge_host_modules()
     sys.path.remove(str(root))
 
 

@@ -6,10 +6,7 @@ import sys
 
 import pytest
 
-from .fakehost import CURRENT, LAYOUTS, build_fake_host
-
-_ADAPTER_COMPONENTS = ("model", "cache_manager", "msa_backend", "registration")
-
+from .fakehost import CURRENT, LAYOUTS, build_fake_host, purge_host_modules
 
 @pytest.fixture(scope="session")
 def fake_host_dirs(tmp_path_factory):
@@ -17,22 +14,11 @@ def fake_host_dirs(tmp_path_factory):
             for layout in LAYOUTS}
 
 
-def _purge() -> None:
-    for name in list(sys.modules):
-        if name == "tensorrt_llm" or name.startswith("tensorrt_llm."):
-            del sys.modules[name]
-    package = sys.modules.get("m3_eagle_plugin.host.trtllm")
-    for component in _ADAPTER_COMPONENTS:  # they bind host classes at import time
-        sys.modules.pop(f"m3_eagle_plugin.host.trtllm.{component}", None)
-        if package is not None:
-            vars(package).pop(component, None)
-
-
 def _activate(path):
     from m3_eagle_plugin.host import trtllm as adapter
 
     adapter.uninstall()
-    _purge()
+    purge_host_modules()
     sys.path.insert(0, str(path))
     importlib.invalidate_caches()
     return adapter
@@ -42,7 +28,7 @@ def _deactivate(path) -> None:
     from m3_eagle_plugin.host import trtllm as adapter
 
     adapter.uninstall()
-    _purge()
+    purge_host_modules()
     sys.path.remove(str(path))
 
 

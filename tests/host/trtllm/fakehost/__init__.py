@@ -9,6 +9,7 @@ The module contents model a host *before* NVIDIA/TensorRT-LLM#18872.
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 TREE = Path(__file__).parent / "tree"
@@ -48,3 +49,19 @@ def build_fake_host(dest: Path, layout: str = CURRENT) -> Path:
                 text = text.replace(before, after)
             path.write_text(text)
     return dest
+
+
+#: Adapter modules that bind host classes at import time, so they go with the host.
+ADAPTER_COMPONENTS = ("model", "cache_manager", "msa_backend", "registration")
+
+
+def purge_host_modules() -> None:
+    """Forget every imported `tensorrt_llm` module and the adapter modules bound to them."""
+    for name in list(sys.modules):
+        if name == "tensorrt_llm" or name.startswith("tensorrt_llm."):
+            del sys.modules[name]
+    package = sys.modules.get("m3_eagle_plugin.host.trtllm")
+    for component in ADAPTER_COMPONENTS:
+        sys.modules.pop(f"m3_eagle_plugin.host.trtllm.{component}", None)
+        if package is not None:
+            vars(package).pop(component, None)
