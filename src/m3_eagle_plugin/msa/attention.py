@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .blocks import MsaInputError
+from .blocks import MsaInputError, request_pages
 
 __all__ = ["sparse_attention", "dense_attention"]
 
@@ -62,15 +62,9 @@ def _attend(
     out = torch.zeros((num_tokens, num_q_heads, dim), dtype=q.dtype, device=q.device)
     positions = meta.positions.to(torch.int64)
     kv_lens = meta.kv_lens
-    start = 0
-    for r, (qo, kv) in enumerate(zip(meta.qo_lens_host, meta.kv_lens_host)):
-        rows = range(start, start + qo)
-        start += qo
-        if qo == 0 or kv == 0:
-            continue
-        num_blocks = -(-kv // block_size)
+    for r, rows, pages in request_pages(meta):
+        num_blocks = pages.shape[0]
         num_keys = num_blocks * block_size
-        pages = meta.block_tables[r, :num_blocks].to(torch.int64)
         keys = k_cache[pages.clamp(min=0)].float().permute(1, 0, 2, 3).reshape(num_kv_heads, num_keys, dim)
         values = v_cache[pages.clamp(min=0)].float().permute(1, 0, 2, 3).reshape(num_kv_heads, num_keys, dim)
         key_pos = torch.arange(num_keys, device=q.device)

@@ -7,7 +7,7 @@ this module computes it without host synchronisation so it can run inside CUDA g
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -36,6 +36,20 @@ def valid_blocks_from_positions(positions: torch.Tensor, block_size: int) -> tor
     """Visible-block count of tokens at ``positions``: ``ceil((p + 1) / B)``, 0 for ``p < 0``."""
     seen = (positions + 1).clamp(min=0)
     return torch.div(seen + (block_size - 1), block_size, rounding_mode="floor").to(torch.int32)
+
+
+def request_pages(meta: Any) -> Iterator[tuple[int, slice, torch.Tensor]]:
+    """For each request with query tokens and KV: (request index, its token rows, its pages).
+
+    Pages are the first ``ceil(kv_len / B)`` block-table entries as int64, ``-1`` where unmapped;
+    the references gather a request's pages once and serve all its tokens from them.
+    """
+    start = 0
+    for r, (qo, kv) in enumerate(zip(meta.qo_lens_host, meta.kv_lens_host)):
+        rows = slice(start, start + qo)
+        start += qo
+        if qo and kv:
+            yield r, rows, meta.block_tables[r, : -(-kv // meta.block_size)].to(torch.int64)
 
 
 def _as_length_tensor(name: str, values: torch.Tensor | Sequence[int], device: torch.device | None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .blocks import MsaInputError, validate_block_size
+from .blocks import MsaInputError, request_pages, validate_block_size
 
 __all__ = ["select_blocks", "select_blocks_paged", "select_from_block_scores"]
 
@@ -172,14 +172,8 @@ def select_blocks_paged(
         (num_heads, num_tokens, num_blocks), float("-inf"), dtype=torch.float32, device=index_q.device
     )
     positions = meta.positions.to(torch.int64)
-    start = 0
-    for r, (qo, kv) in enumerate(zip(meta.qo_lens_host, meta.kv_lens_host)):
-        rows = slice(start, start + qo)
-        start += qo
-        if qo == 0 or kv == 0:
-            continue
-        request_blocks = -(-kv // block_size)
-        pages = meta.block_tables[r, :request_blocks].to(torch.int64)
+    for _, rows, pages in request_pages(meta):
+        request_blocks = pages.shape[0]
         keys = index_k_cache[pages.clamp(min=0)].float().reshape(request_blocks * block_size, dim)
         key_ok = (pages >= 0).repeat_interleave(block_size)
         _block_scores_into(
