@@ -209,7 +209,7 @@ def test_cuda_references_match_cpu_without_host_sync(oracle: SparseLayerOracle) 
     k_cache = torch.zeros_like(paged.cache.k, device="cuda")
     v_cache = torch.zeros_like(paged.cache.v, device="cuda")
     ik_cache = torch.zeros_like(paged.cache.index_k, device="cuda")
-    meta_prefix = MsaDecodeMetadata(4, 64, 12, BLOCK_SIZE, "cuda")
+    meta_prefix = MsaDecodeMetadata(4, 128, 12, BLOCK_SIZE, "cuda")  # prefill: all 83 tokens
     meta_prefix.prepare(lengths, lengths, paged.table)
     every = {name: paged.tokens(name, lengths, lengths).cuda() for name in ("k", "v", "index_k")}
     step = {name: paged.tokens(name, qo, lengths).cuda() for name in ("q", "index_q")}

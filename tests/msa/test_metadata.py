@@ -201,7 +201,9 @@ def test_derivation_matches_naive_and_stays_in_own_pages(rows, log_block, deltas
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_update_kv_lens_in_a_cuda_graph_equals_eager() -> None:
+@pytest.mark.parametrize("backend", ["torch", "auto"])  # the torch ops, and the fused kernel where Triton runs
+def test_on_update_kv_lens_in_a_cuda_graph_equals_eager(backend, monkeypatch) -> None:
+    monkeypatch.setenv("M3_EAGLE_KERNELS", backend)
     tables = worked_example_tables()
     graphed = MsaDecodeMetadata(4, 16, 8, 4, "cuda", max_draft_len=2)
     eager = MsaDecodeMetadata(4, 16, 8, 4, "cuda", max_draft_len=2)
@@ -236,3 +238,11 @@ def test_on_update_kv_lens_in_a_cuda_graph_equals_eager() -> None:
             assert torch.equal(getattr(graphed, name), getattr(eager, name)), (new, name)
     # After the last (too large) correction every length is clamped back to the staged one.
     assert graphed.cache_slots.cpu().tolist() == [7, 8, 109, 110, 111]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_corrections_on_another_device_are_refused_by_name() -> None:
+    meta = MsaDecodeMetadata(4, 16, 8, 4, "cuda", max_draft_len=2)
+    meta.prepare([2, 3], [9, 12], worked_example_tables())
+    with pytest.raises(MsaInputError, match="kv_lens is on cpu"):
+        meta.on_update_kv_lens(torch.tensor([8, 12], dtype=torch.int32))

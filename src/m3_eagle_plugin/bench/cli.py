@@ -64,13 +64,15 @@ def _gpu_rows(args: argparse.Namespace, device: torch.device, log) -> tuple[list
     log(f"copy ceiling (read+write) {ceiling:.0f} GB/s")
     qo_lens = [int(x) for x in args.qo_lens.split(",") if x]
     kernels = [k for k in args.kernels.split(",") if k]
+    context = {"copy_ceiling_gbps": ceiling, "backend": backend_report(device),
+               "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    if not kernels:  # `--kernels ""`: the end-to-end section alone
+        return [], context
     rows = run_kernel_suite(args.configs or parse_configs(DEFAULT_CONFIGS), qo_lens, kernels, Geometry(),
                             kv_dtype=DTYPES[args.kv_dtype], index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
                             device=device, ceiling_gbps=ceiling, num_sets=args.sets,
                             dense_kv_dtype=DTYPES[args.dense_kv_dtype], check=not args.no_check,
                             time_reference=not args.no_reference_timing, log=log)
-    context = {"copy_ceiling_gbps": ceiling, "backend": backend_report(device),
-               "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__}
     return [{"section": "kernels", **r} for r in rows], context
 
 

@@ -256,6 +256,7 @@ def _engine(target, head, shape: E2EShape, *, speculate: bool, batch: int, promp
     from m3_eagle_plugin.eagle3.capture import AuxCapture
     from m3_eagle_plugin.host.reference.build import blocks_for_prompts
     from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
+    from m3_eagle_plugin.host.reference.scheduler import kv_budget_tokens
     from m3_eagle_plugin.kv import PagedKVCache
 
     tc = target.config
@@ -263,6 +264,7 @@ def _engine(target, head, shape: E2EShape, *, speculate: bool, batch: int, promp
     config = EngineConfig(
         draft_len=k, max_batch_size=batch, max_tokens_per_step=max(shape.max_tokens_per_step, batch * (k + 1)),
         cuda_graphs=graphs and speculate, force_accepted=shape.forced_mean if speculate else None,
+        max_seq_len=kv_budget_tokens(max(map(len, prompts)), shape.new_tokens, k),
     )
     num_blocks = blocks_for_prompts(prompts, shape.new_tokens, k, tc.block_size)
     cache = PagedKVCache.for_minimax_m3(

@@ -342,6 +342,8 @@ class MsaDecodeMetadata:
                 raise MsaInputError(f"kv_lens must be [num_requests={self.num_requests}], got {tuple(kv_lens.shape)}")
             if kv_lens.dtype.is_floating_point or kv_lens.dtype == torch.bool:
                 raise TypeError(f"kv_lens must be an integer tensor, got {kv_lens.dtype}")
+            if kv_lens.device.type != self.device.type:
+                raise MsaInputError(f"kv_lens is on {kv_lens.device} but the metadata lives on {self.device}")
         fused = self._fused_kv_lens_update()
         if fused is not None:
             fused(self, kv_lens)

@@ -115,3 +115,17 @@ def test_statistics_are_per_generate_call():
     for key in ("draft_tokens", "accepted_tokens", "verify_steps", "generated_tokens"):
         assert first[key] == second[key]
     assert second["generated_tokens"] == 5
+
+
+def test_max_seq_len_bounds_the_table_width_and_refuses_longer_requests_alone():
+    from m3_eagle_plugin.host.reference.scheduler import kv_budget_tokens
+
+    fits = kv_budget_tokens(len(PROMPTS[1]), 6, 3)  # the longest prompt of the set
+    engine, target, cache = build(max_seq_len=fits)
+    assert engine.runner.config.max_blocks_per_seq == -(-fits // cache.block_size) < cache.num_blocks
+    result = engine.generate(PROMPTS + [PROMPTS[1] * 2], max_new_tokens=6)
+    assert result.outputs[:4] == [target.greedy(p, 6) for p in PROMPTS]
+    assert result.outputs[4] == [] and "max_seq_len" in result.errors[4]
+    assert cache.num_free_blocks == cache.num_blocks
+    with pytest.raises(ValueError, match="max_seq_len"):
+        EngineConfig(max_seq_len=0)

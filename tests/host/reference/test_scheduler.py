@@ -78,3 +78,11 @@ def test_limits_hold_and_chunks_are_contiguous(specs, batch, draft_len, budget):
                     row.request.state = RequestState.DECODE
             else:
                 assert row.length == 1 + draft_len
+
+
+def test_max_blocks_per_seq_bounds_one_request_and_names_max_seq_len():
+    sched = Scheduler(max_batch_size=4, max_tokens_per_step=16, draft_len=1, block_size=4, total_blocks=64,
+                      max_blocks_per_seq=3)
+    sched.check_fits(make(0, 4, max_new=3))  # 4 + 3 + 4 + 1 = 12 tokens: 3 blocks
+    with pytest.raises(RequestError, match="max_seq_len allows one request only 3"):
+        sched.check_fits(make(1, 4, max_new=4))  # 13 tokens: 4 blocks

@@ -4,16 +4,18 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
-from m3_eagle_plugin.msa.kernels._common import KernelInputError, is_pow2, next_pow2, qo_len_hint, tokens_per_tile
+from m3_eagle_plugin.msa.kernels._common import MAX_TILE_ROWS, KernelInputError, is_pow2, next_pow2, qo_len_hint, tokens_per_tile
 
 
 def test_reference_values():
     assert tokens_per_tile(256, 64, 16, 4) == 4     # verify rows of the M3 geometry: 64-row MMA tiles
     assert tokens_per_tile(64, 64, 16, 1) == 1      # plain decode
     assert tokens_per_tile(256, 64, 1, 4) == 16     # index scoring: 16 rows minimum for tl.dot
-    assert tokens_per_tile(8000, 1, 16, None) == 16  # long prefill chunk: capped, the kernels loop
+    assert tokens_per_tile(8000, 1, 16, None) == 4   # long prefill chunk: 64 rows at most, the kernels loop
+    assert tokens_per_tile(8000, 1, 2, None) == 16   # small groups: 16 tokens at most
     assert [next_pow2(n) for n in (0, 1, 2, 3, 17)] == [1, 1, 2, 4, 32]
 
 
@@ -24,7 +26,8 @@ def test_tile_is_pow2_fills_mma_and_covers_verify_rows(tokens, requests, rows, h
     qp = tokens_per_tile(tokens, requests, rows, hint)
     assert is_pow2(qp) and qp <= max(16, next_pow2(-(-16 // rows)))
     assert qp * rows >= 16
-    if hint is not None and hint <= 16:
+    assert qp * rows <= max(MAX_TILE_ROWS, rows * next_pow2(-(-16 // rows)))  # fits an SM's shared memory
+    if hint is not None and hint <= 16 and hint * rows <= MAX_TILE_ROWS:
         assert qp >= hint
 
 
@@ -35,3 +38,16 @@ def test_qo_len_hint_prefers_caller_then_metadata():
     assert qo_len_hint(object(), None) is None
     with pytest.raises(KernelInputError, match="max_qo_len"):
         qo_len_hint(object(), 0)
+
+
+def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
+    pytest.importorskip("triton")
+    from m3_eagle_plugin.msa.kernels.sparse_verify import MAX_PARTIAL_ELEMENTS, check_splits, choose_splits
+
+    row = 4096 * 16 * 128  # one long prefill chunk's T x Hq x D
+    splits = choose_splits(1, 1, 576, torch.device("cpu"), partial_row=row)
+    assert splits * row <= MAX_PARTIAL_ELEMENTS and splits >= 1
+    assert choose_splits(64, 1, 256, torch.device("cpu"), partial_row=256 * 16 * 128) == 5  # verify: unchanged
+    check_splits(1, 10 * MAX_PARTIAL_ELEMENTS)  # one split writes no partials
+    with pytest.raises(KernelInputError, match="fp32 partial elements"):
+        check_splits(264, row)

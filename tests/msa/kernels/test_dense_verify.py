@@ -57,3 +57,12 @@ def test_matches_package_reference_on_msa_metadata():
     meta = msa_metadata(step)
     out = _run(q, cache, meta, scale=0.088, max_qo_len=4)
     assert_close_rel(out, dense_attention(q, cache.k, cache.v, meta, scale=0.088), 1e-2)
+
+
+def test_long_prefill_chunk_bounds_its_splits():
+    # 4096 tokens x 16 heads x 128 dims: with a split per SM pair the partials would pass 2**31
+    # elements (an illegal address on the H200 before the bound); the bound keeps them <= 2**27.
+    meta, cache, q, _ = random_step(M3, [4096], [4096], kv_dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(M3.head_dim)
+    out = _run(q, cache, meta, scale=scale)
+    assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=scale), 2e-2)

@@ -36,10 +36,15 @@ class EngineConfig:
     sampling: SamplingParams = SamplingParams()
     force_accepted: float | None = None  # fractional: that mean per verify step (2.5 -> 2, 3, 2, ...)
     eos_ids: tuple[int, ...] = ()
+    # Longest request (prompt + new tokens + draft headroom), as the host's max_seq_len: sizes the
+    # block-table width, which bounds what a CUDA-graph step reads (None: the whole cache).
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.draft_len < 0:
             raise ValueError(f"draft_len must be >= 0, got {self.draft_len}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         if self.force_accepted is not None and not self.force_accepted >= 0:
             raise ValueError(f"force_accepted must be >= 0, got {self.force_accepted}")
 
@@ -96,15 +101,18 @@ class Engine:
         if config.force_accepted is not None and config.force_accepted > self.k:
             raise ValueError(f"force_accepted ({config.force_accepted}) exceeds the draft length ({self.k})")
         block_size = int(cache.block_size)
+        max_blocks = int(cache.num_blocks)
+        if config.max_seq_len is not None:
+            max_blocks = min(max_blocks, -(-config.max_seq_len // block_size))
         self.scheduler = Scheduler(
             max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
-            draft_len=self.k, block_size=block_size, total_blocks=int(cache.num_blocks),
+            draft_len=self.k, block_size=block_size, total_blocks=int(cache.num_blocks), max_blocks_per_seq=max_blocks,
         )
         self.runner = StepRunner(
             target, cache,
             RunnerConfig(
                 draft_len=self.k, max_batch_size=config.max_batch_size,
-                max_tokens_per_step=config.max_tokens_per_step, max_blocks_per_seq=int(cache.num_blocks),
+                max_tokens_per_step=config.max_tokens_per_step, max_blocks_per_seq=max_blocks,
                 block_size=block_size, device=self.device, sampling=config.sampling,
                 force_accepted=config.force_accepted, num_index_heads=num_index_heads,
                 cuda_graphs=config.cuda_graphs,

@@ -41,7 +41,8 @@ def kv_budget_tokens(prompt_len: int, max_new_tokens: int, draft_len: int) -> in
 
 class Scheduler:
     def __init__(
-        self, *, max_batch_size: int, max_tokens_per_step: int, draft_len: int, block_size: int, total_blocks: int
+        self, *, max_batch_size: int, max_tokens_per_step: int, draft_len: int, block_size: int, total_blocks: int,
+        max_blocks_per_seq: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -55,6 +56,7 @@ class Scheduler:
         self.draft_len = draft_len
         self.block_size = block_size
         self.total_blocks = total_blocks
+        self.max_blocks_per_seq = total_blocks if max_blocks_per_seq is None else min(max_blocks_per_seq, total_blocks)
         self.admitted_blocks = 0
 
     def blocks_needed(self, request: Request) -> int:
@@ -63,10 +65,12 @@ class Scheduler:
     def check_fits(self, request: Request) -> None:
         """Raise `RequestError` when the request could never fit the cache, even alone."""
         need = self.blocks_needed(request)
-        if need > self.total_blocks:
+        if need > self.max_blocks_per_seq:
+            where = ("the cache has only" if self.max_blocks_per_seq == self.total_blocks
+                     else "max_seq_len allows one request only")
             raise RequestError(
                 f"request {request.index} needs {need} KV blocks (prompt {len(request.prompt)} + max_new_tokens "
-                f"{request.max_new_tokens} + draft headroom) but the cache has only {self.total_blocks}"
+                f"{request.max_new_tokens} + draft headroom) but {where} {self.max_blocks_per_seq}"
             )
 
     def release(self, request: Request) -> None:

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+#: Query rows (tokens x heads) of one attention tile, at most.
+MAX_TILE_ROWS = 64
+
 #: SM count used to size split-K grids when no device is queried (H200 value).
 DEFAULT_SM_COUNT = 132
 
@@ -77,6 +80,10 @@ def tokens_per_tile(num_tokens: int, num_requests: int, rows_per_token: int, max
     if max_qo_len is None:
         max_qo_len = -(-max(num_tokens, 1) // max(num_requests, 1))
     chunk = next_pow2(min(max(int(max_qo_len), 1), 16))
+    # At most MAX_TILE_ROWS rows: a prefill chunk of 16 tokens x GQA group 16 would need 256 rows,
+    # more shared memory than an SM has (measured: 256 KB asked, 227 KB on H200).
+    fits = max(1, MAX_TILE_ROWS // rows_per_token)
+    chunk = min(chunk, 1 << (fits.bit_length() - 1))
     return max(chunk, next_pow2(-(-16 // rows_per_token)))
 
 

@@ -15,7 +15,8 @@ import triton.language as tl
 
 from ._common import qo_len_hint, require, scale_value, tokens_per_tile
 from .merge import merge_splits
-from .sparse_verify import LOG2E, _online_softmax_step, _store_rows, check_attention_inputs, choose_splits
+from .sparse_verify import (LOG2E, MAX_PARTIAL_ELEMENTS, _online_softmax_step, _store_rows, check_attention_inputs,
+                            check_splits, choose_splits)
 
 
 @triton.jit
@@ -50,6 +51,7 @@ def _dense_verify_kernel(
         q = tl.load(q_ptr + tok[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :],
                     mask=row_ok[:, None], other=0.0)
         pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+        pos_max = tl.max(pos, axis=0)
         m_i = tl.full([QP * G], -1.0e30, tl.float32)
         l_i = tl.zeros([QP * G], tl.float32)
         acc = tl.zeros([QP * G, D], tl.float32)
@@ -66,7 +68,7 @@ def _dense_verify_kernel(
             v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
                         mask=mapped, other=0.0).to(q.dtype)
             m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_ok & mapped,
-                                                 b * BLOCK + key, pos, IEEE)
+                                                 b * BLOCK + key, pos, pos_max, IEEE)
 
         _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                     D, SPLITS)
@@ -97,13 +99,18 @@ def dense_verify_attention(
     width = meta.block_tables.shape[1]
     qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
     if splits is None:
-        splits = choose_splits(num_requests, hkv, width, q.device)
-    require(splits >= 1, f"splits must be >= 1, got {splits}")
+        # About 2 programs per SM; a large batch doubles that while each split keeps >= 16 pages
+        # (H200 sweep, scripts/tune_verify_kernels.py --dense-only, 2026-11-29: B64/32K q4 311 us
+        # with 10 splits vs 393 with 5; B16/32K 80 us with 17 vs 91 with 34).
+        row = num_tokens * num_heads * dim
+        base = choose_splits(num_requests, hkv, width, q.device, partial_row=row)
+        splits = max(base, min(2 * base, width // 16, MAX_PARTIAL_ELEMENTS // row))
+    check_splits(splits, num_tokens * num_heads * dim)
     out = torch.zeros_like(q) if splits == 1 else torch.empty_like(q)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
-    if key_tile is None:  # measured on H200 at B64/32K: 128 for 16-bit KV, 32 for fp8 KV
-        key_tile = 128 if k_cache.element_size() >= 2 else 32
+    if key_tile is None:  # H200 at B64/32K: 64 for 16-bit KV (2026-11-29 sweep: 311 vs 445 us with 128), 32 for fp8
+        key_tile = 64 if k_cache.element_size() >= 2 else 32
     qk_scale = float(scale) * scale_value(k_scale) * LOG2E
     vs = scale_value(v_scale)
     if splits == 1:

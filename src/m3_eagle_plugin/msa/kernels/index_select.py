@@ -134,7 +134,7 @@ def index_block_scores(
     max_qo_len: int | None = None,
     blocks_per_program: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Max score of every visible block for every token: fp32 `[Hi, T, max_blocks]`.
 
@@ -159,10 +159,11 @@ def index_block_scores(
         out = torch.empty((num_heads, num_tokens, width), device=index_q.device, dtype=torch.float32)
     qp = tokens_per_tile(num_tokens, num_requests, num_heads, max_qo_len)
     if blocks_per_program is None:
-        # About 4 programs per SM over the widest possible step, 2..16 pages each (measured on H200:
-        # 16 pages per program reads index-K ~13% faster than 29 at B64/32K).
+        # About 4 programs per SM over the widest possible step, 2..4 pages each (H200 sweep,
+        # scripts/tune_verify_kernels.py, 2026-11-29: 4 pages and 2 stages read index-K at 100% of
+        # the copy ceiling at B64/32K, vs 95% for 16 pages and 3 stages).
         target = 4 * device_sm_count(index_q.device)
-        blocks_per_program = min(16, max(2, -(-width * num_requests // target)))
+        blocks_per_program = min(4, max(2, -(-width * num_requests // target)))
     grid = (num_requests, triton.cdiv(width, blocks_per_program))
     if num_requests and num_tokens:
         _block_score_kernel[grid](

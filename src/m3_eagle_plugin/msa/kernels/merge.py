@@ -21,7 +21,7 @@ def _merge_splits_kernel(
     live = t < tl.load(cu_ptr + num_requests)
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
-    row = t * num_heads + h
+    row = t.to(tl.int64) * num_heads + h  # T x Hq x S x D can pass 2**31
     lse = tl.load(lse_ptr + row * SPLITS + s, mask=live & (s < SPLITS), other=float("-inf"))
     top = tl.max(lse, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)

@@ -9,7 +9,6 @@ position. Splits over the union plus an LSE merge keep small batches busy. Mirro
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -23,7 +22,6 @@ from ._common import (
     check_meta,
     compute_dtype_of,
     device_sm_count,
-    next_pow2,
     require,
     scale_value,
     tokens_per_tile,
@@ -32,13 +30,15 @@ from .block_union import BlockUnion, chunk_count, union_from_selection
 from .merge import merge_splits
 
 LOG2E = 1.4426950408889634
-#: Tuning override: "1" selects the register-prefetching main loop.
-PREFETCH_ENV = "M3_EAGLE_SPARSE_PREFETCH"
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos, IEEE: tl.constexpr):
-    """One key tile of flash attention in log2 units; keys masked per row by selection and causality."""
+def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos, pos_max, IEEE: tl.constexpr):
+    """One key tile of flash attention in log2 units; keys masked per row by selection and causality.
+
+    `pos_max` is the largest position of the tile's rows: every key at or below it was written
+    (positions precede the step's kv length), so only keys above it can hold garbage.
+    """
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -46,9 +46,10 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos
     s = s * qk_scale
     visible = row_has[:, None] & (key_pos[None, :] <= pos[:, None])
     s = tl.where(visible, s, float("-inf"))
-    # A key no row may see can hold anything (an unwritten tail slot is NaN after torch.empty or
-    # an fp8 NaN pattern), and p = 0 does not cancel it: 0 * NaN = NaN. Zero those V rows.
-    v = tl.where(tl.max(visible.to(tl.int32), axis=0)[:, None] > 0, v, 0.0).to(q.dtype)
+    # A key past every row's position can hold anything (an unwritten tail slot is NaN after
+    # torch.empty or an fp8 NaN pattern), and p = 0 does not cancel it: 0 * NaN = NaN. Zero those
+    # V rows (unmapped pages already load as 0). An elementwise test: no cross-warp reduction.
+    v = tl.where((key_pos <= pos_max)[:, None], v, 0.0).to(q.dtype)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -70,7 +71,7 @@ def _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_o
         tl.store(o_ptr + tok[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        prow = (tok * num_heads + head) * SPLITS + split
+        prow = (tok.to(tl.int64) * num_heads + head) * SPLITS + split
         tl.store(o_ptr + prow[:, None] * D + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(lse_ptr + prow, lse, mask=row_ok)
@@ -87,7 +88,6 @@ def _sparse_verify_kernel(
     qk_scale, v_scale,
     G: tl.constexpr, QP: tl.constexpr, UMAX: tl.constexpr, NCH: tl.constexpr,
     BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    PREFETCH: tl.constexpr, EP: tl.constexpr,
 ):
     r = tl.program_id(0)
     g = tl.program_id(1)
@@ -107,6 +107,7 @@ def _sparse_verify_kernel(
     q = tl.load(q_ptr + tok[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+    pos_max = tl.max(pos, axis=0)
     count = tl.load(cnt_ptr + unit)
 
     m_i = tl.full([QP * G], -1.0e30, tl.float32)
@@ -114,54 +115,22 @@ def _sparse_verify_kernel(
     acc = tl.zeros([QP * G, D], tl.float32)
     jn = tl.arange(0, BN)
     mine = tl.maximum(count - split + SPLITS - 1, 0) // SPLITS
-    if PREFETCH:
-        # This split's union entries live in registers, and the next sub-tile's K/V are loaded
-        # while the current one is used: the compiler does not pipeline loads that reach the
-        # MMA through an fp8 -> bf16 conversion, and the entry -> page -> K chain is 3 round trips.
-        e = tl.arange(0, EP)
-        e_ok = split + e * SPLITS < count
-        e_ids = tl.load(ids_ptr + unit * UMAX + split + e * SPLITS, mask=e_ok, other=0)
-        e_bits = tl.load(bits_ptr + unit * UMAX + split + e * SPLITS, mask=e_ok, other=0)
-        e_pages = tl.load(pages_ptr + unit * UMAX + split + e * SPLITS, mask=e_ok, other=0)
-        n_it = mine * (BLOCK // BN)
-        e_mapped = e_pages >= 0
-        e_pages = tl.maximum(e_pages, 0)
-        page = tl.sum(tl.where(e == 0, e_pages, 0), axis=0).to(tl.int64)
-        k = tl.load(k_ptr + page * s_k_p + g * s_k_h + jn[:, None] * s_k_b + d[None, :], mask=n_it > 0, other=0.0)
-        v = tl.load(v_ptr + page * s_v_p + g * s_v_h + jn[:, None] * s_v_b + d[None, :], mask=n_it > 0, other=0.0)
-        for it in range(0, n_it):
-            nit = it + 1
-            npage = tl.sum(tl.where(e == nit // (BLOCK // BN), e_pages, 0), axis=0).to(tl.int64)
-            nkey = (nit % (BLOCK // BN)) * BN + jn
-            k_next = tl.load(k_ptr + npage * s_k_p + g * s_k_h + nkey[:, None] * s_k_b + d[None, :],
-                             mask=nit < n_it, other=0.0)
-            v_next = tl.load(v_ptr + npage * s_v_p + g * s_v_h + nkey[:, None] * s_v_b + d[None, :],
-                             mask=nit < n_it, other=0.0)
-            cur = it // (BLOCK // BN)
-            b = tl.sum(tl.where(e == cur, e_ids, 0), axis=0)
-            bits = tl.sum(tl.where(e == cur, e_bits, 0), axis=0)
-            mapped = tl.sum(tl.where(e == cur, e_mapped.to(tl.int32), 0), axis=0) > 0
-            key0 = (it % (BLOCK // BN)) * BN
-            m_i, l_i, acc = _online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), m_i, l_i, acc, qk_scale,
-                                                 (((bits >> tok_i) & 1) != 0) & mapped, b * BLOCK + key0 + jn,
-                                                 pos, IEEE)
-            k, v = k_next, v_next
-    else:
-        # Flat loop over (this split's union entries) x (BN-key sub-tiles of each page).
-        for it in range(0, mine * (BLOCK // BN)):
-            entry = unit * UMAX + split + (it // (BLOCK // BN)) * SPLITS
-            b = tl.load(ids_ptr + entry)
-            bits = tl.load(bits_ptr + entry)
-            page = tl.load(pages_ptr + entry).to(tl.int64)
-            mapped = page >= 0  # an unmapped (-1) page is never dereferenced and never attended
-            page = tl.maximum(page, 0)
-            key = (it % (BLOCK // BN)) * BN + jn
-            k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
-                        mask=mapped, other=0.0).to(q.dtype)
-            v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
-                        mask=mapped, other=0.0).to(q.dtype)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale,
-                                                 (((bits >> tok_i) & 1) != 0) & mapped, b * BLOCK + key, pos, IEEE)
+    # Flat loop over (this split's union entries) x (BN-key sub-tiles of each page).
+    for it in range(0, mine * (BLOCK // BN)):
+        entry = unit * UMAX + split + (it // (BLOCK // BN)) * SPLITS
+        b = tl.load(ids_ptr + entry)
+        bits = tl.load(bits_ptr + entry)
+        page = tl.load(pages_ptr + entry).to(tl.int64)
+        mapped = page >= 0  # an unmapped (-1) page is never dereferenced and never attended
+        page = tl.maximum(page, 0)
+        key = (it % (BLOCK // BN)) * BN + jn
+        k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
+                    mask=mapped, other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
+                    mask=mapped, other=0.0).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale,
+                                             (((bits >> tok_i) & 1) != 0) & mapped, b * BLOCK + key, pos, pos_max,
+                                             IEEE)
 
     _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D, SPLITS)
@@ -183,11 +152,27 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     require(k_cache.dtype in allowed and v_cache.dtype in allowed, f"unsupported KV dtype {k_cache.dtype}")
 
 
-def choose_splits(num_requests: int, num_kv_heads: int, max_work: int, device: torch.device) -> int:
-    """Splits per (request, KV head) so the grid has about two programs per SM."""
+#: Most fp32 elements the split partials `[T, Hq, splits, D]` may take (512 MB).
+MAX_PARTIAL_ELEMENTS = 1 << 27
+
+
+def choose_splits(num_requests: int, num_kv_heads: int, max_work: int, device: torch.device,
+                  partial_row: int = 0) -> int:
+    """Splits per (request, KV head) so the grid has about two programs per SM, with the split
+    partials (`partial_row` = T x Hq x D elements per split) within MAX_PARTIAL_ELEMENTS: a long
+    prefill chunk has parallelism enough without splits (measured: 4096 tokens x 264 splits
+    overflowed 32-bit offsets)."""
     target = 2 * device_sm_count(device)
     splits = -(-target // max(1, num_requests * num_kv_heads))
+    if partial_row:
+        max_work = min(max_work, MAX_PARTIAL_ELEMENTS // partial_row)
     return int(max(1, min(splits, max_work)))
+
+
+def check_splits(splits: int, partial_row: int) -> None:
+    require(splits >= 1, f"splits must be >= 1, got {splits}")
+    require(splits == 1 or splits * partial_row <= MAX_PARTIAL_ELEMENTS,
+            f"{splits} splits need {splits * partial_row} fp32 partial elements, more than {MAX_PARTIAL_ELEMENTS}")
 
 
 def sparse_verify_attention(
@@ -204,9 +189,8 @@ def sparse_verify_attention(
     union: BlockUnion | None = None,
     splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
     key_tile: int = 64,
-    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids.
 
@@ -231,12 +215,16 @@ def sparse_verify_attention(
         union = union_from_selection(selection, meta.cu_qo_lens, meta.block_tables, chunk=qp,
                                      num_chunks=chunk_count(num_tokens, num_requests, qp, max_qo_len))
     qp, nch = union.chunk, union.num_chunks
-    if prefetch is None:  # off by default: 13-20% slower at B64/32K on H200 (bench, 2026-11-29)
-        prefetch = os.environ.get(PREFETCH_ENV, "0") == "1"
     require(qp * group >= 16, f"union chunk {qp} x group {group} must give >= 16 rows")
     require(union.counts.shape[:2] == (num_requests, hkv), "union does not match requests x KV heads")
     if splits is None:
-        splits = choose_splits(num_requests * nch, hkv, min(topk * qp, 4 * topk), q.device)
+        # About 2 programs per SM and at least one union entry each: a verify chunk's union holds
+        # about 2 x topk blocks (tokens share about half), a single token's exactly topk.
+        # (H200 sweep, scripts/tune_verify_kernels.py, 2026-11-29: at B16/32K q4 17 splits take
+        # 24.5 us, the former cap of 4 x topk = 34 splits 28.0.)
+        splits = choose_splits(num_requests * nch, hkv, topk * min(qp, 2), q.device,
+                               partial_row=num_tokens * num_heads * dim)
+    check_splits(splits, num_tokens * num_heads * dim)
     # Zeroed so graph-padding rows (past cu_qo_lens[-1]) read 0 on the single-split path too.
     out = torch.zeros_like(q) if splits == 1 else torch.empty_like(q)
     if num_tokens == 0 or num_requests == 0:
@@ -257,7 +245,7 @@ def sparse_verify_attention(
         o_buf, out.stride(0), out.stride(1), lse,
         qk_scale, vs,
         G=group, QP=qp, UMAX=union.umax, NCH=nch, BLOCK=block, BN=min(block, key_tile), D=dim, SPLITS=splits,
-        IEEE=q.dtype == torch.float32, PREFETCH=prefetch, EP=next_pow2(-(-union.umax // splits)), num_warps=num_warps, num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
         return out

@@ -10,7 +10,9 @@ class TrtllmAttentionMetadata(AttentionMetadata):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.kv_lens = torch.zeros(self.max_num_sequences, dtype=torch.int32)
-        self.kv_lens_cuda = torch.zeros(self.max_num_sequences, dtype=torch.int32)
+        # as in the host: the device copy lives on the GPU where there is one
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.kv_lens_cuda = torch.zeros(self.max_num_sequences, dtype=torch.int32, device=device)
 
     def prepare(self) -> None:
         n = self.num_seqs

@@ -1,0 +1,144 @@
+"""Launch-parameter sweep of the sparse-layer verify kernels on one GPU (a tuning aid, not a test).
+
+Why: the defaults in `msa.kernels` (splits, key tile, warps, stages, pages per index program) were
+chosen from a handful of H200 runs; this script times every variant side by side on the bench's
+inputs and prints the best per shape, so a default changes only on a measured table.
+    python scripts/tune_verify_kernels.py [--json out.json] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+
+from m3_eagle_plugin.bench.inputs import Geometry, union_blocks
+from m3_eagle_plugin.bench.kernel_suite import StepSet, dense_kv_bytes, index_k_bytes, kv_page_bytes
+from m3_eagle_plugin.bench.timing import copy_ceiling_gbps, time_graph_us as graph_us
+from m3_eagle_plugin.msa.kernels.dense_verify import dense_verify_attention
+from m3_eagle_plugin.msa.kernels.index_select import index_block_scores, select_blocks_verify, topk_from_block_scores
+from m3_eagle_plugin.msa.kernels.sparse_verify import choose_splits, sparse_verify_attention
+
+
+def dense_sweep(geo, dev, ceiling: float, scale: float) -> list[dict]:
+    """Dense verify attention (bf16 K/V): splits x key tile x warps x stages at B64 and B16 / 32K."""
+    rows = []
+    for batch, ctx in ((64, 32768), (16, 32768)):
+        steps = StepSet(batch, ctx, geo, kv_dtype=torch.bfloat16, index_dtype=torch.bfloat16,
+                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
+        sets = [steps.step(s, 4) for s in range(3)]
+        nbytes = dense_kv_bytes(sets[0]["meta"], geo, torch.bfloat16)
+        width = sets[0]["meta"].block_tables.shape[1]
+        base = choose_splits(batch, 1, width, dev)
+        ref = None
+        for sp, kt, nw, ns in itertools.product((base, 2 * base), (64, 128), (4, 8), (2, 3)):
+            def call(st, sp=sp, kt=kt, nw=nw, ns=ns):
+                c = st["cache"]
+                return dense_verify_attention(st["q"], c.k, c.v, st["meta"], scale=scale, max_qo_len=4, splits=sp,
+                                              key_tile=kt, num_warps=nw, num_stages=ns)
+            try:
+                out = call(sets[0]).float()
+                ref = out if ref is None else ref
+                err = float((out - ref).norm() / ref.norm())
+                us = graph_us([lambda st=st: call(st) for st in sets])
+            except Exception as exc:  # a variant Triton cannot compile is reported, not fatal
+                print(f"  skip dense splits={sp} kt={kt} w={nw} s={ns}: {type(exc).__name__}"[:200])
+                continue
+            rows.append({"kernel": "dense_attn", "batch": batch, "ctx": ctx, "qo": 4,
+                         "variant": f"splits={sp} kt={kt} w={nw} s={ns}", "us": us,
+                         "pct": 100 * nbytes / (ceiling * 1e3) / us, "err_vs_default": err,
+                         "default": (sp, kt, nw, ns) == (max(base, min(2 * base, width // 16)), 64, 4, 3)})
+        del steps
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dense-only", action="store_true", help="only the dense verify sweep (bf16 K/V)")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    geo = Geometry()
+    ceiling = copy_ceiling_gbps(dev)
+    print(f"copy ceiling {ceiling:.0f} GB/s")
+    rows = []
+    scale = 1.0 / math.sqrt(geo.head_dim)
+    if args.dense_only:
+        rows += dense_sweep(geo, dev, ceiling, scale)
+    for batch, ctx in () if args.dense_only else ((64, 32768), (16, 32768), (1, 8192)):
+        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
+                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
+        for qo in (4, 1):
+            sets = [steps.step(s, qo) for s in range(3)]
+            meta0 = sets[0]["meta"]
+            ik_bytes = index_k_bytes(meta0, geo, torch.bfloat16)
+            # index scoring: pages per program x warps x stages
+            for bpp, nw, ns in itertools.product((None, 4, 8, 16), (4, 8), (2, 3, 4)):
+                if (args.quick or qo == 1) and (nw, ns) != (4, 2):
+                    continue
+                th = [lambda st=st: index_block_scores(st["index_q"], st["cache"].index_k, st["meta"],
+                                                       max_qo_len=qo, blocks_per_program=bpp,
+                                                       num_warps=nw, num_stages=ns) for st in sets]
+                us = graph_us(th)
+                rows.append({"kernel": "index_scores", "batch": batch, "ctx": ctx, "qo": qo,
+                             "variant": f"bpp={bpp} w={nw} s={ns}", "us": us,
+                             "pct": 100 * ik_bytes / (ceiling * 1e3) / us})
+            # top-k + union alone
+            scores = [index_block_scores(st["index_q"], st["cache"].index_k, st["meta"], max_qo_len=qo) for st in sets]
+            for tw in (None, 4, 8):
+                th = [lambda st=st, sc=sc: topk_from_block_scores(sc, st["meta"], topk=geo.topk, max_qo_len=qo,
+                                                                  union_group=geo.q_heads, topk_warps=tw)
+                      for st, sc in zip(sets, scores)]
+                rows.append({"kernel": "topk_union", "batch": batch, "ctx": ctx, "qo": qo,
+                             "variant": f"warps={tw}", "us": graph_us(th), "pct": float("nan")})
+            # sparse attention on the fused top-k's own selection and union
+            fused = [select_blocks_verify(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk,
+                                          max_qo_len=qo, union_group=geo.q_heads) for st in sets]
+            u = union_blocks(fused[0][0], meta0)
+            att_bytes = u * kv_page_bytes(geo, torch.float8_e4m3fn)
+            ref = None
+            chunk = fused[0][1].chunk
+            base = choose_splits(batch * fused[0][1].num_chunks, 1, geo.topk * min(chunk, 2), dev)
+            for sp, kt, nw, ns in itertools.product((base, 2 * base), (64, 128), (4, 8), (2, 3)):
+                full = not args.quick and qo == 4 and batch > 1
+                if not full and (kt, nw, ns) != (64, 4, 3):
+                    continue
+
+                def call(st, f, sp=sp, kt=kt, nw=nw, ns=ns):
+                    return sparse_verify_attention(st["q"], st["cache"].k, st["cache"].v, st["meta"], f[0],
+                                                   scale=scale, k_scale=st["cache"].k_scale,
+                                                   v_scale=st["cache"].v_scale, max_qo_len=qo, union=f[1],
+                                                   splits=sp, key_tile=kt, num_warps=nw, num_stages=ns)
+                try:
+                    out = call(sets[0], fused[0])
+                    if ref is None:
+                        ref = out.float()
+                    err = float((out.float() - ref).norm() / ref.norm())
+                    us = graph_us([lambda st=st, f=f: call(st, f) for st, f in zip(sets, fused)])
+                except Exception as exc:  # a variant Triton cannot compile is reported, not fatal
+                    print(f"  skip splits={sp} kt={kt} w={nw} s={ns}: {type(exc).__name__}: {exc}"[:200])
+                    continue
+                rows.append({"kernel": "sparse_attn", "batch": batch, "ctx": ctx, "qo": qo,
+                             "variant": f"splits={sp} kt={kt} w={nw} s={ns}", "us": us,
+                             "pct": 100 * att_bytes / (ceiling * 1e3) / us, "err_vs_default": err,
+                             "default": (sp, kt, nw, ns) == (base, 64, 4, 3)})
+        del steps
+        torch.cuda.empty_cache()
+    print(f"{'kernel':13} {'B':>3} {'ctx':>6} {'q':>2}  {'us':>8} {'%floor':>7}  variant")
+    for key, grp in itertools.groupby(rows, key=lambda r: (r["kernel"], r["batch"], r["ctx"], r["qo"])):
+        grp = sorted(grp, key=lambda r: r["us"])
+        dflt = [r for r in grp if r.get("default") or r["variant"].startswith(("bpp=None w=4 s=2", "warps=None"))]
+        for r in grp[:3] + dflt[:1]:
+            tag = " (default)" if r in dflt else ""
+            print(f"{key[0]:13} {key[1]:>3} {key[2]:>6} {key[3]:>2}  {r['us']:8.1f} {r['pct']:7.1f}  {r['variant']}{tag}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"ceiling_gbps": ceiling, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
