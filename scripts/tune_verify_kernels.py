@@ -17,9 +17,22 @@ import torch
 from m3_eagle_plugin.bench.inputs import Geometry, union_blocks
 from m3_eagle_plugin.bench.kernel_suite import StepSet, dense_kv_bytes, index_k_bytes, kv_page_bytes
 from m3_eagle_plugin.bench.timing import copy_ceiling_gbps, time_graph_us as graph_us
-from m3_eagle_plugin.msa.kernels.dense_verify import dense_verify_attention
+from m3_eagle_plugin.msa.kernels.dense_verify import default_splits, dense_verify_attention
 from m3_eagle_plugin.msa.kernels.index_select import index_block_scores, select_blocks_verify, topk_from_block_scores
 from m3_eagle_plugin.msa.kernels.sparse_verify import choose_splits, sparse_verify_attention
+
+
+def time_variant(name: str, call, args_per_set: list, state: dict) -> tuple[float, float] | None:
+    """(us, relative difference from the first variant timed) of `call(*args)` over the input
+    sets, or None when Triton cannot build the variant (reported, not fatal)."""
+    try:
+        out = call(*args_per_set[0]).float()
+        state.setdefault("ref", out)
+        err = float((out - state["ref"]).norm() / state["ref"].norm())
+        return graph_us([lambda a=a: call(*a) for a in args_per_set]), err
+    except Exception as exc:
+        print(f"  skip {name}: {type(exc).__name__}: {exc}"[:200])
+        return None
 
 
 def dense_sweep(geo, dev, ceiling: float, scale: float) -> list[dict]:
@@ -32,24 +45,19 @@ def dense_sweep(geo, dev, ceiling: float, scale: float) -> list[dict]:
         nbytes = dense_kv_bytes(sets[0]["meta"], geo, torch.bfloat16)
         width = sets[0]["meta"].block_tables.shape[1]
         base = choose_splits(batch, 1, width, dev)
-        ref = None
+        chosen = default_splits(batch, 1, width, sets[0]["q"].numel(), dev)
+        state: dict = {}
         for sp, kt, nw, ns in itertools.product((base, 2 * base), (64, 128), (4, 8), (2, 3)):
             def call(st, sp=sp, kt=kt, nw=nw, ns=ns):
                 c = st["cache"]
                 return dense_verify_attention(st["q"], c.k, c.v, st["meta"], scale=scale, max_qo_len=4, splits=sp,
                                               key_tile=kt, num_warps=nw, num_stages=ns)
-            try:
-                out = call(sets[0]).float()
-                ref = out if ref is None else ref
-                err = float((out - ref).norm() / ref.norm())
-                us = graph_us([lambda st=st: call(st) for st in sets])
-            except Exception as exc:  # a variant Triton cannot compile is reported, not fatal
-                print(f"  skip dense splits={sp} kt={kt} w={nw} s={ns}: {type(exc).__name__}"[:200])
-                continue
-            rows.append({"kernel": "dense_attn", "batch": batch, "ctx": ctx, "qo": 4,
-                         "variant": f"splits={sp} kt={kt} w={nw} s={ns}", "us": us,
-                         "pct": 100 * nbytes / (ceiling * 1e3) / us, "err_vs_default": err,
-                         "default": (sp, kt, nw, ns) == (max(base, min(2 * base, width // 16)), 64, 4, 3)})
+            variant = f"splits={sp} kt={kt} w={nw} s={ns}"
+            timed = time_variant(f"dense {variant}", call, [(st,) for st in sets], state)
+            if timed is not None:
+                rows.append({"kernel": "dense_attn", "batch": batch, "ctx": ctx, "qo": 4, "variant": variant,
+                             "us": timed[0], "pct": 100 * nbytes / (ceiling * 1e3) / timed[0],
+                             "err_vs_first": timed[1], "default": (sp, kt, nw, ns) == (chosen, 64, 4, 3)})
         del steps
         torch.cuda.empty_cache()
     return rows
@@ -100,9 +108,10 @@ def main() -> None:
                                           max_qo_len=qo, union_group=geo.q_heads) for st in sets]
             u = union_blocks(fused[0][0], meta0)
             att_bytes = u * kv_page_bytes(geo, torch.float8_e4m3fn)
-            ref = None
+            state = {}
             chunk = fused[0][1].chunk
-            base = choose_splits(batch * fused[0][1].num_chunks, 1, geo.topk * min(chunk, 2), dev)
+            base = choose_splits(batch * fused[0][1].num_chunks, 1, geo.topk * min(chunk, 2), dev,
+                                 partial_row=sets[0]["q"].numel())
             for sp, kt, nw, ns in itertools.product((base, 2 * base), (64, 128), (4, 8), (2, 3)):
                 full = not args.quick and qo == 4 and batch > 1
                 if not full and (kt, nw, ns) != (64, 4, 3):
@@ -113,19 +122,12 @@ def main() -> None:
                                                    scale=scale, k_scale=st["cache"].k_scale,
                                                    v_scale=st["cache"].v_scale, max_qo_len=qo, union=f[1],
                                                    splits=sp, key_tile=kt, num_warps=nw, num_stages=ns)
-                try:
-                    out = call(sets[0], fused[0])
-                    if ref is None:
-                        ref = out.float()
-                    err = float((out.float() - ref).norm() / ref.norm())
-                    us = graph_us([lambda st=st, f=f: call(st, f) for st, f in zip(sets, fused)])
-                except Exception as exc:  # a variant Triton cannot compile is reported, not fatal
-                    print(f"  skip splits={sp} kt={kt} w={nw} s={ns}: {type(exc).__name__}: {exc}"[:200])
-                    continue
-                rows.append({"kernel": "sparse_attn", "batch": batch, "ctx": ctx, "qo": qo,
-                             "variant": f"splits={sp} kt={kt} w={nw} s={ns}", "us": us,
-                             "pct": 100 * att_bytes / (ceiling * 1e3) / us, "err_vs_default": err,
-                             "default": (sp, kt, nw, ns) == (base, 64, 4, 3)})
+                variant = f"splits={sp} kt={kt} w={nw} s={ns}"
+                timed = time_variant(f"sparse {variant}", call, list(zip(sets, fused)), state)
+                if timed is not None:
+                    rows.append({"kernel": "sparse_attn", "batch": batch, "ctx": ctx, "qo": qo, "variant": variant,
+                                 "us": timed[0], "pct": 100 * att_bytes / (ceiling * 1e3) / timed[0],
+                                 "err_vs_first": timed[1], "default": (sp, kt, nw, ns) == (base, 64, 4, 3)})
         del steps
         torch.cuda.empty_cache()
     print(f"{'kernel':13} {'B':>3} {'ctx':>6} {'q':>2}  {'us':>8} {'%floor':>7}  variant")

@@ -27,23 +27,17 @@ from typing import Any, Sequence
 import torch
 
 from .end_to_end import register_end_to_end
+from .inputs import Geometry
 
 __all__ = ["E2EShape", "GPU_SHAPE", "CPU_SHAPE", "SPEEDUP_GOAL_BATCH1", "TargetOnlyGraphs", "DecodeMeasurement",
            "build_random_models", "measure_decode", "run_e2e", "add_arguments", "shape_from_args"]
 
 
 @dataclass(frozen=True)
-class E2EShape:
-    """Model geometry and workload of one end-to-end run."""
+class E2EShape(Geometry):
+    """Model geometry and workload of one end-to-end run (attention geometry: `Geometry`'s per-rank M3)."""
 
     hidden: int = 6144
-    q_heads: int = 16
-    kv_heads: int = 1
-    head_dim: int = 128
-    index_heads: int = 1
-    index_dim: int = 128
-    block: int = 128
-    topk: int = 16
     num_layers: int = 8
     dense_layers: int = 3
     num_experts: int = 16  # one expert-parallel rank's share of 128

@@ -42,6 +42,7 @@ def test_qo_len_hint_prefers_caller_then_metadata():
 
 def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
     pytest.importorskip("triton")
+    from m3_eagle_plugin.msa.kernels.dense_verify import default_splits
     from m3_eagle_plugin.msa.kernels.sparse_verify import MAX_PARTIAL_ELEMENTS, check_splits, choose_splits
 
     row = 4096 * 16 * 128  # one long prefill chunk's T x Hq x D
@@ -49,5 +50,9 @@ def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
     assert splits * row <= MAX_PARTIAL_ELEMENTS and splits >= 1
     assert choose_splits(64, 1, 256, torch.device("cpu"), partial_row=256 * 16 * 128) == 5  # verify: unchanged
     check_splits(1, 10 * MAX_PARTIAL_ELEMENTS)  # one split writes no partials
+    cpu = torch.device("cpu")  # 132 SMs assumed: the H200 sweep's shapes give its measured best
+    assert [default_splits(r, 1, 256, r * 4 * 16 * 128, cpu) for r in (64, 16)] == [10, 17]
+    assert default_splits(1, 1, 576, 0, cpu) >= 1  # an empty step still gets a valid launch
+    assert default_splits(1, 1, 576, row, cpu) * row <= MAX_PARTIAL_ELEMENTS
     with pytest.raises(KernelInputError, match="fp32 partial elements"):
         check_splits(264, row)

@@ -101,18 +101,16 @@ class Engine:
         if config.force_accepted is not None and config.force_accepted > self.k:
             raise ValueError(f"force_accepted ({config.force_accepted}) exceeds the draft length ({self.k})")
         block_size = int(cache.block_size)
-        max_blocks = int(cache.num_blocks)
-        if config.max_seq_len is not None:
-            max_blocks = min(max_blocks, -(-config.max_seq_len // block_size))
         self.scheduler = Scheduler(
             max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
-            draft_len=self.k, block_size=block_size, total_blocks=int(cache.num_blocks), max_blocks_per_seq=max_blocks,
+            draft_len=self.k, block_size=block_size, total_blocks=int(cache.num_blocks),
+            max_blocks_per_seq=None if config.max_seq_len is None else -(-config.max_seq_len // block_size),
         )
         self.runner = StepRunner(
             target, cache,
             RunnerConfig(
                 draft_len=self.k, max_batch_size=config.max_batch_size,
-                max_tokens_per_step=config.max_tokens_per_step, max_blocks_per_seq=max_blocks,
+                max_tokens_per_step=config.max_tokens_per_step, max_blocks_per_seq=self.scheduler.max_blocks_per_seq,
                 block_size=block_size, device=self.device, sampling=config.sampling,
                 force_accepted=config.force_accepted, num_index_heads=num_index_heads,
                 cuda_graphs=config.cuda_graphs,

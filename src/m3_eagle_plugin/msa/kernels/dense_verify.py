@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import qo_len_hint, require, scale_value, tokens_per_tile
+from ._common import qo_len_hint, scale_value, tokens_per_tile
 from .merge import merge_splits
 from .sparse_verify import (LOG2E, MAX_PARTIAL_ELEMENTS, _online_softmax_step, _store_rows, check_attention_inputs,
                             check_splits, choose_splits)
@@ -74,6 +74,14 @@ def _dense_verify_kernel(
                     D, SPLITS)
 
 
+def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row: int, device: torch.device) -> int:
+    """About 2 programs per SM; a large batch doubles that while each split keeps >= 16 pages
+    (H200 sweep, scripts/tune_verify_kernels.py --dense-only, 2026-11-29: B64/32K q4 311 us with
+    10 splits vs 393 with 5; B16/32K 80 us with 17 vs 91 with 34)."""
+    base = choose_splits(num_requests, num_kv_heads, width, device, partial_row=partial_row)
+    return max(base, min(2 * base, width // 16, MAX_PARTIAL_ELEMENTS // max(partial_row, 1)))
+
+
 def dense_verify_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -98,14 +106,10 @@ def dense_verify_attention(
     num_requests = meta.kv_lens.shape[0]
     width = meta.block_tables.shape[1]
     qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
+    partial_row = num_tokens * num_heads * dim
     if splits is None:
-        # About 2 programs per SM; a large batch doubles that while each split keeps >= 16 pages
-        # (H200 sweep, scripts/tune_verify_kernels.py --dense-only, 2026-11-29: B64/32K q4 311 us
-        # with 10 splits vs 393 with 5; B16/32K 80 us with 17 vs 91 with 34).
-        row = num_tokens * num_heads * dim
-        base = choose_splits(num_requests, hkv, width, q.device, partial_row=row)
-        splits = max(base, min(2 * base, width // 16, MAX_PARTIAL_ELEMENTS // row))
-    check_splits(splits, num_tokens * num_heads * dim)
+        splits = default_splits(num_requests, hkv, width, partial_row, q.device)
+    check_splits(splits, partial_row)
     out = torch.zeros_like(q) if splits == 1 else torch.empty_like(q)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()

@@ -217,14 +217,14 @@ def sparse_verify_attention(
     qp, nch = union.chunk, union.num_chunks
     require(qp * group >= 16, f"union chunk {qp} x group {group} must give >= 16 rows")
     require(union.counts.shape[:2] == (num_requests, hkv), "union does not match requests x KV heads")
+    partial_row = num_tokens * num_heads * dim
     if splits is None:
         # About 2 programs per SM and at least one union entry each: a verify chunk's union holds
         # about 2 x topk blocks (tokens share about half), a single token's exactly topk.
-        # (H200 sweep, scripts/tune_verify_kernels.py, 2026-11-29: at B16/32K q4 17 splits take
-        # 24.5 us, the former cap of 4 x topk = 34 splits 28.0.)
-        splits = choose_splits(num_requests * nch, hkv, topk * min(qp, 2), q.device,
-                               partial_row=num_tokens * num_heads * dim)
-    check_splits(splits, num_tokens * num_heads * dim)
+        # (H200 sweep, scripts/tune_verify_kernels.py, 2026-11-29: at B16/32K q4 16 splits take
+        # 24.5 us, 32 splits 28.0; at B64/32K 4 splits 66.6 us, 9 splits 74.2.)
+        splits = choose_splits(num_requests * nch, hkv, topk * min(qp, 2), q.device, partial_row=partial_row)
+    check_splits(splits, partial_row)
     # Zeroed so graph-padding rows (past cu_qo_lens[-1]) read 0 on the single-split path too.
     out = torch.zeros_like(q) if splits == 1 else torch.empty_like(q)
     if num_tokens == 0 or num_requests == 0:
