@@ -11,32 +11,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import timeit
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def build_venv(root: Path) -> tuple[Path, Path]:
-    source = root / "src-copy"
-    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "tests"))
-    env_dir = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
-    python = env_dir / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    (site / "zz_parent_site.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    str(source)], check=True)
-    return python, site
+from _throwaway_venv import install_copy  # this script's own folder is first on sys.path
 
 
 def time_starts(python: Path, pth: Path, starts: int, env: dict[str, str]) -> tuple[list[float], list[float]]:
@@ -62,7 +45,8 @@ def main() -> int:
     args = parser.parse_args()
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("M3_EAGLE_PLUGIN") and k != "PYTHONPATH"}
     with tempfile.TemporaryDirectory() as tmp:
-        python, site = build_venv(Path(tmp))
+        python, site, _, result = install_copy(Path(tmp))
+        result.check_returncode()
         pth = site / "m3_eagle_plugin.pth"
         line = pth.read_text().strip()
         for label, env in (("off", base_env), ("auto", {**base_env, "M3_EAGLE_PLUGIN": "auto"})):

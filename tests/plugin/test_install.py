@@ -9,16 +9,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from ._fake_host import write_fake_host
-
-REPO = Path(__file__).resolve().parents[2]
+from ._throwaway_venv import REPO, install_copy
 PLUGIN_ENV = ("M3_EAGLE_PLUGIN", "M3_EAGLE_PLUGIN_FORCE", "M3_EAGLE_PLUGIN_TRACE", "M3_EAGLE_PLUGIN_LOAD")
 
 
@@ -32,21 +29,8 @@ def _clean_env(**extra: str) -> dict[str, str]:
 def venv(tmp_path_factory):
     if shutil.which("git") is None and not (REPO / "src").exists():  # pragma: no cover
         pytest.skip("no source tree")
-    root = tmp_path_factory.mktemp("install")
-    source = root / "src-copy"
-    shutil.copytree(REPO, source, symlinks=True,
-                    ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
-                                                  ".pytest_cache", ".hypothesis", "tests", "out"))
-    env_dir = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
-    python = env_dir / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    # Dependencies (and pip/setuptools) from the test interpreter, appended after the venv's own site dir.
-    (site / "zz_parent_site.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    result = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", str(source)],
-        capture_output=True, text=True, env=_clean_env(PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    python, site, env_dir, result = install_copy(tmp_path_factory.mktemp("install"),
+                                                 env=_clean_env(PIP_DISABLE_PIP_VERSION_CHECK="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     return python, site, env_dir
 
