@@ -11,11 +11,12 @@ import importlib
 import importlib.util
 import multiprocessing
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from tests._threads import race
 
 from ._counts import bump
 
@@ -156,21 +157,7 @@ def test_model_registration_failing_after_the_patches_reverts_them(trtllm, monke
 
 
 def test_activation_racing_in_threads_patches_once(trtllm):
-    barrier = threading.Barrier(6)
-    reports, errors = [], []
-
-    def go():
-        barrier.wait()
-        try:
-            reports.append(trtllm.activation.activate("require"))
-        except Exception as exc:  # noqa: BLE001 - asserted below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=go) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    reports, errors = race(lambda: trtllm.activation.activate("require"), 6)
     bump("faults.injected", 6)
     assert not errors, errors
     assert all(r is reports[0] for r in reports), "racing activations produced different reports"

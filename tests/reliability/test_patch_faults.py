@@ -13,6 +13,8 @@ import threading
 
 import pytest
 
+from tests._threads import race
+
 from ._counts import bump
 from ._fakehost import make_fake_host, host_patches
 
@@ -180,21 +182,7 @@ def test_second_engine_refuses_to_wrap_a_wrapper(host):
 
 def test_one_engine_racing_in_threads_patches_once(host):
     engine = patching.PatchEngine()
-    barrier = threading.Barrier(8)
-    reports, errors = [], []
-
-    def activate():
-        barrier.wait()
-        try:
-            reports.append(engine.apply(host_patches(host, patching, contract)))
-        except Exception as exc:  # noqa: BLE001 - collected and asserted below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=activate) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    reports, errors = race(lambda: engine.apply(host_patches(host, patching, contract)), 8)
     bump("faults.injected", 8)
     assert not errors and len(reports) == 8 and all(r == reports[0] for r in reports)
     assert host.fully_patched()

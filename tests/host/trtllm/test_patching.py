@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from m3_eagle_plugin.host.trtllm.contract import CONTRACT, HostSymbol, resolve_owner, symbol
 from m3_eagle_plugin.host.trtllm.patches import builtin_patches
 from m3_eagle_plugin.host.trtllm.patching import PATCH_MARK, HostPatchError, Patch, PatchEngine
+from tests._threads import race
 
 
 def snapshot() -> dict:
@@ -141,19 +142,7 @@ def test_revert_leaves_a_later_rebinding_alone(host):
 def test_concurrent_apply_patches_once(current_host):
     engine = PatchEngine()
     patches = builtin_patches()
-    errors = []
-
-    def worker():
-        try:
-            engine.apply(patches)
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _, errors = race(lambda: engine.apply(patches), 8)
     assert errors == []
     from tensorrt_llm._torch.speculative import interface
 
