@@ -3,7 +3,7 @@
 Why: the defaults in `msa.kernels` (splits, key tile, warps, stages, pages per index program) were
 chosen from a handful of H200 runs; this script times every variant side by side on the bench's
 inputs and prints the best per shape, so a default changes only on a measured table.
-    python scripts/tune_verify_kernels.py [--json out.json] [--quick]
+    python scripts/tune_verify_kernels.py [--json out.json] [--quick] [--sparse-only | --dense-only]
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from m3_eagle_plugin.bench.kernel_suite import StepSet, dense_kv_bytes, index_k_
 from m3_eagle_plugin.bench.timing import copy_ceiling_gbps, time_graph_us as graph_us
 from m3_eagle_plugin.msa.kernels.dense_verify import default_splits, dense_verify_attention
 from m3_eagle_plugin.msa.kernels.index_select import index_block_scores, select_blocks_verify, topk_from_block_scores
+from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.msa.kernels.sparse_verify import choose_splits, sparse_verify_attention
 
 
@@ -63,11 +64,44 @@ def dense_sweep(geo, dev, ceiling: float, scale: float) -> list[dict]:
     return rows
 
 
+def sparse_variants(quick: bool):
+    """(variant name, sparse_verify_attention keywords) to time: the union layout at its default
+    point (bf16 and fp16 MMAs), the per-token layout over key tile x splits (None = the default
+    rule, 'x2' doubled, 'half' halved) x stages x warps, one knob at a time."""
+    out = [(f"union f16={int(f16)} kt=64 sp=None s=3 w=4",
+            dict(layout="union", compute_f16=f16, key_tile=64, splits=None, num_stages=3, num_warps=4))
+           for f16 in (False, True)]
+    for pf, kt, sp, ns, nw in itertools.product((True, False), (128, 64), (None, "x2", "half"), (3, 2, 4), (4, 8)):
+        moved = (not pf) + (kt != 128) + (sp is not None) + (ns != 3) + (nw != 4)
+        if moved > 1 or (quick and moved):
+            continue
+        out.append((f"token pf={int(pf)} kt={kt} sp={sp} s={ns} w={nw}",
+                    dict(layout="token", compute_f16=True, prefetch=pf, key_tile=kt, splits=sp, num_stages=ns,
+                         num_warps=nw)))
+    return out
+
+
+def _union_step(st: dict, geo, qo: int, scale: float):
+    sel, union = select_blocks_verify(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk, max_qo_len=qo,
+                                      union_group=geo.q_heads)
+    return sparse_verify_attention(st["q"], st["cache"].k, st["cache"].v, st["meta"], sel, scale=scale,
+                                   k_scale=st["cache"].k_scale, v_scale=st["cache"].v_scale, max_qo_len=qo,
+                                   union=union, layout="union")
+
+
+def _resolve_splits(kw: dict, default: int) -> dict:
+    sp = kw["splits"]
+    kw = dict(kw)
+    kw["splits"] = default if sp is None else 2 * default if sp == "x2" else max(1, default // 2)
+    return kw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dense-only", action="store_true", help="only the dense verify sweep (bf16 K/V)")
+    ap.add_argument("--sparse-only", action="store_true", help="only the sparse attention sweep (both layouts)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     geo = Geometry()
@@ -86,7 +120,7 @@ def main() -> None:
             ik_bytes = index_k_bytes(meta0, geo, torch.bfloat16)
             # index scoring: pages per program x warps x stages
             for bpp, nw, ns in itertools.product((None, 4, 8, 16), (4, 8), (2, 3, 4)):
-                if (args.quick or qo == 1) and (nw, ns) != (4, 2):
+                if args.sparse_only or ((args.quick or qo == 1) and (nw, ns) != (4, 2)):
                     continue
                 th = [lambda st=st: index_block_scores(st["index_q"], st["cache"].index_k, st["meta"],
                                                        max_qo_len=qo, blocks_per_program=bpp,
@@ -95,13 +129,15 @@ def main() -> None:
                 rows.append({"kernel": "index_scores", "batch": batch, "ctx": ctx, "qo": qo,
                              "variant": f"bpp={bpp} w={nw} s={ns}", "us": us,
                              "pct": 100 * ik_bytes / (ceiling * 1e3) / us})
-            # top-k + union alone
+            # top-k (+ union) alone
             scores = [index_block_scores(st["index_q"], st["cache"].index_k, st["meta"], max_qo_len=qo) for st in sets]
-            for tw in (None, 4, 8):
+            for tw, ug in itertools.product((None, 4, 8), (geo.q_heads, None)):
+                if args.sparse_only and tw is not None:
+                    continue
                 th = [lambda st=st, sc=sc: topk_from_block_scores(sc, st["meta"], topk=geo.topk, max_qo_len=qo,
-                                                                  union_group=geo.q_heads, topk_warps=tw)
+                                                                  union_group=ug, topk_warps=tw)
                       for st, sc in zip(sets, scores)]
-                rows.append({"kernel": "topk_union", "batch": batch, "ctx": ctx, "qo": qo,
+                rows.append({"kernel": "topk_union" if ug else "topk", "batch": batch, "ctx": ctx, "qo": qo,
                              "variant": f"warps={tw}", "us": graph_us(th), "pct": float("nan")})
             # sparse attention on the fused top-k's own selection and union
             fused = [select_blocks_verify(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk,
@@ -110,33 +146,46 @@ def main() -> None:
             att_bytes = u * kv_page_bytes(geo, torch.float8_e4m3fn)
             state = {}
             chunk = fused[0][1].chunk
-            base = choose_splits(batch * fused[0][1].num_chunks, 1, geo.topk * min(chunk, 2), dev,
-                                 partial_row=sets[0]["q"].numel())
-            for sp, kt, nw, ns in itertools.product((base, 2 * base), (64, 128), (4, 8), (2, 3)):
-                full = not args.quick and qo == 4 and batch > 1
-                if not full and (kt, nw, ns) != (64, 4, 3):
-                    continue
+            union_base = choose_splits(batch * fused[0][1].num_chunks, 1, geo.topk * min(chunk, 2), dev,
+                                       partial_row=sets[0]["q"].numel())
+            token_base = choose_splits(batch * qo, 1, geo.topk, dev, partial_row=sets[0]["q"].numel())
+            for variant, kw in sparse_variants(args.quick):
+                kw = _resolve_splits(kw, union_base if kw["layout"] == "union" else token_base)
 
-                def call(st, f, sp=sp, kt=kt, nw=nw, ns=ns):
+                def call(st, f, kw=kw):
                     return sparse_verify_attention(st["q"], st["cache"].k, st["cache"].v, st["meta"], f[0],
                                                    scale=scale, k_scale=st["cache"].k_scale,
-                                                   v_scale=st["cache"].v_scale, max_qo_len=qo, union=f[1],
-                                                   splits=sp, key_tile=kt, num_warps=nw, num_stages=ns)
-                variant = f"splits={sp} kt={kt} w={nw} s={ns}"
+                                                   v_scale=st["cache"].v_scale, max_qo_len=qo,
+                                                   union=f[1] if kw["layout"] == "union" else None, **kw)
                 timed = time_variant(f"sparse {variant}", call, list(zip(sets, fused)), state)
                 if timed is not None:
-                    rows.append({"kernel": "sparse_attn", "batch": batch, "ctx": ctx, "qo": qo, "variant": variant,
-                                 "us": timed[0], "pct": 100 * att_bytes / (ceiling * 1e3) / timed[0],
-                                 "err_vs_first": timed[1], "default": (sp, kt, nw, ns) == (base, 64, 4, 3)})
+                    rows.append({"kernel": "sparse_attn", "batch": batch, "ctx": ctx, "qo": qo,
+                                 "variant": f"{variant} ({kw['splits']})", "us": timed[0],
+                                 "pct": 100 * att_bytes / (ceiling * 1e3) / timed[0], "err_vs_first": timed[1],
+                                 "default": variant.startswith("token pf=1 kt=128 sp=None s=3 w=4")})
+            # the whole sparse-layer step as the model runs it (default layout), and the union layout
+            # on the fused top-k's union lists
+            step_bytes = ik_bytes + att_bytes
+            for name, fn in (("default", lambda st: kernels.sparse_attention(
+                                 st["q"], st["cache"].k, st["cache"].v, st["meta"],
+                                 kernels.select_blocks_paged(st["index_q"], st["cache"].index_k, st["meta"],
+                                                             topk=geo.topk, max_qo_len=qo),
+                                 scale=scale, k_scale=st["cache"].k_scale, v_scale=st["cache"].v_scale,
+                                 max_qo_len=qo)),
+                             ("union fused", lambda st: _union_step(st, geo, qo, scale))):
+                us = graph_us([lambda st=st, fn=fn: fn(st) for st in sets])
+                rows.append({"kernel": "sparse_step", "batch": batch, "ctx": ctx, "qo": qo, "variant": name,
+                             "us": us, "pct": 100 * step_bytes / (ceiling * 1e3) / us, "default": name == "default"})
         del steps
         torch.cuda.empty_cache()
     print(f"{'kernel':13} {'B':>3} {'ctx':>6} {'q':>2}  {'us':>8} {'%floor':>7}  variant")
     for key, grp in itertools.groupby(rows, key=lambda r: (r["kernel"], r["batch"], r["ctx"], r["qo"])):
         grp = sorted(grp, key=lambda r: r["us"])
         dflt = [r for r in grp if r.get("default") or r["variant"].startswith(("bpp=None w=4 s=2", "warps=None"))]
-        for r in grp[:3] + dflt[:1]:
+        for r in grp[:6] + dflt[:1]:
             tag = " (default)" if r in dflt else ""
-            print(f"{key[0]:13} {key[1]:>3} {key[2]:>6} {key[3]:>2}  {r['us']:8.1f} {r['pct']:7.1f}  {r['variant']}{tag}")
+            err = f"  err {r['err_vs_first']:.1e}" if "err_vs_first" in r else ""
+            print(f"{key[0]:13} {key[1]:>3} {key[2]:>6} {key[3]:>2}  {r['us']:8.1f} {r['pct']:7.1f}  {r['variant']}{tag}{err}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"ceiling_gbps": ceiling, "rows": rows}, fh, indent=1)

@@ -199,3 +199,44 @@ def test_cuda_matches_dense_reference(tiny):
         want, _, _ = naive_head(ref_head, ref_target.embed_tokens.weight, ref_target.lm_head.weight, ids,
                                 list(rows[0]) + list(rows[1]))
         torch.testing.assert_close(torch.cat(got).double(), want, atol=atol, rtol=0)
+
+
+def _old_to_target_logits(d2t, vocab, logits):
+    """to_target_logits as it was before the precomputed maps (arange + d2t each step)."""
+    out = logits.new_full((logits.shape[0], vocab), float("-inf"))
+    draft_ids = torch.arange(logits.shape[1])
+    out[:, draft_ids + d2t[draft_ids]] = logits
+    return out
+
+
+def test_vocabulary_maps_follow_d2t(tiny):
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    assert head.d2t is None and head.target_ids is None and head.draft_index is None
+    vd, vocab = 32, head.config.vocab_size
+    target_ids = torch.arange(vd) * 7 % 200
+    head.d2t = target_ids - torch.arange(vd)
+    assert torch.equal(head.target_ids, target_ids)
+    assert head.draft_index.dtype == torch.int32 and head.draft_index.shape == (vocab,)
+    assert torch.equal(head.draft_index[target_ids], torch.arange(vd, dtype=torch.int32))
+    assert (head.draft_index >= 0).sum() == vd
+    assert "target_ids" not in head.state_dict() and "draft_index" not in head.state_dict()
+    logits = torch.randn(3, vd)
+    assert torch.equal(head.to_target_logits(logits), _old_to_target_logits(head.d2t, vocab, logits))
+    assert torch.equal(head._target_logits(logits.bfloat16()), head.to_target_logits(logits.bfloat16().float()))
+    ids = torch.tensor([0, 5, 31, -1])
+    assert torch.equal(head.draft_to_target(ids), ids + head.d2t[ids])
+    head.d2t = None
+    assert head.target_ids is None and head.draft_index is None
+    assert torch.equal(head.to_target_logits(logits), logits)
+
+
+def test_a_d2t_that_is_not_one_to_one_keeps_the_scatter(tiny):
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    d2t = -torch.arange(8)  # every draft id -> target id 0
+    head.d2t = d2t
+    assert head.draft_index is None and torch.equal(head.target_ids, torch.zeros(8, dtype=torch.long))
+    logits = torch.randn(2, 8)
+    out = head.to_target_logits(logits)
+    assert torch.equal(out, _old_to_target_logits(d2t, head.config.vocab_size, logits))

@@ -1,8 +1,10 @@
 """`m3-eagle bench`: the kernel performance suite (plus the end-to-end hook), a table printed last.
 
 On CUDA with Triton: every kernel checked against the naive torch reference and timed eager and
-graph-replayed, against the byte floor at a copy ceiling measured in the same run. Elsewhere: a
-tiny reference-only smoke table, so the command (and CI) works on any machine.
+graph-replayed, against the byte floor at a copy ceiling measured in the same run; where
+FlashInfer imports (`--flashinfer auto`), its MSA ops and paged prefill wrapper are timed beside
+ours on the same inputs (bench/flashinfer_peer.py). Elsewhere: a tiny
+reference-only smoke table, so the command (and CI) works on any machine.
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sets", type=int, default=3, help="input sets rotated while timing")
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with the torch reference")
     parser.add_argument("--no-reference-timing", action="store_true", help="do not time the torch reference")
+    parser.add_argument("--flashinfer", choices=("auto", "off"), default="auto",
+                        help="time FlashInfer beside ours on the same inputs when it imports (auto, the default: "
+                             "its MSA ops in the sparse rows, its paged prefill wrapper in the dense ones) or never")
     parser.add_argument("--e2e", action="store_true", help="also run the end-to-end section")
     e2e.add_arguments(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -66,13 +71,18 @@ def _gpu_rows(args: argparse.Namespace, device: torch.device, log) -> tuple[list
     kernels = [k for k in args.kernels.split(",") if k]
     context = {"copy_ceiling_gbps": ceiling, "backend": backend_report(device),
                "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    if args.flashinfer != "off":
+        from .flashinfer_peer import flashinfer_status
+
+        context["flashinfer"] = flashinfer_status()
+        log(f"flashinfer: {context['flashinfer']}")
     if not kernels:  # `--kernels ""`: the end-to-end section alone
         return [], context
     rows = run_kernel_suite(args.configs or parse_configs(DEFAULT_CONFIGS), qo_lens, kernels, Geometry(),
                             kv_dtype=DTYPES[args.kv_dtype], index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
                             device=device, ceiling_gbps=ceiling, num_sets=args.sets,
                             dense_kv_dtype=DTYPES[args.dense_kv_dtype], check=not args.no_check,
-                            time_reference=not args.no_reference_timing, log=log)
+                            time_reference=not args.no_reference_timing, flashinfer=args.flashinfer, log=log)
     return [{"section": "kernels", **r} for r in rows], context
 
 

@@ -2,7 +2,8 @@
 
 Why: the goals are stated against the byte floor (bytes that must be read / copy ceiling), the
 pure-torch reference and the single-token step; this module produces exactly those numbers per
-(batch, context, q_len) so the table and the JSON say directly what meets its goal.
+(batch, context, q_len) so the table and the JSON say directly what meets its goal. Goals stated
+against FlashInfer get its time on the same inputs in the same rows (flashinfer_peer.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ from .inputs import Geometry, make_cache, shuffled_block_tables, shared_selectio
 from .step_meta import build_step_meta
 from .timing import time_eager_us, time_graph_us
 
-KERNELS = ("index_select", "sparse_attn", "sparse_step", "dense_attn", "kv_lens_update")
+KERNELS = ("index_select", "sparse_attn", "sparse_step", "dense_attn", "kv_lens_update", "dense_peer")
+# Rows that gain FlashInfer fields, in the order FlashInfer runs: the ops that call its top-k last
+# (its num_valid_pages form crashed an SM90 run; the form used here is guarded, but last is safest).
+FLASHINFER_KERNELS = ("dense_attn", "sparse_attn", "index_select", "sparse_step")
+# The issue's dense peer case: ours vs FlashInfer's paged prefill wrapper, goal ours >= 5x faster.
+DENSE_PEER = {"batch": 8, "context": 4096, "qo_len": 4, "geo": Geometry(q_heads=64, kv_heads=4, head_dim=128,
+                                                                         block=128), "goal": 5.0}
 
 
 @dataclass(frozen=True)
@@ -112,11 +119,12 @@ def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Call
                 lambda: ref.sparse_attention(q, cache.k, cache.v, meta, step["selection"], scale=scale,
                                              k_scale=ks, v_scale=vs))
     if name == "sparse_step":
-        def kernel():
-            sel, union = select_blocks_verify(step["index_q"], cache.index_k, meta, topk=geo.topk, max_qo_len=qo,
-                                              union_group=geo.q_heads // geo.kv_heads)
-            return sparse_verify_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=ks, v_scale=vs,
-                                           max_qo_len=qo, union=union)
+        from m3_eagle_plugin.msa import kernels
+
+        def kernel():  # the model's own path: the dispatchers, default layouts and launch geometry
+            sel = kernels.select_blocks_paged(step["index_q"], cache.index_k, meta, topk=geo.topk, max_qo_len=qo)
+            return kernels.sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=ks, v_scale=vs,
+                                            max_qo_len=qo)
 
         def reference():
             sel = ref.select_blocks(step["index_q"], cache.index_k, meta, topk=geo.topk)
@@ -174,7 +182,8 @@ def _bytes(name: str, step: dict[str, Any], geo: Geometry, kv_dtype, index_dtype
 
 
 def run_case(name: str, steps: StepSet, qo_len: int, *, ceiling_gbps: float, check: bool = True,
-             time_reference: bool = True) -> dict[str, Any]:
+             time_reference: bool = True, expects: dict | None = None) -> dict[str, Any]:
+    """One row; with `expects`, the torch reference's output is kept there under (name, qo_len)."""
     geo = steps.geo
     sets = [steps.step(s, qo_len) for s in range(len(steps.sets))]
     pairs = [_kernel_thunks(name, st, geo) for st in sets]
@@ -184,6 +193,8 @@ def run_case(name: str, steps: StepSet, qo_len: int, *, ceiling_gbps: float, che
     got = kernels[0]()
     if check:
         expect = pairs[0][1]()
+        if expects is not None:
+            expects[(name, qo_len)] = expect
         if name == "kv_lens_update":  # both write the metadata's buffers: snapshot, poison, rerun the kernel
             msa_meta = sets[0]["msa_meta"]
             expect = _kv_fields(msa_meta)
@@ -206,16 +217,127 @@ def run_case(name: str, steps: StepSet, qo_len: int, *, ceiling_gbps: float, che
     return row
 
 
+def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us: float,
+                      expects: dict | None = None, check: bool = True) -> dict[str, Any]:
+    """FlashInfer's fields for one of our rows (same inputs, same input-set rotation): its time
+    (graph-replayed when capturable), `vs_flashinfer` = its time / ours (> 1: we are faster), its
+    check against the torch reference. Any failure becomes `flashinfer_error`; nothing raises."""
+    from .flashinfer_peer import cuda_poisoned, short_error, time_peer_us
+
+    if peer.broken:
+        return {"flashinfer_error": f"skipped: {peer.broken}"}
+    fields: dict[str, Any] = {}
+    errors, notes = [], []
+    sets = [steps.step(s, qo_len) for s in range(len(steps.sets))]
+    timed = [("flashinfer_us", name)]
+    if name == "index_select":  # its two stages on their own too
+        timed = [("flashinfer_score_us", "proxy_score"), ("flashinfer_topk_us", "topk_select")] + timed
+    main = None
+    for field, op_name in timed:
+        try:
+            ops = [peer.op(op_name, st) for st in sets]
+            us, how, why = time_peer_us([op.run for op in ops], steps.device)
+        except Exception as exc:
+            errors.append(f"{op_name}: {short_error(exc)}")
+            poisoned = cuda_poisoned()
+            if poisoned:
+                peer.broken = f"CUDA unusable after FlashInfer {op_name}: {poisoned}"
+                break
+            continue
+        fields[field] = us
+        notes += [n for n in (ops[0].note, why) if n and n not in notes]
+        if field == "flashinfer_us":
+            main = ops[0]
+            fields.update(flashinfer_timing=how, flashinfer_api=main.api, vs_flashinfer=us / graph_us)
+    if check and main is not None and not peer.broken:
+        try:
+            fields.update(_flashinfer_check(name, main, sets[0], steps.geo, expects or {}, qo_len))
+        except Exception as exc:
+            errors.append(f"check: {short_error(exc)}")
+    if notes:
+        fields["flashinfer_note"] = "; ".join(notes)
+    if errors:
+        fields["flashinfer_error"] = "; ".join(errors)
+    return fields
+
+
+def _flashinfer_check(name: str, op, step: dict[str, Any], geo: Geometry, expects: dict,
+                      qo_len: int) -> dict[str, float]:
+    """Attention outputs: relative error vs the torch reference on the same selection (for the
+    step: on FlashInfer's own selection). Selections: fraction of rows whose sets differ from ours
+    (FlashInfer may select by another rule: reported, not failed)."""
+    from .flashinfer_peer import q2k_indices
+
+    meta, cache, q = step["meta"], step["cache"], step["q"]
+    scale = 1.0 / math.sqrt(geo.head_dim)
+    scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
+    out = op.run()
+
+    def ref_selection():
+        got = expects.get(("index_select", qo_len))
+        return got if got is not None else ref.select_blocks(step["index_q"], cache.index_k, meta, topk=geo.topk)
+
+    if name == "index_select":
+        return {"flashinfer_check": selection_mismatch(op.selection(), ref_selection())}
+    if name == "sparse_step":
+        sel = q2k_indices(op.selection(), cache.k.shape[1])
+        expect = ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale, **scales)
+        return {"flashinfer_check": relative_error(out, expect),
+                "flashinfer_sel_mismatch": selection_mismatch(op.selection(), ref_selection())}
+    expect = expects.get((name, qo_len))
+    if expect is None:
+        expect = (ref.sparse_attention(q, cache.k, cache.v, meta, step["selection"], scale=scale, **scales)
+                  if name == "sparse_attn" else ref.dense_attention(q, cache.k, cache.v, meta, scale=scale, **scales))
+    return {"flashinfer_check": relative_error(out, expect)}
+
+
+def run_dense_peer(*, device, ceiling_gbps: float, num_sets: int, check: bool, time_reference: bool, peer,
+                   log: Callable[[str], None]) -> dict[str, Any]:
+    """The issue's dense case: our dense verify vs FlashInfer's paged prefill wrapper (B8, q_len 4,
+    64 q / 4 KV heads, head dim 128, page 128, 4K context, bf16 KV). Row kernel `dense_attn_peer`."""
+    p = DENSE_PEER
+    steps = StepSet(p["batch"], p["context"], p["geo"], kv_dtype=torch.bfloat16, index_dtype=torch.bfloat16,
+                    q_dtype=torch.bfloat16, device=device, num_sets=num_sets)
+    expects: dict = {}
+    row = run_case("dense_attn", steps, p["qo_len"], ceiling_gbps=ceiling_gbps, check=check,
+                   time_reference=time_reference, expects=expects)
+    row.update(kernel="dense_attn_peer", goal=f"vs_flashinfer >= {p['goal']:g}")
+    if peer is None:
+        row["note"] = "FlashInfer not timed (unavailable or --flashinfer off)"
+    else:
+        row.update(flashinfer_fields("dense_attn", steps, p["qo_len"], peer, graph_us=row["graph_us"],
+                                     expects=expects, check=check))
+        if "vs_flashinfer" in row:
+            row["meets_goal"] = row["vs_flashinfer"] >= p["goal"]
+        peer.clear()
+    log(f"  dense_attn_peer B{p['batch']} ctx{p['context']} q{p['qo_len']}: graph {row['graph_us']:.1f} us"
+        f" flashinfer {row.get('flashinfer_us', float('nan')):.1f} us")
+    del steps
+    torch.cuda.empty_cache()
+    return row
+
+
 def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels: list[str], geo: Geometry, *,
                      kv_dtype, index_dtype, q_dtype, device, ceiling_gbps: float, num_sets: int = 3,
                      dense_kv_dtype=None, check: bool = True, time_reference: bool = True,
-                     log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+                     flashinfer: str = "off", log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Our rows per (config, kernel, q_len); with `flashinfer="auto"` and FlashInfer importable,
+    its fields join the rows of FLASHINFER_KERNELS (timed after ours; an op FlashInfer lacks, e.g.
+    msa_ops failing to import, becomes that row's `flashinfer_error`)."""
+    from .flashinfer_peer import FlashInferPeer, flashinfer_available, flashinfer_importable, nvp_probe
+
+    unknown = set(kernels) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"unknown kernel(s) {sorted(unknown)}; choose from {KERNELS}")
+    peer = FlashInferPeer() if flashinfer == "auto" and flashinfer_importable() else None
     rows: list[dict[str, Any]] = []
     for batch, context in configs:
         steps = StepSet(batch, context, geo, kv_dtype=kv_dtype, index_dtype=index_dtype, q_dtype=q_dtype,
                         device=device, num_sets=num_sets)
         dense_steps = None
-        for name in kernels:
+        expects: dict = {}
+        ours: dict[tuple[str, int], tuple[dict[str, Any], StepSet]] = {}
+        for name in (k for k in kernels if k != "dense_peer"):
             use = steps
             if name == "dense_attn" and dense_kv_dtype is not None and dense_kv_dtype != kv_dtype:
                 dense_steps = dense_steps or StepSet(batch, context, geo, kv_dtype=dense_kv_dtype,
@@ -225,14 +347,33 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
             by_q = {}
             for qo_len in qo_lens:
                 row = run_case(name, use, qo_len, ceiling_gbps=ceiling_gbps, check=check,
-                               time_reference=time_reference)
+                               time_reference=time_reference, expects=expects if peer else None)
                 by_q[qo_len] = row
+                ours[(name, qo_len)] = (row, use)
                 rows.append(row)
                 log(f"  {name} B{batch} ctx{context} q{qo_len}: graph {row['graph_us']:.1f} us "
                     f"eager {row['eager_us']:.1f} us err {row.get('error', float('nan')):.2e}")
             if 1 in by_q:
                 for qo_len, row in by_q.items():
                     row["vs_q1"] = row["graph_us"] / by_q[1]["graph_us"]
-        del steps, dense_steps
+        if peer is not None:
+            for name in (k for k in FLASHINFER_KERNELS if k in kernels):
+                for qo_len in qo_lens:
+                    row, use = ours[(name, qo_len)]
+                    row.update(flashinfer_fields(name, use, qo_len, peer, graph_us=row["graph_us"], expects=expects,
+                                                 check=check))
+                    log(f"  flashinfer {name} B{batch} ctx{context} q{qo_len}: "
+                        f"{row.get('flashinfer_us', float('nan')):.1f} us {row.get('flashinfer_error', '')}")
+            peer.clear()
+        del steps, dense_steps, expects, ours
         torch.cuda.empty_cache()
+    if "dense_peer" in kernels:
+        rows.append(run_dense_peer(device=device, ceiling_gbps=ceiling_gbps, num_sets=num_sets, check=check,
+                                   time_reference=time_reference, peer=peer, log=log))
+    if peer is not None and flashinfer_available() and "index_select" in kernels and configs:
+        log("  flashinfer top-k with num_valid_pages, in a child process")
+        probe = nvp_probe(configs, qo_lens)
+        for row in rows:
+            if row["kernel"] == "index_select":
+                row.update(probe.get((row["batch"], row["context"], row["qo_len"]), {}))
     return rows

@@ -4,12 +4,17 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 COLUMNS = ("section", "kernel", "batch", "context", "qo_len", "kv_dtype", "graph_us", "eager_us", "torch_us",
-           "floor_us", "pct_of_floor", "vs_torch", "vs_q1", "union_blocks", "error", "note")
+           "floor_us", "pct_of_floor", "vs_torch", "vs_q1", "union_blocks", "error", "flashinfer_us",
+           "vs_flashinfer", "flashinfer_check", "flashinfer_timing", "note", "flashinfer_error")
+JSON_ONLY = {"bytes", "flashinfer_api", "flashinfer_note", "flashinfer_nvp_timing"}  # detail kept out of the table
+CELL_LIMIT = {"flashinfer_error": 60, "flashinfer_nvp_error": 60}  # long messages cut in the table only
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, limit: int | None = None) -> str:
     if value is None:
         return ""
+    if limit is not None and isinstance(value, str) and len(value) > limit:
+        return value[: limit - 3] + "..."
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
             return str(value)
@@ -29,9 +34,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def _format_section(rows: Sequence[dict[str, Any]]) -> str:
     present = [c for c in COLUMNS if any(c in r for r in rows)]
-    extra = sorted({k for r in rows for k in r} - set(COLUMNS) - {"bytes"})
+    extra = sorted({k for r in rows for k in r} - set(COLUMNS) - JSON_ONLY)
     cols = present + extra
-    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
+    cells = [[_cell(r.get(c), CELL_LIMIT.get(c)) for c in cols] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
     lines.append("  ".join("-" * w for w in widths))

@@ -27,8 +27,9 @@ from torch import nn
 
 from m3_eagle_plugin import msa
 from m3_eagle_plugin.msa import kernels
+from m3_eagle_plugin.models import fused_ops
 from m3_eagle_plugin.models.norms import LlamaRMSNorm
-from m3_eagle_plugin.models.rope import RotaryEmbedding, apply_rope
+from m3_eagle_plugin.models.rope import RopeAt, RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,10 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(width, config.num_kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any, cache: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeAt, meta: Any, cache: Any) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = rope.qk(self.q_proj(x).view(t, self.num_heads, self.head_dim),
+                       self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         layer = cache.draft_layer_ids[0]
         k_cache, v_cache = cache.k(layer), cache.v(layer)
@@ -101,13 +102,19 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = Eagle3Attention(config)
         self.mlp = SiluGluMLP(h, config.intermediate_size)
 
-    def forward(self, embeds: torch.Tensor, g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
-                cache: Any) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, g: torch.Tensor, rope: RopeAt, meta: Any, cache: Any) -> torch.Tensor:
+        y, mlp_out = self.residual_parts(embeds, g, rope, meta, cache)
+        return y + mlp_out
+
+    def residual_parts(self, embeds: torch.Tensor, g: torch.Tensor, rope: RopeAt, meta: Any, cache: Any
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(y, mlp(post_attention_layernorm(y)))` whose sum is the layer output, so that the caller
+        can fuse that last residual add with the norm that follows it."""
         h = self.hidden_norm(g)
         residual = h if self.norm_before_residual else g
         x = torch.cat((self.input_layernorm(embeds), h), dim=-1)
-        y = residual + self.self_attn(x, cos, sin, meta, cache)
-        return y + self.mlp(self.post_attention_layernorm(y))
+        y, normed = self.post_attention_layernorm.add_then_norm(residual, self.self_attn(x, rope, meta, cache))
+        return y, self.mlp(normed)
 
 
 class Eagle3Head(nn.Module):
@@ -123,7 +130,33 @@ class Eagle3Head(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", None)
+        # Derived from d2t whenever it is assigned (see __setattr__), so no step recomputes them:
+        # draft id -> target id `[Vd]`, and target id -> draft id or -1 `[V]` (int32; None unless
+        # d2t is one-to-one into the target vocabulary).
+        self.register_buffer("target_ids", None, persistent=False)
+        self.register_buffer("draft_index", None, persistent=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "d2t":
+            self._index_vocabulary()
+
+    def _index_vocabulary(self) -> None:
+        d2t = self.d2t
+        if d2t is None:
+            self.target_ids = self.draft_index = None
+            return
+        draft_ids = torch.arange(d2t.shape[0], device=d2t.device)
+        target_ids = draft_ids + d2t
+        self.target_ids = target_ids
+        self.draft_index = None
+        vocab = self.config.vocab_size
+        in_range = bool(((target_ids >= 0) & (target_ids < vocab)).all())  # a host sync, once per assignment
+        if in_range and torch.unique(target_ids).numel() == d2t.shape[0]:
+            index = torch.full((vocab,), -1, dtype=torch.int32, device=d2t.device)
+            index[target_ids] = draft_ids.to(torch.int32)
+            self.draft_index = index
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -148,12 +181,24 @@ class Eagle3Head(nn.Module):
         return self.lm_head(hidden).float()
 
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`[T, Vd]` draft logits -> `[T, V]` (same dtype), `-inf` at target ids outside the draft vocabulary."""
         if self.d2t is None:
             return logits
+        if logits.dtype == torch.float32 and self.draft_index is not None:
+            fused = fused_ops.gather_logits(logits, self.draft_index)
+            if fused is not None:
+                return fused
         out = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        target_ids = self.draft_to_target(torch.arange(logits.shape[1], device=logits.device))
-        out[:, target_ids] = logits
+        out[:, self.target_ids] = logits
         return out
+
+    def _target_logits(self, lm_head_out: torch.Tensor) -> torch.Tensor:
+        """fp32 `[T, V]` logits from the raw `lm_head` output; cast and placement in one launch on GPU."""
+        if self.d2t is not None and self.draft_index is not None:
+            fused = fused_ops.gather_logits(lm_head_out, self.draft_index)
+            if fused is not None:
+                return fused
+        return self.to_target_logits(lm_head_out.float())
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: Any, cache: Any
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +213,8 @@ class Eagle3Head(nn.Module):
         else:
             raise ValueError(f"hidden width {hidden.shape[-1]} is neither the aux width {self.fc.in_features} "
                              f"nor the draft hidden size {self.config.hidden_size}")
-        cos, sin = self.rotary.cos_sin(meta.positions[: input_ids.shape[0]])
-        z = self.layers[0](self.embed_tokens(input_ids), g, cos, sin, meta, cache)
-        normed = self.norm(z)
-        logits = self.to_target_logits(self.draft_logits(normed))
+        rope = self.rotary.at(meta.positions[: input_ids.shape[0]])
+        y, mlp_out = self.layers[0].residual_parts(self.embed_tokens(input_ids), g, rope, meta, cache)
+        z, normed = self.norm.add_then_norm(y, mlp_out)
+        logits = self._target_logits(self.lm_head(normed))
         return logits, (normed if self.config.norm_output else z)

@@ -17,7 +17,7 @@ from m3_eagle_plugin import msa
 from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.models.config import M3Config
 from m3_eagle_plugin.models.norms import GemmaRMSNorm
-from m3_eagle_plugin.models.rope import apply_rope
+from m3_eagle_plugin.models.rope import RopeAt
 
 
 class MsaIndexer(nn.Module):
@@ -32,11 +32,12 @@ class MsaIndexer(nn.Module):
         self.q_norm = GemmaRMSNorm(config.index_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(config.index_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, rope: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (index_q `[T, Hi, Di]`, index_k `[T, Di]`), normed and rotated."""
-        iq = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
-        ik = self.k_norm(self.k_proj(x))
-        return apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)
+        iq = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
+        ik = self.k_proj(x).view(x.shape[0], 1, self.head_dim)
+        iq, ik = rope.qk(iq, ik, self.q_norm, self.k_norm)
+        return iq, ik.view(x.shape[0], self.head_dim)
 
 
 class M3Attention(nn.Module):
@@ -59,17 +60,17 @@ class M3Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.indexer = MsaIndexer(config) if config.sparse_layers[layer_id] else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any, cache: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeAt, meta: Any, cache: Any) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        q, k = rope.qk(self.q_proj(x).view(t, self.num_heads, self.head_dim),
+                       self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), self.q_norm, self.k_norm)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = cache.k(self.layer_id), cache.v(self.layer_id)
         msa.write_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype))
         if self.indexer is None:
             out = kernels.dense_attention(q, k_cache, v_cache, meta, scale=self.scale)
         else:
-            index_q, index_k = self.indexer(x, cos, sin)
+            index_q, index_k = self.indexer(x, rope)
             index_k_cache = cache.index_k(self.layer_id)
             msa.write_index_k(index_k_cache, meta.cache_slots, index_k.to(index_k_cache.dtype))
             selection = kernels.select_blocks_paged(index_q, index_k_cache, meta, topk=self.topk_blocks,

@@ -17,7 +17,7 @@ from m3_eagle_plugin.models.attention import M3Attention
 from m3_eagle_plugin.models.config import M3Config
 from m3_eagle_plugin.models.mlp import M3SparseMoE, SwigluOaiMLP
 from m3_eagle_plugin.models.norms import GemmaRMSNorm
-from m3_eagle_plugin.models.rope import RotaryEmbedding
+from m3_eagle_plugin.models.rope import RopeAt, RotaryEmbedding
 
 
 class M3DecoderLayer(nn.Module):
@@ -34,9 +34,10 @@ class M3DecoderLayer(nn.Module):
             self.mlp = SwigluOaiMLP(config.hidden_size, config.dense_intermediate_size, config.swiglu_alpha,
                                     config.swiglu_limit)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any, cache: Any) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, rope: RopeAt, meta: Any, cache: Any) -> torch.Tensor:
+        h, normed = self.post_attention_layernorm.add_then_norm(
+            x, self.self_attn(self.input_layernorm(x), rope, meta, cache))
+        return h + self.mlp(normed)
 
 
 class MiniMaxM3ForCausalLM(nn.Module):
@@ -66,12 +67,12 @@ class MiniMaxM3ForCausalLM(nn.Module):
             if bad:
                 raise ValueError(f"aux layer ids {bad} out of range for {self.config.num_layers} layers")
             capture.reset()
-        cos, sin = self.rotary.cos_sin(positions)
+        rope = self.rotary.at(positions)
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             if capture is not None and capture.wants(i):
                 capture.record(i, x)
-            x = layer(x, cos, sin, meta, cache)
+            x = layer(x, rope, meta, cache)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,18 @@
 MiniMax-M3 rotates half of each head (partial RoPE) for q, k, index-q and index-k alike; the
 Eagle3 head rotates the full head. Positions are absolute token positions (`meta.positions`),
 so one call serves any mix of prompt chunks, verify rows and single tokens.
+
+Layers get a `RopeAt` (`rotary.at(positions)`) rather than cos/sin tables: on a GPU with Triton it
+rotates q and k (after their per-head norm, if any) in one launch that computes the angles itself;
+elsewhere it builds the fp32 tables once per forward and runs `apply_rope`, the reference.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from m3_eagle_plugin.models import fused_ops
+from m3_eagle_plugin.models.norms import GemmaRMSNorm
 
 
 class RotaryEmbedding(nn.Module):
@@ -27,6 +34,40 @@ class RotaryEmbedding(nn.Module):
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
+
+    def at(self, positions: torch.Tensor) -> "RopeAt":
+        return RopeAt(self, positions)
+
+
+class RopeAt:
+    """The rotation at one step's positions `[T]`, shared by every layer of a forward."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.rotary = rotary
+        self.positions = positions
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path's fp32 tables, built on first use."""
+        if self._tables is None:
+            self._tables = self.rotary.cos_sin(self.positions)
+        return self._tables
+
+    def qk(self, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None = None,
+           k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`apply_rope(q_norm(q))`, `apply_rope(k_norm(k))` for q `[T, Hq, D]`, k `[T, Hk, D]` (norms optional)."""
+        gemma_norms = isinstance(q_norm, GemmaRMSNorm) and isinstance(k_norm, GemmaRMSNorm)
+        if gemma_norms or (q_norm is None and k_norm is None):  # the Gemma norm is the one fused in
+            norm = (q_norm.weight, q_norm.eps, k_norm.weight, k_norm.eps) if gemma_norms else None
+            fused = fused_ops.norm_rope_qk(q, k, self.positions, self.rotary.inv_freq, norm)
+            if fused is not None:
+                return fused
+        cos, sin = self.cos_sin()
+        if q_norm is not None:
+            q = q_norm(q)
+        if k_norm is not None:
+            k = k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

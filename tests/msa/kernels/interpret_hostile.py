@@ -6,6 +6,7 @@ Prints one line per case and exits 1 if any case fails.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 
@@ -18,7 +19,7 @@ from tests.reliability import test_hostile_kernels as cases
 
 class TritonKernels:
     """The kernel entry points with the dispatcher's signatures (the dispatcher itself picks the
-    torch references on CPU)."""
+    torch references on CPU); the sparse attention in its default (per-token) layout."""
 
     @staticmethod
     def select_blocks_paged(index_q, index_k_cache, meta, *, topk, **kw):
@@ -28,8 +29,21 @@ class TritonKernels:
     dense_attention = staticmethod(dense_verify_attention)
 
 
+class TritonUnionKernels(TritonKernels):
+    """The same with the sparse attention's union layout."""
+
+    sparse_attention = staticmethod(functools.partial(sparse_verify_attention, layout="union"))
+
+
 def main() -> int:
-    cases._mods = lambda device: (msa, TritonKernels)
+    failed = 0
+    for kernels in (TritonKernels, TritonUnionKernels):
+        cases._mods = lambda device, kernels=kernels: (msa, kernels)
+        failed += run_cases(kernels.__name__)
+    return 1 if failed else 0
+
+
+def run_cases(label: str) -> int:
     failed = 0
     for name in sorted(n for n in dir(cases) if n.startswith("test_")):
         fn = getattr(cases, name)
@@ -40,11 +54,11 @@ def main() -> int:
             continue  # CUDA-only cases (device tables, graph capture) need a real device
         try:
             fn("cpu")
-            print("PASS", name)
+            print("PASS", label, name)
         except Exception as exc:  # noqa: BLE001 - report every case
             failed += 1
-            print("FAIL", name, f"{type(exc).__name__}: {exc}"[:400])
-    return 1 if failed else 0
+            print("FAIL", label, name, f"{type(exc).__name__}: {exc}"[:400])
+    return failed
 
 
 if __name__ == "__main__":

@@ -56,3 +56,14 @@ def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
     assert default_splits(1, 1, 576, row, cpu) * row <= MAX_PARTIAL_ELEMENTS
     with pytest.raises(KernelInputError, match="fp32 partial elements"):
         check_splits(264, row)
+
+
+def test_token_splits_reference_values_and_bounds():
+    pytest.importorskip("triton")
+    from m3_eagle_plugin.msa.kernels.sparse_verify import MAX_PARTIAL_ELEMENTS, token_splits
+
+    cpu = torch.device("cpu")  # 132 SMs assumed: the H200 sweep's best at B64 q4/q1, B16 q4, B1
+    assert [token_splits(u, 16, cpu) for u in (256, 64, 64, 4, 1)] == [1, 2, 2, 16, 16]
+    assert token_splits(10**6, 16, cpu) == 1 and token_splits(3, 1, cpu) == 1
+    row = 4096 * 16 * 128
+    assert token_splits(1, 64, cpu, partial_row=row) * row <= MAX_PARTIAL_ELEMENTS

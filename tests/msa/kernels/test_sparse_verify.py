@@ -1,4 +1,4 @@
-"""Triton union-loading sparse verify attention vs the naive torch reference."""
+"""Triton sparse verify attention (both layouts: union-loading and per-token) vs the naive torch reference."""
 from __future__ import annotations
 
 import math
@@ -34,20 +34,27 @@ def _random_selection(meta, hkv, topk, block, seed):
     return sel.to(meta.positions.device)
 
 
+LAYOUTS = ["union", "token"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("splits", [1, 3, None])
-def test_matches_reference_fp32(splits):
+def test_matches_reference_fp32(splits, layout):
     meta, cache, q, _ = random_step(SMALL, [4, 1, 3], [150, 20, 64], kv_dtype=torch.float32, q_dtype=torch.float32)
     sel = _random_selection(meta, SMALL.kv_heads, SMALL.topk, SMALL.block, 1)
-    out = _run(q, cache, meta, sel, scale=0.3, splits=splits)
+    out = _run(q, cache, meta, sel, scale=0.3, splits=splits, layout=layout)
     assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.3), 1e-4)
 
 
-def test_m3_geometry_fp8_with_scales_and_padding():
+@pytest.mark.parametrize("layout,compute_f16,prefetch", [("union", None, False), ("union", False, False),
+                                                        ("token", None, False), ("token", True, True)])
+def test_m3_geometry_fp8_with_scales_and_padding(layout, compute_f16, prefetch):
     meta, cache, q, _ = random_step(M3, [4, 4, 4, 4], [5000, 300, 2048, 4], kv_dtype=torch.float8_e4m3fn,
                                     pad_tokens=2)
     sel = _random_selection(meta, M3.kv_heads, M3.topk, M3.block, 2)
     scale = 1 / math.sqrt(M3.head_dim)
-    out = _run(q, cache, meta, sel, scale=scale, k_scale=cache.k_scale, v_scale=cache.v_scale, max_qo_len=4)
+    out = _run(q, cache, meta, sel, scale=scale, k_scale=cache.k_scale, v_scale=cache.v_scale, max_qo_len=4,
+               layout=layout, compute_f16=compute_f16, prefetch=prefetch)
     expect = ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=cache.k_scale,
                                   v_scale=cache.v_scale)
     assert_close_rel(out, expect, 2e-2)
@@ -60,14 +67,15 @@ def test_m3_geometry_fp8_with_scales_and_padding():
     topk=st.integers(1, 6),
     splits=st.sampled_from([None, 1, 2, 5]),
     hint=st.sampled_from([None, 2, 9]),
+    layout=st.sampled_from(LAYOUTS),
     seed=st.integers(0, 2**16),
 )
-def test_property_random_steps(reqs, topk, splits, hint, seed):
+def test_property_random_steps(reqs, topk, splits, hint, layout, seed):
     qo_lens = [q for q, _ in reqs]
     kv_lens = [q + extra for q, extra in reqs]
     meta, cache, q, _ = random_step(SMALL, qo_lens, kv_lens, kv_dtype=torch.float32, q_dtype=torch.float32, seed=seed)
     sel = _random_selection(meta, SMALL.kv_heads, topk, SMALL.block, seed)
-    out = _run(q, cache, meta, sel, scale=0.2, splits=splits,
+    out = _run(q, cache, meta, sel, scale=0.2, splits=splits, layout=layout,
                max_qo_len=None if hint is None else max(hint, max(qo_lens)))
     assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.2), 1e-4)
 
@@ -95,12 +103,13 @@ def test_main_loop_variants_agree_with_reference(key_tile):
     assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, **kw), 2e-2)
 
 
-def test_nan_in_selected_page_propagates():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nan_in_selected_page_propagates(layout):
     meta, cache, q, _ = random_step(SMALL, [2], [40], kv_dtype=torch.float32, q_dtype=torch.float32)
     sel = _random_selection(meta, SMALL.kv_heads, SMALL.topk, SMALL.block, 3)
     page = int(meta.block_tables[0, 2])  # the local block of both tokens: always selected
     cache.v[page, 0, 0, 0] = float("nan")
-    out = _run(q, cache, meta, sel, scale=0.2)
+    out = _run(q, cache, meta, sel, scale=0.2, layout=layout)
     assert torch.isnan(out[:, : SMALL.q_heads // SMALL.kv_heads]).any()
 
 
@@ -112,3 +121,14 @@ def test_matches_package_reference_on_msa_metadata():
     sel = _random_selection(step, M3.kv_heads, M3.topk, M3.block, 9)
     out = _run(q, cache, meta, sel, scale=0.088, max_qo_len=4)
     assert_close_rel(out, sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.088), 1e-2)
+
+
+@pytest.mark.parametrize("kw,match", [({"layout": "ragged"}, "layout"), ({"layout": ""}, "layout"),
+                                      ({"compute_f16": True}, "16-bit")])
+def test_bad_options_are_refused(kw, match):
+    from m3_eagle_plugin.msa.kernels import KernelInputError
+
+    meta, cache, q, _ = random_step(SMALL, [1], [20], kv_dtype=torch.float32, q_dtype=torch.float32)
+    sel = _random_selection(meta, SMALL.kv_heads, SMALL.topk, SMALL.block, 4)
+    with pytest.raises(KernelInputError, match=match):
+        _run(q, cache, meta, sel, scale=0.2, **kw)

@@ -202,7 +202,13 @@ def topk_from_block_scores(
     num_requests = meta.kv_lens.shape[0]
     max_qo_len = qo_len_hint(meta, max_qo_len)
     out = torch.empty((num_heads, num_tokens, topk), device=block_scores.device, dtype=torch.int32)
-    qp = tokens_per_tile(num_tokens, num_requests, union_group or 16, max_qo_len)
+    # Verify/decode steps without union lists: one token per program (selection rows are independent;
+    # more, smaller programs). Union lists cover a chunk of a request's tokens; long prefill chunks
+    # keep multi-token programs so the grid stays small.
+    if union_group is None and max_qo_len is not None and max_qo_len <= 16:
+        qp = 1
+    else:
+        qp = tokens_per_tile(num_tokens, num_requests, union_group or 16, max_qo_len)
     nch = chunk_count(num_tokens, num_requests, qp, max_qo_len)
     union = None
     if union_group is not None:

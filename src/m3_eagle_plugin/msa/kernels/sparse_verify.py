@@ -16,12 +16,14 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    MAX_TILE_ROWS,
     qo_len_hint,
     FP8_DTYPES,
     check_cache_view,
     check_meta,
     compute_dtype_of,
     device_sm_count,
+    next_pow2,
     require,
     scale_value,
     tokens_per_tile,
@@ -33,11 +35,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos, pos_max, IEEE: tl.constexpr):
+def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos, pos_max, IEEE: tl.constexpr,
+                         GUARD_V: tl.constexpr = True):
     """One key tile of flash attention in log2 units; keys masked per row by selection and causality.
 
     `pos_max` is the largest position of the tile's rows: every key at or below it was written
-    (positions precede the step's kv length), so only keys above it can hold garbage.
+    (positions precede the step's kv length), so only keys above it can hold garbage. Callers
+    that load V with that mask already pass GUARD_V=False.
     """
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -49,7 +53,8 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos
     # A key past every row's position can hold anything (an unwritten tail slot is NaN after
     # torch.empty or an fp8 NaN pattern), and p = 0 does not cancel it: 0 * NaN = NaN. Zero those
     # V rows (unmapped pages already load as 0). An elementwise test: no cross-warp reduction.
-    v = tl.where((key_pos <= pos_max)[:, None], v, 0.0).to(q.dtype)
+    if GUARD_V:
+        v = tl.where((key_pos <= pos_max)[:, None], v, 0.0).to(q.dtype)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -87,7 +92,8 @@ def _sparse_verify_kernel(
     o_ptr, s_o_t, s_o_h, lse_ptr,
     qk_scale, v_scale,
     G: tl.constexpr, QP: tl.constexpr, UMAX: tl.constexpr, NCH: tl.constexpr,
-    BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, F16: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     r = tl.program_id(0)
     g = tl.program_id(1)
@@ -106,6 +112,8 @@ def _sparse_verify_kernel(
     d = tl.arange(0, D)
     q = tl.load(q_ptr + tok[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :],
                 mask=row_ok[:, None], other=0.0)
+    if F16:
+        q = q.to(tl.float16)
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
     pos_max = tl.max(pos, axis=0)
     count = tl.load(cnt_ptr + unit)
@@ -124,13 +132,82 @@ def _sparse_verify_kernel(
         mapped = page >= 0  # an unmapped (-1) page is never dereferenced and never attended
         page = tl.maximum(page, 0)
         key = (it % (BLOCK // BN)) * BN + jn
+        kpos = b * BLOCK + key
         k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
                     mask=mapped, other=0.0).to(q.dtype)
         v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
-                    mask=mapped, other=0.0).to(q.dtype)
+                    mask=mapped & (kpos <= pos_max)[:, None], other=0.0).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale,
-                                             (((bits >> tok_i) & 1) != 0) & mapped, b * BLOCK + key, pos, pos_max,
-                                             IEEE)
+                                             (((bits >> tok_i) & 1) != 0) & mapped, kpos, pos, pos_max,
+                                             IEEE, GUARD_V=False)
+
+    _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
+                D, SPLITS)
+
+
+@triton.jit
+def _sparse_token_kernel(
+    q_ptr, s_q_t, s_q_h,
+    k_ptr, s_k_p, s_k_h, s_k_b,
+    v_ptr, s_v_p, s_v_h, s_v_b,
+    sel_ptr, s_sel_h, s_sel_t,
+    bt_ptr, s_bt_r, cu_ptr, pos_ptr,
+    o_ptr, s_o_t, s_o_h, lse_ptr,
+    qk_scale, v_scale,
+    G: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
+    BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    F16: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One program per (request, KV head, token of the request, split): the token's GQA group
+    (ROWS >= 16 rows, padded) walks its own selected pages; pages shared with the request's other
+    tokens come from L2, so the tile stays small and many programs keep loads in flight."""
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2) % SPLITS
+    num_heads = tl.num_programs(1) * G
+    tok0 = tl.load(cu_ptr + r) + tl.program_id(2) // SPLITS
+    live = tok0 < tl.load(cu_ptr + r + 1)
+    rows = tl.arange(0, ROWS)
+    tok = tok0 + 0 * rows
+    head = g * G + rows
+    row_ok = live & (rows < G)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + tok[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if F16:
+        q = q.to(tl.float16)
+    pos1 = tl.load(pos_ptr + tok0, mask=live, other=-1)
+    pos = pos1 + 0 * rows
+    jj = tl.arange(0, TOPK_P)
+    sel_row = sel_ptr + g * s_sel_h + tok0.to(tl.int64) * s_sel_t
+    ids = tl.load(sel_row + jj, mask=live & (jj < TOPK), other=-1)
+    count = tl.sum((ids >= 0).to(tl.int32), axis=0)  # ascending, -1 padded at the end
+    if PREFETCH:
+        pages = tl.load(bt_ptr + r * s_bt_r + ids, mask=ids >= 0, other=-1)
+
+    m_i = tl.full([ROWS], -1.0e30, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    jn = tl.arange(0, BN)
+    mine = tl.maximum(count - split + SPLITS - 1, 0) // SPLITS
+    for it in range(0, mine * (BLOCK // BN)):
+        e = split + (it // (BLOCK // BN)) * SPLITS
+        if PREFETCH:
+            b = tl.sum(tl.where(jj == e, ids, 0), axis=0)
+            page = tl.sum(tl.where(jj == e, pages, 0), axis=0).to(tl.int64)
+        else:
+            b = tl.load(sel_row + e)
+            page = tl.load(bt_ptr + r * s_bt_r + b).to(tl.int64)
+        mapped = page >= 0
+        page = tl.maximum(page, 0)
+        key = (it % (BLOCK // BN)) * BN + jn
+        kpos = b * BLOCK + key
+        k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
+                    mask=mapped, other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
+                    mask=mapped & (kpos <= pos1)[:, None], other=0.0).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_ok & mapped, kpos, pos, pos1,
+                                             IEEE, GUARD_V=False)
 
     _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D, SPLITS)
@@ -152,6 +229,16 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     require(k_cache.dtype in allowed and v_cache.dtype in allowed, f"unsupported KV dtype {k_cache.dtype}")
 
 
+#: Key rows per MMA tile by layout (H200 sweep, scripts/tune_verify_kernels.py --sparse-only, 2026-11-29).
+DEFAULT_KEY_TILE = {"union": 64, "token": 128}
+
+
+def default_layout(group: int) -> str:
+    """'token' (measured faster on every H200 shape: B64/32K q4 52 vs 74 us for the union with fp16
+    MMAs, B16/32K 24 vs 25, B64 q1 24 vs 25) unless the GQA group is too tall for one tile."""
+    return "token" if group <= MAX_TILE_ROWS else "union"
+
+
 #: Most fp32 elements the split partials `[T, Hq, splits, D]` may take (512 MB).
 MAX_PARTIAL_ELEMENTS = 1 << 27
 
@@ -167,6 +254,18 @@ def choose_splits(num_requests: int, num_kv_heads: int, max_work: int, device: t
     if partial_row:
         max_work = min(max_work, MAX_PARTIAL_ELEMENTS // partial_row)
     return int(max(1, min(splits, max_work)))
+
+
+def token_splits(units: int, topk: int, device: torch.device, partial_row: int = 0) -> int:
+    """Splits of each token's selected pages for the per-token layout (`units` = requests x tokens
+    per request x KV heads): about one program per SM, at most one page per split, partials bounded
+    as in `choose_splits`. (H200 sweep, scripts/tune_verify_kernels.py --sparse-only, 2026-11-29:
+    B64/32K q4 1 split 45.0 us vs 2 51.6; B64 q1 2 vs 5 20.8 vs 26.3; B16 q4 2 vs 5 19.7 vs 24.0;
+    B1 q4 16 vs 8 6.5 vs 8.2; B16 q1 8 vs 16 9.1 vs 8.8, the one shape it misses.)"""
+    splits = min(device_sm_count(device) // max(1, units), topk)
+    if partial_row:
+        splits = min(splits, MAX_PARTIAL_ELEMENTS // partial_row)
+    return int(max(1, splits))
 
 
 def check_splits(splits: int, partial_row: int) -> None:
@@ -190,14 +289,20 @@ def sparse_verify_attention(
     splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
-    key_tile: int = 64,
+    key_tile: int | None = None,
+    layout: str | None = None,
+    compute_f16: bool | None = None,
+    prefetch: bool = True,
 ) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids.
 
     `max_qo_len` (the most query tokens any request has; 1 + draft_len on verify steps) sizes the
-    grid; leave it None only when unknown (then a worst-case bound is used). `union` is the
-    block list the fused top-k wrote for this selection (`select_blocks_verify(..., union_group=)`);
-    without it a small kernel derives it.
+    grid; leave it None only when unknown (then a worst-case bound is used). `layout` "union"
+    reads each request's union of selected pages once for all its tokens (`union` is the block
+    list the fused top-k wrote, `select_blocks_verify(..., union_group=)`; without it a small
+    kernel derives it); "token" walks each token's own pages. `compute_f16` (default: fp8 K/V
+    with a 16-bit q) runs the MMAs in fp16, which fp8 converts to in one instruction and holds
+    exactly.
     """
     check_attention_inputs(q, k_cache, v_cache, meta)
     max_qo_len = qo_len_hint(meta, max_qo_len)
@@ -210,6 +315,18 @@ def sparse_verify_attention(
     group = num_heads // hkv
     topk = selection.shape[2]
     num_requests = meta.kv_lens.shape[0]
+    if compute_f16 is None:
+        compute_f16 = k_cache.element_size() == 1 and q.dtype != torch.float32
+    require(not compute_f16 or q.dtype != torch.float32, "compute_f16 needs 16-bit queries")
+    if layout is None:
+        layout = default_layout(group)
+    require(layout in ("union", "token"), f"layout must be 'union' or 'token', got {layout!r}")
+    if key_tile is None:
+        key_tile = DEFAULT_KEY_TILE[layout]
+    if layout == "token":
+        return _token_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                                max_qo_len=max_qo_len, splits=splits, num_warps=num_warps, num_stages=num_stages,
+                                key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch)
     if union is None:
         qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
         union = union_from_selection(selection, meta.cu_qo_lens, meta.block_tables, chunk=qp,
@@ -225,17 +342,13 @@ def sparse_verify_attention(
         # 24.5 us, 32 splits 28.0; at B64/32K 4 splits 66.6 us, 9 splits 74.2.)
         splits = choose_splits(num_requests * nch, hkv, topk * min(qp, 2), q.device, partial_row=partial_row)
     check_splits(splits, partial_row)
-    # Zeroed so graph-padding rows (past cu_qo_lens[-1]) read 0 on the single-split path too.
-    out = torch.zeros_like(q) if splits == 1 else torch.empty_like(q)
+    out, o_buf, lse = _outputs(q, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
     qk_scale = float(scale) * scale_value(k_scale) * LOG2E
     vs = scale_value(v_scale)
     if splits == 1:
         o_buf, lse = out, out  # lse unused when SPLITS == 1
-    else:
-        o_buf = torch.empty((num_tokens, num_heads, splits, dim), device=q.device, dtype=torch.float32)
-        lse = torch.empty((num_tokens, num_heads, splits), device=q.device, dtype=torch.float32)
     _sparse_verify_kernel[(num_requests, hkv, nch * splits)](
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -245,11 +358,56 @@ def sparse_verify_attention(
         o_buf, out.stride(0), out.stride(1), lse,
         qk_scale, vs,
         G=group, QP=qp, UMAX=union.umax, NCH=nch, BLOCK=block, BN=min(block, key_tile), D=dim, SPLITS=splits,
+        F16=compute_f16, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    return _finish(out, o_buf, lse, meta, splits, vs)
+
+
+def _outputs(q: torch.Tensor, splits: int):
+    """(out, split partials, their LSE); zeroed `out` on the single-split path so graph-padding
+    rows (past cu_qo_lens[-1]) read 0 there too."""
+    if splits == 1:
+        return torch.zeros_like(q), None, None
+    num_tokens, num_heads, dim = q.shape
+    return (torch.empty_like(q),
+            torch.empty((num_tokens, num_heads, splits, dim), device=q.device, dtype=torch.float32),
+            torch.empty((num_tokens, num_heads, splits), device=q.device, dtype=torch.float32))
+
+
+def _finish(out, o_buf, lse, meta, splits: int, v_scale: float) -> torch.Tensor:
+    return out if splits == 1 else merge_splits(o_buf, lse, out, meta.cu_qo_lens, v_scale)
+
+
+def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,
+                     num_warps, num_stages, key_tile, compute_f16, prefetch) -> torch.Tensor:
+    num_tokens, num_heads, dim = q.shape
+    _, hkv, block, _ = k_cache.shape
+    group = num_heads // hkv
+    topk = selection.shape[2]
+    num_requests = meta.kv_lens.shape[0]
+    require(group <= MAX_TILE_ROWS, f"layout 'token' takes at most {MAX_TILE_ROWS} query heads per KV head, got {group}")
+    per_request = chunk_count(num_tokens, num_requests, 1, max_qo_len)
+    partial_row = num_tokens * num_heads * dim
+    if splits is None:
+        splits = token_splits(num_requests * per_request * hkv, topk, q.device, partial_row=partial_row)
+    check_splits(splits, partial_row)
+    out, o_buf, lse = _outputs(q, splits)
+    if num_tokens == 0 or num_requests == 0:
+        return out.zero_()
+    vs = scale_value(v_scale)
+    _sparse_token_kernel[(num_requests, hkv, per_request * splits)](
+        q, q.stride(0), q.stride(1),
+        k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        selection, selection.stride(0), selection.stride(1),
+        meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions,
+        out if o_buf is None else o_buf, out.stride(0), out.stride(1), out if lse is None else lse,
+        float(scale) * scale_value(k_scale) * LOG2E, vs,
+        G=group, ROWS=next_pow2(max(16, group)), TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block,
+        BN=min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16, PREFETCH=prefetch,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
-    if splits == 1:
-        return out
-    return merge_splits(o_buf, lse, out, meta.cu_qo_lens, vs)
+    return _finish(out, o_buf, lse, meta, splits, vs)
 
 
 def default_scale(head_dim: int) -> float:
