@@ -113,6 +113,17 @@ def test_rows_report_both_modes_and_the_measured_speedup():
         assert plain["cuda_graphs"] is False and spec["draft_len"] == 3
 
 
+def test_overlapped_loop_gives_the_same_tokens_and_schedule():
+    shape = replace(e2e.CPU_SHAPE, batches=(2,), repeats=1)
+    plain, overlapped = (e2e.run_e2e(replace(shape, overlap=o), "cpu", seed=3) for o in (False, True))
+    assert [r["overlap"] for r in overlapped] == [True, True] and [r["overlap"] for r in plain] == [False, False]
+    for a, b in zip(plain, overlapped):
+        assert (a["mode"], a["generated_tokens"], a["mean_acceptance_length"]) == (
+            b["mode"], b["generated_tokens"], b["mean_acceptance_length"])
+    ns = argparse.Namespace(e2e_batches=None, e2e_overlap=True)
+    assert e2e.shape_from_args(ns, torch.device("cpu")).overlap is True
+
+
 def test_random_model_stays_finite_in_bfloat16():
     shape = replace(e2e.CPU_SHAPE, hidden=256, q_heads=8, num_experts=8, experts_per_tok=2, prompt_len=24,
                     new_tokens=4, batches=(2,))

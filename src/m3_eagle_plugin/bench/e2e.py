@@ -54,6 +54,7 @@ class E2EShape(Geometry):
     draft_len: int = 3
     forced_mean: float = 2.5  # accepted drafts per verify step: mean acceptance length 3.5 at K = 3
     repeats: int = 3
+    overlap: bool = False  # the engine's overlapped loop (host work for step N+1 hidden behind step N), both modes
 
     def __post_init__(self) -> None:
         if self.dense_layers > self.num_layers or self.num_layers < 3:
@@ -258,7 +259,7 @@ def _engine(target, head, shape: E2EShape, *, speculate: bool, batch: int, promp
     config = EngineConfig(
         draft_len=k, max_batch_size=batch, max_tokens_per_step=max(shape.max_tokens_per_step, batch * (k + 1)),
         cuda_graphs=graphs and speculate, force_accepted=shape.forced_mean if speculate else None,
-        max_seq_len=kv_budget_tokens(max(map(len, prompts)), shape.new_tokens, k),
+        max_seq_len=kv_budget_tokens(max(map(len, prompts)), shape.new_tokens, k), overlap=shape.overlap,
     )
     num_blocks = blocks_for_prompts(prompts, shape.new_tokens, k, tc.block_size)
     cache = PagedKVCache.for_minimax_m3(
@@ -356,13 +357,15 @@ def run_e2e(shape: E2EShape, device: torch.device | str, *, dtype: torch.dtype |
                 "decode_tokens": last.tokens, "decode_steps": last.verify_steps // batch,
                 "engine_steps": last.engine_steps, "generated_tokens": last.generated_total,
                 "hidden": shape.hidden, "dtype": str(dtype).replace("torch.", ""), "cuda_graphs": graphs,
+                "overlap": shape.overlap,
             })
             if spec and batch == 1:
                 met = "met" if rows[-1]["speedup"] >= SPEEDUP_GOAL_BATCH1 else "MISSED"
                 rows[-1]["note"] = (f"goal >= {SPEEDUP_GOAL_BATCH1}x at batch 1: {met}" if graphs
                                     else "eager smoke shape: the speed-up goal is for the CUDA-graph run")
             if log is not None:
-                log(f"e2e batch {batch} {rows[-1]['mode']}: {median[spec]:.1f} tok/s, "
+                loop = " (overlap)" if shape.overlap else ""
+                log(f"e2e batch {batch} {rows[-1]['mode']}{loop}: {median[spec]:.1f} tok/s, "
                     f"AL {last.mean_acceptance_length:.2f}, speed-up {rows[-1]['speedup']:.2f}x")
         del engines
     return rows
@@ -375,13 +378,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--e2e-context", type=int, default=None, help="end-to-end prompt length")
     parser.add_argument("--e2e-batches", default=None, help="end-to-end batch sizes, comma list (default 1,16)")
     parser.add_argument("--e2e-repeats", type=int, default=None, help="timed runs per mode (median reported)")
+    parser.add_argument("--e2e-overlap", action="store_true",
+                        help="run both modes with the engine's overlapped step loop")
 
 
 def shape_from_args(args: argparse.Namespace, device: torch.device) -> E2EShape:
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
     overrides: dict[str, Any] = {}
     for option, name in (("e2e_hidden", "hidden"), ("e2e_tokens", "new_tokens"), ("e2e_context", "prompt_len"),
-                         ("e2e_repeats", "repeats")):
+                         ("e2e_repeats", "repeats"), ("e2e_overlap", "overlap")):
         value = getattr(args, option, None)
         if value is not None:
             overrides[name] = value
