@@ -9,25 +9,20 @@ a NaN the reference does not have, and inputs sit in NaN-filled storage so a str
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from packaging.version import Version
 
 from m3_eagle_plugin.models import fused_ops
+from tests._interpreter import interpreter_case_lines, needs_interpreter
 from m3_eagle_plugin.models.norms import GemmaRMSNorm, LlamaRMSNorm
 from m3_eagle_plugin.models.rope import RotaryEmbedding, apply_rope
 
-ROOT = Path(__file__).resolve().parents[2]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HALF = (torch.float16, torch.bfloat16)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -318,16 +313,9 @@ def test_rope_at_is_apply_rope_on_cpu():
     assert torch.equal(got[1], apply_rope(norms[1](k), cos, sin))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.skipif(Version(numpy.__version__) >= Version("2.4"),
-                    reason="Triton's interpreter calls int() on 1-element arrays, which NumPy >= 2.4 rejects")
+@needs_interpreter
 def test_kernels_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "M3_EAGLE_PLUGIN": "off"}
-    out = subprocess.run([sys.executable, "-m", "tests.models.interpret_fused_ops"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    lines = [line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert out.returncode == 0 and lines and all(line.startswith("PASS") for line in lines), (
-        out.stdout[-3000:] + out.stderr[-3000:])
+    lines = interpreter_case_lines("tests.models.interpret_fused_ops")
     assert len(lines) == len(INTERPRETER_CASES) + 1, lines
 
 

@@ -67,6 +67,23 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos
 
 
 @triton.jit
+def _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page, key, kpos, d, row_has,
+                      pos, pos_max, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """Load keys `key` of a page (K and V of KV head g) and fold them into the online softmax.
+
+    An unmapped page (-1) is never dereferenced and never attended; V rows past `pos_max` load as 0.
+    """
+    mapped = page >= 0
+    page = tl.maximum(page, 0).to(tl.int64)
+    k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
+                mask=mapped, other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
+                mask=mapped & (kpos <= pos_max)[:, None], other=0.0).to(q.dtype)
+    return _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has & mapped, kpos, pos, pos_max, IEEE,
+                                GUARD_V=False)
+
+
+@triton.jit
 def _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D: tl.constexpr, SPLITS: tl.constexpr):
     """Write finished rows: the output itself (one split), or a partial and its LSE for `merge_splits`."""
@@ -128,18 +145,11 @@ def _sparse_verify_kernel(
         entry = unit * UMAX + split + (it // (BLOCK // BN)) * SPLITS
         b = tl.load(ids_ptr + entry)
         bits = tl.load(bits_ptr + entry)
-        page = tl.load(pages_ptr + entry).to(tl.int64)
-        mapped = page >= 0  # an unmapped (-1) page is never dereferenced and never attended
-        page = tl.maximum(page, 0)
+        page = tl.load(pages_ptr + entry)
         key = (it % (BLOCK // BN)) * BN + jn
-        kpos = b * BLOCK + key
-        k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
-                    mask=mapped, other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
-                    mask=mapped & (kpos <= pos_max)[:, None], other=0.0).to(q.dtype)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale,
-                                             (((bits >> tok_i) & 1) != 0) & mapped, kpos, pos, pos_max,
-                                             IEEE, GUARD_V=False)
+        m_i, l_i, acc = _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page, key,
+                                          b * BLOCK + key, d, ((bits >> tok_i) & 1) != 0, pos, pos_max,
+                                          m_i, l_i, acc, qk_scale, IEEE)
 
     _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D, SPLITS)
@@ -194,20 +204,13 @@ def _sparse_token_kernel(
         e = split + (it // (BLOCK // BN)) * SPLITS
         if PREFETCH:
             b = tl.sum(tl.where(jj == e, ids, 0), axis=0)
-            page = tl.sum(tl.where(jj == e, pages, 0), axis=0).to(tl.int64)
+            page = tl.sum(tl.where(jj == e, pages, 0), axis=0)
         else:
             b = tl.load(sel_row + e)
-            page = tl.load(bt_ptr + r * s_bt_r + b).to(tl.int64)
-        mapped = page >= 0
-        page = tl.maximum(page, 0)
+            page = tl.load(bt_ptr + r * s_bt_r + b)
         key = (it % (BLOCK // BN)) * BN + jn
-        kpos = b * BLOCK + key
-        k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
-                    mask=mapped, other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
-                    mask=mapped & (kpos <= pos1)[:, None], other=0.0).to(q.dtype)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_ok & mapped, kpos, pos, pos1,
-                                             IEEE, GUARD_V=False)
+        m_i, l_i, acc = _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page, key,
+                                          b * BLOCK + key, d, row_ok, pos, pos1, m_i, l_i, acc, qk_scale, IEEE)
 
     _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D, SPLITS)

@@ -1,0 +1,42 @@
+"""Run a test module's kernel checks on CPU through Triton's interpreter, in a subprocess.
+
+TRITON_INTERPRET is read when `triton.jit` decorates, so it cannot be switched on inside a running
+suite; the module prints one `PASS`/`FAIL` line per case and exits 1 if any failed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SKIPS = (
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.skipif(Version(numpy.__version__) >= Version("2.4"),
+                       reason="Triton's interpreter calls int() on 1-element arrays, which NumPy >= 2.4 rejects"),
+)
+
+
+def needs_interpreter(test):
+    """Skip `test` where Triton's interpreter cannot run."""
+    for skip in _SKIPS:
+        test = skip(test)
+    return test
+
+
+def interpreter_case_lines(module: str) -> list[str]:
+    """The module's PASS/FAIL lines; fails the test (with its output) on any FAIL or a bad exit."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "M3_EAGLE_PLUGIN": "off"}
+    out = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert out.returncode == 0 and lines and all(line.startswith("PASS") for line in lines), (
+        out.stdout[-3000:] + out.stderr[-3000:])
+    return lines
