@@ -26,6 +26,8 @@ from typing import Any, Sequence
 
 import torch
 
+from m3_eagle_plugin.host.reference.cuda_graphs import StepGraphs
+
 from .end_to_end import register_end_to_end
 from .inputs import Geometry
 
@@ -158,10 +160,10 @@ class _Bucket:
     true_kv: torch.Tensor  # [R] int32
     zeros: torch.Tensor  # [R]
     graph: "torch.cuda.CUDAGraph | None" = None
-    tokens: torch.Tensor | None = None
+    outputs: torch.Tensor | None = None
 
 
-class TargetOnlyGraphs:
+class TargetOnlyGraphs(StepGraphs):
     """Fixed-shape replay of the target-only decode step (the host's `GenerationGraphs` needs a head).
 
     Same staging as the host's graphs: lengths staged at the cache's capacity on the host, the true
@@ -170,23 +172,9 @@ class TargetOnlyGraphs:
     """
 
     def __init__(self, runner, *, capture: bool = True) -> None:
-        cfg = runner.config
-        if capture and cfg.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-        if cfg.draft_len != 0 or runner.head is not None:
+        if runner.config.draft_len != 0 or runner.head is not None:
             raise ValueError("TargetOnlyGraphs replays decode without speculation: it needs draft_len 0 and no head")
-        if not cfg.sampling.greedy:
-            raise ValueError("TargetOnlyGraphs supports greedy decoding only")
-        self.runner, self.capture = runner, capture
-        self.buckets: dict[int, _Bucket] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.capacity = cfg.max_blocks_per_seq * cfg.block_size
-
-    @staticmethod
-    def eligible(rows) -> bool:
-        from m3_eagle_plugin.host.reference.scheduler import RowKind
-
-        return bool(rows) and all(row.kind is RowKind.VERIFY for row in rows)
+        super().__init__(runner, capture=capture)
 
     def _bucket(self, num_rows: int) -> _Bucket:
         if num_rows not in self.buckets:
@@ -207,37 +195,16 @@ class TargetOnlyGraphs:
     def launch(self, rows, step_id: int):
         from m3_eagle_plugin.host.reference.runner import StepOutput
 
-        runner, cfg = self.runner, self.runner.config
+        runner = self.runner
         rows = list(rows)
-        rids, staged = [], []
-        for row in rows:
-            kv = row.request.kv_len + 1
-            runner.cache.reserve(row.request.rid, runner._reserve_tokens(kv))
-            rids.append(row.request.rid)
-            staged.append(kv)
-        # Unreserved columns point at page 0; its keys sit past every true length, so stay invisible.
-        tables = runner.cache.block_table(rids, width=cfg.max_blocks_per_seq).clamp(min=0)
+        tables, staged = self._stage(rows, 1)
         runner.meta.prepare([1] * len(rows), [self.capacity] * len(rows), tables, num_context_requests=0)
         bucket = self._bucket(len(rows))
         input_ids, shrink = runner._step_inputs(rows, list(range(len(rows))))
         bucket.input_ids.copy_(input_ids)
         true_kv = runner._to_device(staged, torch.int32)
         bucket.true_kv.copy_(true_kv if shrink is None else true_kv - shrink)
-        if not self.capture:
-            tokens = self._body(bucket)
-        else:
-            if bucket.graph is None:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self._body(bucket)  # warm-up, idempotent with the replay below
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    bucket.tokens = self._body(bucket)
-                bucket.graph = graph
-            bucket.graph.replay()
-            tokens = bucket.tokens.clone()  # the next replay overwrites the static output
+        tokens = self._run(bucket).clone()  # the next replay overwrites the static output
         emitted = tokens.unsqueeze(1)
         return StepOutput(
             step_id=step_id, rows=rows, draft_lens=[0] * len(rows), emitted=emitted,

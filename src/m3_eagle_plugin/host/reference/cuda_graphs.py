@@ -18,7 +18,7 @@ from m3_eagle_plugin.eagle3.accept import forced_accept, greedy_accept
 from m3_eagle_plugin.eagle3.draft_loop import run_draft_loop
 from m3_eagle_plugin.host.reference.scheduler import RowKind
 
-__all__ = ["GenerationGraphs"]
+__all__ = ["StepGraphs", "GenerationGraphs"]
 
 
 @dataclass
@@ -31,7 +31,10 @@ class _Bucket:
     outputs: tuple | None = None
 
 
-class GenerationGraphs:
+class StepGraphs:
+    """What every fixed-shape decode-step replay shares: capacity staging of the rows' lengths and
+    block tables, and one graph per bucket, captured on first use after an eager warm-up."""
+
     def __init__(self, runner, *, capture: bool = True) -> None:
         """``capture=False`` runs the same fixed-shape step eagerly (CPU tests of the staging logic)."""
         cfg = runner.config
@@ -39,10 +42,8 @@ class GenerationGraphs:
             raise ValueError("CUDA graphs need a CUDA device")
         if not cfg.sampling.greedy:
             raise ValueError("CUDA graphs support greedy decoding only (sampling uses host-held generators)")
-        if runner.head is None or cfg.draft_len < 1:
-            raise ValueError("CUDA graphs capture the Eagle3 generation step: they need a draft head and K >= 1")
         self.runner = runner
-        self.buckets: dict[int, _Bucket] = {}
+        self.buckets: dict = {}
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.capacity = cfg.max_blocks_per_seq * cfg.block_size
@@ -50,6 +51,50 @@ class GenerationGraphs:
     @staticmethod
     def eligible(rows) -> bool:
         return bool(rows) and all(row.kind is RowKind.VERIFY for row in rows)
+
+    def _stage(self, rows, tokens_per_row: int) -> tuple[torch.Tensor, list[int]]:
+        """Reserve each row's pages for `tokens_per_row` more tokens; return the block tables at the
+        graph's full width and the rows' true kv lengths after the step."""
+        runner, cfg = self.runner, self.runner.config
+        rids, staged = [], []
+        for row in rows:
+            kv = row.request.kv_len + tokens_per_row
+            runner.cache.reserve(row.request.rid, runner._reserve_tokens(kv))
+            rids.append(row.request.rid)
+            staged.append(kv)
+        # Capacity staging maps every column; unreserved ones point at page 0, whose keys sit past
+        # every token's position once the true lengths are in, so they are never visible.
+        return runner.cache.block_table(rids, width=cfg.max_blocks_per_seq).clamp(min=0), staged
+
+    def _run(self, bucket, after_warmup=None):
+        """`self._body(bucket)`: eagerly, or replayed from the bucket's graph (captured on first use).
+        Returns the static outputs, which the next replay overwrites."""
+        if not self.capture:
+            return self._body(bucket)
+        if bucket.graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._body(bucket)  # warm-up; idempotent with the replay below (same inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            if after_warmup is not None:
+                after_warmup()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                bucket.outputs = self._body(bucket)
+            bucket.graph = graph
+        bucket.graph.replay()
+        return bucket.outputs
+
+    def _body(self, bucket):
+        raise NotImplementedError
+
+
+class GenerationGraphs(StepGraphs):
+    def __init__(self, runner, *, capture: bool = True) -> None:
+        super().__init__(runner, capture=capture)
+        if runner.head is None or runner.config.draft_len < 1:
+            raise ValueError("CUDA graphs capture the Eagle3 generation step: they need a draft head and K >= 1")
 
     def _bucket(self, num_rows: int) -> _Bucket:
         bucket = self.buckets.get(num_rows)
@@ -89,17 +134,9 @@ class GenerationGraphs:
     def launch(self, rows, step_id: int):
         from m3_eagle_plugin.host.reference.runner import StepOutput
 
-        runner, cfg, k = self.runner, self.runner.config, self.runner.config.draft_len
+        runner, k = self.runner, self.runner.config.draft_len
         num_rows = len(rows)
-        rids, staged = [], []
-        for row in rows:
-            kv = row.request.kv_len + 1 + k
-            runner.cache.reserve(row.request.rid, runner._reserve_tokens(kv))
-            rids.append(row.request.rid)
-            staged.append(kv)
-        # Capacity staging maps every column; unreserved ones point at page 0, whose keys sit past
-        # every token's position once the true lengths are in, so they are never visible.
-        tables = runner.cache.block_table(rids, width=cfg.max_blocks_per_seq).clamp(min=0)
+        tables, staged = self._stage(rows, 1 + k)
         runner.meta.prepare([k + 1] * num_rows, [self.capacity] * num_rows, tables, num_context_requests=0)
         for meta in runner.draft_metas:
             meta.prepare([1] * num_rows, [self.capacity] * num_rows, tables)
@@ -110,24 +147,11 @@ class GenerationGraphs:
         true_kv = runner._to_device(staged, torch.int32)
         bucket.true_kv.copy_(true_kv if shrink is None else true_kv - shrink)
         bucket.draft_lens.copy_(runner._to_device([row.request.pending_draft_len for row in rows]))
-        if not self.capture:
-            outputs = self._body(bucket)
-        elif bucket.graph is None:
-            forced_step = None if runner.forced_step is None else runner.forced_step.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._body(bucket)  # warm-up; idempotent with the replay below (same inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            if forced_step is not None:
-                runner.forced_step.copy_(forced_step)  # the warm-up is not a verify step
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                bucket.outputs = self._body(bucket)
-            bucket.graph = graph
-        if self.capture:
-            bucket.graph.replay()
-            outputs = bucket.outputs
+        restore = None
+        if self.capture and bucket.graph is None and runner.forced_step is not None:
+            forced_step = runner.forced_step.clone()
+            restore = lambda: runner.forced_step.copy_(forced_step)  # noqa: E731 - the warm-up is not a verify step
+        outputs = self._run(bucket, after_warmup=restore)
         # The next replay overwrites the static outputs, possibly before this step is committed.
         tokens, num_accepted, next_inputs = (t.clone() for t in outputs)
         return StepOutput(
