@@ -40,3 +40,21 @@ def interpreter_case_lines(module: str) -> list[str]:
     assert out.returncode == 0 and lines and all(line.startswith("PASS") for line in lines), (
         out.stdout[-3000:] + out.stderr[-3000:])
     return lines
+
+
+def run_cases(runs) -> int:
+    """Inside the interpreter subprocess: call each `(name, fn, kwargs)` as `fn("cpu", **kwargs)`,
+    print one PASS/FAIL line per case, and return the number that failed."""
+    failed = 0
+    for name, fn, kwargs in runs:
+        try:
+            fn("cpu", **kwargs)
+            print("PASS", name)
+        except Exception as exc:  # noqa: BLE001 - report every case
+            failed += 1
+            print("FAIL", name, f"{type(exc).__name__}: {exc}"[:600])
+    return failed
+
+
+def case_name(fn, kwargs) -> str:
+    return f"{fn.__name__}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"

@@ -2,8 +2,9 @@
 
 The one command an operator runs when something looks wrong: plugin version, mode, host found and
 version, manifest verdict, registered plugins and components, patches applied (or why not), the kernel
-backend choice, and optionally a static check of a TensorRT-LLM source tree (no import) against every
-host symbol the adapter touches. `--json` prints the same as one JSON object.
+backend choice (FlashInfer's status, the measured table in force and its verdict per shape), and
+optionally a static check of a TensorRT-LLM source tree (no import) against every host symbol the
+adapter touches. `--json` prints the same as one JSON object.
 """
 from __future__ import annotations
 
@@ -98,6 +99,8 @@ def collect(host_source: str | None = None) -> dict[str, Any]:
     data["adapter"] = adapter if why is None else {"unavailable": why}
     backend, why = _optional_call("m3_eagle_plugin.msa.kernels", "backend_report")
     data["kernel_backend"] = backend if why is None else {"unavailable": why}
+    if "error" in (data["kernel_backend"].get("kernel_table") or {}):
+        data["ok"] = False  # a broken M3_EAGLE_KERNEL_TABLE would raise at the first eligible call
     if host_source is not None:
         findings, why = _optional_call("m3_eagle_plugin.host.trtllm.contract", "check_source_tree", host_source)
         data["host_source"] = {"dir": host_source, "findings": findings} if why is None else {
@@ -111,6 +114,23 @@ def _format_value(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return json.dumps(value, sort_keys=True)
     return "-" if value is None else str(value)
+
+
+def _kernel_rows(backend: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The kernel backend row, then FlashInfer's status, the measured table in force and the
+    table's verdict per kernel and measured shape, one row each."""
+    backend = dict(backend)
+    fi, table, verdicts = (backend.pop(k, None) for k in ("flashinfer", "kernel_table", "table_verdicts"))
+    rows: list[tuple[str, Any]] = [("kernel backend", backend)]
+    if fi is not None:
+        rows.append(("flashinfer", f"{fi['status']}; device: {fi['device']}; {fi['policy']}"))
+    if table is not None:
+        rows.append(("kernel table", table["error"] if "error" in table else
+                     f"{table['source']} ({table['device']}, {table['date']}, `{table['command']}`; "
+                     f"applies here: {table['applies']})"))
+    for name, lines in (verdicts or {}).items():
+        rows.append((f"  {name}", "; ".join(lines)))
+    return rows
 
 
 def render_table(data: dict[str, Any]) -> str:
@@ -129,7 +149,7 @@ def render_table(data: dict[str, Any]) -> str:
         ("plugins", [f"{p.get('name')} ({p.get('distribution') or p.get('module')})" for p in data["plugins"]]),
         ("plugin errors", data["plugin_errors"] or None),
         ("host adapter", data["adapter"]),
-        ("kernel backend", data["kernel_backend"]),
+        *_kernel_rows(data["kernel_backend"]),
     ]
     if "host_source" in data:
         rows.append(("host source check", data["host_source"]))

@@ -49,3 +49,37 @@ def test_table_formats_missing_cells_and_floats():
     header, rule, first, second = text.splitlines()
     assert header.split() == ["kernel", "graph_us", "note"] and first.split() == ["a", "1.23"]
     assert second.split() == ["bb", "x"]
+
+
+def test_write_table_needs_gpu_rows(tmp_path, capsys):
+    path = tmp_path / "table.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x64", "--qo-lens", "1", "--write-table",
+                    str(path)]) == 1
+    assert not path.exists() and "nothing written" in capsys.readouterr().err
+
+
+def test_write_table_from_gpu_rows_loads_as_the_override(tmp_path, monkeypatch, capsys):
+    from m3_eagle_plugin.msa import kernels
+    from m3_eagle_plugin.msa.kernels import kernel_table
+
+    rows = [{"section": "kernels", "kernel": "sparse_attn", "batch": 16, "context": 32768, "qo_len": 4,
+             "graph_us": 18.0, "flashinfer_us": 15.0},
+            {"section": "kernels", "kernel": "dense_attn", "batch": 16, "context": 32768, "qo_len": 4,
+             "graph_us": 80.0, "flashinfer_us": 110.0},
+            {"section": "kernels", "kernel": "kv_lens_update", "batch": 16, "context": 32768, "qo_len": 4,
+             "graph_us": 2.5}]
+    monkeypatch.setattr(kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(cli, "_gpu_rows", lambda args, device, log: (
+        rows, {"device_name": "Fake GPU", "flashinfer": "0.7.4-fake"}))
+    path = tmp_path / "table.json"
+    assert m3_main(["bench", "--device", "cuda", "--configs", "16x32K", "--qo-lens", "4",
+                    "--write-table", str(path)]) == 0
+    assert "written to" in capsys.readouterr().err
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(path))
+    kernel_table.clear_caches()
+    table = kernel_table.load_table()
+    kernel_table.clear_caches()
+    assert (table.device, table.flashinfer) == ("Fake GPU", "0.7.4-fake")
+    assert table.command.startswith("m3-eagle bench --configs 16x32768 --qo-lens 4")
+    assert sorted((r.kernel, r.ours_us, r.flashinfer_us) for r in table.rows) == [
+        ("dense_attn", 80.0, 110.0), ("sparse_attn", 18.0, 15.0)]

@@ -160,3 +160,23 @@ def test_bench_cli_prints_the_end_to_end_rows(capsys):
     e2e_lines = [line.split() for line in e2e_block if line.split()[:1] == ["end_to_end"]]
     assert len(e2e_lines) == 2
     assert {"tokens_per_s", "mean_acceptance_length", "speedup", "mode"} <= set(header)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_window_starts_only_when_every_request_decodes(models, speculate):
+    """Prompts longer than a step's token budget prefill one after another while earlier requests
+    already decode; the timed window must hold decode steps only: no first token inside it."""
+    shape = replace(SMALL, prompt_len=30, new_tokens=16, max_tokens_per_step=32)
+    batch = 3
+    m = e2e.measure_decode(engine(models, speculate=speculate, batch=batch, shape=shape),
+                           prompts(batch, shape.prompt_len, shape.vocab), shape.new_tokens)
+    assert m.tokens == m.verify_steps + m.accepted  # every token in the window came from a verify step
+    assert m.verify_steps % batch == 0  # full-batch steps only
+
+
+def test_all_decoding_counts_first_tokens():
+    from m3_eagle_plugin.host.reference.stats import SpecStats
+
+    early = SpecStats(draft_len=3, generated_tokens=1 + 4 * 3, verify_steps=4, accepted_tokens=8)  # 1 request of 3
+    assert not e2e.all_decoding(early, 3)
+    assert e2e.all_decoding(SpecStats(draft_len=3, generated_tokens=3 + 8, verify_steps=2, accepted_tokens=6), 3)

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import torch
 
+from tests._interpreter import case_name, run_cases
 from tests.models import test_fused_ops as cases
 
 
 def main() -> int:
     torch.set_num_threads(1)
-    failed = 0
-    runs = [(f"{fn.__name__}({', '.join(f'{k}={v}' for k, v in kw.items())})", fn, kw)
-            for fn, kw in cases.INTERPRETER_CASES]
+    runs = [(case_name(fn, kw), fn, kw) for fn, kw in cases.INTERPRETER_CASES]
     with tempfile.TemporaryDirectory() as tmp:
         def models(device, dtype):
             from m3_eagle_plugin.models.tiny import make_tiny
@@ -28,13 +27,7 @@ def main() -> int:
             cases.check_models_fused_vs_torch(device, dtype, Path(tmp), atol=1e-4, steps=(3,))
 
         runs.append(("check_models_fused_vs_torch(fp32)", models, dict(dtype=torch.float32)))
-        for name, fn, kw in runs:
-            try:
-                fn("cpu", **kw)
-                print("PASS", name)
-            except Exception as exc:  # noqa: BLE001 - report every case
-                failed += 1
-                print("FAIL", name, f"{type(exc).__name__}: {exc}"[:600])
+        failed = run_cases(runs)
     return 1 if failed else 0
 
 

@@ -52,3 +52,29 @@ def test_host_source_check_unavailable(clean_state, tmp_path, monkeypatch):
     data = doctor.collect(host_source=str(tmp_path))
     assert data["host_source"]["error"].endswith("unavailable: test") and data["ok"] is False
     assert data["kernel_backend"] == {"unavailable": "m3_eagle_plugin.msa.kernels unavailable: test"}
+
+
+def test_kernel_rows_show_flashinfer_the_table_and_verdicts(clean_state, capsys, monkeypatch):
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.delenv("M3_EAGLE_KERNEL_TABLE", raising=False)
+    assert cli.main(["doctor"]) == 0
+    rows = {line.strip().split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "flashinfer" in rows and "SM90" in rows["flashinfer"]
+    assert "peer_table_h200.json (NVIDIA H200, 2026-11-29" in rows["kernel table"]
+    assert "B16/32K q4 -> flashinfer (ours 19.18 / FlashInfer 15.31 us)" in rows["sparse_attention"]
+    assert "B16/32K q1 -> flashinfer (ours 41.53 / FlashInfer 37.3 us)" in rows["select_blocks_paged"]
+    assert "decision: ours" in rows["dense_attention"]
+    data = doctor.collect()
+    assert data["kernel_backend"]["kernel_table"]["device"] == "NVIDIA H200"
+
+
+def test_malformed_kernel_table_fails_the_doctor(clean_state, capsys, monkeypatch, tmp_path):
+    from m3_eagle_plugin.msa.kernels import kernel_table
+
+    bad = tmp_path / "table.json"
+    bad.write_text('{"device": "X", "date": "d", "command": "c", "rows": [{"kernel": "nope"}]}')
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(bad))
+    kernel_table.clear_caches()
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert f"kernel table {bad}: rows[0].kernel must be one of" in out

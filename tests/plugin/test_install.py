@@ -45,6 +45,8 @@ def test_install_places_startup_files_and_manifest(venv):
     installed = site / "m3_eagle_plugin" / "plugin_manifest.toml"
     assert installed.is_file() and not installed.is_symlink()
     assert installed.read_bytes() == (REPO / "plugin_manifest.toml").read_bytes()
+    table = Path("m3_eagle_plugin", "msa", "kernels", "peer_table_h200.json")  # the measured kernel table
+    assert (site / table).is_file() and (site / table).read_bytes() == (REPO / "src" / table).read_bytes()
     where = subprocess.run([str(python), "-c", "import m3_eagle_plugin; print(m3_eagle_plugin.__file__)"],
                            check=True, capture_output=True, text=True, env=_clean_env()).stdout.strip()
     assert Path(where).parent == site / "m3_eagle_plugin"

@@ -23,5 +23,6 @@ def test_ci_runs_the_readme_commands():
 def test_readme_documents_every_setting():
     readme = (REPO / "README.md").read_text()
     for name in ("M3_EAGLE_PLUGIN", "M3_EAGLE_PLUGIN_FORCE", "M3_EAGLE_PLUGIN_TRACE", "M3_EAGLE_PLUGIN_LOAD",
-                 "M3_EAGLE_PLUGIN_LOG_LEVEL", "m3_eagle_plugin:", "## Guarantees", "## Compatibility"):
+                 "M3_EAGLE_PLUGIN_LOG_LEVEL", "M3_EAGLE_KERNELS", "M3_EAGLE_KERNEL_TABLE", "m3_eagle_plugin:",
+                 "## Guarantees", "## Compatibility"):
         assert name in readme, name

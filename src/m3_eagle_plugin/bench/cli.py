@@ -3,7 +3,8 @@
 On CUDA with Triton: every kernel checked against the naive torch reference and timed eager and
 graph-replayed, against the byte floor at a copy ceiling measured in the same run; where
 FlashInfer imports (`--flashinfer auto`), its MSA ops and paged prefill wrapper are timed beside
-ours on the same inputs (bench/flashinfer_peer.py). Elsewhere: a tiny
+ours on the same inputs (bench/flashinfer_peer.py); `--write-table PATH` saves those pairs as the
+kernel table the backend choice reads (`M3_EAGLE_KERNEL_TABLE`). Elsewhere: a tiny
 reference-only smoke table, so the command (and CI) works on any machine.
 """
 from __future__ import annotations
@@ -58,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_arguments(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write all rows and context as JSON")
+    parser.add_argument("--write-table", metavar="PATH", default=None,
+                        help="write the measured ours-vs-FlashInfer kernel rows as a kernel table (the format of "
+                             "M3_EAGLE_KERNEL_TABLE, which the backend choice reads); GPU runs only")
 
 
 def _gpu_rows(args: argparse.Namespace, device: torch.device, log) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -132,5 +136,30 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"context": context, "rows": rows}, fh, indent=1, default=str)
+    written = _write_table(args, rows, context) if args.write_table else True
     print(format_table(rows))
-    return 0
+    return 0 if written else 1
+
+
+def _write_table(args: argparse.Namespace, rows: list[dict[str, Any]], context: dict[str, Any]) -> bool:
+    """`--write-table PATH`: the kernel rows as a kernel table (msa/kernels/kernel_table.py)."""
+    import datetime
+
+    from m3_eagle_plugin.msa.kernels.kernel_table import table_from_bench_rows
+
+    kernel_rows = [r for r in rows if r.get("section") == "kernels"]
+    if not kernel_rows or "device_name" not in context:
+        print("--write-table: no GPU kernel rows were measured (needs CUDA and Triton); nothing written",
+              file=sys.stderr)
+        return False
+    configs = ",".join(f"{b}x{c}" for b, c in (args.configs or parse_configs(DEFAULT_CONFIGS)))
+    command = (f"m3-eagle bench --configs {configs} --qo-lens {args.qo_lens} --kernels {args.kernels} "
+               f"--kv-dtype {args.kv_dtype} --dense-kv-dtype {args.dense_kv_dtype} --flashinfer {args.flashinfer}")
+    table = table_from_bench_rows(kernel_rows, device=context["device_name"], command=command,
+                                  date=datetime.date.today().isoformat(), flashinfer=context.get("flashinfer"))
+    with open(args.write_table, "w") as fh:
+        json.dump(table, fh, indent=1)
+        fh.write("\n")
+    print(f"kernel table ({len(table['rows'])} rows) written to {args.write_table}; use it with "
+          f"M3_EAGLE_KERNEL_TABLE={args.write_table}", file=sys.stderr)
+    return True

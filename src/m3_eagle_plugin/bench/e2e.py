@@ -32,7 +32,7 @@ from .end_to_end import register_end_to_end
 from .inputs import Geometry
 
 __all__ = ["E2EShape", "GPU_SHAPE", "CPU_SHAPE", "SPEEDUP_GOAL_BATCH1", "TargetOnlyGraphs", "DecodeMeasurement",
-           "build_random_models", "measure_decode", "run_e2e", "add_arguments", "shape_from_args"]
+           "all_decoding", "build_random_models", "measure_decode", "run_e2e", "add_arguments", "shape_from_args"]
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ class TargetOnlyGraphs(StepGraphs):
         runner = self.runner
         rows = list(rows)
         tables, staged = self._stage(rows, 1)
-        runner.meta.prepare([1] * len(rows), [self.capacity] * len(rows), tables, num_context_requests=0)
+        self._plan(runner.meta, [1] * len(rows), tables, num_context_requests=0)
         bucket = self._bucket(len(rows))
         input_ids, shrink = runner._step_inputs(rows, list(range(len(rows))))
         bucket.input_ids.copy_(input_ids)
@@ -266,6 +266,16 @@ class DecodeMeasurement:
         return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
 
+def all_decoding(stats, num_requests: int) -> bool:
+    """Whether every request has its first token (so each later step is a full-batch decode step).
+
+    First tokens are what a run emitted outside verify steps (each verify step emits its accepted
+    drafts + 1); the total alone is not enough: at batch > 1, requests prefilled early emit many
+    tokens while later prompts still prefill.
+    """
+    return stats.generated_tokens - stats.accepted_tokens - stats.verify_steps >= num_requests
+
+
 def measure_decode(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> DecodeMeasurement:
     """Generate; time the window from every request having its first token to the last commit
     before a request finishes (every step in it is a full-batch decode step)."""
@@ -273,7 +283,7 @@ def measure_decode(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int
 
     def on_commit(done: int, total: int) -> None:
         stats = engine.stats
-        if done == 0 and stats.generated_tokens >= len(prompts):
+        if done == 0 and all_decoding(stats, len(prompts)):
             marks.append((time.perf_counter(), stats.generated_tokens, stats.verify_steps, stats.accepted_tokens))
 
     result = engine.generate(prompts, max_new_tokens, progress=on_commit)

@@ -33,7 +33,6 @@ sparse_decode,sparse_prefill,_sm90_dispatch,cake_hopper_sm90}.py, flashinfer/pre
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import math
@@ -46,48 +45,31 @@ from typing import Any, Callable
 
 import torch
 
+from m3_eagle_plugin.msa.kernels.flashinfer_msa import (  # shared with the dispatchers' FlashInfer route
+    _import_status,
+    flashinfer_available,
+    flashinfer_importable,
+    flashinfer_status,
+    interleave_kv,
+    page_table,
+    q2k_indices,
+    selection_from_topk,
+    short_error,
+    split_interleaved,
+)
+
 from .step_meta import StepMeta
+
+# Re-exported for the bench and its tests (they live in core so the dispatchers can use them).
+__all__ = ["_import_status", "flashinfer_available", "flashinfer_importable", "flashinfer_status", "interleave_kv",
+           "page_table", "q2k_indices", "selection_from_topk", "short_error", "split_interleaved",
+           "FlashInferPeer", "PeerOp", "cuda_poisoned", "time_peer_us", "max_k_tiles", "uniform_q_len",
+           "local_block_is_last_column", "paged_kv_layout", "index_cache", "nvp_probe", "parse_probe_output"]
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended prefill workspace
 
 
-# --- availability ------------------------------------------------------------------------------
-
-@functools.cache
-def _import_status() -> tuple[bool, bool, str]:
-    """(flashinfer imports, flashinfer.msa_ops imports, version or why not)."""
-    try:
-        fi = importlib.import_module("flashinfer")
-    except Exception as exc:  # ImportError, or a CUDA/driver mismatch raised at import time
-        return False, False, f"unavailable ({short_error(exc)})"
-    version = str(getattr(fi, "__version__", "version unknown"))
-    try:
-        importlib.import_module("flashinfer.msa_ops")
-    except Exception as exc:
-        return True, False, f"{version}, but flashinfer.msa_ops does not import ({short_error(exc)})"
-    return True, True, version
-
-
-def flashinfer_available() -> bool:
-    """True when `flashinfer.msa_ops` imports (checked on first call, not at module import)."""
-    return _import_status()[1]
-
-
-def flashinfer_importable() -> bool:
-    """True when `flashinfer` itself imports: enough for the paged prefill wrapper; the MSA rows
-    then carry msa_ops' import error as their `flashinfer_error`."""
-    return _import_status()[0]
-
-
-def flashinfer_status() -> str:
-    """FlashInfer's version, or why it (or its msa_ops) is unavailable."""
-    return _import_status()[2]
-
-
-def short_error(exc: BaseException, limit: int = 300) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:limit] if text else ''}"
-
+# --- CUDA health and timing (availability and the shared layout helpers: msa/kernels/flashinfer_msa.py) ---
 
 def cuda_poisoned() -> str | None:
     """The sticky CUDA error left behind (e.g. an illegal memory access), or None if CUDA is fine."""
@@ -115,31 +97,7 @@ def time_peer_us(thunks: list[Callable[[], Any]], device: torch.device) -> tuple
         return timing.time_eager_us(thunks), "eager", f"not graph-capturable ({short_error(exc)})"
 
 
-# --- pure layout conversions (CPU-testable) ----------------------------------------------------
-
-def interleave_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Contiguous `[P, Hkv, B, 2D]`: per (page, head, token) its K row then its V row, the one
-    interleaved cache SM90 MSA reads. Our K/V are `[P, Hkv, B, D]` views into a pool."""
-    if k.shape != v.shape or k.dtype != v.dtype:
-        raise ValueError(f"k/v differ: {tuple(k.shape)} {k.dtype} vs {tuple(v.shape)} {v.dtype}")
-    d = k.shape[-1]
-    packed = torch.empty(*k.shape[:-1], 2 * d, dtype=k.dtype, device=k.device)
-    packed[..., :d].copy_(k)
-    packed[..., d:].copy_(v)
-    return packed
-
-
-def split_interleaved(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V halves of an interleaved cache: views, V starting D elements after K."""
-    d = packed.shape[-1] // 2
-    return packed[..., :d], packed[..., d:]
-
-
-def page_table(meta: StepMeta) -> torch.Tensor:
-    """int32 `[R, W]` contiguous; our -1 padding becomes page 0 (never read: it lies past every
-    request's extent, but an out-of-pool id must not reach a kernel)."""
-    return meta.block_tables.clamp_min(0).to(torch.int32).contiguous()
-
+# --- pure layout conversions (CPU-testable; interleave_kv, page_table, q2k_indices, ... come from core) --
 
 def max_k_tiles(meta: StepMeta) -> int:
     return -(-int(meta.kv_lens.max()) // meta.block_size)
@@ -173,21 +131,6 @@ def paged_kv_layout(meta: StepMeta) -> dict[str, torch.Tensor]:
     out = {"qo_indptr": meta.cu_qo_lens.cpu(), "paged_kv_indptr": indptr, "paged_kv_indices": tables[used],
            "paged_kv_last_page_len": kv - (pages - 1) * block}
     return {k: v.to(device=meta.kv_lens.device, dtype=torch.int32).contiguous() for k, v in out.items()}
-
-
-def q2k_indices(selection: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Our selection `[H, T, topk]` (H = KV heads, or 1 index head shared by all) as FlashInfer's
-    `q2k_indices`: int32 `[Hkv, T, topk]` contiguous. Same logical block ids, ascending, -1 padded."""
-    if selection.shape[0] == 1 and num_kv_heads > 1:
-        selection = selection.expand(num_kv_heads, -1, -1)
-    elif selection.shape[0] != num_kv_heads:
-        raise ValueError(f"selection has {selection.shape[0]} heads for {num_kv_heads} KV heads")
-    return selection.to(torch.int32).contiguous()
-
-
-def selection_from_topk(output: torch.Tensor) -> torch.Tensor:
-    """`msa_topk_select`'s `[T, H, 16]` as our `[H, T, 16]` (a view)."""
-    return output.permute(1, 0, 2)
 
 
 def index_cache(index_k: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from m3_eagle_plugin import msa
 from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.models import fused_ops
 from m3_eagle_plugin.models.norms import LlamaRMSNorm
@@ -75,7 +74,7 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         layer = cache.draft_layer_ids[0]
         k_cache, v_cache = cache.k(layer), cache.v(layer)
-        msa.write_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype))
+        kernels.write_step_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype))
         out = kernels.dense_attention(q, k_cache, v_cache, meta, scale=self.scale)
         return self.o_proj(out.reshape(t, -1).to(x.dtype))
 

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from m3_eagle_plugin import msa
 from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.models.config import M3Config
 from m3_eagle_plugin.models.norms import GemmaRMSNorm
@@ -66,13 +65,14 @@ class M3Attention(nn.Module):
                        self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), self.q_norm, self.k_norm)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = cache.k(self.layer_id), cache.v(self.layer_id)
-        msa.write_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype))
         if self.indexer is None:
+            kernels.write_step_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype))
             out = kernels.dense_attention(q, k_cache, v_cache, meta, scale=self.scale)
         else:
             index_q, index_k = self.indexer(x, rope)
             index_k_cache = cache.index_k(self.layer_id)
-            msa.write_index_k(index_k_cache, meta.cache_slots, index_k.to(index_k_cache.dtype))
+            kernels.write_step_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype),
+                                  index_k_cache, index_k.to(index_k_cache.dtype))
             selection = kernels.select_blocks_paged(index_q, index_k_cache, meta, topk=self.topk_blocks,
                                                 local_blocks=self.local_blocks, init_blocks=self.init_blocks)
             out = kernels.sparse_attention(q, k_cache, v_cache, meta, selection, scale=self.scale)

@@ -94,6 +94,8 @@ class MsaDecodeMetadata:
         self._host_fields = torch.zeros(start, dtype=torch.int32, pin_memory=pin)
         self._fields = torch.zeros(start, dtype=torch.int32, device=self.device)
         self._staging_done = torch.cuda.Event() if pin else None
+        #: Bumped by every `prepare`: a caller that planned this object can tell whether anyone re-planned it since.
+        self.prepare_count = 0
 
         def field(name: str) -> torch.Tensor:
             return self._fields[self._layout[name]]
@@ -298,6 +300,7 @@ class MsaDecodeMetadata:
 
         self.num_requests, self.num_tokens = num_requests, num_tokens
         self.is_decode_only = decode_only
+        self.prepare_count += 1
         self.qo_lens_host, self.kv_lens_host = tuple(qo), tuple(kv)
         self.max_qo_len = max(qo, default=0)
         self.max_kv_len = max(kv, default=0)

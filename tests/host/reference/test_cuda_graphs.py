@@ -53,3 +53,57 @@ def test_graphs_refuse_what_they_cannot_capture():
         GenerationGraphs(engine.runner, capture=False)
     with pytest.raises(ValueError, match="CUDA device"):
         GenerationGraphs(engine.runner)
+
+
+class _PlannedMeta:
+    """Records every `prepare`; `counted=False` has no `prepare_count` (always re-planned)."""
+
+    def __init__(self, counted: bool = True) -> None:
+        self.calls = []
+        if counted:
+            self.prepare_count = 0
+
+    def prepare(self, qo_lens, kv_lens, tables, **kw):
+        self.calls.append((list(qo_lens), list(kv_lens), tables.clone(), kw))
+        if hasattr(self, "prepare_count"):
+            self.prepare_count += 1
+
+
+def test_an_unchanged_plan_is_not_staged_again():
+    target = _fakes.FakeTarget()
+    engine = Engine(target, _fakes.make_cache(), EngineConfig(draft_len=2), vocab_size=_fakes.VOCAB,
+                    head=_fakes.FakeHead(target.table), capture=_fakes.fake_capture())
+    graphs = GenerationGraphs(engine.runner, capture=False)
+    meta, tables = _PlannedMeta(), torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    graphs._plan(meta, [3, 3], tables, num_context_requests=0)
+    graphs._plan(meta, [3, 3], tables.clone(), num_context_requests=0)
+    assert len(meta.calls) == 1 and meta.calls[0][1] == [graphs.capacity] * 2
+    graphs._plan(meta, [3, 3], torch.tensor([[3, 1], [0, 5]], dtype=torch.int32), num_context_requests=0)
+    assert len(meta.calls) == 2  # a request moved into a new page
+    meta.prepare([5], [9], tables)  # someone else (an eager step) re-planned the object
+    graphs._plan(meta, [3, 3], torch.tensor([[3, 1], [0, 5]], dtype=torch.int32), num_context_requests=0)
+    assert len(meta.calls) == 4
+    graphs._plan(meta, [3], tables[:1], num_context_requests=0)
+    assert len(meta.calls) == 5  # other rows
+    plain = _PlannedMeta(counted=False)
+    for _ in range(2):
+        graphs._plan(plain, [3], tables[:1])
+    assert len(plain.calls) == 2
+
+
+def test_replayed_steps_skip_redundant_plans_and_still_match(tiny_pair):
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 5)]
+    outputs, prepares = [], []
+    for graphs in (False, True):
+        engine = build_engine(*tiny_pair, EngineConfig(draft_len=2, max_batch_size=2, max_tokens_per_step=32),
+                              num_blocks=blocks_for_prompts(prompts, 12, 2, 4))
+        if graphs:
+            engine.runner.graphs = GenerationGraphs(engine.runner, capture=False)
+        metas = [engine.runner.meta, *engine.runner.draft_metas]
+        before = [m.prepare_count for m in metas]
+        outputs.append(engine.generate(prompts, 12).outputs)
+        prepares.append(sum(m.prepare_count - b for m, b in zip(metas, before)))
+        steps = engine.stats.engine_steps
+    assert outputs[0] == outputs[1]
+    assert prepares[1] < prepares[0] and prepares[1] < steps * len(metas)

@@ -25,7 +25,8 @@ def test_cpu_report_names_torch_and_why(monkeypatch):
     monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
     report = backend_report("cpu")
     assert report["backend"] == "torch"
-    assert set(report["kernels"]) == {"select_blocks_paged", "sparse_attention", "dense_attention", "on_update_kv_lens"}
+    assert set(report["kernels"]) == {"select_blocks_paged", "sparse_attention", "dense_attention", "on_update_kv_lens",
+                                      "write_step_kv"}
     assert set(report["kernels"].values()) == {"torch"}
     assert report["reason"] in ("triton is not installed", "device cpu is not a CUDA device")
 
@@ -34,11 +35,57 @@ def test_env_override(monkeypatch):
     monkeypatch.setenv("M3_EAGLE_KERNELS", "torch")
     assert backend_report()["backend"] == "torch" and not use_triton("cpu")
     monkeypatch.setenv("M3_EAGLE_KERNELS", "bogus")
-    with pytest.raises(KernelInputError, match="M3_EAGLE_KERNELS"):
+    with pytest.raises(KernelInputError, match="M3_EAGLE_KERNELS must be auto, triton, torch or flashinfer"):
         use_triton("cpu")
     monkeypatch.setenv("M3_EAGLE_KERNELS", "triton")
     with pytest.raises(KernelBackendError):
         use_triton("cpu")
+
+
+def test_report_shows_flashinfer_the_table_and_its_verdicts(monkeypatch):
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.delenv("M3_EAGLE_KERNEL_TABLE", raising=False)
+    report = backend_report("cpu")
+    fi = report["flashinfer"]
+    assert fi["routes"] == ["select_blocks_paged", "sparse_attention"] and "SM90" in fi["device"]
+    assert fi["status"]  # a version, or why FlashInfer is unavailable
+    table = report["kernel_table"]
+    assert table["source"].startswith("shipped ") and table["source"].endswith("peer_table_h200.json")
+    assert (table["device"], table["date"]) == ("NVIDIA H200", "2026-11-29")
+    assert table["applies"].startswith("no: this device is cpu")
+    verdicts = report["table_verdicts"]
+    assert "B64/32K q4 -> flashinfer (ours 44.51 / FlashInfer 31.54 us)" in verdicts["sparse_attention"]
+    assert "B1/8K q4 -> flashinfer (ours 7.48 / FlashInfer 4.9 us)" in verdicts["select_blocks_paged"]
+    assert "B16/32K q1 -> ours (ours 9.05 / FlashInfer 9.4 us)" in verdicts["sparse_attention"]
+    assert verdicts["dense_attention"][-1].startswith("decision: ours")
+    assert any(line.startswith("dense_attn_peer B8/4K q4 -> ours") for line in verdicts["dense_attention"])
+
+
+def test_report_names_a_malformed_table(monkeypatch, tmp_path):
+    from m3_eagle_plugin.msa.kernels import kernel_table
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(bad))
+    kernel_table.clear_caches()
+    report = backend_report("cpu")
+    assert str(bad) in report["kernel_table"]["error"] and "table_verdicts" not in report
+
+
+def test_env_flashinfer_mode(monkeypatch):
+    """`flashinfer` forces the two routed kernels (raising where FlashInfer cannot run); the others
+    behave as under auto (here: the torch references)."""
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    assert backend_report("cpu")["requested"] == "flashinfer" and not use_triton("cpu")
+    geo, step, meta = _cpu_step()
+    cache, q = step["cache"], step["q"]
+    assert torch.equal(dense_attention(q, cache.k, cache.v, meta, scale=0.25),
+                       ref_dense(q, cache.k, cache.v, meta, scale=0.25))
+    sel = ref_select(step["index_q"], cache.index_k, meta, topk=geo.topk)
+    with pytest.raises(KernelBackendError, match="M3_EAGLE_KERNELS=flashinfer.*sparse_attention.*SM90"):
+        sparse_attention(q, cache.k, cache.v, meta, sel[: geo.kv_heads], scale=0.25)
+    with pytest.raises(KernelBackendError, match="select_blocks_paged.*SM90"):
+        select_blocks_paged(step["index_q"], cache.index_k, meta, topk=geo.topk)
 
 
 def _cpu_step():

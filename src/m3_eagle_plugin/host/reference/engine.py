@@ -118,6 +118,7 @@ class Engine:
             head=head, capture=capture, metadata_factory=metadata_factory,
         )
         self.overlap = config.overlap and not self._hook_drafts
+        self._results: dict[int, tuple] = {}  # step id -> its results' device-to-host copy in flight
         self.stats = SpecStats(draft_len=self.k)
 
     def _plugin_has_drafter(self) -> bool:
@@ -172,6 +173,7 @@ class Engine:
         progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
         self.stats = SpecStats(draft_len=self.k)  # per call
+        self._results.clear()
         requests = [self.make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         started = time.perf_counter()
         inflight: StepOutput | None = None
@@ -209,6 +211,7 @@ class Engine:
     def launch(self, rows, step_id: int) -> StepOutput:
         """Run one step's rows and stage lengths as if every draft were accepted (corrected on commit)."""
         out = self.runner.launch(rows, step_id)
+        self._results[step_id] = _start_readback(out)
         for row_index, row in enumerate(out.rows):
             request = row.request
             request.inflight_steps += 1
@@ -231,9 +234,7 @@ class Engine:
 
     def commit(self, out: StepOutput, requests: list[Request], progress) -> None:
         """Apply a launched step's acceptance: stats, emitted tokens, KV rewind, finished requests."""
-        emitted = out.emitted.cpu().tolist()
-        num_emitted = out.num_emitted.cpu().tolist()
-        num_accepted = out.num_accepted.cpu().tolist()
+        emitted, num_emitted, num_accepted = _finish_readback(self._results.pop(out.step_id), out.emitted.shape[1])
         for i, row in enumerate(out.rows):
             request = row.request
             request.inflight_steps -= 1
@@ -288,3 +289,30 @@ class Engine:
             request.pending_inputs = torch.tensor(padded, dtype=torch.long, device=self.device)
             request.pending_draft_len = len(proposal)
             request.pending_draft_probs = None
+
+
+def _start_readback(out: StepOutput) -> tuple:
+    """Start copying a step's emitted tokens and counts to the host now, behind that step only.
+
+    Reading them at commit time with `.cpu()` would queue the copy behind whatever was launched
+    since (under the overlapped loop: the whole next step), so the host would wait for that too.
+    One packed copy into pinned memory, and an event to wait on.
+    """
+    packed = torch.cat([out.emitted.to(torch.long), out.num_emitted.to(torch.long).unsqueeze(1),
+                        out.num_accepted.to(torch.long).unsqueeze(1)], dim=1)
+    if packed.device.type != "cuda":
+        return packed, None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _finish_readback(readback: tuple, width: int) -> tuple[list, list[int], list[int]]:
+    """(emitted rows, num_emitted, num_accepted) as host lists, once the copy has landed."""
+    host, done = readback
+    if done is not None:
+        done.synchronize()
+    rows = host.tolist()
+    return [r[:width] for r in rows], [r[width] for r in rows], [r[width + 1] for r in rows]

@@ -120,7 +120,10 @@ class StepRunner:
         return staged_kv + (max(self.config.draft_len - 1, 0) if self.head is not None else 0)
 
     def _to_device(self, values: list[int], dtype=torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.config.device, non_blocking=True)
+        """Through pinned memory: a pageable source may make the copy wait for the stream's earlier
+        work (under the overlapped loop, the step in flight)."""
+        pinned = self.config.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.config.device, non_blocking=True)
 
     # ----- one step ----------------------------------------------------------------------------
     def launch(self, rows: Sequence[ScheduledRow], step_id: int) -> StepOutput:

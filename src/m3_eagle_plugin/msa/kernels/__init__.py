@@ -1,8 +1,9 @@
 """Triton kernels for the MSA verify step, and the chooser between them and the torch references.
 
 Importing this package never imports `triton`; the kernel modules (`index_select`,
-`sparse_verify`, `dense_verify`, `kv_lens_update`, `merge`) do, and are loaded only when
-`backend_report()` / `use_triton()` say they can run.
+`sparse_verify`, `dense_verify`, `kv_lens_update`, `kv_write`, `merge`) do, and are loaded only when
+`backend_report()` / `use_triton()` say they can run. FlashInfer's MSA ops (`flashinfer_msa`) are
+imported only when a call is eligible for them; `kernel_table` holds the measured choice.
 
 No kernel module may share a name with an exported dispatcher: importing a submodule rebinds the
 package attribute of the same name, which would replace the function with the module.
@@ -18,6 +19,7 @@ from .backend import (
     select_blocks_paged,
     sparse_attention,
     use_triton,
+    write_step_kv,
 )
 
 __all__ = [
@@ -30,4 +32,5 @@ __all__ = [
     "sparse_attention",
     "triton_available",
     "use_triton",
+    "write_step_kv",
 ]

@@ -1,8 +1,15 @@
-"""Backend chooser: Triton kernels on capable CUDA devices, the pure-torch references elsewhere.
+"""Backend chooser: FlashInfer's MSA ops where eligible and measured faster, Triton kernels on
+capable CUDA devices, the pure-torch references elsewhere.
 
 Why: every caller (reference host, TensorRT-LLM adapter, bench) asks one place which
 implementation runs, and `backend_report()` tells a human (via `m3-eagle doctor`/`bench`) why.
-`M3_EAGLE_KERNELS=auto|triton|torch` overrides the choice (`triton` raises if unavailable).
+`M3_EAGLE_KERNELS=auto|triton|torch|flashinfer` overrides the choice: `triton` raises if Triton
+cannot run and never uses FlashInfer; `flashinfer` sends `sparse_attention` and
+`select_blocks_paged` to FlashInfer and raises (naming the cause) where it is not eligible, the
+other kernels behaving as under `auto`. Under `auto` those two go to FlashInfer only when
+`flashinfer_msa.eligibility` holds and the measured table (`kernel_table`) says it is faster at
+the nearest measured shape; dense attention has no FlashInfer route (ours is faster at every
+measured shape) and the table's verdicts are reported for it all the same.
 """
 from __future__ import annotations
 
@@ -12,10 +19,13 @@ from typing import Any, Callable
 
 import torch
 
+from . import flashinfer_msa as fim
+from . import kernel_table
 from ._common import KernelInputError, triton_available, triton_importable
 
 ENV_VAR = "M3_EAGLE_KERNELS"
-KERNELS = ("select_blocks_paged", "sparse_attention", "dense_attention", "on_update_kv_lens")
+MODES = ("auto", "triton", "torch", "flashinfer")
+KERNELS = ("select_blocks_paged", "sparse_attention", "dense_attention", "on_update_kv_lens", "write_step_kv")
 
 
 class KernelBackendError(RuntimeError):
@@ -24,8 +34,8 @@ class KernelBackendError(RuntimeError):
 
 def requested_backend() -> str:
     mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "triton", "torch"):
-        raise KernelInputError(f"{ENV_VAR} must be auto, triton or torch, got {mode!r}")
+    if mode not in MODES:
+        raise KernelInputError(f"{ENV_VAR} must be auto, triton, torch or flashinfer, got {mode!r}")
     return mode
 
 
@@ -72,7 +82,73 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, Any]:
     report["backend"] = chosen
     report["reason"] = reason
     report["kernels"] = {name: chosen for name in KERNELS}
+    report.update(_flashinfer_report(device, mode))
     return report
+
+
+def _flashinfer_report(device: torch.device, mode: str) -> dict[str, Any]:
+    """FlashInfer's status, the table in force and the table's verdict per measured shape."""
+    policy = {
+        "auto": "per shape: FlashInfer where eligible and faster in the nearest measured table row, else ours",
+        "flashinfer": f"{ENV_VAR}=flashinfer: FlashInfer for {', '.join(fim.ROUTED_KERNELS)}; an ineligible call raises",
+    }.get(mode, f"off ({ENV_VAR}={mode})")
+    section: dict[str, Any] = {"status": fim.flashinfer_status(), "device": fim.device_refusal(device) or "SM90: ok",
+                               "routes": list(fim.ROUTED_KERNELS), "policy": policy}
+    out: dict[str, Any] = {"flashinfer": section}
+    try:
+        table = kernel_table.load_table()
+    except kernel_table.KernelTableError as exc:
+        out["kernel_table"] = {"error": str(exc)}
+        return out
+    here = fim.device_name(device)
+    info = table.describe()
+    info["applies"] = ("yes" if kernel_table.names_match(table.device, here)
+                       else f"no: this device is {here} (ours everywhere until re-measured here)")
+    out["kernel_table"] = info
+    verdicts: dict[str, list[str]] = {}
+    for name, measured in kernel_table.DISPATCH_ROWS.items():
+        lines = [(f"{r.kernel} " if r.kernel != measured[0] else "") + r.verdict()
+                 for r in table.rows if r.kernel in measured]
+        if name not in fim.ROUTED_KERNELS:
+            faster = sum(r.flashinfer_us is not None and r.ours_us <= r.flashinfer_us for r in table.rows
+                         if r.kernel in measured)
+            lines.append(f"decision: ours (no FlashInfer route; ours faster in {faster} of {len(lines)} measured shapes)")
+        verdicts[name] = lines
+    steps = table.verdicts("sparse_step")
+    verdicts["sparse_step"] = steps + ["whole step: shown, not used for the choice"] if steps else []
+    out["table_verdicts"] = verdicts
+    return out
+
+
+def _step_shape(meta) -> tuple[int, int]:
+    """(requests, context) of a step from host values: the staged longest kv length when the
+    metadata keeps it (the graph capacity under CUDA graphs), else the block-table width."""
+    context = getattr(meta, "max_kv_len", None)
+    if not isinstance(context, int) or context < 1:
+        context = int(meta.block_tables.shape[1]) * int(meta.block_size)
+    return int(meta.kv_lens.shape[0]), int(context)
+
+
+def flashinfer_route(kernel: str, device: torch.device, meta, num_tokens: int, max_qo_len: int | None,
+                     eligible: Callable[[], tuple[bool, str]]) -> int | None:
+    """The q_len to call FlashInfer with when it runs `kernel` for this call, else None (ours).
+    Host-side only: `eligible()` reads shapes, strides and pointers; the table verdict is cached."""
+    mode = requested_backend()
+    if mode in ("triton", "torch"):
+        return None
+    ok, why = eligible()
+    if mode == "flashinfer" and not ok:
+        raise KernelBackendError(f"{ENV_VAR}=flashinfer but FlashInfer cannot run {kernel} here: {why}")
+    if not ok:
+        return None
+    q_len, _ = fim.host_q_len(meta, num_tokens, max_qo_len)
+    if mode == "auto":
+        batch, context = _step_shape(meta)
+        choice = kernel_table.choose(kernel, batch=batch, context=context, q_len=q_len,
+                                     device_name=fim.device_name(device), eligible=(ok, why))
+        if choice.backend != "flashinfer":
+            return None
+    return q_len
 
 
 #: Smallest head dim and block size the kernels tile (tl.dot needs 16-wide operands).
@@ -95,6 +171,11 @@ def _reference(name: str) -> Callable[..., Any]:
 def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, init_blocks=0,
                         max_qo_len: int | None = None):
     """Dispatching twin of `msa.select_blocks_paged`."""
+    q_len = flashinfer_route(fim.INDEX, index_q.device, meta, index_q.shape[0], max_qo_len, lambda: fim.eligibility(
+        fim.INDEX, index_q, index_k_cache, meta, topk=topk, max_qo_len=max_qo_len))
+    if q_len is not None:
+        return fim.select_blocks(index_q, index_k_cache, meta, topk=topk, q_len=q_len, local_blocks=local_blocks,
+                                 init_blocks=init_blocks)
     if use_triton(index_q.device) and _kernel_shape_ok(index_q.shape[-1], meta.block_size):
         from .index_select import select_blocks_verify
 
@@ -106,7 +187,12 @@ def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, i
 
 def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=None, v_scale=None,
                      max_qo_len: int | None = None):
-    """Dispatching twin of `msa.sparse_attention` (fp8 scales handled by the kernel only)."""
+    """Dispatching twin of `msa.sparse_attention` (fp8 scales handled by the kernels only)."""
+    q_len = flashinfer_route(fim.SPARSE, q.device, meta, q.shape[0], max_qo_len, lambda: fim.eligibility(
+        fim.SPARSE, q, k_cache, v_cache, meta, selection, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len))
+    if q_len is not None:
+        return fim.sparse_attention(q, k_cache, v_cache, meta, selection, scale=scale, q_len=q_len,
+                                    k_scale=k_scale, v_scale=v_scale)
     if use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size):
         from .sparse_verify import sparse_verify_attention
 
@@ -138,3 +224,16 @@ def on_update_kv_lens(meta, kv_lens=None) -> None:
         on_update_kv_lens_fused(meta, kv_lens)
     else:
         meta.on_update_kv_lens(kv_lens)
+
+
+def write_step_kv(k_cache, v_cache, slots, k, v, index_k_cache=None, index_k=None) -> None:
+    """A step's K/V (and a sparse layer's index-K) into the paged caches: one fused launch on CUDA
+    (`kv_write`), the torch writers `msa.write_kv` / `msa.write_index_k` elsewhere."""
+    if use_triton(k.device):
+        from .kv_write import write_step_kv_fused
+
+        write_step_kv_fused(k_cache, v_cache, slots, k, v, index_k_cache, index_k)
+        return
+    _reference("write_kv")(k_cache, v_cache, slots, k, v)
+    if index_k_cache is not None:
+        _reference("write_index_k")(index_k_cache, slots, index_k)
