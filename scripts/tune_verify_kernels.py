@@ -3,7 +3,7 @@
 Why: the defaults in `msa.kernels` (splits, key tile, warps, stages, pages per index program) were
 chosen from a handful of H200 runs; this script times every variant side by side on the bench's
 inputs and prints the best per shape, so a default changes only on a measured table.
-    python scripts/tune_verify_kernels.py [--json out.json] [--quick] [--sparse-only | --dense-only]
+    python scripts/tune_verify_kernels.py [--json out.json] [--quick] [--sparse-only | --dense-only | --token-grid]
 """
 from __future__ import annotations
 
@@ -96,12 +96,48 @@ def _resolve_splits(kw: dict, default: int) -> dict:
     return kw
 
 
+def token_grid(geo, dev, scale: float) -> list[dict]:
+    """The per-token sparse attention over its whole launch grid (keys a tile x warps x stages x
+    splits at 1, 2 and 4 times the default rule), not one knob at a time: at 255 registers a
+    thread (ncu, B64/32K q4) two programs share an SM, so the knobs interact."""
+    from m3_eagle_plugin.msa.kernels.sparse_verify import token_splits
+
+    rows = []
+    for batch, ctx, qo in ((64, 32768, 4), (16, 32768, 4), (64, 32768, 1), (1, 8192, 4), (16, 32768, 1)):
+        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
+                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
+        sets = [steps.step(s, qo) for s in range(3)]
+        base = token_splits(batch * qo, geo.topk, dev)
+        state: dict = {}
+        for kt, nw, ns, mult in itertools.product((128, 64, 32), (4, 8), (2, 3), (1, 2, 4)):
+            sp = min(base * mult, geo.topk)
+            if mult > 1 and sp == min(base * mult // 2, geo.topk):
+                continue  # capped at top-k: the same launch as the smaller multiple
+
+            def call(st, kt=kt, nw=nw, ns=ns, sp=sp):
+                c = st["cache"]
+                return sparse_verify_attention(st["q"], c.k, c.v, st["meta"], st["selection"], scale=scale,
+                                               k_scale=c.k_scale, v_scale=c.v_scale, max_qo_len=qo,
+                                               layout="token", splits=sp, key_tile=kt, num_warps=nw, num_stages=ns)
+            variant = f"kt={kt} w={nw} s={ns} sp={sp}"
+            timed = time_variant(f"token grid {variant}", call, [(st,) for st in sets], state)
+            if timed is not None:
+                rows.append({"kernel": "sparse_attn_grid", "batch": batch, "ctx": ctx, "qo": qo, "variant": variant,
+                             "us": timed[0], "pct": float("nan"), "err_vs_first": timed[1],
+                             "default": (kt, nw, ns, sp) == (128, 4, 3, base)})
+        del steps, sets
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dense-only", action="store_true", help="only the dense verify sweep (bf16 K/V)")
     ap.add_argument("--sparse-only", action="store_true", help="only the sparse attention sweep (both layouts)")
+    ap.add_argument("--token-grid", action="store_true",
+                    help="only the per-token sparse attention over its whole launch grid (five shapes)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     geo = Geometry()
@@ -109,9 +145,11 @@ def main() -> None:
     print(f"copy ceiling {ceiling:.0f} GB/s")
     rows = []
     scale = 1.0 / math.sqrt(geo.head_dim)
+    if args.token_grid:
+        rows += token_grid(geo, dev, scale)
     if args.dense_only:
         rows += dense_sweep(geo, dev, ceiling, scale)
-    for batch, ctx in () if args.dense_only else ((64, 32768), (16, 32768), (1, 8192)):
+    for batch, ctx in () if args.dense_only or args.token_grid else ((64, 32768), (16, 32768), (1, 8192)):
         steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
                         q_dtype=torch.bfloat16, device=dev, num_sets=3)
         for qo in (4, 1):
