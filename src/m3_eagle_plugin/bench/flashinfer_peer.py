@@ -47,6 +47,8 @@ import torch
 
 from m3_eagle_plugin.msa.kernels.flashinfer_msa import (  # shared with the dispatchers' FlashInfer route
     _import_status,
+    _msa,
+    device_capability,
     flashinfer_available,
     flashinfer_importable,
     flashinfer_status,
@@ -144,14 +146,6 @@ def _fi():
     return importlib.import_module("flashinfer")
 
 
-def _msa():
-    return importlib.import_module("flashinfer.msa_ops")
-
-
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-
-
 @dataclass
 class PeerOp:
     run: Callable[[], Any]                               # the timed call; returns FlashInfer's output
@@ -193,7 +187,7 @@ class FlashInferPeer:
 
     def _kv(self, cache) -> tuple[torch.Tensor, torch.Tensor]:
         def make():
-            if (_capability(cache.k.device) or (0, 0))[0] == 10:  # SM100/103: separate contiguous K, V
+            if (device_capability(cache.k.device) or (0, 0))[0] == 10:  # SM100/103: separate contiguous K, V
                 return cache.k.contiguous(), cache.v.contiguous()
             return split_interleaved(interleave_kv(cache.k, cache.v))  # SM90 (and SM12x) layout
         return self._once(cache, "kv", make)
@@ -262,7 +256,7 @@ class FlashInferPeer:
         k, v = self._kv(cache)
         scale = cache.k_scale / math.sqrt(q.shape[-1])
         v_scale = None if cache.v_scale == 1.0 else float(cache.v_scale)
-        sm90 = _capability(q.device) == (9, 0)
+        sm90 = device_capability(q.device) == (9, 0)
         out = torch.empty_like(q) if sm90 else None  # only SM90 takes `out=` (else a memset per call)
 
         def decode():
@@ -326,7 +320,7 @@ def _masked_topk_safe(heads: int, tiles: int, tokens: int, device: torch.device)
     """Whether `force_end_blocks > 0` without `num_valid_pages` is safe. On SM90 only the Cake
     programs take it: the CuTe fallback then reads its empty `num_valid_pages` tensor
     (cute_dsl/topk_select_sm90.py indexes `mNVP[col]` whenever any mask is on)."""
-    if _capability(device) != (9, 0):
+    if device_capability(device) != (9, 0):
         return True
     try:
         from flashinfer.msa_ops.cake_hopper_sm90 import topk_route_available

@@ -118,7 +118,6 @@ class Engine:
             head=head, capture=capture, metadata_factory=metadata_factory,
         )
         self.overlap = config.overlap and not self._hook_drafts
-        self._results: dict[int, tuple] = {}  # step id -> its results' device-to-host copy in flight
         self.stats = SpecStats(draft_len=self.k)
 
     def _plugin_has_drafter(self) -> bool:
@@ -173,7 +172,6 @@ class Engine:
         progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
         self.stats = SpecStats(draft_len=self.k)  # per call
-        self._results.clear()
         requests = [self.make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         started = time.perf_counter()
         inflight: StepOutput | None = None
@@ -211,7 +209,7 @@ class Engine:
     def launch(self, rows, step_id: int) -> StepOutput:
         """Run one step's rows and stage lengths as if every draft were accepted (corrected on commit)."""
         out = self.runner.launch(rows, step_id)
-        self._results[step_id] = _start_readback(out)
+        out.readback = _start_readback(out)
         for row_index, row in enumerate(out.rows):
             request = row.request
             request.inflight_steps += 1
@@ -234,7 +232,7 @@ class Engine:
 
     def commit(self, out: StepOutput, requests: list[Request], progress) -> None:
         """Apply a launched step's acceptance: stats, emitted tokens, KV rewind, finished requests."""
-        emitted, num_emitted, num_accepted = _finish_readback(self._results.pop(out.step_id), out.emitted.shape[1])
+        emitted, num_emitted, num_accepted = _finish_readback(out.readback, out.emitted.shape[1])
         for i, row in enumerate(out.rows):
             request = row.request
             request.inflight_steps -= 1

@@ -59,6 +59,9 @@ class StepOutput:
     next_inputs: torch.Tensor
     next_draft_probs: torch.Tensor | None
     head_drafts: bool
+    # (host tensor, event): emitted | num_emitted | num_accepted on their way to the host, started
+    # by the engine right after launch (`engine._start_readback`); None until then.
+    readback: tuple | None = None
 
 
 MetadataFactory = Callable[..., object]

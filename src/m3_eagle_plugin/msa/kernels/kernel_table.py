@@ -54,6 +54,11 @@ class TableRow:
         ctx = f"{self.context // 1024}K" if self.context % 1024 == 0 else str(self.context)
         return f"B{self.batch}/{ctx} q{self.qo_len}"
 
+    def distance(self, batch: int, context: int) -> tuple[float, float, int, int]:
+        """How far this row's shape is from (batch, context): log2 batch ratio, then log2 context
+        ratio, then the smaller measured batch and context (the module docstring's nearest row)."""
+        return abs(math.log2(batch / self.batch)), abs(math.log2(context / self.context)), self.batch, self.context
+
     def verdict(self) -> str:
         """Short: 'B16/32K q4 -> flashinfer (ours 18.9 / FlashInfer 15.3 us)'."""
         if self.flashinfer_us is None:
@@ -79,10 +84,7 @@ class KernelTable:
 
     def nearest(self, kernel: str, batch: int, context: int, q_len: int) -> TableRow | None:
         rows = [r for r in self.rows if r.kernel == kernel and r.qo_len == q_len]
-        if not rows:
-            return None
-        return min(rows, key=lambda r: (abs(math.log2(batch / r.batch)), abs(math.log2(context / r.context)),
-                                        r.batch, r.context))
+        return min(rows, key=lambda r: r.distance(batch, context)) if rows else None
 
     def verdicts(self, kernel: str) -> list[str]:
         return [r.verdict() for r in self.rows if r.kernel == kernel]
@@ -190,7 +192,7 @@ def _decide(table: KernelTable, kernel: str, device: str, batch: int, context: i
     rows = [r for r in (table.nearest(name, batch, context, q_len) for name in measured) if r is not None]
     if not rows:
         return Choice("triton", f"no {'/'.join(measured) or kernel} row with q_len {q_len} in the table: ours")
-    row = min(rows, key=lambda r: (abs(math.log2(batch / r.batch)), abs(math.log2(context / r.context))))
+    row = min(rows, key=lambda r: r.distance(batch, context))
     if row.flashinfer_us is None:
         return Choice("triton", f"nearest row {row.kernel} {row.shape()} has no FlashInfer time: ours")
     if row.flashinfer_us < row.ours_us:
