@@ -3,7 +3,8 @@
 Why: the defaults in `msa.kernels` (splits, key tile, warps, stages, pages per index program) were
 chosen from a handful of H200 runs; this script times every variant side by side on the bench's
 inputs and prints the best per shape, so a default changes only on a measured table.
-    python scripts/tune_verify_kernels.py [--json out.json] [--quick] [--sparse-only | --dense-only | --token-grid]
+    python scripts/tune_verify_kernels.py [--json out.json] [--quick]
+        [--sparse-only | --dense-only | --token-grid | --topk | --union-grid]
 """
 from __future__ import annotations
 
@@ -130,6 +131,84 @@ def token_grid(geo, dev, scale: float) -> list[dict]:
     return rows
 
 
+def topk_sweep(geo, dev) -> list[dict]:
+    """The top-k program alone (one token per program, and with union lists) over its warps, with
+    every selection checked against the torch reference."""
+    from m3_eagle_plugin.bench import torch_reference as ref
+
+    rows = []
+    for batch, ctx in ((1, 8192), (16, 32768), (64, 32768), (16, 131072)):
+        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
+                        q_dtype=torch.bfloat16, device=dev, num_sets=2)
+        sets = [steps.step(s, 4) for s in range(2)]
+        scores = [index_block_scores(st["index_q"], st["cache"].index_k, st["meta"], max_qo_len=4) for st in sets]
+        want = [ref.select_blocks(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk) for st in sets]
+        for tw, ug in itertools.product((None, 1, 2, 4, 8), (None, geo.q_heads)):
+            def call(st, sc, tw=tw, ug=ug):
+                return topk_from_block_scores(sc, st["meta"], topk=geo.topk, max_qo_len=4, union_group=ug,
+                                              topk_warps=tw)[0]
+            exact = all(torch.equal(call(st, sc), w) for st, sc, w in zip(sets, scores, want))
+            rows.append({"kernel": "topk_union" if ug else "topk", "batch": batch, "ctx": ctx, "qo": 4,
+                         "variant": f"warps={tw} exact={exact}", "pct": float("nan"), "default": tw is None,
+                         "us": graph_us([lambda st=st, sc=sc, call=call: call(st, sc) for st, sc in zip(sets, scores)])})
+        del steps, sets, scores
+        torch.cuda.empty_cache()
+    return rows
+
+
+def union_grid(geo, dev, scale: float) -> list[dict]:
+    """The union layout (on the top-k's own union lists) over key tile x stages x splits (the
+    default rule halved, as is, doubled), against the per-token layout, and the whole sparse step
+    with each layout forced (selection + attention, as the model's dispatchers run it)."""
+    from m3_eagle_plugin.msa.kernels import sparse_verify as sv
+
+    rows = []
+    for batch, ctx, qo in ((64, 32768, 4), (32, 32768, 4), (16, 32768, 4), (8, 32768, 4), (1, 8192, 4),
+                           (64, 32768, 1)):
+        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
+                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
+        sets = [steps.step(s, qo) for s in range(3)]
+        fused = [select_blocks_verify(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk, max_qo_len=qo,
+                                      union_group=geo.q_heads) for st in sets]
+        u = fused[0][1]
+        rule = choose_splits(batch * u.num_chunks, 1, geo.topk * min(u.chunk, 2), dev, partial_row=sets[0]["q"].numel())
+        state: dict = {}
+
+        def attn(st, f, **kw):
+            c = st["cache"]
+            return sparse_verify_attention(st["q"], c.k, c.v, st["meta"], f[0], scale=scale, k_scale=c.k_scale,
+                                           v_scale=c.v_scale, max_qo_len=qo, union=f[1], **kw)
+        variants = [("token default", dict(layout="token"))]
+        for kt, ns, sp in itertools.product((64, 128), (3, 2), sorted({max(1, rule // 2), rule, 2 * rule})):
+            variants.append((f"union kt={kt} s={ns} sp={sp}",
+                             dict(layout="union", key_tile=kt, num_stages=ns, splits=sp)))
+        for variant, kw in variants:
+            timed = time_variant(f"union grid {variant}", lambda st, f, kw=kw: attn(st, f, **kw),
+                                 list(zip(sets, fused)), state)
+            if timed is not None:
+                rows.append({"kernel": "sparse_attn_union", "batch": batch, "ctx": ctx, "qo": qo,
+                             "variant": variant, "us": timed[0], "pct": float("nan"), "err_vs_first": timed[1],
+                             "default": variant == f"union kt=64 s=3 sp={rule}"})
+        default_layout = sv.default_layout
+        for forced in ("token", "union"):
+            sv.default_layout = lambda *a, forced=forced, **k: forced
+            try:
+                us = graph_us([lambda st=st: kernels.sparse_attention(
+                    st["q"], st["cache"].k, st["cache"].v, st["meta"],
+                    kernels.select_blocks_paged(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk,
+                                                max_qo_len=qo),
+                    scale=scale, k_scale=st["cache"].k_scale, v_scale=st["cache"].v_scale, max_qo_len=qo)
+                    for st in sets])
+            finally:
+                sv.default_layout = default_layout
+            rows.append({"kernel": "sparse_step_layout", "batch": batch, "ctx": ctx, "qo": qo,
+                         "variant": forced, "us": us, "pct": float("nan"),
+                         "default": forced == default_layout(geo.q_heads)})
+        del steps, sets, fused
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -138,6 +217,9 @@ def main() -> None:
     ap.add_argument("--sparse-only", action="store_true", help="only the sparse attention sweep (both layouts)")
     ap.add_argument("--token-grid", action="store_true",
                     help="only the per-token sparse attention over its whole launch grid (five shapes)")
+    ap.add_argument("--topk", action="store_true", help="only the top-k program over its warps (four shapes)")
+    ap.add_argument("--union-grid", action="store_true",
+                    help="only the union layout over key tile x stages x splits, and the step per layout")
     args = ap.parse_args()
     dev = torch.device("cuda")
     geo = Geometry()
@@ -147,9 +229,14 @@ def main() -> None:
     scale = 1.0 / math.sqrt(geo.head_dim)
     if args.token_grid:
         rows += token_grid(geo, dev, scale)
+    if args.topk:
+        rows += topk_sweep(geo, dev)
+    if args.union_grid:
+        rows += union_grid(geo, dev, scale)
+    only = args.dense_only or args.token_grid or args.topk or args.union_grid
     if args.dense_only:
         rows += dense_sweep(geo, dev, ceiling, scale)
-    for batch, ctx in () if args.dense_only or args.token_grid else ((64, 32768), (16, 32768), (1, 8192)):
+    for batch, ctx in () if only else ((64, 32768), (16, 32768), (1, 8192)):
         steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
                         q_dtype=torch.bfloat16, device=dev, num_sets=3)
         for qo in (4, 1):

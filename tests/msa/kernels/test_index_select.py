@@ -74,3 +74,10 @@ def test_matches_package_reference_on_msa_metadata():
     sel = _select(index_q, cache, meta, topk=M3.topk, max_qo_len=4)
     expect = select_blocks_paged(index_q, cache.index_k, meta, topk=M3.topk)
     assert torch.equal(sel.cpu(), expect.cpu())
+
+
+def test_topk_program_breaks_ties_like_the_sort_oracle():
+    from .interpret_topk import CASES
+
+    for case in CASES:
+        case("cuda")

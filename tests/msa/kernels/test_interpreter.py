@@ -10,3 +10,11 @@ from tests._interpreter import interpreter_case_lines, needs_interpreter
 def test_triton_kernels_pass_the_hostile_cases_in_the_interpreter():
     lines = interpreter_case_lines("tests.msa.kernels.interpret_hostile")
     assert len(lines) >= 6, lines  # three cases x both sparse layouts
+
+
+@needs_interpreter
+def test_topk_program_breaks_ties_like_the_sort_oracle_in_the_interpreter():
+    from tests.msa.kernels.interpret_topk import CASES
+
+    lines = interpreter_case_lines("tests.msa.kernels.interpret_topk")
+    assert len(lines) == len(CASES), lines

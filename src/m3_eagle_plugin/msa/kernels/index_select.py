@@ -71,6 +71,30 @@ def _block_score_kernel(
 
 
 @triton.jit
+def _topk_mask(vals, visible, ids, NBP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr):
+    """int32 1 where a visible block is among its row's TOPK best scores (ties: the lower id).
+
+    Each score becomes one int64 key, the float's order as a signed int in the high word and the
+    reversed block id in the low word, so keys are distinct and each row's threshold is the
+    TOPK-th key of one `tl.topk` (a descending, power-of-two long list).
+    """
+    if NBP <= TOPK:
+        chosen = visible.to(tl.int32)
+    else:
+        bits = tl.where(vals == 0.0, 0.0, vals).to(tl.int32, bitcast=True)  # -0.0 ties +0.0
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        lowest = -9223372036854775807 - 1
+        keys = tl.where(visible, (ordered.to(tl.int64) << 32) | (NBP - 1 - ids)[None, :].to(tl.int64), lowest)
+        if TOPK == 1:
+            kth = tl.max(keys, axis=1)
+        else:
+            top = tl.topk(keys, TOPK_P, dim=1)  # sorted descending, a power-of-two count
+            kth = tl.sum(tl.where(tl.arange(0, TOPK_P)[None, :] == TOPK - 1, top, 0), axis=1)
+        chosen = (visible & (keys >= kth[:, None])).to(tl.int32)
+    return chosen
+
+
+@triton.jit
 def _topk_union_kernel(
     score_ptr, s_sc_h, s_sc_t,
     vb_ptr, cu_ptr, num_tokens,
@@ -94,14 +118,7 @@ def _topk_union_kernel(
                    other=float("-inf"))
     forced = visible & ((ids[None, :] >= nv[:, None] - LOCAL) | (ids[None, :] < INIT))
     vals = tl.where(forced, float("inf"), vals)
-    chosen = tl.zeros([QP, NBP], dtype=tl.int32)
-    for _ in tl.static_range(TOPK):
-        open_ = visible & (chosen == 0)
-        cur = tl.where(open_, vals, float("-inf"))
-        best = tl.max(cur, axis=1)
-        hit = open_ & (cur == best[:, None])
-        first = tl.min(tl.where(hit, ids[None, :], NBP), axis=1)
-        chosen = tl.where(ids[None, :] == first[:, None], 1, chosen)
+    chosen = _topk_mask(vals, visible, ids, NBP, TOPK, TOPK_P)
     count = tl.sum(chosen, axis=1)
     slot = tl.cumsum(chosen, axis=1) - 1
     base = out_ptr + h * s_o_h + tok * s_o_t
@@ -224,11 +241,21 @@ def topk_from_block_scores(
             union.counts if union else dummy,
             QP=qp, NCH=nch, NBP=nbp, TOPK=topk, TOPK_P=next_pow2(topk),
             LOCAL=local_blocks, INIT=init_blocks, WRITE_UNION=union is not None,
-            num_warps=topk_warps if topk_warps else (1 if qp == 1 else 8),
+            num_warps=topk_warps if topk_warps else default_topk_warps(qp, nbp),
         )
     elif num_tokens and num_heads:
         out.fill_(-1)
     return out, union
+
+
+def default_topk_warps(tokens_per_program: int, padded_blocks: int) -> int:
+    """Warps of the top-k program: 8 for token chunks (union lists), else one per 64 blocks up to 8
+    (H200, scripts/tune_verify_kernels.py --topk, 2026-11-29, one token per program: 8K context
+    1 warp 2.2 us, any count within 0.2; 32K 4 warps 2.8 us vs 1 warp 4.4 (B16), 3.1 vs 4.5 (B64);
+    128K 8 warps 4.4 vs 4 warps 6.3 vs 1 warp 14.4)."""
+    if tokens_per_program > 1:
+        return 8
+    return int(min(8, max(1, padded_blocks // 64)))
 
 
 def select_blocks_verify(

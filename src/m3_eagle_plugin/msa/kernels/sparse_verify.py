@@ -237,8 +237,12 @@ DEFAULT_KEY_TILE = {"union": 64, "token": 128}
 
 
 def default_layout(group: int) -> str:
-    """'token' (measured faster on every H200 shape: B64/32K q4 52 vs 74 us for the union with fp16
-    MMAs, B16/32K 24 vs 25, B64 q1 24 vs 25) unless the GQA group is too tall for one tile."""
+    """'token' unless the GQA group is too tall for one tile. On the top-k's own selections the
+    union read once per request does not pay (H200, scripts/tune_verify_kernels.py --union-grid,
+    2026-11-29, 32K context, q4): the per-token attention beat every union variant (key tile
+    64/128 x 2/3 stages x splits) at B64 (45.0 us vs 58.5), B16 (20.0 vs 23.6), B8 (13.2 vs 16.0)
+    and B1/8K (6.5 vs 9.1), and the whole step with each layout forced (union at key tile 128,
+    3 stages, a program per SM) took B64 173.5 vs 194.0 us, B16 60.0 vs 68.1."""
     return "token" if group <= MAX_TILE_ROWS else "union"
 
 
