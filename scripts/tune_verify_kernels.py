@@ -21,7 +21,7 @@ from m3_eagle_plugin.bench.timing import copy_ceiling_gbps, time_graph_us as gra
 from m3_eagle_plugin.msa.kernels.dense_verify import default_splits, dense_verify_attention
 from m3_eagle_plugin.msa.kernels.index_select import index_block_scores, select_blocks_verify, topk_from_block_scores
 from m3_eagle_plugin.msa import kernels
-from m3_eagle_plugin.msa.kernels.sparse_verify import choose_splits, sparse_verify_attention
+from m3_eagle_plugin.msa.kernels.sparse_verify import choose_splits, sparse_verify_attention, token_splits, union_splits
 
 
 def time_variant(name: str, call, args_per_set: list, state: dict) -> tuple[float, float] | None:
@@ -101,8 +101,6 @@ def token_grid(geo, dev, scale: float) -> list[dict]:
     """The per-token sparse attention over its whole launch grid (keys a tile x warps x stages x
     splits at 1, 2 and 4 times the default rule), not one knob at a time: at 255 registers a
     thread (ncu, B64/32K q4) two programs share an SM, so the knobs interact."""
-    from m3_eagle_plugin.msa.kernels.sparse_verify import token_splits
-
     rows = []
     for batch, ctx, qo in ((64, 32768, 4), (16, 32768, 4), (64, 32768, 1), (1, 8192, 4), (16, 32768, 1)):
         steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
@@ -171,7 +169,7 @@ def union_grid(geo, dev, scale: float) -> list[dict]:
         fused = [select_blocks_verify(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk, max_qo_len=qo,
                                       union_group=geo.q_heads) for st in sets]
         u = fused[0][1]
-        rule = choose_splits(batch * u.num_chunks, 1, geo.topk * min(u.chunk, 2), dev, partial_row=sets[0]["q"].numel())
+        rule = union_splits(batch * u.num_chunks, u.chunk, geo.topk, dev, partial_row=sets[0]["q"].numel())
         state: dict = {}
 
         def attn(st, f, **kw):
@@ -271,9 +269,9 @@ def main() -> None:
             att_bytes = u * kv_page_bytes(geo, torch.float8_e4m3fn)
             state = {}
             chunk = fused[0][1].chunk
-            union_base = choose_splits(batch * fused[0][1].num_chunks, 1, geo.topk * min(chunk, 2), dev,
-                                       partial_row=sets[0]["q"].numel())
-            token_base = choose_splits(batch * qo, 1, geo.topk, dev, partial_row=sets[0]["q"].numel())
+            union_base = union_splits(batch * fused[0][1].num_chunks, chunk, geo.topk, dev,
+                                      partial_row=sets[0]["q"].numel())
+            token_base = token_splits(batch * qo, geo.topk, dev, partial_row=sets[0]["q"].numel())
             for variant, kw in sparse_variants(args.quick):
                 kw = _resolve_splits(kw, union_base if kw["layout"] == "union" else token_base)
 

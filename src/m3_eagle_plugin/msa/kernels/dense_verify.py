@@ -14,9 +14,8 @@ import triton
 import triton.language as tl
 
 from ._common import qo_len_hint, scale_value, tokens_per_tile
-from .merge import merge_splits
-from .sparse_verify import (LOG2E, MAX_PARTIAL_ELEMENTS, _online_softmax_step, _store_rows, check_attention_inputs,
-                            check_splits, choose_splits)
+from .sparse_verify import (LOG2E, _online_softmax_step, _store_rows, check_attention_inputs, check_splits,
+                            choose_splits, max_partial_splits, merge_outputs, split_outputs)
 
 
 @triton.jit
@@ -79,7 +78,7 @@ def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row
     (H200 sweep, scripts/tune_verify_kernels.py --dense-only, 2026-11-29: B64/32K q4 311 us with
     10 splits vs 393 with 5; B16/32K 80 us with 17 vs 91 with 34)."""
     base = choose_splits(num_requests, num_kv_heads, width, device, partial_row=partial_row)
-    return max(base, min(2 * base, width // 16, MAX_PARTIAL_ELEMENTS // max(partial_row, 1)))
+    return max(base, min(2 * base, width // 16, max_partial_splits(partial_row)))
 
 
 def dense_verify_attention(
@@ -110,18 +109,13 @@ def dense_verify_attention(
     if splits is None:
         splits = default_splits(num_requests, hkv, width, partial_row, q.device)
     check_splits(splits, partial_row)
-    out = torch.zeros_like(q) if splits == 1 else torch.empty_like(q)
+    out, o_buf, lse = split_outputs(q, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
     if key_tile is None:  # H200 at B64/32K: 64 for 16-bit KV (2026-11-29 sweep: 311 vs 445 us with 128), 32 for fp8
         key_tile = 64 if k_cache.element_size() >= 2 else 32
     qk_scale = float(scale) * scale_value(k_scale) * LOG2E
     vs = scale_value(v_scale)
-    if splits == 1:
-        o_buf, lse = out, out
-    else:
-        o_buf = torch.empty((num_tokens, num_heads, splits, dim), device=q.device, dtype=torch.float32)
-        lse = torch.empty((num_tokens, num_heads, splits), device=q.device, dtype=torch.float32)
     _dense_verify_kernel[(num_requests, hkv, splits)](
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -132,6 +126,4 @@ def dense_verify_attention(
         G=group, QP=qp, BLOCK=block, BN=min(block, key_tile), D=dim, SPLITS=splits,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
-    if splits == 1:
-        return out
-    return merge_splits(o_buf, lse, out, meta.cu_qo_lens, vs)
+    return merge_outputs(out, o_buf, lse, meta, splits, vs)

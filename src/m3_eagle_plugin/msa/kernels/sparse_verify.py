@@ -250,6 +250,11 @@ def default_layout(group: int) -> str:
 MAX_PARTIAL_ELEMENTS = 1 << 27
 
 
+def max_partial_splits(partial_row: int) -> int:
+    """Most splits whose partials (`partial_row` = T x Hq x D elements each) fit MAX_PARTIAL_ELEMENTS."""
+    return MAX_PARTIAL_ELEMENTS // max(partial_row, 1)
+
+
 def choose_splits(num_requests: int, num_kv_heads: int, max_work: int, device: torch.device,
                   partial_row: int = 0) -> int:
     """Splits per (request, KV head) so the grid has about two programs per SM, with the split
@@ -258,9 +263,7 @@ def choose_splits(num_requests: int, num_kv_heads: int, max_work: int, device: t
     overflowed 32-bit offsets)."""
     target = 2 * device_sm_count(device)
     splits = -(-target // max(1, num_requests * num_kv_heads))
-    if partial_row:
-        max_work = min(max_work, MAX_PARTIAL_ELEMENTS // partial_row)
-    return int(max(1, min(splits, max_work)))
+    return int(max(1, min(splits, max_work, max_partial_splits(partial_row))))
 
 
 def token_splits(units: int, topk: int, device: torch.device, partial_row: int = 0) -> int:
@@ -269,10 +272,16 @@ def token_splits(units: int, topk: int, device: torch.device, partial_row: int =
     as in `choose_splits`. (H200 sweep, scripts/tune_verify_kernels.py --sparse-only, 2026-11-29:
     B64/32K q4 1 split 45.0 us vs 2 51.6; B64 q1 2 vs 5 20.8 vs 26.3; B16 q4 2 vs 5 19.7 vs 24.0;
     B1 q4 16 vs 8 6.5 vs 8.2; B16 q1 8 vs 16 9.1 vs 8.8, the one shape it misses.)"""
-    splits = min(device_sm_count(device) // max(1, units), topk)
-    if partial_row:
-        splits = min(splits, MAX_PARTIAL_ELEMENTS // partial_row)
-    return int(max(1, splits))
+    return int(max(1, min(device_sm_count(device) // max(1, units), topk, max_partial_splits(partial_row))))
+
+
+def union_splits(num_units: int, chunk: int, topk: int, device: torch.device, partial_row: int = 0) -> int:
+    """Splits of each union list (`num_units` = requests x KV heads x token chunks): about 2
+    programs per SM and at least one union entry each; a verify chunk's union holds about 2 x topk
+    blocks (tokens share about half), a single token's exactly topk. (H200 sweep,
+    scripts/tune_verify_kernels.py, 2026-11-29: at B16/32K q4 16 splits take 24.5 us, 32 splits
+    28.0; at B64/32K 4 splits 66.6 us, 9 splits 74.2.)"""
+    return choose_splits(num_units, 1, topk * min(chunk, 2), device, partial_row=partial_row)
 
 
 def check_splits(splits: int, partial_row: int) -> None:
@@ -343,19 +352,13 @@ def sparse_verify_attention(
     require(union.counts.shape[:2] == (num_requests, hkv), "union does not match requests x KV heads")
     partial_row = num_tokens * num_heads * dim
     if splits is None:
-        # About 2 programs per SM and at least one union entry each: a verify chunk's union holds
-        # about 2 x topk blocks (tokens share about half), a single token's exactly topk.
-        # (H200 sweep, scripts/tune_verify_kernels.py, 2026-11-29: at B16/32K q4 16 splits take
-        # 24.5 us, 32 splits 28.0; at B64/32K 4 splits 66.6 us, 9 splits 74.2.)
-        splits = choose_splits(num_requests * nch, hkv, topk * min(qp, 2), q.device, partial_row=partial_row)
+        splits = union_splits(num_requests * hkv * nch, qp, topk, q.device, partial_row=partial_row)
     check_splits(splits, partial_row)
-    out, o_buf, lse = _outputs(q, splits)
+    out, o_buf, lse = split_outputs(q, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
     qk_scale = float(scale) * scale_value(k_scale) * LOG2E
     vs = scale_value(v_scale)
-    if splits == 1:
-        o_buf, lse = out, out  # lse unused when SPLITS == 1
     _sparse_verify_kernel[(num_requests, hkv, nch * splits)](
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -367,21 +370,24 @@ def sparse_verify_attention(
         G=group, QP=qp, UMAX=union.umax, NCH=nch, BLOCK=block, BN=min(block, key_tile), D=dim, SPLITS=splits,
         F16=compute_f16, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
-    return _finish(out, o_buf, lse, meta, splits, vs)
+    return merge_outputs(out, o_buf, lse, meta, splits, vs)
 
 
-def _outputs(q: torch.Tensor, splits: int):
-    """(out, split partials, their LSE); zeroed `out` on the single-split path so graph-padding
-    rows (past cu_qo_lens[-1]) read 0 there too."""
+def split_outputs(q: torch.Tensor, splits: int):
+    """(out, split partials, their LSE) for the attention kernels' `o_ptr` / `lse_ptr`. One split
+    writes `out` directly (both pointers are `out`; the LSE is not written) and `out` is zeroed so
+    graph-padding rows (past cu_qo_lens[-1]) read 0 there too."""
     if splits == 1:
-        return torch.zeros_like(q), None, None
+        out = torch.zeros_like(q)
+        return out, out, out
     num_tokens, num_heads, dim = q.shape
     return (torch.empty_like(q),
             torch.empty((num_tokens, num_heads, splits, dim), device=q.device, dtype=torch.float32),
             torch.empty((num_tokens, num_heads, splits), device=q.device, dtype=torch.float32))
 
 
-def _finish(out, o_buf, lse, meta, splits: int, v_scale: float) -> torch.Tensor:
+def merge_outputs(out, o_buf, lse, meta, splits: int, v_scale: float) -> torch.Tensor:
+    """`out`, the split partials merged into it when there are several."""
     return out if splits == 1 else merge_splits(o_buf, lse, out, meta.cu_qo_lens, v_scale)
 
 
@@ -398,7 +404,7 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
     if splits is None:
         splits = token_splits(num_requests * per_request * hkv, topk, q.device, partial_row=partial_row)
     check_splits(splits, partial_row)
-    out, o_buf, lse = _outputs(q, splits)
+    out, o_buf, lse = split_outputs(q, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
     vs = scale_value(v_scale)
@@ -408,13 +414,13 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         selection, selection.stride(0), selection.stride(1),
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions,
-        out if o_buf is None else o_buf, out.stride(0), out.stride(1), out if lse is None else lse,
+        o_buf, out.stride(0), out.stride(1), lse,
         float(scale) * scale_value(k_scale) * LOG2E, vs,
         G=group, ROWS=next_pow2(max(16, group)), TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block,
         BN=min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16, PREFETCH=prefetch,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
-    return _finish(out, o_buf, lse, meta, splits, vs)
+    return merge_outputs(out, o_buf, lse, meta, splits, vs)
 
 
 def default_scale(head_dim: int) -> float:
