@@ -4,7 +4,7 @@ Why: the defaults in `msa.kernels` (splits, key tile, warps, stages, pages per i
 chosen from a handful of H200 runs; this script times every variant side by side on the bench's
 inputs and prints the best per shape, so a default changes only on a measured table.
     python scripts/tune_verify_kernels.py [--json out.json] [--quick]
-        [--sparse-only | --dense-only | --token-grid | --topk | --union-grid]
+        [--sparse-only | --dense-only | --token-grid | --topk | --union-grid | --pdl]
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def token_grid(geo, dev, scale: float) -> list[dict]:
         sets = [steps.step(s, qo) for s in range(3)]
         base = token_splits(batch * qo, geo.topk, dev)
         state: dict = {}
-        for kt, nw, ns, mult in itertools.product((128, 64, 32), (4, 8), (2, 3), (1, 2, 4)):
+        for kt, nw, ns, mult in itertools.product((128, 64, 32), (1, 2, 4, 8), (2, 3), (1, 2, 4)):
             sp = min(base * mult, geo.topk)
             if mult > 1 and sp == min(base * mult // 2, geo.topk):
                 continue  # capped at top-k: the same launch as the smaller multiple
@@ -126,6 +126,49 @@ def token_grid(geo, dev, scale: float) -> list[dict]:
                              "default": (kt, nw, ns, sp) == (128, 4, 3, base)})
         del steps, sets
         torch.cuda.empty_cache()
+    return rows
+
+
+def pdl_sweep(geo, dev, scale: float) -> list[dict]:
+    """The sparse step (selection + attention, the model's dispatchers) with programmatic dependent
+    launch off (`M3_EAGLE_PDL=0`), by the default rule (small grids only) and on every kernel
+    (`all`), three interleaved rounds each, every output equal to the no-PDL one."""
+    import os
+
+    rows = []
+    before = os.environ.get("M3_EAGLE_PDL")
+    try:
+        for batch, ctx, qo in ((1, 8192, 4), (1, 8192, 1), (16, 32768, 4), (16, 32768, 1), (64, 32768, 4),
+                               (64, 32768, 1), (1, 131072, 4)):
+            steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
+                            q_dtype=torch.bfloat16, device=dev, num_sets=2)
+            sets = [steps.step(s, qo) for s in range(2)]
+
+            def step(st):
+                c = st["cache"]
+                sel = kernels.select_blocks_paged(st["index_q"], c.index_k, st["meta"], topk=geo.topk, max_qo_len=qo)
+                return kernels.sparse_attention(st["q"], c.k, c.v, st["meta"], sel, scale=scale, k_scale=c.k_scale,
+                                                v_scale=c.v_scale, max_qo_len=qo)
+            times: dict = {}
+            os.environ["M3_EAGLE_PDL"] = "0"
+            want = step(sets[0])
+            for _ in range(3):
+                for mode in ("0", "1", "all"):
+                    os.environ["M3_EAGLE_PDL"] = mode
+                    same = torch.equal(step(sets[0]), want)
+                    us = graph_us([lambda st=st: step(st) for st in sets])
+                    times.setdefault(mode, []).append(us if same else float("nan"))
+            for mode, us in times.items():
+                rows.append({"kernel": "sparse_step_pdl", "batch": batch, "ctx": ctx, "qo": qo,
+                             "variant": f"M3_EAGLE_PDL={mode}", "us": min(us), "pct": float("nan"),
+                             "default": mode == "1"})
+            del steps, sets
+            torch.cuda.empty_cache()
+    finally:
+        if before is None:
+            os.environ.pop("M3_EAGLE_PDL", None)
+        else:
+            os.environ["M3_EAGLE_PDL"] = before
     return rows
 
 
@@ -216,6 +259,8 @@ def main() -> None:
     ap.add_argument("--token-grid", action="store_true",
                     help="only the per-token sparse attention over its whole launch grid (five shapes)")
     ap.add_argument("--topk", action="store_true", help="only the top-k program over its warps (four shapes)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="only the sparse step with programmatic dependent launch off / by rule / everywhere")
     ap.add_argument("--union-grid", action="store_true",
                     help="only the union layout over key tile x stages x splits, and the step per layout")
     args = ap.parse_args()
@@ -231,7 +276,9 @@ def main() -> None:
         rows += topk_sweep(geo, dev)
     if args.union_grid:
         rows += union_grid(geo, dev, scale)
-    only = args.dense_only or args.token_grid or args.topk or args.union_grid
+    if args.pdl:
+        rows += pdl_sweep(geo, dev, scale)
+    only = args.dense_only or args.token_grid or args.topk or args.union_grid or args.pdl
     if args.dense_only:
         rows += dense_sweep(geo, dev, ceiling, scale)
     for batch, ctx in () if only else ((64, 32768), (16, 32768), (1, 8192)):

@@ -7,7 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from .kernel_case_helpers import M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, random_step
+from .kernel_case_helpers import (M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, poison_allocator_like,
+                                  random_step)
 from m3_eagle_plugin.bench import torch_reference as ref
 
 pytestmark = needs_gpu
@@ -34,6 +35,15 @@ def test_m3_geometry(kv_dtype):
     out = _run(q, cache, meta, scale=scale, max_qo_len=4, **kw)
     assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=scale, **kw), 2e-2)
     assert (out[12:] == 0).all()
+
+
+def test_one_split_zeroes_graph_padding_rows_itself():
+    meta, cache, q, _ = random_step(M3, [4, 3], [700, 129], kv_dtype=torch.float8_e4m3fn, pad_tokens=5)
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    poison_allocator_like(q)
+    out = _run(q, cache, meta, scale=0.1, max_qo_len=4, splits=1, **kw)
+    assert_close_rel(out[:7], ref.dense_attention(q, cache.k, cache.v, meta, scale=0.1, **kw)[:7], 2e-2)
+    assert (out[7:] == 0).all()
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)

@@ -7,7 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from .kernel_case_helpers import M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, random_step
+from .kernel_case_helpers import (M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, poison_allocator_like,
+                                  random_step)
 from m3_eagle_plugin.bench import torch_reference as ref
 
 pytestmark = needs_gpu
@@ -59,6 +60,19 @@ def test_m3_geometry_fp8_with_scales_and_padding(layout, compute_f16, prefetch):
                                   v_scale=cache.v_scale)
     assert_close_rel(out, expect, 2e-2)
     assert (out[16:] == 0).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_split_zeroes_graph_padding_rows_itself(layout):
+    """One split writes `out` with no memset: the kernel zeroes the rows past the last request."""
+    meta, cache, q, _ = random_step(M3, [4, 2, 4], [900, 300, 129], kv_dtype=torch.float8_e4m3fn, pad_tokens=7)
+    sel = _random_selection(meta, M3.kv_heads, M3.topk, M3.block, 3)
+    scale = 1 / math.sqrt(M3.head_dim)
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    poison_allocator_like(q)
+    out = _run(q, cache, meta, sel, scale=scale, max_qo_len=4, splits=1, layout=layout, **kw)
+    assert_close_rel(out[:10], ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale, **kw)[:10], 2e-2)
+    assert (out[10:] == 0).all()
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)

@@ -47,6 +47,19 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """Compute capability of a CUDA device, None for anything else (tests patch this to fake SM90)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def device_sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_SM_COUNT

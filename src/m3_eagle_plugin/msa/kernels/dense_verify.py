@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from ._common import qo_len_hint, scale_value, tokens_per_tile
-from .sparse_verify import (LOG2E, _online_softmax_step, _store_rows, check_attention_inputs, check_splits,
-                            choose_splits, max_partial_splits, merge_outputs, split_outputs)
+from .sparse_verify import (LOG2E, _online_softmax_step, _store_rows, _zero_graph_padding, check_attention_inputs,
+                            check_splits, choose_splits, max_partial_splits, merge_outputs, split_outputs)
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def _dense_verify_kernel(
     k_ptr, s_k_p, s_k_h, s_k_b,
     v_ptr, s_v_p, s_v_h, s_v_b,
     bt_ptr, s_bt_r, cu_ptr, pos_ptr, kvl_ptr,
-    o_ptr, s_o_t, s_o_h, lse_ptr,
+    o_ptr, s_o_t, s_o_h, lse_ptr, num_tokens,
     qk_scale, v_scale,
     G: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     SPLITS: tl.constexpr, IEEE: tl.constexpr,
@@ -71,6 +71,8 @@ def _dense_verify_kernel(
 
         _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                     D, SPLITS)
+    if SPLITS == 1:
+        _zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
 
 
 def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row: int, device: torch.device) -> int:
@@ -121,7 +123,7 @@ def dense_verify_attention(
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions, meta.kv_lens,
-        o_buf, out.stride(0), out.stride(1), lse,
+        o_buf, out.stride(0), out.stride(1), lse, num_tokens,
         qk_scale, vs,
         G=group, QP=qp, BLOCK=block, BN=min(block, key_tile), D=dim, SPLITS=splits,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ._common import device_capability  # noqa: F401 (tests patch it here)
+
 SPARSE = "sparse_attention"
 INDEX = "select_blocks_paged"
 ROUTED_KERNELS = (INDEX, SPARSE)
@@ -83,19 +85,6 @@ def flashinfer_status() -> str:
 
 def _msa():
     return importlib.import_module("flashinfer.msa_ops")
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))
-
-
-def device_capability(device: torch.device | str) -> tuple[int, int] | None:
-    """Compute capability of a CUDA device, None for anything else (tests patch this to fake SM90)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

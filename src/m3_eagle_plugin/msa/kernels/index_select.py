@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .block_union import BlockUnion, allocate_union, chunk_count
+from .pdl import pdl_args, wait_for_prior_grid
 from ._common import (
     qo_len_hint,
     FP8_DTYPES,
@@ -36,8 +37,9 @@ def _block_score_kernel(
     cu_ptr, pos_ptr, kvl_ptr,
     score_ptr, s_sc_h, s_sc_t,
     HI: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, DI: tl.constexpr,
-    BLOCKS_PER_PROG: tl.constexpr, IEEE: tl.constexpr,
+    BLOCKS_PER_PROG: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     r = tl.program_id(0)
     chunk = tl.program_id(1)
     t0 = tl.load(cu_ptr + r)
@@ -101,8 +103,9 @@ def _topk_union_kernel(
     out_ptr, s_o_h, s_o_t, bt_ptr, s_bt_r,
     ids_ptr, pages_ptr, bits_ptr, cnt_ptr,
     QP: tl.constexpr, NCH: tl.constexpr, NBP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
-    LOCAL: tl.constexpr, INIT: tl.constexpr, WRITE_UNION: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, WRITE_UNION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -191,7 +194,7 @@ def index_block_scores(
             out, out.stride(0), out.stride(1),
             HI=num_heads, QP=qp, BLOCK=block, DI=dim,
             BLOCKS_PER_PROG=blocks_per_program, IEEE=index_q.dtype == torch.float32,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **pdl_args(index_q.device, grid),
         )
     return out
 
@@ -233,7 +236,8 @@ def topk_from_block_scores(
     if num_tokens and num_heads and num_requests:
         nbp = next_pow2(max(width, 2))
         dummy = out
-        _topk_union_kernel[(num_requests, num_heads, nch)](
+        grid = (num_requests, num_heads, nch)
+        _topk_union_kernel[grid](
             block_scores, block_scores.stride(0), block_scores.stride(1),
             meta.valid_blocks, meta.cu_qo_lens, num_tokens,
             out, out.stride(0), out.stride(1), meta.block_tables, meta.block_tables.stride(0),
@@ -242,6 +246,7 @@ def topk_from_block_scores(
             QP=qp, NCH=nch, NBP=nbp, TOPK=topk, TOPK_P=next_pow2(topk),
             LOCAL=local_blocks, INIT=init_blocks, WRITE_UNION=union is not None,
             num_warps=topk_warps if topk_warps else default_topk_warps(qp, nbp),
+            **pdl_args(block_scores.device, grid),
         )
     elif num_tokens and num_heads:
         out.fill_(-1)

@@ -10,12 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, wait_for_prior_grid
+
 
 @triton.jit
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, s_o_t, s_o_h, cu_ptr, num_requests, num_heads, v_scale,
-    SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr,
+    SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     live = t < tl.load(cu_ptr + num_requests)
@@ -38,9 +41,10 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     """`partial` fp32 `[T, Hq, S, D]` (normalised per split), `lse` fp32 `[T, Hq, S]` in log2 units."""
     num_tokens, num_heads, splits, dim = partial.shape
     if num_tokens and num_heads:
-        _merge_splits_kernel[(num_tokens, num_heads)](
+        grid = (num_tokens, num_heads)
+        _merge_splits_kernel[grid](
             partial, lse, out, out.stride(0), out.stride(1), cu_qo_lens, cu_qo_lens.shape[0] - 1,
             num_heads, v_scale, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=dim,
-            num_warps=4,
+            num_warps=4, **pdl_args(out.device, grid),
         )
     return out

@@ -30,6 +30,7 @@ from ._common import (
 )
 from .block_union import BlockUnion, chunk_count, union_from_selection
 from .merge import merge_splits
+from .pdl import pdl_args, wait_for_prior_grid
 
 LOG2E = 1.4426950408889634
 
@@ -100,18 +101,31 @@ def _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_o
 
 
 @triton.jit
+def _zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G: tl.constexpr, D: tl.constexpr):
+    """One split writes `out` itself (no merge pass, no memset): the rows of tokens past the last
+    request (graph padding) get zeros, spread over the programs of each KV-head group. Every
+    attention kernel's grid is (requests, KV heads, programs per request)."""
+    p = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+    d = tl.arange(0, D)
+    for t in range(tl.load(cu_ptr + tl.num_programs(0)) + p, num_tokens, tl.num_programs(0) * tl.num_programs(2)):
+        for h in range(g * G, g * G + G):
+            tl.store(o_ptr + t * s_o_t + h * s_o_h + d, tl.zeros([D], o_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _sparse_verify_kernel(
     q_ptr, s_q_t, s_q_h,
     k_ptr, s_k_p, s_k_h, s_k_b,
     v_ptr, s_v_p, s_v_h, s_v_b,
     ids_ptr, pages_ptr, bits_ptr, cnt_ptr,
     bt_ptr, s_bt_r, cu_ptr, pos_ptr,
-    o_ptr, s_o_t, s_o_h, lse_ptr,
+    o_ptr, s_o_t, s_o_h, lse_ptr, num_tokens,
     qk_scale, v_scale,
     G: tl.constexpr, QP: tl.constexpr, UMAX: tl.constexpr, NCH: tl.constexpr,
     BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, F16: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_prior_grid(PDL)
     r = tl.program_id(0)
     g = tl.program_id(1)
     c = tl.program_id(2) // SPLITS
@@ -153,6 +167,8 @@ def _sparse_verify_kernel(
 
     _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D, SPLITS)
+    if SPLITS == 1:
+        _zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
 
 
 @triton.jit
@@ -162,15 +178,16 @@ def _sparse_token_kernel(
     v_ptr, s_v_p, s_v_h, s_v_b,
     sel_ptr, s_sel_h, s_sel_t,
     bt_ptr, s_bt_r, cu_ptr, pos_ptr,
-    o_ptr, s_o_t, s_o_h, lse_ptr,
+    o_ptr, s_o_t, s_o_h, lse_ptr, num_tokens,
     qk_scale, v_scale,
     G: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
     BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    F16: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr,
+    F16: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per (request, KV head, token of the request, split): the token's GQA group
     (ROWS >= 16 rows, padded) walks its own selected pages; pages shared with the request's other
     tokens come from L2, so the tile stays small and many programs keep loads in flight."""
+    wait_for_prior_grid(PDL)
     r = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2) % SPLITS
@@ -214,6 +231,8 @@ def _sparse_token_kernel(
 
     _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D, SPLITS)
+    if SPLITS == 1:
+        _zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
 
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any) -> None:
@@ -359,26 +378,28 @@ def sparse_verify_attention(
         return out.zero_()
     qk_scale = float(scale) * scale_value(k_scale) * LOG2E
     vs = scale_value(v_scale)
-    _sparse_verify_kernel[(num_requests, hkv, nch * splits)](
+    grid = (num_requests, hkv, nch * splits)
+    _sparse_verify_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         union.ids, union.pages, union.bits, union.counts,
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions,
-        o_buf, out.stride(0), out.stride(1), lse,
+        o_buf, out.stride(0), out.stride(1), lse, num_tokens,
         qk_scale, vs,
         G=group, QP=qp, UMAX=union.umax, NCH=nch, BLOCK=block, BN=min(block, key_tile), D=dim, SPLITS=splits,
         F16=compute_f16, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(q.device, grid),
     )
     return merge_outputs(out, o_buf, lse, meta, splits, vs)
 
 
 def split_outputs(q: torch.Tensor, splits: int):
     """(out, split partials, their LSE) for the attention kernels' `o_ptr` / `lse_ptr`. One split
-    writes `out` directly (both pointers are `out`; the LSE is not written) and `out` is zeroed so
-    graph-padding rows (past cu_qo_lens[-1]) read 0 there too."""
+    writes `out` directly (both pointers are `out`; the LSE is not written), graph-padding rows
+    (past cu_qo_lens[-1]) zeroed by the kernel (`_zero_graph_padding`)."""
     if splits == 1:
-        out = torch.zeros_like(q)
+        out = torch.empty_like(q)
         return out, out, out
     num_tokens, num_heads, dim = q.shape
     return (torch.empty_like(q),
@@ -408,17 +429,18 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
     vs = scale_value(v_scale)
-    _sparse_token_kernel[(num_requests, hkv, per_request * splits)](
+    grid = (num_requests, hkv, per_request * splits)
+    _sparse_token_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         selection, selection.stride(0), selection.stride(1),
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions,
-        o_buf, out.stride(0), out.stride(1), lse,
+        o_buf, out.stride(0), out.stride(1), lse, num_tokens,
         float(scale) * scale_value(k_scale) * LOG2E, vs,
         G=group, ROWS=next_pow2(max(16, group)), TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block,
         BN=min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16, PREFETCH=prefetch,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device, grid),
     )
     return merge_outputs(out, o_buf, lse, meta, splits, vs)
 
