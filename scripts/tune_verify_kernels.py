@@ -4,7 +4,7 @@ Why: the defaults in `msa.kernels` (splits, key tile, warps, stages, pages per i
 chosen from a handful of H200 runs; this script times every variant side by side on the bench's
 inputs and prints the best per shape, so a default changes only on a measured table.
     python scripts/tune_verify_kernels.py [--json out.json] [--quick]
-        [--sparse-only | --dense-only | --token-grid | --topk | --union-grid | --pdl]
+        [--sparse-only | --dense-only | --token-grid | --topk | --union-grid | --pdl | --scoring]
 """
 from __future__ import annotations
 
@@ -197,6 +197,32 @@ def topk_sweep(geo, dev) -> list[dict]:
     return rows
 
 
+def scoring_sweep(geo, dev, ceiling: float) -> list[dict]:
+    """Index scoring over pages per program x stages on eight shapes (B1-B64, 8K-128K), every
+    variant's scores checked equal to the default's."""
+    rows = []
+    for batch, ctx, qo in ((1, 8192, 4), (1, 131072, 4), (8, 32768, 4), (16, 32768, 4), (16, 32768, 1),
+                           (32, 32768, 4), (64, 32768, 4), (16, 131072, 4)):
+        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
+                        q_dtype=torch.bfloat16, device=dev, num_sets=2)
+        sets = [steps.step(s, qo) for s in range(2)]
+        floor = index_k_bytes(sets[0]["meta"], geo, torch.bfloat16) / (ceiling * 1e3)
+        nb = -(-ctx // geo.block)
+        base = index_block_scores(sets[0]["index_q"], sets[0]["cache"].index_k, sets[0]["meta"], max_qo_len=qo)
+        for bpp, ns in itertools.product((None, 1, 2, 3, 4, 6, 8, 11, 16, 22, 32), (2, 3)):
+            def call(st, bpp=bpp, ns=ns):
+                return index_block_scores(st["index_q"], st["cache"].index_k, st["meta"], max_qo_len=qo,
+                                          blocks_per_program=bpp, num_stages=ns)
+            same = torch.equal(call(sets[0])[:, :, :nb], base[:, :, :nb])
+            us = min(graph_us([lambda st=st: call(st) for st in sets]) for _ in range(2))
+            rows.append({"kernel": "index_scores", "batch": batch, "ctx": ctx, "qo": qo,
+                         "variant": f"bpp={bpp} s={ns} same={same}", "us": us, "pct": 100 * floor / us,
+                         "default": bpp is None and ns == 2})
+        del steps, sets
+        torch.cuda.empty_cache()
+    return rows
+
+
 def union_grid(geo, dev, scale: float) -> list[dict]:
     """The union layout (on the top-k's own union lists) over key tile x stages x splits (the
     default rule halved, as is, doubled), against the per-token layout, and the whole sparse step
@@ -261,6 +287,8 @@ def main() -> None:
     ap.add_argument("--topk", action="store_true", help="only the top-k program over its warps (four shapes)")
     ap.add_argument("--pdl", action="store_true",
                     help="only the sparse step with programmatic dependent launch off / by rule / everywhere")
+    ap.add_argument("--scoring", action="store_true",
+                    help="only the index scoring over pages per program x stages (eight shapes)")
     ap.add_argument("--union-grid", action="store_true",
                     help="only the union layout over key tile x stages x splits, and the step per layout")
     args = ap.parse_args()
@@ -278,7 +306,9 @@ def main() -> None:
         rows += union_grid(geo, dev, scale)
     if args.pdl:
         rows += pdl_sweep(geo, dev, scale)
-    only = args.dense_only or args.token_grid or args.topk or args.union_grid or args.pdl
+    if args.scoring:
+        rows += scoring_sweep(geo, dev, ceiling)
+    only = args.dense_only or args.token_grid or args.topk or args.union_grid or args.pdl or args.scoring
     if args.dense_only:
         rows += dense_sweep(geo, dev, ceiling, scale)
     for batch, ctx in () if only else ((64, 32768), (16, 32768), (1, 8192)):
