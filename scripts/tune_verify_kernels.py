@@ -197,6 +197,12 @@ def topk_sweep(geo, dev) -> list[dict]:
     return rows
 
 
+def _scoring_thunks(sets: list, qo: int, **launch) -> list:
+    """One index-scoring call per input set with the launch parameters `launch` (the sweeps' timing unit)."""
+    return [lambda st=st: index_block_scores(st["index_q"], st["cache"].index_k, st["meta"], max_qo_len=qo, **launch)
+            for st in sets]
+
+
 def scoring_sweep(geo, dev, ceiling: float) -> list[dict]:
     """Index scoring over pages per program x stages on eight shapes (B1-B64, 8K-128K), every
     variant's scores checked equal to the default's."""
@@ -210,11 +216,9 @@ def scoring_sweep(geo, dev, ceiling: float) -> list[dict]:
         nb = -(-ctx // geo.block)
         base = index_block_scores(sets[0]["index_q"], sets[0]["cache"].index_k, sets[0]["meta"], max_qo_len=qo)
         for bpp, ns in itertools.product((None, 1, 2, 3, 4, 6, 8, 11, 16, 22, 32), (2, 3)):
-            def call(st, bpp=bpp, ns=ns):
-                return index_block_scores(st["index_q"], st["cache"].index_k, st["meta"], max_qo_len=qo,
-                                          blocks_per_program=bpp, num_stages=ns)
-            same = torch.equal(call(sets[0])[:, :, :nb], base[:, :, :nb])
-            us = min(graph_us([lambda st=st: call(st) for st in sets]) for _ in range(2))
+            th = _scoring_thunks(sets, qo, blocks_per_program=bpp, num_stages=ns)
+            same = torch.equal(th[0]()[:, :, :nb], base[:, :, :nb])
+            us = min(graph_us(th) for _ in range(2))
             rows.append({"kernel": "index_scores", "batch": batch, "ctx": ctx, "qo": qo,
                          "variant": f"bpp={bpp} s={ns} same={same}", "us": us, "pct": 100 * floor / us,
                          "default": bpp is None and ns == 2})
@@ -322,10 +326,7 @@ def main() -> None:
             for bpp, nw, ns in itertools.product((None, 4, 8, 16), (4, 8), (2, 3, 4)):
                 if args.sparse_only or ((args.quick or qo == 1) and (nw, ns) != (4, 2)):
                     continue
-                th = [lambda st=st: index_block_scores(st["index_q"], st["cache"].index_k, st["meta"],
-                                                       max_qo_len=qo, blocks_per_program=bpp,
-                                                       num_warps=nw, num_stages=ns) for st in sets]
-                us = graph_us(th)
+                us = graph_us(_scoring_thunks(sets, qo, blocks_per_program=bpp, num_warps=nw, num_stages=ns))
                 rows.append({"kernel": "index_scores", "batch": batch, "ctx": ctx, "qo": qo,
                              "variant": f"bpp={bpp} w={nw} s={ns}", "us": us,
                              "pct": 100 * ik_bytes / (ceiling * 1e3) / us})
