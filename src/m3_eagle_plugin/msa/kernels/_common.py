@@ -33,13 +33,10 @@ def triton_importable() -> bool:
 
 def triton_available(device: torch.device | str | None = None) -> bool:
     """True when Triton kernels can run on `device` (CUDA, compute capability >= 8.0, triton installed)."""
-    if not triton_importable() or not torch.cuda.is_available():
+    if not triton_importable():
         return False
-    device = torch.device("cuda") if device is None else torch.device(device)
-    if device.type != "cuda":
-        return False
-    major, _ = torch.cuda.get_device_capability(device)
-    return major >= 8
+    capability = device_capability("cuda" if device is None else device)
+    return capability is not None and capability[0] >= 8
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._common import device_capability  # noqa: F401 (tests patch it here)
+from ._common import device_capability  # tests patch it here; the bench imports it from here
 
 SPARSE = "sparse_attention"
 INDEX = "select_blocks_paged"
