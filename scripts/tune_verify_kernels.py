@@ -4,7 +4,7 @@ Why: the defaults in `msa.kernels` (splits, key tile, warps, stages, pages per i
 chosen from a handful of H200 runs; this script times every variant side by side on the bench's
 inputs and prints the best per shape, so a default changes only on a measured table.
     python scripts/tune_verify_kernels.py [--json out.json] [--quick]
-        [--sparse-only | --dense-only | --token-grid | --topk | --union-grid | --pdl | --scoring]
+        [--sparse-only | --dense-only | --token-grid | --topk | --union-grid | --pdl | --scoring | --paired-v]
 """
 from __future__ import annotations
 
@@ -204,8 +204,8 @@ def _scoring_thunks(sets: list, qo: int, **launch) -> list:
 
 
 def scoring_sweep(geo, dev, ceiling: float) -> list[dict]:
-    """Index scoring over pages per program x stages on eight shapes (B1-B64, 8K-128K), every
-    variant's scores checked equal to the default's."""
+    """Index scoring, TMA page loads vs per-thread copies, over pages per program x stages (and warps
+    for TMA) on eight shapes (B1-B64, 8K-128K), every variant's scores checked equal to the default's."""
     rows = []
     for batch, ctx, qo in ((1, 8192, 4), (1, 131072, 4), (8, 32768, 4), (16, 32768, 4), (16, 32768, 1),
                            (32, 32768, 4), (64, 32768, 4), (16, 131072, 4)):
@@ -215,13 +215,15 @@ def scoring_sweep(geo, dev, ceiling: float) -> list[dict]:
         floor = index_k_bytes(sets[0]["meta"], geo, torch.bfloat16) / (ceiling * 1e3)
         nb = -(-ctx // geo.block)
         base = index_block_scores(sets[0]["index_q"], sets[0]["cache"].index_k, sets[0]["meta"], max_qo_len=qo)
-        for bpp, ns in itertools.product((None, 1, 2, 3, 4, 6, 8, 11, 16, 22, 32), (2, 3)):
-            th = _scoring_thunks(sets, qo, blocks_per_program=bpp, num_stages=ns)
+        grid = [(False, bpp, ns, 4) for bpp, ns in itertools.product((None, 1, 2, 4, 8, 16), (2, 3))]
+        grid += [(True, bpp, ns, nw) for bpp, ns, nw in itertools.product((1, 2, 4), (1, 2, 3), (2, 4, 8))]
+        for tma, bpp, ns, nw in grid:
+            th = _scoring_thunks(sets, qo, blocks_per_program=bpp, num_stages=ns, num_warps=nw, tma=tma)
             same = torch.equal(th[0]()[:, :, :nb], base[:, :, :nb])
             us = min(graph_us(th) for _ in range(2))
             rows.append({"kernel": "index_scores", "batch": batch, "ctx": ctx, "qo": qo,
-                         "variant": f"bpp={bpp} s={ns} same={same}", "us": us, "pct": 100 * floor / us,
-                         "default": bpp is None and ns == 2})
+                         "variant": f"tma={int(tma)} bpp={bpp} s={ns} w={nw} same={same}", "us": us,
+                         "pct": 100 * floor / us, "default": (tma, bpp, ns, nw) == (True, 1, 1, 4)})
         del steps, sets
         torch.cuda.empty_cache()
     return rows
@@ -280,6 +282,55 @@ def union_grid(geo, dev, scale: float) -> list[dict]:
     return rows
 
 
+def paired_v_sweep(geo, dev, scale: float) -> list[dict]:
+    """The sparse attention with V read as bytes or as 16-bit pairs of head dims (`paired_v`), per
+    layout, on the bench's shared selection and on the top-k's own selections; then the whole step
+    (selection + attention) both ways. Errors are against the torch reference."""
+    from m3_eagle_plugin.bench import torch_reference as ref
+
+    rows = []
+    for batch, ctx, qo in ((64, 32768, 4), (64, 32768, 1), (16, 32768, 4), (16, 32768, 1), (1, 8192, 4),
+                           (1, 8192, 1), (1, 131072, 4)):
+        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
+                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
+        sets = [steps.step(s, qo) for s in range(3)]
+        topk = [select_blocks_verify(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk, max_qo_len=qo)
+                for st in sets]
+        st0, c0 = sets[0], sets[0]["cache"]
+        kw0 = dict(scale=scale, k_scale=c0.k_scale, v_scale=c0.v_scale)
+
+        def attend(st, sel, **kw):
+            c = st["cache"]
+            return sparse_verify_attention(st["q"], c.k, c.v, st["meta"], sel, scale=scale, k_scale=c.k_scale,
+                                           v_scale=c.v_scale, max_qo_len=qo, **kw)
+
+        for kind, sels in (("shared", [st["selection"] for st in sets]), ("topk", topk)):
+            expect = ref.sparse_attention(st0["q"], c0.k, c0.v, st0["meta"], sels[0], **kw0).float()
+            for layout, paired in itertools.product(("token", "union"), (False, True)):
+                err = float((attend(st0, sels[0], layout=layout, paired_v=paired).float() - expect).norm()
+                            / expect.norm())
+                us = min(graph_us([lambda st=st, sel=sel, layout=layout, paired=paired: attend(
+                    st, sel, layout=layout, paired_v=paired) for st, sel in zip(sets, sels)]) for _ in range(2))
+                rows.append({"kernel": f"sparse_attn_{kind}", "batch": batch, "ctx": ctx, "qo": qo,
+                             "variant": f"{layout} paired_v={int(paired)}", "us": us, "pct": float("nan"),
+                             "err_vs_ref": err, "default": layout == "token" and paired})
+        ref_sel = ref.select_blocks(st0["index_q"], c0.index_k, st0["meta"], topk=geo.topk)
+        expect = ref.sparse_attention(st0["q"], c0.k, c0.v, st0["meta"], ref_sel, **kw0).float()
+        for paired in (False, True):
+            def step(st, paired=paired):
+                sel = select_blocks_verify(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk,
+                                           max_qo_len=qo)
+                return attend(st, sel, paired_v=paired)
+            err = float((step(st0).float() - expect).norm() / expect.norm())
+            us = min(graph_us([lambda st=st: step(st) for st in sets]) for _ in range(3))
+            rows.append({"kernel": "sparse_step", "batch": batch, "ctx": ctx, "qo": qo,
+                         "variant": f"paired_v={int(paired)}", "us": us, "pct": float("nan"), "err_vs_ref": err,
+                         "default": paired})
+        del steps, sets, topk
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -295,6 +346,8 @@ def main() -> None:
                     help="only the index scoring over pages per program x stages (eight shapes)")
     ap.add_argument("--union-grid", action="store_true",
                     help="only the union layout over key tile x stages x splits, and the step per layout")
+    ap.add_argument("--paired-v", action="store_true",
+                    help="only the sparse attention and step with V read as bytes vs 16-bit pairs (seven shapes)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     geo = Geometry()
@@ -312,7 +365,10 @@ def main() -> None:
         rows += pdl_sweep(geo, dev, scale)
     if args.scoring:
         rows += scoring_sweep(geo, dev, ceiling)
-    only = args.dense_only or args.token_grid or args.topk or args.union_grid or args.pdl or args.scoring
+    if args.paired_v:
+        rows += paired_v_sweep(geo, dev, scale)
+    only = (args.dense_only or args.token_grid or args.topk or args.union_grid or args.pdl or args.scoring
+            or args.paired_v)
     if args.dense_only:
         rows += dense_sweep(geo, dev, ceiling, scale)
     for batch, ctx in () if only else ((64, 32768), (16, 32768), (1, 8192)):
@@ -322,14 +378,16 @@ def main() -> None:
             sets = [steps.step(s, qo) for s in range(3)]
             meta0 = sets[0]["meta"]
             ik_bytes = index_k_bytes(meta0, geo, torch.bfloat16)
-            # index scoring: pages per program x warps x stages
-            for bpp, nw, ns in itertools.product((None, 4, 8, 16), (4, 8), (2, 3, 4)):
-                if args.sparse_only or ((args.quick or qo == 1) and (nw, ns) != (4, 2)):
+            # index scoring: the default (TMA, a page a program), then per-thread copies over pages per
+            # program x warps x stages
+            for bpp, nw, ns in [("tma", 4, None)] + list(itertools.product((None, 4, 8, 16), (4, 8), (2, 3, 4))):
+                if args.sparse_only or ((args.quick or qo == 1) and (nw, ns) not in ((4, 2), (4, None))):
                     continue
-                us = graph_us(_scoring_thunks(sets, qo, blocks_per_program=bpp, num_warps=nw, num_stages=ns))
+                launch = {} if bpp == "tma" else dict(blocks_per_program=bpp, num_warps=nw, num_stages=ns, tma=False)
+                us = graph_us(_scoring_thunks(sets, qo, **launch))
                 rows.append({"kernel": "index_scores", "batch": batch, "ctx": ctx, "qo": qo,
-                             "variant": f"bpp={bpp} w={nw} s={ns}", "us": us,
-                             "pct": 100 * ik_bytes / (ceiling * 1e3) / us})
+                             "variant": "tma default" if bpp == "tma" else f"bpp={bpp} w={nw} s={ns}", "us": us,
+                             "pct": 100 * ik_bytes / (ceiling * 1e3) / us, "default": bpp == "tma"})
             # top-k (+ union) alone
             scores = [index_block_scores(st["index_q"], st["cache"].index_k, st["meta"], max_qo_len=qo) for st in sets]
             for tw, ug in itertools.product((None, 4, 8), (geo.q_heads, None)):
@@ -382,10 +440,11 @@ def main() -> None:
     print(f"{'kernel':13} {'B':>3} {'ctx':>6} {'q':>2}  {'us':>8} {'%floor':>7}  variant")
     for key, grp in itertools.groupby(rows, key=lambda r: (r["kernel"], r["batch"], r["ctx"], r["qo"])):
         grp = sorted(grp, key=lambda r: r["us"])
-        dflt = [r for r in grp if r.get("default") or r["variant"].startswith(("bpp=None w=4 s=2", "warps=None"))]
+        dflt = [r for r in grp if r.get("default") or r["variant"].startswith("warps=None")]
         for r in grp[:6] + dflt[:1]:
             tag = " (default)" if r in dflt else ""
             err = f"  err {r['err_vs_first']:.1e}" if "err_vs_first" in r else ""
+            err += f"  err vs torch {r['err_vs_ref']:.1e}" if "err_vs_ref" in r else ""
             print(f"{key[0]:13} {key[1]:>3} {key[2]:>6} {key[3]:>2}  {r['us']:8.1f} {r['pct']:7.1f}  {r['variant']}{tag}{err}")
     if args.json:
         with open(args.json, "w") as fh:

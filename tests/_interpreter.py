@@ -31,10 +31,11 @@ def needs_interpreter(test):
     return test
 
 
-def interpreter_case_lines(module: str) -> list[str]:
-    """The module's PASS/FAIL lines; fails the test (with its output) on any FAIL or a bad exit."""
+def interpreter_case_lines(module: str, *args: str) -> list[str]:
+    """The module's PASS/FAIL lines (`python -m module *args`); fails the test (with its output) on
+    any FAIL or a bad exit."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "M3_EAGLE_PLUGIN": "off"}
-    out = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert out.returncode == 0 and lines and all(line.startswith("PASS") for line in lines), (
@@ -58,3 +59,24 @@ def run_cases(runs) -> int:
 
 def case_name(fn, kwargs) -> str:
     return f"{fn.__name__}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
+
+
+def module_cases_lines(module: str) -> list[str]:
+    """PASS/FAIL lines of `module.INTERPRETER_CASES` (`(fn, kwargs)` pairs, each called as
+    `fn("cpu", **kwargs)`) run in the interpreter by this file's `main`."""
+    return interpreter_case_lines("tests._interpreter", module)
+
+
+def main(argv: list[str]) -> int:
+    """Inside the interpreter subprocess: run the INTERPRETER_CASES of the module named in argv."""
+    import importlib
+
+    import torch
+
+    torch.set_num_threads(1)
+    cases = importlib.import_module(argv[0]).INTERPRETER_CASES
+    return 1 if run_cases([(case_name(fn, kw), fn, kw) for fn, kw in cases]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

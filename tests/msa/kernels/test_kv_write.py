@@ -1,6 +1,6 @@
 """Fused cache write (`kv_write`) vs the torch writers `msa.write_kv` / `msa.write_index_k`.
 
-The checks are device-agnostic: on CUDA they run here; on CPU `interpret_kv_write.py` runs them
+The checks are device-agnostic: on CUDA they run here; on CPU `tests._interpreter` runs them
 through Triton's interpreter in a subprocess (`test_kernel_in_the_interpreter`), so CI executes
 the kernel's own code. The caches are strided views into one pool tensor (as the mega-slot
 layout gives them), filled with random finite values: every byte outside the written slots
@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import m3_eagle_plugin.msa as msa
 from m3_eagle_plugin.msa.kernels import KernelInputError, write_step_kv
-from tests._interpreter import interpreter_case_lines, needs_interpreter
+from tests._interpreter import module_cases_lines, needs_interpreter
 
 from .kernel_case_helpers import needs_gpu
 
@@ -82,7 +82,7 @@ INTERPRETER_CASES = [
 
 @needs_interpreter
 def test_kernel_in_the_interpreter():
-    lines = interpreter_case_lines("tests.msa.kernels.interpret_kv_write")
+    lines = module_cases_lines("tests.msa.kernels.test_kv_write")
     assert len(lines) == len(INTERPRETER_CASES), lines
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import Any
 
 import torch
@@ -37,6 +38,11 @@ def triton_available(device: torch.device | str | None = None) -> bool:
         return False
     capability = device_capability("cuda" if device is None else device)
     return capability is not None and capability[0] >= 8
+
+
+def triton_interpreting() -> bool:
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1), which runs no inline PTX."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
 @functools.lru_cache(maxsize=None)

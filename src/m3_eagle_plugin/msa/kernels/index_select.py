@@ -22,23 +22,28 @@ from ._common import (
     FP8_DTYPES,
     check_cache_view,
     check_meta,
+    device_capability,
     device_sm_count,
     next_pow2,
     require,
     tokens_per_tile,
+    triton_interpreting,
 )
 
 
 @triton.jit
 def _block_score_kernel(
     iq_ptr, s_iq_t, s_iq_h,
-    ik_ptr, s_ik_p, s_ik_b,
+    ik_ptr, s_ik_p, s_ik_b, ik_desc,
     bt_ptr, s_bt_r,
     cu_ptr, pos_ptr, kvl_ptr,
     score_ptr, s_sc_h, s_sc_t,
     HI: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, DI: tl.constexpr,
-    BLOCKS_PER_PROG: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCKS_PER_PROG: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    """Max visible score of each of a request's pages [chunk x BLOCKS_PER_PROG, ...) for every
+    token of the request. With TMA a page arrives whole through `ik_desc` (a `[P, B, Di]` tensor
+    descriptor of the cache) instead of per-thread copies."""
     wait_for_prior_grid(PDL)
     r = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -59,8 +64,11 @@ def _block_score_kernel(
                     mask=row_ok[:, None], other=0.0)
         pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
         for b in range(b_lo, b_hi):
-            page = tl.load(bt_ptr + r * s_bt_r + b).to(tl.int64)
-            k = tl.load(ik_ptr + page * s_ik_p + j[:, None] * s_ik_b + d[None, :])
+            page = tl.load(bt_ptr + r * s_bt_r + b)
+            if TMA:
+                k = tl.reshape(ik_desc.load([page, 0, 0]), [BLOCK, DI])
+            else:
+                k = tl.load(ik_ptr + page.to(tl.int64) * s_ik_p + j[:, None] * s_ik_b + d[None, :])
             k = k.to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -154,12 +162,14 @@ def index_block_scores(
     max_qo_len: int | None = None,
     blocks_per_program: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Max score of every visible block for every token: fp32 `[Hi, T, max_blocks]`.
 
     Entries past a token's own request length are left unwritten (the top-k reads only
-    `[0, valid_blocks[t])`).
+    `[0, valid_blocks[t])`). `tma` (default: where `page_descriptor` gives one) loads each page
+    whole through a tensor descriptor, one page a program.
     """
     check_meta(meta)
     check_cache_view("index_k_cache", index_k_cache, 3)
@@ -178,25 +188,60 @@ def index_block_scores(
     if out is None:
         out = torch.empty((num_heads, num_tokens, width), device=index_q.device, dtype=torch.float32)
     qp = tokens_per_tile(num_tokens, num_requests, num_heads, max_qo_len)
+    desc = page_descriptor(index_k_cache) if tma is not False else None
+    require(tma is not True or desc is not None, "tma needs a 16-bit or 8-bit index-K cache with 16-byte aligned "
+            "base and strides on a GPU with TMA (SM90+)")
     if blocks_per_program is None:
-        # About 4 programs per SM over the widest possible step, 2..4 pages each (H200 sweep,
-        # scripts/tune_verify_kernels.py, 2026-11-29: 4 pages and 2 stages read index-K at 100% of
-        # the copy ceiling at B64/32K, vs 95% for 16 pages and 3 stages).
-        target = 4 * device_sm_count(index_q.device)
-        blocks_per_program = min(4, max(2, -(-width * num_requests // target)))
+        blocks_per_program = 1 if desc is not None else default_blocks_per_program(width * num_requests, index_q.device)
+    if num_stages is None:
+        num_stages = 1 if desc is not None else 2
     grid = (num_requests, triton.cdiv(width, blocks_per_program))
     if num_requests and num_tokens:
         _block_score_kernel[grid](
             index_q, index_q.stride(0), index_q.stride(1),
             index_k_cache, index_k_cache.stride(0), index_k_cache.stride(1),
+            index_k_cache if desc is None else desc,
             meta.block_tables, meta.block_tables.stride(0),
             meta.cu_qo_lens, meta.positions, meta.kv_lens,
             out, out.stride(0), out.stride(1),
             HI=num_heads, QP=qp, BLOCK=block, DI=dim,
-            BLOCKS_PER_PROG=blocks_per_program, IEEE=index_q.dtype == torch.float32,
+            BLOCKS_PER_PROG=blocks_per_program, IEEE=index_q.dtype == torch.float32, TMA=desc is not None,
             num_warps=num_warps, num_stages=num_stages, **pdl_args(index_q.device, grid),
         )
     return out
+
+
+def page_descriptor(index_k_cache: torch.Tensor):
+    """A `[P, B, Di]` TMA descriptor of the index-K cache (one page a box), or None where TMA does
+    not apply: not a GPU with TMA (SM90+; Triton's interpreter emulates it), an fp32 cache, a page
+    past one TMA box (over 256 rows or 256 bytes a row), or a base or stride not 16-byte aligned.
+
+    Why: one page a program, loaded whole by the copy engine, reads index-K faster than the
+    per-thread copies over 2-4 pages a program (H200, scripts/tune_verify_kernels.py --scoring,
+    2026-11-29, scoring alone: B16/32K q4 34.4 vs 36.3 us, B64/32K 123.1 vs 126.8, B1/8K 2.7 vs
+    3.7, B1/128K 12.0 vs 13.6), as FlashInfer's SM90 proxy score does (one page a CTA, TMA).
+    """
+    elem = index_k_cache.element_size()
+    _, block, dim = index_k_cache.shape
+    capability = device_capability(index_k_cache.device)
+    if not (triton_interpreting() or (capability is not None and capability[0] >= 9)) or elem not in (1, 2):
+        return None
+    if block > 256 or dim * elem > 256:
+        return None
+    if index_k_cache.data_ptr() % 16 or any(st * elem % 16 for st in index_k_cache.stride()[:-1]):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(index_k_cache, list(index_k_cache.shape), list(index_k_cache.stride()), [1, block, dim])
+
+
+def default_blocks_per_program(total_pages: int, device: torch.device) -> int:
+    """Pages a program for the per-thread-copy scoring: about 4 programs per SM over the widest
+    possible step, 2..4 pages each (H200 sweep, scripts/tune_verify_kernels.py, 2026-11-29: 4
+    pages and 2 stages read index-K at 100% of the copy ceiling at B64/32K, vs 95% for 16 pages
+    and 3 stages)."""
+    target = 4 * device_sm_count(device)
+    return min(4, max(2, -(-total_pages // target)))
 
 
 def topk_from_block_scores(

@@ -27,6 +27,7 @@ from ._common import (
     require,
     scale_value,
     tokens_per_tile,
+    triton_interpreting,
 )
 from .block_union import BlockUnion, chunk_count, union_from_selection
 from .merge import merge_splits
@@ -36,14 +37,9 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos, pos_max, IEEE: tl.constexpr,
-                         GUARD_V: tl.constexpr = True):
-    """One key tile of flash attention in log2 units; keys masked per row by selection and causality.
-
-    `pos_max` is the largest position of the tile's rows: every key at or below it was written
-    (positions precede the step's kv length), so only keys above it can hold garbage. Callers
-    that load V with that mask already pass GUARD_V=False.
-    """
+def _softmax_tile(q, k, m_i, l_i, qk_scale, row_has, key_pos, pos, IEEE: tl.constexpr):
+    """Scores of one key tile -> (p, alpha, m_new, l_new) of flash attention in log2 units; keys
+    masked per row by selection and causality."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -51,15 +47,27 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos
     s = s * qk_scale
     visible = row_has[:, None] & (key_pos[None, :] <= pos[:, None])
     s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos, pos_max, IEEE: tl.constexpr,
+                         GUARD_V: tl.constexpr = True):
+    """One key tile of flash attention (`_softmax_tile`, then P V into `acc`).
+
+    `pos_max` is the largest position of the tile's rows: every key at or below it was written
+    (positions precede the step's kv length), so only keys above it can hold garbage. Callers
+    that load V with that mask already pass GUARD_V=False.
+    """
     # A key past every row's position can hold anything (an unwritten tail slot is NaN after
     # torch.empty or an fp8 NaN pattern), and p = 0 does not cancel it: 0 * NaN = NaN. Zero those
     # V rows (unmapped pages already load as 0). An elementwise test: no cross-warp reduction.
     if GUARD_V:
         v = tl.where((key_pos <= pos_max)[:, None], v, 0.0).to(q.dtype)
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, m_new, l_i = _softmax_tile(q, k, m_i, l_i, qk_scale, row_has, key_pos, pos, IEEE)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
     else:
@@ -68,20 +76,59 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos
 
 
 @triton.jit
+def _e4m3_lanes_to_f16(x, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """f16 of the low (HIGH=False) or high e4m3 byte of each 16-bit lane of `x`.
+
+    With ASM, two lanes (a thread's two consecutive keys in the MMA operand layout) become one
+    f16x2 through one byte permute and one convert; the interpreter takes the portable form.
+    """
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t; .reg .b16 l, h; prmt.b32 t, $1, 0, " + ("0x0031" if HIGH else "0x0020") + "; "
+                "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $0, l; }",
+            constraints="=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=2)
+    return ((x >> (8 if HIGH else 0)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
 def _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page, key, kpos, d, row_has,
-                      pos, pos_max, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+                      pos, pos_max, m_i, l_i, acc, acc_hi, qk_scale, IEEE: tl.constexpr, VPAIR: tl.constexpr,
+                      ASM: tl.constexpr):
     """Load keys `key` of a page (K and V of KV head g) and fold them into the online softmax.
 
     An unmapped page (-1) is never dereferenced and never attended; V rows past `pos_max` load as 0.
+    With VPAIR (e4m3 V, f16 MMAs) V is read as 16-bit lanes of two head dims: a lane layout the
+    MMA operand load can transpose (a byte layout cannot), split into the even dims (`acc`) and
+    the odd dims (`acc_hi`), each `[rows, D / 2]`; `_join_dim_halves` interleaves them back.
     """
     mapped = page >= 0
     page = tl.maximum(page, 0).to(tl.int64)
     k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
                 mask=mapped, other=0.0).to(q.dtype)
-    v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
-                mask=mapped & (kpos <= pos_max)[:, None], other=0.0).to(q.dtype)
-    return _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has & mapped, kpos, pos, pos_max, IEEE,
-                                GUARD_V=False)
+    v_ok = mapped & (kpos <= pos_max)[:, None]
+    if VPAIR:
+        lane = tl.arange(0, d.shape[0] // 2)
+        v = tl.load(v_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + page * (s_v_p // 2) + g * (s_v_h // 2)
+                    + key[:, None] * (s_v_b // 2) + lane[None, :], mask=v_ok, other=0)
+        p, alpha, m_i, l_i = _softmax_tile(q, k, m_i, l_i, qk_scale, row_has & mapped, kpos, pos, IEEE)
+        p = p.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p, _e4m3_lanes_to_f16(v, False, ASM))
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, _e4m3_lanes_to_f16(v, True, ASM))
+    else:
+        v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :], mask=v_ok,
+                    other=0.0).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has & mapped, kpos, pos,
+                                             pos_max, IEEE, GUARD_V=False)
+    return m_i, l_i, acc, acc_hi
+
+
+@triton.jit
+def _join_dim_halves(acc, acc_hi, VPAIR: tl.constexpr):
+    """The `[rows, D]` accumulator: even and odd head dims interleaved back under VPAIR."""
+    out = acc
+    if VPAIR:
+        out = tl.reshape(tl.join(acc, acc_hi), [acc.shape[0], 2 * acc.shape[1]])
+    return out
 
 
 @triton.jit
@@ -123,7 +170,7 @@ def _sparse_verify_kernel(
     qk_scale, v_scale,
     G: tl.constexpr, QP: tl.constexpr, UMAX: tl.constexpr, NCH: tl.constexpr,
     BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, F16: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr = False,
+    IEEE: tl.constexpr, VPAIR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_prior_grid(PDL)
     r = tl.program_id(0)
@@ -151,7 +198,8 @@ def _sparse_verify_kernel(
 
     m_i = tl.full([QP * G], -1.0e30, tl.float32)
     l_i = tl.zeros([QP * G], tl.float32)
-    acc = tl.zeros([QP * G, D], tl.float32)
+    acc = tl.zeros([QP * G, D // 2 if VPAIR else D], tl.float32)
+    acc_hi = tl.zeros([QP * G, D // 2 if VPAIR else 1], tl.float32)
     jn = tl.arange(0, BN)
     mine = tl.maximum(count - split + SPLITS - 1, 0) // SPLITS
     # Flat loop over (this split's union entries) x (BN-key sub-tiles of each page).
@@ -161,10 +209,11 @@ def _sparse_verify_kernel(
         bits = tl.load(bits_ptr + entry)
         page = tl.load(pages_ptr + entry)
         key = (it % (BLOCK // BN)) * BN + jn
-        m_i, l_i, acc = _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page, key,
-                                          b * BLOCK + key, d, ((bits >> tok_i) & 1) != 0, pos, pos_max,
-                                          m_i, l_i, acc, qk_scale, IEEE)
+        m_i, l_i, acc, acc_hi = _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page,
+                                                  key, b * BLOCK + key, d, ((bits >> tok_i) & 1) != 0, pos, pos_max,
+                                                  m_i, l_i, acc, acc_hi, qk_scale, IEEE, VPAIR, ASM)
 
+    acc = _join_dim_halves(acc, acc_hi, VPAIR)
     _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D, SPLITS)
     if SPLITS == 1:
@@ -182,7 +231,8 @@ def _sparse_token_kernel(
     qk_scale, v_scale,
     G: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
     BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    F16: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+    F16: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr, VPAIR: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per (request, KV head, token of the request, split): the token's GQA group
     (ROWS >= 16 rows, padded) walks its own selected pages; pages shared with the request's other
@@ -214,7 +264,8 @@ def _sparse_token_kernel(
 
     m_i = tl.full([ROWS], -1.0e30, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
+    acc = tl.zeros([ROWS, D // 2 if VPAIR else D], tl.float32)
+    acc_hi = tl.zeros([ROWS, D // 2 if VPAIR else 1], tl.float32)
     jn = tl.arange(0, BN)
     mine = tl.maximum(count - split + SPLITS - 1, 0) // SPLITS
     for it in range(0, mine * (BLOCK // BN)):
@@ -226,9 +277,11 @@ def _sparse_token_kernel(
             b = tl.load(sel_row + e)
             page = tl.load(bt_ptr + r * s_bt_r + b)
         key = (it % (BLOCK // BN)) * BN + jn
-        m_i, l_i, acc = _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page, key,
-                                          b * BLOCK + key, d, row_ok, pos, pos1, m_i, l_i, acc, qk_scale, IEEE)
+        m_i, l_i, acc, acc_hi = _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page,
+                                                  key, b * BLOCK + key, d, row_ok, pos, pos1, m_i, l_i, acc, acc_hi,
+                                                  qk_scale, IEEE, VPAIR, ASM)
 
+    acc = _join_dim_halves(acc, acc_hi, VPAIR)
     _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D, SPLITS)
     if SPLITS == 1:
@@ -328,6 +381,7 @@ def sparse_verify_attention(
     layout: str | None = None,
     compute_f16: bool | None = None,
     prefetch: bool = True,
+    paired_v: bool | None = None,
 ) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids.
 
@@ -337,7 +391,8 @@ def sparse_verify_attention(
     list the fused top-k wrote, `select_blocks_verify(..., union_group=)`; without it a small
     kernel derives it); "token" walks each token's own pages. `compute_f16` (default: fp8 K/V
     with a 16-bit q) runs the MMAs in fp16, which fp8 converts to in one instruction and holds
-    exactly.
+    exactly. `paired_v` reads e4m3 V as 16-bit pairs of head dims (`_attend_page_tile`); by
+    default on the per-token layout whenever `paired_v_applies`.
     """
     check_attention_inputs(q, k_cache, v_cache, meta)
     max_qo_len = qo_len_hint(meta, max_qo_len)
@@ -356,12 +411,16 @@ def sparse_verify_attention(
     if layout is None:
         layout = default_layout(group)
     require(layout in ("union", "token"), f"layout must be 'union' or 'token', got {layout!r}")
+    if paired_v is None:
+        paired_v = layout == "token" and paired_v_applies(v_cache, compute_f16)
+    require(not paired_v or paired_v_applies(v_cache, compute_f16),
+            "paired_v needs an e4m3 V cache with even strides and offset, and compute_f16")
     if key_tile is None:
         key_tile = DEFAULT_KEY_TILE[layout]
     if layout == "token":
         return _token_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                 max_qo_len=max_qo_len, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                                key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch)
+                                key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch, paired_v=paired_v)
     if union is None:
         qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
         union = union_from_selection(selection, meta.cu_qo_lens, meta.block_tables, chunk=qp,
@@ -388,10 +447,24 @@ def sparse_verify_attention(
         o_buf, out.stride(0), out.stride(1), lse, num_tokens,
         qk_scale, vs,
         G=group, QP=qp, UMAX=union.umax, NCH=nch, BLOCK=block, BN=min(block, key_tile), D=dim, SPLITS=splits,
-        F16=compute_f16, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(q.device, grid),
+        F16=compute_f16, IEEE=q.dtype == torch.float32, VPAIR=paired_v, ASM=not triton_interpreting(),
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device, grid),
     )
     return merge_outputs(out, o_buf, lse, meta, splits, vs)
+
+
+def paired_v_applies(v_cache: torch.Tensor, compute_f16: bool) -> bool:
+    """Whether V can be read as 16-bit pairs of head dims: e4m3 (the byte convert is e4m3's), f16
+    MMAs, and every stride and the offset even.
+
+    The per-token attention's default (H200, scripts/tune_verify_kernels.py --paired-v,
+    2026-11-29, 32K context, top-k selections, off -> on): B64 q4 42.5 -> 32.5 us, B64 q1 21.1 ->
+    17.9, B16 q4 19.8 -> 16.3, B16 q1 8.9 -> 7.9, B1/8K 6.4 -> 6.2. Its loop drops from about
+    4,200 to 2,900 warp instructions a page (no byte-wise shared loads of V) and ptxas gives 168
+    registers instead of 255. Not the union layout's default: B64 q4 77.8 -> 84.0 there.
+    """
+    return (compute_f16 and v_cache.dtype == torch.float8_e4m3fn and v_cache.data_ptr() % 2 == 0
+            and all(st % 2 == 0 for st in v_cache.stride()[:-1]))
 
 
 def split_outputs(q: torch.Tensor, splits: int):
@@ -413,7 +486,7 @@ def merge_outputs(out, o_buf, lse, meta, splits: int, v_scale: float) -> torch.T
 
 
 def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,
-                     num_warps, num_stages, key_tile, compute_f16, prefetch) -> torch.Tensor:
+                     num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v) -> torch.Tensor:
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
     group = num_heads // hkv
@@ -440,7 +513,8 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
         float(scale) * scale_value(k_scale) * LOG2E, vs,
         G=group, ROWS=next_pow2(max(16, group)), TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block,
         BN=min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16, PREFETCH=prefetch,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device, grid),
+        IEEE=q.dtype == torch.float32, VPAIR=paired_v, ASM=not triton_interpreting(), num_warps=num_warps,
+        num_stages=num_stages, **pdl_args(q.device, grid),
     )
     return merge_outputs(out, o_buf, lse, meta, splits, vs)
 
