@@ -216,10 +216,12 @@ def page_descriptor(index_k_cache: torch.Tensor):
     not apply: not a GPU with TMA (SM90+; Triton's interpreter emulates it), an fp32 cache, a page
     past one TMA box (over 256 rows or 256 bytes a row), or a base or stride not 16-byte aligned.
 
-    Why: one page a program, loaded whole by the copy engine, reads index-K faster than the
-    per-thread copies over 2-4 pages a program (H200, scripts/tune_verify_kernels.py --scoring,
-    2026-11-29, scoring alone: B16/32K q4 34.4 vs 36.3 us, B64/32K 123.1 vs 126.8, B1/8K 2.7 vs
-    3.7, B1/128K 12.0 vs 13.6), as FlashInfer's SM90 proxy score does (one page a CTA, TMA).
+    Why: one page a program, loaded whole by the copy engine, as FlashInfer's SM90 proxy score
+    does, reads index-K faster than per-thread copies. H200, 2026-11-29, scoring alone:
+    - A/B in one run against the former default (2-4 pages a program, per-thread copies):
+      B16/32K q4 34.4 vs 36.3 us, B64/32K 123.1 vs 126.8, B1/8K 2.7 vs 3.7, B1/128K 12.0 vs 13.6.
+    - `scripts/tune_verify_kernels.py --scoring`: one page, one stage, 4 warps was the fastest of
+      its 39 variants at all eight shapes, e.g. B16/32K q4 33.5 us, B64/32K 120.1.
     """
     elem = index_k_cache.element_size()
     _, block, dim = index_k_cache.shape

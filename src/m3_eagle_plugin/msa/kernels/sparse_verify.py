@@ -457,9 +457,9 @@ def paired_v_applies(v_cache: torch.Tensor, compute_f16: bool) -> bool:
     """Whether V can be read as 16-bit pairs of head dims: e4m3 (the byte convert is e4m3's), f16
     MMAs, and every stride and the offset even.
 
-    The per-token attention's default (H200, scripts/tune_verify_kernels.py --paired-v,
-    2026-11-29, 32K context, top-k selections, off -> on): B64 q4 42.5 -> 32.5 us, B64 q1 21.1 ->
-    17.9, B16 q4 19.8 -> 16.3, B16 q1 8.9 -> 7.9, B1/8K 6.4 -> 6.2. Its loop drops from about
+    The per-token attention's default (H200, 2026-11-29, an A/B in one run, 32K context, top-k
+    selections, off -> on): B64 q4 42.5 -> 32.5 us, B64 q1 21.1 -> 17.9, B16 q4 19.8 -> 16.3, B16
+    q1 8.9 -> 7.9, B1/8K 6.4 -> 6.2; `scripts/tune_verify_kernels.py --paired-v` re-measures it. Its loop drops from about
     4,200 to 2,900 warp instructions a page (no byte-wise shared loads of V) and ptxas gives 168
     registers instead of 255. Not the union layout's default: B64 q4 77.8 -> 84.0 there.
     """
