@@ -1,10 +1,14 @@
-"""Triton sparse verify attention: each request's union of selected pages read once.
+"""Triton sparse verify attention over paged K/V, in two layouts.
 
-Why: the 1 + draft_len verify tokens of a request select nearly the same pages. One program per
-(request, KV head, token chunk, split) walks the chunk's block-union list (`block_union`), loads
-every page of the union once and applies it to all of the chunk's query rows (tokens x GQA group
-in one MMA tile); a row only sees a page its own token selected (bitmask) and keys up to its own
-position. Splits over the union plus an LSE merge keep small batches busy. Mirrors `m3_eagle_plugin.msa.sparse_attention`.
+Why: the 1 + draft_len verify tokens of a request select nearly the same pages. `token` (the
+default): one program per (request, KV head, token, split) walks that token's own pages; the
+pages its request's other tokens share come from L2, so the tile stays small (the GQA group) and
+many programs keep loads in flight. `union`: one program per (request, KV head, token chunk,
+split) walks the chunk's block-union list (`block_union`), loads every page of the union once and
+applies it to all of the chunk's query rows (tokens x GQA group in one MMA tile); a row only sees
+a page its own token selected (bitmask) and keys up to its own position. Splits plus an LSE merge
+keep small batches busy. e4m3 V is read in 16-bit pairs of head dims where it can be
+(`paired_v_applies`). Mirrors `m3_eagle_plugin.msa.sparse_attention`.
 """
 from __future__ import annotations
 
@@ -459,9 +463,10 @@ def paired_v_applies(v_cache: torch.Tensor, compute_f16: bool) -> bool:
 
     The per-token attention's default (H200, 2026-11-29, an A/B in one run, 32K context, top-k
     selections, off -> on): B64 q4 42.5 -> 32.5 us, B64 q1 21.1 -> 17.9, B16 q4 19.8 -> 16.3, B16
-    q1 8.9 -> 7.9, B1/8K 6.4 -> 6.2; `scripts/tune_verify_kernels.py --paired-v` re-measures it. Its loop drops from about
-    4,200 to 2,900 warp instructions a page (no byte-wise shared loads of V) and ptxas gives 168
-    registers instead of 255. Not the union layout's default: B64 q4 77.8 -> 84.0 there.
+    q1 8.9 -> 7.9, B1/8K 6.4 -> 6.2; `scripts/tune_verify_kernels.py --paired-v` re-measures it.
+    Its loop drops from about 4,200 to 2,900 warp instructions a page (no byte-wise shared loads of
+    V) and ptxas gives 168 registers instead of 255. Not the union layout's default: B64 q4 77.8 ->
+    84.0 there.
     """
     return (compute_f16 and v_cache.dtype == torch.float8_e4m3fn and v_cache.data_ptr() % 2 == 0
             and all(st % 2 == 0 for st in v_cache.stride()[:-1]))
