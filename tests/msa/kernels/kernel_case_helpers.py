@@ -17,8 +17,10 @@ M3 = Geometry()
 
 def random_step(geo: Geometry, qo_lens: list[int], kv_lens: list[int], *, kv_dtype=torch.bfloat16,
                 index_dtype=torch.bfloat16, q_dtype=torch.bfloat16, seed: int = 0, pad_tokens: int = 0,
-                spare_pages: int = 3, correlation: float = 0.0):
-    device = torch.device("cuda")
+                spare_pages: int = 3, correlation: float = 0.0, device: str = "cuda"):
+    """(meta, cache, q, index_q) of one step on `device`; each block table has one unused entry
+    past its longest request (-1 in every row)."""
+    device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     dgen = torch.Generator(device=device).manual_seed(seed)
     num_pages = sum(-(-kv // geo.block) for kv in kv_lens) + spare_pages

@@ -9,26 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m3_eagle_plugin.bench.inputs import Geometry, make_cache, shuffled_block_tables
-from m3_eagle_plugin.bench.step_meta import build_step_meta
+from m3_eagle_plugin.bench.inputs import Geometry
 from tests._interpreter import module_cases_lines, needs_interpreter
 
-from .kernel_case_helpers import exact_block_scores
+from .kernel_case_helpers import exact_block_scores, random_step
 
 GEO = Geometry(q_heads=16, kv_heads=1, head_dim=32, index_heads=1, index_dim=32, block=16, topk=4)
 
 
 def _step(device, qo_lens, kv_lens, seed):
-    gen = torch.Generator().manual_seed(seed)
-    num_pages = sum(-(-kv // GEO.block) for kv in kv_lens) + 3
-    tables = shuffled_block_tables(kv_lens, GEO.block, num_pages, gen)
-    meta = build_step_meta(qo_lens, kv_lens, tables, GEO.block, device=device)
-    dgen = torch.Generator(device=device).manual_seed(seed)
     # fp16, not the production bf16: Triton's interpreter has no bf16 dot (it multiplies the raw bits).
-    cache = make_cache(num_pages, GEO, kv_dtype=torch.float16, index_dtype=torch.float16, device=device,
-                       generator=dgen)
-    index_q = torch.randn(len(meta.positions), GEO.index_heads, GEO.index_dim, generator=gen)
-    return meta, cache.index_k, index_q.to(torch.float16).to(device)
+    meta, cache, _, index_q = random_step(GEO, qo_lens, kv_lens, kv_dtype=torch.float16, index_dtype=torch.float16,
+                                          seed=seed, device=device)
+    return meta, cache.index_k, index_q
 
 
 def _assert_exact(scores, index_q, index_k, meta):

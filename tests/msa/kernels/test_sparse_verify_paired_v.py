@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from m3_eagle_plugin.bench import torch_reference as ref
-from m3_eagle_plugin.bench.inputs import Geometry, make_cache, shuffled_block_tables
-from m3_eagle_plugin.bench.step_meta import build_step_meta
+from m3_eagle_plugin.bench.inputs import Geometry
 from tests._interpreter import module_cases_lines, needs_interpreter
 
-from .kernel_case_helpers import assert_close_rel
+from .kernel_case_helpers import assert_close_rel, random_step
 
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 GEO = Geometry(q_heads=16, kv_heads=1, head_dim=32, index_heads=1, index_dim=32, block=16, topk=4)
@@ -25,13 +24,8 @@ E4M3_NAN = 0x7F
 def _hostile_step(device, qo_lens, kv_lens, seed):
     """A step on e4m3 K/V whose unwritten tail slots hold the e4m3 NaN pattern; each token selects
     its local block, random earlier blocks and one block past its request (an unmapped page)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_pages = sum(-(-kv // GEO.block) for kv in kv_lens) + 2
-    width = max(-(-kv // GEO.block) for kv in kv_lens) + 2
-    tables = shuffled_block_tables(kv_lens, GEO.block, num_pages, gen, width=width)
-    meta = build_step_meta(qo_lens, kv_lens, tables, GEO.block, device=device)
-    dgen = torch.Generator(device=device).manual_seed(seed)
-    cache = make_cache(num_pages, GEO, kv_dtype=E4M3, index_dtype=torch.bfloat16, device=device, generator=dgen)
+    meta, cache, q, _ = random_step(GEO, qo_lens, kv_lens, kv_dtype=E4M3, seed=seed, spare_pages=2, device=device)
+    tables = meta.block_tables.cpu()
     clean = [cache.k.clone(), cache.v.clone()]
     for r, kv in enumerate(kv_lens):
         page, used = int(tables[r, (kv - 1) // GEO.block]), (kv - 1) % GEO.block + 1
@@ -39,14 +33,14 @@ def _hostile_step(device, qo_lens, kv_lens, seed):
             poisoned.view(torch.uint8)[page, :, used:] = E4M3_NAN
         for c in clean:
             c[page, :, used:] = 0
+    gen = torch.Generator().manual_seed(seed)
     sel = torch.full((GEO.kv_heads, len(meta.positions), GEO.topk), -1, dtype=torch.int32)
     for t, pos in enumerate(meta.positions.tolist()):
         local = pos // GEO.block
         earlier = torch.randperm(local, generator=gen)[: GEO.topk - 2].tolist() if local else []
-        beyond = [width - 1]  # the table's last entry is -1 for every request
+        beyond = [tables.shape[1] - 1]  # random_step leaves the tables' last entry -1 in every row
         ids = sorted(set(earlier + [local] + beyond))
         sel[:, t, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-    q = torch.randn(len(meta.positions), GEO.q_heads, GEO.head_dim, generator=gen).to(torch.bfloat16).to(device)
     return meta, cache, clean, q, sel.to(device)
 
 

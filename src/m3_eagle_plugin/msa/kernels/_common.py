@@ -45,6 +45,11 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
+def byte_aligned(t: torch.Tensor, nbytes: int) -> bool:
+    """Whether `t`'s base address and every stride but the last are multiples of `nbytes` bytes."""
+    return t.data_ptr() % nbytes == 0 and all(st * t.element_size() % nbytes == 0 for st in t.stride()[:-1])
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

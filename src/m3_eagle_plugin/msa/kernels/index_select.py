@@ -20,6 +20,7 @@ from .pdl import pdl_args, wait_for_prior_grid
 from ._common import (
     qo_len_hint,
     FP8_DTYPES,
+    byte_aligned,
     check_cache_view,
     check_meta,
     device_capability,
@@ -230,7 +231,7 @@ def page_descriptor(index_k_cache: torch.Tensor):
         return None
     if block > 256 or dim * elem > 256:
         return None
-    if index_k_cache.data_ptr() % 16 or any(st * elem % 16 for st in index_k_cache.stride()[:-1]):
+    if not byte_aligned(index_k_cache, 16):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ._common import (
     MAX_TILE_ROWS,
+    byte_aligned,
     qo_len_hint,
     FP8_DTYPES,
     check_cache_view,
@@ -468,8 +469,7 @@ def paired_v_applies(v_cache: torch.Tensor, compute_f16: bool) -> bool:
     V) and ptxas gives 168 registers instead of 255. Not the union layout's default: B64 q4 77.8 ->
     84.0 there.
     """
-    return (compute_f16 and v_cache.dtype == torch.float8_e4m3fn and v_cache.data_ptr() % 2 == 0
-            and all(st % 2 == 0 for st in v_cache.stride()[:-1]))
+    return compute_f16 and v_cache.dtype == torch.float8_e4m3fn and byte_aligned(v_cache, 2)
 
 
 def split_outputs(q: torch.Tensor, splits: int):
