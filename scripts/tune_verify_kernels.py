@@ -4,7 +4,8 @@ Why: the defaults in `msa.kernels` (splits, key tile, warps, stages, pages per i
 chosen from a handful of H200 runs; this script times every variant side by side on the bench's
 inputs and prints the best per shape, so a default changes only on a measured table.
     python scripts/tune_verify_kernels.py [--json out.json] [--quick]
-        [--sparse-only | --dense-only | --token-grid | --topk | --union-grid | --pdl | --scoring | --paired-v]
+        [--sparse-only | --dense-only | --token-grid | --topk | --union-grid | --pdl | --scoring | --paired-v
+         | --handoff]
 """
 from __future__ import annotations
 
@@ -331,6 +332,47 @@ def paired_v_sweep(geo, dev, scale: float) -> list[dict]:
     return rows
 
 
+def handoff_sweep(geo, dev, scale: float) -> list[dict]:
+    """The sparse step with the top-k waiting for the whole scoring grid or polling its request's
+    scores (`handoff`), x the attention merging two splits with a merge launch or itself
+    (`self_merge`): three interleaved rounds; every variant's selection must equal the torch
+    reference's and the score board must be clean after it."""
+    from m3_eagle_plugin.bench import torch_reference as ref
+    from m3_eagle_plugin.msa.kernels import handoff as board
+
+    rows = []
+    for batch, ctx, qo in ((16, 32768, 4), (16, 32768, 1), (64, 32768, 4), (64, 32768, 1), (8, 32768, 4),
+                           (1, 8192, 4), (1, 131072, 4)):
+        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
+                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
+        sets = [steps.step(s, qo) for s in range(3)]
+        st0 = sets[0]
+        want = ref.select_blocks(st0["index_q"], st0["cache"].index_k, st0["meta"], topk=geo.topk)
+
+        def step(st, handoff, self_merge):
+            c = st["cache"]
+            sel = select_blocks_verify(st["index_q"], c.index_k, st["meta"], topk=geo.topk, max_qo_len=qo,
+                                       handoff=handoff)
+            out = sparse_verify_attention(st["q"], c.k, c.v, st["meta"], sel, scale=scale, k_scale=c.k_scale,
+                                          v_scale=c.v_scale, max_qo_len=qo, self_merge=self_merge)
+            return sel, out
+        times: dict = {}
+        for _ in range(3):
+            for handoff, self_merge in itertools.product((False, True), (False, None)):
+                same = torch.equal(step(st0, handoff, self_merge)[0], want)
+                words = torch.empty(0, dtype=torch.int32, device=dev).set_(board.score_board(dev, 1).untyped_storage())
+                clean = bool((words == board.SENTINEL).all())
+                us = graph_us([lambda st=st: step(st, handoff, self_merge) for st in sets])
+                times.setdefault((handoff, self_merge), []).append(us if same and clean else float("nan"))
+        for (handoff, self_merge), us in times.items():
+            rows.append({"kernel": "sparse_step_handoff", "batch": batch, "ctx": ctx, "qo": qo,
+                         "variant": f"handoff={int(handoff)} self_merge={'rule' if self_merge is None else 0}",
+                         "us": min(us), "pct": float("nan"), "default": handoff and self_merge is None})
+        del steps, sets
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -346,6 +388,8 @@ def main() -> None:
                     help="only the index scoring over pages per program x stages (eight shapes)")
     ap.add_argument("--union-grid", action="store_true",
                     help="only the union layout over key tile x stages x splits, and the step per layout")
+    ap.add_argument("--handoff", action="store_true",
+                    help="only the sparse step with the top-k hand-off and the attention's self-merge on/off")
     ap.add_argument("--paired-v", action="store_true",
                     help="only the sparse attention and step with V read as bytes vs 16-bit pairs (seven shapes)")
     args = ap.parse_args()
@@ -367,8 +411,10 @@ def main() -> None:
         rows += scoring_sweep(geo, dev, ceiling)
     if args.paired_v:
         rows += paired_v_sweep(geo, dev, scale)
+    if args.handoff:
+        rows += handoff_sweep(geo, dev, scale)
     only = (args.dense_only or args.token_grid or args.topk or args.union_grid or args.pdl or args.scoring
-            or args.paired_v)
+            or args.paired_v or args.handoff)
     if args.dense_only:
         rows += dense_sweep(geo, dev, ceiling, scale)
     for batch, ctx in () if only else ((64, 32768), (16, 32768), (1, 8192)):

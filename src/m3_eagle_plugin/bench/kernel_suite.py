@@ -119,12 +119,12 @@ def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Call
                 lambda: ref.sparse_attention(q, cache.k, cache.v, meta, step["selection"], scale=scale,
                                              k_scale=ks, v_scale=vs))
     if name == "sparse_step":
-        from m3_eagle_plugin.msa import kernels
-
-        def kernel():  # the model's own path: the dispatchers, default layouts and launch geometry
-            sel = kernels.select_blocks_paged(step["index_q"], cache.index_k, meta, topk=geo.topk, max_qo_len=qo)
-            return kernels.sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=ks, v_scale=vs,
-                                            max_qo_len=qo)
+        def kernel():  # our kernels as the dispatchers call them (default layouts and launch geometry), never
+            # routed to FlashInfer: with it installed the dispatchers would take its attention where the
+            # kernel table says it is faster, and the row would no longer be ours
+            sel = select_blocks_verify(step["index_q"], cache.index_k, meta, topk=geo.topk, max_qo_len=qo)
+            return sparse_verify_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=ks, v_scale=vs,
+                                           max_qo_len=qo)
 
         def reference():
             sel = ref.select_blocks(step["index_q"], cache.index_k, meta, topk=geo.topk)

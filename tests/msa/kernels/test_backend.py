@@ -54,9 +54,9 @@ def test_report_shows_flashinfer_the_table_and_its_verdicts(monkeypatch):
     assert (table["device"], table["date"]) == ("NVIDIA H200", "2026-11-29")
     assert table["applies"].startswith("no: this device is cpu")
     verdicts = report["table_verdicts"]
-    assert "B64/32K q4 -> flashinfer (ours 31.82 / FlashInfer 31.33 us)" in verdicts["sparse_attention"]
-    assert "B1/8K q4 -> ours (ours 4.23 / FlashInfer 4.83 us)" in verdicts["select_blocks_paged"]
-    assert "B16/32K q1 -> ours (ours 7.99 / FlashInfer 9.27 us)" in verdicts["sparse_attention"]
+    assert "B64/32K q4 -> flashinfer (ours 32.29 / FlashInfer 31.44 us)" in verdicts["sparse_attention"]
+    assert "B1/8K q4 -> ours (ours 4.09 / FlashInfer 4.95 us)" in verdicts["select_blocks_paged"]
+    assert "B16/32K q1 -> ours (ours 7.96 / FlashInfer 9.31 us)" in verdicts["sparse_attention"]
     assert verdicts["dense_attention"][-1].startswith("decision: ours")
     assert any(line.startswith("dense_attn_peer B8/4K q4 -> ours") for line in verdicts["dense_attention"])
 

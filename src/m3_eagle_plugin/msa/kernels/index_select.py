@@ -15,7 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from .block_union import BlockUnion, allocate_union, chunk_count
+from .handoff import SENTINEL as _SENTINEL, handoff_enabled, reset_board, score_board
 from .pdl import pdl_args, wait_for_prior_grid
 from ._common import (
     qo_len_hint,
@@ -31,6 +34,8 @@ from ._common import (
     triton_interpreting,
 )
 
+SENTINEL = tl.constexpr(_SENTINEL)
+
 
 @triton.jit
 def _block_score_kernel(
@@ -40,14 +45,19 @@ def _block_score_kernel(
     cu_ptr, pos_ptr, kvl_ptr,
     score_ptr, s_sc_h, s_sc_t,
     HI: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, DI: tl.constexpr,
-    BLOCKS_PER_PROG: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCKS_PER_PROG: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, RELEASE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Max visible score of each of a request's pages [chunk x BLOCKS_PER_PROG, ...) for every
     token of the request. With TMA a page arrives whole through `ik_desc` (a `[P, B, Di]` tensor
-    descriptor of the cache) instead of per-thread copies."""
+    descriptor of the cache) instead of per-thread copies. Programs run request by request (the
+    chunk is the fastest grid axis); RELEASE lets a top-k that polls for its request's scores
+    (`handoff`) launch (PDL) as soon as every scoring program has started."""
+    if RELEASE:
+        gdc_launch_dependents()
     wait_for_prior_grid(PDL)
-    r = tl.program_id(0)
-    chunk = tl.program_id(1)
+    chunk = tl.program_id(0)
+    r = tl.program_id(1)
     t0 = tl.load(cu_ptr + r)
     t1 = tl.load(cu_ptr + r + 1)
     num_blocks = tl.cdiv(tl.load(kvl_ptr + r), BLOCK)
@@ -110,11 +120,17 @@ def _topk_union_kernel(
     score_ptr, s_sc_h, s_sc_t,
     vb_ptr, cu_ptr, num_tokens,
     out_ptr, s_o_h, s_o_t, bt_ptr, s_bt_r,
-    ids_ptr, pages_ptr, bits_ptr, cnt_ptr,
+    ids_ptr, pages_ptr, bits_ptr, cnt_ptr, kvl_ptr, block,
     QP: tl.constexpr, NCH: tl.constexpr, NBP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
-    LOCAL: tl.constexpr, INIT: tl.constexpr, WRITE_UNION: tl.constexpr, PDL: tl.constexpr = False,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, WRITE_UNION: tl.constexpr, HANDOFF: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    wait_for_prior_grid(PDL)
+    """One program per (request, index head, token chunk). With HANDOFF the scores are a
+    `handoff.score_board`: the program polls its rows until the scoring has written every entry
+    of its request's pages (none is SENTINEL), not for the scoring grid, and puts the sentinel
+    back once it has selected."""
+    if not HANDOFF:
+        wait_for_prior_grid(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -126,8 +142,18 @@ def _topk_union_kernel(
     nv = tl.load(vb_ptr + tok, mask=row_ok, other=0)
     ids = tl.arange(0, NBP)
     visible = ids[None, :] < nv[:, None]
-    vals = tl.load(score_ptr + h * s_sc_h + tok[:, None] * s_sc_t + ids[None, :], mask=visible,
-                   other=float("-inf"))
+    at = h * s_sc_h + tok[:, None] * s_sc_t + ids[None, :]
+    if HANDOFF:
+        board = score_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        written = row_ok[:, None] & (ids[None, :] < tl.cdiv(tl.load(kvl_ptr + r), block))
+        raw = tl.load(board + at, mask=written, other=0, volatile=True)
+        while tl.sum(((raw == SENTINEL) & written).to(tl.int32)) > 0:
+            raw = tl.load(board + at, mask=written, other=0, volatile=True)
+        if PDL:  # only now: an early attention launch would hold SMs the scoring still needs
+            gdc_launch_dependents()
+        vals = tl.where(visible, raw.to(tl.float32, bitcast=True), float("-inf"))
+    else:
+        vals = tl.load(score_ptr + at, mask=visible, other=float("-inf"))
     forced = visible & ((ids[None, :] >= nv[:, None] - LOCAL) | (ids[None, :] < INIT))
     vals = tl.where(forced, float("inf"), vals)
     chosen = _topk_mask(vals, visible, ids, NBP, TOPK, TOPK_P)
@@ -152,6 +178,8 @@ def _topk_union_kernel(
     if (r == tl.num_programs(0) - 1) & (c == 0):
         for t in range(t1, num_tokens):
             tl.store(out_ptr + h * s_o_h + t * s_o_t + pad, tl.full([TOPK_P], -1, tl.int32), mask=pad < TOPK)
+    if HANDOFF:
+        tl.store(board + at, tl.full([QP, NBP], SENTINEL, tl.int32), mask=written)
 
 
 def index_block_scores(
@@ -165,12 +193,14 @@ def index_block_scores(
     num_warps: int = 4,
     num_stages: int | None = None,
     tma: bool | None = None,
+    release_dependents: bool = False,
 ) -> torch.Tensor:
     """Max score of every visible block for every token: fp32 `[Hi, T, max_blocks]`.
 
     Entries past a token's own request length are left unwritten (the top-k reads only
     `[0, valid_blocks[t])`). `tma` (default: where `page_descriptor` gives one) loads each page
-    whole through a tensor descriptor, one page a program.
+    whole through a tensor descriptor, one page a program. `release_dependents` lets a top-k
+    that polls a `handoff.score_board` (`out`) launch (PDL) once every scoring program has started.
     """
     check_meta(meta)
     check_cache_view("index_k_cache", index_k_cache, 3)
@@ -185,18 +215,13 @@ def index_block_scores(
     require(index_k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES,
             f"unsupported index_k dtype {index_k_cache.dtype}")
     num_requests = meta.kv_lens.shape[0]
+    require(num_requests <= MAX_GRID_Y, f"{num_requests} requests: at most {MAX_GRID_Y} a step")
     width = meta.block_tables.shape[1]
     if out is None:
         out = torch.empty((num_heads, num_tokens, width), device=index_q.device, dtype=torch.float32)
     qp = tokens_per_tile(num_tokens, num_requests, num_heads, max_qo_len)
-    desc = page_descriptor(index_k_cache) if tma is not False else None
-    require(tma is not True or desc is not None, "tma needs a 16-bit or 8-bit index-K cache with 16-byte aligned "
-            "base and strides on a GPU with TMA (SM90+)")
-    if blocks_per_program is None:
-        blocks_per_program = 1 if desc is not None else default_blocks_per_program(width * num_requests, index_q.device)
-    if num_stages is None:
-        num_stages = 1 if desc is not None else 2
-    grid = (num_requests, triton.cdiv(width, blocks_per_program))
+    desc, blocks_per_program, num_stages = scoring_geometry(index_k_cache, meta, blocks_per_program, num_stages, tma)
+    grid = (triton.cdiv(width, blocks_per_program), num_requests)
     if num_requests and num_tokens:
         _block_score_kernel[grid](
             index_q, index_q.stride(0), index_q.stride(1),
@@ -207,9 +232,29 @@ def index_block_scores(
             out, out.stride(0), out.stride(1),
             HI=num_heads, QP=qp, BLOCK=block, DI=dim,
             BLOCKS_PER_PROG=blocks_per_program, IEEE=index_q.dtype == torch.float32, TMA=desc is not None,
+            RELEASE=release_dependents,
             num_warps=num_warps, num_stages=num_stages, **pdl_args(index_q.device, grid),
         )
     return out
+
+
+#: Largest CUDA grid y dimension (the scoring grid's request axis).
+MAX_GRID_Y = 65535
+
+
+def scoring_geometry(index_k_cache: torch.Tensor, meta: Any, blocks_per_program: int | None = None,
+                     num_stages: int | None = None, tma: bool | None = None):
+    """(TMA descriptor or None, pages a program, pipeline stages) of `index_block_scores`."""
+    desc = page_descriptor(index_k_cache) if tma is not False else None
+    require(tma is not True or desc is not None, "tma needs a 16-bit or 8-bit index-K cache with 16-byte aligned "
+            "base and strides on a GPU with TMA (SM90+)")
+    if blocks_per_program is None:
+        total = meta.block_tables.shape[1] * meta.kv_lens.shape[0]
+        blocks_per_program = 1 if desc is not None else default_blocks_per_program(total, index_k_cache.device)
+    require(blocks_per_program >= 1, f"blocks_per_program must be >= 1, got {blocks_per_program}")
+    if num_stages is None:
+        num_stages = 1 if desc is not None else 2
+    return desc, blocks_per_program, num_stages
 
 
 def page_descriptor(index_k_cache: torch.Tensor):
@@ -257,11 +302,16 @@ def topk_from_block_scores(
     max_qo_len: int | None = None,
     union_group: int | None = None,
     topk_warps: int | None = None,
+    handoff: bool = False,
+    early: bool = False,
 ) -> tuple[torch.Tensor, BlockUnion | None]:
     """Per-token top-k over `block_scores[:, t, :valid_blocks[t]]` -> (int32 `[Hi, T, topk]`, union).
 
     With `union_group` (query heads per KV head of the attention that consumes the selection) it
-    also writes the per-request block union lists that `sparse_verify_attention` takes.
+    also writes the per-request block union lists that `sparse_verify_attention` takes. With
+    `handoff` the scores are a `handoff.score_board` view: each program polls for its own
+    request's scores only and restores the sentinel; `early` launches it with PDL on SM90+ (the
+    scoring must have been launched with `release_dependents=True`).
     """
     require(topk >= 1, f"topk must be >= 1, got {topk}")
     require(local_blocks >= 0 and init_blocks >= 0, "local_blocks and init_blocks must be >= 0")
@@ -290,11 +340,11 @@ def topk_from_block_scores(
             meta.valid_blocks, meta.cu_qo_lens, num_tokens,
             out, out.stride(0), out.stride(1), meta.block_tables, meta.block_tables.stride(0),
             union.ids if union else dummy, union.pages if union else dummy, union.bits if union else dummy,
-            union.counts if union else dummy,
+            union.counts if union else dummy, meta.kv_lens, meta.block_size,
             QP=qp, NCH=nch, NBP=nbp, TOPK=topk, TOPK_P=next_pow2(topk),
-            LOCAL=local_blocks, INIT=init_blocks, WRITE_UNION=union is not None,
+            LOCAL=local_blocks, INIT=init_blocks, WRITE_UNION=union is not None, HANDOFF=handoff,
             num_warps=topk_warps if topk_warps else default_topk_warps(qp, nbp),
-            **pdl_args(block_scores.device, grid),
+            **pdl_args(block_scores.device, grid, every_grid=early),
         )
     elif num_tokens and num_heads:
         out.fill_(-1)
@@ -321,13 +371,34 @@ def select_blocks_verify(
     init_blocks: int = 0,
     max_qo_len: int | None = None,
     union_group: int | None = None,
+    handoff: bool | None = None,
 ):
     """Triton twin of `msa.select_blocks_paged`: int32 `[Hi, T, topk]`, ascending, `-1` padded.
 
     With `union_group` returns `(selection, union)` for `sparse_verify_attention(..., union=union)`.
+    `handoff` (default: on unless `M3_EAGLE_HANDOFF=0`) overlaps the top-k with the scoring: scoring programs run request by
+    request and each top-k program, launched early, starts once its own request is scored
+    (`handoff`); without it (or while capturing a graph before the board is big enough) the
+    top-k waits for the whole scoring grid.
     """
-    scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len)
-    selection, union = topk_from_block_scores(scores, meta, topk=topk, local_blocks=local_blocks,
-                                              init_blocks=init_blocks, max_qo_len=max_qo_len,
-                                              union_group=union_group)
+    kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len,
+              union_group=union_group)
+    num_tokens, num_heads, _ = index_q.shape
+    if handoff is None:
+        handoff = handoff_enabled()
+    board = None
+    if handoff and num_tokens and meta.kv_lens.shape[0]:
+        board = score_board(index_q.device, num_heads * num_tokens * meta.block_tables.shape[1])
+    if board is None:
+        scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len)
+        selection, union = topk_from_block_scores(scores, meta, **kw)
+    else:
+        early = pdl_args(index_q.device, (), every_grid=True)["PDL"]
+        scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len,
+                                    out=board.view(num_heads, num_tokens, -1), release_dependents=early)
+        try:
+            selection, union = topk_from_block_scores(scores, meta, handoff=True, early=early, **kw)
+        except BaseException:
+            reset_board(index_q.device)
+            raise
     return selection if union_group is None else (selection, union)

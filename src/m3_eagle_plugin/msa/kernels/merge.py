@@ -2,7 +2,8 @@
 
 Why: the sparse and dense verify kernels split a request's pages over several programs so small
 batches still fill the GPU; this kernel folds the splits back into `[T, Hq, D]` in `q.dtype`.
-Tokens past `cu_qo_lens[-1]` (graph padding) get zeros.
+Tokens past `cu_qo_lens[-1]` (graph padding) get zeros. The per-token sparse attention merges
+two splits itself instead (its last split to finish; `split_arrivals` holds the counters).
 """
 from __future__ import annotations
 
@@ -48,3 +49,23 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
             num_warps=4, **pdl_args(out.device, grid),
         )
     return out
+
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_arrivals(device: torch.device, num_slots: int) -> torch.Tensor | None:
+    """int32 counters, one per (token, KV head), for an attention whose last split to finish
+    merges the rest: zero between launches (that program resets its slot), so a launch needs no
+    memset and replays in a CUDA graph. None while a graph is being captured and there are too
+    few (a captured graph must not own them: the caller then launches `merge_splits`). Launches
+    sharing them must not run concurrently on two streams of a device."""
+    device = torch.device(device)
+    have = _ARRIVALS.get(device)
+    if have is None or have.numel() < num_slots:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        have = torch.zeros(max(1 << 16, 1 << max(0, num_slots - 1).bit_length()), device=device, dtype=torch.int32)
+        _ARRIVALS[device] = have
+    return have[:num_slots]

@@ -25,11 +25,12 @@ ENV_VAR = "M3_EAGLE_PDL"
 MODES = ("0", "1", "all")  # off, small grids only (the default), every grid
 
 
-def pdl_args(device: torch.device, grid: tuple[int, ...]) -> dict:
+def pdl_args(device: torch.device, grid: tuple[int, ...], every_grid: bool = False) -> dict:
     """Launch keywords for a kernel with a `PDL` constexpr (both on or both off).
 
     On for SM90+ grids of at most half as many programs as the device has SMs, where the step is
-    launch-latency bound; `M3_EAGLE_PDL=0` turns it off, `M3_EAGLE_PDL=all` on for every grid.
+    launch-latency bound, or any grid with `every_grid` (a kernel that waits for its inputs
+    itself, `handoff`); `M3_EAGLE_PDL=0` turns it off, `M3_EAGLE_PDL=all` on for every grid.
     (H200, `scripts/tune_verify_kernels.py --pdl`, 2026-11-29, the sparse step off / by this rule
     / on every kernel: B1/8K q1 12.4 / 11.0 / 10.9 us, B1/128K 25.7 / 24.0 / 26.5, B16/32K q4
     59.7 / 60.1 / 65.5, B64/32K q1 148.0 / 148.4 / 153.6.)
@@ -39,7 +40,7 @@ def pdl_args(device: torch.device, grid: tuple[int, ...]) -> dict:
     if mode == "0" or (device_capability(device) or (0, 0))[0] < 9:
         on = False
     else:
-        on = mode == "all" or math.prod(grid) <= device_sm_count(device) // 2
+        on = every_grid or mode == "all" or math.prod(grid) <= device_sm_count(device) // 2
     return {"PDL": on, "launch_pdl": on}
 
 

@@ -35,7 +35,7 @@ from ._common import (
     triton_interpreting,
 )
 from .block_union import BlockUnion, chunk_count, union_from_selection
-from .merge import merge_splits
+from .merge import merge_splits, split_arrivals
 from .pdl import pdl_args, wait_for_prior_grid
 
 LOG2E = 1.4426950408889634
@@ -232,16 +232,18 @@ def _sparse_token_kernel(
     v_ptr, s_v_p, s_v_h, s_v_b,
     sel_ptr, s_sel_h, s_sel_t,
     bt_ptr, s_bt_r, cu_ptr, pos_ptr,
-    o_ptr, s_o_t, s_o_h, lse_ptr, num_tokens,
+    o_ptr, s_o_t, s_o_h, lse_ptr, num_tokens, fin_ptr, arrived_ptr,
     qk_scale, v_scale,
     G: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
     BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
     F16: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr, VPAIR: tl.constexpr, ASM: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SELF_MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """One program per (request, KV head, token of the request, split): the token's GQA group
     (ROWS >= 16 rows, padded) walks its own selected pages; pages shared with the request's other
-    tokens come from L2, so the tile stays small and many programs keep loads in flight."""
+    tokens come from L2, so the tile stays small and many programs keep loads in flight. With
+    SELF_MERGE the last split of a token to finish (an arrival counter it resets) merges the
+    splits into `fin_ptr`, so no merge launch follows."""
     wait_for_prior_grid(PDL)
     r = tl.program_id(0)
     g = tl.program_id(1)
@@ -289,8 +291,39 @@ def _sparse_token_kernel(
     acc = _join_dim_halves(acc, acc_hi, VPAIR)
     _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D, SPLITS)
-    if SPLITS == 1:
-        _zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
+    if SPLITS == 1 or SELF_MERGE:
+        _zero_graph_padding(fin_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
+    if SELF_MERGE:
+        if live:  # a dead program's tok0 is the next request's token: it must not count
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            slot = arrived_ptr + tok0 * tl.num_programs(1) + g
+            if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                tl.atomic_xchg(slot, 0)
+                _merge_rows(o_ptr, lse_ptr, fin_ptr, s_o_t, s_o_h, tok, head, d, row_ok, num_heads, v_scale,
+                            D, SPLITS)
+
+
+@triton.jit
+def _merge_rows(o_ptr, lse_ptr, fin_ptr, s_o_t, s_o_h, tok, head, d, row_ok, num_heads, v_scale,
+                D: tl.constexpr, SPLITS: tl.constexpr):
+    """Fold rows' SPLITS partials (other programs wrote them: read from L2) by their LSE into the
+    output, as `merge_splits` does."""
+    prow = (tok.to(tl.int64) * num_heads + head) * SPLITS
+    top = tl.full(tok.shape, float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        top = tl.maximum(top, tl.load(lse_ptr + prow + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    acc = tl.zeros([tok.shape[0], D], tl.float32)
+    denom = tl.zeros(tok.shape, tl.float32)
+    for s in range(SPLITS):
+        w = tl.exp2(tl.load(lse_ptr + prow + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top)
+        part = tl.load(o_ptr + (prow + s)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
+                       cache_modifier=".cg")
+        acc += w[:, None] * part
+        denom += w
+    o = acc / tl.where(denom > 0, denom, 1.0)[:, None] * v_scale
+    tl.store(fin_ptr + tok[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :], o.to(fin_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any) -> None:
@@ -387,6 +420,7 @@ def sparse_verify_attention(
     compute_f16: bool | None = None,
     prefetch: bool = True,
     paired_v: bool | None = None,
+    self_merge: bool | None = None,
 ) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids.
 
@@ -397,7 +431,8 @@ def sparse_verify_attention(
     kernel derives it); "token" walks each token's own pages. `compute_f16` (default: fp8 K/V
     with a 16-bit q) runs the MMAs in fp16, which fp8 converts to in one instruction and holds
     exactly. `paired_v` reads e4m3 V as 16-bit pairs of head dims (`_attend_page_tile`); by
-    default on the per-token layout whenever `paired_v_applies`.
+    default on the per-token layout whenever `paired_v_applies`. `self_merge` (per-token layout;
+    default up to SELF_MERGE_SPLITS splits) has a token's last split merge the others in-kernel.
     """
     check_attention_inputs(q, k_cache, v_cache, meta)
     max_qo_len = qo_len_hint(meta, max_qo_len)
@@ -425,7 +460,8 @@ def sparse_verify_attention(
     if layout == "token":
         return _token_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                 max_qo_len=max_qo_len, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                                key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch, paired_v=paired_v)
+                                key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch, paired_v=paired_v,
+                                self_merge=self_merge)
     if union is None:
         qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
         union = union_from_selection(selection, meta.cu_qo_lens, meta.block_tables, chunk=qp,
@@ -491,7 +527,7 @@ def merge_outputs(out, o_buf, lse, meta, splits: int, v_scale: float) -> torch.T
 
 
 def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,
-                     num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v) -> torch.Tensor:
+                     num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v, self_merge) -> torch.Tensor:
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
     group = num_heads // hkv
@@ -507,6 +543,10 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
     vs = scale_value(v_scale)
+    if self_merge is None:
+        self_merge = 1 < splits <= SELF_MERGE_SPLITS
+    arrivals = split_arrivals(q.device, num_tokens * hkv) if self_merge and splits > 1 else None
+    self_merge = arrivals is not None
     grid = (num_requests, hkv, per_request * splits)
     _sparse_token_kernel[grid](
         q, q.stride(0), q.stride(1),
@@ -514,14 +554,21 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         selection, selection.stride(0), selection.stride(1),
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions,
-        o_buf, out.stride(0), out.stride(1), lse, num_tokens,
+        o_buf, out.stride(0), out.stride(1), lse, num_tokens, out, out if arrivals is None else arrivals,
         float(scale) * scale_value(k_scale) * LOG2E, vs,
         G=group, ROWS=next_pow2(max(16, group)), TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block,
         BN=min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16, PREFETCH=prefetch,
-        IEEE=q.dtype == torch.float32, VPAIR=paired_v, ASM=not triton_interpreting(), num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(q.device, grid),
+        IEEE=q.dtype == torch.float32, VPAIR=paired_v, ASM=not triton_interpreting(), SELF_MERGE=self_merge,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device, grid),
     )
-    return merge_outputs(out, o_buf, lse, meta, splits, vs)
+    return out if self_merge else merge_outputs(out, o_buf, lse, meta, splits, vs)
+
+
+#: Most splits the per-token attention merges itself (its last split to finish), not with a merge
+#: launch (H200, 2026-11-29, the step with the board hand-off, merge launch -> self-merge: B16/32K
+#: q4 53.2 -> 53.1 us, B64/32K q1 140.5 -> 140.1, B8/32K q4 34.8 -> 34.3; without the hand-off
+#: B16 q4 54.5 -> 54.2, B64 q1 142.0 -> 141.5; a session-8 run: 16 splits at B1/8K 10.4 vs 7.3).
+SELF_MERGE_SPLITS = 2
 
 
 def default_scale(head_dim: int) -> float:

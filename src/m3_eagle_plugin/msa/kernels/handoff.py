@@ -1,0 +1,66 @@
+"""Per-request hand-off from the index scoring to the top-k, through scores that announce themselves.
+
+Why: a top-k that waits for the whole scoring grid (stream order, or PDL's
+`griddepcontrol.wait`) waits for the slowest request of the batch. The scoring programs run
+request by request, so most requests are scored long before the grid ends; a top-k program
+launched early (PDL) that waits only for its own request's scores runs in the scoring's tail.
+
+How: the scores live in a board (`score_board`) whose every entry holds `SENTINEL`, a NaN bit
+pattern no arithmetic produces, between steps. A top-k program polls its rows (volatile loads,
+from L2) until no entry it needs is the sentinel, selects, and writes the sentinel back over
+every entry the scoring wrote for its rows. Each entry is one 32-bit store, so a value is
+either the sentinel or final: no counter, no fence in the scoring programs. (Arrival counters,
+with a barrier and a release add closing each scoring program, were measured first: the scoring
+took 4-6 us longer at B16/B64 32K.)
+
+Deadlock-free because a PDL consumer is only scheduled once every scoring program has started
+(each releases its dependents first); launched without PDL it finds every score written.
+Launches sharing a device's board must not run concurrently on two streams.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._common import require
+
+#: The board's idle value: a negative signalling NaN (0xFFBADBAD). GPU arithmetic only makes
+#: the canonical quiet NaN, so no score equals it.
+SENTINEL = -4474963
+
+#: Entries allocated at least (4 MB), so growing batches rarely need a new board.
+MIN_ENTRIES = 1 << 20
+
+_BOARDS: dict[torch.device, torch.Tensor] = {}
+
+ENV_VAR = "M3_EAGLE_HANDOFF"
+
+
+def handoff_enabled() -> bool:
+    """The hand-off is on unless `M3_EAGLE_HANDOFF=0` (then the top-k waits for the scoring grid)."""
+    mode = os.environ.get(ENV_VAR, "1").strip() or "1"
+    require(mode in ("0", "1"), f"{ENV_VAR}={mode!r}: expected 0 or 1")
+    return mode == "1"
+
+
+def score_board(device: torch.device | str, numel: int) -> torch.Tensor | None:
+    """`numel` fp32 entries of `device`'s board, each holding `SENTINEL` (shared by every launch
+    there), or None while a CUDA graph is being captured and the board is too small (a captured
+    graph must not own it: the caller then takes the plain two-launch path)."""
+    device = torch.device(device)
+    board = _BOARDS.get(device)
+    if board is None or board.numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        size = max(MIN_ENTRIES, 1 << max(0, numel - 1).bit_length())
+        board = torch.full((size,), SENTINEL, device=device, dtype=torch.int32).view(torch.float32)
+        _BOARDS[device] = board
+    return board[:numel]
+
+
+def reset_board(device: torch.device | str) -> None:
+    """Put the sentinel back everywhere (after a launch failed between scoring and top-k)."""
+    board = _BOARDS.get(torch.device(device))
+    if board is not None:
+        board.view(torch.int32).fill_(SENTINEL)

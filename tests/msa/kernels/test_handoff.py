@@ -1,0 +1,139 @@
+"""The scoring -> top-k hand-off (`handoff`): each top-k program polls its own request's scores on
+a sentinel-filled board instead of waiting for the whole scoring grid.
+
+Against two independent things: the same selection computed with two plain launches (the top-k
+after the whole scoring grid, on a fresh score buffer), and the float64 block-score oracle's
+top-k rules. The board must hold only the sentinel again after every launch (the next step's
+top-k trusts any other value), including after graph replays.
+
+Device-agnostic: on a CUDA GPU (where the top-k launches early through PDL and really polls)
+the checks run here; on CPU `tests._interpreter` runs them through Triton's interpreter.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3_eagle_plugin.bench.inputs import Geometry
+from tests._interpreter import module_cases_lines, needs_interpreter
+
+from .kernel_case_helpers import assert_valid_selection, exact_block_scores, random_step
+
+GEO = Geometry(q_heads=16, kv_heads=1, head_dim=32, index_heads=2, index_dim=32, block=16, topk=4)
+
+
+def _board_clean(device):
+    from m3_eagle_plugin.msa.kernels import handoff
+
+    board = handoff.score_board(device, 1).untyped_storage()
+    words = torch.empty(0, dtype=torch.int32, device=device).set_(board).cpu()
+    dirty = (words != handoff.SENTINEL).nonzero().flatten()
+    assert dirty.numel() == 0, f"board entries left written: {dirty[:8].tolist()}"
+
+
+def check_handoff_selects_like_two_launches(device, *, qo_lens=(4, 1, 3), kv_lens=(150, 16, 97), union_group=None,
+                                            local=1, init=0, pad_tokens=0, seed=0):
+    from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+
+    # fp16, not the production bf16: Triton's interpreter has no bf16 dot.
+    meta, cache, _, index_q = random_step(GEO, list(qo_lens), list(kv_lens), kv_dtype=torch.float16,
+                                          index_dtype=torch.float16, seed=seed, pad_tokens=pad_tokens, device=device)
+    kw = dict(topk=GEO.topk, local_blocks=local, init_blocks=init, max_qo_len=max(qo_lens), union_group=union_group)
+    got = select_blocks_verify(index_q, cache.index_k, meta, handoff=True, **kw)
+    want = select_blocks_verify(index_q, cache.index_k, meta, handoff=False, **kw)
+    _board_clean(device)
+    if union_group is not None:
+        (got, got_union), (want, want_union) = got, want
+        assert torch.equal(got_union.counts, want_union.counts)
+        listed = torch.arange(got_union.ids.shape[-1], device=device) < got_union.counts[..., None]
+        for name in ("ids", "pages", "bits"):  # entries past each list's count are unwritten
+            assert torch.equal(getattr(got_union, name)[listed], getattr(want_union, name)[listed]), name
+    assert torch.equal(got.cpu(), want.cpu())
+    live = sum(qo_lens)
+    assert (got[:, live:].cpu() == -1).all()
+    assert_valid_selection(got[:, :live], exact_block_scores(index_q, cache.index_k, meta), GEO.topk,
+                           local_blocks=local, init_blocks=init)
+
+
+def check_board_reused_across_batches(device):
+    """Growing, shrinking and reshaped batches reuse one board (its rows land on different
+    entries each time): each launch leaves it clean, so no step reads another's scores."""
+    for qo_lens, kv_lens in (((2, 3), (40, 70)), ((1,) * 6, (16, 17, 31, 48, 1, 90)), ((4, 4), (64, 33))):
+        check_handoff_selects_like_two_launches(device, qo_lens=qo_lens, kv_lens=kv_lens)
+
+
+#: The interpreter's share (small launches: CI has two cores).
+INTERPRETER_CASES = [
+    (check_handoff_selects_like_two_launches, dict()),
+    (check_handoff_selects_like_two_launches, dict(union_group=16, local=2, init=1, pad_tokens=3, seed=1)),
+    (check_board_reused_across_batches, dict()),
+]
+
+
+def test_board_is_sentinel_filled_shared_and_grows():
+    from m3_eagle_plugin.msa.kernels.handoff import MIN_ENTRIES, SENTINEL, score_board
+
+    a = score_board("cpu", 8)
+    assert a.shape == (8,) and a.dtype == torch.float32
+    assert (a.view(torch.int32) == SENTINEL).all() and a.isnan().all()
+    assert score_board("cpu", 3).data_ptr() == a.data_ptr()
+    big = score_board("cpu", MIN_ENTRIES + 5)
+    assert big.shape == (MIN_ENTRIES + 5,) and (big.view(torch.int32) == SENTINEL).all()
+    assert score_board("cpu", 1).data_ptr() == big.data_ptr()
+
+
+def test_sentinel_is_no_float_arithmetic_result():
+    """The board's idle value is a signalling NaN; float arithmetic (here the ops the scoring
+    applies: a product sum, a max, -inf masking) only yields the canonical quiet NaN."""
+    from m3_eagle_plugin.msa.kernels.handoff import SENTINEL
+
+    bad = torch.tensor([SENTINEL], dtype=torch.int32).view(torch.float32)
+    made = torch.stack([(bad * 1.0)[0], (bad + 0.0)[0], torch.maximum(bad, torch.tensor([0.0]))[0],
+                        torch.tensor(float("nan")), torch.tensor(float("inf")) - float("inf")])
+    assert (made.view(torch.int32) != SENTINEL).all()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fn,kw", INTERPRETER_CASES + [
+    # M3 shape: 128-token pages, top-16, 32 requests of 4 verify tokens at 4-8K context.
+    (check_handoff_selects_like_two_launches, dict(qo_lens=(4,) * 32, kv_lens=tuple(4000 + 131 * i for i in range(32)),
+                                                   pad_tokens=5, seed=3)),
+])
+def test_on_gpu(fn, kw):
+    fn("cuda", **kw)
+
+
+@needs_cuda
+def test_graph_replay_leaves_the_board_clean():
+    """Captured once, replayed three times with the output poisoned in between: same selection as
+    eager, board clean after each replay; a capture that needs a bigger board takes the plain path."""
+    from m3_eagle_plugin.msa.kernels import handoff
+    from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+
+    meta, cache, _, index_q = random_step(GEO, [4, 2, 4, 1], [300, 45, 1000, 16], pad_tokens=2)
+    kw = dict(topk=GEO.topk, max_qo_len=4)
+    eager = select_blocks_verify(index_q, cache.index_k, meta, **kw)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        select_blocks_verify(index_q, cache.index_k, meta, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = select_blocks_verify(index_q, cache.index_k, meta, **kw)
+        assert handoff.score_board("cuda", handoff.score_board("cuda", 1).untyped_storage().nbytes()) is None
+    for _ in range(3):
+        replayed.fill_(7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager)
+        _board_clean("cuda")
+
+
+@needs_interpreter
+def test_kernel_in_the_interpreter():
+    lines = module_cases_lines("tests.msa.kernels.test_handoff")
+    assert len(lines) == len(INTERPRETER_CASES), lines
