@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .block_union import BlockUnion, allocate_union, chunk_count
 from .handoff import SENTINEL as _SENTINEL, handoff_enabled, reset_board, score_board
@@ -52,10 +52,14 @@ def _block_score_kernel(
     token of the request. With TMA a page arrives whole through `ik_desc` (a `[P, B, Di]` tensor
     descriptor of the cache) instead of per-thread copies. Programs run request by request (the
     chunk is the fastest grid axis); RELEASE lets a top-k that polls for its request's scores
-    (`handoff`) launch (PDL) as soon as every scoring program has started."""
-    if RELEASE:
+    (`handoff`) launch (PDL) as soon as every scoring program has started (and, under PDL itself,
+    waited for the previous kernel)."""
+    if RELEASE:  # wait first: the early top-k reads step metadata an earlier kernel may still write
+        if PDL:
+            gdc_wait()
         gdc_launch_dependents()
-    wait_for_prior_grid(PDL)
+    else:
+        wait_for_prior_grid(PDL)
     chunk = tl.program_id(0)
     r = tl.program_id(1)
     t0 = tl.load(cu_ptr + r)

@@ -5,7 +5,9 @@ tens of microseconds, so the gap between one kernel's last program and the next 
 is a visible share of the step. On SM90+ a kernel launched with PDL is scheduled while its
 predecessor still runs; its programs first let their own dependents launch, then block in
 `griddepcontrol.wait` until the predecessor has finished and its writes are visible, so nothing
-is read early and the chain stays transitive (every program of every PDL kernel waits).
+is read early and the chain stays transitive (every program of every PDL kernel waits; the one
+exception, the hand-off top-k of `handoff`, waits for its own scores instead, and the scoring
+that releases it does so only after its own wait).
 Only small grids use it (`pdl_args`); the interpreter and pre-Hopper GPUs never do.
 """
 from __future__ import annotations
