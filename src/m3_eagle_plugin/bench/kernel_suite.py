@@ -120,8 +120,8 @@ def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Call
                                              k_scale=ks, v_scale=vs))
     if name == "sparse_step":
         def kernel():  # our kernels as the dispatchers call them (default layouts and launch geometry), never
-            # routed to FlashInfer: with it installed the dispatchers would take its attention where the
-            # kernel table says it is faster, and the row would no longer be ours
+            # routed: on a FlashInfer-eligible cache the dispatchers may pick its kernels, and the row
+            # would no longer be ours (the bench's pooled K/V and index-K views are not eligible)
             sel = select_blocks_verify(step["index_q"], cache.index_k, meta, topk=geo.topk, max_qo_len=qo)
             return sparse_verify_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=ks, v_scale=vs,
                                            max_qo_len=qo)

@@ -137,3 +137,23 @@ def test_graph_replay_leaves_the_board_clean():
 def test_kernel_in_the_interpreter():
     lines = module_cases_lines("tests.msa.kernels.test_handoff")
     assert len(lines) == len(INTERPRETER_CASES), lines
+
+
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False), ("", True), (" 0 ", False)])
+def test_env_turns_the_handoff_off(monkeypatch, value, on):
+    from m3_eagle_plugin.msa.kernels.handoff import handoff_enabled
+
+    if value is None:
+        monkeypatch.delenv("M3_EAGLE_HANDOFF", raising=False)
+    else:
+        monkeypatch.setenv("M3_EAGLE_HANDOFF", value)
+    assert handoff_enabled() is on
+
+
+def test_bad_env_value_names_the_allowed_ones(monkeypatch):
+    from m3_eagle_plugin.msa.kernels import KernelInputError
+    from m3_eagle_plugin.msa.kernels.handoff import handoff_enabled
+
+    monkeypatch.setenv("M3_EAGLE_HANDOFF", "yes")
+    with pytest.raises(KernelInputError, match="M3_EAGLE_HANDOFF='yes': expected 0 or 1"):
+        handoff_enabled()

@@ -60,3 +60,11 @@ def test_property_rule_is_monotone_in_grid_size(hopper):
     flags = [_on((n,)) for n in sizes]
     assert flags == sorted(flags, reverse=True)
     assert all(_on((a, b)) == (a * b <= 66) for a in (1, 3, 16) for b in (1, 4, 22, 23))
+
+
+def test_every_grid_is_on_for_any_size_unless_turned_off(hopper, monkeypatch):
+    """A kernel that waits for its inputs itself (the hand-off top-k) asks for PDL on any grid;
+    `M3_EAGLE_PDL=0` still wins."""
+    assert pdl.pdl_args(CUDA, (4096, 16), every_grid=True) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("M3_EAGLE_PDL", "0")
+    assert pdl.pdl_args(CUDA, (1,), every_grid=True) == {"PDL": False, "launch_pdl": False}

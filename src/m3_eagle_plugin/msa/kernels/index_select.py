@@ -224,7 +224,14 @@ def index_block_scores(
     if out is None:
         out = torch.empty((num_heads, num_tokens, width), device=index_q.device, dtype=torch.float32)
     qp = tokens_per_tile(num_tokens, num_requests, num_heads, max_qo_len)
-    desc, blocks_per_program, num_stages = scoring_geometry(index_k_cache, meta, blocks_per_program, num_stages, tma)
+    desc = page_descriptor(index_k_cache) if tma is not False else None
+    require(tma is not True or desc is not None, "tma needs a 16-bit or 8-bit index-K cache with 16-byte aligned "
+            "base and strides on a GPU with TMA (SM90+)")
+    if blocks_per_program is None:
+        blocks_per_program = 1 if desc is not None else default_blocks_per_program(width * num_requests, index_q.device)
+    require(blocks_per_program >= 1, f"blocks_per_program must be >= 1, got {blocks_per_program}")
+    if num_stages is None:
+        num_stages = 1 if desc is not None else 2
     grid = (triton.cdiv(width, blocks_per_program), num_requests)
     if num_requests and num_tokens:
         _block_score_kernel[grid](
@@ -244,21 +251,6 @@ def index_block_scores(
 
 #: Largest CUDA grid y dimension (the scoring grid's request axis).
 MAX_GRID_Y = 65535
-
-
-def scoring_geometry(index_k_cache: torch.Tensor, meta: Any, blocks_per_program: int | None = None,
-                     num_stages: int | None = None, tma: bool | None = None):
-    """(TMA descriptor or None, pages a program, pipeline stages) of `index_block_scores`."""
-    desc = page_descriptor(index_k_cache) if tma is not False else None
-    require(tma is not True or desc is not None, "tma needs a 16-bit or 8-bit index-K cache with 16-byte aligned "
-            "base and strides on a GPU with TMA (SM90+)")
-    if blocks_per_program is None:
-        total = meta.block_tables.shape[1] * meta.kv_lens.shape[0]
-        blocks_per_program = 1 if desc is not None else default_blocks_per_program(total, index_k_cache.device)
-    require(blocks_per_program >= 1, f"blocks_per_program must be >= 1, got {blocks_per_program}")
-    if num_stages is None:
-        num_stages = 1 if desc is not None else 2
-    return desc, blocks_per_program, num_stages
 
 
 def page_descriptor(index_k_cache: torch.Tensor):
@@ -307,6 +299,7 @@ def topk_from_block_scores(
     union_group: int | None = None,
     topk_warps: int | None = None,
     handoff: bool = False,
+    block_size: int | None = None,
     early: bool = False,
 ) -> tuple[torch.Tensor, BlockUnion | None]:
     """Per-token top-k over `block_scores[:, t, :valid_blocks[t]]` -> (int32 `[Hi, T, topk]`, union).
@@ -314,7 +307,8 @@ def topk_from_block_scores(
     With `union_group` (query heads per KV head of the attention that consumes the selection) it
     also writes the per-request block union lists that `sparse_verify_attention` takes. With
     `handoff` the scores are a `handoff.score_board` view: each program polls for its own
-    request's scores only and restores the sentinel; `early` launches it with PDL on SM90+ (the
+    request's scores only (the `block_size`-token pages its request has, default
+    `meta.block_size`) and restores the sentinel; `early` launches it with PDL on SM90+ (the
     scoring must have been launched with `release_dependents=True`).
     """
     require(topk >= 1, f"topk must be >= 1, got {topk}")
@@ -323,6 +317,8 @@ def topk_from_block_scores(
     num_heads, num_tokens, width = block_scores.shape
     num_requests = meta.kv_lens.shape[0]
     max_qo_len = qo_len_hint(meta, max_qo_len)
+    block_size = block_size or getattr(meta, "block_size", None)
+    require(not handoff or block_size, "handoff needs the index-K block size (block_size= or meta.block_size)")
     out = torch.empty((num_heads, num_tokens, topk), device=block_scores.device, dtype=torch.int32)
     # Verify/decode steps without union lists: one token per program (selection rows are independent;
     # more, smaller programs). Union lists cover a chunk of a request's tokens; long prefill chunks
@@ -344,7 +340,7 @@ def topk_from_block_scores(
             meta.valid_blocks, meta.cu_qo_lens, num_tokens,
             out, out.stride(0), out.stride(1), meta.block_tables, meta.block_tables.stride(0),
             union.ids if union else dummy, union.pages if union else dummy, union.bits if union else dummy,
-            union.counts if union else dummy, meta.kv_lens, meta.block_size,
+            union.counts if union else dummy, meta.kv_lens, block_size or 1,
             QP=qp, NCH=nch, NBP=nbp, TOPK=topk, TOPK_P=next_pow2(topk),
             LOCAL=local_blocks, INIT=init_blocks, WRITE_UNION=union is not None, HANDOFF=handoff,
             num_warps=topk_warps if topk_warps else default_topk_warps(qp, nbp),
@@ -380,10 +376,10 @@ def select_blocks_verify(
     """Triton twin of `msa.select_blocks_paged`: int32 `[Hi, T, topk]`, ascending, `-1` padded.
 
     With `union_group` returns `(selection, union)` for `sparse_verify_attention(..., union=union)`.
-    `handoff` (default: on unless `M3_EAGLE_HANDOFF=0`) overlaps the top-k with the scoring: scoring programs run request by
-    request and each top-k program, launched early, starts once its own request is scored
-    (`handoff`); without it (or while capturing a graph before the board is big enough) the
-    top-k waits for the whole scoring grid.
+    `handoff` (default: on unless `M3_EAGLE_HANDOFF=0`) overlaps the top-k with the scoring:
+    scoring programs run request by request and each top-k program, launched early, starts once
+    its own request is scored (`handoff`); without it (or while capturing a graph before the
+    board is big enough) the top-k waits for the whole scoring grid.
     """
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len,
               union_group=union_group)
@@ -391,7 +387,7 @@ def select_blocks_verify(
     if handoff is None:
         handoff = handoff_enabled()
     board = None
-    if handoff and num_tokens and meta.kv_lens.shape[0]:
+    if handoff and num_tokens and num_heads and meta.kv_lens.shape[0] and meta.block_tables.shape[1]:
         board = score_board(index_q.device, num_heads * num_tokens * meta.block_tables.shape[1])
     if board is None:
         scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len)
@@ -401,7 +397,8 @@ def select_blocks_verify(
         scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len,
                                     out=board.view(num_heads, num_tokens, -1), release_dependents=early)
         try:
-            selection, union = topk_from_block_scores(scores, meta, handoff=True, early=early, **kw)
+            selection, union = topk_from_block_scores(scores, meta, handoff=True, block_size=index_k_cache.shape[1],
+                                                      early=early, **kw)
         except BaseException:
             reset_board(index_q.device)
             raise
