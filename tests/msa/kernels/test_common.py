@@ -67,3 +67,15 @@ def test_token_splits_reference_values_and_bounds():
     assert token_splits(10**6, 16, cpu) == 1 and token_splits(3, 1, cpu) == 1
     row = 4096 * 16 * 128
     assert token_splits(1, 64, cpu, partial_row=row) * row <= MAX_PARTIAL_ELEMENTS
+
+
+def test_step_buffer_is_filled_shared_per_device_and_grows_to_a_power_of_two():
+    from m3_eagle_plugin.msa.kernels._common import step_buffer
+
+    store: dict = {}
+    a = step_buffer(store, "cpu", 5, fill=-3, min_numel=8)
+    assert a.shape == (5,) and a.dtype == torch.int32 and (a == -3).all()
+    assert store[torch.device("cpu")].numel() == 8
+    assert step_buffer(store, "cpu", 8, fill=-3, min_numel=8).data_ptr() == a.data_ptr()
+    big = step_buffer(store, "cpu", 9, fill=-3, min_numel=8)
+    assert store[torch.device("cpu")].numel() == 16 and (big == -3).all() and big.data_ptr() != a.data_ptr()

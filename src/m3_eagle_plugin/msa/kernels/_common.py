@@ -108,6 +108,23 @@ def tokens_per_tile(num_tokens: int, num_requests: int, rows_per_token: int, max
     return max(chunk, next_pow2(-(-16 // rows_per_token)))
 
 
+def step_buffer(store: dict, device: torch.device | str, numel: int, *, fill: int,
+                min_numel: int) -> torch.Tensor | None:
+    """`numel` int32 entries of the per-device buffer kept in `store`, allocated on first use
+    holding `fill` (at least `min_numel`, grown to the next power of two), or None while a CUDA
+    graph is being captured and the buffer is too small: a captured graph must not own it, so
+    callers fall back to a path without it. Kernels that use it leave it holding `fill` again."""
+    device = torch.device(device)
+    have = store.get(device)
+    if have is None or have.numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        size = max(min_numel, 1 << max(0, numel - 1).bit_length())
+        have = torch.full((size,), fill, device=device, dtype=torch.int32)
+        store[device] = have
+    return have[:numel]
+
+
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise KernelInputError(message)

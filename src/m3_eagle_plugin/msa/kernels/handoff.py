@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from ._common import require
+from ._common import require, step_buffer
 
 #: The board's idle value: a negative signalling NaN (0xFFBADBAD). GPU arithmetic only makes
 #: the canonical quiet NaN, so no score equals it.
@@ -32,7 +32,7 @@ SENTINEL = -4474963
 #: Entries allocated at least (4 MB), so growing batches rarely need a new board.
 MIN_ENTRIES = 1 << 20
 
-_BOARDS: dict[torch.device, torch.Tensor] = {}
+_BOARDS: dict[torch.device, torch.Tensor] = {}  # int32 words, viewed as fp32 scores
 
 ENV_VAR = "M3_EAGLE_HANDOFF"
 
@@ -48,19 +48,12 @@ def score_board(device: torch.device | str, numel: int) -> torch.Tensor | None:
     """`numel` fp32 entries of `device`'s board, each holding `SENTINEL` (shared by every launch
     there), or None while a CUDA graph is being captured and the board is too small (a captured
     graph must not own it: the caller then takes the plain two-launch path)."""
-    device = torch.device(device)
-    board = _BOARDS.get(device)
-    if board is None or board.numel() < numel:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        size = max(MIN_ENTRIES, 1 << max(0, numel - 1).bit_length())
-        board = torch.full((size,), SENTINEL, device=device, dtype=torch.int32).view(torch.float32)
-        _BOARDS[device] = board
-    return board[:numel]
+    board = step_buffer(_BOARDS, device, numel, fill=SENTINEL, min_numel=MIN_ENTRIES)
+    return None if board is None else board.view(torch.float32)
 
 
 def reset_board(device: torch.device | str) -> None:
     """Put the sentinel back everywhere (after a launch failed between scoring and top-k)."""
     board = _BOARDS.get(torch.device(device))
     if board is not None:
-        board.view(torch.int32).fill_(SENTINEL)
+        board.fill_(SENTINEL)

@@ -15,11 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 from .block_union import BlockUnion, allocate_union, chunk_count
 from .handoff import SENTINEL as _SENTINEL, handoff_enabled, reset_board, score_board
-from .pdl import pdl_args, wait_for_prior_grid
+from .pdl import pdl_args, release_dependents, wait_for_prior_grid, wait_then_release
 from ._common import (
     qo_len_hint,
     FP8_DTYPES,
@@ -55,9 +53,7 @@ def _block_score_kernel(
     (`handoff`) launch (PDL) as soon as every scoring program has started (and, under PDL itself,
     waited for the previous kernel)."""
     if RELEASE:  # wait first: the early top-k reads step metadata an earlier kernel may still write
-        if PDL:
-            gdc_wait()
-        gdc_launch_dependents()
+        wait_then_release(PDL)
     else:
         wait_for_prior_grid(PDL)
     chunk = tl.program_id(0)
@@ -154,7 +150,7 @@ def _topk_union_kernel(
         while tl.sum(((raw == SENTINEL) & written).to(tl.int32)) > 0:
             raw = tl.load(board + at, mask=written, other=0, volatile=True)
         if PDL:  # only now: an early attention launch would hold SMs the scoring still needs
-            gdc_launch_dependents()
+            release_dependents()
         vals = tl.where(visible, raw.to(tl.float32, bitcast=True), float("-inf"))
     else:
         vals = tl.load(score_ptr + at, mask=visible, other=float("-inf"))

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import step_buffer
 from .pdl import pdl_args, wait_for_prior_grid
 
 
@@ -51,7 +52,6 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     return out
 
 
-
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -61,11 +61,4 @@ def split_arrivals(device: torch.device, num_slots: int) -> torch.Tensor | None:
     memset and replays in a CUDA graph. None while a graph is being captured and there are too
     few (a captured graph must not own them: the caller then launches `merge_splits`). Launches
     sharing them must not run concurrently on two streams of a device."""
-    device = torch.device(device)
-    have = _ARRIVALS.get(device)
-    if have is None or have.numel() < num_slots:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        have = torch.zeros(max(1 << 16, 1 << max(0, num_slots - 1).bit_length()), device=device, dtype=torch.int32)
-        _ARRIVALS[device] = have
-    return have[:num_slots]
+    return step_buffer(_ARRIVALS, device, num_slots, fill=0, min_numel=1 << 16)

@@ -53,3 +53,20 @@ def wait_for_prior_grid(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """First statement of a kernel whose dependent reads what earlier kernels wrote before this
+    kernel ends (the scoring before the hand-off top-k): wait for the previous kernel (under PDL)
+    first, then release the next launch."""
+    if PDL:
+        gdc_wait()
+    gdc_launch_dependents()
+
+
+@triton.jit
+def release_dependents():
+    """Let the next (PDL) launch be scheduled now, for a kernel that did not wait for its
+    predecessor through `wait_for_prior_grid` (the hand-off top-k, once its scores are in)."""
+    gdc_launch_dependents()
