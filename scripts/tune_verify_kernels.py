@@ -25,6 +25,18 @@ from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.msa.kernels.sparse_verify import choose_splits, sparse_verify_attention, token_splits, union_splits
 
 
+def _fp8_step_set(geo, dev, batch: int, ctx: int, num_sets: int) -> StepSet:
+    """The bench's inputs as every sweep uses them: fp8 K/V, bf16 index-K and queries."""
+    return StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
+                   q_dtype=torch.bfloat16, device=dev, num_sets=num_sets)
+
+
+def _fp8_step_sets(geo, dev, batch: int, ctx: int, qo: int, num_sets: int) -> tuple[StepSet, list]:
+    """(`_fp8_step_set`, its `num_sets` steps of `qo` tokens a request)."""
+    steps = _fp8_step_set(geo, dev, batch, ctx, num_sets)
+    return steps, [steps.step(s, qo) for s in range(num_sets)]
+
+
 def time_variant(name: str, call, args_per_set: list, state: dict) -> tuple[float, float] | None:
     """(us, relative difference from the first variant timed) of `call(*args)` over the input
     sets, or None when Triton cannot build the variant (reported, not fatal)."""
@@ -104,9 +116,7 @@ def token_grid(geo, dev, scale: float) -> list[dict]:
     thread (ncu, B64/32K q4) two programs share an SM, so the knobs interact."""
     rows = []
     for batch, ctx, qo in ((64, 32768, 4), (16, 32768, 4), (64, 32768, 1), (1, 8192, 4), (16, 32768, 1)):
-        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
-                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
-        sets = [steps.step(s, qo) for s in range(3)]
+        steps, sets = _fp8_step_sets(geo, dev, batch, ctx, qo, num_sets=3)
         base = token_splits(batch * qo, geo.topk, dev)
         state: dict = {}
         for kt, nw, ns, mult in itertools.product((128, 64, 32), (1, 2, 4, 8), (2, 3), (1, 2, 4)):
@@ -141,9 +151,7 @@ def pdl_sweep(geo, dev, scale: float) -> list[dict]:
     try:
         for batch, ctx, qo in ((1, 8192, 4), (1, 8192, 1), (16, 32768, 4), (16, 32768, 1), (64, 32768, 4),
                                (64, 32768, 1), (1, 131072, 4)):
-            steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
-                            q_dtype=torch.bfloat16, device=dev, num_sets=2)
-            sets = [steps.step(s, qo) for s in range(2)]
+            steps, sets = _fp8_step_sets(geo, dev, batch, ctx, qo, num_sets=2)
 
             def step(st):
                 c = st["cache"]
@@ -180,9 +188,7 @@ def topk_sweep(geo, dev) -> list[dict]:
 
     rows = []
     for batch, ctx in ((1, 8192), (16, 32768), (64, 32768), (16, 131072)):
-        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
-                        q_dtype=torch.bfloat16, device=dev, num_sets=2)
-        sets = [steps.step(s, 4) for s in range(2)]
+        steps, sets = _fp8_step_sets(geo, dev, batch, ctx, 4, num_sets=2)
         scores = [index_block_scores(st["index_q"], st["cache"].index_k, st["meta"], max_qo_len=4) for st in sets]
         want = [ref.select_blocks(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk) for st in sets]
         for tw, ug in itertools.product((None, 1, 2, 4, 8), (None, geo.q_heads)):
@@ -210,9 +216,7 @@ def scoring_sweep(geo, dev, ceiling: float) -> list[dict]:
     rows = []
     for batch, ctx, qo in ((1, 8192, 4), (1, 131072, 4), (8, 32768, 4), (16, 32768, 4), (16, 32768, 1),
                            (32, 32768, 4), (64, 32768, 4), (16, 131072, 4)):
-        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
-                        q_dtype=torch.bfloat16, device=dev, num_sets=2)
-        sets = [steps.step(s, qo) for s in range(2)]
+        steps, sets = _fp8_step_sets(geo, dev, batch, ctx, qo, num_sets=2)
         floor = index_k_bytes(sets[0]["meta"], geo, torch.bfloat16) / (ceiling * 1e3)
         nb = -(-ctx // geo.block)
         base = index_block_scores(sets[0]["index_q"], sets[0]["cache"].index_k, sets[0]["meta"], max_qo_len=qo)
@@ -239,9 +243,7 @@ def union_grid(geo, dev, scale: float) -> list[dict]:
     rows = []
     for batch, ctx, qo in ((64, 32768, 4), (32, 32768, 4), (16, 32768, 4), (8, 32768, 4), (1, 8192, 4),
                            (64, 32768, 1)):
-        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
-                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
-        sets = [steps.step(s, qo) for s in range(3)]
+        steps, sets = _fp8_step_sets(geo, dev, batch, ctx, qo, num_sets=3)
         fused = [select_blocks_verify(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk, max_qo_len=qo,
                                       union_group=geo.q_heads) for st in sets]
         u = fused[0][1]
@@ -292,9 +294,7 @@ def paired_v_sweep(geo, dev, scale: float) -> list[dict]:
     rows = []
     for batch, ctx, qo in ((64, 32768, 4), (64, 32768, 1), (16, 32768, 4), (16, 32768, 1), (1, 8192, 4),
                            (1, 8192, 1), (1, 131072, 4)):
-        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
-                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
-        sets = [steps.step(s, qo) for s in range(3)]
+        steps, sets = _fp8_step_sets(geo, dev, batch, ctx, qo, num_sets=3)
         topk = [select_blocks_verify(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk, max_qo_len=qo)
                 for st in sets]
         st0, c0 = sets[0], sets[0]["cache"]
@@ -343,9 +343,7 @@ def handoff_sweep(geo, dev, scale: float) -> list[dict]:
     rows = []
     for batch, ctx, qo in ((16, 32768, 4), (16, 32768, 1), (64, 32768, 4), (64, 32768, 1), (8, 32768, 4),
                            (1, 8192, 4), (1, 131072, 4)):
-        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
-                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
-        sets = [steps.step(s, qo) for s in range(3)]
+        steps, sets = _fp8_step_sets(geo, dev, batch, ctx, qo, num_sets=3)
         st0 = sets[0]
         want = ref.select_blocks(st0["index_q"], st0["cache"].index_k, st0["meta"], topk=geo.topk)
 
@@ -418,8 +416,7 @@ def main() -> None:
     if args.dense_only:
         rows += dense_sweep(geo, dev, ceiling, scale)
     for batch, ctx in () if only else ((64, 32768), (16, 32768), (1, 8192)):
-        steps = StepSet(batch, ctx, geo, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.bfloat16,
-                        q_dtype=torch.bfloat16, device=dev, num_sets=3)
+        steps = _fp8_step_set(geo, dev, batch, ctx, num_sets=3)
         for qo in (4, 1):
             sets = [steps.step(s, qo) for s in range(3)]
             meta0 = sets[0]["meta"]

@@ -98,3 +98,17 @@ def poison_allocator_like(t: torch.Tensor) -> None:
     forgets to write reads NaN rather than a lucky zero."""
     junk = torch.full_like(t, float("nan"))
     del junk
+
+
+def capture_after_warmup(fn):
+    """(CUDA graph, its outputs) of `fn()`: one warm-up call on a side stream (allocations and
+    per-device buffers happen outside the capture, as a host's warm-up step does), then the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

@@ -22,6 +22,8 @@ from m3_eagle_plugin.msa.kernels import flashinfer_msa as fim
 from m3_eagle_plugin.msa.kernels import kernel_table
 from tests.bench import _fake_flashinfer
 
+from .kernel_case_helpers import capture_after_warmup
+
 FP8 = getattr(torch, "float8_e4m3fn", None)
 pytestmark = pytest.mark.skipif(FP8 is None, reason="needs torch.float8_e4m3fn")
 BLOCK = DIM = 128
@@ -334,14 +336,7 @@ def test_gpu_routed_calls_match_the_references_and_capture(monkeypatch, q_len):
     err = float((out.double() - expect.double()).norm() / expect.double().norm())
     assert err < 2e-2, err
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
+    graph, captured = capture_after_warmup(run)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], sel)

@@ -17,7 +17,7 @@ import torch
 from m3_eagle_plugin.bench.inputs import Geometry
 from tests._interpreter import module_cases_lines, needs_interpreter
 
-from .kernel_case_helpers import assert_valid_selection, exact_block_scores, random_step
+from .kernel_case_helpers import assert_valid_selection, capture_after_warmup, exact_block_scores, random_step
 
 GEO = Geometry(q_heads=16, kv_heads=1, head_dim=32, index_heads=2, index_dim=32, block=16, topk=4)
 
@@ -116,14 +116,8 @@ def test_graph_replay_leaves_the_board_clean():
     meta, cache, _, index_q = random_step(GEO, [4, 2, 4, 1], [300, 45, 1000, 16], pad_tokens=2)
     kw = dict(topk=GEO.topk, max_qo_len=4)
     eager = select_blocks_verify(index_q, cache.index_k, meta, **kw)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        select_blocks_verify(index_q, cache.index_k, meta, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = select_blocks_verify(index_q, cache.index_k, meta, **kw)
+    graph, replayed = capture_after_warmup(lambda: select_blocks_verify(index_q, cache.index_k, meta, **kw))
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
         assert handoff.score_board("cuda", handoff.score_board("cuda", 1).untyped_storage().nbytes()) is None
     for _ in range(3):
         replayed.fill_(7)

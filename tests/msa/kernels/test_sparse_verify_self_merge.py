@@ -15,7 +15,7 @@ from m3_eagle_plugin.bench import torch_reference as ref
 from m3_eagle_plugin.bench.inputs import Geometry
 from tests._interpreter import module_cases_lines, needs_interpreter
 
-from .kernel_case_helpers import assert_close_rel, random_step
+from .kernel_case_helpers import assert_close_rel, capture_after_warmup, poison_allocator_like, random_step
 
 GEO = Geometry(q_heads=16, kv_heads=2, head_dim=32, index_heads=1, index_dim=32, block=16, topk=4)
 
@@ -46,7 +46,7 @@ def check_self_merge_matches_merge_launch(device, *, splits=2, qo_lens=(4, 1, 3)
                                     seed=seed, pad_tokens=pad_tokens, device=device)
     sel = _selection(meta, seed).to(device)
     kw = dict(scale=GEO.head_dim ** -0.5, max_qo_len=max(qo_lens), layout="token", splits=splits)
-    torch.full_like(q, float("nan"))  # leave NaN where the allocator hands out the next output
+    poison_allocator_like(q)
     merged = sparse_verify_attention(q, cache.k, cache.v, meta, sel, self_merge=True, **kw)
     _counters_zero(device, q.shape[0] * GEO.kv_heads)
     launched = sparse_verify_attention(q, cache.k, cache.v, meta, sel, self_merge=False, **kw)
@@ -96,14 +96,7 @@ def test_graph_replay_merges_the_same_and_resets_counters():
     sel = _selection(meta, 4).cuda()
     kw = dict(scale=GEO.head_dim ** -0.5, max_qo_len=4, layout="token", splits=2, self_merge=True)
     eager = sparse_verify_attention(q, cache.k, cache.v, meta, sel, **kw)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        sparse_verify_attention(q, cache.k, cache.v, meta, sel, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = sparse_verify_attention(q, cache.k, cache.v, meta, sel, **kw)
+    graph, replayed = capture_after_warmup(lambda: sparse_verify_attention(q, cache.k, cache.v, meta, sel, **kw))
     for _ in range(3):
         replayed.fill_(float("nan"))
         graph.replay()
