@@ -5,7 +5,7 @@ chosen from a handful of H200 runs; this script times every variant side by side
 inputs and prints the best per shape, so a default changes only on a measured table.
     python scripts/tune_verify_kernels.py [--json out.json] [--quick]
         [--sparse-only | --dense-only | --token-grid | --topk | --union-grid | --pdl | --scoring | --paired-v
-         | --handoff]
+         | --handoff | --early]
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from m3_eagle_plugin.bench.inputs import Geometry, union_blocks
 from m3_eagle_plugin.bench.kernel_suite import StepSet, dense_kv_bytes, index_k_bytes, kv_page_bytes
 from m3_eagle_plugin.bench.timing import copy_ceiling_gbps, time_graph_us as graph_us
 from m3_eagle_plugin.msa.kernels.dense_verify import default_splits, dense_verify_attention
+from m3_eagle_plugin.msa.kernels import index_select
 from m3_eagle_plugin.msa.kernels.index_select import index_block_scores, select_blocks_verify, topk_from_block_scores
 from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.msa.kernels.sparse_verify import choose_splits, sparse_verify_attention, token_splits, union_splits
@@ -371,6 +372,60 @@ def handoff_sweep(geo, dev, scale: float) -> list[dict]:
     return rows
 
 
+def early_sweep(geo, dev, scale: float, quick: bool = False) -> list[dict]:
+    """The sparse step (hand-off top-k + per-token attention on its selection) with the attention
+    launched in stream order or early (`verify_step`), over splits x merge launch / self-merge:
+    three interleaved rounds; every variant's selection must equal two plain launches' and the
+    ready flags must be zero after it."""
+    from m3_eagle_plugin.msa.kernels import handoff as board
+    from m3_eagle_plugin.msa.kernels.verify_step import early_splits, sparse_verify_step
+
+    rows = []
+    shapes = ((16, 32768, 4), (16, 32768, 1), (64, 32768, 4), (64, 32768, 1), (8, 32768, 4), (4, 32768, 4),
+              (1, 8192, 4))
+    for batch, ctx, qo in shapes[:2] if quick else shapes:
+        steps, sets = _fp8_step_sets(geo, dev, batch, ctx, qo, num_sets=3)
+        st0 = sets[0]
+        want = select_blocks_verify(st0["index_q"], st0["cache"].index_k, st0["meta"], topk=geo.topk, max_qo_len=qo,
+                                    handoff=False)
+        base = token_splits(batch * qo, geo.topk, dev)
+        rule = early_splits(batch * qo, geo.topk, dev)
+        variants = [("rule", None, None)]
+        for sp in sorted({min(base * m, geo.topk) for m in (1, 2, 4)} | {1}):
+            variants += [(f"plain sp={sp} self_merge={int(sm)}", False, (sp, sm)) for sm in (False, True) if sp > 1 or sm]
+            variants += [(f"early sp={sp} self_merge={int(sm)}", True, (sp, sm)) for sm in (False, True) if sp > 1 or sm]
+
+        def step(st, early, launch):
+            c = st["cache"]
+            if launch is None:
+                return sparse_verify_step(st["index_q"], c.index_k, st["q"], c.k, c.v, st["meta"], topk=geo.topk,
+                                          scale=scale, k_scale=c.k_scale, v_scale=c.v_scale, max_qo_len=qo)
+            sp, sm = launch
+            if early:
+                sel, _, ready = index_select.select_announcing(st["index_q"], c.index_k, st["meta"], topk=geo.topk,
+                                                               max_qo_len=qo, consumers=sp)
+            else:
+                sel, ready = select_blocks_verify(st["index_q"], c.index_k, st["meta"], topk=geo.topk,
+                                                  max_qo_len=qo), None
+            return sel, sparse_verify_attention(st["q"], c.k, c.v, st["meta"], sel, scale=scale, k_scale=c.k_scale,
+                                                v_scale=c.v_scale, max_qo_len=qo, splits=sp, self_merge=sm,
+                                                ready=ready)
+        times: dict = {}
+        for _ in range(3):
+            for name, early, launch in variants:
+                same = torch.equal(step(st0, early, launch)[0], want)
+                clean = bool((board.ready_flags(dev, 1 << 16) == 0).all())
+                us = graph_us([lambda st=st: step(st, early, launch) for st in sets])
+                times.setdefault(name, []).append(us if same and clean else float("nan"))
+        for name, us in times.items():
+            rows.append({"kernel": "sparse_step_early", "batch": batch, "ctx": ctx, "qo": qo,
+                         "variant": name + (f" (early rule: {rule})" if name == "rule" else ""),
+                         "us": min(us), "pct": float("nan"), "default": name == "rule"})
+        del steps, sets
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -388,6 +443,8 @@ def main() -> None:
                     help="only the union layout over key tile x stages x splits, and the step per layout")
     ap.add_argument("--handoff", action="store_true",
                     help="only the sparse step with the top-k hand-off and the attention's self-merge on/off")
+    ap.add_argument("--early", action="store_true",
+                    help="only the sparse step with the attention launched in order / early, x splits x self-merge")
     ap.add_argument("--paired-v", action="store_true",
                     help="only the sparse attention and step with V read as bytes vs 16-bit pairs (seven shapes)")
     args = ap.parse_args()
@@ -411,8 +468,10 @@ def main() -> None:
         rows += paired_v_sweep(geo, dev, scale)
     if args.handoff:
         rows += handoff_sweep(geo, dev, scale)
+    if args.early:
+        rows += early_sweep(geo, dev, scale, args.quick)
     only = (args.dense_only or args.token_grid or args.topk or args.union_grid or args.pdl or args.scoring
-            or args.paired_v or args.handoff)
+            or args.paired_v or args.handoff or args.early)
     if args.dense_only:
         rows += dense_sweep(geo, dev, ceiling, scale)
     for batch, ctx in () if only else ((64, 32768), (16, 32768), (1, 8192)):
@@ -468,12 +527,10 @@ def main() -> None:
             # the whole sparse-layer step as the model runs it (default layout), and the union layout
             # on the fused top-k's union lists
             step_bytes = ik_bytes + att_bytes
-            for name, fn in (("default", lambda st: kernels.sparse_attention(
-                                 st["q"], st["cache"].k, st["cache"].v, st["meta"],
-                                 kernels.select_blocks_paged(st["index_q"], st["cache"].index_k, st["meta"],
-                                                             topk=geo.topk, max_qo_len=qo),
-                                 scale=scale, k_scale=st["cache"].k_scale, v_scale=st["cache"].v_scale,
-                                 max_qo_len=qo)),
+            for name, fn in (("default", lambda st: kernels.sparse_layer_attention(
+                                 st["q"], st["cache"].k, st["cache"].v, st["index_q"], st["cache"].index_k,
+                                 st["meta"], topk=geo.topk, scale=scale, k_scale=st["cache"].k_scale,
+                                 v_scale=st["cache"].v_scale, max_qo_len=qo)),
                              ("union fused", lambda st: _union_step(st, geo, qo, scale))):
                 us = graph_us([lambda st=st, fn=fn: fn(st) for st in sets])
                 rows.append({"kernel": "sparse_step", "batch": batch, "ctx": ctx, "qo": qo, "variant": name,

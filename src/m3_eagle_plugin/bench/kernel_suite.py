@@ -105,6 +105,7 @@ def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Call
     from m3_eagle_plugin.msa.kernels.dense_verify import dense_verify_attention
     from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
     from m3_eagle_plugin.msa.kernels.sparse_verify import sparse_verify_attention
+    from m3_eagle_plugin.msa.kernels.verify_step import sparse_verify_step
 
     meta, cache, q = step["meta"], step["cache"], step["q"]
     scale = 1.0 / math.sqrt(geo.head_dim)
@@ -119,12 +120,11 @@ def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Call
                 lambda: ref.sparse_attention(q, cache.k, cache.v, meta, step["selection"], scale=scale,
                                              k_scale=ks, v_scale=vs))
     if name == "sparse_step":
-        def kernel():  # our kernels as the dispatchers call them (default layouts and launch geometry), never
-            # routed: on a FlashInfer-eligible cache the dispatchers may pick its kernels, and the row
-            # would no longer be ours (the bench's pooled K/V and index-K views are not eligible)
-            sel = select_blocks_verify(step["index_q"], cache.index_k, meta, topk=geo.topk, max_qo_len=qo)
-            return sparse_verify_attention(q, cache.k, cache.v, meta, sel, scale=scale, k_scale=ks, v_scale=vs,
-                                           max_qo_len=qo)
+        def kernel():  # our step as the layer dispatcher calls it (`verify_step`, defaults), never routed:
+            # on a FlashInfer-eligible cache the dispatcher may pick its kernels, and the row would no
+            # longer be ours (the bench's pooled K/V and index-K views are not eligible)
+            return sparse_verify_step(step["index_q"], cache.index_k, q, cache.k, cache.v, meta, topk=geo.topk,
+                                      scale=scale, k_scale=ks, v_scale=vs, max_qo_len=qo)[1]
 
         def reference():
             sel = ref.select_blocks(step["index_q"], cache.index_k, meta, topk=geo.topk)

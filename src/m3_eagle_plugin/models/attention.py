@@ -73,7 +73,7 @@ class M3Attention(nn.Module):
             index_k_cache = cache.index_k(self.layer_id)
             kernels.write_step_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype),
                                   index_k_cache, index_k.to(index_k_cache.dtype))
-            selection = kernels.select_blocks_paged(index_q, index_k_cache, meta, topk=self.topk_blocks,
-                                                local_blocks=self.local_blocks, init_blocks=self.init_blocks)
-            out = kernels.sparse_attention(q, k_cache, v_cache, meta, selection, scale=self.scale)
+            out = kernels.sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta,
+                                                 topk=self.topk_blocks, scale=self.scale,
+                                                 local_blocks=self.local_blocks, init_blocks=self.init_blocks)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim).to(x.dtype))

@@ -1,7 +1,7 @@
 """Triton kernels for the MSA verify step, and the chooser between them and the torch references.
 
 Importing this package never imports `triton`; the kernel modules (`index_select`,
-`sparse_verify`, `dense_verify`, `kv_lens_update`, `kv_write`, `merge`) do, and are loaded only when
+`sparse_verify`, `verify_step`, `dense_verify`, `kv_lens_update`, `kv_write`, `merge`) do, and are loaded only when
 `backend_report()` / `use_triton()` say they can run. FlashInfer's MSA ops (`flashinfer_msa`) are
 imported only when a call is eligible for them; `kernel_table` holds the measured choice.
 
@@ -18,6 +18,7 @@ from .backend import (
     on_update_kv_lens,
     select_blocks_paged,
     sparse_attention,
+    sparse_layer_attention,
     use_triton,
     write_step_kv,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "on_update_kv_lens",
     "select_blocks_paged",
     "sparse_attention",
+    "sparse_layer_attention",
     "triton_available",
     "use_triton",
     "write_step_kv",

@@ -203,6 +203,31 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
     return _reference("sparse_attention")(q, k_cache, v_cache, meta, selection, scale=scale)
 
 
+def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *, topk, scale, local_blocks=1,
+                           init_blocks=0, k_scale=None, v_scale=None, max_qo_len: int | None = None):
+    """A sparse layer's block selection then sparse attention: our whole step in one call
+    (`verify_step`: the attention launched while the top-k still runs) when neither half goes
+    to FlashInfer, else `select_blocks_paged` then `sparse_attention`."""
+    kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
+    attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len)
+    if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
+            and _kernel_shape_ok(index_q.shape[-1], meta.block_size)):
+        like = q.new_empty((k_cache.shape[1], q.shape[0], topk), dtype=torch.int32)  # shape only, for the routes
+        routed = any(flashinfer_route(name, q.device, meta, q.shape[0], max_qo_len, check) is not None
+                     for name, check in ((fim.INDEX, lambda: fim.eligibility(
+                         fim.INDEX, index_q, index_k_cache, meta, topk=topk, max_qo_len=max_qo_len)),
+                                         (fim.SPARSE, lambda: fim.eligibility(
+                         fim.SPARSE, q, k_cache, v_cache, meta, like, k_scale=k_scale, v_scale=v_scale,
+                         max_qo_len=max_qo_len))))
+        if not routed:
+            from .verify_step import sparse_verify_step
+
+            return sparse_verify_step(index_q, index_k_cache, q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale,
+                                      v_scale=v_scale, **kw)[1]
+    selection = select_blocks_paged(index_q, index_k_cache, meta, **kw)
+    return sparse_attention(q, k_cache, v_cache, meta, selection, **attend)
+
+
 def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=None,
                     max_qo_len: int | None = None):
     """Dispatching twin of `msa.dense_attention`."""

@@ -15,7 +15,9 @@ took 4-6 us longer at B16/B64 32K.)
 
 Deadlock-free because a PDL consumer is only scheduled once every scoring program has started
 (each releases its dependents first); launched without PDL it finds every score written.
-Launches sharing a device's board must not run concurrently on two streams.
+Launches sharing a device's board must not run concurrently on two streams. The same module
+keeps the per-row ready flags through which the top-k hands its selection on to an attention
+launched early (`verify_step`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ SENTINEL = -4474963
 MIN_ENTRIES = 1 << 20
 
 _BOARDS: dict[torch.device, torch.Tensor] = {}  # int32 words, viewed as fp32 scores
+_READY: dict[torch.device, torch.Tensor] = {}
 
 ENV_VAR = "M3_EAGLE_HANDOFF"
 
@@ -50,6 +53,14 @@ def score_board(device: torch.device | str, numel: int) -> torch.Tensor | None:
     graph must not own it: the caller then takes the plain two-launch path)."""
     board = step_buffer(_BOARDS, device, numel, fill=SENTINEL, min_numel=MIN_ENTRIES)
     return None if board is None else board.view(torch.float32)
+
+
+def ready_flags(device: torch.device | str, numel: int) -> torch.Tensor | None:
+    """`numel` int32 per-row flags of `device`, zero between steps, for the hand-off from the
+    top-k to an attention launched early (`verify_step`): the top-k sets a row's flag to the
+    number of attention programs that read the row, each of those takes one off once it sees it
+    set. None while capturing a graph and there are too few (the caller then waits for the grid)."""
+    return step_buffer(_READY, device, numel, fill=0, min_numel=1 << 16)
 
 
 def reset_board(device: torch.device | str) -> None:

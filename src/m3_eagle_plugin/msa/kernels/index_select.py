@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .block_union import BlockUnion, allocate_union, chunk_count
-from .handoff import SENTINEL as _SENTINEL, handoff_enabled, reset_board, score_board
+from .handoff import SENTINEL as _SENTINEL, handoff_enabled, ready_flags, reset_board, score_board
 from .pdl import pdl_args, release_dependents, wait_for_prior_grid, wait_then_release
 from ._common import (
     qo_len_hint,
@@ -120,17 +120,21 @@ def _topk_union_kernel(
     score_ptr, s_sc_h, s_sc_t,
     vb_ptr, cu_ptr, num_tokens,
     out_ptr, s_o_h, s_o_t, bt_ptr, s_bt_r,
-    ids_ptr, pages_ptr, bits_ptr, cnt_ptr, kvl_ptr, block,
+    ids_ptr, pages_ptr, bits_ptr, cnt_ptr, kvl_ptr, block, ready_ptr,
     QP: tl.constexpr, NCH: tl.constexpr, NBP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
     LOCAL: tl.constexpr, INIT: tl.constexpr, WRITE_UNION: tl.constexpr, HANDOFF: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    ANNOUNCE: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """One program per (request, index head, token chunk). With HANDOFF the scores are a
     `handoff.score_board`: the program polls its rows until the scoring has written every entry
     of its request's pages (none is SENTINEL), not for the scoring grid, and puts the sentinel
-    back once it has selected."""
+    back once it has selected. With ANNOUNCE (> 0) each finished row sets its `ready_ptr` flag
+    (index head x token) to ANNOUNCE, with release order, for an attention launched early that
+    polls it (`verify_step`); that attention's launch is released at once."""
     if not HANDOFF:
         wait_for_prior_grid(PDL)
+    elif PDL and ANNOUNCE > 0:
+        release_dependents()
     r = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -149,7 +153,7 @@ def _topk_union_kernel(
         raw = tl.load(board + at, mask=written, other=0, volatile=True)
         while tl.sum(((raw == SENTINEL) & written).to(tl.int32)) > 0:
             raw = tl.load(board + at, mask=written, other=0, volatile=True)
-        if PDL:  # only now: an early attention launch would hold SMs the scoring still needs
+        if PDL and ANNOUNCE == 0:  # only now: an attention waiting for this whole grid would hold SMs
             release_dependents()
         vals = tl.where(visible, raw.to(tl.float32, bitcast=True), float("-inf"))
     else:
@@ -178,6 +182,10 @@ def _topk_union_kernel(
     if (r == tl.num_programs(0) - 1) & (c == 0):
         for t in range(t1, num_tokens):
             tl.store(out_ptr + h * s_o_h + t * s_o_t + pad, tl.full([TOPK_P], -1, tl.int32), mask=pad < TOPK)
+    if ANNOUNCE > 0:
+        tl.debug_barrier()  # every thread's selection stores precede the release below
+        tl.atomic_xchg(ready_ptr + h * num_tokens + tok, tl.full([QP], ANNOUNCE, tl.int32), mask=row_ok,
+                       sem="release", scope="gpu")
     if HANDOFF:
         tl.store(board + at, tl.full([QP, NBP], SENTINEL, tl.int32), mask=written)
 
@@ -297,6 +305,8 @@ def topk_from_block_scores(
     handoff: bool = False,
     block_size: int | None = None,
     early: bool = False,
+    ready: torch.Tensor | None = None,
+    consumers: int = 0,
 ) -> tuple[torch.Tensor, BlockUnion | None]:
     """Per-token top-k over `block_scores[:, t, :valid_blocks[t]]` -> (int32 `[Hi, T, topk]`, union).
 
@@ -315,6 +325,7 @@ def topk_from_block_scores(
     max_qo_len = qo_len_hint(meta, max_qo_len)
     block_size = block_size or getattr(meta, "block_size", None)
     require(not handoff or block_size, "handoff needs the index-K block size (block_size= or meta.block_size)")
+    require(ready is None or (handoff and consumers >= 1), "ready flags need the hand-off and consumers >= 1")
     out = torch.empty((num_heads, num_tokens, topk), device=block_scores.device, dtype=torch.int32)
     # Verify/decode steps without union lists: one token per program (selection rows are independent;
     # more, smaller programs). Union lists cover a chunk of a request's tokens; long prefill chunks
@@ -336,9 +347,10 @@ def topk_from_block_scores(
             meta.valid_blocks, meta.cu_qo_lens, num_tokens,
             out, out.stride(0), out.stride(1), meta.block_tables, meta.block_tables.stride(0),
             union.ids if union else dummy, union.pages if union else dummy, union.bits if union else dummy,
-            union.counts if union else dummy, meta.kv_lens, block_size or 1,
+            union.counts if union else dummy, meta.kv_lens, block_size or 1, dummy if ready is None else ready,
             QP=qp, NCH=nch, NBP=nbp, TOPK=topk, TOPK_P=next_pow2(topk),
             LOCAL=local_blocks, INIT=init_blocks, WRITE_UNION=union is not None, HANDOFF=handoff,
+            ANNOUNCE=0 if ready is None else int(consumers),
             num_warps=topk_warps if topk_warps else default_topk_warps(qp, nbp),
             **pdl_args(block_scores.device, grid, every_grid=early),
         )
@@ -377,6 +389,19 @@ def select_blocks_verify(
     its own request is scored (`handoff`); without it (or while capturing a graph before the
     board is big enough) the top-k waits for the whole scoring grid.
     """
+    selection, union, _ = select_announcing(index_q, index_k_cache, meta, topk=topk, local_blocks=local_blocks,
+                                            init_blocks=init_blocks, max_qo_len=max_qo_len,
+                                            union_group=union_group, handoff=handoff)
+    return selection if union_group is None else (selection, union)
+
+
+def select_announcing(index_q, index_k_cache, meta, *, topk: int, local_blocks: int = 1, init_blocks: int = 0,
+                      max_qo_len: int | None = None, union_group: int | None = None, handoff: bool | None = None,
+                      consumers: int = 0) -> tuple[torch.Tensor, BlockUnion | None, torch.Tensor | None]:
+    """`select_blocks_verify` -> (selection, union, ready flags or None). With `consumers` (> 0)
+    and the hand-off, each selected row also sets a `handoff.ready_flags` entry (index head x
+    token) to `consumers`; the flags are returned only then, and the caller must then launch
+    exactly that many flag-polling attention programs per row (`verify_step`)."""
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len,
               union_group=union_group)
     num_tokens, num_heads, _ = index_q.shape
@@ -388,14 +413,15 @@ def select_blocks_verify(
     if board is None:
         scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len)
         selection, union = topk_from_block_scores(scores, meta, **kw)
-    else:
-        early = pdl_args(index_q.device, (), every_grid=True)["PDL"]
-        scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len,
-                                    out=board.view(num_heads, num_tokens, -1), release_dependents=early)
-        try:
-            selection, union = topk_from_block_scores(scores, meta, handoff=True, block_size=index_k_cache.shape[1],
-                                                      early=early, **kw)
-        except BaseException:
-            reset_board(index_q.device)
-            raise
-    return selection if union_group is None else (selection, union)
+        return selection, union, None
+    early = pdl_args(index_q.device, (), every_grid=True)["PDL"]
+    ready = ready_flags(index_q.device, num_heads * num_tokens) if consumers > 0 else None
+    scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len,
+                                out=board.view(num_heads, num_tokens, -1), release_dependents=early)
+    try:
+        selection, union = topk_from_block_scores(scores, meta, handoff=True, block_size=index_k_cache.shape[1],
+                                                  early=early, ready=ready, consumers=consumers, **kw)
+    except BaseException:
+        reset_board(index_q.device)
+        raise
+    return selection, union, ready

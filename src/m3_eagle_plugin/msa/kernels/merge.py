@@ -3,7 +3,7 @@
 Why: the sparse and dense verify kernels split a request's pages over several programs so small
 batches still fill the GPU; this kernel folds the splits back into `[T, Hq, D]` in `q.dtype`.
 Tokens past `cu_qo_lens[-1]` (graph padding) get zeros. The per-token sparse attention merges
-two splits itself instead (its last split to finish; `split_arrivals` holds the counters).
+up to four splits itself instead (its last split to finish; `split_arrivals` holds the counters).
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ predecessor still runs; its programs first let their own dependents launch, then
 `griddepcontrol.wait` until the predecessor has finished and its writes are visible, so nothing
 is read early and the chain stays transitive (every program of every PDL kernel waits; the one
 exception, the hand-off top-k of `handoff`, waits for its own scores instead, and the scoring
-that releases it does so only after its own wait).
+that releases it does so only after its own wait; the early attention of `verify_step` behind
+it waits for its selection rows, and for the top-k grid only before it stores).
 Only small grids use it (`pdl_args`); the interpreter and pre-Hopper GPUs never do.
 """
 from __future__ import annotations
@@ -63,6 +64,14 @@ def wait_then_release(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_prior_grid_only(PDL: tl.constexpr):
+    """Wait for the previous kernel (under PDL) without releasing the next launch: for a kernel
+    that computes early and must not write before its predecessor is done (`verify_step`)."""
+    if PDL:
+        gdc_wait()
 
 
 @triton.jit

@@ -36,7 +36,7 @@ from ._common import (
 )
 from .block_union import BlockUnion, chunk_count, union_from_selection
 from .merge import merge_splits, split_arrivals
-from .pdl import pdl_args, wait_for_prior_grid
+from .pdl import pdl_args, wait_for_prior_grid, wait_for_prior_grid_only
 
 LOG2E = 1.4426950408889634
 
@@ -232,25 +232,38 @@ def _sparse_token_kernel(
     v_ptr, s_v_p, s_v_h, s_v_b,
     sel_ptr, s_sel_h, s_sel_t,
     bt_ptr, s_bt_r, cu_ptr, pos_ptr,
-    o_ptr, s_o_t, s_o_h, lse_ptr, num_tokens, fin_ptr, arrived_ptr,
+    o_ptr, s_o_t, s_o_h, lse_ptr, num_tokens, fin_ptr, arrived_ptr, ready_ptr,
     qk_scale, v_scale,
     G: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
     BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
     F16: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr, VPAIR: tl.constexpr, ASM: tl.constexpr,
-    SELF_MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
+    SELF_MERGE: tl.constexpr = False, READY: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """One program per (request, KV head, token of the request, split): the token's GQA group
     (ROWS >= 16 rows, padded) walks its own selected pages; pages shared with the request's other
     tokens come from L2, so the tile stays small and many programs keep loads in flight. With
     SELF_MERGE the last split of a token to finish (an arrival counter it resets) merges the
-    splits into `fin_ptr`, so no merge launch follows."""
-    wait_for_prior_grid(PDL)
+    splits into `fin_ptr`, so no merge launch follows. With READY the program was launched while
+    the top-k still runs (`verify_step`): it waits for its token's `ready_ptr` flag instead of
+    the top-k grid, and for the grid only before its first store."""
+    if not READY:
+        wait_for_prior_grid(PDL)
     r = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2) % SPLITS
     num_heads = tl.num_programs(1) * G
     tok0 = tl.load(cu_ptr + r) + tl.program_id(2) // SPLITS
     live = tok0 < tl.load(cu_ptr + r + 1)
+    if READY:
+        if live:
+            flag = ready_ptr + g * num_tokens + tok0
+            seen = tl.load(flag, volatile=True)
+            while seen == 0:
+                seen = tl.load(flag, volatile=True)
+            # Every thread polls for itself: none may still be polling when the flag drops to 0.
+            tl.debug_barrier()
+            tl.atomic_add(flag, -1, sem="acquire", scope="gpu")  # syncs with the top-k's release
+            tl.debug_barrier()  # ... and orders every thread's selection loads after it
     rows = tl.arange(0, ROWS)
     tok = tok0 + 0 * rows
     head = g * G + rows
@@ -264,7 +277,7 @@ def _sparse_token_kernel(
     pos = pos1 + 0 * rows
     jj = tl.arange(0, TOPK_P)
     sel_row = sel_ptr + g * s_sel_h + tok0.to(tl.int64) * s_sel_t
-    ids = tl.load(sel_row + jj, mask=live & (jj < TOPK), other=-1)
+    ids = tl.load(sel_row + jj, mask=live & (jj < TOPK), other=-1, cache_modifier=".cg")
     count = tl.sum((ids >= 0).to(tl.int32), axis=0)  # ascending, -1 padded at the end
     if PREFETCH:
         pages = tl.load(bt_ptr + r * s_bt_r + ids, mask=ids >= 0, other=-1)
@@ -289,6 +302,8 @@ def _sparse_token_kernel(
                                                   qk_scale, IEEE, VPAIR, ASM)
 
     acc = _join_dim_halves(acc, acc_hi, VPAIR)
+    if READY:  # outputs may reuse memory the scoring still reads until the top-k grid is done
+        wait_for_prior_grid_only(PDL)
     _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
                 D, SPLITS)
     if SPLITS == 1 or SELF_MERGE:
@@ -421,6 +436,7 @@ def sparse_verify_attention(
     prefetch: bool = True,
     paired_v: bool | None = None,
     self_merge: bool | None = None,
+    ready: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids.
 
@@ -433,6 +449,9 @@ def sparse_verify_attention(
     exactly. `paired_v` reads e4m3 V as 16-bit pairs of head dims (`_attend_page_tile`); by
     default on the per-token layout whenever `paired_v_applies`. `self_merge` (per-token layout;
     default up to SELF_MERGE_SPLITS splits) has a token's last split merge the others in-kernel.
+    `ready` (per-token flags a top-k launched just before sets, `index_select.select_announcing`
+    with `consumers=splits`; per-token layout, explicit splits) launches the attention early (PDL)
+    with each program waiting for its own token's flag.
     """
     check_attention_inputs(q, k_cache, v_cache, meta)
     max_qo_len = qo_len_hint(meta, max_qo_len)
@@ -461,7 +480,8 @@ def sparse_verify_attention(
         return _token_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                 max_qo_len=max_qo_len, splits=splits, num_warps=num_warps, num_stages=num_stages,
                                 key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch, paired_v=paired_v,
-                                self_merge=self_merge)
+                                self_merge=self_merge, ready=ready)
+    require(ready is None, "ready flags need layout 'token'")
     if union is None:
         qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
         union = union_from_selection(selection, meta.cu_qo_lens, meta.block_tables, chunk=qp,
@@ -527,7 +547,8 @@ def merge_outputs(out, o_buf, lse, meta, splits: int, v_scale: float) -> torch.T
 
 
 def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,
-                     num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v, self_merge) -> torch.Tensor:
+                     num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v, self_merge,
+                     ready=None) -> torch.Tensor:
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
     group = num_heads // hkv
@@ -537,8 +558,11 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
     per_request = chunk_count(num_tokens, num_requests, 1, max_qo_len)
     partial_row = num_tokens * num_heads * dim
     if splits is None:
+        require(ready is None, "ready flags need explicit splits (the top-k's consumers per row)")
         splits = token_splits(num_requests * per_request * hkv, topk, q.device, partial_row=partial_row)
     check_splits(splits, partial_row)
+    require(ready is None or (ready.dtype == torch.int32 and ready.numel() >= hkv * num_tokens),
+            "ready flags must be int32 with one entry per KV head and token")
     out, o_buf, lse = split_outputs(q, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
@@ -555,20 +579,22 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
         selection, selection.stride(0), selection.stride(1),
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions,
         o_buf, out.stride(0), out.stride(1), lse, num_tokens, out, out if arrivals is None else arrivals,
-        float(scale) * scale_value(k_scale) * LOG2E, vs,
+        out if ready is None else ready, float(scale) * scale_value(k_scale) * LOG2E, vs,
         G=group, ROWS=next_pow2(max(16, group)), TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block,
         BN=min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16, PREFETCH=prefetch,
         IEEE=q.dtype == torch.float32, VPAIR=paired_v, ASM=not triton_interpreting(), SELF_MERGE=self_merge,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device, grid),
+        READY=ready is not None, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(q.device, grid, every_grid=ready is not None),
     )
     return out if self_merge else merge_outputs(out, o_buf, lse, meta, splits, vs)
 
 
 #: Most splits the per-token attention merges itself (its last split to finish), not with a merge
-#: launch (H200, 2026-11-29, the step with the board hand-off, merge launch -> self-merge: B16/32K
-#: q4 53.2 -> 53.1 us, B64/32K q1 140.5 -> 140.1, B8/32K q4 34.8 -> 34.3; without the hand-off
-#: B16 q4 54.5 -> 54.2, B64 q1 142.0 -> 141.5; a session-8 run: 16 splits at B1/8K 10.4 vs 7.3).
-SELF_MERGE_SPLITS = 2
+#: launch. H200, 2026-11-30, `scripts/tune_verify_kernels.py --splits` (the step, merge launch ->
+#: self-merge): 4 splits B16/32K q4 54.6 -> 52.7 us, B64/32K q1 144.6 -> 142.5, B8/32K q4 34.4 ->
+#: 33.9; 8 splits B8 q4 34.2 -> 35.0, B16 q1 46.7 -> 47.8 (2026-11-29, with the hand-off: 2 splits
+#: B16 q4 53.2 -> 53.1, B64 q1 140.5 -> 140.1; a session-8 run: 16 splits at B1/8K 10.4 vs 7.3).
+SELF_MERGE_SPLITS = 4
 
 
 def default_scale(head_dim: int) -> float:

@@ -1,0 +1,164 @@
+"""The sparse layer's step in one call (`verify_step`): the attention launched early, each
+program waiting for its own token's ready flag, against two independent things: the selection
+of two plain launches (the top-k after the whole scoring grid) and the torch reference
+attention on that selection. The flags must be zero again after every step (the next step's
+attention trusts any other value), including after graph replays, reshaped batches and a
+rejected call.
+
+Device-agnostic: on a CUDA GPU (where the attention really launches early and polls) the checks
+run here; on CPU `tests._interpreter` runs them through Triton's interpreter (programs run in
+order there, so it checks the flag protocol's indexing and counts, not the race).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3_eagle_plugin.bench import torch_reference as ref
+from m3_eagle_plugin.bench.inputs import Geometry
+from tests._interpreter import module_cases_lines, needs_interpreter
+
+from .kernel_case_helpers import assert_close_rel, capture_after_warmup, poison_allocator_like, random_step
+
+GEO = Geometry(q_heads=16, kv_heads=2, head_dim=32, index_heads=2, index_dim=32, block=16, topk=4)
+SCALE = GEO.head_dim ** -0.5
+
+
+def _flags_zero(device, n):
+    from m3_eagle_plugin.msa.kernels.handoff import ready_flags
+
+    flags = ready_flags(device, n).cpu()
+    assert (flags == 0).all(), f"ready flags left set: {flags.nonzero().flatten()[:8].tolist()}"
+
+
+def _step(meta, cache, q, index_q, max_qo_len=4, **kw):
+    from m3_eagle_plugin.msa.kernels.verify_step import sparse_verify_step
+
+    return sparse_verify_step(index_q, cache.index_k, q, cache.k, cache.v, meta, topk=GEO.topk, scale=SCALE,
+                              max_qo_len=max_qo_len, **kw)
+
+
+def check_early_step_matches_plain_launches(device, *, qo_lens=(4, 1, 3), kv_lens=(150, 16, 97), splits=2,
+                                            pad_tokens=2, local=1, init=0, seed=0):
+    from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+
+    # fp16, not the production bf16: Triton's interpreter has no bf16 dot.
+    meta, cache, q, index_q = random_step(GEO, list(qo_lens), list(kv_lens), kv_dtype=torch.float16,
+                                          index_dtype=torch.float16, q_dtype=torch.float16, seed=seed,
+                                          pad_tokens=pad_tokens, device=device)
+    want = select_blocks_verify(index_q, cache.index_k, meta, topk=GEO.topk, local_blocks=local, init_blocks=init,
+                                max_qo_len=max(qo_lens), handoff=False)
+    expect = ref.sparse_attention(q, cache.k, cache.v, meta, want, scale=SCALE)
+    poison_allocator_like(q)
+    sel, out = _step(meta, cache, q, index_q, max(qo_lens), early=True, splits=splits, local_blocks=local,
+                     init_blocks=init)
+    assert torch.equal(sel.cpu(), want.cpu())
+    live = sum(qo_lens)
+    assert_close_rel(out[:live].float(), expect[:live].float(), 3e-3)
+    assert (out[live:] == 0).all(), "graph-padding rows must be zero"
+    _flags_zero(device, GEO.kv_heads * q.shape[0])
+
+
+def check_flags_reused_across_batches(device):
+    """Growing, shrinking and reshaped batches, with 1 to 4 readers a row, share one set of flags."""
+    for (qo_lens, kv_lens), splits in zip((((2, 3), (40, 70)), ((1,) * 6, (16, 17, 31, 48, 1, 90)),
+                                           ((4, 4), (64, 33))), (1, 3, 4)):
+        check_early_step_matches_plain_launches(device, qo_lens=qo_lens, kv_lens=kv_lens, splits=splits, pad_tokens=0)
+
+
+#: The interpreter's share (small launches: CI has two cores).
+INTERPRETER_CASES = [
+    (check_early_step_matches_plain_launches, dict()),
+    (check_early_step_matches_plain_launches, dict(splits=3, local=2, init=1, seed=1)),
+    (check_flags_reused_across_batches, dict()),
+]
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fn,kw", INTERPRETER_CASES + [
+    # M3-like: 32 requests of 4 verify tokens at 2-6K context, 4 readers a row.
+    (check_early_step_matches_plain_launches, dict(qo_lens=(4,) * 32, kv_lens=tuple(2000 + 131 * i for i in range(32)),
+                                                   splits=4, pad_tokens=5, seed=3)),
+])
+def test_on_gpu(fn, kw):
+    fn("cuda", **kw)
+
+
+@needs_cuda
+def test_graph_replay_matches_eager_and_leaves_flags_zero():
+    meta, cache, q, index_q = random_step(GEO, [4, 2, 4, 1], [300, 45, 1000, 16], pad_tokens=2)
+    eager_sel, eager = _step(meta, cache, q, index_q, early=True, splits=2)
+    graph, (sel, out) = capture_after_warmup(lambda: _step(meta, cache, q, index_q, early=True, splits=2))
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(sel, eager_sel) and torch.equal(out, eager)
+        _flags_zero("cuda", GEO.kv_heads * q.shape[0])
+
+
+@needs_interpreter
+def test_kernel_in_the_interpreter():
+    lines = module_cases_lines("tests.msa.kernels.test_verify_step")
+    assert len(lines) == len(INTERPRETER_CASES), lines
+
+
+def test_early_splits_rule():
+    """About two programs per SM, at most one page each, and none below EARLY_MIN_UNITS rows."""
+    from m3_eagle_plugin.msa.kernels.verify_step import EARLY_MIN_UNITS, early_splits
+
+    assert early_splits(EARLY_MIN_UNITS - 1, 16, "cpu") is None
+    for units in (EARLY_MIN_UNITS, 100, 132, 264, 1000, 4096):
+        for topk in (1, 4, 16):
+            s = early_splits(units, topk, "cpu")
+            assert 1 <= s <= topk
+            assert s == 1 or units * s <= 2 * 132  # the default SM count without a GPU
+            assert s == topk or units * (s + 1) > 2 * 132
+
+
+def test_rejected_inputs_launch_nothing():
+    """A q whose head dim differs from the cache's is refused before the selection is launched,
+    so no flag is armed (a later attention would read a stale one)."""
+    from m3_eagle_plugin.msa.kernels import KernelInputError
+
+    meta, cache, q, index_q = random_step(GEO, [2, 3], [40, 70], kv_dtype=torch.float16, index_dtype=torch.float16,
+                                          q_dtype=torch.float16, device="cpu")
+    with pytest.raises(KernelInputError, match="head dim"):
+        _step(meta, cache, q[..., :16].contiguous(), index_q, early=True, splits=2)
+    with pytest.raises(KernelInputError, match="index_q has 4 tokens, q has 5"):
+        _step(meta, cache, q, index_q[:4], early=True, splits=2)
+    _flags_zero("cpu", GEO.kv_heads * q.shape[0])
+
+
+def test_ready_flags_are_zero_shared_and_grow():
+    from m3_eagle_plugin.msa.kernels.handoff import ready_flags
+
+    a = ready_flags("cpu", 8)
+    assert a.shape == (8,) and a.dtype == torch.int32 and (a == 0).all()
+    assert ready_flags("cpu", 3).data_ptr() == a.data_ptr()
+    big = ready_flags("cpu", (1 << 16) + 5)
+    assert big.shape == ((1 << 16) + 5,) and (big == 0).all()
+    assert ready_flags("cpu", 1).data_ptr() == big.data_ptr()
+
+
+@needs_cuda
+def test_layer_dispatcher_matches_the_reference():
+    """`kernels.sparse_layer_attention` (what the model calls) runs `verify_step` on a GPU, early
+    by the rule where it applies (32 requests x 4 tokens). (On CPU it calls the two torch
+    references as before; the model tests cover that path.)"""
+    device = "cuda"
+    from m3_eagle_plugin.msa import kernels
+
+    geo = Geometry(q_heads=16, kv_heads=1, head_dim=32, index_heads=1, index_dim=32, block=16, topk=4)
+    qo_lens, kv_lens = [4] * 32, [200 + 37 * i for i in range(32)]
+    meta, cache, q, index_q = random_step(geo, qo_lens, kv_lens, kv_dtype=torch.float16, index_dtype=torch.float16,
+                                          q_dtype=torch.float16, device=device)
+    sel = ref.select_blocks(index_q, cache.index_k, meta, topk=geo.topk)
+    expect = ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=SCALE)
+    out = kernels.sparse_layer_attention(q, cache.k, cache.v, index_q, cache.index_k, meta, topk=geo.topk,
+                                         scale=SCALE)
+    assert_close_rel(out.float(), expect.float(), 3e-3)
+    _flags_zero(device, q.shape[0])
