@@ -284,6 +284,35 @@ def test_auto_follows_the_table(fake_fi, monkeypatch, tmp_path, fi_us, device, r
     assert torch.equal(chosen, ref_select(st["index_q"], st["index_k"], meta, topk=16))
 
 
+@pytest.mark.parametrize("step_row, whole", [((9.0, 12.0), True), ((12.0, 9.0), False), (None, False),
+                                             ((9.0, None), False)])
+def test_layer_follows_the_whole_step_row(fake_fi, monkeypatch, tmp_path, step_row, whole):
+    """Both halves' rows say FlashInfer is faster; the layer dispatcher runs our whole step
+    (`verify_step`, recorded here: Triton does not run on CPU) only where the nearest `sparse_step`
+    row measured ours at or below FlashInfer's whole step, else FlashInfer's halves."""
+    from m3_eagle_plugin.msa.kernels import backend, sparse_layer_attention, verify_step
+
+    rows = [_row("sparse_attn", 2, 512, 2, 10.0, 5.0), _row("index_select", 2, 512, 2, 10.0, 5.0)]
+    if step_row is not None:
+        rows.append(_row("sparse_step", 2, 512, 2, *step_row))
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", _write_table(tmp_path / "t.json", "Fake H200", rows))
+    st = _step([2, 2], [500, 300], seed=3)
+    meta = st["meta"]
+    expect = ref_sparse(st["q"], st["k"], st["v"], meta, ref_select(st["index_q"], st["index_k"], meta, topk=16),
+                        scale=0.1)
+    ran = []
+
+    def ours_whole(index_q, index_k, q, k, v, meta, **kw):
+        ran.append(kw["topk"])
+        return None, expect
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    monkeypatch.setattr(verify_step, "sparse_verify_step", ours_whole)
+    got = sparse_layer_attention(st["q"], st["k"], st["v"], st["index_q"], st["index_k"], meta, topk=16, scale=0.1)
+    assert (ran == [16]) is whole
+    assert ({"msa_sparse_decode_attention", "msa_proxy_score", "msa_topk_select"} <= set(fake_fi.calls)) is not whole
+    torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_auto_without_a_row_for_the_q_len_keeps_ours(fake_fi, monkeypatch, tmp_path):
     monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", _write_table(tmp_path / "t.json", "Fake H200", [
         _row("sparse_attn", 2, 512, 4, 10.0, 1.0)]))

@@ -56,6 +56,10 @@ def test_shipped_table_verdicts_on_an_h200():
     assert pick("select_blocks_paged", 16, 32768, 4) == "triton"      # 37.52 > 36.86
     assert pick("select_blocks_paged", 1, 8192, 4) == "triton"        # 4.90 > 4.07
     assert pick("sparse_attention", 16, 32768, 2) == "triton"         # no q_len 2 row
+    # the layer's whole step (`sparse_step` rows)
+    assert pick("sparse_layer_attention", 16, 32768, 4) == "triton"   # 52.63 > 52.11
+    assert pick("sparse_layer_attention", 16, 32768, 1) == "flashinfer"  # 46.53 < 46.85
+    assert pick("sparse_layer_attention", 64, 32768, 4) == "triton"   # 162.50 > 158.43
 
 
 # --- override and malformed files ----------------------------------------------------------------------

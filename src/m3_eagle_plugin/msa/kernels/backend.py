@@ -107,6 +107,8 @@ def _flashinfer_report(device: torch.device, mode: str) -> dict[str, Any]:
     out["kernel_table"] = info
     verdicts: dict[str, list[str]] = {}
     for name, measured in kernel_table.DISPATCH_ROWS.items():
+        if name == kernel_table.STEP:
+            continue
         lines = [(f"{r.kernel} " if r.kernel != measured[0] else "") + r.verdict()
                  for r in table.rows if r.kernel in measured]
         if name not in fim.ROUTED_KERNELS:
@@ -115,7 +117,8 @@ def _flashinfer_report(device: torch.device, mode: str) -> dict[str, Any]:
             lines.append(f"decision: ours (no FlashInfer route; ours faster in {faster} of {len(lines)} measured shapes)")
         verdicts[name] = lines
     steps = table.verdicts("sparse_step")
-    verdicts["sparse_step"] = steps + ["whole step: shown, not used for the choice"] if steps else []
+    verdicts["sparse_step"] = steps + ["decision: our whole step where it says ours and both halves could run on "
+                                       "FlashInfer, else each half by its own rows"] if steps else []
     out["table_verdicts"] = verdicts
     return out
 
@@ -207,25 +210,40 @@ def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *,
                            init_blocks=0, k_scale=None, v_scale=None, max_qo_len: int | None = None):
     """A sparse layer's block selection then sparse attention: our whole step in one call
     (`verify_step`: the attention launched while the top-k still runs) when neither half goes
-    to FlashInfer, else `select_blocks_paged` then `sparse_attention`."""
+    to FlashInfer or the table's whole-step row says ours is faster (`_whole_step_is_ours`),
+    else `select_blocks_paged` then `sparse_attention`, each routed by its own row."""
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len)
     if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
             and _kernel_shape_ok(index_q.shape[-1], meta.block_size)):
         like = q.new_empty((k_cache.shape[1], q.shape[0], topk), dtype=torch.int32)  # shape only, for the routes
+        checks = {fim.INDEX: lambda: fim.eligibility(fim.INDEX, index_q, index_k_cache, meta, topk=topk,
+                                                     max_qo_len=max_qo_len),
+                  fim.SPARSE: lambda: fim.eligibility(fim.SPARSE, q, k_cache, v_cache, meta, like, k_scale=k_scale,
+                                                      v_scale=v_scale, max_qo_len=max_qo_len)}
         routed = any(flashinfer_route(name, q.device, meta, q.shape[0], max_qo_len, check) is not None
-                     for name, check in ((fim.INDEX, lambda: fim.eligibility(
-                         fim.INDEX, index_q, index_k_cache, meta, topk=topk, max_qo_len=max_qo_len)),
-                                         (fim.SPARSE, lambda: fim.eligibility(
-                         fim.SPARSE, q, k_cache, v_cache, meta, like, k_scale=k_scale, v_scale=v_scale,
-                         max_qo_len=max_qo_len))))
-        if not routed:
+                     for name, check in checks.items())
+        if not routed or _whole_step_is_ours(q.device, meta, q.shape[0], max_qo_len, checks.values()):
             from .verify_step import sparse_verify_step
 
             return sparse_verify_step(index_q, index_k_cache, q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale,
                                       v_scale=v_scale, **kw)[1]
     selection = select_blocks_paged(index_q, index_k_cache, meta, **kw)
     return sparse_attention(q, k_cache, v_cache, meta, selection, **attend)
+
+
+def _whole_step_is_ours(device, meta, num_tokens: int, max_qo_len: int | None, checks) -> bool:
+    """Under `auto`, with both halves FlashInfer-eligible: whether the table's nearest whole-step
+    row (`sparse_step`: our step as one call against FlashInfer's scoring, top-k and attention)
+    measured ours at or below FlashInfer. The halves' own rows cannot say it: our step overlaps
+    its halves, and a mix of one half each was never measured."""
+    if requested_backend() != "auto" or not all(check()[0] for check in checks):
+        return False
+    q_len, _ = fim.host_q_len(meta, num_tokens, max_qo_len)
+    batch, context = _step_shape(meta)
+    choice = kernel_table.choose(kernel_table.STEP, batch=batch, context=context, q_len=q_len,
+                                 device_name=fim.device_name(device), eligible=(True, ""))
+    return choice.backend == "triton" and choice.row is not None and choice.row.flashinfer_us is not None
 
 
 def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=None,

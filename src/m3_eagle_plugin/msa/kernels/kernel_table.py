@@ -31,9 +31,12 @@ ENV_VAR = "M3_EAGLE_KERNEL_TABLE"
 SHIPPED_NAME = "peer_table_h200.json"
 SHIPPED_PATH = Path(__file__).with_name(SHIPPED_NAME)
 TABLE_KERNELS = ("index_select", "sparse_attn", "sparse_step", "dense_attn", "dense_attn_peer")
-#: Dispatcher -> the table kernels that measure it. `sparse_step` (index + attention) is shown only.
+#: Dispatcher -> the table kernels that measure it. `sparse_layer_attention` (a sparse layer's
+#: selection + attention) is decided on the whole step: where both halves could run on FlashInfer,
+#: the layer runs our whole step if `sparse_step` says ours is faster, else each half by its own row.
+STEP = "sparse_layer_attention"
 DISPATCH_ROWS = {"select_blocks_paged": ("index_select",), "sparse_attention": ("sparse_attn",),
-                 "dense_attention": ("dense_attn", "dense_attn_peer")}
+                 "dense_attention": ("dense_attn", "dense_attn_peer"), STEP: ("sparse_step",)}
 
 
 class KernelTableError(ValueError):
@@ -178,6 +181,7 @@ def clear_caches() -> None:
 class Choice:
     backend: str  # "flashinfer" | "triton" (ours)
     reason: str
+    row: TableRow | None = None  # the measured row the choice read, if any
 
 
 def names_match(a: str, b: str) -> bool:
@@ -194,12 +198,12 @@ def _decide(table: KernelTable, kernel: str, device: str, batch: int, context: i
         return Choice("triton", f"no {'/'.join(measured) or kernel} row with q_len {q_len} in the table: ours")
     row = min(rows, key=lambda r: r.distance(batch, context))
     if row.flashinfer_us is None:
-        return Choice("triton", f"nearest row {row.kernel} {row.shape()} has no FlashInfer time: ours")
+        return Choice("triton", f"nearest row {row.kernel} {row.shape()} has no FlashInfer time: ours", row)
     if row.flashinfer_us < row.ours_us:
         return Choice("flashinfer", f"nearest row {row.kernel} {row.shape()}: FlashInfer {row.flashinfer_us:g} us "
-                                    f"< ours {row.ours_us:g} us")
+                                    f"< ours {row.ours_us:g} us", row)
     return Choice("triton", f"nearest row {row.kernel} {row.shape()}: ours {row.ours_us:g} us <= FlashInfer "
-                            f"{row.flashinfer_us:g} us")
+                            f"{row.flashinfer_us:g} us", row)
 
 
 def choose(kernel: str, *, batch: int, context: int, q_len: int, device_name: str, eligible: tuple[bool, str],
