@@ -13,6 +13,7 @@ measured shape) and the table's verdicts are reported for it all the same.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Any, Callable
@@ -216,11 +217,13 @@ def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *,
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len)
     if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
             and _kernel_shape_ok(index_q.shape[-1], meta.block_size)):
-        like = q.new_empty((k_cache.shape[1], q.shape[0], topk), dtype=torch.int32)  # shape only, for the routes
-        checks = {fim.INDEX: lambda: fim.eligibility(fim.INDEX, index_q, index_k_cache, meta, topk=topk,
-                                                     max_qo_len=max_qo_len),
-                  fim.SPARSE: lambda: fim.eligibility(fim.SPARSE, q, k_cache, v_cache, meta, like, k_scale=k_scale,
-                                                      v_scale=v_scale, max_qo_len=max_qo_len)}
+        # Each half's eligibility, computed at most once (the route and the whole-step rule both ask).
+        checks = {fim.INDEX: functools.cache(lambda: fim.eligibility(
+                      fim.INDEX, index_q, index_k_cache, meta, topk=topk, max_qo_len=max_qo_len)),
+                  fim.SPARSE: functools.cache(lambda: fim.eligibility(  # the selection does not exist yet: its shape
+                      fim.SPARSE, q, k_cache, v_cache, meta,
+                      q.new_empty((k_cache.shape[1], q.shape[0], topk), dtype=torch.int32),
+                      k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len))}
         routed = any(flashinfer_route(name, q.device, meta, q.shape[0], max_qo_len, check) is not None
                      for name, check in checks.items())
         if not routed or _whole_step_is_ours(q.device, meta, q.shape[0], max_qo_len, checks.values()):

@@ -84,11 +84,11 @@ def sparse_verify_step(
     applies = (early is not False and splits is not None and index_q.shape[1] == hkv and handoff_enabled()
                and default_layout(num_heads // hkv) == "token"
                and (early or pdl_args(q.device, (), every_grid=True)["PDL"]))
-    if not applies:
-        selection = select_blocks_verify(index_q, index_k_cache, meta, **kw)
-        return selection, sparse_verify_attention(q, k_cache, v_cache, meta, selection, **attend)
-    selection, _, ready = select_announcing(index_q, index_k_cache, meta, consumers=splits, **kw)
-    if ready is None:  # no board or no flags (a capture before they existed): the plain attention
+    if applies:  # ready is None without a board or flags (a capture before they existed)
+        selection, _, ready = select_announcing(index_q, index_k_cache, meta, consumers=splits, **kw)
+    else:
+        selection, ready = select_blocks_verify(index_q, index_k_cache, meta, **kw), None
+    if ready is None:
         return selection, sparse_verify_attention(q, k_cache, v_cache, meta, selection, **attend)
     try:
         out = sparse_verify_attention(q, k_cache, v_cache, meta, selection, splits=splits, ready=ready, **attend)
