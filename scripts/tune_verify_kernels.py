@@ -378,7 +378,7 @@ def early_sweep(geo, dev, scale: float, quick: bool = False) -> list[dict]:
     three interleaved rounds; every variant's selection must equal two plain launches' and the
     ready flags must be zero after it."""
     from m3_eagle_plugin.msa.kernels import handoff as board
-    from m3_eagle_plugin.msa.kernels.verify_step import early_splits, sparse_verify_step
+    from m3_eagle_plugin.msa.kernels.verify_step import early_pays, early_splits, sparse_verify_step
 
     rows = []
     shapes = ((16, 32768, 4), (16, 32768, 1), (64, 32768, 4), (64, 32768, 1), (8, 32768, 4), (4, 32768, 4),
@@ -389,7 +389,7 @@ def early_sweep(geo, dev, scale: float, quick: bool = False) -> list[dict]:
         want = select_blocks_verify(st0["index_q"], st0["cache"].index_k, st0["meta"], topk=geo.topk, max_qo_len=qo,
                                     handoff=False)
         base = token_splits(batch * qo, geo.topk, dev)
-        rule = early_splits(batch * qo, geo.topk, dev)
+        rule = early_splits(batch * qo, geo.topk, dev) if early_pays(batch * qo, geo.topk, dev) else None
         variants = [("rule", None, None)]
         for sp in sorted({min(base * m, geo.topk) for m in (1, 2, 4)} | {1}):
             variants += [(f"plain sp={sp} self_merge={int(sm)}", False, (sp, sm)) for sm in (False, True) if sp > 1 or sm]

@@ -107,16 +107,20 @@ def test_kernel_in_the_interpreter():
 
 
 def test_early_splits_rule():
-    """About two programs per SM, at most one page each, and none below EARLY_MIN_UNITS rows."""
-    from m3_eagle_plugin.msa.kernels.verify_step import EARLY_MIN_UNITS, early_splits
+    """About two programs per SM, at most one page each; launched early only from EARLY_MIN_UNITS
+    rows on, and only where no program gets more than two pages."""
+    from m3_eagle_plugin.msa.kernels.verify_step import EARLY_MIN_UNITS, early_pays, early_splits
 
-    assert early_splits(EARLY_MIN_UNITS - 1, 16, "cpu") is None
-    for units in (EARLY_MIN_UNITS, 100, 132, 264, 1000, 4096):
+    assert not early_pays(EARLY_MIN_UNITS - 1, 1, "cpu")
+    for units in (1, 15, EARLY_MIN_UNITS, 33, 34, 64, 100, 132, 264, 1000, 4096):
         for topk in (1, 4, 16):
             s = early_splits(units, topk, "cpu")
             assert 1 <= s <= topk
             assert s == 1 or units * s <= 2 * 132  # the default SM count without a GPU
             assert s == topk or units * (s + 1) > 2 * 132
+    # The production shapes (top-16, one KV head, 132 SMs): B16 q1 and B8 q4 early, B16 q4 and B64 not.
+    assert [early_pays(u, 16, "cpu") for u in (4, 16, 32, 64, 256)] == [False, True, True, False, False]
+    assert early_splits(16, 16, "cpu") == 16 and early_splits(32, 16, "cpu") == 8
 
 
 def test_rejected_inputs_launch_nothing():

@@ -118,8 +118,9 @@ def _flashinfer_report(device: torch.device, mode: str) -> dict[str, Any]:
             lines.append(f"decision: ours (no FlashInfer route; ours faster in {faster} of {len(lines)} measured shapes)")
         verdicts[name] = lines
     steps = table.verdicts("sparse_step")
-    verdicts["sparse_step"] = steps + ["decision: our whole step where it says ours and both halves could run on "
-                                       "FlashInfer, else each half by its own rows"] if steps else []
+    verdicts["sparse_step"] = steps + ["decision: where both halves could run on FlashInfer, the whole step it "
+                                       "says is faster (ours or FlashInfer's), else each half by its own rows"
+                                       ] if steps else []
     out["table_verdicts"] = verdicts
     return out
 
@@ -210,9 +211,10 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
 def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *, topk, scale, local_blocks=1,
                            init_blocks=0, k_scale=None, v_scale=None, max_qo_len: int | None = None):
     """A sparse layer's block selection then sparse attention: our whole step in one call
-    (`verify_step`: the attention launched while the top-k still runs) when neither half goes
-    to FlashInfer or the table's whole-step row says ours is faster (`_whole_step_is_ours`),
-    else `select_blocks_paged` then `sparse_attention`, each routed by its own row."""
+    (`verify_step`) when neither half goes to FlashInfer or the table's whole-step row says ours
+    is faster; FlashInfer's whole step (both halves) where that row says FlashInfer's is
+    (`_whole_step_backend`); else `select_blocks_paged` then `sparse_attention`, each routed by
+    its own row."""
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len)
     if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
@@ -226,27 +228,37 @@ def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *,
                       k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len))}
         routed = any(flashinfer_route(name, q.device, meta, q.shape[0], max_qo_len, check) is not None
                      for name, check in checks.items())
-        if not routed or _whole_step_is_ours(q.device, meta, q.shape[0], max_qo_len, checks.values()):
+        whole = _whole_step_backend(q.device, meta, q.shape[0], max_qo_len, checks.values()) if routed else "triton"
+        if whole == "triton":
             from .verify_step import sparse_verify_step
 
             return sparse_verify_step(index_q, index_k_cache, q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale,
                                       v_scale=v_scale, **kw)[1]
+        if whole == "flashinfer":  # both halves, as that row measured them (not one of each)
+            q_len, _ = fim.host_q_len(meta, q.shape[0], max_qo_len)
+            selection = fim.select_blocks(index_q, index_k_cache, meta, topk=topk, q_len=q_len,
+                                          local_blocks=local_blocks, init_blocks=init_blocks)
+            return fim.sparse_attention(q, k_cache, v_cache, meta, selection, scale=scale, q_len=q_len,
+                                        k_scale=k_scale, v_scale=v_scale)
     selection = select_blocks_paged(index_q, index_k_cache, meta, **kw)
     return sparse_attention(q, k_cache, v_cache, meta, selection, **attend)
 
 
-def _whole_step_is_ours(device, meta, num_tokens: int, max_qo_len: int | None, checks) -> bool:
-    """Under `auto`, with both halves FlashInfer-eligible: whether the table's nearest whole-step
-    row (`sparse_step`: our step as one call against FlashInfer's scoring, top-k and attention)
-    measured ours at or below FlashInfer. The halves' own rows cannot say it: our step overlaps
-    its halves, and a mix of one half each was never measured."""
+def _whole_step_backend(device, meta, num_tokens: int, max_qo_len: int | None, checks) -> str | None:
+    """Under `auto`, with both halves FlashInfer-eligible: which whole step the table's nearest
+    `sparse_step` row (our step as one call against FlashInfer's scoring, top-k and attention)
+    measured faster, "triton" (ours at or below) or "flashinfer"; None without such a row or
+    outside `auto`. The halves' own rows cannot say it: our step overlaps its halves, and a mix
+    of one half each was never measured."""
     if requested_backend() != "auto" or not all(check()[0] for check in checks):
-        return False
+        return None
     q_len, _ = fim.host_q_len(meta, num_tokens, max_qo_len)
     batch, context = _step_shape(meta)
     choice = kernel_table.choose(kernel_table.STEP, batch=batch, context=context, q_len=q_len,
                                  device_name=fim.device_name(device), eligible=(True, ""))
-    return choice.backend == "triton" and choice.row is not None and choice.row.flashinfer_us is not None
+    if choice.row is None or choice.row.flashinfer_us is None:
+        return None
+    return choice.backend
 
 
 def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=None,

@@ -58,8 +58,8 @@ def score_board(device: torch.device | str, numel: int) -> torch.Tensor | None:
 def ready_flags(device: torch.device | str, numel: int) -> torch.Tensor | None:
     """`numel` int32 per-row flags of `device`, zero between steps, for the hand-off from the
     top-k to an attention launched early (`verify_step`): the top-k sets a row's flag to the
-    number of attention programs that read the row, each of those takes one off once it sees it
-    set. None while capturing a graph and there are too few (the caller then waits for the grid)."""
+    number of attention programs that read the row, each of those takes one off at its end.
+    None while capturing a graph and there are too few (the caller then waits for the grid)."""
     return step_buffer(_READY, device, numel, fill=0, min_numel=1 << 16)
 
 

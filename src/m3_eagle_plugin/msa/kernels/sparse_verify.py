@@ -245,7 +245,8 @@ def _sparse_token_kernel(
     SELF_MERGE the last split of a token to finish (an arrival counter it resets) merges the
     splits into `fin_ptr`, so no merge launch follows. With READY the program was launched while
     the top-k still runs (`verify_step`): it waits for its token's `ready_ptr` flag instead of
-    the top-k grid, and for the grid only before its first store."""
+    the top-k grid (acquire loads), for the grid only before its first store, and takes one off
+    the flag at its end."""
     if not READY:
         wait_for_prior_grid(PDL)
     r = tl.program_id(0)
@@ -254,16 +255,10 @@ def _sparse_token_kernel(
     num_heads = tl.num_programs(1) * G
     tok0 = tl.load(cu_ptr + r) + tl.program_id(2) // SPLITS
     live = tok0 < tl.load(cu_ptr + r + 1)
+    flag = ready_ptr + g * num_tokens + tok0
     if READY:
-        if live:
-            flag = ready_ptr + g * num_tokens + tok0
-            seen = tl.load(flag, volatile=True)
-            while seen == 0:
-                seen = tl.load(flag, volatile=True)
-            # Every thread polls for itself: none may still be polling when the flag drops to 0.
-            tl.debug_barrier()
-            tl.atomic_add(flag, -1, sem="acquire", scope="gpu")  # syncs with the top-k's release
-            tl.debug_barrier()  # ... and orders every thread's selection loads after it
+        if live:  # every thread polls with acquire order (syncs with the top-k's release)
+            _wait_until_set(flag, ASM)
     rows = tl.arange(0, ROWS)
     tok = tok0 + 0 * rows
     head = g * G + rows
@@ -308,6 +303,10 @@ def _sparse_token_kernel(
                 D, SPLITS)
     if SPLITS == 1 or SELF_MERGE:
         _zero_graph_padding(fin_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
+    if READY:
+        if live:  # off the critical path: the last of the row's readers leaves it 0 for the next step
+            tl.debug_barrier()  # every thread of this program is past its poll
+            tl.atomic_add(flag, -1, sem="relaxed", scope="gpu")
     if SELF_MERGE:
         if live:  # a dead program's tok0 is the next request's token: it must not count
             tl.debug_barrier()  # every thread's partial is stored before the release below
@@ -316,6 +315,23 @@ def _sparse_token_kernel(
                 tl.atomic_xchg(slot, 0)
                 _merge_rows(o_ptr, lse_ptr, fin_ptr, s_o_t, s_o_h, tok, head, d, row_ok, num_heads, v_scale,
                             D, SPLITS)
+
+
+@triton.jit
+def _wait_until_set(flag, ASM: tl.constexpr):
+    """Spin until the int32 at `flag` is nonzero. With ASM each load has acquire order at GPU
+    scope, so what the setter released is visible to this thread after it (the interpreter runs
+    programs one by one: plain volatile loads there)."""
+    if ASM:
+        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+        while seen == 0:
+            seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        seen = tl.load(flag, volatile=True)
+        while seen == 0:
+            seen = tl.load(flag, volatile=True)
 
 
 @triton.jit
