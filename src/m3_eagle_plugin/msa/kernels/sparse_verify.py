@@ -319,19 +319,21 @@ def _sparse_token_kernel(
 
 @triton.jit
 def _wait_until_set(flag, ASM: tl.constexpr):
-    """Spin until the int32 at `flag` is nonzero. With ASM each load has acquire order at GPU
-    scope, so what the setter released is visible to this thread after it (the interpreter runs
-    programs one by one: plain volatile loads there)."""
+    """Spin until the int32 at `flag` is nonzero (`_load_flag`)."""
+    seen = _load_flag(flag, ASM)
+    while seen == 0:
+        seen = _load_flag(flag, ASM)
+
+
+@triton.jit
+def _load_flag(flag, ASM: tl.constexpr):
+    """The int32 at `flag`. With ASM the load has acquire order at GPU scope, so what the setter
+    released is visible to this thread after it (the interpreter runs programs one by one: a
+    plain volatile load there)."""
     if ASM:
-        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag], dtype=tl.int32,
+        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag], dtype=tl.int32,
                                          is_pure=False, pack=1)
-        while seen == 0:
-            seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag],
-                                             dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        seen = tl.load(flag, volatile=True)
-        while seen == 0:
-            seen = tl.load(flag, volatile=True)
+    return tl.load(flag, volatile=True)
 
 
 @triton.jit
