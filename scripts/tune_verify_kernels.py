@@ -374,15 +374,16 @@ def handoff_sweep(geo, dev, scale: float) -> list[dict]:
 
 def early_sweep(geo, dev, scale: float, quick: bool = False) -> list[dict]:
     """The sparse step (hand-off top-k + per-token attention on its selection) with the attention
-    launched in stream order or early (`verify_step`), over splits x merge launch / self-merge:
-    three interleaved rounds; every variant's selection must equal two plain launches' and the
+    launched in stream order or early (`verify_step`), over splits x merge launch / self-merge, and
+    early with two-page key tiles (2 stages) where a program gets two pages or more: three
+    interleaved rounds; every variant's selection must equal two plain launches' and the
     ready flags must be zero after it."""
     from m3_eagle_plugin.msa.kernels import handoff as board
     from m3_eagle_plugin.msa.kernels.verify_step import early_pays, early_splits, sparse_verify_step
 
     rows = []
-    shapes = ((16, 32768, 4), (16, 32768, 1), (64, 32768, 4), (64, 32768, 1), (8, 32768, 4), (4, 32768, 4),
-              (1, 8192, 4))
+    shapes = ((16, 32768, 4), (16, 32768, 1), (64, 32768, 4), (64, 32768, 1), (8, 32768, 4), (32, 32768, 4),
+              (4, 32768, 4), (1, 8192, 4))
     for batch, ctx, qo in shapes[:2] if quick else shapes:
         steps, sets = _fp8_step_sets(geo, dev, batch, ctx, qo, num_sets=3)
         st0 = sets[0]
@@ -394,13 +395,17 @@ def early_sweep(geo, dev, scale: float, quick: bool = False) -> list[dict]:
         for sp in sorted({min(base * m, geo.topk) for m in (1, 2, 4)} | {1}):
             variants += [(f"plain sp={sp} self_merge={int(sm)}", False, (sp, sm)) for sm in (False, True) if sp > 1 or sm]
             variants += [(f"early sp={sp} self_merge={int(sm)}", True, (sp, sm)) for sm in (False, True) if sp > 1 or sm]
+        for sp in sorted({rule or 1, max(1, (rule or 1) // 2), min(2 * (rule or 1), geo.topk)}):
+            if -(-geo.topk // sp) >= 2:
+                tiles = dict(pages_per_tile=2, num_stages=2)
+                variants.append((f"early sp={sp} two-page tiles", True, (sp, None, tiles)))
 
         def step(st, early, launch):
             c = st["cache"]
             if launch is None:
                 return sparse_verify_step(st["index_q"], c.index_k, st["q"], c.k, c.v, st["meta"], topk=geo.topk,
                                           scale=scale, k_scale=c.k_scale, v_scale=c.v_scale, max_qo_len=qo)
-            sp, sm = launch
+            sp, sm, tiling = (*launch, {})[:3]
             if early:
                 sel, _, ready = index_select.select_announcing(st["index_q"], c.index_k, st["meta"], topk=geo.topk,
                                                                max_qo_len=qo, consumers=sp)
@@ -409,7 +414,7 @@ def early_sweep(geo, dev, scale: float, quick: bool = False) -> list[dict]:
                                                   max_qo_len=qo), None
             return sel, sparse_verify_attention(st["q"], c.k, c.v, st["meta"], sel, scale=scale, k_scale=c.k_scale,
                                                 v_scale=c.v_scale, max_qo_len=qo, splits=sp, self_merge=sm,
-                                                ready=ready)
+                                                ready=ready, **tiling)
         times: dict = {}
         for _ in range(3):
             for name, early, launch in variants:

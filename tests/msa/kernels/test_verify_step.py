@@ -35,26 +35,29 @@ def _step(meta, cache, q, index_q, max_qo_len=4, **kw):
     from m3_eagle_plugin.msa.kernels.verify_step import sparse_verify_step
 
     return sparse_verify_step(index_q, cache.index_k, q, cache.k, cache.v, meta, topk=GEO.topk, scale=SCALE,
-                              max_qo_len=max_qo_len, **kw)
+                              k_scale=cache.k_scale, v_scale=cache.v_scale, max_qo_len=max_qo_len, **kw)
 
 
 def check_early_step_matches_plain_launches(device, *, qo_lens=(4, 1, 3), kv_lens=(150, 16, 97), splits=2,
-                                            pad_tokens=2, local=1, init=0, seed=0):
+                                            pad_tokens=2, local=1, init=0, seed=0, kv_dtype="float16"):
+    """The early step's selection equals a plain launch's and its attention the reference. fp8
+    K/V takes two-page tiles wherever a program gets two pages (`early_tiling`), fp16 one-page."""
     from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
 
-    # fp16, not the production bf16: Triton's interpreter has no bf16 dot.
-    meta, cache, q, index_q = random_step(GEO, list(qo_lens), list(kv_lens), kv_dtype=torch.float16,
+    # fp16 index-K and q, not the production bf16: Triton's interpreter has no bf16 dot.
+    meta, cache, q, index_q = random_step(GEO, list(qo_lens), list(kv_lens), kv_dtype=getattr(torch, kv_dtype),
                                           index_dtype=torch.float16, q_dtype=torch.float16, seed=seed,
                                           pad_tokens=pad_tokens, device=device)
     want = select_blocks_verify(index_q, cache.index_k, meta, topk=GEO.topk, local_blocks=local, init_blocks=init,
                                 max_qo_len=max(qo_lens), handoff=False)
-    expect = ref.sparse_attention(q, cache.k, cache.v, meta, want, scale=SCALE)
+    expect = ref.sparse_attention(q, cache.k, cache.v, meta, want, scale=SCALE, k_scale=cache.k_scale,
+                                  v_scale=cache.v_scale)
     poison_allocator_like(q)
     sel, out = _step(meta, cache, q, index_q, max(qo_lens), early=True, splits=splits, local_blocks=local,
                      init_blocks=init)
     assert torch.equal(sel.cpu(), want.cpu())
     live = sum(qo_lens)
-    assert_close_rel(out[:live].float(), expect[:live].float(), 3e-3)
+    assert_close_rel(out[:live].float(), expect[:live].float(), 3e-3 if cache.k.element_size() > 1 else 2e-2)
     assert (out[live:] == 0).all(), "graph-padding rows must be zero"
     _flags_zero(device, GEO.kv_heads * q.shape[0])
 
@@ -71,6 +74,9 @@ INTERPRETER_CASES = [
     (check_early_step_matches_plain_launches, dict()),
     (check_early_step_matches_plain_launches, dict(splits=3, local=2, init=1, seed=1)),
     (check_flags_reused_across_batches, dict()),
+    (check_early_step_matches_plain_launches, dict(splits=2, seed=2, kv_dtype="float8_e4m3fn")),
+    (check_early_step_matches_plain_launches, dict(splits=1, qo_lens=(4, 4), kv_lens=(90, 31), seed=3,
+                                                   kv_dtype="float8_e4m3fn")),
 ]
 
 
@@ -107,9 +113,10 @@ def test_kernel_in_the_interpreter():
 
 
 def test_early_splits_rule():
-    """About two programs per SM, at most one page each; launched early only from EARLY_MIN_UNITS
-    rows on, and only where no program gets more than two pages."""
-    from m3_eagle_plugin.msa.kernels.verify_step import EARLY_MIN_UNITS, early_pays, early_splits
+    """About two programs per SM, at most one page each; launched early from EARLY_MIN_UNITS rows:
+    with 1-byte K/V up to one row per SM (at least two splits), with two-page key tiles where a
+    program gets two pages or more; with wider K/V only up to two pages a program, one-page tiles."""
+    from m3_eagle_plugin.msa.kernels.verify_step import EARLY_MIN_UNITS, early_pays, early_splits, early_tiling
 
     assert not early_pays(EARLY_MIN_UNITS - 1, 1, "cpu")
     for units in (1, 15, EARLY_MIN_UNITS, 33, 34, 64, 100, 132, 264, 1000, 4096):
@@ -118,9 +125,18 @@ def test_early_splits_rule():
             assert 1 <= s <= topk
             assert s == 1 or units * s <= 2 * 132  # the default SM count without a GPU
             assert s == topk or units * (s + 1) > 2 * 132
-    # The production shapes (top-16, one KV head, 132 SMs): B16 q1 and B8 q4 early, B16 q4 and B64 not.
-    assert [early_pays(u, 16, "cpu") for u in (4, 16, 32, 64, 256)] == [False, True, True, False, False]
-    assert early_splits(16, 16, "cpu") == 16 and early_splits(32, 16, "cpu") == 8
+            assert early_pays(units, topk, "cpu") == (units >= EARLY_MIN_UNITS and s >= 2)
+            assert early_pays(units, topk, "cpu", kv_bytes=2) == (units >= EARLY_MIN_UNITS and 2 * s >= topk)
+            pages = -(-topk // s)
+            assert early_tiling(s, topk) == ({"pages_per_tile": 2, "num_stages": 2} if pages >= 2 else {})
+            assert early_tiling(s, topk, kv_bytes=2) == {}
+    # The production shapes (top-16, one KV head, 132 SMs): B4 q4 and B16 q1 (16 rows) through B32
+    # q4 (128 rows) early, B1 and B64 q4 (256 rows) not; B16 q1 one page a program, B16 q4 four.
+    assert [early_pays(u, 16, "cpu") for u in (4, 16, 32, 64, 128, 133, 256)] == [False] + [True] * 4 + [False] * 2
+    assert [early_splits(u, 16, "cpu") for u in (16, 32, 64, 128)] == [16, 8, 4, 2]
+    assert early_tiling(16, 16) == {} and early_tiling(4, 16)["pages_per_tile"] == 2
+    # bf16 K/V: B16 q1 and B8 q4 early (one-page tiles), B16 q4 not.
+    assert [early_pays(u, 16, "cpu", kv_bytes=2) for u in (4, 16, 32, 64)] == [False, True, True, False]
 
 
 def test_rejected_inputs_launch_nothing():

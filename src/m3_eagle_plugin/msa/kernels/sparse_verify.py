@@ -115,14 +115,52 @@ def _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b,
         lane = tl.arange(0, d.shape[0] // 2)
         v = tl.load(v_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + page * (s_v_p // 2) + g * (s_v_h // 2)
                     + key[:, None] * (s_v_b // 2) + lane[None, :], mask=v_ok, other=0)
-        p, alpha, m_i, l_i = _softmax_tile(q, k, m_i, l_i, qk_scale, row_has & mapped, kpos, pos, IEEE)
+    else:
+        v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :], mask=v_ok,
+                    other=0.0).to(q.dtype)
+    return _fold_keys(q, k, v, m_i, l_i, acc, acc_hi, qk_scale, row_has & mapped, kpos, pos, pos_max, IEEE, VPAIR,
+                      ASM)
+
+
+@triton.jit
+def _attend_two_pages(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page, key, kpos, d, row_has,
+                      pos, pos_max, m_i, l_i, acc, acc_hi, qk_scale, IEEE: tl.constexpr, VPAIR: tl.constexpr,
+                      ASM: tl.constexpr):
+    """`_attend_page_tile` over a tile of two pages: `page`, `key` and `kpos` are per key (the
+    tile's first half from one page, the second half from another; page -1 where unmapped).
+
+    Why: the one-page tile stalls on dependencies (ncu, B16/32K q4: 3.7 cycles a warp
+    instruction, one warp a scheduler, 22% of issue slots busy); a two-page tile halves a
+    program's tiles and gives each warp twice the independent MMAs and reductions per barrier.
+    """
+    mapped = page >= 0
+    kpos = tl.where(mapped, kpos, 2147483647)  # an unmapped key is past every position
+    page = tl.maximum(page, 0).to(tl.int64)
+    k = tl.load(k_ptr + page[:, None] * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
+                mask=mapped[:, None], other=0.0).to(q.dtype)
+    v_ok = (kpos <= pos_max)[:, None]
+    if VPAIR:
+        lane = tl.arange(0, d.shape[0] // 2)
+        v = tl.load(v_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + page[:, None] * (s_v_p // 2)
+                    + g * (s_v_h // 2) + key[:, None] * (s_v_b // 2) + lane[None, :], mask=v_ok, other=0)
+    else:
+        v = tl.load(v_ptr + page[:, None] * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :], mask=v_ok,
+                    other=0.0).to(q.dtype)
+    return _fold_keys(q, k, v, m_i, l_i, acc, acc_hi, qk_scale, row_has, kpos, pos, pos_max, IEEE, VPAIR, ASM)
+
+
+@triton.jit
+def _fold_keys(q, k, v, m_i, l_i, acc, acc_hi, qk_scale, row_has, kpos, pos, pos_max, IEEE: tl.constexpr,
+               VPAIR: tl.constexpr, ASM: tl.constexpr):
+    """Fold a loaded key tile into the online softmax: K in q's dtype, V likewise or as e4m3
+    lanes under VPAIR, zero past `pos_max` either way."""
+    if VPAIR:
+        p, alpha, m_i, l_i = _softmax_tile(q, k, m_i, l_i, qk_scale, row_has, kpos, pos, IEEE)
         p = p.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, _e4m3_lanes_to_f16(v, False, ASM))
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, _e4m3_lanes_to_f16(v, True, ASM))
     else:
-        v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :], mask=v_ok,
-                    other=0.0).to(q.dtype)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has & mapped, kpos, pos,
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, kpos, pos,
                                              pos_max, IEEE, GUARD_V=False)
     return m_i, l_i, acc, acc_hi
 
@@ -246,7 +284,8 @@ def _sparse_token_kernel(
     splits into `fin_ptr`, so no merge launch follows. With READY the program was launched while
     the top-k still runs (`verify_step`): it waits for its token's `ready_ptr` flag instead of
     the top-k grid (acquire loads), for the grid only before its first store, and takes one off
-    the flag at its end."""
+    the flag at its end. BN = 2 x BLOCK (PREFETCH) makes each tile two of the token's pages
+    (`_attend_two_pages`)."""
     if not READY:
         wait_for_prior_grid(PDL)
     r = tl.program_id(0)
@@ -283,18 +322,33 @@ def _sparse_token_kernel(
     acc_hi = tl.zeros([ROWS, D // 2 if VPAIR else 1], tl.float32)
     jn = tl.arange(0, BN)
     mine = tl.maximum(count - split + SPLITS - 1, 0) // SPLITS
-    for it in range(0, mine * (BLOCK // BN)):
-        e = split + (it // (BLOCK // BN)) * SPLITS
-        if PREFETCH:
-            b = tl.sum(tl.where(jj == e, ids, 0), axis=0)
-            page = tl.sum(tl.where(jj == e, pages, 0), axis=0)
-        else:
-            b = tl.load(sel_row + e)
-            page = tl.load(bt_ptr + r * s_bt_r + b)
-        key = (it % (BLOCK // BN)) * BN + jn
-        m_i, l_i, acc, acc_hi = _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page,
-                                                  key, b * BLOCK + key, d, row_ok, pos, pos1, m_i, l_i, acc, acc_hi,
-                                                  qk_scale, IEEE, VPAIR, ASM)
+    if BN > BLOCK:  # two pages a tile (PREFETCH): keys [0, BLOCK) from entry e0, the rest from e0 + SPLITS
+        second = jn >= BLOCK
+        kin = jn % BLOCK
+        for it in range(0, (mine + 1) // 2):
+            e0 = split + 2 * it * SPLITS
+            e1 = e0 + SPLITS
+            b0 = tl.sum(tl.where(jj == e0, ids, 0), axis=0)
+            b1 = tl.sum(tl.where(jj == e1, ids, 0), axis=0)
+            p0 = tl.sum(tl.where(jj == e0, pages, 0), axis=0)
+            p1 = tl.sum(tl.where(jj == e1, pages + 1, 0), axis=0) - 1  # -1 past the list
+            m_i, l_i, acc, acc_hi = _attend_two_pages(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g,
+                                                      tl.where(second, p1, p0), kin,
+                                                      tl.where(second, b1, b0) * BLOCK + kin, d, row_ok, pos, pos1,
+                                                      m_i, l_i, acc, acc_hi, qk_scale, IEEE, VPAIR, ASM)
+    else:
+        for it in range(0, mine * (BLOCK // BN)):
+            e = split + (it // (BLOCK // BN)) * SPLITS
+            if PREFETCH:
+                b = tl.sum(tl.where(jj == e, ids, 0), axis=0)
+                page = tl.sum(tl.where(jj == e, pages, 0), axis=0)
+            else:
+                b = tl.load(sel_row + e)
+                page = tl.load(bt_ptr + r * s_bt_r + b)
+            key = (it % (BLOCK // BN)) * BN + jn
+            m_i, l_i, acc, acc_hi = _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g,
+                                                      page, key, b * BLOCK + key, d, row_ok, pos, pos1, m_i, l_i, acc,
+                                                      acc_hi, qk_scale, IEEE, VPAIR, ASM)
 
     acc = _join_dim_halves(acc, acc_hi, VPAIR)
     if READY:  # outputs may reuse memory the scoring still reads until the top-k grid is done
@@ -455,6 +509,7 @@ def sparse_verify_attention(
     paired_v: bool | None = None,
     self_merge: bool | None = None,
     ready: torch.Tensor | None = None,
+    pages_per_tile: int = 1,
 ) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids.
 
@@ -469,7 +524,8 @@ def sparse_verify_attention(
     default up to SELF_MERGE_SPLITS splits) has a token's last split merge the others in-kernel.
     `ready` (per-token flags a top-k launched just before sets, `index_select.select_announcing`
     with `consumers=splits`; per-token layout, explicit splits) launches the attention early (PDL)
-    with each program waiting for its own token's flag.
+    with each program waiting for its own token's flag. `pages_per_tile` 2 (per-token layout,
+    `prefetch`) makes each MMA tile two pages of keys (`_attend_two_pages`; `key_tile` unused).
     """
     check_attention_inputs(q, k_cache, v_cache, meta)
     max_qo_len = qo_len_hint(meta, max_qo_len)
@@ -488,6 +544,9 @@ def sparse_verify_attention(
     if layout is None:
         layout = default_layout(group)
     require(layout in ("union", "token"), f"layout must be 'union' or 'token', got {layout!r}")
+    require(pages_per_tile in (1, 2), f"pages_per_tile must be 1 or 2, got {pages_per_tile!r}")
+    require(pages_per_tile == 1 or (layout == "token" and prefetch),
+            "pages_per_tile=2 needs layout 'token' with prefetch (the tile's page ids come from registers)")
     if paired_v is None:
         paired_v = layout == "token" and paired_v_applies(v_cache, compute_f16)
     require(not paired_v or paired_v_applies(v_cache, compute_f16),
@@ -498,7 +557,7 @@ def sparse_verify_attention(
         return _token_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                 max_qo_len=max_qo_len, splits=splits, num_warps=num_warps, num_stages=num_stages,
                                 key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch, paired_v=paired_v,
-                                self_merge=self_merge, ready=ready)
+                                self_merge=self_merge, ready=ready, pages_per_tile=pages_per_tile)
     require(ready is None, "ready flags need layout 'token'")
     if union is None:
         qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
@@ -566,7 +625,7 @@ def merge_outputs(out, o_buf, lse, meta, splits: int, v_scale: float) -> torch.T
 
 def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,
                      num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v, self_merge,
-                     ready=None) -> torch.Tensor:
+                     ready=None, pages_per_tile=1) -> torch.Tensor:
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
     group = num_heads // hkv
@@ -599,7 +658,8 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
         o_buf, out.stride(0), out.stride(1), lse, num_tokens, out, out if arrivals is None else arrivals,
         out if ready is None else ready, float(scale) * scale_value(k_scale) * LOG2E, vs,
         G=group, ROWS=next_pow2(max(16, group)), TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block,
-        BN=min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16, PREFETCH=prefetch,
+        BN=2 * block if pages_per_tile == 2 else min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16,
+        PREFETCH=prefetch,
         IEEE=q.dtype == torch.float32, VPAIR=paired_v, ASM=not triton_interpreting(), SELF_MERGE=self_merge,
         READY=ready is not None, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(q.device, grid, every_grid=ready is not None),

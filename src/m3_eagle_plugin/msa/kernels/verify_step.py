@@ -19,14 +19,21 @@ started, so every producer an attention program waits for is already resident. T
 gets about two programs per SM here (16 splits at B16 q1, where the plain rule gives 8).
 
 Applies to the per-token layout with one index head per KV head, on SM90+ (PDL), where it pays
-(`early_pays`): steps of `EARLY_MIN_UNITS` (token, KV head) rows or more whose programs get at
-most two pages each; elsewhere the two calls run as before. (H200, 2026-11-30, the step, plain
--> early, best of three interleaved rounds, two fresh input sets each: B16/32K q1 46.8 / 46.6 ->
-45.7 / 45.6 us, B8 q4 34.3 -> 33.9, B4 q4 23.3 / 23.2 -> 22.7 / 22.5. Where a program gets four
-or more pages it does not pay: B16 q4 53.4 / 53.3 -> 53.4 / 53.4, B64 q1 142.3 / 142.5 -> 143.9 /
-143.7, B64 q4 159.6 / 159.7 -> 167.2 / 167.7, and 156-159 in other runs: early varies from run
-to run there, plain does not. B1/8K q4 8.7 -> 9.0: the one request's attention can only follow
-its own scoring.)
+(`early_pays`); elsewhere the two calls run as before. With fp8 K/V (the production cache): from
+`EARLY_MIN_UNITS` to one (token, KV head) row per SM, and where a program gets two pages or more
+its key tile spans two pages (two pipeline stages, `early_tiling`). H200, 2026-11-30, fp8 K/V,
+the step, the former rule (early only up to two pages a program, one-page tiles) -> this one,
+three interleaved rounds, two processes:
+B16/32K q4 53.47 / 53.35 -> 50.60 / 50.66 us, B64 q1 142.16 / 142.20 -> 140.77 / 140.84, B32 q4
+90.32 -> 86.85, B8 q4 33.74 -> 32.73; B16 q1 and B4 q4 (one page a program) keep one-page tiles
+(two-page tiles with 8 splits: 45.70 vs 45.52, 22.67 vs 22.54). Early with one-page tiles (4
+splits) was no faster: B16 q4 53.44 / 53.03 at 3 / 2 stages, B64 q1 142.38 at 2: the two-page tile
+is what pays. Past one row per SM (B64 q4, 256 rows, one split) the plain launch stays: early 4
+splits 175.1 (two-page) / 168.8 (one-page) vs 160.1, plain two-page tiles 161.0. B1/8K q4 8.7
+plain: the one request's attention can only follow its own scoring. With bf16 K/V the former
+rule stays (early only up to two pages a program, one-page tiles): there this rule took B16/32K q4
+59.7 vs 56.5 us, B32 q4 104.7 vs 94.3, B64 q1 152.8 vs 148.8, B16/4K q4 (the reference host's
+shape) 33.4 vs 27.9.
 """
 from __future__ import annotations
 
@@ -51,10 +58,19 @@ def early_splits(units: int, topk: int, device: torch.device | str) -> int:
     return int(max(1, min(topk, 2 * device_sm_count(torch.device(device)) // max(1, units))))
 
 
-def early_pays(units: int, topk: int, device: torch.device | str) -> bool:
+def early_pays(units: int, topk: int, device: torch.device | str, kv_bytes: int = 1) -> bool:
     """Whether the measured rule launches the attention early: at least EARLY_MIN_UNITS rows, and
-    at most two pages a program (`early_splits` at least half of topk)."""
-    return units >= EARLY_MIN_UNITS and 2 * early_splits(units, topk, device) >= topk
+    for 1-byte K/V at least two splits (`early_splits`: at most one row per SM), for wider K/V at
+    most two pages a program (their two-page tiles were slower, see the module docstring)."""
+    splits = early_splits(units, topk, device)
+    return units >= EARLY_MIN_UNITS and (splits >= 2 if kv_bytes == 1 else 2 * splits >= topk)
+
+
+def early_tiling(splits: int, topk: int, kv_bytes: int = 1) -> dict:
+    """The early attention's tile options: for 1-byte K/V, two-page key tiles with two pipeline
+    stages where a program gets two pages or more (`sparse_verify_attention(pages_per_tile=2)`);
+    else the defaults."""
+    return dict(pages_per_tile=2, num_stages=2) if kv_bytes == 1 and -(-topk // splits) >= 2 else {}
 
 
 def sparse_verify_step(
@@ -78,7 +94,7 @@ def sparse_verify_step(
     """(selection int32 `[Hi, T, topk]`, attention `[T, Hq, D]`): `select_blocks_verify` then
     `sparse_verify_attention`, the attention launched early where it applies (`early=None`: by
     the measured rule; True: wherever the hand-off runs, PDL or not; False: never). `splits`
-    overrides the early attention's splits."""
+    overrides the early attention's splits (its key tiles follow them: `early_tiling`)."""
     check_attention_inputs(q, k_cache, v_cache, meta)  # before anything is launched or armed
     max_qo_len = qo_len_hint(meta, max_qo_len)
     num_tokens, num_heads, _ = q.shape
@@ -86,9 +102,10 @@ def sparse_verify_step(
     require(index_q.shape[0] == num_tokens, f"index_q has {index_q.shape[0]} tokens, q has {num_tokens}")
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len)
+    kv_bytes = k_cache.element_size()
     if early is not False and splits is None:
         units = chunk_count(num_tokens, meta.kv_lens.shape[0], 1, max_qo_len) * meta.kv_lens.shape[0] * hkv
-        if early or early_pays(units, topk, q.device):
+        if early or early_pays(units, topk, q.device, kv_bytes):
             splits = early_splits(units, topk, q.device)
     applies = (early is not False and splits is not None and index_q.shape[1] == hkv and handoff_enabled()
                and default_layout(num_heads // hkv) == "token"
@@ -100,7 +117,8 @@ def sparse_verify_step(
     if ready is None:
         return selection, sparse_verify_attention(q, k_cache, v_cache, meta, selection, **attend)
     try:
-        out = sparse_verify_attention(q, k_cache, v_cache, meta, selection, splits=splits, ready=ready, **attend)
+        out = sparse_verify_attention(q, k_cache, v_cache, meta, selection, splits=splits, ready=ready,
+                                      **early_tiling(splits, topk, kv_bytes), **attend)
     except BaseException:
         ready.zero_()  # in stream order, after the top-k has set them: the next step must find zeros
         raise
