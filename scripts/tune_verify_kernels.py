@@ -393,19 +393,21 @@ def early_sweep(geo, dev, scale: float, quick: bool = False) -> list[dict]:
         rule = early_splits(batch * qo, geo.topk, dev) if early_pays(batch * qo, geo.topk, dev) else None
         variants = [("rule", None, None)]
         for sp in sorted({min(base * m, geo.topk) for m in (1, 2, 4)} | {1}):
-            variants += [(f"plain sp={sp} self_merge={int(sm)}", False, (sp, sm)) for sm in (False, True) if sp > 1 or sm]
-            variants += [(f"early sp={sp} self_merge={int(sm)}", True, (sp, sm)) for sm in (False, True) if sp > 1 or sm]
+            variants += [(f"plain sp={sp} self_merge={int(sm)}", False, (sp, sm, {})) for sm in (False, True)
+                         if sp > 1 or sm]
+            variants += [(f"early sp={sp} self_merge={int(sm)}", True, (sp, sm, {})) for sm in (False, True)
+                         if sp > 1 or sm]
         for sp in sorted({rule or 1, max(1, (rule or 1) // 2), min(2 * (rule or 1), geo.topk)}):
             if -(-geo.topk // sp) >= 2:
-                tiles = dict(pages_per_tile=2, num_stages=2)
-                variants.append((f"early sp={sp} two-page tiles", True, (sp, None, tiles)))
+                variants.append((f"early sp={sp} two-page tiles", True, (sp, None, dict(pages_per_tile=2,
+                                                                                          num_stages=2))))
 
         def step(st, early, launch):
             c = st["cache"]
             if launch is None:
                 return sparse_verify_step(st["index_q"], c.index_k, st["q"], c.k, c.v, st["meta"], topk=geo.topk,
                                           scale=scale, k_scale=c.k_scale, v_scale=c.v_scale, max_qo_len=qo)
-            sp, sm, tiling = (*launch, {})[:3]
+            sp, sm, tiling = launch
             if early:
                 sel, _, ready = index_select.select_announcing(st["index_q"], c.index_k, st["meta"], topk=geo.topk,
                                                                max_qo_len=qo, consumers=sp)
@@ -449,7 +451,8 @@ def main() -> None:
     ap.add_argument("--handoff", action="store_true",
                     help="only the sparse step with the top-k hand-off and the attention's self-merge on/off")
     ap.add_argument("--early", action="store_true",
-                    help="only the sparse step with the attention launched in order / early, x splits x self-merge")
+                    help="only the sparse step with the attention launched in order / early, x splits x self-merge, "
+                         "and early with two-page key tiles")
     ap.add_argument("--paired-v", action="store_true",
                     help="only the sparse attention and step with V read as bytes vs 16-bit pairs (seven shapes)")
     args = ap.parse_args()
