@@ -82,6 +82,17 @@ def test_board_is_sentinel_filled_shared_and_grows():
     assert score_board("cpu", 1).data_ptr() == big.data_ptr()
 
 
+def test_ready_flags_are_zero_shared_and_grow():
+    from m3_eagle_plugin.msa.kernels.handoff import ready_flags
+
+    a = ready_flags("cpu", 8)
+    assert a.shape == (8,) and a.dtype == torch.int32 and (a == 0).all()
+    assert ready_flags("cpu", 3).data_ptr() == a.data_ptr()
+    big = ready_flags("cpu", (1 << 16) + 5)
+    assert big.shape == ((1 << 16) + 5,) and (big == 0).all()
+    assert ready_flags("cpu", 1).data_ptr() == big.data_ptr()
+
+
 def test_sentinel_is_no_float_arithmetic_result():
     """The board's idle value is a signalling NaN; float arithmetic (here the ops the scoring
     applies: a product sum, a max, -inf masking) only yields the canonical quiet NaN."""
