@@ -83,3 +83,25 @@ def test_write_table_from_gpu_rows_loads_as_the_override(tmp_path, monkeypatch, 
     assert table.command.startswith("m3-eagle bench --configs 16x32768 --qo-lens 4")
     assert sorted((r.kernel, r.ours_us, r.flashinfer_us) for r in table.rows) == [
         ("dense_attn", 80.0, 110.0), ("sparse_attn", 18.0, 15.0)]
+
+
+def test_rounds_must_be_a_positive_integer_and_reach_the_written_command(tmp_path, monkeypatch, capsys):
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit):
+            m3_main(["bench", "--device", "cpu", "--rounds", bad])
+        assert "expected a positive integer" in capsys.readouterr().err
+    from m3_eagle_plugin.msa import kernels
+    from m3_eagle_plugin.msa.kernels import kernel_table
+
+    seen = {}
+    rows = [{"section": "kernels", "kernel": "sparse_step", "batch": 16, "context": 32768, "qo_len": 1,
+             "graph_us": 45.1, "flashinfer_us": 45.8}]
+    monkeypatch.setattr(kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(cli, "_gpu_rows", lambda args, device, log: seen.update(rounds=args.rounds) or (
+        rows, {"device_name": "Fake GPU", "flashinfer": "0.7.4-fake"}))
+    path = tmp_path / "table.json"
+    assert m3_main(["bench", "--device", "cuda", "--configs", "16x32K", "--qo-lens", "1", "--rounds", "5",
+                    "--write-table", str(path)]) == 0
+    assert seen == {"rounds": 5}
+    assert json.loads(path.read_text())["command"].endswith("--flashinfer auto --rounds 5")
+    kernel_table.clear_caches()

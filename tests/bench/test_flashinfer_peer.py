@@ -460,3 +460,59 @@ def _reference(name, step, geo):
         sel = ref.select_blocks(step["index_q"], cache.index_k, meta, topk=geo.topk)
         return ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale)
     return ref.dense_attention(q, cache.k, cache.v, meta, scale=scale)
+
+
+def test_rounds_alternate_ours_and_flashinfer_and_report_medians(monkeypatch, fresh_import_status):
+    """`--rounds`: pairs taken ours-then-theirs, medians reported, the derived fields follow them."""
+    from m3_eagle_plugin.bench import kernel_suite as ks
+
+    _install_fake(monkeypatch)
+    order = []
+    mine, theirs = iter([3.0, 4.0, 9.0]), iter([6.0, 2.0, 7.0, 9.5])
+
+    def time_ours(*a):
+        order.append("ours")
+        return next(mine)
+
+    def time_theirs(thunks, device):
+        order.append("theirs")
+        return next(theirs), "cpu", None
+    monkeypatch.setattr(fp, "time_peer_us", time_theirs)
+    got = _fields("sparse_attn", _steps(22), 2, rounds=3, ours=time_ours)
+    assert order == ["theirs"] + ["ours", "theirs"] * 3  # the row's first timing, then the pairs
+    assert got["ours_rounds_us"] == [3.0, 4.0, 9.0] and got["flashinfer_rounds_us"] == [2.0, 7.0, 9.5]
+    assert got["graph_us"] == 4.0 and got["flashinfer_us"] == 7.0
+    assert got["vs_flashinfer"] == pytest.approx(7.0 / 4.0) and got["faster_every_round"] is False
+    assert got["flashinfer_check"] < 1e-5
+    theirs = iter([8.0])
+    one = _fields("sparse_attn", _steps(22), 2, rounds=1, ours=time_ours)  # rounds=1: ours is not re-timed
+    assert "ours_rounds_us" not in one and "graph_us" not in one and one["vs_flashinfer"] == 8.0 / 2.0
+
+    row = {"graph_us": 4.0, "torch_us": 40.0, "floor_us": 3.0}
+    ks._derive(row)
+    assert row["vs_torch"] == 10.0 and row["pct_of_floor"] == 75.0
+
+
+def test_run_kernel_suite_rounds_rewrite_rows_and_vs_q1(monkeypatch, fresh_import_status):
+    from m3_eagle_plugin.bench import kernel_suite as ks
+
+    _install_fake(monkeypatch)
+    monkeypatch.setattr(ks, "_kernel_thunks", lambda name, step, geo: (lambda: _reference(name, step, geo),) * 2)
+    monkeypatch.setattr(ks, "_bytes", lambda *a: (1000, 0))
+    monkeypatch.setattr(ks, "time_eager_us", lambda thunks, **kw: 4.0)
+    times = iter([10.0, 20.0] + [1.0, 2.0, 3.0] + [4.0, 6.0, 8.0])  # run_case q3, q1; then rounds q3, q1
+    monkeypatch.setattr(ks, "time_graph_us", lambda thunks, **kw: next(times))
+    monkeypatch.setattr(fp, "time_peer_us", lambda thunks, device: (5.0, "cpu", None))
+    rows = run_kernel_suite([(2, 16)], [3, 1], ["sparse_attn"], GEO, kv_dtype=torch.float32,
+                            index_dtype=torch.float32, q_dtype=torch.float32, device=torch.device("cpu"),
+                            ceiling_gbps=1.0, num_sets=2, time_reference=False, flashinfer="auto", rounds=3,
+                            log=lambda _: None)
+    by = {r["qo_len"]: r for r in rows}
+    assert by[3]["ours_rounds_us"] == [1.0, 2.0, 3.0] and by[3]["graph_us"] == 2.0
+    assert by[1]["ours_rounds_us"] == [4.0, 6.0, 8.0] and by[1]["graph_us"] == 6.0
+    assert by[3]["faster_every_round"] is True and by[1]["faster_every_round"] is False
+    assert by[3]["vs_q1"] == pytest.approx(2.0 / 6.0) and by[1]["vs_q1"] == 1.0
+    assert by[3]["pct_of_floor"] == pytest.approx(100.0 * by[3]["floor_us"] / 2.0)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        run_kernel_suite([(2, 16)], [1], ["sparse_attn"], GEO, kv_dtype=torch.float32, index_dtype=torch.float32,
+                         q_dtype=torch.float32, device=torch.device("cpu"), ceiling_gbps=1.0, rounds=0)

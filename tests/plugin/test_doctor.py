@@ -61,8 +61,8 @@ def test_kernel_rows_show_flashinfer_the_table_and_verdicts(clean_state, capsys,
     rows = {line.strip().split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
     assert "flashinfer" in rows and "SM90" in rows["flashinfer"]
     assert "peer_table_h200.json (NVIDIA H200, 2026-11-30" in rows["kernel table"]
-    assert "B16/32K q4 -> flashinfer (ours 15.42 / FlashInfer 15.06 us)" in rows["sparse_attention"]
-    assert "B64/32K q4 -> ours (ours 127.02 / FlashInfer 130.87 us)" in rows["select_blocks_paged"]
+    assert "B16/32K q4 -> flashinfer (ours 15.49 / FlashInfer 14.96 us)" in rows["sparse_attention"]
+    assert "B64/32K q4 -> ours (ours 124.47 / FlashInfer 130.75 us)" in rows["select_blocks_paged"]
     assert "decision: ours" in rows["dense_attention"]
     data = doctor.collect()
     assert data["kernel_backend"]["kernel_table"]["device"] == "NVIDIA H200"

@@ -42,6 +42,16 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", type=parse_configs, default=None,
                         help=f"BATCHxCONTEXT list (GPU default {DEFAULT_CONFIGS})")
@@ -55,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flashinfer", choices=("auto", "off"), default="auto",
                         help="time FlashInfer beside ours on the same inputs when it imports (auto, the default: "
                              "its MSA ops in the sparse rows, its paged prefill wrapper in the dense ones) or never")
+    parser.add_argument("--rounds", type=_positive_int, default=1, metavar="N",
+                        help="time ours and FlashInfer alternately N times per FlashInfer row and report the medians "
+                             "(default 1)")
     parser.add_argument("--e2e", action="store_true", help="also run the end-to-end section")
     e2e.add_arguments(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -86,7 +99,8 @@ def _gpu_rows(args: argparse.Namespace, device: torch.device, log) -> tuple[list
                             kv_dtype=DTYPES[args.kv_dtype], index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
                             device=device, ceiling_gbps=ceiling, num_sets=args.sets,
                             dense_kv_dtype=DTYPES[args.dense_kv_dtype], check=not args.no_check,
-                            time_reference=not args.no_reference_timing, flashinfer=args.flashinfer, log=log)
+                            time_reference=not args.no_reference_timing, flashinfer=args.flashinfer,
+                            rounds=args.rounds, log=log)
     return [{"section": "kernels", **r} for r in rows], context
 
 
@@ -154,7 +168,8 @@ def _write_table(args: argparse.Namespace, rows: list[dict[str, Any]], context: 
         return False
     configs = ",".join(f"{b}x{c}" for b, c in (args.configs or parse_configs(DEFAULT_CONFIGS)))
     command = (f"m3-eagle bench --configs {configs} --qo-lens {args.qo_lens} --kernels {args.kernels} "
-               f"--kv-dtype {args.kv_dtype} --dense-kv-dtype {args.dense_kv_dtype} --flashinfer {args.flashinfer}")
+               f"--kv-dtype {args.kv_dtype} --dense-kv-dtype {args.dense_kv_dtype} --flashinfer {args.flashinfer}"
+               + (f" --rounds {args.rounds}" if args.rounds > 1 else ""))
     table = table_from_bench_rows(kernel_rows, device=context["device_name"], command=command,
                                   date=datetime.date.today().isoformat(), flashinfer=context.get("flashinfer"))
     with open(args.write_table, "w") as fh:

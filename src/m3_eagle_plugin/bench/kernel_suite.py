@@ -8,6 +8,7 @@ against FlashInfer get its time on the same inputs in the same rows (flashinfer_
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -148,6 +149,11 @@ def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Call
     raise ValueError(f"unknown kernel {name!r}; choose from {KERNELS}")
 
 
+def _time_ours(name: str, steps: StepSet, qo_len: int) -> float:
+    """Our kernel's time on the row's input sets, as `run_case` takes it (graph-replayed)."""
+    return time_graph_us([_kernel_thunks(name, steps.step(s, qo_len), steps.geo)[0] for s in range(len(steps.sets))])
+
+
 def _kv_fields(meta) -> dict[str, torch.Tensor]:
     return {k: getattr(meta, k).clone() for k in
             ("kv_lens", "qo_offsets", "positions", "token_kv_lens", "valid_blocks", "cache_slots")}
@@ -208,20 +214,33 @@ def run_case(name: str, steps: StepSet, qo_len: int, *, ceiling_gbps: float, che
     row["graph_us"] = time_graph_us(kernels)
     if time_reference:
         row["torch_us"] = time_eager_us([pairs[0][1]], warmup=1, repeats=3, calls=1)
-        row["vs_torch"] = row["torch_us"] / row["graph_us"]
     row["bytes"] = nbytes
     row["union_blocks"] = union
     if nbytes:
         row["floor_us"] = nbytes / (ceiling_gbps * 1e3)
-        row["pct_of_floor"] = 100.0 * row["floor_us"] / row["graph_us"]
+    _derive(row)
     return row
 
 
+def _derive(row: dict[str, Any]) -> None:
+    """The fields computed from `graph_us` (again after `--rounds` replaced it by a paired median)."""
+    if "torch_us" in row:
+        row["vs_torch"] = row["torch_us"] / row["graph_us"]
+    if row.get("floor_us"):
+        row["pct_of_floor"] = 100.0 * row["floor_us"] / row["graph_us"]
+
+
 def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us: float,
-                      expects: dict | None = None, check: bool = True) -> dict[str, Any]:
+                      expects: dict | None = None, check: bool = True, rounds: int = 1,
+                      ours: Callable[[], float] | None = None) -> dict[str, Any]:
     """FlashInfer's fields for one of our rows (same inputs, same input-set rotation): its time
     (graph-replayed when capturable), `vs_flashinfer` = its time / ours (> 1: we are faster), its
-    check against the torch reference. Any failure becomes `flashinfer_error`; nothing raises."""
+    check against the torch reference. Any failure becomes `flashinfer_error`; nothing raises.
+
+    With `rounds` > 1 and `ours` (which times our kernel again), the two are timed alternately
+    `rounds` times: `graph_us` and `flashinfer_us` become the medians of those rounds (each
+    round's pair in `ours_rounds_us` / `flashinfer_rounds_us`), so drift during a run (clocks,
+    heat) falls on both sides; `faster_every_round` says whether ours won every pair."""
     from .flashinfer_peer import cuda_poisoned, short_error, time_peer_us
 
     if peer.broken:
@@ -244,6 +263,16 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
                 peer.broken = f"CUDA unusable after FlashInfer {op_name}: {poisoned}"
                 break
             continue
+        if field == "flashinfer_us" and rounds > 1 and ours is not None:
+            try:
+                mine, theirs = _paired_rounds(ours, lambda: time_peer_us([op.run for op in ops], steps.device)[0],
+                                              rounds)
+            except Exception as exc:
+                errors.append(f"{op_name} rounds: {short_error(exc)}")
+                continue
+            us, graph_us = statistics.median(theirs), statistics.median(mine)
+            fields.update(graph_us=graph_us, ours_rounds_us=mine, flashinfer_rounds_us=theirs,
+                          faster_every_round=all(a < b for a, b in zip(mine, theirs)))
         fields[field] = us
         notes += [n for n in (ops[0].note, why) if n and n not in notes]
         if field == "flashinfer_us":
@@ -259,6 +288,15 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
     if errors:
         fields["flashinfer_error"] = "; ".join(errors)
     return fields
+
+
+def _paired_rounds(ours: Callable[[], float], theirs: Callable[[], float], rounds: int) -> tuple[list, list]:
+    """(our times, their times): `rounds` pairs, each ours then theirs."""
+    mine, other = [], []
+    for _ in range(rounds):
+        mine.append(ours())
+        other.append(theirs())
+    return mine, other
 
 
 def _flashinfer_check(name: str, op, step: dict[str, Any], geo: Geometry, expects: dict,
@@ -320,15 +358,19 @@ def run_dense_peer(*, device, ceiling_gbps: float, num_sets: int, check: bool, t
 def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels: list[str], geo: Geometry, *,
                      kv_dtype, index_dtype, q_dtype, device, ceiling_gbps: float, num_sets: int = 3,
                      dense_kv_dtype=None, check: bool = True, time_reference: bool = True,
-                     flashinfer: str = "off", log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+                     flashinfer: str = "off", rounds: int = 1,
+                     log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Our rows per (config, kernel, q_len); with `flashinfer="auto"` and FlashInfer importable,
     its fields join the rows of FLASHINFER_KERNELS (timed after ours; an op FlashInfer lacks, e.g.
-    msa_ops failing to import, becomes that row's `flashinfer_error`)."""
+    msa_ops failing to import, becomes that row's `flashinfer_error`), with `rounds` > 1 as the
+    medians of that many alternating (ours, FlashInfer) timings (`flashinfer_fields`)."""
     from .flashinfer_peer import FlashInferPeer, flashinfer_available, flashinfer_importable, nvp_probe
 
     unknown = set(kernels) - set(KERNELS)
     if unknown:
         raise ValueError(f"unknown kernel(s) {sorted(unknown)}; choose from {KERNELS}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     peer = FlashInferPeer() if flashinfer == "auto" and flashinfer_importable() else None
     rows: list[dict[str, Any]] = []
     for batch, context in configs:
@@ -361,9 +403,15 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
                 for qo_len in qo_lens:
                     row, use = ours[(name, qo_len)]
                     row.update(flashinfer_fields(name, use, qo_len, peer, graph_us=row["graph_us"], expects=expects,
-                                                 check=check))
+                                                 check=check, rounds=rounds,
+                                                 ours=lambda n=name, u=use, q=qo_len: _time_ours(n, u, q)))
+                    _derive(row)
                     log(f"  flashinfer {name} B{batch} ctx{context} q{qo_len}: "
                         f"{row.get('flashinfer_us', float('nan')):.1f} us {row.get('flashinfer_error', '')}")
+                if rounds > 1 and 1 in qo_lens:  # graph_us are paired medians now
+                    for qo_len in qo_lens:
+                        ours[(name, qo_len)][0]["vs_q1"] = (ours[(name, qo_len)][0]["graph_us"]
+                                                            / ours[(name, 1)][0]["graph_us"])
             peer.clear()
         del steps, dense_steps, expects, ours
         torch.cuda.empty_cache()

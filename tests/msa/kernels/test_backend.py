@@ -54,9 +54,9 @@ def test_report_shows_flashinfer_the_table_and_its_verdicts(monkeypatch):
     assert (table["device"], table["date"]) == ("NVIDIA H200", "2026-11-30")
     assert table["applies"].startswith("no: this device is cpu")
     verdicts = report["table_verdicts"]
-    assert "B64/32K q4 -> flashinfer (ours 32.18 / FlashInfer 31.34 us)" in verdicts["sparse_attention"]
-    assert "B1/8K q4 -> ours (ours 4.13 / FlashInfer 4.81 us)" in verdicts["select_blocks_paged"]
-    assert "B16/32K q1 -> ours (ours 7.82 / FlashInfer 9.39 us)" in verdicts["sparse_attention"]
+    assert "B64/32K q4 -> flashinfer (ours 32.13 / FlashInfer 30.99 us)" in verdicts["sparse_attention"]
+    assert "B1/8K q4 -> ours (ours 3.98 / FlashInfer 4.8 us)" in verdicts["select_blocks_paged"]
+    assert "B16/32K q1 -> ours (ours 7.86 / FlashInfer 9.26 us)" in verdicts["sparse_attention"]
     assert verdicts["dense_attention"][-1].startswith("decision: ours")
     assert any(line.startswith("dense_attn_peer B8/4K q4 -> ours") for line in verdicts["dense_attention"])
 
