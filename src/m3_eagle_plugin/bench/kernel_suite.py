@@ -230,6 +230,13 @@ def _derive(row: dict[str, Any]) -> None:
         row["pct_of_floor"] = 100.0 * row["floor_us"] / row["graph_us"]
 
 
+def _set_vs_q1(by_q: dict[int, dict[str, Any]]) -> None:
+    """Each row's `graph_us` over the single-token row's, where a q_len 1 row was measured."""
+    if 1 in by_q:
+        for row in by_q.values():
+            row["vs_q1"] = row["graph_us"] / by_q[1]["graph_us"]
+
+
 def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us: float,
                       expects: dict | None = None, check: bool = True, rounds: int = 1,
                       ours: Callable[[], float] | None = None) -> dict[str, Any]:
@@ -395,9 +402,7 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
                 rows.append(row)
                 log(f"  {name} B{batch} ctx{context} q{qo_len}: graph {row['graph_us']:.1f} us "
                     f"eager {row['eager_us']:.1f} us err {row.get('error', float('nan')):.2e}")
-            if 1 in by_q:
-                for qo_len, row in by_q.items():
-                    row["vs_q1"] = row["graph_us"] / by_q[1]["graph_us"]
+            _set_vs_q1(by_q)
         if peer is not None:
             for name in (k for k in FLASHINFER_KERNELS if k in kernels):
                 for qo_len in qo_lens:
@@ -408,10 +413,7 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
                     _derive(row)
                     log(f"  flashinfer {name} B{batch} ctx{context} q{qo_len}: "
                         f"{row.get('flashinfer_us', float('nan')):.1f} us {row.get('flashinfer_error', '')}")
-                if rounds > 1 and 1 in qo_lens:  # graph_us are paired medians now
-                    for qo_len in qo_lens:
-                        ours[(name, qo_len)][0]["vs_q1"] = (ours[(name, qo_len)][0]["graph_us"]
-                                                            / ours[(name, 1)][0]["graph_us"])
+                _set_vs_q1({qo_len: ours[(name, qo_len)][0] for qo_len in qo_lens})  # after --rounds' medians
             peer.clear()
         del steps, dense_steps, expects, ours
         torch.cuda.empty_cache()
