@@ -1,9 +1,13 @@
-"""Suite-wide policy: one torch thread per test.
+"""Suite-wide policy: one torch thread per test, and no replayed kernel recordings across tests.
 
 CI has two shared cores and the suite's models are tiny: intra-op threads only add contention
-(the reference host ran a tiny model ~50x slower with two threads than with one).
+(the reference host ran a tiny model ~50x slower with two threads than with one). Every test
+starts from the ordinary launch path: no recording (`msa/kernels/replay.py`) made by an earlier
+test, perhaps under other patched helpers, is replayed in it.
 """
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -15,3 +19,11 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _no_recordings_from_other_tests():
+    replay = sys.modules.get("m3_eagle_plugin.msa.kernels.replay")
+    if replay is not None:
+        replay.clear_all()
+    yield

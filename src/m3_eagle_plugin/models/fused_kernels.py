@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from m3_eagle_plugin.msa.kernels.launch import launch
+
 #: Launch option shared by every kernel here: no FMA contraction (see the module docstring).
 _EXACT = {"enable_fp_fusion": False}
 
@@ -56,7 +58,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: b
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     total = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     block = _pow2(n)
-    _rms_norm_kernel[(rows,)](
+    launch(_rms_norm_kernel, (rows,),
         x, x.stride(0), residual if residual is not None else x, (residual if residual is not None else x).stride(0),
         weight, y, y.stride(0), total if total is not None else y, (total if total is not None else y).stride(0),
         n, 1.0 / n, eps,
@@ -132,7 +134,7 @@ def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     half = inv_freq.shape[0]
     rest = d - 2 * half
     qw, q_eps, kw, k_eps = norm if norm is not None else (q, 0.0, q, 0.0)
-    _norm_rope_qk_kernel[(t, hq + hk)](
+    launch(_norm_rope_qk_kernel, (t, hq + hk),
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1),
         q_out, q_out.stride(0), q_out.stride(1), k_out, k_out.stride(0), k_out.stride(1),
         qw, kw, q_eps, k_eps,
@@ -161,6 +163,6 @@ def gather_logits(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`src [R, Vd]` -> fp32 `[R, len(index)]` (see the kernel)."""
     rows, n_out = src.shape[0], index.shape[0]
     out = torch.empty((rows, n_out), dtype=torch.float32, device=src.device)
-    _gather_logits_kernel[(rows, triton.cdiv(n_out, GATHER_BLOCK))](
+    launch(_gather_logits_kernel, (rows, triton.cdiv(n_out, GATHER_BLOCK)),
         src, src.stride(0), index, out, out.stride(0), n_out, BLOCK=GATHER_BLOCK, num_warps=4, **_EXACT)
     return out

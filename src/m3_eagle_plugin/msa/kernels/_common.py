@@ -60,10 +60,16 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(index))
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_present() -> bool:
+    return torch.cuda.is_available()  # an NVML query on every call; the answer does not change
+
+
 def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     """Compute capability of a CUDA device, None for anything else (tests patch this to fake SM90)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if type(device) is not torch.device:
+        device = torch.device(device)
+    if device.type != "cuda" or not _cuda_present():
         return None
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -113,7 +119,8 @@ def step_buffer(store: dict, device: torch.device | str, numel: int, *, fill: in
     """`numel` int32 entries of the per-device buffer kept in `store`, allocated on first use
     holding `fill` (at least `min_numel`, grown to the next power of two), or None while a CUDA
     graph is being captured and the buffer is too small: a captured graph must not own it, so
-    callers fall back to a path without it. Kernels that use it leave it holding `fill` again."""
+    callers fall back to a path without it. Kernels that use it leave it holding `fill` again.
+    Made by a fill, never `torch.empty`: `replay` takes an empty allocation for a fresh output."""
     device = torch.device(device)
     have = store.get(device)
     if have is None or have.numel() < numel:

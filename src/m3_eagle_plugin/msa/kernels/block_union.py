@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
+from .launch import launch
 
 
 @dataclass
@@ -95,7 +96,7 @@ def union_from_selection(selection: torch.Tensor, cu_qo_lens: torch.Tensor, bloc
     num_requests = cu_qo_lens.shape[0] - 1
     union = allocate_union(num_requests, num_heads, num_chunks, chunk, topk, selection.device)
     if num_requests and num_heads:
-        _union_kernel[(num_requests, num_heads, num_chunks)](
+        launch(_union_kernel, (num_requests, num_heads, num_chunks),
             selection, selection.stride(0), selection.stride(1), cu_qo_lens, block_tables, block_tables.stride(0),
             union.ids, union.pages, union.bits, union.counts,
             QP=chunk, TOPK=topk, TOPK_P=next_pow2(topk), num_warps=4,

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 
 from ._common import qo_len_hint, scale_value, tokens_per_tile
+from .launch import launch
+from .replay import Replayer, call_signature
 from .sparse_verify import (LOG2E, _online_softmax_step, _store_rows, _zero_graph_padding, check_attention_inputs,
                             check_splits, choose_splits, max_partial_splits, merge_outputs, split_outputs)
 
@@ -98,7 +100,20 @@ def dense_verify_attention(
     num_stages: int = 3,
     key_tile: int | None = None,
 ) -> torch.Tensor:
-    """`[T, Hq, D]` in `q.dtype`: every token attends to its request's keys up to its own position."""
+    """`[T, Hq, D]` in `q.dtype`: every token attends to its request's keys up to its own position.
+    Replayed (`replay`) after the first call of a signature."""
+    inputs = (q, k_cache, v_cache)
+    scalars = (scale, k_scale, v_scale, max_qo_len, splits, num_warps, num_stages, key_tile)
+    return _REPLAYER.call(call_signature(inputs, meta, scalars), inputs, meta, lambda: _dense(
+        q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len,
+        splits=splits, num_warps=num_warps, num_stages=num_stages, key_tile=key_tile))
+
+
+_REPLAYER = Replayer()
+
+
+def _dense(q, k_cache, v_cache, meta, *, scale, k_scale, v_scale, max_qo_len, splits, num_warps, num_stages,
+           key_tile) -> torch.Tensor:
     check_attention_inputs(q, k_cache, v_cache, meta)
     max_qo_len = qo_len_hint(meta, max_qo_len)
     num_tokens, num_heads, dim = q.shape
@@ -118,7 +133,7 @@ def dense_verify_attention(
         key_tile = 64 if k_cache.element_size() >= 2 else 32
     qk_scale = float(scale) * scale_value(k_scale) * LOG2E
     vs = scale_value(v_scale)
-    _dense_verify_kernel[(num_requests, hkv, splits)](
+    launch(_dense_verify_kernel, (num_requests, hkv, splits),
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

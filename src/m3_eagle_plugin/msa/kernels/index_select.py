@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .block_union import BlockUnion, allocate_union, chunk_count
 from .handoff import SENTINEL as _SENTINEL, handoff_enabled, ready_flags, reset_board, score_board
+from .launch import launch
 from .pdl import pdl_args, release_dependents, wait_for_prior_grid, wait_then_release
 from ._common import (
     qo_len_hint,
@@ -238,7 +239,7 @@ def index_block_scores(
         num_stages = 1 if desc is not None else 2
     grid = (triton.cdiv(width, blocks_per_program), num_requests)
     if num_requests and num_tokens:
-        _block_score_kernel[grid](
+        launch(_block_score_kernel, grid,
             index_q, index_q.stride(0), index_q.stride(1),
             index_k_cache, index_k_cache.stride(0), index_k_cache.stride(1),
             index_k_cache if desc is None else desc,
@@ -342,7 +343,7 @@ def topk_from_block_scores(
         nbp = next_pow2(max(width, 2))
         dummy = out
         grid = (num_requests, num_heads, nch)
-        _topk_union_kernel[grid](
+        launch(_topk_union_kernel, grid,
             block_scores, block_scores.stride(0), block_scores.stride(1),
             meta.valid_blocks, meta.cu_qo_lens, num_tokens,
             out, out.stride(0), out.stride(1), meta.block_tables, meta.block_tables.stride(0),

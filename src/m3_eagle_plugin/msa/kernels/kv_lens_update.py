@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import require
+from .launch import launch
 
 ELEMS_PER_PROGRAM = 1024
 
@@ -104,7 +105,7 @@ def derive_token_fields(
     n = max(num_requests, num_tokens)
     if n == 0:
         return
-    _derive_token_fields_kernel[(triton.cdiv(n, ELEMS_PER_PROGRAM),)](
+    launch(_derive_token_fields_kernel, (triton.cdiv(n, ELEMS_PER_PROGRAM),),
         new_kv_lens if new_kv_lens is not None else kv_lens, 0 if new_kv_lens is None else new_kv_lens.shape[0],
         kv_lens, kv_lens_staged, qo_lens, qo_offsets,
         token_request, token_intra, token_live, block_table_flat, max_blocks_per_seq,

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_cache_view, next_pow2, require
+from .launch import launch
 
 
 @triton.jit
@@ -77,7 +78,7 @@ def write_step_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tor
     ikc = index_k_cache if has_index else k_cache
     ik = index_k if has_index else k
     di = index_k_cache.shape[2] if has_index else 1
-    _write_step_kernel[(num_tokens, hkv)](
+    launch(_write_step_kernel, (num_tokens, hkv),
         slots,
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

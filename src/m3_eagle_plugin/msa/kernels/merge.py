@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._common import step_buffer
+from .launch import launch
 from .pdl import pdl_args, wait_for_prior_grid
 
 
@@ -44,7 +45,7 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
     num_tokens, num_heads, splits, dim = partial.shape
     if num_tokens and num_heads:
         grid = (num_tokens, num_heads)
-        _merge_splits_kernel[grid](
+        launch(_merge_splits_kernel, grid,
             partial, lse, out, out.stride(0), out.stride(1), cu_qo_lens, cu_qo_lens.shape[0] - 1,
             num_heads, v_scale, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)), D=dim,
             num_warps=4, **pdl_args(out.device, grid),

@@ -35,6 +35,7 @@ from ._common import (
     triton_interpreting,
 )
 from .block_union import BlockUnion, chunk_count, union_from_selection
+from .launch import launch
 from .merge import merge_splits, split_arrivals
 from .pdl import pdl_args, wait_for_prior_grid, wait_for_prior_grid_only
 
@@ -510,6 +511,7 @@ def sparse_verify_attention(
     self_merge: bool | None = None,
     ready: torch.Tensor | None = None,
     pages_per_tile: int = 1,
+    checked: bool = False,
 ) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids.
 
@@ -526,8 +528,10 @@ def sparse_verify_attention(
     with `consumers=splits`; per-token layout, explicit splits) launches the attention early (PDL)
     with each program waiting for its own token's flag. `pages_per_tile` 2 (per-token layout,
     `prefetch`) makes each MMA tile two pages of keys (`_attend_two_pages`; `key_tile` unused).
+    `checked`: the caller already ran `check_attention_inputs` on these inputs (`verify_step`).
     """
-    check_attention_inputs(q, k_cache, v_cache, meta)
+    if not checked:
+        check_attention_inputs(q, k_cache, v_cache, meta)
     max_qo_len = qo_len_hint(meta, max_qo_len)
     require(selection.dim() == 3 and selection.dtype == torch.int32 and selection.stride(-1) == 1,
             f"selection must be int32 [Hkv, T, topk] with unit last stride, got {selection.dtype} {tuple(selection.shape)}")
@@ -576,7 +580,7 @@ def sparse_verify_attention(
     qk_scale = float(scale) * scale_value(k_scale) * LOG2E
     vs = scale_value(v_scale)
     grid = (num_requests, hkv, nch * splits)
-    _sparse_verify_kernel[grid](
+    launch(_sparse_verify_kernel, grid,
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -649,7 +653,7 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
     arrivals = split_arrivals(q.device, num_tokens * hkv) if self_merge and splits > 1 else None
     self_merge = arrivals is not None
     grid = (num_requests, hkv, per_request * splits)
-    _sparse_token_kernel[grid](
+    launch(_sparse_token_kernel, grid,
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

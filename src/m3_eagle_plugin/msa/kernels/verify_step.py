@@ -46,6 +46,7 @@ from .block_union import chunk_count
 from .handoff import handoff_enabled
 from .index_select import select_announcing, select_blocks_verify
 from .pdl import pdl_args
+from .replay import Replayer, call_signature
 from .sparse_verify import check_attention_inputs, default_layout, sparse_verify_attention
 
 #: Fewest (token, KV head) rows a step needs for the early attention (B16 q1 and B4 q4 have 16).
@@ -94,14 +95,30 @@ def sparse_verify_step(
     """(selection int32 `[Hi, T, topk]`, attention `[T, Hq, D]`): `select_blocks_verify` then
     `sparse_verify_attention`, the attention launched early where it applies (`early=None`: by
     the measured rule; True: wherever the hand-off runs, PDL or not; False: never). `splits`
-    overrides the early attention's splits (its key tiles follow them: `early_tiling`)."""
+    overrides the early attention's splits (its key tiles follow them: `early_tiling`).
+
+    Replayed (`replay`) after the first call of a signature: the later layers of a step launch
+    what the first one decided, with their own tensors."""
+    inputs = (index_q, index_k_cache, q, k_cache, v_cache)
+    scalars = (topk, scale, local_blocks, init_blocks, k_scale, v_scale, max_qo_len, early, splits)
+    return _REPLAYER.call(call_signature(inputs, meta, scalars), inputs, meta, lambda: _step(
+        index_q, index_k_cache, q, k_cache, v_cache, meta, topk=topk, scale=scale, local_blocks=local_blocks,
+        init_blocks=init_blocks, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len, early=early,
+        splits=splits))
+
+
+_REPLAYER = Replayer()
+
+
+def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, local_blocks, init_blocks, k_scale,
+          v_scale, max_qo_len, early, splits) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(q, k_cache, v_cache, meta)  # before anything is launched or armed
     max_qo_len = qo_len_hint(meta, max_qo_len)
     num_tokens, num_heads, _ = q.shape
     hkv = k_cache.shape[1]
     require(index_q.shape[0] == num_tokens, f"index_q has {index_q.shape[0]} tokens, q has {num_tokens}")
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
-    attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len)
+    attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len, checked=True)
     kv_bytes = k_cache.element_size()
     if early is not False and splits is None:
         units = chunk_count(num_tokens, meta.kv_lens.shape[0], 1, max_qo_len) * meta.kv_lens.shape[0] * hkv

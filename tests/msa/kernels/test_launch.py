@@ -1,0 +1,155 @@
+"""The cached kernel launch (`msa/kernels/launch.py`).
+
+The key is checked against Triton's own specialisation (`native_specialize_impl`, the function
+its binder calls): two arguments with one key must specialise alike. On a GPU, a kernel launched
+through the cache's hit path must compute what torch does for every specialisation it meets,
+eagerly and replayed in a CUDA graph, and launch hooks must still see every launch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
+from m3_eagle_plugin.msa.kernels import launch as launch_mod  # noqa: E402
+from m3_eagle_plugin.msa.kernels.launch import arg_key, launch  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.uint8]
+EDGES = [0, 1, 2, 15, 16, 17, 32, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 16, -16,
+         -1, 2**63 - 16, 2**63, 2**64 - 16]
+
+
+def _triton(arg):
+    return native_specialize_impl(BaseBackend, arg, False, True, True)
+
+
+ints = st.one_of(st.sampled_from(EDGES), st.integers(-(2**40), 2**40), st.integers(0, 2**64 - 1),
+                 st.integers(-64, 64).map(lambda k: 16 * k))
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=ints, b=ints)
+def test_int_key_is_never_coarser_than_triton(a, b):
+    if arg_key(a) == arg_key(b):
+        assert _triton(a) == _triton(b), (a, b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(dtype_a=st.sampled_from(DTYPES), dtype_b=st.sampled_from(DTYPES), off_a=st.integers(0, 40),
+       off_b=st.integers(0, 40))
+def test_tensor_key_is_never_coarser_than_triton(dtype_a, dtype_b, off_a, off_b):
+    a = torch.empty(64, dtype=dtype_a)[off_a:]  # CPU tensors: the key reads only data_ptr and dtype
+    b = torch.empty(64, dtype=dtype_b)[off_b:]
+    if arg_key(a) == arg_key(b):
+        assert _triton(a) == _triton(b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(dtype_a=st.sampled_from(DTYPES[:3]), dtype_b=st.sampled_from(DTYPES[:3]),
+       block_a=st.sampled_from([[1, 16, 32], [1, 32, 32], [2, 16, 32]]),
+       block_b=st.sampled_from([[1, 16, 32], [1, 32, 32], [2, 16, 32]]), wide=st.booleans())
+def test_descriptor_key_is_never_coarser_than_triton(dtype_a, dtype_b, block_a, block_b, wide):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(dtype, block, cols):
+        base = torch.empty(4, 32, cols, dtype=dtype)[:, :, :32]
+        return TensorDescriptor(base, list(base.shape), list(base.stride()), block)
+
+    a, b = desc(dtype_a, block_a, 32), desc(dtype_b, block_b, 64 if wide else 32)
+    if arg_key(a) == arg_key(b):
+        assert _triton(a) == _triton(b)
+
+
+def test_other_arguments():
+    assert arg_key(0.5) == arg_key(3.0) and _triton(0.5) == _triton(3.0)
+    assert arg_key(True) != arg_key(False) and arg_key(True) != arg_key(1)
+    assert arg_key(None) is None
+    with pytest.raises(launch_mod._Unkeyed):
+        arg_key("text")
+
+
+def test_non_jit_kernels_take_their_own_launch():
+    calls = []
+
+    class Interpreted:  # what `triton.jit` returns under TRITON_INTERPRET=1
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs)) or "ran"
+
+    assert launch(Interpreted(), (3,), 1, 2, K=4) == "ran"
+    assert calls == [((3,), (1, 2), {"K": 4})]
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, s_x, y_ptr, n, alpha, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i * s_x, mask=i < n, other=0.0)
+    tl.store(y_ptr + i, x * alpha + OFFSET, mask=i < n)
+
+
+def _axpy(x, stride, n, alpha, offset, out_offset=0):
+    y = torch.full((n + out_offset,), -7.0, device=x.device, dtype=x.dtype)[out_offset:]
+    launch(_axpy_kernel, (triton.cdiv(n, 64),), x, stride, y, n, alpha, OFFSET=offset, BLOCK=64)
+    return y
+
+
+def _want(x, stride, n, alpha, offset):
+    return (x[: n * stride: stride].float() * alpha + offset).to(x.dtype)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_every_specialisation_matches_torch_on_the_hit_path():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(4096, device="cuda", generator=g)
+    # alpha a power of two: x * alpha is exact, so a contracted multiply-add rounds as torch does
+    cases = [(0, 1, 100, 2.0, 0), (0, 16, 64, 2.0, 0), (0, 3, 100, -1.0, 1), (1, 1, 100, 0.5, 0),
+             (5, 16, 33, 4.0, 2), (0, 1, 1, 0.25, 0), (3, 1, 16, 1.0, 1)]
+    for x_off, stride, n, alpha, offset in cases:
+        x = base[x_off:]
+        for out_off in (0, 1):
+            first = _axpy(x, stride, n, alpha, offset, out_off)
+            size = len(launch_mod._COMPILED)
+            again = _axpy(x, stride, n, 2 * alpha, offset, out_off)  # a hit: same key, new values
+            assert len(launch_mod._COMPILED) == size
+            torch.testing.assert_close(first, _want(x, stride, n, alpha, offset), rtol=0, atol=0)
+            torch.testing.assert_close(again, _want(x, stride, n, 2 * alpha, offset), rtol=0, atol=0)
+            assert not again.isnan().any()
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_hit_path_replays_in_a_cuda_graph():
+    x = torch.randn(1000, device="cuda")
+    y = torch.empty_like(x)
+    alpha = 2.0  # a power of two: exact whether or not the multiply-add is contracted
+    run = lambda: launch(_axpy_kernel, (16,), x, 1, y, 1000, alpha, OFFSET=3, BLOCK=64)  # noqa: E731
+    run(), run()  # compile, then a hit
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    x.copy_(torch.randn(1000, device="cuda"))
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, x * alpha + 3, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_launch_hooks_see_every_launch():
+    from triton import knobs
+
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    x = torch.randn(64, device="cuda")
+    _axpy(x, 1, 64, 1.0, 0)  # cached before the hook exists
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        y = _axpy(x, 1, 64, 2.0, 0)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1
+    torch.testing.assert_close(y, x * 2, rtol=0, atol=0)
