@@ -254,6 +254,15 @@ def test_fake_flashinfer_sparse_and_dense_match_the_reference(monkeypatch, fresh
         assert got["flashinfer_check"] < 1e-5, (name, got)
 
 
+def test_fake_flashinfer_eager_time_only_with_ours(monkeypatch, fresh_import_status):
+    _install_fake(monkeypatch)
+    steps = _steps(9)
+    assert "flashinfer_eager_us" not in _fields("dense_attn", steps, 2)
+    got = _fields("dense_attn", steps, 2, eager_us=3.0)
+    assert got["flashinfer_eager_us"] > 0 and "flashinfer_error" not in got
+    assert got["vs_flashinfer_eager"] == pytest.approx(got["flashinfer_eager_us"] / 3.0)
+
+
 def test_fake_flashinfer_fp8_scales_reach_the_ops(monkeypatch, fresh_import_status):
     if FP8 is None:
         pytest.skip("no float8 in this torch")
@@ -438,11 +447,13 @@ def test_run_kernel_suite_wires_flashinfer_into_rows(monkeypatch, fresh_import_s
             row = by[(name, qo)]
             assert "flashinfer_error" not in row, row
             assert row["vs_flashinfer"] == pytest.approx(row["flashinfer_us"] / 2.0)
+            assert (row["flashinfer_eager_us"], row["vs_flashinfer_eager"]) == (4.0, 1.0)  # ours eager 4.0 too
             assert row["flashinfer_check"] < 1e-5 or name == "index_select"
     assert by[("index_select", 3)]["flashinfer_check"] == 0.0  # forced local block == our rule here
     assert by[("index_select", 3)]["flashinfer_nvp_us"] == 1.5 and probed == [([(2, 16)], [3, 1])]
     peer_row = by[("dense_attn_peer", 2)]
     assert peer_row["goal"] == "vs_flashinfer >= 5" and isinstance(peer_row["meets_goal"], bool)
+    assert peer_row["vs_flashinfer_eager"] == 1.0
     first_topk = fi.calls.index("msa_topk_select")
     assert all(c != "msa_topk_select" for c in fi.calls[:first_topk])
     assert "prefill.run" in fi.calls[:first_topk] and "msa_sparse_decode_attention" in fi.calls[:first_topk]

@@ -239,10 +239,12 @@ def _set_vs_q1(by_q: dict[int, dict[str, Any]]) -> None:
 
 def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us: float,
                       expects: dict | None = None, check: bool = True, rounds: int = 1,
-                      ours: Callable[[], float] | None = None) -> dict[str, Any]:
+                      ours: Callable[[], float] | None = None, eager_us: float | None = None) -> dict[str, Any]:
     """FlashInfer's fields for one of our rows (same inputs, same input-set rotation): its time
     (graph-replayed when capturable), `vs_flashinfer` = its time / ours (> 1: we are faster), its
     check against the torch reference. Any failure becomes `flashinfer_error`; nothing raises.
+    With our `eager_us`, its calls are also timed eagerly (`flashinfer_eager_us`, once, right
+    after its graph timing) and `vs_flashinfer_eager` compares the two.
 
     With `rounds` > 1 and `ours` (which times our kernel again), the two are timed alternately
     `rounds` times: `graph_us` and `flashinfer_us` become the medians of those rounds (each
@@ -285,6 +287,15 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
         if field == "flashinfer_us":
             main = ops[0]
             fields.update(flashinfer_timing=how, flashinfer_api=main.api, vs_flashinfer=us / graph_us)
+            if eager_us:
+                try:
+                    theirs = time_eager_us([op.run for op in ops])
+                    fields.update(flashinfer_eager_us=theirs, vs_flashinfer_eager=theirs / eager_us)
+                except Exception as exc:
+                    errors.append(f"{op_name} eager: {short_error(exc)}")
+                    poisoned = cuda_poisoned()
+                    if poisoned:
+                        peer.broken = f"CUDA unusable after FlashInfer {op_name} (eager): {poisoned}"
     if check and main is not None and not peer.broken:
         try:
             fields.update(_flashinfer_check(name, main, sets[0], steps.geo, expects or {}, qo_len))
@@ -351,7 +362,7 @@ def run_dense_peer(*, device, ceiling_gbps: float, num_sets: int, check: bool, t
         row["note"] = "FlashInfer not timed (unavailable or --flashinfer off)"
     else:
         row.update(flashinfer_fields("dense_attn", steps, p["qo_len"], peer, graph_us=row["graph_us"],
-                                     expects=expects, check=check))
+                                     expects=expects, check=check, eager_us=row.get("eager_us")))
         if "vs_flashinfer" in row:
             row["meets_goal"] = row["vs_flashinfer"] >= p["goal"]
         peer.clear()
@@ -408,7 +419,7 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
                 for qo_len in qo_lens:
                     row, use = ours[(name, qo_len)]
                     row.update(flashinfer_fields(name, use, qo_len, peer, graph_us=row["graph_us"], expects=expects,
-                                                 check=check, rounds=rounds,
+                                                 check=check, rounds=rounds, eager_us=row.get("eager_us"),
                                                  ours=lambda n=name, u=use, q=qo_len: _time_ours(n, u, q)))
                     _derive(row)
                     log(f"  flashinfer {name} B{batch} ctx{context} q{qo_len}: "
