@@ -152,6 +152,34 @@ def test_one_tensor_as_two_inputs_is_never_recorded(cpu_replay):
     assert len(body) == 2 and "same tensor" in replayer.last_refusal
 
 
+def test_other_threads_launches_are_not_recorded(cpu_replay):
+    import threading
+
+    mine, theirs, replayer, body = Doubler(), Doubler(), Replayer(), []
+    call = _wrapper(mine, replayer, body)
+    meta = Meta(torch.tensor([1]))
+    other = threading.Thread(target=lambda: launch(theirs, (1,), torch.ones(2), meta.kv_lens, torch.empty(2),
+                                                   SHIFT=0))
+    original = replay._Recorder.record_launch
+
+    def record_while_another_thread_launches(self, *args):
+        if not other.is_alive() and theirs.launches == 0:
+            other.start()
+            other.join()
+        original(self, *args)
+
+    replay._Recorder.record_launch = record_while_another_thread_launches
+    try:
+        call(torch.randn(3), meta)
+    finally:
+        replay._Recorder.record_launch = original
+    (recording,) = replayer.recordings.values()
+    assert [launched[0] for launched in recording.launches] == [mine] and theirs.launches == 1
+    x = torch.randn(3)
+    torch.testing.assert_close(call(x, meta), 2 * x + 2, rtol=0, atol=0)
+    assert len(body) == 1 and theirs.launches == 1
+
+
 def test_results_must_be_fresh(cpu_replay):
     replayer, body = Replayer(), []
     meta = Meta(torch.tensor([0]))

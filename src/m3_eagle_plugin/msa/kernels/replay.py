@@ -25,17 +25,20 @@ variables the kernels read (`ENV_KEYS`). `M3_EAGLE_REPLAY=0` turns replay off.
 
 Contract for the kernel wrappers: a buffer kept across calls (`_common.step_buffer`) is made by a
 fill (`torch.full`), which refuses that call's recording; an empty allocation (`torch.empty`) is
-taken for a fresh output, allocated anew at every replay. Like the hand-off buffers, recordings
-assume one thread launching on a device.
+taken for a fresh output, allocated anew at every replay. A recording sees only its own thread's
+launches; like the hand-off buffers, replays assume one thread launching on a device at a time.
 """
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._common import _cuda_present
 
 #: Environment variables the kernel paths read; a change makes a new signature.
 ENV_KEYS = ("M3_EAGLE_HANDOFF", "M3_EAGLE_PDL", "TRITON_INTERPRET")
@@ -46,7 +49,11 @@ MAX_REFUSALS = 3
 _ALLOCATIONS = {"empty.memory_format", "empty_like.default", "empty_strided.default", "new_empty.default",
                 "new_empty_strided.default"}
 
-_ACTIVE: list["_Recorder"] = []
+class _Active(threading.local):
+    recorder: "_Recorder | None" = None  # the call this thread is recording, if any
+
+
+_ACTIVE = _Active()
 
 
 class _Refused(Exception):
@@ -75,7 +82,8 @@ def call_signature(inputs: tuple[torch.Tensor, ...], meta: Any, scalars: tuple) 
     for name in META_FIELDS:
         value = getattr(meta, name, None)
         fields.append(_layout(value) if isinstance(value, torch.Tensor) else value)
-    return tuple(map(tensor_signature, inputs)), id(meta), tuple(fields), scalars, env_state()
+    device = torch.cuda.current_device() if _cuda_present() else None  # the launches' device and stream
+    return tuple(map(tensor_signature, inputs)), id(meta), tuple(fields), scalars, env_state(), device
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -146,16 +154,16 @@ class _Recorder(TorchDispatchMode):
 
 
 def recording() -> bool:
-    return bool(_ACTIVE)
+    return _ACTIVE.recorder is not None
 
 
 def record_launch(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: dict, tail: tuple) -> None:
     """Called by `launch.launch` for every launch while a call is being recorded (`compiled` None:
     replay it through `kernel[grid]`)."""
     try:
-        _ACTIVE[-1].record_launch(kernel, compiled, grid, args, kwargs, tail)
+        _ACTIVE.recorder.record_launch(kernel, compiled, grid, args, kwargs, tail)
     except _Refused as refused:
-        _ACTIVE[-1].refused = _ACTIVE[-1].refused or str(refused)
+        _ACTIVE.recorder.refused = _ACTIVE.recorder.refused or str(refused)
 
 
 class _Recording:
@@ -244,15 +252,15 @@ class Replayer:
             if seen.meta() is meta and direct_launch_possible():
                 return seen.replay(inputs)
             seen = None
-        if (isinstance(seen, int) and seen >= MAX_REFUSALS) or _ACTIVE or not _recording_allowed(meta):
+        if (isinstance(seen, int) and seen >= MAX_REFUSALS) or recording() or not _recording_allowed(meta):
             return run()
         rec = _Recorder(inputs)
-        _ACTIVE.append(rec)
+        _ACTIVE.recorder = rec
         try:
             with rec:
                 result = run()
         finally:
-            _ACTIVE.pop()
+            _ACTIVE.recorder = None
         if len(self.recordings) >= MAX_RECORDINGS:
             self.recordings.clear()
         try:
@@ -281,7 +289,6 @@ def _recording_allowed(meta: Any) -> bool:
     """No graph being captured (its allocations would be the graph's), a GPU launcher in use, and
     a metadata object whose identity can be checked later (a weak reference; a `SimpleNamespace`
     has none)."""
-    from ._common import _cuda_present
     from .launch import direct_launch_possible
 
     if not _cuda_present() or torch.cuda.is_current_stream_capturing() or not direct_launch_possible():
