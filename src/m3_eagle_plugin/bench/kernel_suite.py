@@ -289,8 +289,8 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
             fields.update(flashinfer_timing=how, flashinfer_api=main.api, vs_flashinfer=us / graph_us)
             if eager_us:
                 try:
-                    theirs = time_eager_us([op.run for op in ops])
-                    fields.update(flashinfer_eager_us=theirs, vs_flashinfer_eager=theirs / eager_us)
+                    eager = time_eager_us([op.run for op in ops])
+                    fields.update(flashinfer_eager_us=eager, vs_flashinfer_eager=eager / eager_us)
                 except Exception as exc:
                     errors.append(f"{op_name} eager: {short_error(exc)}")
                     poisoned = cuda_poisoned()

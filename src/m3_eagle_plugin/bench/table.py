@@ -5,7 +5,8 @@ from typing import Any, Sequence
 
 COLUMNS = ("section", "kernel", "batch", "context", "qo_len", "kv_dtype", "graph_us", "eager_us", "torch_us",
            "floor_us", "pct_of_floor", "vs_torch", "vs_q1", "union_blocks", "error", "flashinfer_us",
-           "vs_flashinfer", "flashinfer_eager_us", "vs_flashinfer_eager", "flashinfer_check", "flashinfer_timing", "note", "flashinfer_error")
+           "vs_flashinfer", "flashinfer_eager_us", "vs_flashinfer_eager", "flashinfer_check", "flashinfer_timing",
+           "note", "flashinfer_error")
 JSON_ONLY = {"bytes", "flashinfer_api", "flashinfer_note", "flashinfer_nvp_timing"}  # detail kept out of the table
 CELL_LIMIT = {"flashinfer_error": 60, "flashinfer_nvp_error": 60}  # long messages cut in the table only
 

@@ -61,7 +61,7 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_present() -> bool:
+def cuda_present() -> bool:
     return torch.cuda.is_available()  # an NVML query on every call; the answer does not change
 
 
@@ -69,7 +69,7 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     """Compute capability of a CUDA device, None for anything else (tests patch this to fake SM90)."""
     if type(device) is not torch.device:
         device = torch.device(device)
-    if device.type != "cuda" or not _cuda_present():
+    if device.type != "cuda" or not cuda_present():
         return None
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 

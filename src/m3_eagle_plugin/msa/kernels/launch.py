@@ -22,6 +22,7 @@ change after the first launch of a key.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -71,6 +72,7 @@ def _tail(kernel: Any, num_args: int, kwargs: dict) -> tuple:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
 def _runtime() -> tuple[Any, Any, Any] | None:
     """(current device getter, current stream getter, Triton's runtime knobs), or None where no GPU
     driver is active."""
@@ -84,16 +86,17 @@ def _runtime() -> tuple[Any, Any, Any] | None:
         return None
 
 
-_RUNTIME: list = []
-
-
 def direct_launch_possible() -> bool:
     """Whether a compiled kernel may be launched without Triton's `JITFunction.run`: a GPU driver
     is active and no launch hook (a profiler) wants to see launches."""
-    if not _RUNTIME:
-        _RUNTIME.append(_runtime())
-    runtime = _RUNTIME[0]
+    runtime = _runtime()
     return runtime is not None and not (runtime[2].launch_enter_hook.calls or runtime[2].launch_exit_hook.calls)
+
+
+def current_stream() -> int:
+    """The raw CUDA stream Triton would launch on (the current device's current stream)."""
+    get_device, get_stream, _ = _runtime()
+    return get_stream(get_device())
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
@@ -102,31 +105,29 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
 
     if type(kernel) is not JITFunction or not direct_launch_possible():  # e.g. the interpreter's kernels
         return _through_triton(kernel, grid, args, kwargs)
-    get_device, get_stream, _ = _RUNTIME[0]
+    get_device, get_stream, _ = _runtime()
     device = get_device()
     try:
         key = (id(kernel), device, tuple(kwargs.items()), tuple(map(arg_key, args)))
         hit = _COMPILED.get(key)
     except (_Unkeyed, TypeError):  # TypeError: an unhashable keyword value
         return _through_triton(kernel, grid, args, kwargs)
-    if hit is None:
+    launched = hit is None
+    if launched:  # Triton binds, compiles or finds the kernel, and launches it
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
             compiled = compiled.result()
         if compiled is None:
             return None
         hit = _COMPILED[key] = (compiled, _tail(kernel, len(args), kwargs))
-        if replay.recording():
-            replay.record_launch(kernel, hit[0], grid, args, kwargs, hit[1])
-        return compiled
     compiled, tail = hit
     if replay.recording():
         replay.record_launch(kernel, compiled, grid, args, kwargs, tail)
-    g0 = grid[0]
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(g0, g1, g2, get_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *tail)
+    if not launched:
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], g1, g2, get_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                     None, *args, *tail)
     return compiled
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._common import _cuda_present
+from ._common import cuda_present
 
 #: Environment variables the kernel paths read; a change makes a new signature.
 ENV_KEYS = ("M3_EAGLE_HANDOFF", "M3_EAGLE_PDL", "TRITON_INTERPRET")
@@ -82,7 +82,7 @@ def call_signature(inputs: tuple[torch.Tensor, ...], meta: Any, scalars: tuple) 
     for name in META_FIELDS:
         value = getattr(meta, name, None)
         fields.append(_layout(value) if isinstance(value, torch.Tensor) else value)
-    device = torch.cuda.current_device() if _cuda_present() else None  # the launches' device and stream
+    device = torch.cuda.current_device() if cuda_present() else None  # the launches' device and stream
     return tuple(map(tensor_signature, inputs)), id(meta), tuple(fields), scalars, env_state(), device
 
 
@@ -189,6 +189,8 @@ class _Recording:
     def replay(self, inputs: tuple[torch.Tensor, ...]) -> Any:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
+        from .launch import current_stream
+
         fresh = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                  for shape, stride, dtype, device in self.allocs]
         stream = None
@@ -206,7 +208,7 @@ class _Recording:
                 kernel[grid](*args, **kwargs)
                 continue
             if stream is None:
-                stream = _current_stream()
+                stream = current_stream()
             compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
                          None, *args, *tail)
         return self._build(self.result, fresh)
@@ -217,13 +219,6 @@ class _Recording:
         if shape is None:
             return None
         return tuple(self._build(s, fresh) for s in shape)
-
-
-def _current_stream() -> int:
-    from triton.runtime.driver import driver
-
-    active = driver.active
-    return active.get_current_stream(active.get_current_device())
 
 
 #: Recordings kept per entry point at most (a new metadata object or shape makes a new one).
@@ -291,7 +286,7 @@ def _recording_allowed(meta: Any) -> bool:
     has none)."""
     from .launch import direct_launch_possible
 
-    if not _cuda_present() or torch.cuda.is_current_stream_capturing() or not direct_launch_possible():
+    if not cuda_present() or torch.cuda.is_current_stream_capturing() or not direct_launch_possible():
         return False
     try:
         weakref.ref(meta)
