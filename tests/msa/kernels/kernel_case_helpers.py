@@ -112,3 +112,15 @@ def capture_after_warmup(fn):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def check_zeroed_shared_growing(get) -> None:
+    """The contract of a per-device int32 buffer kept zero between launches (`_common.step_buffer`
+    behind `handoff.ready_flags` and `merge.split_arrivals`): zero-filled, one buffer shared by
+    smaller requests, grown past its first size and shared again."""
+    a = get("cpu", 8)
+    assert a.shape == (8,) and a.dtype == torch.int32 and (a == 0).all()
+    assert get("cpu", 3).data_ptr() == a.data_ptr()
+    big = get("cpu", (1 << 16) + 5)
+    assert big.shape == ((1 << 16) + 5,) and (big == 0).all()
+    assert get("cpu", 1).data_ptr() == big.data_ptr()

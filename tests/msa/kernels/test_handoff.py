@@ -17,7 +17,8 @@ import torch
 from m3_eagle_plugin.bench.inputs import Geometry
 from tests._interpreter import module_cases_lines, needs_interpreter
 
-from .kernel_case_helpers import assert_valid_selection, capture_after_warmup, exact_block_scores, random_step
+from .kernel_case_helpers import (assert_valid_selection, capture_after_warmup, check_zeroed_shared_growing,
+                                  exact_block_scores, random_step)
 
 GEO = Geometry(q_heads=16, kv_heads=1, head_dim=32, index_heads=2, index_dim=32, block=16, topk=4)
 
@@ -85,12 +86,7 @@ def test_board_is_sentinel_filled_shared_and_grows():
 def test_ready_flags_are_zero_shared_and_grow():
     from m3_eagle_plugin.msa.kernels.handoff import ready_flags
 
-    a = ready_flags("cpu", 8)
-    assert a.shape == (8,) and a.dtype == torch.int32 and (a == 0).all()
-    assert ready_flags("cpu", 3).data_ptr() == a.data_ptr()
-    big = ready_flags("cpu", (1 << 16) + 5)
-    assert big.shape == ((1 << 16) + 5,) and (big == 0).all()
-    assert ready_flags("cpu", 1).data_ptr() == big.data_ptr()
+    check_zeroed_shared_growing(ready_flags)
 
 
 def test_sentinel_is_no_float_arithmetic_result():

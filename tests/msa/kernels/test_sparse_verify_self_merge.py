@@ -15,7 +15,8 @@ from m3_eagle_plugin.bench import torch_reference as ref
 from m3_eagle_plugin.bench.inputs import Geometry
 from tests._interpreter import module_cases_lines, needs_interpreter
 
-from .kernel_case_helpers import assert_close_rel, capture_after_warmup, poison_allocator_like, random_step
+from .kernel_case_helpers import (assert_close_rel, capture_after_warmup, check_zeroed_shared_growing,
+                                  poison_allocator_like, random_step)
 
 GEO = Geometry(q_heads=16, kv_heads=2, head_dim=32, index_heads=1, index_dim=32, block=16, topk=4)
 
@@ -67,11 +68,7 @@ INTERPRETER_CASES = [
 def test_counters_are_zeroed_shared_and_grow():
     from m3_eagle_plugin.msa.kernels.merge import split_arrivals
 
-    a = split_arrivals("cpu", 5)
-    assert a.shape == (5,) and a.dtype == torch.int32 and (a == 0).all()
-    assert split_arrivals("cpu", 2).data_ptr() == a.data_ptr()
-    big = split_arrivals("cpu", (1 << 16) + 1)
-    assert big.shape == ((1 << 16) + 1,) and (big == 0).all()
+    check_zeroed_shared_growing(split_arrivals)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
