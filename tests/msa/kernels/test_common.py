@@ -51,7 +51,7 @@ def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
     assert choose_splits(64, 1, 256, torch.device("cpu"), partial_row=256 * 16 * 128) == 5  # verify: unchanged
     check_splits(1, 10 * MAX_PARTIAL_ELEMENTS)  # one split writes no partials
     cpu = torch.device("cpu")  # 132 SMs assumed: the H200 sweep's shapes give its measured best
-    assert [default_splits(r, 1, 256, r * 4 * 16 * 128, cpu) for r in (64, 16)] == [10, 17]
+    assert [default_splits(r, 1, 256, r * 4 * 16 * 128, cpu) for r in (64, 32, 16)] == [16, 16, 16]
     assert default_splits(1, 1, 576, 0, cpu) >= 1  # an empty step still gets a valid launch
     assert default_splits(1, 1, 576, row, cpu) * row <= MAX_PARTIAL_ELEMENTS
     with pytest.raises(KernelInputError, match="fp32 partial elements"):
@@ -79,3 +79,19 @@ def test_step_buffer_is_filled_shared_per_device_and_grows_to_a_power_of_two():
     assert step_buffer(store, "cpu", 8, fill=-3, min_numel=8).data_ptr() == a.data_ptr()
     big = step_buffer(store, "cpu", 9, fill=-3, min_numel=8)
     assert store[torch.device("cpu")].numel() == 16 and (big == -3).all() and big.data_ptr() != a.data_ptr()
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(requests=st.integers(1, 256), kv_heads=st.integers(1, 8), width=st.integers(1, 2048),
+       row=st.sampled_from([0, 4 * 16 * 128, 4096 * 16 * 128]))
+def test_dense_splits_leave_no_split_without_pages(requests, kv_heads, width, row):
+    """Split s takes pages [s * per, (s + 1) * per) with per = ceil(width / splits): every split
+    gets at least one page of the widest request, and the split count stays within bounds."""
+    pytest.importorskip("triton")
+    from m3_eagle_plugin.msa.kernels.dense_verify import default_splits
+    from m3_eagle_plugin.msa.kernels.sparse_verify import MAX_PARTIAL_ELEMENTS
+
+    splits = default_splits(requests, kv_heads, width, requests * row, torch.device("cpu"))
+    per = -(-width // splits)
+    assert 1 <= splits <= width and (splits - 1) * per < width
+    assert splits == 1 or splits * requests * row <= MAX_PARTIAL_ELEMENTS

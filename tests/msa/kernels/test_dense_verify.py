@@ -20,7 +20,7 @@ def _run(q, cache, meta, **kw):
     return dense_verify_attention(q, cache.k, cache.v, meta, **kw)
 
 
-@pytest.mark.parametrize("splits", [1, 4, None])
+@pytest.mark.parametrize("splits", [1, 4, 40, None])
 def test_matches_reference_fp32(splits):
     meta, cache, q, _ = random_step(SMALL, [4, 2, 1], [170, 33, 5], kv_dtype=torch.float32, q_dtype=torch.float32)
     out = _run(q, cache, meta, scale=0.25, splits=splits)

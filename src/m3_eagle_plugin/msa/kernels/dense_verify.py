@@ -13,11 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import qo_len_hint, scale_value, tokens_per_tile
+from ._common import device_sm_count, qo_len_hint, scale_value, tokens_per_tile
 from .launch import launch
 from .replay import Replayer, call_signature
 from .sparse_verify import (LOG2E, _online_softmax_step, _store_rows, _zero_graph_padding, check_attention_inputs,
-                            check_splits, choose_splits, max_partial_splits, merge_outputs, split_outputs)
+                            check_splits, max_partial_splits, merge_outputs, split_outputs)
 
 
 @triton.jit
@@ -78,11 +78,22 @@ def _dense_verify_kernel(
 
 
 def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row: int, device: torch.device) -> int:
-    """About 2 programs per SM; a large batch doubles that while each split keeps >= 16 pages
-    (H200 sweep, scripts/tune_verify_kernels.py --dense-only, 2026-11-29: B64/32K q4 311 us with
-    10 splits vs 393 with 5; B16/32K 80 us with 17 vs 91 with 34)."""
-    base = choose_splits(num_requests, num_kv_heads, width, device, partial_row=partial_row)
-    return max(base, min(2 * base, width // 16, max_partial_splits(partial_row)))
+    """Up to 2 programs per SM, and up to 16 splits while each keeps 4 pages or more; then as few
+    splits as give the same pages per split, so none is left without pages. A grid just past two
+    programs per SM runs a second, nearly empty wave: B16/128K with 17 splits took 357.4 us.
+
+    H200, `scripts/ab/dense16.py`, 2026-11-30, q4 (q1) us by splits:
+    - 32K, splits 10 / 13 / 16 / 20 / 32: B64 310.7 (291.1) / 326.4 (288.1) / 304.4 (260.6) /
+      313.4 (263.9) / 326.3 (274.1); B32 189.5 / 168.1 / 147.5 / 170.9 / 165.7; B16 104.5 (94.0)
+      / 85.5 (75.8) / 76.3 (70.3) / 104.4 (99.8) / 86.5 (75.3).
+    - 128K, splits 10 / 16 / 32 / 64: B64 1215.5 / 1160.7 (986.5) / 1189.7 (1003.4) / 1234.9
+      (1030.5); B16 382.8 / 286.2 / 302.9 / 328.9.
+    - B4/32K splits 16 / 32 / 64: 52.1 / 31.2 / 29.9. B8/4K with 64/4 heads (32 pages) splits 4 /
+      8 / 9 / 16: 35.8 / 33.9 / 35.3 / 40.3 (with the former merge)."""
+    width = max(1, width)
+    base = 2 * device_sm_count(device) // max(1, num_requests * num_kv_heads)
+    splits = max(1, min(max(base, min(16, width // 4)), width, max_partial_splits(partial_row)))
+    return -(-width // -(-width // splits))
 
 
 def dense_verify_attention(
