@@ -4,8 +4,8 @@ Why: the defaults in `msa.kernels` (splits, key tile, warps, stages, pages per i
 chosen from a handful of H200 runs; this script times every variant side by side on the bench's
 inputs and prints the best per shape, so a default changes only on a measured table.
     python scripts/tune_verify_kernels.py [--json out.json] [--quick]
-        [--sparse-only | --dense-only | --token-grid | --topk | --union-grid | --pdl | --scoring | --paired-v
-         | --handoff | --early]
+        [--sparse-only | --dense-only | --merge | --token-grid | --topk | --union-grid | --pdl | --scoring
+         | --paired-v | --handoff | --early]
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import math
 import torch
 
 from m3_eagle_plugin.bench.inputs import Geometry, union_blocks
-from m3_eagle_plugin.bench.kernel_suite import StepSet, dense_kv_bytes, index_k_bytes, kv_page_bytes
+from m3_eagle_plugin.bench.kernel_suite import DENSE_PEER, StepSet, dense_kv_bytes, index_k_bytes, kv_page_bytes
 from m3_eagle_plugin.bench.timing import copy_ceiling_gbps, time_graph_us as graph_us
 from m3_eagle_plugin.msa.kernels.dense_verify import default_splits, dense_verify_attention
 from m3_eagle_plugin.msa.kernels import index_select
 from m3_eagle_plugin.msa.kernels.index_select import index_block_scores, select_blocks_verify, topk_from_block_scores
 from m3_eagle_plugin.msa import kernels
-from m3_eagle_plugin.msa.kernels.sparse_verify import choose_splits, sparse_verify_attention, token_splits, union_splits
+from m3_eagle_plugin.msa.kernels.sparse_verify import sparse_verify_attention, token_splits, union_splits
 
 
 def _fp8_step_set(geo, dev, batch: int, ctx: int, num_sets: int) -> StepSet:
@@ -51,31 +51,63 @@ def time_variant(name: str, call, args_per_set: list, state: dict) -> tuple[floa
         return None
 
 
+#: (batch, context, FlashInfer peer geometry?) of `dense_sweep`.
+DENSE_SHAPES = ((64, 32768, False), (16, 32768, False), (16, 131072, False), (8, 4096, True))
+
+
 def dense_sweep(geo, dev, ceiling: float, scale: float) -> list[dict]:
-    """Dense verify attention (bf16 K/V): splits x key tile x warps x stages at B64 and B16 / 32K."""
+    """Dense verify attention (bf16 K/V, q4 and q1): splits (the rule's choice, half and double it,
+    and the counts the rule's docstring compares) x key tile x warps x stages, at B64 and B16 /
+    32K, B16 / 128K and the FlashInfer peer shape (B8/4K, 64/4 heads)."""
     rows = []
-    for batch, ctx in ((64, 32768), (16, 32768)):
-        steps = StepSet(batch, ctx, geo, kv_dtype=torch.bfloat16, index_dtype=torch.bfloat16,
+    for batch, ctx, peer in DENSE_SHAPES:
+        g = DENSE_PEER["geo"] if peer else geo
+        steps = StepSet(batch, ctx, g, kv_dtype=torch.bfloat16, index_dtype=torch.bfloat16,
                         q_dtype=torch.bfloat16, device=dev, num_sets=3)
-        sets = [steps.step(s, 4) for s in range(3)]
-        nbytes = dense_kv_bytes(sets[0]["meta"], geo, torch.bfloat16)
-        width = sets[0]["meta"].block_tables.shape[1]
-        base = choose_splits(batch, 1, width, dev)
-        chosen = default_splits(batch, 1, width, sets[0]["q"].numel(), dev)
-        state: dict = {}
-        for sp, kt, nw, ns in itertools.product((base, 2 * base), (64, 128), (4, 8), (2, 3)):
-            def call(st, sp=sp, kt=kt, nw=nw, ns=ns):
-                c = st["cache"]
-                return dense_verify_attention(st["q"], c.k, c.v, st["meta"], scale=scale, max_qo_len=4, splits=sp,
-                                              key_tile=kt, num_warps=nw, num_stages=ns)
-            variant = f"splits={sp} kt={kt} w={nw} s={ns}"
-            timed = time_variant(f"dense {variant}", call, [(st,) for st in sets], state)
-            if timed is not None:
-                rows.append({"kernel": "dense_attn", "batch": batch, "ctx": ctx, "qo": 4, "variant": variant,
-                             "us": timed[0], "pct": 100 * nbytes / (ceiling * 1e3) / timed[0],
-                             "err_vs_first": timed[1], "default": (sp, kt, nw, ns) == (chosen, 64, 4, 3)})
+        for qo in (4, 1):
+            sets = [steps.step(s, qo) for s in range(3)]
+            nbytes = dense_kv_bytes(sets[0]["meta"], g, torch.bfloat16)
+            width = sets[0]["meta"].block_tables.shape[1]
+            chosen = default_splits(batch, g.kv_heads, width, sets[0]["q"].numel(), dev)
+            counts = sorted({chosen // 2, chosen, 2 * chosen, 8, 10, 16, 20, 32} & set(range(1, width + 1)))
+            state: dict = {}
+            for sp, kt, nw, ns in itertools.product(counts, (64, 128), (4, 8), (2, 3)):
+                def call(st, sp=sp, kt=kt, nw=nw, ns=ns):
+                    c = st["cache"]
+                    return dense_verify_attention(st["q"], c.k, c.v, st["meta"], scale=scale, max_qo_len=qo,
+                                                  splits=sp, key_tile=kt, num_warps=nw, num_stages=ns)
+                variant = f"splits={sp} kt={kt} w={nw} s={ns}"
+                timed = time_variant(f"dense {variant}", call, [(st,) for st in sets], state)
+                if timed is not None:
+                    rows.append({"kernel": "dense_attn", "batch": batch, "ctx": ctx, "qo": qo, "variant": variant,
+                                 "us": timed[0], "pct": 100 * nbytes / (ceiling * 1e3) / timed[0],
+                                 "err_vs_first": timed[1], "default": (sp, kt, nw, ns) == (chosen, 64, 4, 3)})
         del steps
         torch.cuda.empty_cache()
+    return rows
+
+
+MERGE_SHAPES = ((32, 64, 8), (256, 16, 16), (64, 16, 16), (4, 16, 64), (4, 16, 256))
+
+
+def merge_sweep(dev) -> list[dict]:
+    """The split-K merge alone: warps 1 / 2 / 4 against `merge.merge_warps` at the (tokens, query
+    heads, splits) the verify kernels produce (B8/4K 64 heads, B64 q4, B16 q4, B1 q4 up to B1/128K)."""
+    from m3_eagle_plugin.msa.kernels.merge import merge_splits, merge_warps
+
+    rows = []
+    for t, h, sp in MERGE_SHAPES:
+        parts = [(torch.randn(t, h, sp, 128, device=dev), torch.randn(t, h, sp, device=dev)) for _ in range(3)]
+        out = torch.empty(t, h, 128, device=dev, dtype=torch.bfloat16)
+        cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
+        state: dict = {}
+        rule = merge_warps(max(2, 1 << (sp - 1).bit_length()), 128)
+        for nw in (4, 2, 1):
+            timed = time_variant(f"merge w={nw}", lambda p, l, nw=nw: merge_splits(p, l, out, cu, num_warps=nw),
+                                 parts, state)
+            if timed is not None:
+                rows.append({"kernel": "merge", "tokens": t, "heads": h, "splits": sp, "variant": f"w={nw}",
+                             "us": timed[0], "err_vs_first": timed[1], "default": nw == rule})
     return rows
 
 
@@ -438,6 +470,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dense-only", action="store_true", help="only the dense verify sweep (bf16 K/V)")
+    ap.add_argument("--merge", action="store_true", help="only the split-K merge alone, by warps")
     ap.add_argument("--sparse-only", action="store_true", help="only the sparse attention sweep (both layouts)")
     ap.add_argument("--token-grid", action="store_true",
                     help="only the per-token sparse attention over its whole launch grid (five shapes)")
@@ -478,8 +511,10 @@ def main() -> None:
         rows += handoff_sweep(geo, dev, scale)
     if args.early:
         rows += early_sweep(geo, dev, scale, args.quick)
+    if args.merge:
+        rows += merge_sweep(dev)
     only = (args.dense_only or args.token_grid or args.topk or args.union_grid or args.pdl or args.scoring
-            or args.paired_v or args.handoff or args.early)
+            or args.paired_v or args.handoff or args.early or args.merge)
     if args.dense_only:
         rows += dense_sweep(geo, dev, ceiling, scale)
     for batch, ctx in () if only else ((64, 32768), (16, 32768), (1, 8192)):
