@@ -101,7 +101,7 @@ def merge_sweep(dev) -> list[dict]:
         out = torch.empty(t, h, 128, device=dev, dtype=torch.bfloat16)
         cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
         state: dict = {}
-        rule = merge_warps(max(2, 1 << (sp - 1).bit_length()), 128)
+        rule = merge_warps(sp, 128)
         for nw in (4, 2, 1):
             timed = time_variant(f"merge w={nw}", lambda p, l, nw=nw: merge_splits(p, l, out, cu, num_warps=nw),
                                  parts, state)

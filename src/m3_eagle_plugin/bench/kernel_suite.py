@@ -261,15 +261,21 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
     if name == "index_select":  # its two stages on their own too
         timed = [("flashinfer_score_us", "proxy_score"), ("flashinfer_topk_us", "topk_select")] + timed
     main = None
+
+    def failed(what: str, exc: Exception) -> bool:
+        """Record a failed FlashInfer call; True (and the peer broken) when it left CUDA unusable."""
+        errors.append(f"{what}: {short_error(exc)}")
+        poisoned = cuda_poisoned()
+        if poisoned:
+            peer.broken = f"CUDA unusable after FlashInfer {what}: {poisoned}"
+        return bool(poisoned)
+
     for field, op_name in timed:
         try:
             ops = [peer.op(op_name, st) for st in sets]
             us, how, why = time_peer_us([op.run for op in ops], steps.device)
         except Exception as exc:
-            errors.append(f"{op_name}: {short_error(exc)}")
-            poisoned = cuda_poisoned()
-            if poisoned:
-                peer.broken = f"CUDA unusable after FlashInfer {op_name}: {poisoned}"
+            if failed(op_name, exc):
                 break
             continue
         if field == "flashinfer_us" and rounds > 1 and ours is not None:
@@ -292,10 +298,7 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
                     eager = time_eager_us([op.run for op in ops])
                     fields.update(flashinfer_eager_us=eager, vs_flashinfer_eager=eager / eager_us)
                 except Exception as exc:
-                    errors.append(f"{op_name} eager: {short_error(exc)}")
-                    poisoned = cuda_poisoned()
-                    if poisoned:
-                        peer.broken = f"CUDA unusable after FlashInfer {op_name} (eager): {poisoned}"
+                    failed(f"{op_name} eager", exc)
     if check and main is not None and not peer.broken:
         try:
             fields.update(_flashinfer_check(name, main, sets[0], steps.geo, expects or {}, qo_len))

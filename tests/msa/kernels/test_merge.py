@@ -12,6 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from tests._interpreter import module_cases_lines, needs_interpreter
 
+from .kernel_case_helpers import needs_gpu
+
 
 def naive_merge(partial, lse, live_tokens, v_scale):
     """fp64 `[T, Hq, D]`: per row, the splits' partials weighted by 2**lse (normalised); rows with
@@ -82,19 +84,17 @@ def test_warps_follow_the_tile_size():
     from m3_eagle_plugin.msa.kernels.merge import merge_warps
 
     assert [merge_warps(sp, 128) for sp in (2, 8, 16, 32, 64, 128, 256, 1024)] == [1, 1, 1, 1, 2, 4, 4, 4]
+    assert [merge_warps(sp, 128) for sp in (1, 9, 33, 65)] == [1, 1, 2, 4]  # split lanes 2, 16, 64, 128
     assert merge_warps(64, 64) == 1
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("fn,kw", INTERPRETER_CASES)
 def test_on_gpu(fn, kw):
     fn("cuda", **kw)
 
 
-@needs_cuda
+@needs_gpu
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(tokens=st.integers(1, 40), heads=st.integers(1, 20), splits=st.integers(1, 40),
        dim=st.sampled_from([16, 64, 128]), num_warps=st.sampled_from([None, 1, 4]), seed=st.integers(0, 2**16))

@@ -124,11 +124,16 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
     if replay.recording():
         replay.record_launch(kernel, compiled, grid, args, kwargs, tail)
     if not launched:
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(grid[0], g1, g2, get_stream(device), compiled.function, compiled.packed_metadata, None, None,
-                     None, *args, *tail)
+        run_compiled(compiled, grid, get_stream(device), args, tail)
     return compiled
+
+
+def run_compiled(compiled: Any, grid: tuple[int, ...], stream: int, args: tuple, tail: tuple) -> None:
+    """Launch a compiled kernel on `stream` through its own launcher: `args` positional, `tail` the
+    remaining parameters (`_tail`), no launch hooks."""
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
 
 
 def _through_triton(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Any:

@@ -43,24 +43,28 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu
                  v_scale: float = 1.0, num_warps: int | None = None) -> torch.Tensor:
     """`partial` fp32 `[T, Hq, S, D]` (normalised per split), `lse` fp32 `[T, Hq, S]` in log2 units."""
     num_tokens, num_heads, splits, dim = partial.shape
-    sp = max(2, triton.next_power_of_2(splits))
     if num_tokens and num_heads:
         grid = (num_tokens, num_heads)
         launch(_merge_splits_kernel, grid,
             partial, lse, out, out.stride(0), out.stride(1), cu_qo_lens, cu_qo_lens.shape[0] - 1,
-            num_heads, v_scale, SPLITS=splits, SP=sp, D=dim,
-            num_warps=merge_warps(sp, dim) if num_warps is None else num_warps, **pdl_args(out.device, grid),
+            num_heads, v_scale, SPLITS=splits, SP=_split_lanes(splits), D=dim,
+            num_warps=merge_warps(splits, dim) if num_warps is None else num_warps, **pdl_args(out.device, grid),
         )
     return out
 
 
-def merge_warps(padded_splits: int, dim: int) -> int:
-    """Warps of a merge program: one per 4096 elements of its `[splits, D]` tile, 1 to 4. A program
+def _split_lanes(splits: int) -> int:
+    """The merge tile's split lanes: `splits` padded to a power of two, at least 2."""
+    return max(2, triton.next_power_of_2(splits))
+
+
+def merge_warps(splits: int, dim: int) -> int:
+    """Warps of a merge program: one per 4096 elements of its `[split lanes, D]` tile, 1 to 4. A program
     per (token, head) is small; more warps only slow the launch of many programs (H200, 2026-11-30,
     `scripts/ab/merge16.py`, the merge alone, 4 warps -> this rule: T32 x H64 x 8 splits 7.56 ->
     2.85 us, T256 x H16 x 10 14.48 -> 7.06, T4 x H16 x 64 2.86 -> 2.01; 256 splits keep 4 warps,
     4.60 us, where 1 warp spills to 55.3)."""
-    return int(min(4, max(1, padded_splits * dim // 4096)))
+    return int(min(4, max(1, _split_lanes(splits) * dim // 4096)))
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}

@@ -149,8 +149,7 @@ class _Recorder(TorchDispatchMode):
         template = list(args)
         for pos, _ in subs:
             template[pos] = None  # this call's inputs and outputs are not kept alive by the recording
-        self.launches.append((kernel, compiled, tuple(grid) + (1,) * (3 - len(grid)), tuple(template), kwargs,
-                              tail, tuple(subs)))
+        self.launches.append((kernel, compiled, tuple(grid), tuple(template), kwargs, tail, tuple(subs)))
 
 
 def recording() -> bool:
@@ -189,7 +188,7 @@ class _Recording:
     def replay(self, inputs: tuple[torch.Tensor, ...]) -> Any:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        from .launch import current_stream
+        from .launch import current_stream, run_compiled
 
         fresh = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                  for shape, stride, dtype, device in self.allocs]
@@ -209,8 +208,7 @@ class _Recording:
                 continue
             if stream is None:
                 stream = current_stream()
-            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
-                         None, *args, *tail)
+            run_compiled(compiled, grid, stream, args, tail)
         return self._build(self.result, fresh)
 
     def _build(self, shape: Any, fresh: list) -> Any:
