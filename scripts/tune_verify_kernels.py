@@ -38,6 +38,13 @@ def _fp8_step_sets(geo, dev, batch: int, ctx: int, qo: int, num_sets: int) -> tu
     return steps, [steps.step(s, qo) for s in range(num_sets)]
 
 
+def _shape(row: dict) -> str:
+    """A row's shape for the summary: B x context x q_len, or tokens x heads x splits for the merge."""
+    if "tokens" in row:
+        return f"T{row['tokens']} H{row['heads']} S{row['splits']}"
+    return f"B{row['batch']} {row['ctx']} q{row['qo']}"
+
+
 def time_variant(name: str, call, args_per_set: list, state: dict) -> tuple[float, float] | None:
     """(us, relative difference from the first variant timed) of `call(*args)` over the input
     sets, or None when Triton cannot build the variant (reported, not fatal)."""
@@ -411,7 +418,7 @@ def early_sweep(geo, dev, scale: float, quick: bool = False) -> list[dict]:
     interleaved rounds; every variant's selection must equal two plain launches' and the
     ready flags must be zero after it."""
     from m3_eagle_plugin.msa.kernels import handoff as board
-    from m3_eagle_plugin.msa.kernels.verify_step import early_pays, early_splits, sparse_verify_step
+    from m3_eagle_plugin.msa.kernels.verify_step import early_rule, sparse_verify_step
 
     rows = []
     shapes = ((16, 32768, 4), (16, 32768, 1), (64, 32768, 4), (64, 32768, 1), (8, 32768, 4), (32, 32768, 4),
@@ -422,7 +429,7 @@ def early_sweep(geo, dev, scale: float, quick: bool = False) -> list[dict]:
         want = select_blocks_verify(st0["index_q"], st0["cache"].index_k, st0["meta"], topk=geo.topk, max_qo_len=qo,
                                     handoff=False)
         base = token_splits(batch * qo, geo.topk, dev)
-        rule = early_splits(batch * qo, geo.topk, dev) if early_pays(batch * qo, geo.topk, dev) else None
+        rule = early_rule(batch * qo, geo.topk, dev)
         variants = [("rule", None, None)]
         for sp in sorted({min(base * m, geo.topk) for m in (1, 2, 4)} | {1}):
             variants += [(f"plain sp={sp} self_merge={int(sm)}", False, (sp, sm, {})) for sm in (False, True)
@@ -580,15 +587,16 @@ def main() -> None:
                              "us": us, "pct": 100 * step_bytes / (ceiling * 1e3) / us, "default": name == "default"})
         del steps
         torch.cuda.empty_cache()
-    print(f"{'kernel':13} {'B':>3} {'ctx':>6} {'q':>2}  {'us':>8} {'%floor':>7}  variant")
-    for key, grp in itertools.groupby(rows, key=lambda r: (r["kernel"], r["batch"], r["ctx"], r["qo"])):
+    print(f"{'kernel':13} {'shape':>18}  {'us':>8} {'%floor':>7}  variant")
+    for key, grp in itertools.groupby(rows, key=lambda r: (r["kernel"], _shape(r))):
         grp = sorted(grp, key=lambda r: r["us"])
         dflt = [r for r in grp if r.get("default") or r["variant"].startswith("warps=None")]
         for r in grp[:6] + dflt[:1]:
             tag = " (default)" if r in dflt else ""
             err = f"  err {r['err_vs_first']:.1e}" if "err_vs_first" in r else ""
             err += f"  err vs torch {r['err_vs_ref']:.1e}" if "err_vs_ref" in r else ""
-            print(f"{key[0]:13} {key[1]:>3} {key[2]:>6} {key[3]:>2}  {r['us']:8.1f} {r['pct']:7.1f}  {r['variant']}{tag}{err}")
+            pct = r.get("pct", float("nan"))
+            print(f"{key[0]:13} {key[1]:>18}  {r['us']:8.1f} {pct:7.1f}  {r['variant']}{tag}{err}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"ceiling_gbps": ceiling, "rows": rows}, fh, indent=1)

@@ -116,27 +116,27 @@ def test_early_splits_rule():
     """About two programs per SM, at most one page each; launched early from EARLY_MIN_UNITS rows:
     with 1-byte K/V up to one row per SM (at least two splits), with two-page key tiles where a
     program gets two pages or more; with wider K/V only up to two pages a program, one-page tiles."""
-    from m3_eagle_plugin.msa.kernels.verify_step import EARLY_MIN_UNITS, early_pays, early_splits, early_tiling
+    from m3_eagle_plugin.msa.kernels.verify_step import EARLY_MIN_UNITS, early_rule, early_splits, early_tiling
 
-    assert not early_pays(EARLY_MIN_UNITS - 1, 1, "cpu")
+    assert early_rule(EARLY_MIN_UNITS - 1, 1, "cpu") is None
     for units in (1, 15, EARLY_MIN_UNITS, 33, 34, 64, 100, 132, 264, 1000, 4096):
         for topk in (1, 4, 16):
             s = early_splits(units, topk, "cpu")
             assert 1 <= s <= topk
             assert s == 1 or units * s <= 2 * 132  # the default SM count without a GPU
             assert s == topk or units * (s + 1) > 2 * 132
-            assert early_pays(units, topk, "cpu") == (units >= EARLY_MIN_UNITS and s >= 2)
-            assert early_pays(units, topk, "cpu", kv_bytes=2) == (units >= EARLY_MIN_UNITS and 2 * s >= topk)
+            assert early_rule(units, topk, "cpu") == (s if units >= EARLY_MIN_UNITS and s >= 2 else None)
+            assert early_rule(units, topk, "cpu", kv_bytes=2) == (s if units >= EARLY_MIN_UNITS and 2 * s >= topk
+                                                                  else None)
             pages = -(-topk // s)
             assert early_tiling(s, topk) == ({"pages_per_tile": 2, "num_stages": 2} if pages >= 2 else {})
             assert early_tiling(s, topk, kv_bytes=2) == {}
     # The production shapes (top-16, one KV head, 132 SMs): B4 q4 and B16 q1 (16 rows) through B32
     # q4 (128 rows) early, B1 and B64 q4 (256 rows) not; B16 q1 one page a program, B16 q4 four.
-    assert [early_pays(u, 16, "cpu") for u in (4, 16, 32, 64, 128, 133, 256)] == [False] + [True] * 4 + [False] * 2
-    assert [early_splits(u, 16, "cpu") for u in (16, 32, 64, 128)] == [16, 8, 4, 2]
+    assert [early_rule(u, 16, "cpu") for u in (4, 16, 32, 64, 128, 133, 256)] == [None, 16, 8, 4, 2, None, None]
     assert early_tiling(16, 16) == {} and early_tiling(4, 16)["pages_per_tile"] == 2
     # bf16 K/V: B16 q1 and B8 q4 early (one-page tiles), B16 q4 not.
-    assert [early_pays(u, 16, "cpu", kv_bytes=2) for u in (4, 16, 32, 64)] == [False, True, True, False]
+    assert [early_rule(u, 16, "cpu", kv_bytes=2) for u in (4, 16, 32, 64)] == [None, 16, 8, None]
 
 
 def test_rejected_inputs_launch_nothing():

@@ -97,28 +97,35 @@ def _e4m3_lanes_to_f16(x, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _load_keys(q, k_ptr, s_k_b, v_ptr, s_v_b, k_at, v_at, key, d, k_ok, v_ok, VPAIR: tl.constexpr):
+    """K (in q's dtype) and V of keys `key` past element offsets `k_at` / `v_at` (a page and KV
+    head: one offset, or one per key as `[BN, 1]`). With VPAIR (e4m3 V, f16 MMAs) V is read as
+    16-bit lanes of two head dims: a lane layout the MMA operand load can transpose (a byte
+    layout cannot); `_fold_keys` splits it into the even and the odd dims."""
+    k = tl.load(k_ptr + k_at + key[:, None] * s_k_b + d[None, :], mask=k_ok, other=0.0).to(q.dtype)
+    if VPAIR:
+        lane = tl.arange(0, d.shape[0] // 2)
+        rows = (v_ptr + v_at + key[:, None] * s_v_b).to(tl.pointer_type(tl.int16), bitcast=True)
+        v = tl.load(rows + lane[None, :], mask=v_ok, other=0)
+    else:
+        v = tl.load(v_ptr + v_at + key[:, None] * s_v_b + d[None, :], mask=v_ok, other=0.0).to(q.dtype)
+    return k, v
+
+
+@triton.jit
 def _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page, key, kpos, d, row_has,
                       pos, pos_max, m_i, l_i, acc, acc_hi, qk_scale, IEEE: tl.constexpr, VPAIR: tl.constexpr,
                       ASM: tl.constexpr):
     """Load keys `key` of a page (K and V of KV head g) and fold them into the online softmax.
 
-    An unmapped page (-1) is never dereferenced and never attended; V rows past `pos_max` load as 0.
-    With VPAIR (e4m3 V, f16 MMAs) V is read as 16-bit lanes of two head dims: a lane layout the
-    MMA operand load can transpose (a byte layout cannot), split into the even dims (`acc`) and
-    the odd dims (`acc_hi`), each `[rows, D / 2]`; `_join_dim_halves` interleaves them back.
+    An unmapped page (-1) is never dereferenced and never attended; V rows past `pos_max` load as
+    0. Under VPAIR the even head dims accumulate in `acc`, the odd ones in `acc_hi` (each
+    `[rows, D / 2]`); `_join_dim_halves` interleaves them back.
     """
     mapped = page >= 0
     page = tl.maximum(page, 0).to(tl.int64)
-    k = tl.load(k_ptr + page * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
-                mask=mapped, other=0.0).to(q.dtype)
-    v_ok = mapped & (kpos <= pos_max)[:, None]
-    if VPAIR:
-        lane = tl.arange(0, d.shape[0] // 2)
-        v = tl.load(v_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + page * (s_v_p // 2) + g * (s_v_h // 2)
-                    + key[:, None] * (s_v_b // 2) + lane[None, :], mask=v_ok, other=0)
-    else:
-        v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :], mask=v_ok,
-                    other=0.0).to(q.dtype)
+    k, v = _load_keys(q, k_ptr, s_k_b, v_ptr, s_v_b, page * s_k_p + g * s_k_h, page * s_v_p + g * s_v_h, key, d,
+                      mapped, mapped & (kpos <= pos_max)[:, None], VPAIR)
     return _fold_keys(q, k, v, m_i, l_i, acc, acc_hi, qk_scale, row_has & mapped, kpos, pos, pos_max, IEEE, VPAIR,
                       ASM)
 
@@ -136,17 +143,9 @@ def _attend_two_pages(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b,
     """
     mapped = page >= 0
     kpos = tl.where(mapped, kpos, 2147483647)  # an unmapped key is past every position
-    page = tl.maximum(page, 0).to(tl.int64)
-    k = tl.load(k_ptr + page[:, None] * s_k_p + g * s_k_h + key[:, None] * s_k_b + d[None, :],
-                mask=mapped[:, None], other=0.0).to(q.dtype)
-    v_ok = (kpos <= pos_max)[:, None]
-    if VPAIR:
-        lane = tl.arange(0, d.shape[0] // 2)
-        v = tl.load(v_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + page[:, None] * (s_v_p // 2)
-                    + g * (s_v_h // 2) + key[:, None] * (s_v_b // 2) + lane[None, :], mask=v_ok, other=0)
-    else:
-        v = tl.load(v_ptr + page[:, None] * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :], mask=v_ok,
-                    other=0.0).to(q.dtype)
+    page = tl.maximum(page, 0).to(tl.int64)[:, None]
+    k, v = _load_keys(q, k_ptr, s_k_b, v_ptr, s_v_b, page * s_k_p + g * s_k_h, page * s_v_p + g * s_v_h, key, d,
+                      mapped[:, None], (kpos <= pos_max)[:, None], VPAIR)
     return _fold_keys(q, k, v, m_i, l_i, acc, acc_hi, qk_scale, row_has, kpos, pos, pos_max, IEEE, VPAIR, ASM)
 
 

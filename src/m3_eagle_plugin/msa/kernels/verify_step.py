@@ -19,7 +19,7 @@ started, so every producer an attention program waits for is already resident. T
 gets about two programs per SM here (16 splits at B16 q1, where the plain rule gives 8).
 
 Applies to the per-token layout with one index head per KV head, on SM90+ (PDL), where it pays
-(`early_pays`); elsewhere the two calls run as before. With fp8 K/V (the production cache): from
+(`early_rule`); elsewhere the two calls run as before. With fp8 K/V (the production cache): from
 `EARLY_MIN_UNITS` to one (token, KV head) row per SM, and where a program gets two pages or more
 its key tile spans two pages (two pipeline stages, `early_tiling`). H200, 2026-11-30, fp8 K/V,
 the step, the former rule (early only up to two pages a program, one-page tiles) -> this one,
@@ -59,12 +59,14 @@ def early_splits(units: int, topk: int, device: torch.device | str) -> int:
     return int(max(1, min(topk, 2 * device_sm_count(torch.device(device)) // max(1, units))))
 
 
-def early_pays(units: int, topk: int, device: torch.device | str, kv_bytes: int = 1) -> bool:
-    """Whether the measured rule launches the attention early: at least EARLY_MIN_UNITS rows, and
-    for 1-byte K/V at least two splits (`early_splits`: at most one row per SM), for wider K/V at
-    most two pages a program (their two-page tiles were slower, see the module docstring)."""
+def early_rule(units: int, topk: int, device: torch.device | str, kv_bytes: int = 1) -> int | None:
+    """The early attention's splits (`early_splits`) where the measured rule launches it early,
+    else None: at least EARLY_MIN_UNITS rows, and for 1-byte K/V at least two splits (at most one
+    row per SM), for wider K/V at most two pages a program (their two-page tiles were slower, see
+    the module docstring)."""
     splits = early_splits(units, topk, device)
-    return units >= EARLY_MIN_UNITS and (splits >= 2 if kv_bytes == 1 else 2 * splits >= topk)
+    pays = units >= EARLY_MIN_UNITS and (splits >= 2 if kv_bytes == 1 else 2 * splits >= topk)
+    return splits if pays else None
 
 
 def early_tiling(splits: int, topk: int, kv_bytes: int = 1) -> dict:
@@ -122,8 +124,7 @@ def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, loc
     kv_bytes = k_cache.element_size()
     if early is not False and splits is None:
         units = chunk_count(num_tokens, meta.kv_lens.shape[0], 1, max_qo_len) * meta.kv_lens.shape[0] * hkv
-        if early or early_pays(units, topk, q.device, kv_bytes):
-            splits = early_splits(units, topk, q.device)
+        splits = early_splits(units, topk, q.device) if early else early_rule(units, topk, q.device, kv_bytes)
     applies = (early is not False and splits is not None and index_q.shape[1] == hkv and handoff_enabled()
                and default_layout(num_heads // hkv) == "token"
                and (early or pdl_args(q.device, (), every_grid=True)["PDL"]))
