@@ -95,3 +95,36 @@ def test_dense_splits_leave_no_split_without_pages(requests, kv_heads, width, ro
     per = -(-width // splits)
     assert 1 <= splits <= width and (splits - 1) * per < width
     assert splits == 1 or splits * requests * row <= MAX_PARTIAL_ELEMENTS
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(value=st.one_of(st.none(), st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=0x2FF,
+                                                                     exclude_characters="\x00"), max_size=12)),
+       default=st.one_of(st.none(), st.just("1")))
+def test_env_value_agrees_with_os_environ(value, default):
+    """`env_value` reads what `os.environ.get` reads: unset, empty, non-ASCII, after a change."""
+    import os
+
+    from m3_eagle_plugin.msa.kernels._common import env_value
+
+    name = "M3_EAGLE_TEST_ENV_VALUE"
+    with pytest.MonkeyPatch.context() as mp:
+        if value is None:
+            mp.delenv(name, raising=False)
+        else:
+            mp.setenv(name, value)
+        assert env_value(name, default) == os.environ.get(name, default)
+        mp.setenv(name, "changed")
+        assert env_value(name, default) == "changed"
+    assert env_value(name, default) == os.environ.get(name, default)
+
+
+def test_env_value_follows_a_replaced_environ(monkeypatch):
+    """A test or embedder that swaps `os.environ` for a plain mapping is still read."""
+    import os
+
+    from m3_eagle_plugin.msa.kernels._common import env_value
+
+    monkeypatch.setattr(os, "environ", {"M3_EAGLE_TEST_ENV_VALUE": "swapped"})
+    assert env_value("M3_EAGLE_TEST_ENV_VALUE") == "swapped"
+    assert env_value("M3_EAGLE_TEST_ENV_UNSET", "d") == "d"

@@ -40,9 +40,21 @@ def triton_available(device: torch.device | str | None = None) -> bool:
     return capability is not None and capability[0] >= 8
 
 
+_ENV_DATA = getattr(os.environ, "_data", None)  # CPython's encoded mapping behind os.environ
+
+
+def env_value(name: str, default: str | None = None) -> str | None:
+    """`os.environ.get(name, default)` without its cost for an unset name: `os.environ` raises and
+    catches a KeyError there (about 2 us; an eager layer reads several per kernel call)."""
+    if _ENV_DATA is None or getattr(os.environ, "_data", None) is not _ENV_DATA:  # not CPython's layout, or replaced
+        return os.environ.get(name, default)
+    raw = _ENV_DATA.get(os.environ.encodekey(name))
+    return default if raw is None else os.environ.decodevalue(raw)
+
+
 def triton_interpreting() -> bool:
     """True under Triton's CPU interpreter (TRITON_INTERPRET=1), which runs no inline PTX."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+    return (env_value("TRITON_INTERPRET") or "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def byte_aligned(t: torch.Tensor, nbytes: int) -> bool:

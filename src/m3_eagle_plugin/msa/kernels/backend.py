@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from typing import Any, Callable
 
 import torch
 
 from . import flashinfer_msa as fim
 from . import kernel_table
-from ._common import KernelInputError, triton_available, triton_importable
+from ._common import KernelInputError, env_value, triton_available, triton_importable
 
 ENV_VAR = "M3_EAGLE_KERNELS"
 MODES = ("auto", "triton", "torch", "flashinfer")
@@ -34,7 +33,7 @@ class KernelBackendError(RuntimeError):
 
 
 def requested_backend() -> str:
-    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    mode = env_value(ENV_VAR, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise KernelInputError(f"{ENV_VAR} must be auto, triton, torch or flashinfer, got {mode!r}")
     return mode

@@ -21,11 +21,10 @@ launched early (`verify_step`).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
-from ._common import require, step_buffer
+from ._common import env_value, require, step_buffer
 
 #: The board's idle value: a negative signalling NaN (0xFFBADBAD). GPU arithmetic only makes
 #: the canonical quiet NaN, so no score equals it.
@@ -42,7 +41,7 @@ ENV_VAR = "M3_EAGLE_HANDOFF"
 
 def handoff_enabled() -> bool:
     """The hand-off is on unless `M3_EAGLE_HANDOFF=0` (then the top-k waits for the scoring grid)."""
-    mode = os.environ.get(ENV_VAR, "1").strip() or "1"
+    mode = env_value(ENV_VAR, "1").strip() or "1"
     require(mode in ("0", "1"), f"{ENV_VAR}={mode!r}: expected 0 or 1")
     return mode == "1"
 

@@ -30,7 +30,6 @@ launches; like the hand-off buffers, replays assume one thread launching on a de
 """
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from typing import Any, Callable
@@ -38,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._common import cuda_present
+from ._common import cuda_present, env_value
 
 #: Environment variables the kernel paths read; a change makes a new signature.
 ENV_KEYS = ("M3_EAGLE_HANDOFF", "M3_EAGLE_PDL", "TRITON_INTERPRET")
@@ -61,7 +60,7 @@ class _Refused(Exception):
 
 
 def env_state() -> tuple:
-    return tuple(os.environ.get(name) for name in ENV_KEYS)
+    return tuple(map(env_value, ENV_KEYS))
 
 
 def tensor_signature(t: torch.Tensor) -> tuple:
@@ -235,7 +234,7 @@ class Replayer:
         """`run()`, or its recording replayed with `inputs` when `signature` was recorded before."""
         from .launch import direct_launch_possible
 
-        if signature is None or os.environ.get("M3_EAGLE_REPLAY", "1").strip() == "0":
+        if signature is None or env_value("M3_EAGLE_REPLAY", "1").strip() == "0":
             return run()
         try:
             seen = self.recordings.get(signature)
