@@ -258,9 +258,32 @@ def test_fake_flashinfer_eager_time_only_with_ours(monkeypatch, fresh_import_sta
     _install_fake(monkeypatch)
     steps = _steps(9)
     assert "flashinfer_eager_us" not in _fields("dense_attn", steps, 2)
-    got = _fields("dense_attn", steps, 2, eager_us=3.0)
+    got = _fields("dense_attn", steps, 2, ours_eager=lambda: 3.0)
     assert got["flashinfer_eager_us"] > 0 and "flashinfer_error" not in got
+    assert got["eager_us"] == 3.0
     assert got["vs_flashinfer_eager"] == pytest.approx(got["flashinfer_eager_us"] / 3.0)
+
+
+def test_fake_flashinfer_eager_times_alternate_with_ours(monkeypatch, fresh_import_status):
+    """Eager pairs run ours then FlashInfer, `rounds` times; the fields are the pairs' medians."""
+    from m3_eagle_plugin.bench import kernel_suite
+
+    _install_fake(monkeypatch)
+    order, ours_times, theirs_times = [], iter([5.0, 1.0, 3.0]), iter([8.0, 6.0, 2.0])
+
+    def ours_eager():
+        order.append("ours")
+        return next(ours_times)
+
+    def fake_eager(thunks, **kw):
+        order.append("flashinfer")
+        return next(theirs_times)
+
+    monkeypatch.setattr(kernel_suite, "time_eager_us", fake_eager)
+    got = _fields("dense_attn", _steps(9), 2, rounds=3, ours=lambda: 1.0, ours_eager=ours_eager)
+    assert order == ["ours", "flashinfer"] * 3
+    assert got["eager_us"] == 3.0 and got["flashinfer_eager_us"] == 6.0
+    assert got["vs_flashinfer_eager"] == pytest.approx(2.0)
 
 
 def test_fake_flashinfer_fp8_scales_reach_the_ops(monkeypatch, fresh_import_status):

@@ -149,9 +149,10 @@ def _kernel_thunks(name: str, step: dict[str, Any], geo: Geometry) -> tuple[Call
     raise ValueError(f"unknown kernel {name!r}; choose from {KERNELS}")
 
 
-def _time_ours(name: str, steps: StepSet, qo_len: int) -> float:
-    """Our kernel's time on the row's input sets, as `run_case` takes it (graph-replayed)."""
-    return time_graph_us([_kernel_thunks(name, steps.step(s, qo_len), steps.geo)[0] for s in range(len(steps.sets))])
+def _time_ours(name: str, steps: StepSet, qo_len: int, *, eager: bool = False) -> float:
+    """Our kernel's time on the row's input sets, as `run_case` takes it (graph-replayed, or eager)."""
+    thunks = [_kernel_thunks(name, steps.step(s, qo_len), steps.geo)[0] for s in range(len(steps.sets))]
+    return time_eager_us(thunks) if eager else time_graph_us(thunks)
 
 
 def _kv_fields(meta) -> dict[str, torch.Tensor]:
@@ -239,12 +240,16 @@ def _set_vs_q1(by_q: dict[int, dict[str, Any]]) -> None:
 
 def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us: float,
                       expects: dict | None = None, check: bool = True, rounds: int = 1,
-                      ours: Callable[[], float] | None = None, eager_us: float | None = None) -> dict[str, Any]:
+                      ours: Callable[[], float] | None = None,
+                      ours_eager: Callable[[], float] | None = None) -> dict[str, Any]:
     """FlashInfer's fields for one of our rows (same inputs, same input-set rotation): its time
     (graph-replayed when capturable), `vs_flashinfer` = its time / ours (> 1: we are faster), its
     check against the torch reference. Any failure becomes `flashinfer_error`; nothing raises.
-    With our `eager_us`, its calls are also timed eagerly (`flashinfer_eager_us`, once, right
-    after its graph timing) and `vs_flashinfer_eager` compares the two.
+    With `ours_eager` (which times our kernel eagerly), both are also timed eagerly in
+    max(1, `rounds`) alternating pairs right after the graph timings: `eager_us` (ours) and
+    `flashinfer_eager_us` are the pairs' medians, `vs_flashinfer_eager` their ratio. An eager call
+    is host-bound at small shapes, so whatever else the host runs then (a JIT build in the
+    background) must fall on both sides.
 
     With `rounds` > 1 and `ours` (which times our kernel again), the two are timed alternately
     `rounds` times: `graph_us` and `flashinfer_us` become the medians of those rounds (each
@@ -293,12 +298,15 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
         if field == "flashinfer_us":
             main = ops[0]
             fields.update(flashinfer_timing=how, flashinfer_api=main.api, vs_flashinfer=us / graph_us)
-            if eager_us:
+            if ours_eager is not None:
                 try:
-                    eager = time_eager_us([op.run for op in ops])
-                    fields.update(flashinfer_eager_us=eager, vs_flashinfer_eager=eager / eager_us)
+                    mine, theirs = _paired_rounds(ours_eager, lambda: time_eager_us([op.run for op in ops]),
+                                                  max(1, rounds))
                 except Exception as exc:
                     failed(f"{op_name} eager", exc)
+                else:
+                    mine, theirs = statistics.median(mine), statistics.median(theirs)
+                    fields.update(eager_us=mine, flashinfer_eager_us=theirs, vs_flashinfer_eager=theirs / mine)
     if check and main is not None and not peer.broken:
         try:
             fields.update(_flashinfer_check(name, main, sets[0], steps.geo, expects or {}, qo_len))
@@ -365,7 +373,8 @@ def run_dense_peer(*, device, ceiling_gbps: float, num_sets: int, check: bool, t
         row["note"] = "FlashInfer not timed (unavailable or --flashinfer off)"
     else:
         row.update(flashinfer_fields("dense_attn", steps, p["qo_len"], peer, graph_us=row["graph_us"],
-                                     expects=expects, check=check, eager_us=row.get("eager_us")))
+                                     expects=expects, check=check,
+                                     ours_eager=lambda: _time_ours("dense_attn", steps, p["qo_len"], eager=True)))
         if "vs_flashinfer" in row:
             row["meets_goal"] = row["vs_flashinfer"] >= p["goal"]
         peer.clear()
@@ -422,7 +431,9 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
                 for qo_len in qo_lens:
                     row, use = ours[(name, qo_len)]
                     row.update(flashinfer_fields(name, use, qo_len, peer, graph_us=row["graph_us"], expects=expects,
-                                                 check=check, rounds=rounds, eager_us=row.get("eager_us"),
+                                                 check=check, rounds=rounds,
+                                                 ours_eager=lambda n=name, u=use, q=qo_len: _time_ours(n, u, q,
+                                                                                                       eager=True),
                                                  ours=lambda n=name, u=use, q=qo_len: _time_ours(n, u, q)))
                     _derive(row)
                     log(f"  flashinfer {name} B{batch} ctx{context} q{qo_len}: "
