@@ -374,7 +374,7 @@ def run_dense_peer(*, device, ceiling_gbps: float, num_sets: int, check: bool, t
     else:
         row.update(flashinfer_fields("dense_attn", steps, p["qo_len"], peer, graph_us=row["graph_us"],
                                      expects=expects, check=check,
-                                     ours_eager=lambda: _time_ours("dense_attn", steps, p["qo_len"], eager=True)))
+                                     ours_eager=lambda s=steps: _time_ours("dense_attn", s, p["qo_len"], eager=True)))
         if "vs_flashinfer" in row:
             row["meets_goal"] = row["vs_flashinfer"] >= p["goal"]
         peer.clear()
