@@ -40,8 +40,9 @@ def test_shipped_table_holds_the_h200_run():
     assert got[("sparse_attn", 16, 32768, 1)] == (7.86, 9.26)
     assert got[("sparse_step", 1, 8192, 4)] == (8.84, 13.0)
     assert got[("sparse_step", 16, 32768, 4)] == (50.22, 51.68)
-    assert got[("dense_attn", 64, 32768, 4)] == (319.43, 452.5)
-    assert got[("dense_attn_peer", 8, 4096, 4)] == (36.48, 41.12)
+    assert got[("dense_attn", 64, 32768, 4)] == (308.16, 450.09)
+    assert got[("dense_attn", 1, 8192, 4)] == (10.01, 10.03)
+    assert got[("dense_attn_peer", 8, 4096, 4)] == (29.22, 40.42)
     nvp = next(r for r in table.rows if (r.kernel, r.batch, r.qo_len) == ("index_select", 16, 4))
     assert "num_valid_pages" in nvp.note  # the top-k form the router runs
 
@@ -61,6 +62,10 @@ def test_shipped_table_verdicts_on_an_h200():
     assert pick("sparse_layer_attention", 16, 32768, 4) == "triton"   # 51.68 > 50.22
     assert pick("sparse_layer_attention", 16, 32768, 1) == "triton"   # 45.81 > 45.14
     assert pick("sparse_layer_attention", 64, 32768, 4) == "triton"   # 162.35 > 156.99
+    # dense layers: FlashInfer's prefill wrapper only where its row is faster
+    assert pick("dense_attention", 64, 32768, 1) == "flashinfer"      # 249.59 < 255.93
+    assert pick("dense_attention", 64, 32768, 4) == "triton"          # 450.09 > 308.16
+    assert pick("dense_attention", 1, 8192, 4) == "triton"            # 10.03 > 10.01
 
 
 # --- override and malformed files ----------------------------------------------------------------------
