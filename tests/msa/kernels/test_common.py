@@ -43,7 +43,8 @@ def test_qo_len_hint_prefers_caller_then_metadata():
 def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
     pytest.importorskip("triton")
     from m3_eagle_plugin.msa.kernels.dense_verify import default_splits
-    from m3_eagle_plugin.msa.kernels.sparse_verify import MAX_PARTIAL_ELEMENTS, check_splits, choose_splits
+    from m3_eagle_plugin.msa.kernels.attention_io import MAX_PARTIAL_ELEMENTS, check_splits
+    from m3_eagle_plugin.msa.kernels.sparse_verify import choose_splits
 
     row = 4096 * 16 * 128  # one long prefill chunk's T x Hq x D
     splits = choose_splits(1, 1, 576, torch.device("cpu"), partial_row=row)
@@ -60,7 +61,8 @@ def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
 
 def test_token_splits_reference_values_and_bounds():
     pytest.importorskip("triton")
-    from m3_eagle_plugin.msa.kernels.sparse_verify import MAX_PARTIAL_ELEMENTS, token_splits
+    from m3_eagle_plugin.msa.kernels.attention_io import MAX_PARTIAL_ELEMENTS
+    from m3_eagle_plugin.msa.kernels.sparse_verify import token_splits
 
     cpu = torch.device("cpu")  # 132 SMs assumed: the H200 sweep's best at B64 q4/q1, B16 q4, B1
     assert [token_splits(u, 16, cpu) for u in (256, 64, 64, 4, 1)] == [1, 2, 2, 16, 16]
@@ -89,7 +91,7 @@ def test_dense_splits_leave_no_split_without_pages(requests, kv_heads, width, ro
     gets at least one page of the widest request, and the split count stays within bounds."""
     pytest.importorskip("triton")
     from m3_eagle_plugin.msa.kernels.dense_verify import default_splits
-    from m3_eagle_plugin.msa.kernels.sparse_verify import MAX_PARTIAL_ELEMENTS
+    from m3_eagle_plugin.msa.kernels.attention_io import MAX_PARTIAL_ELEMENTS
 
     splits = default_splits(requests, kv_heads, width, requests * row, torch.device("cpu"))
     per = -(-width // splits)

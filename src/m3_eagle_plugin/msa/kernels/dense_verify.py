@@ -16,8 +16,8 @@ import triton.language as tl
 from ._common import device_sm_count, qo_len_hint, scale_value, tokens_per_tile
 from .launch import launch
 from .replay import Replayer, call_signature
-from .sparse_verify import (LOG2E, _online_softmax_step, _store_rows, _zero_graph_padding, check_attention_inputs,
-                            check_splits, max_partial_splits, merge_outputs, split_outputs)
+from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
+from .attention_tiles import LOG2E, online_softmax_step, store_rows, zero_graph_padding
 
 
 @triton.jit
@@ -68,13 +68,13 @@ def _dense_verify_kernel(
                         mask=mapped, other=0.0).to(q.dtype)
             v = tl.load(v_ptr + page * s_v_p + g * s_v_h + key[:, None] * s_v_b + d[None, :],
                         mask=mapped, other=0.0).to(q.dtype)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_ok & mapped,
-                                                 b * BLOCK + key, pos, pos_max, IEEE)
+            m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_ok & mapped,
+                                                b * BLOCK + key, pos, pos_max, IEEE)
 
-        _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
-                    D, SPLITS)
+        store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
+                   D, SPLITS)
     if SPLITS == 1:
-        _zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
+        zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
 
 
 def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row: int, device: torch.device) -> int:

@@ -23,10 +23,6 @@ from ._common import (
     MAX_TILE_ROWS,
     byte_aligned,
     qo_len_hint,
-    FP8_DTYPES,
-    check_cache_view,
-    check_meta,
-    compute_dtype_of,
     device_sm_count,
     next_pow2,
     require,
@@ -34,173 +30,12 @@ from ._common import (
     tokens_per_tile,
     triton_interpreting,
 )
+from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
+from .attention_tiles import LOG2E, attend_page_tile, attend_two_pages, join_dim_halves, store_rows, zero_graph_padding
 from .block_union import BlockUnion, chunk_count, union_from_selection
 from .launch import launch
-from .merge import merge_splits, split_arrivals
+from .merge import split_arrivals
 from .pdl import pdl_args, wait_for_prior_grid, wait_for_prior_grid_only
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _softmax_tile(q, k, m_i, l_i, qk_scale, row_has, key_pos, pos, IEEE: tl.constexpr):
-    """Scores of one key tile -> (p, alpha, m_new, l_new) of flash attention in log2 units; keys
-    masked per row by selection and causality."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale
-    visible = row_has[:, None] & (key_pos[None, :] <= pos[:, None])
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
-
-
-@triton.jit
-def _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, key_pos, pos, pos_max, IEEE: tl.constexpr,
-                         GUARD_V: tl.constexpr = True):
-    """One key tile of flash attention (`_softmax_tile`, then P V into `acc`).
-
-    `pos_max` is the largest position of the tile's rows: every key at or below it was written
-    (positions precede the step's kv length), so only keys above it can hold garbage. Callers
-    that load V with that mask already pass GUARD_V=False.
-    """
-    # A key past every row's position can hold anything (an unwritten tail slot is NaN after
-    # torch.empty or an fp8 NaN pattern), and p = 0 does not cancel it: 0 * NaN = NaN. Zero those
-    # V rows (unmapped pages already load as 0). An elementwise test: no cross-warp reduction.
-    if GUARD_V:
-        v = tl.where((key_pos <= pos_max)[:, None], v, 0.0).to(q.dtype)
-    p, alpha, m_new, l_i = _softmax_tile(q, k, m_i, l_i, qk_scale, row_has, key_pos, pos, IEEE)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _e4m3_lanes_to_f16(x, HIGH: tl.constexpr, ASM: tl.constexpr):
-    """f16 of the low (HIGH=False) or high e4m3 byte of each 16-bit lane of `x`.
-
-    With ASM, two lanes (a thread's two consecutive keys in the MMA operand layout) become one
-    f16x2 through one byte permute and one convert; the interpreter takes the portable form.
-    """
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="{ .reg .b32 t; .reg .b16 l, h; prmt.b32 t, $1, 0, " + ("0x0031" if HIGH else "0x0020") + "; "
-                "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $0, l; }",
-            constraints="=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=2)
-    return ((x >> (8 if HIGH else 0)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-
-
-@triton.jit
-def _load_keys(q, k_ptr, s_k_b, v_ptr, s_v_b, k_at, v_at, key, d, k_ok, v_ok, VPAIR: tl.constexpr):
-    """K (in q's dtype) and V of keys `key` past element offsets `k_at` / `v_at` (a page and KV
-    head: one offset, or one per key as `[BN, 1]`). With VPAIR (e4m3 V, f16 MMAs) V is read as
-    16-bit lanes of two head dims: a lane layout the MMA operand load can transpose (a byte
-    layout cannot); `_fold_keys` splits it into the even and the odd dims."""
-    k = tl.load(k_ptr + k_at + key[:, None] * s_k_b + d[None, :], mask=k_ok, other=0.0).to(q.dtype)
-    if VPAIR:
-        lane = tl.arange(0, d.shape[0] // 2)
-        rows = (v_ptr + v_at + key[:, None] * s_v_b).to(tl.pointer_type(tl.int16), bitcast=True)
-        v = tl.load(rows + lane[None, :], mask=v_ok, other=0)
-    else:
-        v = tl.load(v_ptr + v_at + key[:, None] * s_v_b + d[None, :], mask=v_ok, other=0.0).to(q.dtype)
-    return k, v
-
-
-@triton.jit
-def _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page, key, kpos, d, row_has,
-                      pos, pos_max, m_i, l_i, acc, acc_hi, qk_scale, IEEE: tl.constexpr, VPAIR: tl.constexpr,
-                      ASM: tl.constexpr):
-    """Load keys `key` of a page (K and V of KV head g) and fold them into the online softmax.
-
-    An unmapped page (-1) is never dereferenced and never attended; V rows past `pos_max` load as
-    0. Under VPAIR the even head dims accumulate in `acc`, the odd ones in `acc_hi` (each
-    `[rows, D / 2]`); `_join_dim_halves` interleaves them back.
-    """
-    mapped = page >= 0
-    page = tl.maximum(page, 0).to(tl.int64)
-    k, v = _load_keys(q, k_ptr, s_k_b, v_ptr, s_v_b, page * s_k_p + g * s_k_h, page * s_v_p + g * s_v_h, key, d,
-                      mapped, mapped & (kpos <= pos_max)[:, None], VPAIR)
-    return _fold_keys(q, k, v, m_i, l_i, acc, acc_hi, qk_scale, row_has & mapped, kpos, pos, pos_max, IEEE, VPAIR,
-                      ASM)
-
-
-@triton.jit
-def _attend_two_pages(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page, key, kpos, d, row_has,
-                      pos, pos_max, m_i, l_i, acc, acc_hi, qk_scale, IEEE: tl.constexpr, VPAIR: tl.constexpr,
-                      ASM: tl.constexpr):
-    """`_attend_page_tile` over a tile of two pages: `page`, `key` and `kpos` are per key (the
-    tile's first half from one page, the second half from another; page -1 where unmapped).
-
-    Why: the one-page tile stalls on dependencies (ncu, B16/32K q4: 3.7 cycles a warp
-    instruction, one warp a scheduler, 22% of issue slots busy); a two-page tile halves a
-    program's tiles and gives each warp twice the independent MMAs and reductions per barrier.
-    """
-    mapped = page >= 0
-    kpos = tl.where(mapped, kpos, 2147483647)  # an unmapped key is past every position
-    page = tl.maximum(page, 0).to(tl.int64)[:, None]
-    k, v = _load_keys(q, k_ptr, s_k_b, v_ptr, s_v_b, page * s_k_p + g * s_k_h, page * s_v_p + g * s_v_h, key, d,
-                      mapped[:, None], (kpos <= pos_max)[:, None], VPAIR)
-    return _fold_keys(q, k, v, m_i, l_i, acc, acc_hi, qk_scale, row_has, kpos, pos, pos_max, IEEE, VPAIR, ASM)
-
-
-@triton.jit
-def _fold_keys(q, k, v, m_i, l_i, acc, acc_hi, qk_scale, row_has, kpos, pos, pos_max, IEEE: tl.constexpr,
-               VPAIR: tl.constexpr, ASM: tl.constexpr):
-    """Fold a loaded key tile into the online softmax: K in q's dtype, V likewise or as e4m3
-    lanes under VPAIR, zero past `pos_max` either way."""
-    if VPAIR:
-        p, alpha, m_i, l_i = _softmax_tile(q, k, m_i, l_i, qk_scale, row_has, kpos, pos, IEEE)
-        p = p.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p, _e4m3_lanes_to_f16(v, False, ASM))
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, _e4m3_lanes_to_f16(v, True, ASM))
-    else:
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, row_has, kpos, pos,
-                                             pos_max, IEEE, GUARD_V=False)
-    return m_i, l_i, acc, acc_hi
-
-
-@triton.jit
-def _join_dim_halves(acc, acc_hi, VPAIR: tl.constexpr):
-    """The `[rows, D]` accumulator: even and odd head dims interleaved back under VPAIR."""
-    out = acc
-    if VPAIR:
-        out = tl.reshape(tl.join(acc, acc_hi), [acc.shape[0], 2 * acc.shape[1]])
-    return out
-
-
-@triton.jit
-def _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
-                D: tl.constexpr, SPLITS: tl.constexpr):
-    """Write finished rows: the output itself (one split), or a partial and its LSE for `merge_splits`."""
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    if SPLITS == 1:
-        o = acc / safe_l[:, None] * v_scale
-        tl.store(o_ptr + tok[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        prow = (tok.to(tl.int64) * num_heads + head) * SPLITS + split
-        tl.store(o_ptr + prow[:, None] * D + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-        tl.store(lse_ptr + prow, lse, mask=row_ok)
-
-
-@triton.jit
-def _zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G: tl.constexpr, D: tl.constexpr):
-    """One split writes `out` itself (no merge pass, no memset): the rows of tokens past the last
-    request (graph padding) get zeros, spread over the programs of each KV-head group. Every
-    attention kernel's grid is (requests, KV heads, programs per request)."""
-    p = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
-    d = tl.arange(0, D)
-    for t in range(tl.load(cu_ptr + tl.num_programs(0)) + p, num_tokens, tl.num_programs(0) * tl.num_programs(2)):
-        for h in range(g * G, g * G + G):
-            tl.store(o_ptr + t * s_o_t + h * s_o_h + d, tl.zeros([D], o_ptr.dtype.element_ty))
-
 
 @triton.jit
 def _sparse_verify_kernel(
@@ -252,15 +87,15 @@ def _sparse_verify_kernel(
         bits = tl.load(bits_ptr + entry)
         page = tl.load(pages_ptr + entry)
         key = (it % (BLOCK // BN)) * BN + jn
-        m_i, l_i, acc, acc_hi = _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page,
-                                                  key, b * BLOCK + key, d, ((bits >> tok_i) & 1) != 0, pos, pos_max,
-                                                  m_i, l_i, acc, acc_hi, qk_scale, IEEE, VPAIR, ASM)
+        m_i, l_i, acc, acc_hi = attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g, page,
+                                                 key, b * BLOCK + key, d, ((bits >> tok_i) & 1) != 0, pos, pos_max,
+                                                 m_i, l_i, acc, acc_hi, qk_scale, IEEE, VPAIR, ASM)
 
-    acc = _join_dim_halves(acc, acc_hi, VPAIR)
-    _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
-                D, SPLITS)
+    acc = join_dim_halves(acc, acc_hi, VPAIR)
+    store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
+               D, SPLITS)
     if SPLITS == 1:
-        _zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
+        zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
 
 
 @triton.jit
@@ -285,7 +120,7 @@ def _sparse_token_kernel(
     the top-k still runs (`verify_step`): it waits for its token's `ready_ptr` flag instead of
     the top-k grid (acquire loads), for the grid only before its first store, and takes one off
     the flag at its end. BN = 2 x BLOCK (PREFETCH) makes each tile two of the token's pages
-    (`_attend_two_pages`)."""
+    (`attend_two_pages`)."""
     if not READY:
         wait_for_prior_grid(PDL)
     r = tl.program_id(0)
@@ -332,10 +167,10 @@ def _sparse_token_kernel(
             b1 = tl.sum(tl.where(jj == e1, ids, 0), axis=0)
             p0 = tl.sum(tl.where(jj == e0, pages, 0), axis=0)
             p1 = tl.sum(tl.where(jj == e1, pages + 1, 0), axis=0) - 1  # -1 past the list
-            m_i, l_i, acc, acc_hi = _attend_two_pages(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g,
-                                                      tl.where(second, p1, p0), kin,
-                                                      tl.where(second, b1, b0) * BLOCK + kin, d, row_ok, pos, pos1,
-                                                      m_i, l_i, acc, acc_hi, qk_scale, IEEE, VPAIR, ASM)
+            m_i, l_i, acc, acc_hi = attend_two_pages(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g,
+                                                     tl.where(second, p1, p0), kin,
+                                                     tl.where(second, b1, b0) * BLOCK + kin, d, row_ok, pos, pos1,
+                                                     m_i, l_i, acc, acc_hi, qk_scale, IEEE, VPAIR, ASM)
     else:
         for it in range(0, mine * (BLOCK // BN)):
             e = split + (it // (BLOCK // BN)) * SPLITS
@@ -346,17 +181,17 @@ def _sparse_token_kernel(
                 b = tl.load(sel_row + e)
                 page = tl.load(bt_ptr + r * s_bt_r + b)
             key = (it % (BLOCK // BN)) * BN + jn
-            m_i, l_i, acc, acc_hi = _attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g,
-                                                      page, key, b * BLOCK + key, d, row_ok, pos, pos1, m_i, l_i, acc,
-                                                      acc_hi, qk_scale, IEEE, VPAIR, ASM)
+            m_i, l_i, acc, acc_hi = attend_page_tile(q, k_ptr, s_k_p, s_k_h, s_k_b, v_ptr, s_v_p, s_v_h, s_v_b, g,
+                                                     page, key, b * BLOCK + key, d, row_ok, pos, pos1, m_i, l_i, acc,
+                                                     acc_hi, qk_scale, IEEE, VPAIR, ASM)
 
-    acc = _join_dim_halves(acc, acc_hi, VPAIR)
+    acc = join_dim_halves(acc, acc_hi, VPAIR)
     if READY:  # outputs may reuse memory the scoring still reads until the top-k grid is done
         wait_for_prior_grid_only(PDL)
-    _store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
-                D, SPLITS)
+    store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok, num_heads, split, v_scale,
+               D, SPLITS)
     if SPLITS == 1 or SELF_MERGE:
-        _zero_graph_padding(fin_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
+        zero_graph_padding(fin_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
     if READY:
         if live:  # off the critical path: the last of the row's readers leaves it 0 for the next step
             tl.debug_barrier()  # every thread of this program is past its poll
@@ -413,22 +248,6 @@ def _merge_rows(o_ptr, lse_ptr, fin_ptr, s_o_t, s_o_h, tok, head, d, row_ok, num
              mask=row_ok[:, None])
 
 
-def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any) -> None:
-    check_meta(meta)
-    compute_dtype_of(q)
-    require(q.dim() == 3 and q.stride(-1) == 1, f"q must be [T, Hq, D] with unit last stride, got {tuple(q.shape)}")
-    check_cache_view("k_cache", k_cache, 4)
-    check_cache_view("v_cache", v_cache, 4)
-    require(k_cache.shape == v_cache.shape, f"k/v cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
-    _, hkv, block, dim = k_cache.shape
-    require(q.shape[2] == dim, f"head dim of q ({q.shape[2]}) and cache ({dim}) differ")
-    require(q.shape[1] % hkv == 0, f"query heads {q.shape[1]} not a multiple of KV heads {hkv}")
-    require(block >= 16 and dim >= 16 and block & (block - 1) == 0 and dim & (dim - 1) == 0,
-            "block size and head dim must be powers of two >= 16")
-    allowed = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
-    require(k_cache.dtype in allowed and v_cache.dtype in allowed, f"unsupported KV dtype {k_cache.dtype}")
-
-
 #: Key rows per MMA tile by layout (H200 sweep, scripts/tune_verify_kernels.py --sparse-only, 2026-11-29).
 DEFAULT_KEY_TILE = {"union": 64, "token": 128}
 
@@ -441,15 +260,6 @@ def default_layout(group: int) -> str:
     and B1/8K (6.5 vs 9.1), and the whole step with each layout forced (union at key tile 128,
     3 stages, a program per SM) took B64 173.5 vs 194.0 us, B16 60.0 vs 68.1."""
     return "token" if group <= MAX_TILE_ROWS else "union"
-
-
-#: Most fp32 elements the split partials `[T, Hq, splits, D]` may take (512 MB).
-MAX_PARTIAL_ELEMENTS = 1 << 27
-
-
-def max_partial_splits(partial_row: int) -> int:
-    """Most splits whose partials (`partial_row` = T x Hq x D elements each) fit MAX_PARTIAL_ELEMENTS."""
-    return MAX_PARTIAL_ELEMENTS // max(partial_row, 1)
 
 
 def choose_splits(num_requests: int, num_kv_heads: int, max_work: int, device: torch.device,
@@ -479,12 +289,6 @@ def union_splits(num_units: int, chunk: int, topk: int, device: torch.device, pa
     scripts/tune_verify_kernels.py, 2026-11-29: at B16/32K q4 16 splits take 24.5 us, 32 splits
     28.0; at B64/32K 4 splits 66.6 us, 9 splits 74.2.)"""
     return choose_splits(num_units, 1, topk * min(chunk, 2), device, partial_row=partial_row)
-
-
-def check_splits(splits: int, partial_row: int) -> None:
-    require(splits >= 1, f"splits must be >= 1, got {splits}")
-    require(splits == 1 or splits * partial_row <= MAX_PARTIAL_ELEMENTS,
-            f"{splits} splits need {splits * partial_row} fp32 partial elements, more than {MAX_PARTIAL_ELEMENTS}")
 
 
 def sparse_verify_attention(
@@ -520,13 +324,13 @@ def sparse_verify_attention(
     list the fused top-k wrote, `select_blocks_verify(..., union_group=)`; without it a small
     kernel derives it); "token" walks each token's own pages. `compute_f16` (default: fp8 K/V
     with a 16-bit q) runs the MMAs in fp16, which fp8 converts to in one instruction and holds
-    exactly. `paired_v` reads e4m3 V as 16-bit pairs of head dims (`_attend_page_tile`); by
+    exactly. `paired_v` reads e4m3 V as 16-bit pairs of head dims (`attend_page_tile`); by
     default on the per-token layout whenever `paired_v_applies`. `self_merge` (per-token layout;
     default up to SELF_MERGE_SPLITS splits) has a token's last split merge the others in-kernel.
     `ready` (per-token flags a top-k launched just before sets, `index_select.select_announcing`
     with `consumers=splits`; per-token layout, explicit splits) launches the attention early (PDL)
     with each program waiting for its own token's flag. `pages_per_tile` 2 (per-token layout,
-    `prefetch`) makes each MMA tile two pages of keys (`_attend_two_pages`; `key_tile` unused).
+    `prefetch`) makes each MMA tile two pages of keys (`attend_two_pages`; `key_tile` unused).
     `checked`: the caller already ran `check_attention_inputs` on these inputs (`verify_step`).
     """
     if not checked:
@@ -606,24 +410,6 @@ def paired_v_applies(v_cache: torch.Tensor, compute_f16: bool) -> bool:
     84.0 there.
     """
     return compute_f16 and v_cache.dtype == torch.float8_e4m3fn and byte_aligned(v_cache, 2)
-
-
-def split_outputs(q: torch.Tensor, splits: int):
-    """(out, split partials, their LSE) for the attention kernels' `o_ptr` / `lse_ptr`. One split
-    writes `out` directly (both pointers are `out`; the LSE is not written), graph-padding rows
-    (past cu_qo_lens[-1]) zeroed by the kernel (`_zero_graph_padding`)."""
-    if splits == 1:
-        out = torch.empty_like(q)
-        return out, out, out
-    num_tokens, num_heads, dim = q.shape
-    return (torch.empty_like(q),
-            torch.empty((num_tokens, num_heads, splits, dim), device=q.device, dtype=torch.float32),
-            torch.empty((num_tokens, num_heads, splits), device=q.device, dtype=torch.float32))
-
-
-def merge_outputs(out, o_buf, lse, meta, splits: int, v_scale: float) -> torch.Tensor:
-    """`out`, the split partials merged into it when there are several."""
-    return out if splits == 1 else merge_splits(o_buf, lse, out, meta.cu_qo_lens, v_scale)
 
 
 def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,

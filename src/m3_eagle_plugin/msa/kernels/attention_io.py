@@ -1,0 +1,64 @@
+"""What every verify attention wrapper does around its kernel: check the inputs, bound and
+allocate the split partials, merge them.
+
+Why: the sparse (`sparse_verify`) and dense (`dense_verify`) attentions take the same query, cache
+and metadata layout and split a request's keys over programs the same way; one place decides
+what they accept and how many fp32 partials they may write.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._common import FP8_DTYPES, check_cache_view, check_meta, compute_dtype_of, require
+from .merge import merge_splits
+
+
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any) -> None:
+    check_meta(meta)
+    compute_dtype_of(q)
+    require(q.dim() == 3 and q.stride(-1) == 1, f"q must be [T, Hq, D] with unit last stride, got {tuple(q.shape)}")
+    check_cache_view("k_cache", k_cache, 4)
+    check_cache_view("v_cache", v_cache, 4)
+    require(k_cache.shape == v_cache.shape, f"k/v cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+    _, hkv, block, dim = k_cache.shape
+    require(q.shape[2] == dim, f"head dim of q ({q.shape[2]}) and cache ({dim}) differ")
+    require(q.shape[1] % hkv == 0, f"query heads {q.shape[1]} not a multiple of KV heads {hkv}")
+    require(block >= 16 and dim >= 16 and block & (block - 1) == 0 and dim & (dim - 1) == 0,
+            "block size and head dim must be powers of two >= 16")
+    allowed = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
+    require(k_cache.dtype in allowed and v_cache.dtype in allowed, f"unsupported KV dtype {k_cache.dtype}")
+
+
+#: Most fp32 elements the split partials `[T, Hq, splits, D]` may take (512 MB).
+MAX_PARTIAL_ELEMENTS = 1 << 27
+
+
+def max_partial_splits(partial_row: int) -> int:
+    """Most splits whose partials (`partial_row` = T x Hq x D elements each) fit MAX_PARTIAL_ELEMENTS."""
+    return MAX_PARTIAL_ELEMENTS // max(partial_row, 1)
+
+
+def check_splits(splits: int, partial_row: int) -> None:
+    require(splits >= 1, f"splits must be >= 1, got {splits}")
+    require(splits == 1 or splits * partial_row <= MAX_PARTIAL_ELEMENTS,
+            f"{splits} splits need {splits * partial_row} fp32 partial elements, more than {MAX_PARTIAL_ELEMENTS}")
+
+
+def split_outputs(q: torch.Tensor, splits: int):
+    """(out, split partials, their LSE) for the attention kernels' `o_ptr` / `lse_ptr`. One split
+    writes `out` directly (both pointers are `out`; the LSE is not written), graph-padding rows
+    (past cu_qo_lens[-1]) zeroed by the kernel (`attention_tiles.zero_graph_padding`)."""
+    if splits == 1:
+        out = torch.empty_like(q)
+        return out, out, out
+    num_tokens, num_heads, dim = q.shape
+    return (torch.empty_like(q),
+            torch.empty((num_tokens, num_heads, splits, dim), device=q.device, dtype=torch.float32),
+            torch.empty((num_tokens, num_heads, splits), device=q.device, dtype=torch.float32))
+
+
+def merge_outputs(out, o_buf, lse, meta, splits: int, v_scale: float) -> torch.Tensor:
+    """`out`, the split partials merged into it when there are several."""
+    return out if splits == 1 else merge_splits(o_buf, lse, out, meta.cu_qo_lens, v_scale)

@@ -1,0 +1,70 @@
+"""The attention wrappers' shared input checks and split partials (`attention_io`)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+pytest.importorskip("triton")
+
+from m3_eagle_plugin.msa.kernels import KernelInputError  # noqa: E402
+from m3_eagle_plugin.msa.kernels.attention_io import (  # noqa: E402
+    MAX_PARTIAL_ELEMENTS, check_attention_inputs, check_splits, max_partial_splits, split_outputs)
+
+
+def _meta():
+    z = torch.zeros(1, dtype=torch.int32)
+    return types.SimpleNamespace(block_tables=z.view(1, 1), kv_lens=z, cu_qo_lens=torch.zeros(2, dtype=torch.int32),
+                                 positions=z)
+
+
+def _good():
+    return torch.zeros(4, 8, 32), torch.zeros(3, 2, 16, 32), torch.zeros(3, 2, 16, 32)
+
+
+@pytest.mark.parametrize("change, cause", [
+    (lambda q, k, v, m: (q[0], k, v, m), "q must be"),
+    (lambda q, k, v, m: (q[..., :16], k, v, m), "unit last stride|head dim of q"),
+    (lambda q, k, v, m: (torch.zeros(4, 8, 64), k, v, m), "head dim of q"),
+    (lambda q, k, v, m: (torch.zeros(4, 6, 32), torch.zeros(3, 4, 16, 32), torch.zeros(3, 4, 16, 32), m),
+     "not a multiple of KV heads"),
+    (lambda q, k, v, m: (q, k, torch.zeros(3, 2, 16, 32)[:2], m), "k/v cache shapes differ"),
+    (lambda q, k, v, m: (q, torch.zeros(3, 2, 24, 32), torch.zeros(3, 2, 24, 32), m), "powers of two"),
+    (lambda q, k, v, m: (q, k.int(), v.int(), m), "unsupported KV dtype"),
+    (lambda q, k, v, m: (q, k, v, types.SimpleNamespace(kv_lens=m.kv_lens)), "lacks field"),
+])
+def test_bad_inputs_are_refused_with_their_cause(change, cause):
+    q, k, v = _good()
+    check_attention_inputs(q, k, v, _meta())  # the good case passes
+    with pytest.raises(KernelInputError, match=cause):
+        check_attention_inputs(*change(q, k, v, _meta()))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(splits=st.integers(0, 1 << 12), row=st.integers(0, 1 << 24))
+def test_split_bound_accepts_exactly_what_fits(splits, row):
+    fits = splits >= 1 and (splits == 1 or splits * row <= MAX_PARTIAL_ELEMENTS)
+    if fits:
+        check_splits(splits, row)
+    else:
+        with pytest.raises(KernelInputError):
+            check_splits(splits, row)
+    most = max_partial_splits(row)
+    assert most * max(row, 1) <= MAX_PARTIAL_ELEMENTS < (most + 1) * max(row, 1)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(tokens=st.integers(0, 9), heads=st.integers(1, 8), dim=st.sampled_from([16, 32]), splits=st.integers(1, 6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_split_outputs_shapes(tokens, heads, dim, splits, dtype):
+    q = torch.zeros(tokens, heads, dim, dtype=dtype)
+    out, part, lse = split_outputs(q, splits)
+    assert out.shape == q.shape and out.dtype == dtype
+    if splits == 1:  # the kernel writes the output itself: no partials, no LSE
+        assert part is out and lse is out
+    else:
+        assert part.shape == (tokens, heads, splits, dim) and part.dtype == torch.float32
+        assert lse.shape == (tokens, heads, splits) and lse.dtype == torch.float32
+        assert len({out.data_ptr(), part.data_ptr(), lse.data_ptr()} - {0}) == (3 if tokens else 0)
