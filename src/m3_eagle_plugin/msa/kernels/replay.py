@@ -5,7 +5,7 @@ B64/32K), against 8-160 us of GPU time: Python deciding splits, tiles and paths,
 reading the environment, and Triton binding 24-44 arguments per launch. Every sparse layer of a
 step asks the same questions with the same shapes and gets the same answers. CUDA graphs skip all
 of it; batches run eagerly (past the captured sizes) pay it 57 times a step. Replayed, the same
-calls took 71-145 us (dense: 106 -> 44 us; README, "Eager calls").
+calls took 71-145 us (dense: 106 -> 44 us; docs/performance-log.md, "Fifteenth session").
 
 How: `Replayer.call(signature, inputs, meta, run)`. The first call of a signature runs `run()`
 (the ordinary path) while recording: `launch.launch` reports every launch (the compiled kernel,
