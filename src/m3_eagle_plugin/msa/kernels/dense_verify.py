@@ -14,10 +14,10 @@ import triton
 import triton.language as tl
 
 from ._common import device_sm_count, qo_len_hint, scale_value, tokens_per_tile
-from .launch import launch
-from .replay import Replayer, call_signature
 from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
 from .attention_tiles import LOG2E, online_softmax_step, store_rows, zero_graph_padding
+from .launch import launch
+from .replay import Replayer, call_signature
 
 
 @triton.jit

@@ -42,12 +42,12 @@ from typing import Any
 import torch
 
 from ._common import device_sm_count, qo_len_hint, require
+from .attention_io import check_attention_inputs
 from .block_union import chunk_count
 from .handoff import handoff_enabled
 from .index_select import select_announcing, select_blocks_verify
 from .pdl import pdl_args
 from .replay import Replayer, call_signature
-from .attention_io import check_attention_inputs
 from .sparse_verify import default_layout, sparse_verify_attention
 
 #: Fewest (token, KV head) rows a step needs for the early attention (B16 q1 and B4 q4 have 16).
