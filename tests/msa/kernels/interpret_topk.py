@@ -80,8 +80,15 @@ def case_random_rows_long(device):
           topk=16, local=1, init=2, qo=4)
 
 
+def case_wide_rows_tied_at_the_cut(device):
+    # 1024 blocks a row (a 128K context's width): coarse scores tie at the top-k's cut in most rows
+    gen = torch.Generator().manual_seed(4)
+    _case(device, [16384, 9000], lambda h, t, w: torch.randn(h, t, w, generator=gen).round(), topk=16, local=1)
+
+
 CASES = [case_all_equal, case_signed_zeros_tie, case_negative_and_minus_inf, case_fewer_visible_than_topk,
-         case_topk_not_a_power_of_two, case_rows_no_wider_than_topk, case_random_rows_long]
+         case_topk_not_a_power_of_two, case_rows_no_wider_than_topk, case_random_rows_long,
+         case_wide_rows_tied_at_the_cut]
 
 
 def main() -> int:

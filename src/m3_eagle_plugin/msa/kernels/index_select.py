@@ -93,26 +93,35 @@ def _block_score_kernel(
 
 
 @triton.jit
-def _topk_mask(vals, visible, ids, NBP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr):
+def _topk_mask(vals, visible, NBP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr):
     """int32 1 where a visible block is among its row's TOPK best scores (ties: the lower id).
 
-    Each score becomes one int64 key, the float's order as a signed int in the high word and the
-    reversed block id in the low word, so keys are distinct and each row's threshold is the
-    TOPK-th key of one `tl.topk` (a descending, power-of-two long list).
+    Each score becomes an int32 whose signed order is the float's, so one `tl.topk` (a descending,
+    power-of-two long list) gives each row's TOPK-th best value; every block above it is chosen,
+    and of the blocks equal to it the lowest ids until the row has TOPK. 32-bit keys, not one
+    int64 key (value, reversed id) per block: the top-k's compare-and-swap network moves half the
+    bits, and ties are rare enough that their scan mostly does not run. H200, 2026-11-30,
+    scripts/ab/topk_ab18.py, int64 -> int32 keys: the top-k alone at 128K (1024 blocks) 3.96 -> 3.54
+    us (B1 q4), 4.46 -> 3.82 (B16); the step B1/128K q4 22.01 -> 21.27, q1 21.07 -> 20.33; at 8K-32K
+    the top-k alone moved by -0.10..+0.12 us and the step by -0.6..+0.2%.
     """
     if NBP <= TOPK:
         chosen = visible.to(tl.int32)
     else:
         bits = tl.where(vals == 0.0, 0.0, vals).to(tl.int32, bitcast=True)  # -0.0 ties +0.0
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        lowest = -9223372036854775807 - 1
-        keys = tl.where(visible, (ordered.to(tl.int64) << 32) | (NBP - 1 - ids)[None, :].to(tl.int64), lowest)
+        ordered = tl.where(visible, bits ^ ((bits >> 31) & 0x7FFFFFFF), -2147483647 - 1)
         if TOPK == 1:
-            kth = tl.max(keys, axis=1)
+            kth = tl.max(ordered, axis=1)
         else:
-            top = tl.topk(keys, TOPK_P, dim=1)  # sorted descending, a power-of-two count
+            top = tl.topk(ordered, TOPK_P, dim=1)  # sorted descending, a power-of-two count
             kth = tl.sum(tl.where(tl.arange(0, TOPK_P)[None, :] == TOPK - 1, top, 0), axis=1)
-        chosen = (visible & (keys >= kth[:, None])).to(tl.int32)
+        above = visible & (ordered > kth[:, None])
+        tied = visible & (ordered == kth[:, None])
+        need = TOPK - tl.sum(above.to(tl.int32), axis=1)
+        chosen = (above | tied).to(tl.int32)
+        if tl.max(tl.sum(tied.to(tl.int32), axis=1) - need) > 0:  # more tied than places left
+            rank = tl.cumsum(tied.to(tl.int32), axis=1)
+            chosen = (above | (tied & (rank <= need[:, None]))).to(tl.int32)
     return chosen
 
 
@@ -161,7 +170,7 @@ def _topk_union_kernel(
         vals = tl.load(score_ptr + at, mask=visible, other=float("-inf"))
     forced = visible & ((ids[None, :] >= nv[:, None] - LOCAL) | (ids[None, :] < INIT))
     vals = tl.where(forced, float("inf"), vals)
-    chosen = _topk_mask(vals, visible, ids, NBP, TOPK, TOPK_P)
+    chosen = _topk_mask(vals, visible, NBP, TOPK, TOPK_P)
     count = tl.sum(chosen, axis=1)
     slot = tl.cumsum(chosen, axis=1) - 1
     base = out_ptr + h * s_o_h + tok * s_o_t
@@ -364,7 +373,9 @@ def default_topk_warps(tokens_per_program: int, padded_blocks: int) -> int:
     """Warps of the top-k program: 8 for token chunks (union lists), else one per 64 blocks up to 8
     (H200, scripts/tune_verify_kernels.py --topk, 2026-11-29, one token per program: 8K context
     1 warp 2.2 us, any count within 0.2; 32K 4 warps 2.8 us vs 1 warp 4.4 (B16), 3.1 vs 4.5 (B64);
-    128K 8 warps 4.4 vs 4 warps 6.3 vs 1 warp 14.4)."""
+    128K 8 warps 4.4 vs 4 warps 6.3 vs 1 warp 14.4). Re-checked with 32-bit keys (2026-11-30,
+    scripts/ab/topk_warps18.py, the whole step B1 q4): 128K 8 warps 21.25 us vs 16 warps 21.50, 64K 8
+    15.25 vs 4 15.55 vs 16 15.69, 32K 4 11.05 vs 2 11.33 vs 8 11.25."""
     if tokens_per_program > 1:
         return 8
     return int(min(8, max(1, padded_blocks // 64)))
