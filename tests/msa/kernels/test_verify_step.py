@@ -88,6 +88,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
     # M3-like: 32 requests of 4 verify tokens at 2-6K context, 4 readers a row.
     (check_early_step_matches_plain_launches, dict(qo_lens=(4,) * 32, kv_lens=tuple(2000 + 131 * i for i in range(32)),
                                                    splits=4, pad_tokens=5, seed=3)),
+    # B64 q4 with fp8 K/V: 256 rows, past one a SM, one reader a row (the rule's largest early step).
+    (check_early_step_matches_plain_launches, dict(qo_lens=(4,) * 64, kv_lens=tuple(1500 + 97 * i for i in range(64)),
+                                                   splits=1, pad_tokens=3, seed=4, kv_dtype="float8_e4m3fn")),
 ])
 def test_on_gpu(fn, kw):
     fn("cuda", **kw)
@@ -114,8 +117,8 @@ def test_kernel_in_the_interpreter():
 
 def test_early_splits_rule():
     """About two programs per SM, at most one page each; launched early from EARLY_MIN_UNITS rows:
-    with 1-byte K/V up to one row per SM (at least two splits), with two-page key tiles where a
-    program gets two pages or more; with wider K/V only up to two pages a program, one-page tiles."""
+    with 1-byte K/V up to two rows per SM, with two-page key tiles where a program gets two pages
+    or more; with wider K/V only up to two pages a program, one-page tiles."""
     from m3_eagle_plugin.msa.kernels.verify_step import EARLY_MIN_UNITS, early_rule, early_splits, early_tiling
 
     assert early_rule(EARLY_MIN_UNITS - 1, 1, "cpu") is None
@@ -125,15 +128,17 @@ def test_early_splits_rule():
             assert 1 <= s <= topk
             assert s == 1 or units * s <= 2 * 132  # the default SM count without a GPU
             assert s == topk or units * (s + 1) > 2 * 132
-            assert early_rule(units, topk, "cpu") == (s if units >= EARLY_MIN_UNITS and s >= 2 else None)
+            assert early_rule(units, topk, "cpu") == (s if EARLY_MIN_UNITS <= units <= 2 * 132 else None)
             assert early_rule(units, topk, "cpu", kv_bytes=2) == (s if units >= EARLY_MIN_UNITS and 2 * s >= topk
                                                                   else None)
             pages = -(-topk // s)
             assert early_tiling(s, topk) == ({"pages_per_tile": 2, "num_stages": 2} if pages >= 2 else {})
             assert early_tiling(s, topk, kv_bytes=2) == {}
-    # The production shapes (top-16, one KV head, 132 SMs): B4 q4 and B16 q1 (16 rows) through B32
-    # q4 (128 rows) early, B1 and B64 q4 (256 rows) not; B16 q1 one page a program, B16 q4 four.
-    assert [early_rule(u, 16, "cpu") for u in (4, 16, 32, 64, 128, 133, 256)] == [None, 16, 8, 4, 2, None, None]
+    # The production shapes (top-16, one KV head, 132 SMs): B4 q4 and B16 q1 (16 rows) through B64
+    # q4 (256 rows) early, B1 and B128 q4 (512 rows) not; B16 q1 one page a program, B16 q4 four,
+    # B64 q4 all sixteen.
+    assert ([early_rule(u, 16, "cpu") for u in (4, 16, 32, 64, 128, 133, 256, 264, 265, 512)]
+            == [None, 16, 8, 4, 2, 1, 1, 1, None, None])
     assert early_tiling(16, 16) == {} and early_tiling(4, 16)["pages_per_tile"] == 2
     # bf16 K/V: B16 q1 and B8 q4 early (one-page tiles), B16 q4 not.
     assert [early_rule(u, 16, "cpu", kv_bytes=2) for u in (4, 16, 32, 64)] == [None, 16, 8, None]

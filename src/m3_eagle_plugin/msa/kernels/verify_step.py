@@ -20,7 +20,7 @@ gets about two programs per SM here (16 splits at B16 q1, where the plain rule g
 
 Applies to the per-token layout with one index head per KV head, on SM90+ (PDL), where it pays
 (`early_rule`); elsewhere the two calls run as before. With fp8 K/V (the production cache): from
-`EARLY_MIN_UNITS` to one (token, KV head) row per SM, and where a program gets two pages or more
+`EARLY_MIN_UNITS` to two (token, KV head) rows per SM, and where a program gets two pages or more
 its key tile spans two pages (two pipeline stages, `early_tiling`). H200, 2026-11-30, fp8 K/V,
 the step, the former rule (early only up to two pages a program, one-page tiles) -> this one,
 three interleaved rounds, two processes:
@@ -28,12 +28,15 @@ B16/32K q4 53.47 / 53.35 -> 50.60 / 50.66 us, B64 q1 142.16 / 142.20 -> 140.77 /
 90.32 -> 86.85, B8 q4 33.74 -> 32.73; B16 q1 and B4 q4 (one page a program) keep one-page tiles
 (two-page tiles with 8 splits: 45.70 vs 45.52, 22.67 vs 22.54). Early with one-page tiles (4
 splits) was no faster: B16 q4 53.44 / 53.03 at 3 / 2 stages, B64 q1 142.38 at 2: the two-page tile
-is what pays. Past one row per SM (B64 q4, 256 rows, one split) the plain launch stays: early 4
-splits 175.1 (two-page) / 168.8 (one-page) vs 160.1, plain two-page tiles 161.0. B1/8K q4 8.7
-plain: the one request's attention can only follow its own scoring. With bf16 K/V the former
-rule stays (early only up to two pages a program, one-page tiles): there this rule took B16/32K q4
-59.7 vs 56.5 us, B32 q4 104.7 vs 94.3, B64 q1 152.8 vs 148.8, B16/4K q4 (the reference host's
-shape) 33.4 vs 27.9.
+is what pays. From one to two rows per SM, one split (2026-11-30, `scripts/ab/early_ab18.py`, plain
+-> early): B64/8K q4 68.95 -> 66.84, B64/32K q4 160.23 -> 156.71, B64/128K q4 521.3 -> 516.8, B48/32K
+q4 129.39 -> 125.75, B200/8K q1 133.87 -> 133.25, B256/8K q1 164.44 -> 163.98 (early 4 splits had
+been slower at B64/32K q4: 175.1 two-page, 168.8 one-page). Past two rows per SM the plain launch
+stays: B128/8K q4 (512 rows) 127.06 vs 127.95 early, B128/32K q4 307.9 vs 307.2, B256/4K q4 (1024)
+193.6 vs 205.4. B1/8K q4 8.7 plain: the one request's attention can only follow its own scoring.
+With bf16 K/V the former rule stays (early only up to two pages a program, one-page tiles): there
+this rule took B16/32K q4 59.7 vs 56.5 us, B32 q4 104.7 vs 94.3, B64 q1 152.8 vs 148.8, B16/4K q4
+(the reference host's shape) 33.4 vs 27.9.
 """
 from __future__ import annotations
 
@@ -62,12 +65,14 @@ def early_splits(units: int, topk: int, device: torch.device | str) -> int:
 
 def early_rule(units: int, topk: int, device: torch.device | str, kv_bytes: int = 1) -> int | None:
     """The early attention's splits (`early_splits`) where the measured rule launches it early,
-    else None: at least EARLY_MIN_UNITS rows, and for 1-byte K/V at least two splits (at most one
-    row per SM), for wider K/V at most two pages a program (their two-page tiles were slower, see
-    the module docstring)."""
+    else None: at least EARLY_MIN_UNITS rows, and for 1-byte K/V at most two rows per SM, for wider
+    K/V at most two pages a program (their two-page tiles were slower, see the module docstring)."""
     splits = early_splits(units, topk, device)
-    pays = units >= EARLY_MIN_UNITS and (splits >= 2 if kv_bytes == 1 else 2 * splits >= topk)
-    return splits if pays else None
+    if kv_bytes == 1:
+        pays = units <= 2 * device_sm_count(torch.device(device))
+    else:
+        pays = 2 * splits >= topk
+    return splits if units >= EARLY_MIN_UNITS and pays else None
 
 
 def early_tiling(splits: int, topk: int, kv_bytes: int = 1) -> dict:
