@@ -53,6 +53,9 @@ def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
     check_splits(1, 10 * MAX_PARTIAL_ELEMENTS)  # one split writes no partials
     cpu = torch.device("cpu")  # 132 SMs assumed: the H200 sweep's shapes give its measured best
     assert [default_splits(r, 1, 256, r * 4 * 16 * 128, cpu) for r in (64, 32, 16)] == [16, 16, 16]
+    # under 32K (width 256) past 16 requests: as many splits as give two programs per SM, at least 16 pages each
+    assert [default_splits(r, 1, 64, r * 4 * 16 * 128, cpu) for r in (128, 64, 48, 32, 16)] == [4, 4, 5, 8, 16]
+    assert default_splits(64, 1, 128, 0, cpu) == 8 and default_splits(8, 4, 32, 0, cpu) == 8  # the dense peer
     assert default_splits(1, 1, 576, 0, cpu) >= 1  # an empty step still gets a valid launch
     assert default_splits(1, 1, 576, row, cpu) * row <= MAX_PARTIAL_ELEMENTS
     with pytest.raises(KernelInputError, match="fp32 partial elements"):

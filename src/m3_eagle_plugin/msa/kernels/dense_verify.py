@@ -80,9 +80,15 @@ def _dense_verify_kernel(
 
 
 def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row: int, device: torch.device) -> int:
-    """Up to 2 programs per SM, and up to 16 splits while each keeps 4 pages or more; then as few
+    """Up to 2 programs per SM, and up to 16 splits while each keeps 16 pages or more; then as few
     splits as give the same pages per split, so none is left without pages. A grid just past two
     programs per SM runs a second, nearly empty wave: B16/128K with 17 splits took 357.4 us.
+
+    16 pages a split, not 4 (H200, 2026-11-30, `scripts/ab/dense_rule18.py`, former -> this rule,
+    alternating rounds; it differs only below 32K context past 16 requests): B64/8K q4 16 -> 4
+    splits 101.0 -> 77.8 us, q1 81.4 -> 70.1; B48/8K q4 16 -> 5 77.7 -> 63.2; B32/8K q4 16 -> 8
+    54.7 -> 46.0; B128/8K q1 16 -> 4 152.3 -> 135.0; B64/16K q4 16 -> 8 168.2 -> 151.8, q1 142.7 ->
+    134.6; B24/16K q4 16 -> 11 76.7 -> 62.4; B64/4K q1 8 -> 4 44.9 -> 40.1.
 
     H200, `scripts/ab/dense16.py`, 2026-11-30, q4 (q1) us by splits:
     - 32K, splits 10 / 13 / 16 / 20 / 32: B64 310.7 (291.1) / 326.4 (288.1) / 304.4 (260.6) /
@@ -94,7 +100,7 @@ def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row
       8 / 9 / 16: 35.8 / 33.9 / 35.3 / 40.3 (with the former merge)."""
     width = max(1, width)
     base = 2 * device_sm_count(device) // max(1, num_requests * num_kv_heads)
-    splits = max(1, min(max(base, min(16, width // 4)), width, max_partial_splits(partial_row)))
+    splits = max(1, min(max(base, min(16, width // 16)), width, max_partial_splits(partial_row)))
     return -(-width // -(-width // splits))
 
 
