@@ -32,17 +32,20 @@ def test_shipped_table_holds_the_h200_run():
     table = kt.load_table()
     assert table.shipped and table.source.endswith("peer_table_h200.json")
     assert (table.device, table.date, table.flashinfer) == ("NVIDIA H200", "2026-11-30", "0.7.4")
-    assert "1x8192,16x32768,64x32768" in table.command
+    assert "1x8192,1x32768,1x131072,16x8192,16x32768,16x131072,64x8192,64x32768,64x131072" in table.command
     got = {(r.kernel, r.batch, r.context, r.qo_len): (r.ours_us, r.flashinfer_us) for r in table.rows}
     # values as measured on the H200 (README "Performance"), copied from the run's output
     assert got[("index_select", 64, 32768, 4)] == (124.47, 130.75)
     assert got[("index_select", 1, 8192, 1)] == (3.77, 4.96)
     assert got[("sparse_attn", 16, 32768, 1)] == (7.86, 9.26)
-    assert got[("sparse_step", 1, 8192, 4)] == (8.84, 13.0)
-    assert got[("sparse_step", 16, 32768, 4)] == (50.22, 51.68)
-    assert got[("dense_attn", 64, 32768, 4)] == (308.16, 450.09)
-    assert got[("dense_attn", 1, 8192, 4)] == (10.01, 10.03)
-    assert got[("dense_attn_peer", 8, 4096, 4)] == (29.22, 40.42)
+    assert got[("sparse_step", 1, 8192, 4)] == (8.54, 12.83)
+    assert got[("sparse_step", 16, 32768, 4)] == (50.69, 51.82)
+    assert got[("sparse_step", 1, 131072, 4)] == (21.23, 21.88)
+    assert got[("dense_attn", 64, 32768, 4)] == (314.43, 460.05)
+    assert got[("dense_attn", 1, 8192, 4)] == (10.09, 10.02)
+    assert got[("dense_attn", 64, 8192, 1)] == (70.59, 74.67)
+    assert got[("dense_attn_peer", 8, 4096, 4)] == (29.41, 40.34)
+    assert len(table.rows) == 12 + 37  # index_select and sparse_attn at 3 configs, the rest at 9
     nvp = next(r for r in table.rows if (r.kernel, r.batch, r.qo_len) == ("index_select", 16, 4))
     assert "num_valid_pages" in nvp.note  # the top-k form the router runs
 
@@ -59,13 +62,15 @@ def test_shipped_table_verdicts_on_an_h200():
     assert pick("select_blocks_paged", 1, 8192, 4) == "triton"        # 4.80 > 3.98
     assert pick("sparse_attention", 16, 32768, 2) == "triton"         # no q_len 2 row
     # the layer's whole step (`sparse_step` rows)
-    assert pick("sparse_layer_attention", 16, 32768, 4) == "triton"   # 51.68 > 50.22
-    assert pick("sparse_layer_attention", 16, 32768, 1) == "triton"   # 45.81 > 45.14
-    assert pick("sparse_layer_attention", 64, 32768, 4) == "triton"   # 162.35 > 156.99
+    assert pick("sparse_layer_attention", 16, 32768, 4) == "triton"   # 51.82 > 50.69
+    assert pick("sparse_layer_attention", 16, 32768, 1) == "triton"   # 45.76 > 45.28
+    assert pick("sparse_layer_attention", 64, 32768, 4) == "triton"   # 162.86 > 156.75
+    assert pick("sparse_layer_attention", 1, 131072, 4) == "triton"   # 21.88 > 21.23
     # dense layers: FlashInfer's prefill wrapper only where its row is faster
-    assert pick("dense_attention", 64, 32768, 1) == "flashinfer"      # 249.59 < 255.93
-    assert pick("dense_attention", 64, 32768, 4) == "triton"          # 450.09 > 308.16
-    assert pick("dense_attention", 1, 8192, 4) == "triton"            # 10.03 > 10.01
+    assert pick("dense_attention", 64, 32768, 1) == "flashinfer"      # 254.67 < 261.90
+    assert pick("dense_attention", 64, 32768, 4) == "triton"          # 460.05 > 314.43
+    assert pick("dense_attention", 64, 8192, 1) == "triton"           # 74.67 > 70.59
+    assert pick("dense_attention", 1, 8192, 4) == "flashinfer"        # 10.02 < 10.09
 
 
 # --- override and malformed files ----------------------------------------------------------------------
