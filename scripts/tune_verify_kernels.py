@@ -59,13 +59,14 @@ def time_variant(name: str, call, args_per_set: list, state: dict) -> tuple[floa
 
 
 #: (batch, context, FlashInfer peer geometry?) of `dense_sweep`.
-DENSE_SHAPES = ((64, 32768, False), (16, 32768, False), (16, 131072, False), (8, 4096, True))
+DENSE_SHAPES = ((64, 32768, False), (16, 32768, False), (16, 131072, False), (64, 8192, False), (32, 8192, False),
+                (8, 4096, True))
 
 
 def dense_sweep(geo, dev, ceiling: float, scale: float) -> list[dict]:
     """Dense verify attention (bf16 K/V, q4 and q1): splits (the rule's choice, half and double it,
     and the counts the rule's docstring compares) x key tile x warps x stages, at B64 and B16 /
-    32K, B16 / 128K and the FlashInfer peer shape (B8/4K, 64/4 heads)."""
+    32K, B16 / 128K, B64 and B32 / 8K and the FlashInfer peer shape (B8/4K, 64/4 heads)."""
     rows = []
     for batch, ctx, peer in DENSE_SHAPES:
         g = DENSE_PEER["geo"] if peer else geo
@@ -76,7 +77,7 @@ def dense_sweep(geo, dev, ceiling: float, scale: float) -> list[dict]:
             nbytes = dense_kv_bytes(sets[0]["meta"], g, torch.bfloat16)
             width = sets[0]["meta"].block_tables.shape[1]
             chosen = default_splits(batch, g.kv_heads, width, sets[0]["q"].numel(), dev)
-            counts = sorted({chosen // 2, chosen, 2 * chosen, 8, 10, 16, 20, 32} & set(range(1, width + 1)))
+            counts = sorted({chosen // 2, chosen, 2 * chosen, 4, 8, 10, 16, 20, 32} & set(range(1, width + 1)))
             state: dict = {}
             for sp, kt, nw, ns in itertools.product(counts, (64, 128), (4, 8), (2, 3)):
                 def call(st, sp=sp, kt=kt, nw=nw, ns=ns):
