@@ -21,7 +21,6 @@ launched early (`verify_step`).
 """
 from __future__ import annotations
 
-
 import torch
 
 from ._common import env_value, require, step_buffer
