@@ -52,10 +52,11 @@ def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
     assert choose_splits(64, 1, 256, torch.device("cpu"), partial_row=256 * 16 * 128) == 5  # verify: unchanged
     check_splits(1, 10 * MAX_PARTIAL_ELEMENTS)  # one split writes no partials
     cpu = torch.device("cpu")  # 132 SMs assumed: the H200 sweep's shapes give its measured best
-    assert [default_splits(r, 1, 256, r * 4 * 16 * 128, cpu) for r in (64, 32, 16)] == [16, 16, 16]
-    # under 32K (width 256) past 16 requests: as many splits as give two programs per SM, at least 16 pages each
-    assert [default_splits(r, 1, 64, r * 4 * 16 * 128, cpu) for r in (128, 64, 48, 32, 16)] == [4, 4, 5, 8, 16]
-    assert default_splits(64, 1, 128, 0, cpu) == 8 and default_splits(8, 4, 32, 0, cpu) == 8  # the dense peer
+    # 32K (width 256): the fewest waves of 264 programs x pages a split, ties to fewer splits
+    assert [default_splits(r, 1, 256, r * 4 * 16 * 128, cpu) for r in (64, 48, 40, 32, 24, 16)] == [4, 11, 13, 8, 11, 16]
+    assert [default_splits(r, 1, 64, r * 4 * 16 * 128, cpu) for r in (256, 128, 64, 48, 32, 16)] == [1, 2, 4, 5, 8, 16]
+    assert default_splits(64, 1, 128, 0, cpu) == 4 and default_splits(8, 4, 32, 0, cpu) == 8  # the dense peer
+    assert default_splits(1, 1, 64, 0, cpu) == 64 and default_splits(1, 1, 1024, 0, cpu) == 256  # one wave
     assert default_splits(1, 1, 576, 0, cpu) >= 1  # an empty step still gets a valid launch
     assert default_splits(1, 1, 576, row, cpu) * row <= MAX_PARTIAL_ELEMENTS
     with pytest.raises(KernelInputError, match="fp32 partial elements"):
@@ -94,12 +95,18 @@ def test_dense_splits_leave_no_split_without_pages(requests, kv_heads, width, ro
     gets at least one page of the widest request, and the split count stays within bounds."""
     pytest.importorskip("triton")
     from m3_eagle_plugin.msa.kernels.dense_verify import default_splits
-    from m3_eagle_plugin.msa.kernels.attention_io import MAX_PARTIAL_ELEMENTS
+    from m3_eagle_plugin.msa.kernels.attention_io import MAX_PARTIAL_ELEMENTS, max_partial_splits
 
     splits = default_splits(requests, kv_heads, width, requests * row, torch.device("cpu"))
     per = -(-width // splits)
     assert 1 <= splits <= width and (splits - 1) * per < width
     assert splits == 1 or splits * requests * row <= MAX_PARTIAL_ELEMENTS
+    # never more waves (two programs a SM, 132 SMs) x pages a split than the former rule's split count
+    units, slots = requests * kv_heads, 264
+    former = max(1, min(max(slots // units, min(16, width // 16)), width, max_partial_splits(requests * row)))
+    def cost(s):
+        return -(-units * s // slots) * -(-width // s)
+    assert cost(splits) <= cost(former)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

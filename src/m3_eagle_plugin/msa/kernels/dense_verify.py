@@ -80,27 +80,38 @@ def _dense_verify_kernel(
 
 
 def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row: int, device: torch.device) -> int:
-    """Up to 2 programs per SM, and up to 16 splits while each keeps 16 pages or more; then as few
-    splits as give the same pages per split, so none is left without pages. A grid just past two
-    programs per SM runs a second, nearly empty wave: B16/128K with 17 splits took 357.4 us.
+    """Splits of each (request, KV head)'s pages: of 1 .. the most (two programs per SM, or up to
+    16 splits while each keeps 16 pages), the one with the fewest waves (of two programs per SM)
+    x pages a split, ties to fewer splits; then as few splits as give the same pages per split,
+    so none is left without pages. Small batches keep two programs per SM (one wave; more splits
+    only shorten each program); past that a grid just over whole waves costs a wave: B16/128K
+    with 17 splits took 357.4 us, 284.6 with 16.
 
-    16 pages a split, not 4 (H200, 2026-11-30, `scripts/ab/dense_rule18.py`, former -> this rule,
-    alternating rounds; it differs only below 32K context past 16 requests): B64/8K q4 16 -> 4
-    splits 101.0 -> 77.8 us, q1 81.4 -> 70.1; B48/8K q4 16 -> 5 77.7 -> 63.2; B32/8K q4 16 -> 8
-    54.7 -> 46.0; B128/8K q1 16 -> 4 152.3 -> 135.0; B64/16K q4 16 -> 8 168.2 -> 151.8, q1 142.7 ->
-    134.6; B24/16K q4 16 -> 11 76.7 -> 62.4; B64/4K q1 8 -> 4 44.9 -> 40.1.
+    Waves x pages, not "up to 16 splits" (H200, 2026-11-30, `scripts/ab/dense_rule19.py`, former
+    -> this rule, three alternating rounds; identical outputs elsewhere, e.g. B16/32K, B1/8K):
+    B64/32K q4 16 -> 4 splits 293.2 -> 265.5 us, q1 257.0 -> 245.2; B64/128K q1 990.7 -> 940.8,
+    q4 1100.1 -> 1080.3; B32/32K q4 16 -> 8 147.3 -> 137.2; B40/32K q4 16 -> 13 202.9 -> 176.7;
+    B24/32K q4 16 -> 11 135.5 -> 107.4; B48/32K q4 16 -> 11 220.4 -> 213.7; B40/16K q4 8 -> 6
+    123.0 -> 95.0; B64/16K q4 8 -> 4 145.7 -> 139.2; B128/8K q1 4 -> 2 132.6 -> 128.3; B256/8K q1
+    4 -> 1 257.4 -> 241.7; B256/4K q4 2 -> 1 154.1 -> 129.2; every one of 24 differing shapes
+    0.77-0.99x. By splits (`scripts/ab/dense_waves19.py`), B64/32K q4 4 / 5 / 8 / 10 / 16: 276.2 /
+    378.2 / 280.1 / 312.0 / 294.0 (waves x pages 64 / 104 / 64 / 78 / 64); B48/32K q4 219.1 at 5,
+    221.3 at 10, 223.8 at 16, 245.4 at 4, 253.1 at 8 (52 / 52 / 48 / 64 / 64).
 
-    H200, `scripts/ab/dense16.py`, 2026-11-30, q4 (q1) us by splits:
-    - 32K, splits 10 / 13 / 16 / 20 / 32: B64 310.7 (291.1) / 326.4 (288.1) / 304.4 (260.6) /
-      313.4 (263.9) / 326.3 (274.1); B32 189.5 / 168.1 / 147.5 / 170.9 / 165.7; B16 104.5 (94.0)
-      / 85.5 (75.8) / 76.3 (70.3) / 104.4 (99.8) / 86.5 (75.3).
-    - 128K, splits 10 / 16 / 32 / 64: B64 1215.5 / 1160.7 (986.5) / 1189.7 (1003.4) / 1234.9
-      (1030.5); B16 382.8 / 286.2 / 302.9 / 328.9.
+    Earlier sweeps (`scripts/ab/dense16.py`, 2026-11-30, q4 (q1) us by splits):
+    - 32K, splits 10 / 13 / 16 / 20 / 32: B16 104.5 (94.0) / 85.5 (75.8) / 76.3 (70.3) / 104.4
+      (99.8) / 86.5 (75.3).
+    - 128K, splits 10 / 16 / 32 / 64: B16 382.8 / 286.2 / 302.9 / 328.9.
     - B4/32K splits 16 / 32 / 64: 52.1 / 31.2 / 29.9. B8/4K with 64/4 heads (32 pages) splits 4 /
       8 / 9 / 16: 35.8 / 33.9 / 35.3 / 40.3 (with the former merge)."""
     width = max(1, width)
-    base = 2 * device_sm_count(device) // max(1, num_requests * num_kv_heads)
-    splits = max(1, min(max(base, min(16, width // 16)), width, max_partial_splits(partial_row)))
+    units = max(1, num_requests * num_kv_heads)
+    slots = 2 * device_sm_count(device)
+    most = max(1, min(max(slots // units, min(16, width // 16)), width, max_partial_splits(partial_row)))
+
+    def waves_x_pages(s: int) -> tuple[int, int]:
+        return -(-units * s // slots) * -(-width // s), s
+    splits = min(range(1, most + 1), key=waves_x_pages)
     return -(-width // -(-width // splits))
 
 
