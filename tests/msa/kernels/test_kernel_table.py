@@ -38,13 +38,13 @@ def test_shipped_table_holds_the_h200_run():
     assert got[("index_select", 64, 32768, 4)] == (124.47, 130.75)
     assert got[("index_select", 1, 8192, 1)] == (3.77, 4.96)
     assert got[("sparse_attn", 16, 32768, 1)] == (7.86, 9.26)
-    assert got[("sparse_step", 1, 8192, 4)] == (8.54, 12.83)
-    assert got[("sparse_step", 16, 32768, 4)] == (50.69, 51.82)
-    assert got[("sparse_step", 1, 131072, 4)] == (21.23, 21.88)
-    assert got[("dense_attn", 64, 32768, 4)] == (314.43, 460.05)
-    assert got[("dense_attn", 1, 8192, 4)] == (10.09, 10.02)
-    assert got[("dense_attn", 64, 8192, 1)] == (70.59, 74.67)
-    assert got[("dense_attn_peer", 8, 4096, 4)] == (29.41, 40.34)
+    assert got[("sparse_step", 1, 8192, 4)] == (8.7, 12.95)
+    assert got[("sparse_step", 16, 32768, 4)] == (50.75, 52.03)
+    assert got[("sparse_step", 1, 131072, 4)] == (21.61, 22.19)
+    assert got[("dense_attn", 64, 32768, 4)] == (284.14, 452.91)
+    assert got[("dense_attn", 1, 8192, 4)] == (10.16, 10.27)
+    assert got[("dense_attn", 64, 8192, 1)] == (70.44, 74.49)
+    assert got[("dense_attn_peer", 8, 4096, 4)] == (29.57, 40.64)
     assert len(table.rows) == 12 + 37  # index_select and sparse_attn at 3 configs, the rest at 9
     nvp = next(r for r in table.rows if (r.kernel, r.batch, r.qo_len) == ("index_select", 16, 4))
     assert "num_valid_pages" in nvp.note  # the top-k form the router runs
@@ -62,15 +62,16 @@ def test_shipped_table_verdicts_on_an_h200():
     assert pick("select_blocks_paged", 1, 8192, 4) == "triton"        # 4.80 > 3.98
     assert pick("sparse_attention", 16, 32768, 2) == "triton"         # no q_len 2 row
     # the layer's whole step (`sparse_step` rows)
-    assert pick("sparse_layer_attention", 16, 32768, 4) == "triton"   # 51.82 > 50.69
-    assert pick("sparse_layer_attention", 16, 32768, 1) == "triton"   # 45.76 > 45.28
-    assert pick("sparse_layer_attention", 64, 32768, 4) == "triton"   # 162.86 > 156.75
-    assert pick("sparse_layer_attention", 1, 131072, 4) == "triton"   # 21.88 > 21.23
-    # dense layers: FlashInfer's prefill wrapper only where its row is faster
-    assert pick("dense_attention", 64, 32768, 1) == "flashinfer"      # 254.67 < 261.90
-    assert pick("dense_attention", 64, 32768, 4) == "triton"          # 460.05 > 314.43
-    assert pick("dense_attention", 64, 8192, 1) == "triton"           # 74.67 > 70.59
-    assert pick("dense_attention", 1, 8192, 4) == "flashinfer"        # 10.02 < 10.09
+    assert pick("sparse_layer_attention", 16, 32768, 4) == "triton"   # 52.03 > 50.75
+    assert pick("sparse_layer_attention", 16, 32768, 1) == "triton"   # 45.75 > 45.37
+    assert pick("sparse_layer_attention", 64, 32768, 4) == "triton"   # 162.75 > 156.79
+    assert pick("sparse_layer_attention", 1, 131072, 4) == "triton"   # 22.19 > 21.61
+    # dense layers: FlashInfer's prefill wrapper only where its row is faster (none in this run)
+    assert pick("dense_attention", 64, 32768, 1) == "triton"          # 255.35 > 249.79
+    assert pick("dense_attention", 64, 131072, 1) == "triton"         # 976.46 > 972.13
+    assert pick("dense_attention", 64, 32768, 4) == "triton"          # 452.91 > 284.14
+    assert pick("dense_attention", 16, 131072, 1) == "triton"         # 254.36 > 249.96
+    assert pick("dense_attention", 1, 8192, 4) == "triton"            # 10.27 > 10.16
 
 
 # --- override and malformed files ----------------------------------------------------------------------

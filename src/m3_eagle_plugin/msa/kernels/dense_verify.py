@@ -111,7 +111,8 @@ def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row
 
     def waves_x_pages(s: int) -> tuple[int, int]:
         return -(-units * s // slots) * -(-width // s), s
-    splits = min(range(1, most + 1), key=waves_x_pages)
+    # one wave at the most splits: nothing fewer does better (the common small-batch case, no search)
+    splits = most if units * most <= slots else min(range(1, most + 1), key=waves_x_pages)
     return -(-width // -(-width // splits))
 
 
