@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from m3_eagle_plugin.msa.kernels import KernelInputError  # noqa: E402
 from m3_eagle_plugin.msa.kernels.attention_io import (  # noqa: E402
-    MAX_PARTIAL_ELEMENTS, check_attention_inputs, check_splits, max_partial_splits, split_outputs)
+    MAX_PARTIAL_ELEMENTS, check_attention_inputs, check_splits, max_partial_splits, partial_dtype, split_outputs)
 
 
 def _meta():
@@ -55,16 +55,38 @@ def test_split_bound_accepts_exactly_what_fits(splits, row):
     assert most * max(row, 1) <= MAX_PARTIAL_ELEMENTS < (most + 1) * max(row, 1)
 
 
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(tokens=st.integers(0, 9), heads=st.integers(1, 8), dim=st.sampled_from([16, 32]), splits=st.integers(1, 6),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_split_outputs_shapes(tokens, heads, dim, splits, dtype):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), kv_dtype=st.sampled_from(KV_DTYPES))
+def test_split_outputs_shapes(tokens, heads, dim, splits, dtype, kv_dtype):
     q = torch.zeros(tokens, heads, dim, dtype=dtype)
-    out, part, lse = split_outputs(q, splits)
+    out, part, lse = split_outputs(q, torch.zeros(1, 1, 16, dim, dtype=kv_dtype), splits)
     assert out.shape == q.shape and out.dtype == dtype
     if splits == 1:  # the kernel writes the output itself: no partials, no LSE
         assert part is out and lse is out
     else:
-        assert part.shape == (tokens, heads, splits, dim) and part.dtype == torch.float32
+        assert part.shape == (tokens, heads, splits, dim) and part.dtype == partial_dtype(q, kv_dtype_cache(kv_dtype))
         assert lse.shape == (tokens, heads, splits) and lse.dtype == torch.float32
         assert len({out.data_ptr(), part.data_ptr(), lse.data_ptr()} - {0}) == (3 if tokens else 0)
+
+
+def kv_dtype_cache(dtype):
+    return torch.zeros(1, 1, 16, 16, dtype=dtype)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_partials_hold_every_value_of_v(q_dtype, kv_dtype):
+    """A partial is a probability-weighted mean of unscaled V rows, so it is at most the largest
+    |V|: the partial dtype must hold the V dtype's largest finite value (an fp32 cache's up to bf16's
+    range); 16 bits unless q is fp32, fp16 wherever it holds it (finer than bf16)."""
+    dt = partial_dtype(torch.zeros(1, dtype=q_dtype), kv_dtype_cache(kv_dtype))
+    assert torch.finfo(dt).max >= min(torch.finfo(kv_dtype).max, torch.finfo(torch.bfloat16).max)
+    if q_dtype == torch.float32:
+        assert dt == torch.float32
+    else:
+        assert dt.itemsize == 2
+        assert (dt == torch.float16) == (torch.finfo(kv_dtype).max <= torch.finfo(torch.float16).max)

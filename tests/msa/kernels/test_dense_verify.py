@@ -46,6 +46,20 @@ def test_one_split_zeroes_graph_padding_rows_itself():
     assert (out[7:] == 0).all()
 
 
+@pytest.mark.parametrize("kv_dtype,gain", [(torch.bfloat16, 4e5), (torch.float8_e5m2, 4096.0)])
+def test_16_bit_partials_keep_the_largest_values_of_v(kv_dtype, gain):
+    # split partials are 16-bit for bf16 queries (`attention_io.partial_dtype`): bf16 V past fp16's
+    # 65504 goes through bf16 partials, e5m2 V at its largest (57344) through fp16 ones
+    meta, cache, q, _ = random_step(M3, [4, 2], [900, 300], kv_dtype=kv_dtype)
+    top = min(torch.finfo(kv_dtype).max, 2.0 ** 20)
+    cache.v.copy_((cache.v.float() * gain).clamp(-top, top).to(kv_dtype))
+    assert cache.v.float().abs().max() == top
+    kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    out = _run(q, cache, meta, scale=0.088, max_qo_len=4, splits=5, **kw)
+    assert torch.isfinite(out).all()
+    assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=0.088, **kw), 2e-2)
+
+
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(
     reqs=st.lists(st.tuples(st.integers(1, 7), st.integers(0, 300)), min_size=1, max_size=4),

@@ -157,7 +157,8 @@ def store_rows(o_ptr, s_o_t, s_o_h, lse_ptr, acc, m_i, l_i, tok, head, d, row_ok
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         prow = (tok.to(tl.int64) * num_heads + head) * SPLITS + split
-        tl.store(o_ptr + prow[:, None] * D + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
+        tl.store(o_ptr + prow[:, None] * D + d[None, :], (acc / safe_l[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(lse_ptr + prow, lse, mask=row_ok)
 

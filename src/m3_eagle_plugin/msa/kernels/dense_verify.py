@@ -157,7 +157,7 @@ def _dense(q, k_cache, v_cache, meta, *, scale, k_scale, v_scale, max_qo_len, sp
     if splits is None:
         splits = default_splits(num_requests, hkv, width, partial_row, q.device)
     check_splits(splits, partial_row)
-    out, o_buf, lse = split_outputs(q, splits)
+    out, o_buf, lse = split_outputs(q, v_cache, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
     if key_tile is None:  # H200 at B64/32K: 64 for 16-bit KV (2026-11-29 sweep: 311 vs 445 us with 128), 32 for fp8

@@ -377,7 +377,7 @@ def sparse_verify_attention(
     if splits is None:
         splits = union_splits(num_requests * hkv * nch, qp, topk, q.device, partial_row=partial_row)
     check_splits(splits, partial_row)
-    out, o_buf, lse = split_outputs(q, splits)
+    out, o_buf, lse = split_outputs(q, v_cache, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
     qk_scale = float(scale) * scale_value(k_scale) * LOG2E
@@ -429,7 +429,7 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
     check_splits(splits, partial_row)
     require(ready is None or (ready.dtype == torch.int32 and ready.numel() >= hkv * num_tokens),
             "ready flags must be int32 with one entry per KV head and token")
-    out, o_buf, lse = split_outputs(q, splits)
+    out, o_buf, lse = split_outputs(q, v_cache, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
     vs = scale_value(v_scale)
