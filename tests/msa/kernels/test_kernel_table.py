@@ -38,13 +38,13 @@ def test_shipped_table_holds_the_h200_run():
     assert got[("index_select", 64, 32768, 4)] == (124.47, 130.75)
     assert got[("index_select", 1, 8192, 1)] == (3.77, 4.96)
     assert got[("sparse_attn", 16, 32768, 1)] == (7.86, 9.26)
-    assert got[("sparse_step", 1, 8192, 4)] == (8.7, 12.95)
-    assert got[("sparse_step", 16, 32768, 4)] == (50.75, 52.03)
-    assert got[("sparse_step", 1, 131072, 4)] == (21.61, 22.19)
-    assert got[("dense_attn", 64, 32768, 4)] == (284.14, 452.91)
-    assert got[("dense_attn", 1, 8192, 4)] == (10.16, 10.27)
-    assert got[("dense_attn", 64, 8192, 1)] == (70.44, 74.49)
-    assert got[("dense_attn_peer", 8, 4096, 4)] == (29.57, 40.64)
+    assert got[("sparse_step", 1, 8192, 4)] == (8.43, 12.85)
+    assert got[("sparse_step", 16, 32768, 4)] == (50.17, 51.82)
+    assert got[("sparse_step", 1, 131072, 4)] == (21.08, 21.8)
+    assert got[("dense_attn", 64, 32768, 4)] == (309.33, 463.18)
+    assert got[("dense_attn", 1, 8192, 4)] == (9.81, 10.08)
+    assert got[("dense_attn", 64, 8192, 1)] == (69.72, 74.26)
+    assert got[("dense_attn_peer", 8, 4096, 4)] == (27.87, 40.79)
     assert len(table.rows) == 12 + 37  # index_select and sparse_attn at 3 configs, the rest at 9
     nvp = next(r for r in table.rows if (r.kernel, r.batch, r.qo_len) == ("index_select", 16, 4))
     assert "num_valid_pages" in nvp.note  # the top-k form the router runs
@@ -62,16 +62,16 @@ def test_shipped_table_verdicts_on_an_h200():
     assert pick("select_blocks_paged", 1, 8192, 4) == "triton"        # 4.80 > 3.98
     assert pick("sparse_attention", 16, 32768, 2) == "triton"         # no q_len 2 row
     # the layer's whole step (`sparse_step` rows)
-    assert pick("sparse_layer_attention", 16, 32768, 4) == "triton"   # 52.03 > 50.75
-    assert pick("sparse_layer_attention", 16, 32768, 1) == "triton"   # 45.75 > 45.37
-    assert pick("sparse_layer_attention", 64, 32768, 4) == "triton"   # 162.75 > 156.79
-    assert pick("sparse_layer_attention", 1, 131072, 4) == "triton"   # 22.19 > 21.61
-    # dense layers: FlashInfer's prefill wrapper only where its row is faster (none in this run)
-    assert pick("dense_attention", 64, 32768, 1) == "triton"          # 255.35 > 249.79
-    assert pick("dense_attention", 64, 131072, 1) == "triton"         # 976.46 > 972.13
-    assert pick("dense_attention", 64, 32768, 4) == "triton"          # 452.91 > 284.14
-    assert pick("dense_attention", 16, 131072, 1) == "triton"         # 254.36 > 249.96
-    assert pick("dense_attention", 1, 8192, 4) == "triton"            # 10.27 > 10.16
+    assert pick("sparse_layer_attention", 16, 32768, 4) == "triton"   # 51.82 > 50.17
+    assert pick("sparse_layer_attention", 16, 32768, 1) == "triton"   # 45.67 > 44.79
+    assert pick("sparse_layer_attention", 64, 32768, 4) == "triton"   # 162.72 > 157.06
+    assert pick("sparse_layer_attention", 1, 131072, 4) == "triton"   # 21.80 > 21.08
+    # dense layers: FlashInfer's prefill wrapper only where its row is faster (one shape in this run)
+    assert pick("dense_attention", 64, 131072, 1) == "flashinfer"     # 974.98 < 1010.99
+    assert pick("dense_attention", 64, 32768, 1) == "triton"          # 255.05 > 249.01
+    assert pick("dense_attention", 64, 32768, 4) == "triton"          # 463.18 > 309.33
+    assert pick("dense_attention", 16, 131072, 1) == "triton"         # 253.95 > 249.45
+    assert pick("dense_attention", 1, 8192, 4) == "triton"            # 10.08 > 9.81
 
 
 # --- override and malformed files ----------------------------------------------------------------------
