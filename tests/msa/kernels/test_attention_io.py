@@ -58,23 +58,24 @@ def test_split_bound_accepts_exactly_what_fits(splits, row):
 KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
+def _cache(dtype, dim=16):
+    return torch.zeros(1, 1, 16, dim, dtype=dtype)
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(tokens=st.integers(0, 9), heads=st.integers(1, 8), dim=st.sampled_from([16, 32]), splits=st.integers(1, 6),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), kv_dtype=st.sampled_from(KV_DTYPES))
 def test_split_outputs_shapes(tokens, heads, dim, splits, dtype, kv_dtype):
     q = torch.zeros(tokens, heads, dim, dtype=dtype)
-    out, part, lse = split_outputs(q, torch.zeros(1, 1, 16, dim, dtype=kv_dtype), splits)
+    v_cache = _cache(kv_dtype, dim)
+    out, part, lse = split_outputs(q, v_cache, splits)
     assert out.shape == q.shape and out.dtype == dtype
     if splits == 1:  # the kernel writes the output itself: no partials, no LSE
         assert part is out and lse is out
     else:
-        assert part.shape == (tokens, heads, splits, dim) and part.dtype == partial_dtype(q, kv_dtype_cache(kv_dtype))
+        assert part.shape == (tokens, heads, splits, dim) and part.dtype == partial_dtype(q, v_cache)
         assert lse.shape == (tokens, heads, splits) and lse.dtype == torch.float32
         assert len({out.data_ptr(), part.data_ptr(), lse.data_ptr()} - {0}) == (3 if tokens else 0)
-
-
-def kv_dtype_cache(dtype):
-    return torch.zeros(1, 1, 16, 16, dtype=dtype)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -83,7 +84,7 @@ def test_partials_hold_every_value_of_v(q_dtype, kv_dtype):
     """A partial is a probability-weighted mean of unscaled V rows, so it is at most the largest
     |V|: the partial dtype must hold the V dtype's largest finite value (an fp32 cache's up to bf16's
     range); 16 bits unless q is fp32, fp16 wherever it holds it (finer than bf16)."""
-    dt = partial_dtype(torch.zeros(1, dtype=q_dtype), kv_dtype_cache(kv_dtype))
+    dt = partial_dtype(torch.zeros(1, dtype=q_dtype), _cache(kv_dtype))
     assert torch.finfo(dt).max >= min(torch.finfo(kv_dtype).max, torch.finfo(torch.bfloat16).max)
     if q_dtype == torch.float32:
         assert dt == torch.float32

@@ -41,7 +41,8 @@ def _merge_splits_kernel(
 
 def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, cu_qo_lens: torch.Tensor,
                  v_scale: float = 1.0, num_warps: int | None = None) -> torch.Tensor:
-    """`partial` `[T, Hq, S, D]` in fp32, fp16 or bf16 (normalised per split, `attention_io.partial_dtype`), `lse` fp32 `[T, Hq, S]` in log2 units."""
+    """`partial` `[T, Hq, S, D]` in fp32, fp16 or bf16 (normalised per split; `attention_io.partial_dtype`),
+    `lse` fp32 `[T, Hq, S]` in log2 units."""
     num_tokens, num_heads, splits, dim = partial.shape
     if num_tokens and num_heads:
         grid = (num_tokens, num_heads)
