@@ -7,8 +7,9 @@ Why: ncu serialises kernels, so it cannot show how the step's four launches (sco
 attention, merge) overlap. Here instrumented copies of them read `%globaltimer` at each
 program's start and end and store both (and the SM) into one buffer; the step is captured in a
 CUDA graph, replayed warm, and the last replay's timeline printed relative to the first scoring
-program: per kernel the first / last start and end and the median program time, and per request
-when its scoring, top-k and attention ended. The timer ticks in steps of about 0.25 us on H200.
+program: per kernel the first / last start and end and the median program time, how many
+attention programs shared an SM at once (and their times by that count), and per request when its
+scoring, top-k and attention ended. The timer ticks in steps of about 0.25 us on H200.
 """
 import argparse
 import ast
@@ -81,12 +82,30 @@ def report(buffer: torch.Tensor, batch: int) -> None:
                   f"end {us(r[:, 1].min()):7.2f}..{us(r[:, 1].max()):7.2f}  "
                   f"median {float((r[:, 1] - r[:, 0]).double().median()) / 1000:5.2f} us")
     scoring, topk, attention = ran[0], ran[1], ran[2]
+    residency(attention)
     per_request = len(scoring) // batch
     print("request: scoring end / top-k end / attention end (us)")
     for req in range(batch):  # grids: scoring (pages, requests), top-k and attention (requests, ...)
         s_end = us(scoring[req * per_request:(req + 1) * per_request, 1].max())
         print(f"  {req:4d}: {s_end:7.2f} / {us(topk[req::batch, 1].max()):7.2f} / "
               f"{us(attention[req::batch, 1].max()):7.2f}")
+
+
+def residency(programs: torch.Tensor) -> None:
+    """How many of the attention's programs ran side by side on one SM, and how long a program
+    took by that count (the most programs on its SM at any time while it ran)."""
+    by_sm: dict[int, list[tuple[int, int]]] = {}
+    for start, end, sm, _ in programs.tolist():
+        by_sm.setdefault(sm, []).append((start, end))
+    times: dict[int, list[float]] = {}
+    for spans in by_sm.values():
+        for start, end in spans:
+            # the count of programs running on this SM at some instant of [start, end): at a start
+            together = max(sum(1 for s, e in spans if s <= t < e) for t in [start] + [s for s, _ in spans
+                                                                                       if start <= s < end])
+            times.setdefault(together, []).append((end - start) / 1000.0)
+    print(f"attention: {len(by_sm)} SMs; median program us by programs side by side: "
+          + ", ".join(f"{k}: {sorted(v)[len(v) // 2]:.2f} ({len(v)})" for k, v in sorted(times.items())))
 
 
 def main() -> None:
