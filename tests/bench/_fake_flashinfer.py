@@ -109,10 +109,15 @@ def make(refuse_decode: bool = False, broken: tuple[str, ...] = ()) -> tuple[typ
     class BatchPrefillWithPagedKVCacheWrapper:
         def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, **buffers):
             maybe_break("BatchPrefillWithPagedKVCacheWrapper")
+            calls.append(f"prefill(use_cuda_graph={use_cuda_graph})")
             assert kv_layout == "HND"
+            if use_cuda_graph:  # the real wrapper needs its fixed index buffers up front
+                assert set(buffers) == {"qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
+                                        "paged_kv_last_page_len_buf"}, buffers
 
         def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                  page_size, causal=False, sm_scale=None, **_):
+            calls.append("prefill.plan")
             assert causal
             self.plan_args = (qo_indptr, kv_indptr, kv_indices, last_page_len, page_size, sm_scale)
 

@@ -254,6 +254,32 @@ def test_fake_flashinfer_sparse_and_dense_match_the_reference(monkeypatch, fresh
         assert got["flashinfer_check"] < 1e-5, (name, got)
 
 
+def test_fake_flashinfer_dense_rows_time_both_wrapper_forms(monkeypatch, fresh_import_status):
+    """The dense peer is the wrapper planned once for the row's lengths; its CUDA-graph form
+    (fixed index buffers) is timed beside it, on the same inputs."""
+    fi = _install_fake(monkeypatch)
+    got = _fields("dense_attn", _steps(9), 2)
+    assert "flashinfer_error" not in got, got
+    assert "use_cuda_graph" not in got["flashinfer_api"] and "plan once" in got["flashinfer_api"]
+    assert got["flashinfer_graph_wrapper_us"] > 0
+    assert got["vs_flashinfer_graph_wrapper"] == pytest.approx(got["flashinfer_graph_wrapper_us"] / 2.0)
+    assert {"prefill(use_cuda_graph=False)", "prefill(use_cuda_graph=True)"} <= set(fi.calls)
+
+
+def test_fake_flashinfer_plan_run_plans_on_every_call(monkeypatch, fresh_import_status):
+    fi = _install_fake(monkeypatch)
+    step = _steps(9).step(0, 2)
+    op = fp.FlashInferPeer().op("dense_attn_plan_run", step)
+    assert op.api.startswith("plan + ")
+    before = fi.calls.count("prefill.plan")
+    outs = [op.run().clone() for _ in range(2)]
+    assert fi.calls.count("prefill.plan") == before + 2
+    cache = step["cache"]
+    expect = ref.dense_attention(step["q"], cache.k, cache.v, step["meta"], scale=1 / math.sqrt(GEO.head_dim))
+    for out in outs:
+        assert float((out.double() - expect.double()).abs().max()) < 1e-5
+
+
 def test_fake_flashinfer_eager_time_only_with_ours(monkeypatch, fresh_import_status):
     _install_fake(monkeypatch)
     steps = _steps(9)
@@ -422,10 +448,12 @@ def test_gpu_flashinfer_dense_prefill_matches_reference():
     geo = Geometry(q_heads=64, kv_heads=4)
     step = _gpu_step(4, geo=geo, kv_dtype=torch.bfloat16, context=1024 + 37)
     cache = step["cache"]
-    out = fp.FlashInferPeer().op("dense_attn", step).run()
     expect = ref.dense_attention(step["q"], cache.k, cache.v, step["meta"], scale=1 / math.sqrt(128))
-    err = float((out.double() - expect.double()).norm() / expect.double().norm())
-    assert err < 1e-2, err
+    peer = fp.FlashInferPeer()
+    for form in ("dense_attn", "dense_attn_graph", "dense_attn_plan_run"):
+        out = peer.op(form, step).run()
+        err = float((out.double() - expect.double()).norm() / expect.double().norm())
+        assert err < 1e-2, (form, err)
 
 
 @needs_flashinfer
@@ -444,6 +472,7 @@ def test_gpu_dense_peer_row():
     if "flashinfer_us" in row:
         assert row["vs_flashinfer"] == pytest.approx(row["flashinfer_us"] / row["graph_us"])
         assert row["flashinfer_check"] < 1e-2
+        assert row["vs_flashinfer_plan_run"] == pytest.approx(row["flashinfer_plan_run_eager_us"] / row["eager_us"])
 
 
 def test_run_kernel_suite_wires_flashinfer_into_rows(monkeypatch, fresh_import_status):
@@ -477,6 +506,9 @@ def test_run_kernel_suite_wires_flashinfer_into_rows(monkeypatch, fresh_import_s
     peer_row = by[("dense_attn_peer", 2)]
     assert peer_row["goal"] == "vs_flashinfer >= 5" and isinstance(peer_row["meets_goal"], bool)
     assert peer_row["vs_flashinfer_eager"] == 1.0
+    assert (peer_row["flashinfer_plan_run_eager_us"], peer_row["vs_flashinfer_plan_run"]) == (4.0, 1.0)
+    assert by[("dense_attn", 3)]["vs_flashinfer_graph_wrapper"] == pytest.approx(
+        by[("dense_attn", 3)]["flashinfer_graph_wrapper_us"] / 2.0)
     first_topk = fi.calls.index("msa_topk_select")
     assert all(c != "msa_topk_select" for c in fi.calls[:first_topk])
     assert "prefill.run" in fi.calls[:first_topk] and "msa_sparse_decode_attention" in fi.calls[:first_topk]

@@ -254,7 +254,11 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
     With `rounds` > 1 and `ours` (which times our kernel again), the two are timed alternately
     `rounds` times: `graph_us` and `flashinfer_us` become the medians of those rounds (each
     round's pair in `ours_rounds_us` / `flashinfer_rounds_us`), so drift during a run (clocks,
-    heat) falls on both sides; `faster_every_round` says whether ours won every pair."""
+    heat) falls on both sides; `faster_every_round` says whether ours won every pair.
+
+    The dense attention's peer is FlashInfer's paged prefill wrapper planned once for the row's
+    lengths; `flashinfer_graph_wrapper_us` (and `vs_flashinfer_graph_wrapper`) time it in the form
+    engines capture into CUDA graphs (`use_cuda_graph=True`) too."""
     from .flashinfer_peer import cuda_poisoned, short_error, time_peer_us
 
     if peer.broken:
@@ -265,6 +269,8 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
     timed = [("flashinfer_us", name)]
     if name == "index_select":  # its two stages on their own too
         timed = [("flashinfer_score_us", "proxy_score"), ("flashinfer_topk_us", "topk_select")] + timed
+    if name == "dense_attn":  # the wrapper as engines capture it, beside its plan-once form
+        timed += [("flashinfer_graph_wrapper_us", "dense_attn_graph")]
     main = None
 
     def failed(what: str, exc: Exception) -> bool:
@@ -307,6 +313,8 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
                 else:
                     mine, theirs = statistics.median(mine), statistics.median(theirs)
                     fields.update(eager_us=mine, flashinfer_eager_us=theirs, vs_flashinfer_eager=theirs / mine)
+    if "flashinfer_graph_wrapper_us" in fields:
+        fields["vs_flashinfer_graph_wrapper"] = fields["flashinfer_graph_wrapper_us"] / graph_us
     if check and main is not None and not peer.broken:
         try:
             fields.update(_flashinfer_check(name, main, sets[0], steps.geo, expects or {}, qo_len))
@@ -377,12 +385,31 @@ def run_dense_peer(*, device, ceiling_gbps: float, num_sets: int, check: bool, t
                                      ours_eager=lambda s=steps: _time_ours("dense_attn", s, p["qo_len"], eager=True)))
         if "vs_flashinfer" in row:
             row["meets_goal"] = row["vs_flashinfer"] >= p["goal"]
+        if "eager_us" in row and not peer.broken:
+            row.update(_plan_run_fields(steps, p["qo_len"], peer, row["eager_us"]))
         peer.clear()
     log(f"  dense_attn_peer B{p['batch']} ctx{p['context']} q{p['qo_len']}: graph {row['graph_us']:.1f} us"
-        f" flashinfer {row.get('flashinfer_us', float('nan')):.1f} us")
+        f" flashinfer {row.get('flashinfer_us', float('nan')):.1f} us"
+        f" (plan + run eager {row.get('flashinfer_plan_run_eager_us', float('nan')):.1f} us)")
     del steps
     torch.cuda.empty_cache()
     return row
+
+
+def _plan_run_fields(steps: StepSet, qo_len: int, peer, eager_us: float) -> dict[str, Any]:
+    """FlashInfer's wrapper with `plan()` before every `run()`, eager: what it costs a step whose
+    lengths changed (`flashinfer_plan_run_eager_us`), against our eager call (`vs_flashinfer_plan_run`).
+    The issue's 247 us for this case is of this form's order (H200, 2026-11-30: 174-328 us with the
+    index tensors on the device, 134-140 with them on the host), not of `run()` alone (31.4 us
+    graph-replayed, 40.6 in the CUDA-graph form)."""
+    from .flashinfer_peer import short_error
+
+    try:
+        ops = [peer.op("dense_attn_plan_run", steps.step(s, qo_len)) for s in range(len(steps.sets))]
+        us = time_eager_us([op.run for op in ops])
+    except Exception as exc:
+        return {"flashinfer_plan_run_error": short_error(exc)}
+    return {"flashinfer_plan_run_eager_us": us, "vs_flashinfer_plan_run": us / eager_us}
 
 
 def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels: list[str], geo: Geometry, *,
