@@ -57,6 +57,13 @@ def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
     assert [default_splits(r, 1, 64, r * 4 * 16 * 128, cpu) for r in (256, 128, 64, 48, 32, 16)] == [1, 2, 4, 5, 8, 16]
     assert default_splits(64, 1, 128, 0, cpu) == 4 and default_splits(8, 4, 32, 0, cpu) == 8  # the dense peer
     assert default_splits(1, 1, 64, 0, cpu) == 64 and default_splits(1, 1, 1024, 0, cpu) == 256  # one wave
+    # a 64-row verify tile: one-page splits past 1.5 programs a SM become two-page splits (the H200 A/B's shapes)
+    wide = dict(tile_rows=64)
+    assert [default_splits(r, 1, w, 0, cpu, **wide) for r, w in ((1, 256), (2, 128), (4, 64), (8, 32), (16, 16))] \
+        == [128, 64, 32, 16, 8]
+    assert [default_splits(r, 1, w, 0, cpu) for r, w in ((1, 256), (4, 64), (16, 16))] == [256, 64, 16]  # 16 rows
+    assert [default_splits(r, 1, w, 0, cpu, **wide) for r, w in ((3, 64), (6, 32), (12, 16))] == [64, 32, 16]
+    assert default_splits(1, 1, 64, 0, cpu, **wide) == 64 and default_splits(1, 1, 1024, 0, cpu, **wide) == 256
     assert default_splits(1, 1, 576, 0, cpu) >= 1  # an empty step still gets a valid launch
     assert default_splits(1, 1, 576, row, cpu) * row <= MAX_PARTIAL_ELEMENTS
     with pytest.raises(KernelInputError, match="partial elements"):
@@ -89,15 +96,22 @@ def test_step_buffer_is_filled_shared_per_device_and_grows_to_a_power_of_two():
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(requests=st.integers(1, 256), kv_heads=st.integers(1, 8), width=st.integers(1, 2048),
-       row=st.sampled_from([0, 4 * 16 * 128, 4096 * 16 * 128]))
-def test_dense_splits_leave_no_split_without_pages(requests, kv_heads, width, row):
+       row=st.sampled_from([0, 4 * 16 * 128, 4096 * 16 * 128]), tile_rows=st.sampled_from([0, 16, 64, 128]))
+def test_dense_splits_leave_no_split_without_pages(requests, kv_heads, width, row, tile_rows):
     """Split s takes pages [s * per, (s + 1) * per) with per = ceil(width / splits): every split
-    gets at least one page of the widest request, and the split count stays within bounds."""
+    gets at least one page of the widest request, and the split count stays within bounds. A wide
+    tile changes the count only from one page a split, past 1.5 programs a SM, to two pages."""
     pytest.importorskip("triton")
     from m3_eagle_plugin.msa.kernels.dense_verify import default_splits
     from m3_eagle_plugin.msa.kernels.attention_io import MAX_PARTIAL_ELEMENTS, max_partial_splits
 
-    splits = default_splits(requests, kv_heads, width, requests * row, torch.device("cpu"))
+    narrow = default_splits(requests, kv_heads, width, requests * row, torch.device("cpu"))
+    splits = default_splits(requests, kv_heads, width, requests * row, torch.device("cpu"), tile_rows=tile_rows)
+    units = requests * kv_heads
+    if tile_rows >= 64 and narrow == width > 1 and units * narrow * 2 > 3 * 132:
+        assert splits == -(-width // 2) and -(-width // splits) == 2
+        return
+    assert splits == narrow
     per = -(-width // splits)
     assert 1 <= splits <= width and (splits - 1) * per < width
     assert splits == 1 or splits * requests * row <= MAX_PARTIAL_ELEMENTS

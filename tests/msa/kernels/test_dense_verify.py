@@ -90,3 +90,19 @@ def test_long_prefill_chunk_bounds_its_splits():
     scale = 1 / math.sqrt(M3.head_dim)
     out = _run(q, cache, meta, scale=scale)
     assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=scale), 2e-2)
+
+
+def test_verify_rows_of_64_take_two_page_splits(monkeypatch):
+    """B4/8K q4 at GQA group 16: one tile of 64 rows a request, so two-page splits (32, not 64);
+    the output still matches the reference."""
+    from m3_eagle_plugin.msa.kernels import dense_verify
+
+    seen = []
+    real = dense_verify.default_splits
+    monkeypatch.setattr(dense_verify, "default_splits", lambda *a, **kw: seen.append((a, kw)) or real(*a, **kw))
+    meta, cache, q, _ = random_step(M3, [4] * 4, [8192] * 4, kv_dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(M3.head_dim)
+    out = _run(q, cache, meta, scale=scale, max_qo_len=4)
+    (args, kw), = seen
+    assert kw == {"tile_rows": 64} and real(*args, **kw) == -(-args[2] // 2)
+    assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=scale), 2e-2)

@@ -79,13 +79,26 @@ def _dense_verify_kernel(
         zero_graph_padding(o_ptr, s_o_t, s_o_h, cu_ptr, num_tokens, g, G, D)
 
 
-def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row: int, device: torch.device) -> int:
+#: Query rows in one tile from which a one-page split is mostly its program's fixed cost.
+WIDE_TILE_ROWS = 64
+
+
+def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row: int, device: torch.device,
+                   tile_rows: int = 0) -> int:
     """Splits of each (request, KV head)'s pages: of 1 .. the most (two programs per SM, or up to
     16 splits while each keeps 16 pages), the one with the fewest waves (of two programs per SM)
     x pages a split, ties to fewer splits; then as few splits as give the same pages per split,
     so none is left without pages. Small batches keep two programs per SM (one wave; more splits
     only shorten each program); past that a grid just over whole waves costs a wave: B16/128K
     with 17 splits took 357.4 us, 284.6 with 16.
+
+    `tile_rows`: the query rows of a program's one tile when all of a request's tokens fit it (0
+    otherwise). From WIDE_TILE_ROWS (a 4-token verify row at GQA group 16) one-page splits that
+    would put more than 1.5 programs on every SM become two-page splits, one program per SM (H200,
+    2026-11-30, `scripts/ab/dense_pages23.py`, q4, three alternating rounds, one page -> two pages a
+    split: B1/32K 15.44 -> 14.68 us, B2/16K 14.93 -> 14.08, B4/8K 14.42 -> 13.66, B8/4K 14.14 ->
+    13.43, B16/2K 14.18 -> 13.53; at 1.45 programs a SM B3/8K 12.30 -> 12.21, B6/4K 11.60 ->
+    11.74, B12/2K 11.71 -> 11.86, so those keep one page; at q1, 16 rows, two pages took 0.98-1.07x).
 
     Waves x pages, not "up to 16 splits" (H200, 2026-11-30, `scripts/ab/dense_rule19.py`, former
     -> this rule, three alternating rounds; identical outputs elsewhere, e.g. B16/32K, B1/8K):
@@ -113,7 +126,10 @@ def default_splits(num_requests: int, num_kv_heads: int, width: int, partial_row
         return -(-units * s // slots) * -(-width // s), s
     # one wave at the most splits: nothing fewer does better (the common small-batch case, no search)
     splits = most if units * most <= slots else min(range(1, most + 1), key=waves_x_pages)
-    return -(-width // -(-width // splits))
+    splits = -(-width // -(-width // splits))
+    if tile_rows >= WIDE_TILE_ROWS and splits == width > 1 and 4 * units * splits > 3 * slots:
+        splits = -(-width // 2)
+    return splits
 
 
 def dense_verify_attention(
@@ -155,7 +171,9 @@ def _dense(q, k_cache, v_cache, meta, *, scale, k_scale, v_scale, max_qo_len, sp
     qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
     partial_row = num_tokens * num_heads * dim
     if splits is None:
-        splits = default_splits(num_requests, hkv, width, partial_row, q.device)
+        one_tile = max_qo_len is not None and max_qo_len <= qp
+        splits = default_splits(num_requests, hkv, width, partial_row, q.device,
+                                tile_rows=qp * group if one_tile else 0)
     check_splits(splits, partial_row)
     out, o_buf, lse = split_outputs(q, v_cache, splits)
     if num_tokens == 0 or num_requests == 0:
