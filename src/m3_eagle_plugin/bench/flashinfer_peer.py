@@ -312,19 +312,16 @@ class FlashInferPeer:
         scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale} if fp8 else {}
         mode = "use_cuda_graph" if graph_wrapper else "plan once"
 
-        def on_views():
-            if plan_each_call:
-                plan()
-            return wrapper.run(q, (cache.k, cache.v), out=out, **scales)
-
-        def on_copies():  # copied only if the views are refused
-            kv = self._once(cache, "kv_copy", lambda: (cache.k.contiguous(), cache.v.contiguous()))
+        def run_on(kv):
             if plan_each_call:
                 plan()
             return wrapper.run(q, kv, out=out, **scales)
-        run, api, refused = _first_working([
-            (on_views, f"BatchPrefillWithPagedKVCacheWrapper(HND, {mode}, pool views)"),
-            (on_copies, f"BatchPrefillWithPagedKVCacheWrapper(HND, {mode}, contiguous K/V copies)")])
+
+        def copies():
+            return self._once(cache, "kv_copy", lambda: (cache.k.contiguous(), cache.v.contiguous()))
+        run, api, refused = _first_working([  # copied only if the views are refused
+            (lambda: run_on((cache.k, cache.v)), f"BatchPrefillWithPagedKVCacheWrapper(HND, {mode}, pool views)"),
+            (lambda: run_on(copies()), f"BatchPrefillWithPagedKVCacheWrapper(HND, {mode}, contiguous K/V copies)")])
         return PeerOp(run, ("plan + " if plan_each_call else "") + api, note=refused)
 
 

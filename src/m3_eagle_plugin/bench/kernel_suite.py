@@ -402,12 +402,15 @@ def _plan_run_fields(steps: StepSet, qo_len: int, peer, eager_us: float) -> dict
     The issue's 247 us for this case is of this form's order (H200, 2026-11-30: 174-328 us with the
     index tensors on the device, 134-140 with them on the host), not of `run()` alone (31.4 us
     graph-replayed, 40.6 in the CUDA-graph form)."""
-    from .flashinfer_peer import short_error
+    from .flashinfer_peer import cuda_poisoned, short_error
 
     try:
         ops = [peer.op("dense_attn_plan_run", steps.step(s, qo_len)) for s in range(len(steps.sets))]
         us = time_eager_us([op.run for op in ops])
     except Exception as exc:
+        poisoned = cuda_poisoned()  # as `flashinfer_fields` does: every later FlashInfer call is skipped
+        if poisoned:
+            peer.broken = f"CUDA unusable after FlashInfer plan + run: {poisoned}"
         return {"flashinfer_plan_run_error": short_error(exc)}
     return {"flashinfer_plan_run_eager_us": us, "vs_flashinfer_plan_run": us / eager_us}
 
