@@ -31,14 +31,15 @@ def _assert_exact(scores, index_q, index_k, meta):
 
 
 def check_tma_scores_match_exact_maxima(device, *, blocks_per_program=None, num_stages=None,
-                                        qo_lens=(4, 1, 3), kv_lens=(150, 16, 97), seed=0):
+                                        qo_lens=(4, 1, 3), kv_lens=(150, 16, 97), seed=0, max_qo_len=None):
     """Uneven requests (a run of pages ends inside a request, a partial last page) over 1-3 pages
-    a program."""
+    a program. `max_qo_len` (default: the longest request) is only a hint: one below a request's
+    tokens must not lose any."""
     from m3_eagle_plugin.msa.kernels.index_select import index_block_scores, page_descriptor
 
     meta, index_k, index_q = _step(device, list(qo_lens), list(kv_lens), seed)
     assert page_descriptor(index_k) is not None, "the bench's index-K layout should take the TMA path"
-    scores = index_block_scores(index_q, index_k, meta, max_qo_len=max(qo_lens), tma=True,
+    scores = index_block_scores(index_q, index_k, meta, max_qo_len=max_qo_len or max(qo_lens), tma=True,
                                 blocks_per_program=blocks_per_program, num_stages=num_stages)
     _assert_exact(scores, index_q, index_k, meta)
 
@@ -66,6 +67,10 @@ def check_unaligned_cache_falls_back(device):
 INTERPRETER_CASES = [
     (check_tma_scores_match_exact_maxima, dict()),
     (check_tma_scores_match_exact_maxima, dict(blocks_per_program=3, num_stages=2, seed=1)),
+    # a request's tokens past one 16-token tile, at one page a program: the general program, then the
+    # one-tile program (decode / verify) under a hint that understates them
+    (check_tma_scores_match_exact_maxima, dict(qo_lens=(20, 1, 35), kv_lens=(150, 16, 97), seed=3)),
+    (check_tma_scores_match_exact_maxima, dict(qo_lens=(20, 1, 35), kv_lens=(150, 16, 97), seed=4, max_qo_len=4)),
     (check_unaligned_cache_falls_back, dict()),
 ]
 

@@ -45,51 +45,85 @@ def _block_score_kernel(
     score_ptr, s_sc_h, s_sc_t,
     HI: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, DI: tl.constexpr,
     BLOCKS_PER_PROG: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, RELEASE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ONE_TILE: tl.constexpr = False,
 ):
     """Max visible score of each of a request's pages [chunk x BLOCKS_PER_PROG, ...) for every
     token of the request. With TMA a page arrives whole through `ik_desc` (a `[P, B, Di]` tensor
     descriptor of the cache) instead of per-thread copies. Programs run request by request (the
     chunk is the fastest grid axis); RELEASE lets a top-k that polls for its request's scores
     (`handoff`) launch (PDL) as soon as every scoring program has started (and, under PDL itself,
-    waited for the previous kernel)."""
+    waited for the previous kernel).
+
+    ONE_TILE (TMA, one page a program, and the caller's max_qo_len within one QP-token tile: decode
+    and verify steps) shortens what a program waits through before its page's copy starts, and a
+    program holds its shared memory, which bounds how many sit on an SM, for all of it. It reads
+    the page's table entry with the request's bounds and length, then the queries, then copies:
+    two L2 round trips ahead of the copy instead of three; 52-61 registers instead of 86 (six
+    programs an SM, as the shared memory allows, instead of five). H200, 2026-11-30,
+    `scripts/ab/score24b.py`, the sparse step graph-replayed, five alternating rounds, outputs
+    identical, us: B1/8K q4 8.48 -> 8.20 (0.967x), q1 7.93 -> 7.73; B1/32K q4 11.15 -> 10.88;
+    B1/128K q4 21.06 -> 20.83; B16/8K q4 26.31 -> 26.16; B16/32K q4 49.98 -> 49.66, q1 44.63 ->
+    44.38; B16/128K q4 139.47 -> 138.80; B64/8K q4 66.90 -> 66.56, q1 50.90 -> 50.44; B64/32K q4
+    154.62 -> 154.24; B64/128K q4 506.62 -> 505.18; 16 requests of 2K-32K (mixed) 38.46 -> 37.54.
+    Issuing the copy first and reading the queries after it lost at B16-B64 (1.01-1.03x): the page
+    then stays in registers (128 of them, four programs an SM)."""
     if RELEASE:  # wait first: the early top-k reads step metadata an earlier kernel may still write
         wait_then_release(PDL)
     else:
         wait_for_prior_grid(PDL)
     chunk = tl.program_id(0)
     r = tl.program_id(1)
-    t0 = tl.load(cu_ptr + r)
-    t1 = tl.load(cu_ptr + r + 1)
-    num_blocks = tl.cdiv(tl.load(kvl_ptr + r), BLOCK)
-    b_lo = chunk * BLOCKS_PER_PROG
-    b_hi = tl.minimum(b_lo + BLOCKS_PER_PROG, num_blocks)
-
-    rows = tl.arange(0, QP * HI)
-    head = rows % HI
-    d = tl.arange(0, DI)
-    j = tl.arange(0, BLOCK)
-    for c0 in range(t0, t1, QP):
-        tok = c0 + rows // HI
-        row_ok = tok < t1
-        q = tl.load(iq_ptr + tok[:, None] * s_iq_t + head[:, None] * s_iq_h + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
-        for b in range(b_lo, b_hi):
-            page = tl.load(bt_ptr + r * s_bt_r + b)
-            if TMA:
+    if TMA and BLOCKS_PER_PROG == 1 and ONE_TILE:
+        page = tl.load(bt_ptr + r * s_bt_r + chunk)
+        t0 = tl.load(cu_ptr + r)
+        t1 = tl.load(cu_ptr + r + 1)
+        if chunk < tl.cdiv(tl.load(kvl_ptr + r), BLOCK):
+            tok, q, pos = _token_rows(iq_ptr, s_iq_t, s_iq_h, pos_ptr, t0, t1, HI, QP, DI)
+            k = tl.reshape(ik_desc.load([page, 0, 0]), [BLOCK, DI])
+            _store_page_scores(q, pos, k, chunk, tok, t1, score_ptr, s_sc_h, s_sc_t, HI, QP, BLOCK, IEEE)
+            for c0 in range(t0 + QP, t1, QP):  # a max_qo_len hint below a request's tokens: copied again
+                tok, q, pos = _token_rows(iq_ptr, s_iq_t, s_iq_h, pos_ptr, c0, t1, HI, QP, DI)
                 k = tl.reshape(ik_desc.load([page, 0, 0]), [BLOCK, DI])
-            else:
-                k = tl.load(ik_ptr + page.to(tl.int64) * s_ik_p + j[:, None] * s_ik_b + d[None, :])
-            k = k.to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            visible = (b * BLOCK + j)[None, :] <= pos[:, None]
-            s = tl.where(visible, s, float("-inf"))
-            best = tl.max(s, axis=1)
-            tl.store(score_ptr + head * s_sc_h + tok * s_sc_t + b, best, mask=row_ok)
+                _store_page_scores(q, pos, k, chunk, tok, t1, score_ptr, s_sc_h, s_sc_t, HI, QP, BLOCK, IEEE)
+    else:
+        t1 = tl.load(cu_ptr + r + 1)
+        num_blocks = tl.cdiv(tl.load(kvl_ptr + r), BLOCK)
+        j = tl.arange(0, BLOCK)
+        d = tl.arange(0, DI)
+        for c0 in range(tl.load(cu_ptr + r), t1, QP):
+            tok, q, pos = _token_rows(iq_ptr, s_iq_t, s_iq_h, pos_ptr, c0, t1, HI, QP, DI)
+            for b in range(chunk * BLOCKS_PER_PROG, tl.minimum((chunk + 1) * BLOCKS_PER_PROG, num_blocks)):
+                page = tl.load(bt_ptr + r * s_bt_r + b)
+                if TMA:
+                    k = tl.reshape(ik_desc.load([page, 0, 0]), [BLOCK, DI])
+                else:
+                    k = tl.load(ik_ptr + page.to(tl.int64) * s_ik_p + j[:, None] * s_ik_b + d[None, :])
+                _store_page_scores(q, pos, k, b, tok, t1, score_ptr, s_sc_h, s_sc_t, HI, QP, BLOCK, IEEE)
+
+
+@triton.jit
+def _token_rows(iq_ptr, s_iq_t, s_iq_h, pos_ptr, c0, t1, HI: tl.constexpr, QP: tl.constexpr, DI: tl.constexpr):
+    """(token, index query, position) of each (token, index head) row of the QP tokens from c0."""
+    rows = tl.arange(0, QP * HI)
+    tok = c0 + rows // HI
+    row_ok = tok < t1
+    q = tl.load(iq_ptr + tok[:, None] * s_iq_t + (rows % HI)[:, None] * s_iq_h + tl.arange(0, DI)[None, :],
+                mask=row_ok[:, None], other=0.0)
+    return tok, q, tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+
+
+@triton.jit
+def _store_page_scores(q, pos, k, b, tok, t1, score_ptr, s_sc_h, s_sc_t,
+                       HI: tl.constexpr, QP: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    """The max visible score of page `b` (index-K `k`, `[BLOCK, Di]`) for each row of `q`."""
+    kq = k.to(q.dtype)
+    if IEEE:
+        s = tl.dot(q, tl.trans(kq), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(kq))
+    visible = (b * BLOCK + tl.arange(0, BLOCK))[None, :] <= pos[:, None]
+    s = tl.where(visible, s, float("-inf"))
+    tl.store(score_ptr + (tl.arange(0, QP * HI) % HI) * s_sc_h + tok * s_sc_t + b, tl.max(s, axis=1), mask=tok < t1)
 
 
 @triton.jit
@@ -217,8 +251,10 @@ def index_block_scores(
 
     Entries past a token's own request length are left unwritten (the top-k reads only
     `[0, valid_blocks[t])`). `tma` (default: where `page_descriptor` gives one) loads each page
-    whole through a tensor descriptor, one page a program. `release_dependents` lets a top-k
-    that polls a `handoff.score_board` (`out`) launch (PDL) once every scoring program has started.
+    whole through a tensor descriptor, one page a program. `max_qo_len` (default: the metadata's)
+    is a hint: within one token tile it picks the kernel's decode / verify program (`ONE_TILE`),
+    which stays correct, only slower, for a request with more tokens. `release_dependents` lets a
+    top-k that polls a `handoff.score_board` (`out`) launch (PDL) once every scoring program has started.
     """
     check_meta(meta)
     check_cache_view("index_k_cache", index_k_cache, 3)
@@ -257,7 +293,7 @@ def index_block_scores(
             out, out.stride(0), out.stride(1),
             HI=num_heads, QP=qp, BLOCK=block, DI=dim,
             BLOCKS_PER_PROG=blocks_per_program, IEEE=index_q.dtype == torch.float32, TMA=desc is not None,
-            RELEASE=release_dependents,
+            RELEASE=release_dependents, ONE_TILE=max_qo_len is not None and max_qo_len <= qp,
             num_warps=num_warps, num_stages=num_stages, **pdl_args(index_q.device, grid),
         )
     return out
