@@ -7,7 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from m3_eagle_plugin.msa.kernels._common import MAX_TILE_ROWS, KernelInputError, is_pow2, next_pow2, qo_len_hint, tokens_per_tile
+from m3_eagle_plugin.msa.kernels._common import (MAX_TILE_ROWS, KernelInputError, fits_one_tile, is_pow2, next_pow2,
+                                                 qo_len_hint, tokens_per_tile)
 
 
 def test_reference_values():
@@ -28,7 +29,9 @@ def test_tile_is_pow2_fills_mma_and_covers_verify_rows(tokens, requests, rows, h
     assert qp * rows >= 16
     assert qp * rows <= max(MAX_TILE_ROWS, rows * next_pow2(-(-16 // rows)))  # fits an SM's shared memory
     if hint is not None and hint <= 16 and hint * rows <= MAX_TILE_ROWS:
-        assert qp >= hint
+        assert qp >= hint and fits_one_tile(hint, qp)  # a decode / verify row: one tile
+    if hint is None or hint > 16:
+        assert not fits_one_tile(hint, qp)  # no bound, or one past any tile: the kernels loop
 
 
 def test_qo_len_hint_prefers_caller_then_metadata():

@@ -126,6 +126,12 @@ def tokens_per_tile(num_tokens: int, num_requests: int, rows_per_token: int, max
     return max(chunk, next_pow2(-(-16 // rows_per_token)))
 
 
+def fits_one_tile(max_qo_len: int | None, tile_tokens: int) -> bool:
+    """Whether the caller's bound on a request's tokens (`qo_len_hint`) puts all of them in one
+    `tile_tokens`-token tile (decode and verify steps). A hint only: kernels stay correct past it."""
+    return max_qo_len is not None and max_qo_len <= tile_tokens
+
+
 def step_buffer(store: dict, device: torch.device | str, numel: int, *, fill: int,
                 min_numel: int) -> torch.Tensor | None:
     """`numel` int32 entries of the per-device buffer kept in `store`, allocated on first use

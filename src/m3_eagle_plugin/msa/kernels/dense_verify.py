@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import device_sm_count, qo_len_hint, scale_value, tokens_per_tile
+from ._common import device_sm_count, fits_one_tile, qo_len_hint, scale_value, tokens_per_tile
 from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
 from .attention_tiles import LOG2E, online_softmax_step, store_rows, zero_graph_padding
 from .launch import launch
@@ -171,9 +171,8 @@ def _dense(q, k_cache, v_cache, meta, *, scale, k_scale, v_scale, max_qo_len, sp
     qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
     partial_row = num_tokens * num_heads * dim
     if splits is None:
-        one_tile = max_qo_len is not None and max_qo_len <= qp
         splits = default_splits(num_requests, hkv, width, partial_row, q.device,
-                                tile_rows=qp * group if one_tile else 0)
+                                tile_rows=qp * group if fits_one_tile(max_qo_len, qp) else 0)
     check_splits(splits, partial_row)
     out, o_buf, lse = split_outputs(q, v_cache, splits)
     if num_tokens == 0 or num_requests == 0:

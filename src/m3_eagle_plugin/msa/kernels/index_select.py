@@ -27,6 +27,7 @@ from ._common import (
     check_meta,
     device_capability,
     device_sm_count,
+    fits_one_tile,
     next_pow2,
     require,
     tokens_per_tile,
@@ -293,7 +294,7 @@ def index_block_scores(
             out, out.stride(0), out.stride(1),
             HI=num_heads, QP=qp, BLOCK=block, DI=dim,
             BLOCKS_PER_PROG=blocks_per_program, IEEE=index_q.dtype == torch.float32, TMA=desc is not None,
-            RELEASE=release_dependents, ONE_TILE=max_qo_len is not None and max_qo_len <= qp,
+            RELEASE=release_dependents, ONE_TILE=fits_one_tile(max_qo_len, qp),
             num_warps=num_warps, num_stages=num_stages, **pdl_args(index_q.device, grid),
         )
     return out
