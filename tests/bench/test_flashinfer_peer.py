@@ -582,3 +582,12 @@ def test_run_kernel_suite_rounds_rewrite_rows_and_vs_q1(monkeypatch, fresh_impor
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         run_kernel_suite([(2, 16)], [1], ["sparse_attn"], GEO, kv_dtype=torch.float32, index_dtype=torch.float32,
                          q_dtype=torch.float32, device=torch.device("cpu"), ceiling_gbps=1.0, rounds=0)
+
+
+def test_peer_is_broken_only_by_a_failure_that_left_cuda_unusable(monkeypatch):
+    peer = fp.FlashInferPeer()
+    monkeypatch.setattr(fp, "cuda_poisoned", lambda: None)
+    assert peer.broken_by("topk_select") is False and peer.broken is None
+    monkeypatch.setattr(fp, "cuda_poisoned", lambda: "illegal memory access")
+    assert peer.broken_by("plan + run") is True
+    assert peer.broken == "CUDA unusable after FlashInfer plan + run: illegal memory access"

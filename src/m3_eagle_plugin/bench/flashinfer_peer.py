@@ -172,6 +172,14 @@ class FlashInferPeer:
     def clear(self) -> None:
         self._memo.clear()
 
+    def broken_by(self, what: str) -> bool:
+        """After a failed FlashInfer call (`what`): True, and the peer broken (every later call
+        skipped), when the call left CUDA unusable."""
+        poisoned = cuda_poisoned()
+        if poisoned:
+            self.broken = f"CUDA unusable after FlashInfer {what}: {poisoned}"
+        return bool(poisoned)
+
     def _once(self, owner: Any, tag: str, make: Callable[[], Any]) -> Any:
         key = (id(owner), tag)
         if key not in self._memo:

@@ -259,7 +259,7 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
     The dense attention's peer is FlashInfer's paged prefill wrapper planned once for the row's
     lengths; `flashinfer_graph_wrapper_us` (and `vs_flashinfer_graph_wrapper`) time it in the form
     engines capture into CUDA graphs (`use_cuda_graph=True`) too."""
-    from .flashinfer_peer import cuda_poisoned, short_error, time_peer_us
+    from .flashinfer_peer import short_error, time_peer_us
 
     if peer.broken:
         return {"flashinfer_error": f"skipped: {peer.broken}"}
@@ -276,10 +276,7 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
     def failed(what: str, exc: Exception) -> bool:
         """Record a failed FlashInfer call; True (and the peer broken) when it left CUDA unusable."""
         errors.append(f"{what}: {short_error(exc)}")
-        poisoned = cuda_poisoned()
-        if poisoned:
-            peer.broken = f"CUDA unusable after FlashInfer {what}: {poisoned}"
-        return bool(poisoned)
+        return peer.broken_by(what)
 
     for field, op_name in timed:
         try:
@@ -402,15 +399,13 @@ def _plan_run_fields(steps: StepSet, qo_len: int, peer, eager_us: float) -> dict
     The issue's 247 us for this case is of this form's order (H200, 2026-11-30: 174-328 us with the
     index tensors on the device, 134-140 with them on the host), not of `run()` alone (31.4 us
     graph-replayed, 40.6 in the CUDA-graph form)."""
-    from .flashinfer_peer import cuda_poisoned, short_error
+    from .flashinfer_peer import short_error
 
     try:
         ops = [peer.op("dense_attn_plan_run", steps.step(s, qo_len)) for s in range(len(steps.sets))]
         us = time_eager_us([op.run for op in ops])
     except Exception as exc:
-        poisoned = cuda_poisoned()  # as `flashinfer_fields` does: every later FlashInfer call is skipped
-        if poisoned:
-            peer.broken = f"CUDA unusable after FlashInfer plan + run: {poisoned}"
+        peer.broken_by("plan + run")
         return {"flashinfer_plan_run_error": short_error(exc)}
     return {"flashinfer_plan_run_eager_us": us, "vs_flashinfer_plan_run": us / eager_us}
 
