@@ -1,7 +1,7 @@
 """The per-token sparse attention with two-page key tiles (`pages_per_tile=2`: each MMA tile is
 two of a token's pages) vs the torch reference and vs one-page tiles, on hostile e4m3 caches
 (NaN tails, a selected page past the request) and on 16-bit K/V; odd page counts per split leave a
-tile's second half unmapped.
+tile's second half unmapped. Also the programs' request-major numbering (`request_major`).
 
 Device-agnostic: on CUDA the checks run here; on CPU `tests._interpreter` runs them through
 Triton's interpreter in a subprocess, so CI executes the kernel's two-page indexing.
@@ -58,6 +58,21 @@ def check_two_page_tiles_16bit(device, *, dtype="float16", splits=2, seed=5):
     assert not out[sum(qo_lens):].any(), "graph-padding rows must be zero"
 
 
+def check_request_major_changes_nothing(device, *, splits=2, qo_lens=(4, 1, 3), kv_lens=(70, 9, 40), seed=6,
+                                        pages_per_tile=2):
+    """Programs numbered request by request (`request_major`, the early attention's order for fp8
+    K/V) compute the same rows as the grid's own order, bit for bit, and the reference's values:
+    every (request, token, split) is one program's, and no other's."""
+    meta, cache, clean, q, sel = _hostile_step(device, list(qo_lens), list(kv_lens), seed)
+    kw = dict(scale=GEO.head_dim ** -0.5, k_scale=cache.k_scale, v_scale=cache.v_scale, splits=splits,
+              pages_per_tile=pages_per_tile)
+    grid_order = _attend(q, cache.k, cache.v, meta, sel, qo_lens, **kw)
+    out = _attend(q, cache.k, cache.v, meta, sel, qo_lens, request_major=True, **kw)
+    assert torch.equal(out, grid_order), "request-major programs wrote different rows"
+    assert_close_rel(out, ref.sparse_attention(q, clean[0], clean[1], meta, sel, scale=kw["scale"],
+                                               k_scale=cache.k_scale, v_scale=cache.v_scale), 2e-2)
+
+
 def check_bad_tilings_are_refused(device):
     from m3_eagle_plugin.msa.kernels import KernelInputError
     from m3_eagle_plugin.msa.kernels.sparse_verify import sparse_verify_attention
@@ -65,7 +80,8 @@ def check_bad_tilings_are_refused(device):
     meta, cache, clean, q, sel = _hostile_step(device, [2], [20], 1)
     for kw, match in ((dict(pages_per_tile=3), "pages_per_tile must be 1 or 2"),
                       (dict(pages_per_tile=2, layout="union"), "needs layout 'token'"),
-                      (dict(pages_per_tile=2, prefetch=False), "with prefetch")):
+                      (dict(pages_per_tile=2, prefetch=False), "with prefetch"),
+                      (dict(request_major=True, layout="union"), "request_major needs layout 'token'")):
         with pytest.raises(KernelInputError, match=match):
             sparse_verify_attention(q, cache.k, cache.v, meta, sel, scale=0.2, **kw)
 
@@ -77,6 +93,7 @@ INTERPRETER_CASES = [
     (check_two_page_tiles_match_reference, dict(splits=3, seed=1)),
     (check_two_page_tiles_16bit, dict()),
     (check_bad_tilings_are_refused, dict()),
+    (check_request_major_changes_nothing, dict()),
 ]
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -88,6 +105,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
                                                 stages=3)),
     (check_two_page_tiles_match_reference, dict(splits=1, paired_v=False, seed=4)),
     (check_two_page_tiles_16bit, dict(dtype="bfloat16", splits=1)),
+    (check_request_major_changes_nothing, dict(splits=1, qo_lens=(4,) * 6, kv_lens=(300, 17, 129, 64, 90, 33))),
+    (check_request_major_changes_nothing, dict(splits=3, pages_per_tile=1, seed=7)),
 ])
 def test_on_gpu(fn, kw):
     fn("cuda", **kw)
@@ -102,6 +121,17 @@ def test_property_two_page_tiles_equal_one_page_tiles(qo_lens, extra, splits, se
     kv_lens = [q + extra + 7 * i for i, q in enumerate(qo_lens)]
     check_two_page_tiles_match_reference("cuda", splits=splits, qo_lens=tuple(qo_lens), kv_lens=tuple(kv_lens),
                                          seed=seed)
+
+
+@needs_cuda
+@settings(max_examples=8, deadline=None)
+@given(qo_lens=st.lists(st.integers(1, 4), min_size=1, max_size=6), extra=st.integers(0, 200),
+       splits=st.integers(1, 5), pages=st.sampled_from([1, 2]), seed=st.integers(0, 1000))
+def test_property_request_major_equals_grid_order(qo_lens, extra, splits, pages, seed):
+    """Any batch, split count and tiling: request-major programs write what the grid's order does."""
+    kv_lens = [q + extra + 5 * i for i, q in enumerate(qo_lens)]
+    check_request_major_changes_nothing("cuda", splits=splits, qo_lens=tuple(qo_lens), kv_lens=tuple(kv_lens),
+                                        seed=seed, pages_per_tile=pages)
 
 
 @needs_interpreter

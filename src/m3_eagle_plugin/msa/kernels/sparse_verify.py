@@ -111,6 +111,7 @@ def _sparse_token_kernel(
     BLOCK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
     F16: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr, VPAIR: tl.constexpr, ASM: tl.constexpr,
     SELF_MERGE: tl.constexpr = False, READY: tl.constexpr = False, PDL: tl.constexpr = False,
+    REQUEST_MAJOR: tl.constexpr = False,
 ):
     """One program per (request, KV head, token of the request, split): the token's GQA group
     (ROWS >= 16 rows, padded) walks its own selected pages; pages shared with the request's other
@@ -120,14 +121,13 @@ def _sparse_token_kernel(
     the top-k still runs (`verify_step`): it waits for its token's `ready_ptr` flag instead of
     the top-k grid (acquire loads), for the grid only before its first store, and takes one off
     the flag at its end. BN = 2 x BLOCK (PREFETCH) makes each tile two of the token's pages
-    (`attend_two_pages`)."""
+    (`attend_two_pages`). REQUEST_MAJOR renumbers the programs (`_token_program`)."""
     if not READY:
         wait_for_prior_grid(PDL)
-    r = tl.program_id(0)
+    r, tok_i, split = _token_program(SPLITS, REQUEST_MAJOR)
     g = tl.program_id(1)
-    split = tl.program_id(2) % SPLITS
     num_heads = tl.num_programs(1) * G
-    tok0 = tl.load(cu_ptr + r) + tl.program_id(2) // SPLITS
+    tok0 = tl.load(cu_ptr + r) + tok_i
     live = tok0 < tl.load(cu_ptr + r + 1)
     flag = ready_ptr + g * num_tokens + tok0
     if READY:
@@ -204,6 +204,27 @@ def _sparse_token_kernel(
                 tl.atomic_xchg(slot, 0)
                 _merge_rows(o_ptr, lse_ptr, fin_ptr, s_o_t, s_o_h, tok, head, d, row_ok, num_heads, v_scale,
                             D, SPLITS)
+
+
+@triton.jit
+def _token_program(SPLITS: tl.constexpr, REQUEST_MAJOR: tl.constexpr):
+    """(request, token of the request, split) of this program of the grid (requests, KV heads,
+    tokens x splits): the grid's own order (request r's token t at r + R x t: every request's
+    first token, then every second), or with REQUEST_MAJOR renumbered request by request, a
+    request's tokens at one split adjacent.
+
+    Why: an early attention's programs start in launch order as the scoring frees SMs, and the
+    requests are scored in order, so request-major programs start roughly as their tokens are
+    selected, and a request's tokens, which select mostly the same pages, read them from L2 at
+    about the same time (ncu, the attention alone at B64/8K q4 in this order: 146 MB through L2
+    against 174). Figures in `verify_step`'s `early_order`.
+    """
+    if REQUEST_MAJOR:
+        per_request = tl.num_programs(2) // SPLITS
+        lin = tl.program_id(0) + tl.num_programs(0) * tl.program_id(2)
+        rest = lin % tl.num_programs(2)
+        return lin // tl.num_programs(2), rest % per_request, rest // per_request
+    return tl.program_id(0), tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
 
 
 @triton.jit
@@ -314,6 +335,7 @@ def sparse_verify_attention(
     self_merge: bool | None = None,
     ready: torch.Tensor | None = None,
     pages_per_tile: int = 1,
+    request_major: bool = False,
     checked: bool = False,
 ) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids.
@@ -331,6 +353,8 @@ def sparse_verify_attention(
     with `consumers=splits`; per-token layout, explicit splits) launches the attention early (PDL)
     with each program waiting for its own token's flag. `pages_per_tile` 2 (per-token layout,
     `prefetch`) makes each MMA tile two pages of keys (`attend_two_pages`; `key_tile` unused).
+    `request_major` (per-token layout) numbers the programs request by request, a request's tokens
+    at one split adjacent, instead of request-fastest (`_token_program`; the outputs are the same).
     `checked`: the caller already ran `check_attention_inputs` on these inputs (`verify_step`).
     """
     if not checked:
@@ -364,8 +388,10 @@ def sparse_verify_attention(
         return _token_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                 max_qo_len=max_qo_len, splits=splits, num_warps=num_warps, num_stages=num_stages,
                                 key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch, paired_v=paired_v,
-                                self_merge=self_merge, ready=ready, pages_per_tile=pages_per_tile)
+                                self_merge=self_merge, ready=ready, pages_per_tile=pages_per_tile,
+                                request_major=request_major)
     require(ready is None, "ready flags need layout 'token'")
+    require(not request_major, "request_major needs layout 'token'")
     if union is None:
         qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
         union = union_from_selection(selection, meta.cu_qo_lens, meta.block_tables, chunk=qp,
@@ -414,7 +440,7 @@ def paired_v_applies(v_cache: torch.Tensor, compute_f16: bool) -> bool:
 
 def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,
                      num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v, self_merge,
-                     ready=None, pages_per_tile=1) -> torch.Tensor:
+                     ready=None, pages_per_tile=1, request_major=False) -> torch.Tensor:
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
     group = num_heads // hkv
@@ -450,7 +476,7 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
         BN=2 * block if pages_per_tile == 2 else min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16,
         PREFETCH=prefetch,
         IEEE=q.dtype == torch.float32, VPAIR=paired_v, ASM=not triton_interpreting(), SELF_MERGE=self_merge,
-        READY=ready is not None, num_warps=num_warps, num_stages=num_stages,
+        READY=ready is not None, REQUEST_MAJOR=request_major, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(q.device, grid, every_grid=ready is not None),
     )
     return out if self_merge else merge_outputs(out, o_buf, lse, meta, splits, vs)

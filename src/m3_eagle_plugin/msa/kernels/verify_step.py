@@ -17,6 +17,8 @@ before its first store: its outputs may reuse memory the scoring still reads unt
 Deadlock-free: a PDL kernel is scheduled only once every program of its predecessor has
 started, so every producer an attention program waits for is already resident. The attention
 gets about two programs per SM here (16 splits at B16 q1, where the plain rule gives 8).
+With fp8 K/V its programs are numbered request by request (`early_order`), so they start in
+about the order their rows are selected.
 
 Applies to the per-token layout with one index head per KV head, on SM90+ (PDL), where it pays
 (`early_rule`); elsewhere the two calls run as before. With fp8 K/V (the production cache): from
@@ -73,6 +75,18 @@ def early_rule(units: int, topk: int, device: torch.device | str, kv_bytes: int 
     else:
         pays = 2 * splits >= topk
     return splits if units >= EARLY_MIN_UNITS and pays else None
+
+
+def early_order(kv_bytes: int = 1) -> bool:
+    """Whether the early attention numbers its programs request by request
+    (`sparse_verify_attention(request_major=True)`): for 1-byte K/V. H200, 2026-11-30,
+    `scripts/ab/order26.py`, the step graph-replayed, seven alternating rounds, outputs identical,
+    the grid's order -> request-major, us: B4/8K q4 13.18 -> 12.93, B4/32K q4 21.66 -> 21.11, B16/8K
+    q4 25.73 -> 25.57, q1 20.82 -> 20.31, B16/32K q4 49.34 -> 49.26, q1 44.20 -> 43.97, B32/8K q4
+    40.23 -> 39.97, B64/8K q4 65.77 -> 65.26, q1 49.92 -> 49.91, B64/32K q4 153.84 -> 153.58; B8/32K
+    q4 31.23 -> 31.25 and B64/128K q4 504.17 -> 504.16 level. With bf16 K/V it lost in every
+    round (B16/4K q1 20.20 -> 20.85, B8/32K q4 35.42 -> 35.79), so there the grid's order stays."""
+    return kv_bytes == 1
 
 
 def early_tiling(splits: int, topk: int, kv_bytes: int = 1) -> dict:
@@ -142,7 +156,8 @@ def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, loc
         return selection, sparse_verify_attention(q, k_cache, v_cache, meta, selection, **attend)
     try:
         out = sparse_verify_attention(q, k_cache, v_cache, meta, selection, splits=splits, ready=ready,
-                                      **early_tiling(splits, topk, kv_bytes), **attend)
+                                      request_major=early_order(kv_bytes), **early_tiling(splits, topk, kv_bytes),
+                                      **attend)
     except BaseException:
         ready.zero_()  # in stream order, after the top-k has set them: the next step must find zeros
         raise
