@@ -2,6 +2,7 @@
 
     python scripts/step_timeline.py 16 32768 1            # the step as the model runs it
     python scripts/step_timeline.py 16 32768 1 --early 16 # the attention launched early, 16 splits
+    python scripts/step_timeline.py 64 8192 4 --grid-order # early, programs in the grid's order
 
 Why: ncu serialises kernels, so it cannot show how the step's four launches (scoring, top-k,
 attention, merge) overlap. Here instrumented copies of them read `%globaltimer` at each
@@ -9,7 +10,8 @@ program's start and end and store both (and the SM) into one buffer; the step is
 CUDA graph, replayed warm, and the last replay's timeline printed relative to the first scoring
 program: per kernel the first / last start and end and the median program time, how many
 attention programs shared an SM at once (and their times by that count), and per request when its
-scoring, top-k and attention ended. The timer ticks in steps of about 0.25 us on H200.
+scoring and top-k ended and its attention programs started and ended (each program records the
+request it worked for: the early attention's programs run request-major for fp8 K/V). The timer ticks in steps of about 0.25 us on H200.
 """
 import argparse
 import ast
@@ -35,13 +37,14 @@ RECORD = '''
 from triton.language.extra.cuda import globaltimer as _now, smid as _smid
 
 @triton.jit
-def _record(t0, KID: tl.constexpr):
+def _record(t0, request, KID: tl.constexpr):
     t1 = _now()
     pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
     at = tl.full([], TIMELINE_BASE, tl.int64).to(tl.pointer_type(tl.int64)) + (KID * TIMELINE_MAX + pid) * 4
     tl.store(at, t0)
     tl.store(at + 1, t1)
     tl.store(at + 2, _smid().to(tl.int64))
+    tl.store(at + 3, request.to(tl.int64))
 '''
 
 
@@ -54,7 +57,9 @@ def instrument(buffer: torch.Tensor) -> None:
         first = body[1] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body[0]
         lines = src.splitlines()
         lines.insert(first.lineno - 1, "    _t0 = _now()")
-        lines.append(f"    _record(_t0, {kid})")
+        # the request a program worked for, where the kernel names it `r` (its grid order need not say)
+        request = "r" if any(ln.strip().startswith(("r = ", "r, ")) for ln in lines) else "tl.program_id(0) * 0"
+        lines.append(f"    _record(_t0, {request}, {kid})")
         sources.append("\n".join(lines))
     path = os.path.join(tempfile.mkdtemp(), "timeline_kernels.py")  # Triton reads a kernel's source file
     with open(path, "w") as f:
@@ -83,12 +88,14 @@ def report(buffer: torch.Tensor, batch: int) -> None:
                   f"median {float((r[:, 1] - r[:, 0]).double().median()) / 1000:5.2f} us")
     scoring, topk, attention = ran[0], ran[1], ran[2]
     residency(attention)
-    per_request = len(scoring) // batch
-    print("request: scoring end / top-k end / attention end (us)")
-    for req in range(batch):  # grids: scoring (pages, requests), top-k and attention (requests, ...)
-        s_end = us(scoring[req * per_request:(req + 1) * per_request, 1].max())
-        print(f"  {req:4d}: {s_end:7.2f} / {us(topk[req::batch, 1].max()):7.2f} / "
-              f"{us(attention[req::batch, 1].max()):7.2f}")
+    print("request: scoring end / top-k end / attention start..end (us)")
+
+    def of(r, req):  # the programs that worked for request `req` (recorded by each program)
+        return r[r[:, 3] == req]
+    for req in range(batch):
+        mine = of(attention, req)
+        print(f"  {req:4d}: {us(of(scoring, req)[:, 1].max()):7.2f} / {us(of(topk, req)[:, 1].max()):7.2f} / "
+              f"{us(mine[:, 0].min()):7.2f}..{us(mine[:, 1].max()):7.2f}")
 
 
 def residency(programs: torch.Tensor) -> None:
@@ -115,7 +122,11 @@ def main() -> None:
     ap.add_argument("qo_len", type=int)
     ap.add_argument("--early", type=int, metavar="SPLITS", help="launch the attention early with SPLITS splits")
     ap.add_argument("--plain", action="store_true", help="never launch the attention early")
+    ap.add_argument("--grid-order", action="store_true",
+                    help="keep the early attention's programs in the grid's order (not request-major)")
     args = ap.parse_args()
+    if args.grid_order:
+        verify_step.early_order = lambda kv_bytes=1: False
     dev = torch.device("cuda")
     geo = Geometry()
     buffer = torch.zeros(len(KERNELS) * MAX_PROGRAMS * 4, dtype=torch.int64, device=dev)
