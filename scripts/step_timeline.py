@@ -11,7 +11,8 @@ CUDA graph, replayed warm, and the last replay's timeline printed relative to th
 program: per kernel the first / last start and end and the median program time, how many
 attention programs shared an SM at once (and their times by that count), and per request when its
 scoring and top-k ended and its attention programs started and ended (each program records the
-request it worked for: the early attention's programs run request-major for fp8 K/V). The timer ticks in steps of about 0.25 us on H200.
+request it worked for: the early attention's programs run request-major for fp8 K/V). The timer
+ticks in steps of about 0.25 us on H200.
 """
 import argparse
 import ast

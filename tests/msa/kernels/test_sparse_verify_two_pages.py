@@ -25,6 +25,12 @@ def _attend(q, k, v, meta, sel, qo_lens, **kw):
     return sparse_verify_attention(q, k, v, meta, sel, max_qo_len=max(qo_lens), layout="token", **kw)
 
 
+def _assert_matches_reference(out, q, meta, cache, clean, sel, scale):
+    """`out` against the torch reference on the hostile step's clean K/V (`_hostile_step`)."""
+    assert_close_rel(out, ref.sparse_attention(q, clean[0], clean[1], meta, sel, scale=scale,
+                                               k_scale=cache.k_scale, v_scale=cache.v_scale), 2e-2)
+
+
 def check_two_page_tiles_match_reference(device, *, splits=1, qo_lens=(4, 1, 3), kv_lens=(70, 9, 40), seed=0,
                                          paired_v=True, stages=2):
     """Hostile e4m3 step: finite, the reference on the clean cache, one-page tiles up to the order
@@ -34,8 +40,7 @@ def check_two_page_tiles_match_reference(device, *, splits=1, qo_lens=(4, 1, 3),
               paired_v=paired_v)
     out = _attend(q, cache.k, cache.v, meta, sel, qo_lens, pages_per_tile=2, num_stages=stages, **kw)
     assert torch.isfinite(out).all(), "an e4m3 NaN tail or an unmapped page reached the output"
-    assert_close_rel(out, ref.sparse_attention(q, clean[0], clean[1], meta, sel, scale=kw["scale"],
-                                               k_scale=cache.k_scale, v_scale=cache.v_scale), 2e-2)
+    _assert_matches_reference(out, q, meta, cache, clean, sel, kw["scale"])
     one = _attend(q, cache.k, cache.v, meta, sel, qo_lens, key_tile=GEO.block, **kw)
     assert_close_rel(out, one, 2e-3)
 
@@ -69,8 +74,7 @@ def check_request_major_changes_nothing(device, *, splits=2, qo_lens=(4, 1, 3), 
     grid_order = _attend(q, cache.k, cache.v, meta, sel, qo_lens, **kw)
     out = _attend(q, cache.k, cache.v, meta, sel, qo_lens, request_major=True, **kw)
     assert torch.equal(out, grid_order), "request-major programs wrote different rows"
-    assert_close_rel(out, ref.sparse_attention(q, clean[0], clean[1], meta, sel, scale=kw["scale"],
-                                               k_scale=cache.k_scale, v_scale=cache.v_scale), 2e-2)
+    _assert_matches_reference(out, q, meta, cache, clean, sel, kw["scale"])
 
 
 def check_bad_tilings_are_refused(device):
