@@ -2,7 +2,10 @@
 
 `M3_EAGLE_PLUGIN=off|auto|require` (default off) is the source of truth; `M3_EAGLE_PLUGIN_FORCE=1`
 lifts the manifest's "defer" verdict (and, under `require`, the "untested" one). `auto` never breaks
-the host: any mismatch or failure logs one line and leaves it untouched. `require` raises instead.
+the host: any mismatch or failure logs one line and leaves it untouched (a failure after the
+patches went in, such as another plugin's `m3_eagle_host_ready` hook raising, takes them out
+again). `require` raises instead. On a host inside the supported range but not in the tested
+list, the activation line is a warning.
 Activation is idempotent and thread-safe; a process logs one line saying what was activated.
 """
 from __future__ import annotations
@@ -183,16 +186,20 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
     report.components = _collect_components(manager, manifest.host.package)
     planned = list(dict.fromkeys(_patch_id(p) for p in manager.host_patches(manifest.host.package)))
 
-    from m3_eagle_plugin.host.trtllm import install
+    from m3_eagle_plugin.host import trtllm as adapter
 
-    installed_report = dict(install() or {})
-    report.patches = list(installed_report.get("patches", planned))
-    if installed_report.get("models"):
-        report.components["registered_models"] = installed_report["models"]
-    report.host_report = installed_report
-    report.fingerprint = fingerprint(report.patches)
-    report.activated, report.ok = True, True
-    manager.hook.m3_eagle_host_ready.call_historic(kwargs={"host": manifest.host.package, "report": report})
+    installed_report = dict(adapter.install() or {})
+    try:
+        report.patches = list(installed_report.get("patches", planned))
+        if installed_report.get("models"):
+            report.components["registered_models"] = installed_report["models"]
+        report.host_report = installed_report
+        report.fingerprint = fingerprint(report.patches)
+        report.activated, report.ok = True, True
+        manager.hook.m3_eagle_host_ready.call_historic(kwargs={"host": manifest.host.package, "report": report})
+    except BaseException:  # e.g. another plugin's host_ready hook: leave the host as it was found
+        adapter.uninstall()
+        raise
 
 
 def activate(mode: str | None = None) -> ActivationReport:
@@ -228,12 +235,14 @@ def activate(mode: str | None = None) -> ActivationReport:
         if mode is not None:
             os.environ[MODE_ENV] = resolved  # spawned workers must make the same decision
         if report.activated:
+            from m3_eagle_plugin.manifest import UNTESTED  # loaded by _evaluate already
+
             _active = report
             _log_once(
                 f"activated m3-eagle-plugin {__version__} ({resolved}) on {report.host} {report.host_version} "
                 f"[{report.verdict}]: model={report.components.get('model_classes')}, "
                 f"kv={report.components.get('kv_cache_manager')}, patches={report.patches}, "
-                f"fingerprint={report.fingerprint}"
+                f"fingerprint={report.fingerprint}", warning=report.verdict == UNTESTED
             )
         else:
             _log_once(f"not activated ({resolved}): {report.reason}")

@@ -35,6 +35,31 @@ def test_cpu_smoke_writes_json_and_prints_table_last(tmp_path, capsys):
     assert all(r["torch_us"] > 0 for r in rows)
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--device", "gpu"], "--device: expected cuda, cuda:N or cpu, got 'gpu'"),
+    (["--qo-lens", "x"], "--qo-lens: expected a comma list of positive integers"),
+    (["--qo-lens", "0"], "--qo-lens: expected a comma list of positive integers"),
+    (["--qo-lens", "4,-2"], "--qo-lens: expected a comma list of positive integers"),
+    (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: /nonexistent/dir is not a writable"),
+    (["--write-table", "/nonexistent/t.json"], "--write-table /nonexistent/t.json: /nonexistent is not"),
+    (["--e2e", "--e2e-batches", "x"], "--e2e-batches: expected a comma list of integers"),
+    (["--e2e", "--e2e-tokens", "2"], "new_tokens must be >= 4"),
+])
+def test_bad_options_are_refused_before_anything_is_measured(argv, match, capsys, monkeypatch):
+    measured = []
+    monkeypatch.setattr(cli, "_cpu_smoke_rows", lambda args: measured.append(1) or ([], {}))
+    monkeypatch.setattr(cli, "run_end_to_end", lambda args: measured.append(2) or [])
+    assert m3_main(["bench", "--configs", "2x64", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("m3-eagle bench: ") and match in err and measured == []
+
+
+def test_cuda_without_a_gpu_is_refused_not_replaced_by_the_cpu_smoke(capsys, monkeypatch):
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
+    assert m3_main(["bench", "--configs", "2x64", "--device", "cuda"]) == 2
+    assert "no CUDA device is available" in capsys.readouterr().err
+
+
 def test_end_to_end_hook(monkeypatch):
     import m3_eagle_plugin.bench.end_to_end as e2e
 
@@ -69,6 +94,7 @@ def test_write_table_from_gpu_rows_loads_as_the_override(tmp_path, monkeypatch, 
             {"section": "kernels", "kernel": "kv_lens_update", "batch": 16, "context": 32768, "qo_len": 4,
              "graph_us": 2.5}]
     monkeypatch.setattr(kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)  # a GPU faked end to end
     monkeypatch.setattr(cli, "_gpu_rows", lambda args, device, log: (
         rows, {"device_name": "Fake GPU", "flashinfer": "0.7.4-fake"}))
     path = tmp_path / "table.json"
@@ -97,6 +123,7 @@ def test_rounds_must_be_a_positive_integer_and_reach_the_written_command(tmp_pat
     rows = [{"section": "kernels", "kernel": "sparse_step", "batch": 16, "context": 32768, "qo_len": 1,
              "graph_us": 45.1, "flashinfer_us": 45.8}]
     monkeypatch.setattr(kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)  # a GPU faked end to end
     monkeypatch.setattr(cli, "_gpu_rows", lambda args, device, log: seen.update(rounds=args.rounds) or (
         rows, {"device_name": "Fake GPU", "flashinfer": "0.7.4-fake"}))
     path = tmp_path / "table.json"

@@ -66,6 +66,9 @@ def test_bad_calls_are_rejected():
         alloc.rewind("x", 4)
     with pytest.raises(ValueError, match="num_tokens"):
         alloc.reserve("x", -1)
+    with pytest.raises(ValueError, match="num_tokens"):
+        alloc.allocate("y", -5)
+    assert "y" not in alloc and alloc.allocate("y", 4) == alloc.pages("y")  # nothing half-registered
     with pytest.raises(ValueError):
         BlockAllocator(0, 4)
 

@@ -126,6 +126,12 @@ def test_import_rejects_bad_payloads():
     truncated = KVTransferPayload(payload.fingerprint, 9, payload.pool_pages)
     with pytest.raises(ValueError, match="expected"):
         import_request(dst, 0, truncated)
+    widened = KVTransferPayload(payload.fingerprint, payload.num_tokens,
+                                tuple(t.to(torch.int16) for t in payload.pool_pages))  # right shapes
+    free, snapshot = dst.num_free_blocks, dst.storage(0).clone()
+    with pytest.raises(ValueError, match="uint8"):
+        import_request(dst, 0, widened)
+    assert 0 not in dst.allocator and dst.num_free_blocks == free and torch.equal(dst.storage(0), snapshot)
     dst.add_request(0)
     with pytest.raises(ValueError, match="already exists"):
         import_request(dst, 0, payload)

@@ -54,7 +54,11 @@ def test_cli_trains_the_draft_by_default_and_zero_keeps_it_random(tmp_path, monk
     monkeypatch.setattr(train, "distill_checkpoint",
                         lambda target, draft, *, plan, seed: calls.append((target, draft, plan.steps, seed)) or [])
     assert cli_main(["make-tiny", str(tmp_path / "a"), "--seed", "3"]) == 0
-    assert calls == [(tmp_path / "a" / "target", tmp_path / "a" / "draft", tiny.DEFAULT_TRAIN_STEPS, 3)]
+    [(target, draft, steps, seed)] = calls  # trained where it was built, before it moved into place
+    assert (target.name, draft.name, target.parent, steps, seed) == ("target", "draft", draft.parent,
+                                                                     tiny.DEFAULT_TRAIN_STEPS, 3)
+    assert target.parent.parent == tmp_path / "a" and not target.parent.exists()
+    assert (tmp_path / "a" / "target" / "model.safetensors").is_file()
     assert "trained for" in capsys.readouterr().out
     assert cli_main(["make-tiny", str(tmp_path / "b"), "--seed", "3", "--train-steps", "0"]) == 0
     assert len(calls) == 1 and "random" in capsys.readouterr().out
@@ -69,3 +73,38 @@ def test_bad_train_steps_fail_with_the_cause(tmp_path, capsys):
     assert "--train-steps" in capsys.readouterr().err
     with pytest.raises(ValueError, match="train_steps"):
         tiny.make_tiny(tmp_path, train_steps=-2)
+
+
+def test_bad_output_paths_and_seeds_are_one_line_errors_and_leave_nothing(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "draft").write_text("not a directory")
+    for argv, match in (([str(afile)], "afile"), ([str(part)], "is not a directory"),
+                        ([str(tmp_path / "s"), "--seed", str(2**64)], "seed must be"),
+                        ([str(tmp_path / "n"), "--seed", "-1"], "seed must be")):
+        assert cli_main(["make-tiny", *argv, "--train-steps", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("m3-eagle make-tiny: ") and match in err and "Traceback" not in err
+    assert sorted(p.name for p in part.iterdir()) == ["draft"]  # no target written beside the bad draft
+
+
+def test_an_interrupted_run_leaves_the_earlier_pair_and_no_scratch(tmp_path, monkeypatch):
+    import m3_eagle_plugin.eagle3.train as train
+
+    out = tmp_path / "out"
+    tiny.make_tiny(out, seed=1)
+    before = _read(out / "draft")[1]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "distill_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.make_tiny(out, seed=2, train_steps=5)
+    assert sorted(p.name for p in out.iterdir()) == ["draft", "target"]
+    after = _read(out / "draft")[1]
+    assert all((before[k] == after[k]).all() for k in before)  # the seed-1 pair, untouched
+    tiny.make_tiny(out, seed=2)  # a complete run replaces it
+    assert any(not (before[k] == _read(out / "draft")[1][k]).all() for k in before)

@@ -32,6 +32,10 @@ def test_lists_are_accepted_and_empty_rows_contribute_nothing() -> None:
     assert per_token_valid_blocks([0, 1, 0, 2], [5, 5, 0, 129], 128).tolist() == [1, 1, 2]
 
 
+def test_a_kv_len_below_qo_len_clamps_early_tokens_to_zero() -> None:
+    assert per_token_valid_blocks([5], [2], 4).tolist() == naive_valid_blocks([5], [2], 4) == [0, 0, 0, 1, 1]
+
+
 def test_num_tokens_hint_gives_same_result() -> None:
     qo, kv = torch.tensor([3, 1]), torch.tensor([7, 1])
     assert per_token_valid_blocks(qo, kv, 2, num_tokens=4).tolist() == per_token_valid_blocks(qo, kv, 2).tolist()
@@ -54,6 +58,19 @@ def test_block_size_type_is_checked() -> None:
 def test_mismatched_lengths_raise() -> None:
     with pytest.raises(MsaInputError, match="differ"):
         per_token_valid_blocks([1, 2], [3], 4)
+
+
+@pytest.mark.parametrize("qo, kv, num_tokens, match", [
+    ([-1, 3], [4, 4], None, "request 0: lengths must be >= 0"),
+    ([1, 2], [2, -3], None, "request 1: lengths must be >= 0"),
+    ([1, 3], [4, 4], 3, "sum to 4"),           # a num_tokens that is not the sum
+    ([1, 3], [4, 4], 6, "sum to 4"),
+])
+def test_bad_host_lengths_raise_naming_the_cause(qo, kv, num_tokens, match) -> None:
+    with pytest.raises(MsaInputError, match=match):
+        per_token_valid_blocks(qo, kv, 4, num_tokens=num_tokens)
+    with pytest.raises(MsaInputError, match=match):
+        per_token_valid_blocks(torch.tensor(qo), torch.tensor(kv), 4, num_tokens=num_tokens)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)

@@ -113,6 +113,20 @@ def test_prepare_rejects_bad_steps(qo, kv, table, match) -> None:
         meta.prepare(qo, kv, torch.tensor(table, dtype=torch.int32))
 
 
+def test_values_past_int32_are_refused_or_clamped_not_wrapped() -> None:
+    meta = MsaDecodeMetadata(2, 8, 8, 4, "cpu", max_draft_len=3)
+    with pytest.raises(MsaInputError, match="kv_len 2147483648 does not fit"):
+        meta.prepare([1], [2**31], torch.zeros(1, 8, dtype=torch.int64))
+    with pytest.raises(MsaInputError, match="page id past int32"):
+        meta.prepare([1], [1], torch.tensor([[2**32 + 1]], dtype=torch.int64))
+    meta.prepare([4], [10], torch.tensor([[0, 1, 2]], dtype=torch.int32))
+    staged = (meta.positions.tolist(), meta.cache_slots.tolist())
+    meta.on_update_kv_lens(torch.tensor([2**32 + 9], dtype=torch.int64))  # past the staged 10: stays 10
+    assert meta.kv_lens.tolist() == [10] and (meta.positions.tolist(), meta.cache_slots.tolist()) == staged
+    meta.on_update_kv_lens(torch.tensor([-(2**32) + 5], dtype=torch.int64))  # below 0: 0, not 5
+    assert meta.kv_lens.tolist() == [0] and meta.valid_blocks.tolist() == [0, 0, 0, 0]
+
+
 def test_constructor_and_update_validation() -> None:
     with pytest.raises(MsaInputError, match="power of two"):
         MsaDecodeMetadata(1, 1, 1, 48, "cpu")

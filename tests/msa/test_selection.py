@@ -106,6 +106,13 @@ def test_select_blocks_rejects_bad_arguments() -> None:
         select_blocks(iq, torch.zeros(3, 5), pos, block_size=2, topk=2)
     with pytest.raises(MsaInputError, match="topk"):
         select_blocks(iq, ik, pos, block_size=2, topk=0)
+    for bad in (torch.tensor([0, 3]), torch.tensor([-1, 1])):  # the own block must exist (S = 3)
+        with pytest.raises(MsaInputError, match=r"q_positions must lie in \[0, 3\)"):
+            select_blocks(iq, ik, bad, block_size=2, topk=2)
+    with pytest.raises(MsaInputError, match="integer"):
+        select_blocks(iq, ik, torch.tensor([0.0, 1.9]), block_size=2, topk=2)
+    with pytest.raises(MsaInputError, match="lie in"):
+        select_blocks(iq, torch.zeros(0, 4), pos, block_size=2, topk=2)
 
 
 def _paged_batch(rows, block, heads, dim, seed, corrections=None):

@@ -69,7 +69,8 @@ def hermetic_manager(clean_state, monkeypatch):
 
 @pytest.fixture
 def fake_install(monkeypatch):
-    """Replace the adapter's install() with a recorder (the real one needs a real TensorRT-LLM)."""
+    """Replace the adapter's install() (1) and uninstall() (-1) with a recorder (the real ones need a real
+    TensorRT-LLM)."""
     import m3_eagle_plugin.host.trtllm as adapter
 
     calls = []
@@ -78,7 +79,12 @@ def fake_install(monkeypatch):
         calls.append(1)
         return {"patches": ["fake-a", "fake-b"]}
 
+    def uninstall():
+        calls.append(-1)
+        return {}
+
     monkeypatch.setattr(adapter, "install", install, raising=False)
+    monkeypatch.setattr(adapter, "uninstall", uninstall, raising=False)
     return calls
 
 

@@ -85,11 +85,48 @@ def test_activation_is_thread_safe(active_env):
     assert installs == [1] and all(r is reports[0] for r in reports)
 
 
-def test_auto_on_untested_host_activates_with_verdict(active_env):
+def test_auto_on_untested_host_activates_with_verdict_and_a_warning(active_env):
     make_host, installs = active_env
     make_host("1.3.0")
-    report = m3_eagle_plugin.activate("auto")
+    levels = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            levels.append((record.levelno, record.getMessage()))
+
+    handler = Collect()
+    logging.getLogger(LOGGER_NAME).addHandler(handler)
+    try:
+        report = m3_eagle_plugin.activate("auto")
+    finally:
+        logging.getLogger(LOGGER_NAME).removeHandler(handler)
     assert report.activated and report.verdict == "untested" and installs == [1]
+    assert [level for level, message in levels if "activated" in message] == [logging.WARNING]
+
+
+@pytest.mark.parametrize("mode", ["auto", "require"])
+def test_a_failure_after_install_takes_the_patches_out(active_env, hermetic_manager, log_lines, mode):
+    """Another plugin's host_ready hook raising: the patches come out again, and the report (and the
+    log line saying the host was left untouched) is then true."""
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    from m3_eagle_plugin.hooks import hookimpl
+
+    class Broken:
+        @hookimpl
+        def m3_eagle_host_ready(self, host, report):
+            raise RuntimeError("third-party hook failed")
+
+    hermetic_manager.register(Broken(), name="broken")
+    if mode == "require":
+        with pytest.raises(ActivationError, match="third-party hook failed"):
+            m3_eagle_plugin.activate(mode)
+    else:
+        report = m3_eagle_plugin.activate(mode)
+        assert not report.activated and not report.ok and "third-party hook failed" in report.reason
+        assert "left untouched" in log_lines[0]
+    assert installs == [1, -1]
+    assert not m3_eagle_plugin.status().activated
 
 
 def test_require_on_untested_host_raises_unless_forced(active_env, monkeypatch):

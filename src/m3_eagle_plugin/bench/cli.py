@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import e2e  # noqa: F401 - registers the end-to-end runner behind --e2e
+from . import e2e  # also registers the end-to-end runner behind --e2e
 from .end_to_end import run_end_to_end
 from .inputs import Geometry
 from .kernel_suite import KERNELS, StepSet, run_kernel_suite
@@ -84,7 +86,7 @@ def _gpu_rows(args: argparse.Namespace, device: torch.device, log) -> tuple[list
 
     ceiling = copy_ceiling_gbps(device)
     log(f"copy ceiling (read+write) {ceiling:.0f} GB/s")
-    qo_lens = [int(x) for x in args.qo_lens.split(",") if x]
+    qo_lens = qo_lens_of(args)
     kernels = [k for k in args.kernels.split(",") if k]
     context = {"copy_ceiling_gbps": ceiling, "backend": backend_report(device),
                "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__}
@@ -116,7 +118,7 @@ def _cpu_smoke_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dic
     for batch, context in args.configs or [(2, 256)]:
         steps = StepSet(batch, context, geo, kv_dtype=torch.float32, index_dtype=torch.float32,
                         q_dtype=torch.float32, device=torch.device("cpu"), num_sets=1)
-        for qo_len in [int(x) for x in args.qo_lens.split(",") if x]:
+        for qo_len in qo_lens_of(args):
             st = steps.step(0, qo_len)
             meta, cache = st["meta"], st["cache"]
             sel = ref.select_blocks(st["index_q"], cache.index_k, meta, topk=geo.topk)
@@ -135,15 +137,53 @@ def _cpu_smoke_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dic
     return rows, {"note": "no CUDA/Triton: torch reference smoke only"}
 
 
+def qo_lens_of(args: argparse.Namespace) -> list[int]:
+    try:
+        values = [int(x) for x in args.qo_lens.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"--qo-lens: expected a comma list of positive integers, got {args.qo_lens!r}")
+    return values
+
+
+def checked_device(args: argparse.Namespace) -> torch.device:
+    """The device to measure on, every option checked first (a ValueError naming it), so a bad one
+    fails before anything is measured rather than after."""
+    want = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(want)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cuda", "cpu"):
+        raise ValueError(f"--device: expected cuda, cuda:N or cpu, got {want!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {want}: no CUDA device is available")
+    qo_lens_of(args)
+    for option in ("json", "write_table"):
+        path = getattr(args, option, None)
+        folder = Path(path).resolve().parent if path else None
+        if folder is not None and not (folder.is_dir() and os.access(folder, os.W_OK)):
+            raise ValueError(f"--{option.replace('_', '-')} {path}: {folder} is not a writable directory")
+    if args.e2e:
+        e2e.shape_from_args(args, device)
+    return device
+
+
 def main(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress goes to stderr
-    want = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(want)
+    try:
+        device = checked_device(args)
+    except ValueError as error:
+        print(f"m3-eagle bench: {error}", file=sys.stderr)
+        return 2
     from m3_eagle_plugin.msa.kernels import triton_available
 
     if device.type == "cuda" and triton_available(device):
         rows, context = _gpu_rows(args, device, log)
     else:
+        if device.type == "cuda":
+            log(f"no Triton kernels on {device}: the torch reference smoke table only")
         rows, context = _cpu_smoke_rows(args)
     if args.e2e:
         rows += run_end_to_end(args)

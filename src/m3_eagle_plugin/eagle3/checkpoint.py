@@ -12,6 +12,7 @@ all validated before anything is assigned.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -90,9 +91,20 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def load_draft(path: str | Path, target: MiniMaxM3ForCausalLM, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> Eagle3Head:
-    """Build an `Eagle3Head` for `target` from an Eagle3 checkpoint directory."""
+@dataclass(frozen=True)
+class DraftPlan:
+    """What `inspect_draft` read without touching a weight: the validated config, the checkpoint's
+    tensor names (canonical -> stored) and the shapes the head expects."""
+
+    config: Eagle3Config
+    source: SafetensorsSource
+    by_canon: dict
+    expected: dict
+
+
+def inspect_draft(path: str | Path, target_config) -> DraftPlan:
+    """Check an Eagle3 checkpoint directory against its target's config (an `M3Config`): the draft
+    `config.json`, its tensor names and shapes (safetensors headers), no weight read."""
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -106,7 +118,7 @@ def load_draft(path: str | Path, target: MiniMaxM3ForCausalLM, dtype: torch.dtyp
             raise CheckpointError(f"{source.where}: tensors {by_canon[canon]!r} and {name!r} name the same weight")
         by_canon[canon] = name
     has_fc_norm = any(c.startswith("fc_norm.") for c in by_canon)
-    tc = target.config
+    tc = target_config
     config = parse_draft_config(raw, str(config_path), target_hidden_size=tc.hidden_size,
                                 target_vocab_size=tc.vocab_size, default_aux_layer_ids=tc.default_aux_layer_ids,
                                 has_fc_norm=has_fc_norm, target_num_layers=tc.num_layers)
@@ -121,10 +133,22 @@ def load_draft(path: str | Path, target: MiniMaxM3ForCausalLM, dtype: torch.dtyp
     check_names(source.where, missing, unknown)
     for canon in present & set(expected):
         check_shape(source.where, by_canon[canon], source.shape(by_canon[canon]), expected[canon])
-    shrunk_vocab = config.draft_vocab_size != config.vocab_size
-    if shrunk_vocab and "d2t" not in present:
+    if config.draft_vocab_size != config.vocab_size and "d2t" not in present:
         raise CheckpointError(f"{source.where}: draft_vocab_size {config.draft_vocab_size} < vocab_size "
                               f"{config.vocab_size} but the checkpoint has no 'd2t' mapping")
+    return DraftPlan(config, source, by_canon, expected)
+
+
+def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> Eagle3Head:
+    """Build an `Eagle3Head` for `target` from an Eagle3 checkpoint directory (or its `inspect_draft`
+    plan, checked before the target's weights were read)."""
+    plan = path if isinstance(path, DraftPlan) else inspect_draft(path, target.config)
+    config, source, by_canon, expected = plan.config, plan.source, plan.by_canon, plan.expected
+    present = set(by_canon)
+    shrunk_vocab = config.draft_vocab_size != config.vocab_size
+    with torch.device("meta"):
+        head = Eagle3Head(config)
 
     tensors = source.get_many([by_canon[c] for c in present & set(expected)])
     state = {c: tensors[by_canon[c]] for c in present & set(expected)}
@@ -154,4 +178,4 @@ def load_draft(path: str | Path, target: MiniMaxM3ForCausalLM, dtype: torch.dtyp
     return head.eval().requires_grad_(False)
 
 
-__all__ = ["CheckpointError", "canonical_name", "load_draft", "parse_draft_config"]
+__all__ = ["CheckpointError", "DraftPlan", "canonical_name", "inspect_draft", "load_draft", "parse_draft_config"]

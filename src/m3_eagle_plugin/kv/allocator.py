@@ -87,6 +87,8 @@ class BlockAllocator:
         """Add ``rid`` holding ``num_tokens`` tokens in one step (all-or-nothing)."""
         if rid in self._pages:
             raise ValueError(f"request {rid!r} already exists")
+        if int(num_tokens) < 0:  # before anything is registered
+            raise ValueError(f"request {rid!r}: num_tokens must be >= 0, got {num_tokens}")
         if self.blocks_for(num_tokens) > len(self._free):
             raise OutOfBlocksError(
                 f"request {rid!r} needs {self.blocks_for(num_tokens)} blocks for {num_tokens} "

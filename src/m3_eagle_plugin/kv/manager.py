@@ -81,15 +81,9 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
     ) -> "PagedKVCache":
         """A MiniMax-M3 rank's cache, with ``num_draft_layers`` shared draft layers appended."""
-        draft_heads = num_kv_heads if draft_num_kv_heads is None else int(draft_num_kv_heads)
-        heads = [int(num_kv_heads)] * int(num_layers) + [draft_heads] * int(num_draft_layers)
-        draft_ids, num_target = derive_shared_draft_layout(num_layers, heads, num_draft_layers)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        geometry = minimax_m3_geometry(
-            num_target, sparse_layer_ids, num_kv_heads, head_dim, index_dim, block_size,
-            num_draft_layers=len(draft_ids), draft_num_kv_heads=draft_heads,
-            kv_bytes_per_elem=itemsize, index_bytes_per_elem=itemsize,
-        )
+        geometry, heads = minimax_m3_cache_layout(
+            num_layers, sparse_layer_ids, num_kv_heads, head_dim, index_dim, block_size,
+            num_draft_layers=num_draft_layers, draft_num_kv_heads=draft_num_kv_heads, dtype=dtype)
         return cls(geometry, block_size=block_size, num_blocks=num_blocks,
                    kv_heads=dict(enumerate(heads)), head_dim=head_dim, index_dim=index_dim,
                    dtype=dtype, device=device)
@@ -238,3 +232,29 @@ class PagedKVCache:
             base_kv_offsets=[1] * num_pools,
         )
         return dst
+
+
+def minimax_m3_cache_layout(
+    num_layers: int,
+    sparse_layer_ids: Iterable[int],
+    num_kv_heads: int,
+    head_dim: int,
+    index_dim: int,
+    block_size: int,
+    *,
+    num_draft_layers: int = 0,
+    draft_num_kv_heads: Optional[int] = None,
+    dtype: torch.dtype = torch.bfloat16,
+):
+    """(pool geometry, KV heads per layer) of `PagedKVCache.for_minimax_m3`, nothing allocated: a
+    draft layer the target's pages cannot host is refused here, before any weight is read."""
+    draft_heads = num_kv_heads if draft_num_kv_heads is None else int(draft_num_kv_heads)
+    heads = [int(num_kv_heads)] * int(num_layers) + [draft_heads] * int(num_draft_layers)
+    draft_ids, num_target = derive_shared_draft_layout(num_layers, heads, num_draft_layers)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    geometry = minimax_m3_geometry(
+        num_target, sparse_layer_ids, num_kv_heads, head_dim, index_dim, block_size,
+        num_draft_layers=len(draft_ids), draft_num_kv_heads=draft_heads,
+        kv_bytes_per_elem=itemsize, index_bytes_per_elem=itemsize,
+    )
+    return geometry, heads

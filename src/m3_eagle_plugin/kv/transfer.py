@@ -80,6 +80,9 @@ def import_request(cache: PagedKVCache, rid: Hashable, payload: KVTransferPayloa
     if [tuple(t.shape) for t in payload.pool_pages] != shapes:
         raise ValueError(f"payload holds {[tuple(t.shape) for t in payload.pool_pages]} pages, "
                          f"expected {shapes} for {payload.num_tokens} tokens")
+    dtypes = [t.dtype for t in payload.pool_pages]
+    if any(dtype != torch.uint8 for dtype in dtypes):
+        raise ValueError(f"payload pages must be uint8 bytes (as export_request writes them), got {dtypes}")
     if needed > cache.num_free_blocks:
         raise OutOfBlocksError(f"importing request {rid!r} needs {needed} blocks, "
                                f"only {cache.num_free_blocks} are free")

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -151,18 +154,34 @@ def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Ten
 def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple[Path, Path]:
     """Write OUT_DIR/target and OUT_DIR/draft; returns both paths.
 
-    `train_steps > 0` self-distills the draft from the target for that many optimizer steps.
+    `train_steps > 0` self-distills the draft from the target for that many optimizer steps. Both
+    are built in a temporary directory inside OUT_DIR and moved into place at the end (replacing
+    an earlier pair), so a failure or an interrupt leaves no half-written or untrained output.
     """
     if isinstance(train_steps, bool) or not isinstance(train_steps, int) or train_steps < 0:
         raise ValueError(f"train_steps must be a non-negative int, got {train_steps!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63 - 1:
+        raise ValueError(f"seed must be an int in [0, 2**63 - 1), got {seed!r}")
     out = Path(out_dir)
     target, draft = out / "target", out / "draft"
-    _write(target, target_config(), _random_tensors(_target_shapes(), seed, llama_norms=False))
-    _write(draft, draft_config(), _random_tensors(_draft_shapes(), seed + 1, llama_norms=True))
-    if train_steps:
-        from m3_eagle_plugin.eagle3.train import DistillPlan, distill_checkpoint
+    for path in (target, draft):
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{path} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".make-tiny-", dir=out))
+    try:
+        _write(staging / "target", target_config(), _random_tensors(_target_shapes(), seed, llama_norms=False))
+        _write(staging / "draft", draft_config(), _random_tensors(_draft_shapes(), seed + 1, llama_norms=True))
+        if train_steps:
+            from m3_eagle_plugin.eagle3.train import DistillPlan, distill_checkpoint
 
-        distill_checkpoint(target, draft, plan=DistillPlan(steps=train_steps), seed=seed)
+            distill_checkpoint(staging / "target", staging / "draft", plan=DistillPlan(steps=train_steps), seed=seed)
+        for path in (target, draft):
+            if path.is_dir():
+                shutil.rmtree(path)
+            os.replace(staging / path.name, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return target, draft
 
 
@@ -178,7 +197,11 @@ def main(args: argparse.Namespace) -> int:
     if args.train_steps < 0:
         print(f"m3-eagle make-tiny: --train-steps must be >= 0, got {args.train_steps}", file=sys.stderr)
         return 2
-    target, draft = make_tiny(args.out_dir, args.seed, args.train_steps)
+    try:
+        target, draft = make_tiny(args.out_dir, args.seed, args.train_steps)
+    except (ValueError, OSError) as error:
+        print(f"m3-eagle make-tiny: {error}", file=sys.stderr)
+        return 2
     how = f"trained for {args.train_steps} steps" if args.train_steps else "random"
     print(f"wrote {target} and {draft} (draft head {how})")
     return 0

@@ -74,7 +74,9 @@ def per_token_valid_blocks(
     Token ``t`` of request ``r`` sees ``ceil(min(kv_lens[r] - qo_lens[r] + t + 1, kv_lens[r]) / B)``
     blocks (never negative). Output lives on the inputs' device. Pass ``num_tokens`` (the sum of
     ``qo_lens``, known on the host) to keep device inputs free of host synchronisation; without
-    it the total is read back from the device.
+    it the total is read back from the device. Host (CPU) lengths are checked: none negative, and
+    ``num_tokens`` equal to their sum. A ``kv_len`` below its ``qo_len`` (a shrinking
+    correction) leaves the early tokens 0 blocks.
     """
     block_size = validate_block_size(block_size)
     device = qo_lens.device if isinstance(qo_lens, torch.Tensor) else None
@@ -86,6 +88,8 @@ def per_token_valid_blocks(
         raise MsaInputError(f"qo_lens and kv_lens differ in length: {qo.numel()} vs {kv.numel()}")
     if qo.device != kv.device:
         raise MsaInputError(f"qo_lens is on {qo.device} but kv_lens is on {kv.device}")
+    if qo.device.type == "cpu":  # host values: checked for free (on a device this would sync)
+        _check_host_lengths(qo, kv, num_tokens)
     if num_tokens is None:
         num_tokens = int(qo.sum())  # free for CPU inputs; device callers pass num_tokens
     if num_tokens < 0:
@@ -97,3 +101,12 @@ def per_token_valid_blocks(
     kv_tok = kv[token_request]
     seen = torch.minimum(kv_tok - qo[token_request] + intra + 1, kv_tok).clamp(min=0)
     return torch.div(seen + (block_size - 1), block_size, rounding_mode="floor").to(torch.int32)
+
+
+def _check_host_lengths(qo: torch.Tensor, kv: torch.Tensor, num_tokens: int | None) -> None:
+    bad = ((qo < 0) | (kv < 0)).nonzero()
+    if bad.numel():
+        r = int(bad[0])
+        raise MsaInputError(f"request {r}: lengths must be >= 0, got qo_len={int(qo[r])}, kv_len={int(kv[r])}")
+    if num_tokens is not None and num_tokens != int(qo.sum()):
+        raise MsaInputError(f"num_tokens is {num_tokens} but qo_lens sum to {int(qo.sum())}")

@@ -21,6 +21,9 @@ import torch
 
 from .blocks import MsaInputError, validate_block_size
 
+#: The largest value the metadata's int32 fields (lengths, page ids) hold.
+_INT32_MAX = (1 << 31) - 1
+
 __all__ = ["MsaDecodeMetadata"]
 
 
@@ -222,6 +225,8 @@ class MsaDecodeMetadata:
                 raise MsaInputError(f"request {r}: kv_len is 0 but qo_len is {q}")
             if q > k:
                 raise MsaInputError(f"request {r}: qo_len {q} exceeds kv_len {k} (kv_len counts the step's tokens)")
+            if k > _INT32_MAX:
+                raise MsaInputError(f"request {r}: kv_len {k} does not fit the metadata's int32 fields")
             pages = -(-k // self.block_size)
             if pages > self.max_blocks_per_seq:
                 raise MsaInputError(
@@ -231,6 +236,8 @@ class MsaDecodeMetadata:
                 raise MsaInputError(f"request {r}: kv_len {k} needs {pages} pages, block_tables has {width} columns")
             if host_table is not None and pages and bool((host_table[r, :pages] < 0).any()):
                 raise MsaInputError(f"request {r}: block_tables has an unmapped page (< 0) among its first {pages}")
+            if host_table is not None and pages and bool((host_table[r, :pages] > _INT32_MAX).any()):
+                raise MsaInputError(f"request {r}: block_tables has a page id past int32 among its first {pages}")
         num_tokens = sum(qo)
         if num_tokens > self.max_num_tokens:
             raise MsaInputError(f"step has {num_tokens} tokens, max_num_tokens is {self.max_num_tokens}")
@@ -351,8 +358,9 @@ class MsaDecodeMetadata:
         if fused is not None:
             fused(self, kv_lens)
             return
-        if kv_lens is not None:
-            self._kv_lens[: self.num_requests].copy_(kv_lens)
+        if kv_lens is not None:  # clamped while still wide: an int64 past int32 must not wrap first
+            staged = self._kv_lens_staged[: self.num_requests]
+            self._kv_lens[: self.num_requests].copy_(torch.minimum(kv_lens, staged).clamp_(min=0))
         self._derive_token_fields()
 
     def _fused_kv_lens_update(self):

@@ -109,7 +109,8 @@ def select_blocks(
     """Dense single-sequence block selection, int32 ``[H_idx, T, topk]``.
 
     ``index_q`` is ``[T, H_idx, D]`` and ``index_k`` ``[S, D]`` (already normed and rotated);
-    ``q_positions`` ``[T]`` are the queries' absolute positions in the sequence (each ``< S``).
+    ``q_positions`` ``[T]`` (integers) are the queries' absolute positions in the sequence, each in
+    ``[0, S)`` (checked: a read back on a GPU; this is the reference, not a step kernel).
     Key ``j`` is visible to a query at ``p`` iff ``j <= p``; a block scores the max raw fp32 dot
     product over its visible keys.
     """
@@ -127,6 +128,11 @@ def select_blocks(
             f"q_positions {tuple(q_positions.shape)}"
         )
     seq_len = index_k.shape[0]
+    if q_positions.dtype.is_floating_point or q_positions.dtype.is_complex or q_positions.dtype == torch.bool:
+        raise MsaInputError(f"q_positions must be an integer tensor, got {q_positions.dtype}")
+    if num_tokens and not (0 <= int(q_positions.min()) and int(q_positions.max()) < seq_len):
+        raise MsaInputError(f"q_positions must lie in [0, {seq_len}) (the index keys), got "
+                            f"[{int(q_positions.min())}, {int(q_positions.max())}]")
     num_blocks = -(-seq_len // block_size)
     keys = torch.nn.functional.pad(index_k.float(), (0, 0, 0, num_blocks * block_size - seq_len))
     key_ok = torch.arange(num_blocks * block_size, device=index_k.device) < seq_len

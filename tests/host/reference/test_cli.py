@@ -81,3 +81,54 @@ def test_progress_bar_draws_only_on_a_terminal():
         bar.close()
     assert tty.getvalue() == "\r[##..] 1/2 requests\n"
     assert pipe.getvalue() == ""
+
+
+def test_a_draft_the_target_cache_cannot_host_is_refused_before_any_weight_is_read(tiny_pair, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """README guarantee: a draft that does not fit its target fails before any weight is read (here a
+    draft with fewer KV heads than the target, whose K/V page the target's pages cannot host)."""
+    from safetensors.torch import load_file, save_file
+
+    from m3_eagle_plugin.models.safetensors_source import SafetensorsSource
+
+    target, draft = tiny_pair
+    config = json.loads((draft / "config.json").read_text())
+    kv_heads = config["num_key_value_heads"]
+    assert kv_heads > 1
+    config["num_key_value_heads"] = 1
+    bad = tmp_path / "draft_kv1"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(draft / "model.safetensors"))
+    for name in ("k_proj", "v_proj"):  # consistent with the config, so only the cache geometry refuses it
+        weight = tensors[f"midlayer.self_attn.{name}.weight"]
+        tensors[f"midlayer.self_attn.{name}.weight"] = weight[: weight.shape[0] // kv_heads].contiguous()
+    save_file(tensors, str(bad / "model.safetensors"))
+    reads = []
+    real_get_many = SafetensorsSource.get_many
+    monkeypatch.setattr(SafetensorsSource, "get_many",
+                        lambda self, names: reads.append(len(names)) or real_get_many(self, names))
+    rc, out, err = run_cli(capsys, "--model", str(target), "--draft", str(bad), "--prompt-ids", "1,2",
+                           "--max-new-tokens", "2")
+    assert rc == 2 and "cannot be hosted" in err and reads == []
+    rc, _, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--prompt-ids", "1,2",
+                         "--max-new-tokens", "2")
+    assert rc == 0 and reads  # the loader is the one the check watched
+
+
+def test_a_bad_kernel_setting_is_a_setup_error(tiny_pair, capsys, monkeypatch):
+    target, _ = tiny_pair
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "bogus")
+    rc, _, err = run_cli(capsys, "--model", str(target), "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert rc == 2 and err.startswith("m3-eagle run: M3_EAGLE_KERNELS must be") and "Traceback" not in err
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    rc, _, err = run_cli(capsys, "--model", str(target), "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert rc == 2 and "M3_EAGLE_KERNELS=flashinfer" in err and "cpu" in err
+
+
+def test_a_file_where_a_checkpoint_directory_belongs_is_named(tiny_pair, capsys):
+    target, draft = tiny_pair
+    for argv, option in ((["--model", str(target / "config.json")], "--model"),
+                         (["--model", str(target), "--draft", str(draft / "model.safetensors")], "--draft")):
+        rc, _, err = run_cli(capsys, *argv, "--prompt-ids", "1,2", "--max-new-tokens", "2")
+        assert rc == 2 and err.startswith(f"m3-eagle run: {option} ") and "not a checkpoint directory" in err

@@ -23,6 +23,13 @@ def test_reference_examples():
     assert tokens.tolist() == [0] and probs is None
 
 
+def test_a_tiny_temperature_tends_to_greedy_without_nans():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [0.5, 0.25, 0.0, float("-inf")]])
+    for temperature in (1e-39, 1e-30, 1e-6):
+        probs = filtered_probs(logits, SamplingParams(temperature=temperature))
+        torch.testing.assert_close(probs, torch.tensor([[0.0, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
 def test_bad_parameters_name_the_cause():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1.0, top_p=0.0)

@@ -62,14 +62,30 @@ def test_capture_hooks_record_hidden_plus_residual_at_layer_exit(host):
 
 
 def test_weights_go_through_the_host_m3_loader(host):
+    """The host M3 loader first (it takes no `skip_modules`), then the Eagle3 base's, which has the
+    generic loader skip the draft model, as the host's classes chain after #18872."""
     text_cls, vl_cls = _classes()
     a, b, c = torch.ones(2, 3), torch.zeros(2, 3), torch.full((1,), 7.0)
     model = text_cls(_model_config())
     model.load_weights({"model.layers.0.index_q_proj.weight": a,
                         "model.layers.0.index_k_proj.weight": b, "draft_model.fc.weight": c})
+    assert model.skipped_modules == ["draft_model"]
     assert set(model.loaded) == {"model.layers.0.index_qk_proj.weight"}
     torch.testing.assert_close(model.loaded["model.layers.0.index_qk_proj.weight"], torch.cat([a, b]))
     vl = vl_cls(_model_config())
     vl.load_weights({"language_model.lm_head.weight": c, "vision_tower.patch.weight": a,
                      "language_model.model.mtp.0.weight": b})
     assert set(vl.loaded) == {"lm_head.weight"}
+
+
+def test_vl_config_builds_on_its_text_config_with_unified_kv(host):
+    """A VL checkpoint's config (sizes only under `text_config`) builds as the host M3 constructor
+    would build it; its converted copy keeps the unified draft/target KV policy."""
+    _, vl_cls = _classes()
+    cfg = _model_config()
+    cfg.pretrained_config = SimpleNamespace(
+        model_type="minimax_m3_vl", architectures=["MiniMaxM3SparseForConditionalGeneration"],
+        text_config={"hidden_size": 8, "vocab_size": 16, "num_hidden_layers": 2})
+    model = vl_cls(cfg)
+    assert len(model.model.layers) == 2 and model.lm_head.weight.shape == (16, 8)
+    assert model.use_separate_draft_kv_cache is False

@@ -38,30 +38,59 @@ def build_engine(
     proposer=None,
 ) -> Engine:
     from m3_eagle_plugin.eagle3.capture import AuxCapture
-    from m3_eagle_plugin.eagle3.checkpoint import load_draft
+    from m3_eagle_plugin.eagle3.checkpoint import inspect_draft, load_draft
     from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.kv.manager import minimax_m3_cache_layout
+    from m3_eagle_plugin.models.config import M3Config
     from m3_eagle_plugin.models.loader import load_target
 
     device = torch.device(device)
+    # Everything a config and the tensor names can refuse is refused before any weight is read.
+    tc = M3Config.from_file(model_dir)
+    plan = inspect_draft(draft_dir, tc) if draft_dir is not None else None
+    if plan is not None and plan.config.head_dim != tc.head_dim:
+        raise ValueError(
+            f"{Path(draft_dir) / 'config.json'}: head_dim: the draft head's {plan.config.head_dim} differs from "
+            f"the target's {tc.head_dim}: the shared cache needs equal page geometry"
+        )
+    layout = (tc.num_layers, list(tc.sparse_layer_ids), tc.num_kv_heads, tc.head_dim, tc.index_dim or tc.head_dim,
+              tc.block_size)
+    shared = dict(num_draft_layers=1 if plan is not None else 0,
+                  draft_num_kv_heads=plan.config.num_kv_heads if plan is not None else None, dtype=dtype)
+    geometry, _ = minimax_m3_cache_layout(*layout, **shared)
+    _check_cache_fits(num_blocks * sum(pool.slot_bytes for pool in geometry.pools), num_blocks, device)
+
     target = load_target(model_dir, dtype=dtype, device=device)
     if config.cuda_graphs:
         target.set_graph_safe_moe(True)
     head = capture = None
-    if draft_dir is not None:
-        head = load_draft(draft_dir, target, dtype=dtype, device=device)
+    if plan is not None:
+        head = load_draft(plan, target, dtype=dtype, device=device)
         capture = AuxCapture(head.aux_layer_ids)
-    tc = target.config
-    if head is not None and head.config.head_dim != tc.head_dim:
-        raise ValueError(
-            f"the draft head's head_dim {head.config.head_dim} differs from the target's {tc.head_dim}: "
-            "the shared cache needs equal page geometry"
-        )
-    cache = PagedKVCache.for_minimax_m3(
-        tc.num_layers, list(tc.sparse_layer_ids), tc.num_kv_heads, tc.head_dim, tc.index_dim or tc.head_dim,
-        tc.block_size, num_blocks, num_draft_layers=1 if head is not None else 0,
-        draft_num_kv_heads=head.config.num_kv_heads if head is not None else None, dtype=dtype, device=device,
-    )
+    cache = PagedKVCache.for_minimax_m3(*layout, num_blocks, **shared, device=device)
     return Engine(
         target, cache, config, vocab_size=tc.vocab_size, head=head, capture=capture, proposer=proposer,
         plugin_manager=plugin_manager, device=device, num_index_heads=max(tc.index_heads, 1),
     )
+
+
+def _check_cache_fits(cache_bytes: int, num_blocks: int, device: torch.device) -> None:
+    """Refuse a KV cache larger than the device's free memory up front, naming the option (a CPU
+    allocation past it is not an error but the kernel's OOM killer)."""
+    free = _free_bytes(device)
+    if free is not None and cache_bytes > free:
+        raise ValueError(f"a KV cache of {num_blocks} blocks needs {cache_bytes / 2**30:.2f} GiB but {device} has "
+                         f"{free / 2**30:.2f} GiB free: lower --kv-blocks (or the prompts, --max-new-tokens)")
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -133,10 +133,15 @@ def main(args: argparse.Namespace) -> int:
     from m3_eagle_plugin.host.reference.build import DTYPES, blocks_for_prompts, build_engine
     from m3_eagle_plugin.host.reference.engine import EngineConfig
     from m3_eagle_plugin.host.reference.sampler import SamplingParams
+    from m3_eagle_plugin.msa.kernels import KernelBackendError, check_backend
 
     try:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available")
+        for option, path in (("--model", args.model), ("--draft", args.draft)):
+            if path is not None and not Path(path).is_dir():
+                raise ValueError(f"{option} {path}: not a checkpoint directory (config.json + safetensors)")
+        check_backend(torch.device(args.device))  # M3_EAGLE_KERNELS, before any weight is read
         if args.cuda_graphs and args.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda (CUDA graphs do not exist on CPU)")
         if args.draft_len < 0 or args.max_new_tokens < 1:
@@ -167,8 +172,15 @@ def main(args: argparse.Namespace) -> int:
             args.model, args.draft, config, num_blocks=num_blocks, device=args.device,
             dtype=DTYPES[args.dtype], plugin_manager=get_plugin_manager(), proposer=proposer,
         )
-    except (ValueError, TypeError, OSError) as error:
+    except (ValueError, TypeError, OSError, KernelBackendError) as error:
         print(f"m3-eagle run: {error}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as error:  # the step buffers or cache the options ask for
+        if not isinstance(error, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(error):
+            raise
+        what = str(error).splitlines()[0] if str(error) else "allocation failed"
+        print(f"m3-eagle run: not enough memory for these settings ({what}); lower --max-batch-size, "
+              "--max-tokens-per-step or --kv-blocks", file=sys.stderr)
         return 2
 
     bar = ProgressBar()

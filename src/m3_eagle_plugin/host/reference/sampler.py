@@ -41,7 +41,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """``[..., V]`` fp32 probabilities after temperature, top-k and top-p (nucleus) filtering."""
     if params.greedy:
         raise ValueError("filtered_probs needs temperature > 0 (greedy has no distribution to sample)")
-    scores = logits.to(torch.float32) / params.temperature
+    scores = logits.to(torch.float32)
+    # Shifted by the row max first (softmax does not change): a tiny temperature then sends the
+    # other scores to -inf instead of every score to +-inf (a NaN distribution).
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]

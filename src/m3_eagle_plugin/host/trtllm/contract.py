@@ -103,6 +103,10 @@ CONTRACT: tuple[HostSymbol, ...] = (
          ("self", "model_config"), "model"),
     _sym("m3_causal_lm", (f"{_T}.models.modeling_minimaxm3",), "MiniMaxM3ForCausalLM.load_weights",
          "method", ("self", "weights"), "model"),
+    _sym("m3_is_vl_config", (f"{_T}.models.modeling_minimaxm3",), "is_minimax_m3_vl_config", "function",
+         ("pretrained_config",), "model"),
+    _sym("m3_text_model_config", (f"{_T}.models.modeling_minimaxm3",), "get_text_model_config", "function",
+         ("model_config",), "model"),
     # Components: MSA metadata and backend.
     _sym("msa_metadata_prepare", tuple(f"{m}.msa_backend" for m in _M3_PKG),
          "MiniMaxM3MsaSparseAttentionMetadata.prepare", "method", ("self",), "msa_metadata"),

@@ -11,9 +11,12 @@ hidden states. This class reuses the host's `MiniMaxM3Model` and weight loading 
 - runs both `setup_aliases` (the host M3 override does not chain to the Eagle3 one);
 - marks its speculative config for the unified draft/target KV policy.
 
-The host M3 class sits in the MRO (behind a constructor shim) so its `load_weights` (index-QK
-fusion, norm folding, weight mapper) runs through its own `super()` chain and `isinstance`
-checks against the host class still hold.
+The host M3 class comes first in the MRO, ahead of the Eagle3 base, as in the host after #18872:
+its `load_weights` (index-QK fusion, norm folding, weight mapper) runs, then hands on to the
+Eagle3 base's, which adds `skip_modules=["draft_model"]` for the generic loader (the host M3
+method takes no `skip_modules`, so the other order fails), and `isinstance` checks against the
+host class still hold. A VL config becomes its text config before the model is built, as the host
+M3 constructor (bypassed here) does.
 """
 from __future__ import annotations
 
@@ -25,15 +28,8 @@ from m3_eagle_plugin.host.trtllm.scope import mark_unified_draft_kv
 SpecDecOneEngineForCausalLM = resolve("spec_one_engine_base")
 HostMiniMaxM3Model = resolve("m3_model")
 HostMiniMaxM3ForCausalLM = resolve("m3_causal_lm")
-DecoderModelForCausalLM = next(c for c in HostMiniMaxM3ForCausalLM.__mro__[1:]
-                               if c.__name__ == "DecoderModelForCausalLM")
-
-
-class _HostM3Weights(HostMiniMaxM3ForCausalLM):
-    """Puts the host M3 class in the MRO without running its constructor (the Eagle3 base builds)."""
-
-    def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
-        DecoderModelForCausalLM.__init__(self, model, *args, **kwargs)
+is_minimax_m3_vl_config = resolve("m3_is_vl_config")
+get_text_model_config = resolve("m3_text_model_config")
 
 
 class Eagle3CaptureHooks:
@@ -68,7 +64,7 @@ class Eagle3CaptureHooks:
 # A host that already ships NVIDIA/TensorRT-LLM#18872 (only reached when activation is forced)
 # has an Eagle3-capable M3 class whose layers capture by themselves: extend it directly.
 HOST_M3_IS_EAGLE3 = issubclass(HostMiniMaxM3ForCausalLM, SpecDecOneEngineForCausalLM)
-_BASES = (HostMiniMaxM3ForCausalLM,) if HOST_M3_IS_EAGLE3 else (SpecDecOneEngineForCausalLM, _HostM3Weights)
+_BASES = (HostMiniMaxM3ForCausalLM,) if HOST_M3_IS_EAGLE3 else (HostMiniMaxM3ForCausalLM, SpecDecOneEngineForCausalLM)
 
 
 class MiniMaxM3Eagle3ForCausalLM(*_BASES):
@@ -80,7 +76,12 @@ class MiniMaxM3Eagle3ForCausalLM(*_BASES):
             HostMiniMaxM3ForCausalLM.__init__(self, model_config)
             self.eagle3_capture = Eagle3CaptureHooks([])
         else:
-            SpecDecOneEngineForCausalLM.__init__(self, HostMiniMaxM3Model(model_config), model_config)
+            if is_minimax_m3_vl_config(model_config.pretrained_config):
+                model_config = get_text_model_config(model_config)  # a deep copy: mark its spec config too
+                mark_unified_draft_kv(getattr(model_config, "spec_config", None))
+            text = model_config.pretrained_config
+            SpecDecOneEngineForCausalLM.__init__(self, HostMiniMaxM3Model(model_config), model_config,
+                                                 hidden_size=text.hidden_size, vocab_size=text.vocab_size)
             self.eagle3_capture = Eagle3CaptureHooks(self.model.layers)
 
     def forward(self, attn_metadata: Any, input_ids: Any = None, position_ids: Any = None,

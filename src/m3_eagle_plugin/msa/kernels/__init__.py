@@ -14,6 +14,7 @@ from ._common import KernelInputError, triton_available
 from .backend import (
     KernelBackendError,
     backend_report,
+    check_backend,
     dense_attention,
     on_update_kv_lens,
     select_blocks_paged,
@@ -27,6 +28,7 @@ __all__ = [
     "KernelBackendError",
     "KernelInputError",
     "backend_report",
+    "check_backend",
     "dense_attention",
     "on_update_kv_lens",
     "select_blocks_paged",

@@ -42,6 +42,21 @@ def requested_backend() -> str:
     return mode
 
 
+def check_backend(device: torch.device | str) -> str:
+    """The requested mode, checked now against `device` (a forced `triton` or `flashinfer` that
+    cannot run there raises `KernelBackendError`), so a host can refuse it before it starts."""
+    mode = requested_backend()
+    if mode == "triton":
+        use_triton(device)
+    elif mode == "flashinfer":
+        why = fim.device_refusal(device)
+        if why is None and not fim.flashinfer_available():
+            why = fim.flashinfer_status()
+        if why is not None:
+            raise KernelBackendError(f"{ENV_VAR}=flashinfer but FlashInfer cannot run here: {why}")
+    return mode
+
+
 def use_triton(device: torch.device | str) -> bool:
     """Whether the Triton kernels serve tensors on `device` under the current override."""
     mode = requested_backend()

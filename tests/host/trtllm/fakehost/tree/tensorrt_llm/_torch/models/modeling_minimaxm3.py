@@ -1,10 +1,29 @@
-"""Double of the pre-#18872 MiniMax-M3 model: no spec_metadata in the layers, DecoderModelForCausalLM base."""
+"""Double of the pre-#18872 MiniMax-M3 model: no spec_metadata in the layers, DecoderModelForCausalLM base.
+
+As the host at 016beb63: the constructor turns a VL config into its text config first, and
+`load_weights` has no `skip_modules` (and no `**kwargs`) and calls its base with keywords."""
+import copy
+from types import SimpleNamespace
 from typing import Dict, Optional
 
 import torch
 from torch import nn
 
 from .modeling_utils import DecoderModel, DecoderModelForCausalLM, register_auto_model
+
+
+def is_minimax_m3_vl_config(pretrained_config) -> bool:
+    model_type = getattr(pretrained_config, "model_type", None)
+    if model_type in ("minimax_m3_vl", "minimax_m3"):
+        return model_type == "minimax_m3_vl"
+    return any("ForConditionalGeneration" in a for a in getattr(pretrained_config, "architectures", None) or [])
+
+
+def get_text_model_config(model_config):  # a deep copy, as the host's: its spec_config is a new object
+    cfg = copy.deepcopy(model_config)
+    text = cfg.pretrained_config.text_config
+    cfg.pretrained_config = SimpleNamespace(**text) if isinstance(text, dict) else text
+    return cfg
 
 
 class MiniMaxM3DecoderLayer(nn.Module):
@@ -38,6 +57,8 @@ class MiniMaxM3Model(DecoderModel):
 @register_auto_model("MiniMaxM3SparseForCausalLM")
 class MiniMaxM3ForCausalLM(DecoderModelForCausalLM):
     def __init__(self, model_config):
+        if is_minimax_m3_vl_config(model_config.pretrained_config):
+            model_config = get_text_model_config(model_config)
         cfg = model_config.pretrained_config
         super().__init__(MiniMaxM3Model(model_config), config=model_config,
                          hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)
@@ -49,7 +70,7 @@ class MiniMaxM3ForCausalLM(DecoderModelForCausalLM):
             k_name = name.replace("index_q_proj", "index_k_proj")
             fused[name.replace("index_q_proj", "index_qk_proj")] = torch.cat(
                 [fused.pop(name), fused.pop(k_name)])
-        super().load_weights(fused, weight_mapper, params_map=params_map,
+        super().load_weights(weights=fused, weight_mapper=weight_mapper, params_map=params_map,
                              allow_partial_loading=allow_partial_loading)
 
     def setup_aliases(self) -> None:  # does not chain to super(), as in the real host

@@ -32,6 +32,5 @@ class SpecDecOneEngineForCausalLM(DecoderModelForCausalLM[TModel, TConfig], Gene
 
     def load_weights(self, weights: Dict, weight_mapper=None, params_map: Optional[Dict[str, str]] = None,
                      allow_partial_loading: bool = False):
-        target = {k: v for k, v in weights.items() if not k.startswith("draft_model.")}
-        super().load_weights(target, weight_mapper, params_map=params_map,
-                             allow_partial_loading=allow_partial_loading)
+        super().load_weights(weights=weights, weight_mapper=weight_mapper, skip_modules=["draft_model"],
+                             params_map=params_map, allow_partial_loading=allow_partial_loading)

@@ -55,4 +55,6 @@ class DecoderModelForCausalLM(nn.Module, Generic[TModel, TConfig]):
 
     def load_weights(self, weights, weight_mapper=None, skip_modules=[], params_map=None,
                      allow_partial_loading=False) -> None:
-        self.loaded.update(weights)
+        self.skipped_modules = list(skip_modules)
+        self.loaded.update({k: v for k, v in weights.items()
+                            if not any(k.startswith(f"{m}.") for m in skip_modules)})
