@@ -2,7 +2,8 @@
 
 Loads the MiniMax-M3 target and (optionally) the Eagle3 head, sizes a paged cache with the draft
 layer appended to the target's layers (shared pool, like the TensorRT-LLM unified manager), and
-wires the aux capture the head reads.
+wires the aux capture the head reads. Both configs, the draft's tensor names and shapes, the
+shared cache's geometry and its size against free memory are checked before any weight is read.
 """
 from __future__ import annotations
 
