@@ -1,8 +1,11 @@
 """The MiniMax-M3 Eagle3 model class on the host double: Eagle3 base, capture, weights, aliases."""
 from __future__ import annotations
 
+import shutil
+import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from m3_eagle_plugin.host import trtllm as adapter
@@ -89,3 +92,49 @@ def test_vl_config_builds_on_its_text_config_with_unified_kv(host):
     model = vl_cls(cfg)
     assert len(model.model.layers) == 2 and model.lm_head.weight.shape == (16, 8)
     assert model.use_separate_draft_kv_cache is False
+
+
+@pytest.fixture
+def post_18872_host(fake_host_dirs, tmp_path):
+    """The double with its M3 class rewritten as after #18872 (an Eagle3 base of its own, which
+    converts a VL config itself); reached only by forced activation."""
+    from .conftest import _activate, _deactivate
+    from .fakehost import CURRENT
+
+    root = tmp_path / "post"
+    shutil.copytree(fake_host_dirs[CURRENT], root)
+    module = root / "tensorrt_llm/_torch/models/modeling_minimaxm3.py"
+    text = module.read_text()
+    for before, after in (
+        ("class MiniMaxM3ForCausalLM(DecoderModelForCausalLM):",
+         "class MiniMaxM3ForCausalLM(SpecDecOneEngineForCausalLM):"),
+        ("""        super().__init__(MiniMaxM3Model(model_config), config=model_config,
+                         hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)""",
+         """        super().__init__(MiniMaxM3Model(model_config), model_config,
+                         hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)"""),
+        ("from .modeling_utils import",
+         "from .modeling_speculative import SpecDecOneEngineForCausalLM\nfrom .modeling_utils import"),
+    ):
+        assert before in text
+        text = text.replace(before, after)
+    module.write_text(text)
+    _activate(root)
+    import tensorrt_llm
+
+    yield tensorrt_llm
+    _deactivate(root)
+    assert str(root) not in sys.path
+
+
+def test_vl_config_on_a_post_18872_host_keeps_unified_kv(post_18872_host):
+    """There the host's own constructor would deep-copy a VL config; the plugin converts it first and
+    marks the copy, so the Eagle3 base still sees the unified draft/target KV policy."""
+    from m3_eagle_plugin.host.trtllm import model as plugin_model
+
+    _, vl_cls = _classes()
+    assert plugin_model.HOST_M3_IS_EAGLE3
+    cfg = _model_config()
+    cfg.pretrained_config = SimpleNamespace(
+        model_type="minimax_m3_vl", text_config={"hidden_size": 8, "vocab_size": 16, "num_hidden_layers": 2})
+    model = vl_cls(cfg)
+    assert len(model.model.layers) == 2 and model.use_separate_draft_kv_cache is False

@@ -15,8 +15,9 @@ The host M3 class comes first in the MRO, ahead of the Eagle3 base, as in the ho
 its `load_weights` (index-QK fusion, norm folding, weight mapper) runs, then hands on to the
 Eagle3 base's, which adds `skip_modules=["draft_model"]` for the generic loader (the host M3
 method takes no `skip_modules`, so the other order fails), and `isinstance` checks against the
-host class still hold. A VL config becomes its text config before the model is built, as the host
-M3 constructor (bypassed here) does.
+host class still hold. A VL config becomes its text config here, before any host constructor
+runs (the pre-#18872 one is bypassed; the later one would convert it itself, into a deep copy
+whose speculative config would miss the unified-KV mark).
 """
 from __future__ import annotations
 
@@ -72,13 +73,13 @@ class MiniMaxM3Eagle3ForCausalLM(*_BASES):
 
     def __init__(self, model_config: Any) -> None:
         mark_unified_draft_kv(getattr(model_config, "spec_config", None))
+        if is_minimax_m3_vl_config(model_config.pretrained_config):  # here, not in the host's constructor:
+            model_config = get_text_model_config(model_config)  # a deep copy, whose spec config needs the mark too
+            mark_unified_draft_kv(getattr(model_config, "spec_config", None))
         if HOST_M3_IS_EAGLE3:
             HostMiniMaxM3ForCausalLM.__init__(self, model_config)
             self.eagle3_capture = Eagle3CaptureHooks([])
         else:
-            if is_minimax_m3_vl_config(model_config.pretrained_config):
-                model_config = get_text_model_config(model_config)  # a deep copy: mark its spec config too
-                mark_unified_draft_kv(getattr(model_config, "spec_config", None))
             text = model_config.pretrained_config
             SpecDecOneEngineForCausalLM.__init__(self, HostMiniMaxM3Model(model_config), model_config,
                                                  hidden_size=text.hidden_size, vocab_size=text.vocab_size)
