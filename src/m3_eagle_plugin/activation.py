@@ -150,9 +150,23 @@ def _collect_components(manager: Any, host: str) -> dict[str, Any]:
     }
 
 
+def _verdict_refusal(mode: str, verdict: Any, manifest: Any, force: bool) -> str | None:
+    """Why `mode` (auto or require) refuses a host with this manifest verdict, or None."""
+    from m3_eagle_plugin.manifest import DEFER, UNSUPPORTED, UNTESTED
+
+    if verdict.status == UNSUPPORTED or (verdict.status == DEFER and mode == "require"):
+        return verdict.reason
+    if verdict.status == UNTESTED and not force:
+        if mode == "require":
+            return f"{verdict.reason}; set {FORCE_ENV}=1 to activate anyway"
+        if manifest.activation.on_untested_host == "refuse":
+            return f"{verdict.reason}; the manifest refuses untested hosts"
+    return None
+
+
 def _evaluate(mode: str, report: ActivationReport) -> None:
     """Fill `report` and activate; raises ActivationError (require) or returns with ok=False (auto)."""
-    from m3_eagle_plugin.manifest import DEFER, UNSUPPORTED, UNTESTED, host_verdict, load_manifest
+    from m3_eagle_plugin.manifest import DEFER, host_verdict, load_manifest
 
     manifest = load_manifest()
     installed, version = host_version(manifest.host.package)
@@ -164,18 +178,12 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
         raise ActivationError(f"{manifest.host.package} is not installed (pip install {manifest.host.package})")
     if version is None:
         raise ActivationError(f"{manifest.host.package} is importable but its version is unknown (no dist-info)")
-    if verdict.status == UNSUPPORTED:
-        raise ActivationError(verdict.reason)
+    refusal = _verdict_refusal(mode, verdict, manifest, force)
+    if refusal is not None:
+        raise ActivationError(refusal)
     if verdict.status == DEFER:
-        if mode == "require":
-            raise ActivationError(verdict.reason)
         report.ok = True
         return
-    if verdict.status == UNTESTED and not force:
-        if mode == "require":
-            raise ActivationError(f"{verdict.reason}; set {FORCE_ENV}=1 to activate anyway")
-        if manifest.activation.on_untested_host == "refuse":
-            raise ActivationError(f"{verdict.reason}; the manifest refuses untested hosts")
 
     from m3_eagle_plugin.registry import get_plugin_manager
 
@@ -266,7 +274,8 @@ def status() -> ActivationReport:
         manifest = load_manifest()
         installed, version = host_version(manifest.host.package)
         report.host, report.host_version = manifest.host.package, version
-        verdict = host_verdict(version, manifest, force=force_requested())
+        force = force_requested()
+        verdict = host_verdict(version, manifest, force=force)
         report.verdict, report.reason = verdict.status, verdict.reason
         if not installed:
             report.reason = f"{manifest.host.package} is not installed"
@@ -276,6 +285,12 @@ def status() -> ActivationReport:
         report.plugin_errors = [str(error) for error in manager.load_errors]
         report.components = _collect_components(manager, manifest.host.package)
         report.components["reference"] = _collect_components(manager, "reference")
+        if installed and version is not None and mode != "off":  # what activating now would decide
+            refusal = _verdict_refusal(mode, verdict, manifest, force)
+            if refusal is None and mode == "require" and report.plugin_errors:
+                refusal = "; ".join(report.plugin_errors)
+            if refusal is not None:
+                report.ok, report.reason = False, refusal
     except Exception as exc:  # noqa: BLE001 - status reports, it does not fail
         report.ok = False
         report.reason = f"{report.reason}; {type(exc).__name__}: {exc}" if report.reason else f"{type(exc).__name__}: {exc}"

@@ -99,6 +99,8 @@ def collect(host_source: str | None = None) -> dict[str, Any]:
     data["adapter"] = adapter if why is None else {"unavailable": why}
     backend, why = _optional_call("m3_eagle_plugin.msa.kernels", "backend_report")
     data["kernel_backend"] = backend if why is None else {"unavailable": why}
+    if why is not None and " failed: " in why:
+        data["ok"] = False  # e.g. a bad M3_EAGLE_KERNELS, which every kernel call would refuse
     if "error" in (data["kernel_backend"].get("kernel_table") or {}):
         data["ok"] = False  # a broken M3_EAGLE_KERNEL_TABLE would raise at the first eligible call
     if host_source is not None:

@@ -118,6 +118,10 @@ class M3PluginManager(pluggy.PluginManager):
                 if self.is_registered(plugin):
                     continue
                 self.register(plugin, name=ep.name)
+                unknown = self._unknown_hooks(plugin)
+                if unknown:  # check_pending() below would otherwise fail the whole manager
+                    self.unregister(plugin)
+                    raise pluggy.PluginValidationError(plugin, f"implements unknown hook(s) {unknown}")
                 if dist is not None:
                     self.distributions[ep.name] = f"{dist} {ep_dist.version}"
             except Exception as exc:  # a broken plugin must not take the others down
@@ -130,6 +134,12 @@ class M3PluginManager(pluggy.PluginManager):
             loaded.append(ep.name)
         self.check_pending()
         return loaded
+
+    def _unknown_hooks(self, plugin: object) -> list[str]:
+        """Hooks `plugin` implements that no spec declares (and are not marked optional)."""
+        return sorted(caller.name for caller in self.get_hookcallers(plugin) or ()
+                      if not caller.has_spec()
+                      and any(impl.plugin is plugin and not impl.optionalhook for impl in caller.get_hookimpls()))
 
     # -- tracing ---------------------------------------------------------------------------------
     def enable_trace(self, writer: Callable[[str], None] | None = None) -> None:

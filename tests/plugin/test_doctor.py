@@ -30,6 +30,31 @@ def test_table_with_fake_host(fake_host, hermetic_manager, capsys, monkeypatch):
     assert "fake.kv:Manager" in out and "recording" in out
 
 
+@pytest.mark.parametrize("mode, version, ok, why", [
+    ("require", "1.6.0", False, "outside"),           # unsupported: require raises, auto does nothing
+    ("auto", "1.6.0", False, "outside"),
+    ("require", "1.4.0rc1", False, "18872"),          # defer: require raises, auto steps aside (fine)
+    ("auto", "1.4.0rc1", True, "18872"),
+    ("require", "1.3.0", False, "M3_EAGLE_PLUGIN_FORCE"),  # untested: require needs the force switch
+    ("auto", "1.3.0", True, None),
+    ("require", "1.3.0rc24", True, None),             # tested
+])
+def test_doctor_ok_is_what_activating_would_decide(fake_host, hermetic_manager, capsys, monkeypatch,
+                                                   mode, version, ok, why):
+    fake_host(version)
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", mode)
+    assert cli.main(["doctor", "--json"]) == (0 if ok else 1)
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is ok and (why is None or why in data["reason"]), data["reason"]
+
+
+def test_a_bad_kernel_setting_fails_the_doctor(clean_state, capsys, monkeypatch):
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "bogus")
+    assert cli.main(["doctor", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and "M3_EAGLE_KERNELS must be" in data["kernel_backend"]["unavailable"]
+
+
 def test_bad_mode_fails(clean_state, monkeypatch, capsys):
     monkeypatch.setenv("M3_EAGLE_PLUGIN", "sometimes")
     assert cli.main(["doctor", "--json"]) == 1

@@ -160,6 +160,28 @@ def test_broken_entry_point_is_reported_not_fatal(manager, monkeypatch):
     assert "missing_dependency" in str(manager.load_errors[0])
 
 
+def test_an_entry_point_with_an_unknown_hook_is_a_load_error_not_a_broken_manager(manager, monkeypatch):
+    """The README: a plugin that fails to load is reported, fatal only under `require`; the others
+    (the built-in one included) keep working."""
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+
+    class FromTheFuture:
+        @hookimpl
+        def m3_eagle_no_such_hook(self, host):
+            return None
+
+    future = FromTheFuture()
+    eps = [_FakeEntryPoint("future", "future_pkg:plugin", lambda: future),
+           _FakeEntryPoint("drafter", "ok:Drafter", Drafter)]
+    assert manager.load_entrypoints(entry_points=eps) == ["drafter"]
+    assert [e.name for e in manager.load_errors] == ["future"]
+    assert "m3_eagle_no_such_hook" in str(manager.load_errors[0])
+    assert not manager.is_registered(future)
+    manager.check_pending()  # nothing unknown left behind
+    with pytest.raises(PluginError, match="future"):
+        manager.load_entrypoints(entry_points=eps[:1], strict=True)
+
+
 def test_broken_entry_point_is_fatal_when_strict(manager):
     with pytest.raises(PluginError, match="broken"):
         manager.load_entrypoints(entry_points=[_FakeEntryPoint("broken", "x:y", _raise)], strict=True)

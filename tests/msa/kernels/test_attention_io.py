@@ -34,6 +34,12 @@ def _good():
     (lambda q, k, v, m: (q, torch.zeros(3, 2, 24, 32), torch.zeros(3, 2, 24, 32), m), "powers of two"),
     (lambda q, k, v, m: (q, k.int(), v.int(), m), "unsupported KV dtype"),
     (lambda q, k, v, m: (q, k, v, types.SimpleNamespace(kv_lens=m.kv_lens)), "lacks field"),
+    (lambda q, k, v, m: (q[:1], k, v, types.SimpleNamespace(**{**vars(m), "positions": torch.zeros(4)})),
+     "q has 1 rows, fewer than the metadata's 4 tokens"),
+    (lambda q, k, v, m: (q, k, v, types.SimpleNamespace(**vars(m), block_size=32)),
+     "k_cache has 16-token pages but the metadata's block_size is 32"),
+    (lambda q, k, v, m: (q, k, v, types.SimpleNamespace(
+        **{**vars(m), "block_tables": torch.zeros(3, 2, dtype=torch.int32).t()})), "unit column stride"),
 ])
 def test_bad_inputs_are_refused_with_their_cause(change, cause):
     q, k, v = _good()

@@ -41,6 +41,9 @@ def test_qo_len_hint_prefers_caller_then_metadata():
     assert qo_len_hint(object(), None) is None
     with pytest.raises(KernelInputError, match="max_qo_len"):
         qo_len_hint(object(), 0)
+    # a bound below the step's own longest request would size the verify grids too small
+    with pytest.raises(KernelInputError, match="max_qo_len 1 is below the step's longest request"):
+        qo_len_hint(types.SimpleNamespace(max_qo_len=4), 1)
 
 
 def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():

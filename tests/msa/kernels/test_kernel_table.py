@@ -118,6 +118,19 @@ def test_malformed_override_names_the_file_and_the_problem(tmp_path, monkeypatch
     assert str(path) in str(info.value) and problem in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("content, problem", [
+    (b"\xff\xfe\x00binary", "not UTF-8 text"),
+    (b"[" * 100000, "not valid JSON (RecursionError"),
+])
+def test_undecodable_override_names_the_file(tmp_path, monkeypatch, content, problem):
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(path))
+    with pytest.raises(kt.KernelTableError) as info:
+        kt.load_table()
+    assert str(path) in str(info.value) and problem in str(info.value), str(info.value)
+
+
 def test_missing_override_file(tmp_path, monkeypatch):
     monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(tmp_path / "nowhere.json"))
     with pytest.raises(kt.KernelTableError, match="nowhere.json: cannot read"):

@@ -88,3 +88,19 @@ def test_property_matches_metadata_and_is_idempotent(reqs, seed):
     _assert_same(ref_meta, meta)
     _fused(meta, meta.kv_lens.clone())
     _assert_same(ref_meta, meta)
+
+
+def test_a_strided_kv_lens_is_refused_before_anything_runs():
+    """The kernel reads `kv_lens` densely; a strided view would be read as other requests' lengths."""
+    import pytest
+
+    from m3_eagle_plugin.msa import MsaDecodeMetadata
+    from m3_eagle_plugin.msa.kernels import KernelInputError
+    from m3_eagle_plugin.msa.kernels.kv_lens_update import on_update_kv_lens_fused
+
+    meta = MsaDecodeMetadata(3, 12, 4, 16, "cpu", max_draft_len=3)
+    meta.prepare([4, 4, 4], [38, 67, 19], torch.arange(12, dtype=torch.int32).view(3, 4))
+    staged = meta.kv_lens.tolist()
+    with pytest.raises(KernelInputError, match="kv_lens must be contiguous"):
+        on_update_kv_lens_fused(meta, torch.tensor([38, 0, 67, 0, 19, 0])[::2])
+    assert meta.kv_lens.tolist() == staged

@@ -99,6 +99,7 @@ def _small(device="cpu", dtype=torch.float32):
     (lambda a: a.update(k=a["k"].to(torch.float16)), "cast first"),
     (lambda a: a.update(v=a["v"][:2]), "v must be"),
     (lambda a: a.update(slots=a["slots"].float()), "integer"),
+    (lambda a: a.update(slots=torch.zeros(6, dtype=torch.long)[::2]), "slots must be contiguous"),
     (lambda a: a.update(index_k=None), "together"),
     (lambda a: a.update(index_k_cache=a["index_k_cache"][:, :4]), "block size"),
     (lambda a: a.update(v_cache=a["v_cache"][..., :8]), "shapes differ"),

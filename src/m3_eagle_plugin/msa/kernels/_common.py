@@ -98,12 +98,18 @@ def next_pow2(n: int) -> int:
 
 def qo_len_hint(meta: Any, max_qo_len: int | None) -> int | None:
     """The caller's bound on query tokens per request, else the metadata's host value
-    (`MsaDecodeMetadata.max_qo_len`, set by `prepare`), else None (kernels use a worst case)."""
+    (`MsaDecodeMetadata.max_qo_len`, set by `prepare`), else None (kernels use a worst case).
+    The bound must hold for every request (the verify grids are sized by it); one below the
+    metadata's own value is refused."""
+    host = getattr(meta, "max_qo_len", None)
+    host = host if isinstance(host, int) and host > 0 else None
     if max_qo_len is not None:
         require(int(max_qo_len) >= 1, f"max_qo_len must be >= 1, got {max_qo_len}")
+        require(host is None or int(max_qo_len) >= host,
+                f"max_qo_len {max_qo_len} is below the step's longest request ({host} tokens): the grids it "
+                "sizes would leave tokens out")
         return int(max_qo_len)
-    host = getattr(meta, "max_qo_len", None)
-    return int(host) if isinstance(host, int) and host > 0 else None
+    return host
 
 
 def is_pow2(n: int) -> bool:
@@ -164,10 +170,27 @@ def check_meta(meta: Any) -> None:
     for field in ("block_tables", "kv_lens", "cu_qo_lens", "positions"):
         require(hasattr(meta, field), f"metadata object lacks field {field!r}")
     require(meta.block_tables.dtype == torch.int32, "meta.block_tables must be int32")
+    require(meta.block_tables.dim() == 2 and (meta.block_tables.stride(1) == 1 or meta.block_tables.shape[1] <= 1),
+            f"meta.block_tables must be 2-D with unit column stride, got strides {tuple(meta.block_tables.stride())}")
     require(
         meta.cu_qo_lens.shape[0] == meta.kv_lens.shape[0] + 1,
         "meta.cu_qo_lens must have num_requests + 1 entries",
     )
+
+
+def check_step_rows(name: str, rows: torch.Tensor, meta: Any) -> None:
+    """`rows` (queries or index queries) hold a row for every metadata token (rows past them are
+    graph padding): the kernels index them by the metadata alone."""
+    num_tokens = meta.positions.shape[0]
+    require(rows.shape[0] >= num_tokens, f"{name} has {rows.shape[0]} rows, fewer than the metadata's "
+            f"{num_tokens} tokens")
+
+
+def check_cache_block(name: str, block: int, meta: Any) -> None:
+    """A cache view's pages hold the metadata's blocks (its block table is read with that size)."""
+    meta_block = getattr(meta, "block_size", None)
+    require(not isinstance(meta_block, int) or meta_block == block,
+            f"{name} has {block}-token pages but the metadata's block_size is {meta_block}")
 
 
 def compute_dtype_of(q: torch.Tensor) -> torch.dtype:

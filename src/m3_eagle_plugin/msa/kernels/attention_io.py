@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ._common import FP8_DTYPES, check_cache_view, check_meta, compute_dtype_of, require
+from ._common import (FP8_DTYPES, check_cache_block, check_cache_view, check_meta, check_step_rows, compute_dtype_of,
+                      require)
 from .merge import merge_splits
 
 
@@ -29,6 +30,8 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             "block size and head dim must be powers of two >= 16")
     allowed = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
     require(k_cache.dtype in allowed and v_cache.dtype in allowed, f"unsupported KV dtype {k_cache.dtype}")
+    check_step_rows("q", q, meta)
+    check_cache_block("k_cache", block, meta)
 
 
 #: Most elements the split partials `[T, Hq, splits, D]` may take (512 MB in fp32).

@@ -209,7 +209,11 @@ def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, i
 
 def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=None, v_scale=None,
                      max_qo_len: int | None = None):
-    """Dispatching twin of `msa.sparse_attention` (fp8 scales handled by the kernels only)."""
+    """Dispatching twin of `msa.sparse_attention` (fp8 scales handled by the kernels only).
+
+    `selection` rows must be in the form the selectors write: ascending block ids, no duplicates,
+    -1 only as trailing padding. The kernels walk each row's leading valid entries; checking that
+    on the device would cost a host sync per layer, so it is the caller's contract."""
     q_len = flashinfer_route(fim.SPARSE, q.device, meta, q.shape[0], max_qo_len, lambda: fim.eligibility(
         fim.SPARSE, q, k_cache, v_cache, meta, selection, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len))
     if q_len is not None:

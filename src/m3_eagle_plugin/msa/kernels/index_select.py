@@ -23,8 +23,10 @@ from ._common import (
     qo_len_hint,
     FP8_DTYPES,
     byte_aligned,
+    check_cache_block,
     check_cache_view,
     check_meta,
+    check_step_rows,
     device_capability,
     device_sm_count,
     fits_one_tile,
@@ -265,6 +267,8 @@ def index_block_scores(
     num_tokens, num_heads, dim = index_q.shape
     _, block, kdim = index_k_cache.shape
     require(kdim == dim, f"index dims differ: index_q {dim} vs index_k_cache {kdim}")
+    check_step_rows("index_q", index_q, meta)
+    check_cache_block("index_k_cache", block, meta)
     require(block >= 16 and dim >= 16 and block & (block - 1) == 0 and dim & (dim - 1) == 0,
             "block size and index dim must be powers of two >= 16")
     require(index_k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES,
@@ -366,6 +370,8 @@ def topk_from_block_scores(
     """
     require(topk >= 1, f"topk must be >= 1, got {topk}")
     require(local_blocks >= 0 and init_blocks >= 0, "local_blocks and init_blocks must be >= 0")
+    require(local_blocks + init_blocks <= topk, f"local_blocks {local_blocks} + init_blocks {init_blocks} exceed topk "
+            f"{topk}: the forced blocks would not all be selected")
     require(hasattr(meta, "valid_blocks"), "metadata object lacks field 'valid_blocks'")
     num_heads, num_tokens, width = block_scores.shape
     num_requests = meta.kv_lens.shape[0]

@@ -149,13 +149,15 @@ def parse_table(data: Any, source: str, *, shipped: bool = False) -> KernelTable
 @functools.lru_cache(maxsize=8)
 def _load(path: str, shipped: bool) -> KernelTable:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise KernelTableError(f"kernel table {path}: cannot read ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise KernelTableError(f"kernel table {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     try:
         data = json.loads(text)
-    except ValueError as exc:
-        raise KernelTableError(f"kernel table {path}: not valid JSON ({exc})") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's stack
+        raise KernelTableError(f"kernel table {path}: not valid JSON ({type(exc).__name__}: {exc})") from exc
     return parse_table(data, path, shipped=shipped)
 
 

@@ -127,6 +127,8 @@ def on_update_kv_lens_fused(meta: Any, kv_lens: torch.Tensor | None = None) -> N
         require(isinstance(kv_lens, torch.Tensor) and kv_lens.dim() == 1 and kv_lens.shape[0] == meta.num_requests,
                 f"kv_lens must be a 1-D device tensor of num_requests={meta.num_requests} entries")
         require(not kv_lens.dtype.is_floating_point and kv_lens.dtype != torch.bool, "kv_lens must be integer")
+        require(kv_lens.stride(0) == 1 or kv_lens.shape[0] <= 1,
+                f"kv_lens must be contiguous (the kernel reads it densely), got stride {kv_lens.stride(0)}")
     derive_token_fields(
         kv_lens=meta._kv_lens, kv_lens_staged=meta._kv_lens_staged, qo_lens=meta._qo_lens,
         qo_offsets=meta._qo_offsets, token_request=meta._token_request, token_intra=meta._token_intra,

@@ -63,6 +63,8 @@ def write_step_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tor
     _, hkv, block, dim = k_cache.shape
     require(slots.dim() == 1 and not slots.dtype.is_floating_point and slots.dtype != torch.bool,
             f"slots must be a 1-d integer tensor, got {slots.dtype} {tuple(slots.shape)}")
+    require(slots.stride(0) == 1 or slots.shape[0] <= 1,
+            f"slots must be contiguous (the kernel reads it densely), got stride {slots.stride(0)}")
     num_tokens = slots.shape[0]
     _check_rows("k", k, k_cache, (num_tokens, hkv, dim))
     _check_rows("v", v, v_cache, (num_tokens, hkv, dim))

@@ -338,7 +338,8 @@ def sparse_verify_attention(
     request_major: bool = False,
     checked: bool = False,
 ) -> torch.Tensor:
-    """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids.
+    """`[T, Hq, D]` in `q.dtype`; `selection` int32 `[Hkv, T, topk]` of logical block ids, each row
+    ascending without duplicates and -1 padded at its end (the selectors' form; not checked).
 
     `max_qo_len` (the most query tokens any request has; 1 + draft_len on verify steps) sizes the
     grid; leave it None only when unknown (then a worst-case bound is used). `layout` "union"
