@@ -7,8 +7,6 @@ from hypothesis import given, settings, strategies as st
 from .kernel_case_helpers import needs_gpu
 from m3_eagle_plugin.bench.inputs import shuffled_block_tables
 
-pytestmark = needs_gpu
-
 FIELDS = ("_kv_lens", "_qo_offsets", "_positions", "_token_kv_lens", "_valid_blocks", "_cache_slots")
 
 
@@ -46,6 +44,7 @@ def _fused(meta, kv=None):
     on_update_kv_lens_fused(meta, kv)
 
 
+@needs_gpu
 def test_correction_matches_metadata_and_replays_in_graph():
     ref_meta, meta = _pair([4, 4, 1, 4], [70, 40, 17, 5])
     new = torch.tensor([67, 100, 16, 3], dtype=torch.int32, device="cuda")  # 100 > staged; 3 < qo_len
@@ -64,6 +63,7 @@ def test_correction_matches_metadata_and_replays_in_graph():
     _assert_same(ref_meta, meta)
 
 
+@needs_gpu
 def test_without_new_lengths_rederives_current():
     ref_meta, meta = _pair([2, 5], [33, 80])
     ref_meta.on_update_kv_lens()
@@ -77,6 +77,7 @@ def test_without_new_lengths_rederives_current():
     reqs=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 90), st.integers(0, 6)), min_size=1, max_size=6),
     seed=st.integers(0, 100),
 )
+@needs_gpu
 def test_property_matches_metadata_and_is_idempotent(reqs, seed):
     qo_lens = [q for q, _, _ in reqs]
     kv_lens = [q + extra + (1 if q == 0 and extra == 0 else 0) for q, extra, _ in reqs]
@@ -98,7 +99,7 @@ def test_a_strided_kv_lens_is_refused_before_anything_runs():
     from m3_eagle_plugin.msa.kernels import KernelInputError
     from m3_eagle_plugin.msa.kernels.kv_lens_update import on_update_kv_lens_fused
 
-    meta = MsaDecodeMetadata(3, 12, 4, 16, "cpu", max_draft_len=3)
+    meta = MsaDecodeMetadata(3, 12, 4, 32, "cpu", max_draft_len=3)
     meta.prepare([4, 4, 4], [38, 67, 19], torch.arange(12, dtype=torch.int32).view(3, 4))
     staged = meta.kv_lens.tolist()
     with pytest.raises(KernelInputError, match="kv_lens must be contiguous"):
