@@ -108,6 +108,36 @@ def test_scratch_is_sized_by_verify_tokens_not_batch(current_host):
         too_long.prepare()
 
 
+def test_a_prefill_longer_than_the_decode_scratch_publishes_its_slots(current_host):
+    """A context step has more tokens than the decode scratch (`msa_n_valid_blocks`, decode rows
+    only): its slots are published, the scratch is left to the decode steps."""
+    backend = _backend()
+    plugin, _ = _classes()
+    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64)
+    manager.add_sequence(0, list(range(10)))
+    meta = _metadata(backend.Metadata, manager, seq_lens=[40], cached=[0], max_num_tokens=64)
+    meta.num_contexts = 1
+    meta.prepare()
+    assert meta.msa_n_valid_blocks.numel() < 40 and not meta.m3_eagle_step.is_decode_only
+    assert meta.msa_out_cache_loc[:40].tolist() == list(range(40))  # pages 0..9, 4 slots each
+    assert meta.msa_out_cache_loc[40:].eq(-1).all()
+
+
+def test_a_shorter_step_leaves_no_slots_of_the_longer_one(current_host):
+    backend = _backend()
+    plugin, _ = _classes()
+    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64)
+    manager.add_sequence(0, [0, 1, 2])
+    manager.add_sequence(1, [5, 6, 27])
+    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 3], cached=[7, 9])
+    meta.prepare()
+    assert meta.msa_out_cache_loc[:5].tolist() == [7, 8, 109, 110, 111]
+    meta.seq_lens = torch.tensor([1, 1], dtype=torch.int32)
+    meta.kv_cache_params.num_cached_tokens_per_seq = [9, 11]
+    meta.prepare()
+    assert meta.msa_out_cache_loc[:2].tolist() == [9, 111] and meta.msa_out_cache_loc[2:].eq(-1).all()
+
+
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_published_fields_follow_the_per_token_formulas(fake_host_dirs, data):

@@ -21,8 +21,6 @@ from m3_eagle_plugin.msa import MsaDecodeMetadata
 HostMsaMetadata = resolve("msa_metadata_prepare")
 HostMsaAttention = resolve("msa_attention")
 
-_PUBLISHED = (("msa_out_cache_loc", "cache_slots"), ("msa_n_valid_blocks", "valid_blocks"))
-
 
 def _int(value: Any, default: int) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else default
@@ -100,18 +98,32 @@ class M3EagleMsaMetadata(HostMsaMetadata):
         self._publish()
 
     def _publish(self) -> None:
-        """Copy the per-token fields into the host buffers the MSA kernels read (device only)."""
+        """Copy the per-token fields into the host buffers the MSA kernels read (device only).
+
+        `msa_out_cache_loc` (`[max_num_tokens]`) takes every token's slot and -1 past them, so a
+        shorter step leaves nothing of a longer one behind. `msa_n_valid_blocks` is the host's
+        decode scratch, sized by decode tokens (`_msa_max_decode_tokens`): it is read by the decode
+        kernels only, and only a decode-only step is published there (prefill and mixed steps run
+        the host's eager plans with their own per-token counts)."""
         step = self.m3_eagle_step
-        for host_name, step_name in _PUBLISHED:
-            buffer = getattr(self, host_name, None)
-            if buffer is None:
-                continue
-            values = getattr(step, step_name)
-            if buffer.numel() < values.numel():
+        slots = getattr(self, "msa_out_cache_loc", None)
+        if slots is not None:
+            slots = slots.view(-1)
+            source = step.cache_slots_buffer
+            if slots.numel() < step.num_tokens:
+                raise RuntimeError(f"msa_out_cache_loc holds {slots.numel()} entries but the step has "
+                                   f"{step.num_tokens} tokens")
+            n = min(slots.numel(), source.numel())
+            slots[:n].copy_(source[:n])
+            slots[n:].fill_(-1)
+        valid = getattr(self, "msa_n_valid_blocks", None)
+        if valid is not None and step.is_decode_only:
+            values = step.valid_blocks
+            if valid.numel() < values.numel():
                 raise RuntimeError(
-                    f"{host_name} holds {buffer.numel()} entries but the step has {values.numel()} "
+                    f"msa_n_valid_blocks holds {valid.numel()} entries but the step has {values.numel()} "
                     "query tokens: the host sized it by batch, not by verify tokens")
-            buffer.view(-1)[: values.numel()].copy_(values)
+            valid.view(-1)[: values.numel()].copy_(values)
 
     # ----- per-token plan rows (one row per query token: kv segment = position + 1) ------------
     def m3_eagle_plan_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
