@@ -179,6 +179,10 @@ def test_parse_draft_config_reads_the_tiny_draft():
     (lambda r: r.update(norm_output="yes"), "d.json: norm_output: expected true or false, got str 'yes'"),
     (lambda r: r.update(rope_scaling={"type": "yarn"}),
      "d.json: rope_scaling.type: unsupported draft rope type 'yarn' (only 'default')"),
+    (lambda r: r["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[4]),
+     "d.json: eagle_config.eagle_aux_hidden_state_layer_ids: 1 aux layer id(s); Eagle3 needs at least 2"),
+    (lambda r: r.update(hidden_act="gelu"),
+     "d.json: hidden_act: 'gelu' is not supported (the draft MLP is SiLU-gated)"),
 ])
 def test_bad_draft_config_values(edit, message):
     raw = draft_config()

@@ -83,11 +83,32 @@ def test_no_config_file(tmp_path):
 @pytest.mark.parametrize("patch,match", [
     ({"num_key_value_heads": 3}, "multiple"),
     ({"scoring_func": "softmax"}, "scoring_func"),
+    # values the model would otherwise ignore silently (transformers applies or ignores them too)
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type: 'yarn' is not supported"),
+    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "rope_scaling.rope_type: 'linear' is not supported"),
+    ({"use_gemma_norm": False}, "use_gemma_norm: false is not supported"),
+    ({"attention_output_gate": True}, "attention_output_gate: true is not supported"),
+    ({"qk_norm_type": None}, None),  # null: the default, accepted
+    ({"qk_norm_type": "per_layer"}, "qk_norm_type: 'per_layer' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act: 'gelu' is not supported"),
+    ({"n_group": 2, "topk_group": 1}, "grouped expert routing"),
+    ({"n_group": 2, "topk_group": 2}, None),  # every group kept: the same routing
 ])
 def test_bad_values_are_rejected(patch, match):
     raw = target_config()
     raw["text_config"].update(patch)
+    if match is None:
+        M3Config.from_dict(raw)
+        return
     with pytest.raises(ConfigError, match=match):
+        M3Config.from_dict(raw)
+
+
+def test_forced_blocks_past_the_top_k_are_refused_at_load():
+    raw = target_config()
+    sparse = raw["text_config"]["sparse_attention_config"]
+    sparse["sparse_local_block"] = sparse["sparse_topk_blocks"] + 1
+    with pytest.raises(ConfigError, match="local \\+ 0 init blocks exceed the top-"):
         M3Config.from_dict(raw)
 
 

@@ -71,6 +71,11 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
         bad = [i for i in aux if not 0 <= i < target_num_layers]
         if bad:
             raise aux_fields.error(aux_key, f"aux layer ids {bad} out of range for a {target_num_layers}-layer target")
+    if len(aux) < 2:  # the head tells its first step (n x hidden wide input) from later ones by width
+        raise aux_fields.error(aux_key, f"{len(aux)} aux layer id(s); Eagle3 needs at least 2")
+    act = top.need("hidden_act", "silu")
+    if act != "silu":
+        raise top.error("hidden_act", f"{act!r} is not supported (the draft MLP is SiLU-gated)")
     return Eagle3Config(
         hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=top.get_int("intermediate_size", minimum=1),

@@ -79,6 +79,9 @@ class M3Config:
             if self.topk_blocks < 1 or self.local_blocks < 0 or self.init_blocks < 0:
                 raise ConfigError(f"{where}: bad selection sizes topk={self.topk_blocks} "
                                   f"local={self.local_blocks} init={self.init_blocks}")
+            if self.local_blocks + self.init_blocks > self.topk_blocks:
+                raise ConfigError(f"{where}: {self.local_blocks} local + {self.init_blocks} init blocks exceed the "
+                                  f"top-{self.topk_blocks} selection")
         if any(self.moe_layers) and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"{where}: num_experts_per_tok {self.num_experts_per_tok} not in [1, {self.num_experts}]")
 
@@ -160,6 +163,28 @@ def _check_scoring(t: ConfigFields) -> None:
     scoring = t.need("scoring_func", "sigmoid")
     if scoring != "sigmoid":
         raise t.error("scoring_func", f"{show_value(scoring)} is not supported (MiniMax-M3 routes with sigmoid)")
+    _check_fixed_semantics(t)
+
+
+def _check_fixed_semantics(t: ConfigFields) -> None:
+    """Fields whose other values would change the model this code runs: refused, not ignored
+    (transformers' configs leave them out; MiniMax-M3's own configs hold these values)."""
+    for key, supported in (("use_gemma_norm", True), ("attention_output_gate", False)):
+        if t.has(key) and t.get_bool(key, supported) != supported:
+            raise t.error(key, f"{str(not supported).lower()} is not supported (only {str(supported).lower()})")
+    for key, allowed in (("qk_norm_type", ("per_head",)), ("hidden_act", ("swigluoai", "silu"))):
+        value = t.need(key, allowed[0])
+        if value not in allowed:
+            raise t.error(key, f"{show_value(value)} is not supported (only {', '.join(map(repr, allowed))})")
+    groups = t.get_int("n_group", 1, minimum=1)
+    if groups > 1 and t.get_int("topk_group", groups, minimum=1) < groups:
+        raise t.error("topk_group", f"grouped expert routing ({groups} groups, topk_group "
+                      f"{t.get_int('topk_group', groups)}) is not supported")
+    legacy = t.get_section("rope_scaling")  # transformers converts it into rope_parameters
+    if legacy is not None:
+        kind = legacy.need("rope_type", legacy.need("type", "default"))
+        if kind != "default":
+            raise legacy.error("rope_type", f"{show_value(kind)} is not supported (only 'default')")
 
 
 _ZERO_ONE = {0: False, 1: True}
