@@ -159,16 +159,12 @@ def _rope(t: ConfigFields, head_dim: int, use_rotary_dim: bool) -> tuple[int, fl
     return head_dim, theta
 
 
-def _check_scoring(t: ConfigFields) -> None:
-    scoring = t.need("scoring_func", "sigmoid")
-    if scoring != "sigmoid":
-        raise t.error("scoring_func", f"{show_value(scoring)} is not supported (MiniMax-M3 routes with sigmoid)")
-    _check_fixed_semantics(t)
-
-
 def _check_fixed_semantics(t: ConfigFields) -> None:
     """Fields whose other values would change the model this code runs: refused, not ignored
     (transformers' configs leave them out; MiniMax-M3's own configs hold these values)."""
+    scoring = t.need("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise t.error("scoring_func", f"{show_value(scoring)} is not supported (MiniMax-M3 routes with sigmoid)")
     for key, supported in (("use_gemma_norm", True), ("attention_output_gate", False)):
         if t.has(key) and t.get_bool(key, supported) != supported:
             raise t.error(key, f"{str(not supported).lower()} is not supported (only {str(supported).lower()})")
@@ -210,7 +206,7 @@ def _index_geometry(f: ConfigFields, need_index: bool, keys: tuple[str, ...]) ->
 
 
 def _parse_production(t: ConfigFields) -> M3Config:
-    _check_scoring(t)
+    _check_fixed_semantics(t)
     common = _common(t)
     n = common["num_layers"]
     rotary_dim, theta = _rope(t, common["head_dim"], use_rotary_dim=True)
@@ -243,7 +239,7 @@ def _parse_production(t: ConfigFields) -> M3Config:
 
 
 def _parse_text(t: ConfigFields) -> M3Config:
-    _check_scoring(t)
+    _check_fixed_semantics(t)
     common = _common(t)
     n = common["num_layers"]
     rotary_dim, theta = _rope(t, common["head_dim"], use_rotary_dim=False)

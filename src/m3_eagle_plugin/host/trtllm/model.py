@@ -63,12 +63,12 @@ class Eagle3CaptureHooks:
 
 
 # A host that already ships NVIDIA/TensorRT-LLM#18872 (only reached when activation is forced)
-# has an Eagle3-capable M3 class whose layers capture by themselves: extend it directly.
+# has an Eagle3-capable M3 class whose layers capture by themselves: it is built by its own
+# constructor. The bases below give that host the same MRO as the M3 class alone.
 HOST_M3_IS_EAGLE3 = issubclass(HostMiniMaxM3ForCausalLM, SpecDecOneEngineForCausalLM)
-_BASES = (HostMiniMaxM3ForCausalLM,) if HOST_M3_IS_EAGLE3 else (HostMiniMaxM3ForCausalLM, SpecDecOneEngineForCausalLM)
 
 
-class MiniMaxM3Eagle3ForCausalLM(*_BASES):
+class MiniMaxM3Eagle3ForCausalLM(HostMiniMaxM3ForCausalLM, SpecDecOneEngineForCausalLM):
     """MiniMax-M3 text model as a one-model Eagle3 target."""
 
     def __init__(self, model_config: Any) -> None:
