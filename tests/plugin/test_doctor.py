@@ -55,6 +55,14 @@ def test_a_bad_kernel_setting_fails_the_doctor(clean_state, capsys, monkeypatch)
     assert data["ok"] is False and "M3_EAGLE_KERNELS must be" in data["kernel_backend"]["unavailable"]
 
 
+@pytest.mark.parametrize("name", ["M3_EAGLE_HANDOFF", "M3_EAGLE_PDL", "M3_EAGLE_REPLAY"])
+def test_a_bad_kernel_switch_fails_the_doctor(clean_state, capsys, monkeypatch, name):
+    monkeypatch.setenv(name, "off")
+    assert cli.main(["doctor", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and f"{name}='off'" in data["kernel_backend"]["unavailable"]
+
+
 def test_bad_mode_fails(clean_state, monkeypatch, capsys):
     monkeypatch.setenv("M3_EAGLE_PLUGIN", "sometimes")
     assert cli.main(["doctor", "--json"]) == 1

@@ -13,6 +13,7 @@ from m3_eagle_plugin.msa.kernels import (
     KernelBackendError,
     KernelInputError,
     backend_report,
+    check_backend,
     dense_attention,
     on_update_kv_lens,
     select_blocks_paged,
@@ -40,6 +41,15 @@ def test_env_override(monkeypatch):
     monkeypatch.setenv("M3_EAGLE_KERNELS", "triton")
     with pytest.raises(KernelBackendError):
         use_triton("cpu")
+
+
+@pytest.mark.parametrize("name", ["M3_EAGLE_HANDOFF", "M3_EAGLE_PDL", "M3_EAGLE_REPLAY"])
+def test_check_backend_refuses_a_bad_switch_up_front(monkeypatch, name):
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    assert check_backend("cpu") in ("auto", "torch")
+    monkeypatch.setenv(name, "off")
+    with pytest.raises(KernelInputError, match=f"{name}='off': expected one of"):
+        check_backend("cpu")
 
 
 def test_report_shows_flashinfer_the_table_and_its_verdicts(monkeypatch):

@@ -156,5 +156,5 @@ def test_bad_env_value_names_the_allowed_ones(monkeypatch):
     from m3_eagle_plugin.msa.kernels.handoff import handoff_enabled
 
     monkeypatch.setenv("M3_EAGLE_HANDOFF", "yes")
-    with pytest.raises(KernelInputError, match="M3_EAGLE_HANDOFF='yes': expected 0 or 1"):
+    with pytest.raises(KernelInputError, match="M3_EAGLE_HANDOFF='yes': expected one of 0, 1"):
         handoff_enabled()

@@ -211,6 +211,18 @@ def test_turned_off_by_the_environment(cpu_replay, monkeypatch):
     assert len(body) == 3
 
 
+@pytest.mark.parametrize("value", ["off", "false", "2"])
+def test_an_unknown_switch_value_is_refused(cpu_replay, monkeypatch, value):
+    from m3_eagle_plugin.msa.kernels._common import KernelInputError
+
+    kernel, replayer, body = Doubler(), Replayer(), []
+    call = _wrapper(kernel, replayer, body)
+    monkeypatch.setenv("M3_EAGLE_REPLAY", value)
+    with pytest.raises(KernelInputError, match=f"M3_EAGLE_REPLAY='{value}'"):
+        call(torch.randn(2), Meta(torch.tensor([1])))
+    assert body == []
+
+
 def test_bad_inputs_get_the_ordinary_paths_error(cpu_replay, monkeypatch):
     from m3_eagle_plugin.msa.kernels._common import KernelInputError
     from m3_eagle_plugin.msa.kernels.verify_step import sparse_verify_step

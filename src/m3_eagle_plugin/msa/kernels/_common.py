@@ -52,6 +52,24 @@ def env_value(name: str, default: str | None = None) -> str | None:
     return default if raw is None else os.environ.decodevalue(raw)
 
 
+#: The kernels' on/off switches: name -> (default, accepted values). `M3_EAGLE_KERNELS` (the
+#: backend choice) is checked by `backend.requested_backend`.
+SWITCHES = {
+    "M3_EAGLE_HANDOFF": ("1", ("0", "1")),
+    "M3_EAGLE_PDL": ("1", ("0", "1", "all")),
+    "M3_EAGLE_REPLAY": ("1", ("0", "1")),
+}
+
+
+def env_switch(name: str) -> str:
+    """The value of the kernels' switch `name` (stripped, lower-cased; unset or empty: its
+    default), refused unless accepted, so a typo such as `off` fails instead of meaning on."""
+    default, modes = SWITCHES[name]
+    mode = (env_value(name, default) or "").strip().lower() or default
+    require(mode in modes, f"{name}={mode!r}: expected one of {', '.join(modes)}")
+    return mode
+
+
 def triton_interpreting() -> bool:
     """True under Triton's CPU interpreter (TRITON_INTERPRET=1), which runs no inline PTX."""
     return (env_value("TRITON_INTERPRET") or "").strip().lower() in ("1", "true", "on", "yes")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import env_value, require, step_buffer
+from ._common import env_switch, step_buffer
 
 #: The board's idle value: a negative signalling NaN (0xFFBADBAD). GPU arithmetic only makes
 #: the canonical quiet NaN, so no score equals it.
@@ -40,9 +40,7 @@ ENV_VAR = "M3_EAGLE_HANDOFF"
 
 def handoff_enabled() -> bool:
     """The hand-off is on unless `M3_EAGLE_HANDOFF=0` (then the top-k waits for the scoring grid)."""
-    mode = env_value(ENV_VAR, "1").strip() or "1"
-    require(mode in ("0", "1"), f"{ENV_VAR}={mode!r}: expected 0 or 1")
-    return mode == "1"
+    return env_switch(ENV_VAR) == "1"
 
 
 def score_board(device: torch.device | str, numel: int) -> torch.Tensor | None:

@@ -20,11 +20,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import device_capability, device_sm_count, env_value, require
+from ._common import SWITCHES, device_capability, device_sm_count, env_switch
 
 
 ENV_VAR = "M3_EAGLE_PDL"
-MODES = ("0", "1", "all")  # off, small grids only (the default), every grid
+MODES = SWITCHES[ENV_VAR][1]  # off, small grids only (the default), every grid
 
 
 def pdl_args(device: torch.device, grid: tuple[int, ...], every_grid: bool = False) -> dict:
@@ -37,8 +37,7 @@ def pdl_args(device: torch.device, grid: tuple[int, ...], every_grid: bool = Fal
     / on every kernel: B1/8K q1 12.4 / 11.0 / 10.9 us, B1/128K 25.7 / 24.0 / 26.5, B16/32K q4
     59.7 / 60.1 / 65.5, B64/32K q1 148.0 / 148.4 / 153.6.)
     """
-    mode = env_value(ENV_VAR, "1").strip().lower() or "1"
-    require(mode in MODES, f"{ENV_VAR}={mode!r}: expected one of {', '.join(MODES)}")
+    mode = env_switch(ENV_VAR)
     if mode == "0" or (device_capability(device) or (0, 0))[0] < 9:
         on = False
     else:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._common import cuda_present, env_value
+from ._common import cuda_present, env_switch, env_value
 
 #: Environment variables the kernel paths read; a change makes a new signature.
 ENV_KEYS = ("M3_EAGLE_HANDOFF", "M3_EAGLE_PDL", "TRITON_INTERPRET")
@@ -222,6 +222,15 @@ class _Recording:
 MAX_RECORDINGS = 256
 
 
+ENV_VAR = "M3_EAGLE_REPLAY"
+
+
+def replay_enabled() -> bool:
+    """Replay is on unless `M3_EAGLE_REPLAY=0`; any value but 0 or 1 is refused (a typo such as
+    `off` must not silently leave it on)."""
+    return env_switch(ENV_VAR) == "1"
+
+
 class Replayer:
     """The recordings of one kernel entry point, by signature."""
 
@@ -234,7 +243,7 @@ class Replayer:
         """`run()`, or its recording replayed with `inputs` when `signature` was recorded before."""
         from .launch import direct_launch_possible
 
-        if signature is None or env_value("M3_EAGLE_REPLAY", "1").strip() == "0":
+        if signature is None or not replay_enabled():
             return run()
         try:
             seen = self.recordings.get(signature)
