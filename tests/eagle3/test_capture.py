@@ -89,3 +89,24 @@ def test_captures_equal_transformers_hidden_states(tmp_path):
             model(ids[start:start + n], meta, cache, capture=capture)
         for i in capture.layer_ids:
             torch.testing.assert_close(capture.get(i), want[i][0, start:start + n], atol=1e-4, rtol=0)
+
+
+def test_preallocated_buffer_refuses_a_layer_missing_from_this_step():
+    """The buffer still holds the previous step's rows: a layer not recorded since `reset` must not
+    be served from them (the default mode raises for the same step)."""
+    capture = AuxCapture([0, 2]).allocate(4, 3, torch.float32, "cpu")
+    capture.record(0, torch.ones(2, 3))
+    capture.record(2, torch.ones(2, 3) * 2)
+    capture.reset()
+    capture.record(0, torch.ones(2, 3) * 5)  # layer 2 never ran in this step
+    with pytest.raises(RuntimeError, match=r"\[2\]"):
+        capture.stacked()
+    with pytest.raises(RuntimeError, match="layer 2"):
+        capture.get(2)
+
+
+def test_preallocated_buffer_refuses_layers_of_different_lengths():
+    capture = AuxCapture([0, 2]).allocate(4, 3, torch.float32, "cpu")
+    capture.record(0, torch.ones(3, 3))
+    with pytest.raises(ValueError, match="layer 2 recorded 2 tokens"):
+        capture.record(2, torch.ones(2, 3))

@@ -228,3 +228,28 @@ def test_truncated_draft_safetensors_names_the_file(tiny, tmp_path):
     file.write_bytes(file.read_bytes()[:5000])
     with pytest.raises(CheckpointError, match=rf"^{file}: not a readable safetensors file \("):
         load_draft(path, target)
+
+
+def test_full_size_d2t_in_another_order_scores_each_target_id_with_its_own_row(tiny, tmp_path):
+    """d2t may permute a full-size draft vocabulary; the shared target lm_head must then follow it."""
+    target, draft_dir = tiny
+    target_ids = (torch.arange(VOCAB) * 3 + 1) % VOCAB  # a permutation (3 is odd, VOCAB a power of 2)
+    path = _variant(draft_dir, tmp_path / "d", lambda t: t.update(d2t=target_ids - torch.arange(VOCAB)))
+    head = load_draft(path, target)
+    hidden = torch.randn(3, HIDDEN)
+    want = hidden @ target.lm_head.weight.T  # by definition: target id t is scored by target row t
+    assert torch.allclose(head.to_target_logits(head.draft_logits(hidden)), want, atol=1e-5)
+
+
+def test_all_zero_d2t_keeps_sharing_the_target_lm_head(tiny, tmp_path):
+    target, draft_dir = tiny
+    path = _variant(draft_dir, tmp_path / "d", lambda t: t.update(d2t=torch.zeros(VOCAB, dtype=torch.long)))
+    assert load_draft(path, target).lm_head is target.lm_head
+
+
+def test_non_integer_d2t_is_refused(tiny, tmp_path):
+    target, draft_dir = tiny
+    path = _variant(draft_dir, tmp_path / "d", lambda t: t.update(d2t=torch.full((VOCAB,), 0.5)))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: d2t must hold integer id offsets, got dtype "
+                                              r"torch\.float32"):
+        load_draft(path, target)

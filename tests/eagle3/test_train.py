@@ -202,3 +202,42 @@ def test_bad_inputs_fail_with_the_cause(pair, data, tmp_path):
         concat_data([data, short])
     with pytest.raises(FileNotFoundError, match="no draft weights"):
         distill_checkpoint(pair[0], tmp_path, plan=DistillPlan(steps=1))
+
+
+def test_passes_past_the_rows_end_leave_the_loss_finite(pair):
+    """With 6-token rows only TTT passes 0..4 have a position to predict (pass s needs s + 2 tokens):
+    asking for more passes must neither turn the loss into NaN nor change it."""
+    target, head = pair[2], pair[3]
+    short = collect_distill_data(target, head.aux_layer_ids, num_sequences=2, seq_len=6, prompt_lens=(2, 3),
+                                 iterations=1, seed=1)
+    with torch.no_grad():
+        reachable = float(distill_loss(head, short, 5))
+        asked = float(distill_loss(head, short, 8))
+    assert reachable == reachable and asked == reachable
+    trained = load_draft(pair[1], target)
+    history = train_head(trained, short, steps=2, batch_size=2, ttt_steps=8)
+    assert all(h == h for h in history)
+    empty = DistillData(short.tokens, short.aux, short.target_next, torch.ones(2, dtype=torch.long),
+                        short.target_logprobs)
+    with pytest.raises(ValueError, match="no position to train"):
+        distill_loss(head, empty, 1)
+
+
+def test_a_failed_write_leaves_the_draft_checkpoint_intact(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    target_dir, draft_dir = make_tiny(tmp_path, seed=2)
+    weights = draft_dir / "model.safetensors"
+    before = weights.read_bytes()
+
+    def disk_full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(before[:100])  # what a write cut short leaves behind
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=1, num_sequences=2, seq_len=16, iterations=1,
+                                                                   batch_size=2))
+    assert weights.read_bytes() == before
+    assert sorted(p.name for p in draft_dir.iterdir()) == ["config.json", "model.safetensors"]

@@ -29,6 +29,7 @@ class AuxCapture:
         self.layer_ids: tuple[int, ...] = tuple(ids)
         self._slot = {layer: n for n, layer in enumerate(ids)}
         self._records: dict[int, torch.Tensor] = {}
+        self._recorded: set[int] = set()  # ids recorded since `reset` (the buffer keeps older steps' data)
         self._buffer: torch.Tensor | None = None
         self._num_tokens = 0
 
@@ -47,6 +48,7 @@ class AuxCapture:
 
     def reset(self) -> None:
         self._records.clear()
+        self._recorded.clear()
         self._num_tokens = 0
 
     def record(self, layer_id: int, hidden: torch.Tensor) -> None:
@@ -60,15 +62,18 @@ class AuxCapture:
         t, h = hidden.shape
         if t > self._buffer.shape[0] or (slot + 1) * h > self._buffer.shape[1]:
             raise ValueError(f"capture buffer {tuple(self._buffer.shape)} too small for [{t}, {h}] at layer {layer_id}")
+        if self._recorded and t != self._num_tokens:
+            raise ValueError(f"layer {layer_id} recorded {t} tokens, earlier layers of this step {self._num_tokens}")
         self._buffer[:t, slot * h:(slot + 1) * h].copy_(hidden)
+        self._recorded.add(layer_id)
         self._num_tokens = t
 
     def get(self, layer_id: int) -> torch.Tensor:
         if layer_id not in self._slot:
             raise KeyError(f"layer {layer_id} is not captured (ids {self.layer_ids})")
+        if layer_id not in (self._records if self._buffer is None else self._recorded):
+            raise RuntimeError(f"layer {layer_id} was not recorded in this step")
         if self._buffer is None:
-            if layer_id not in self._records:
-                raise RuntimeError(f"layer {layer_id} was not recorded in this step")
             return self._records[layer_id]
         h = self._buffer.shape[1] // len(self.layer_ids)
         slot = self._slot[layer_id]
@@ -76,9 +81,10 @@ class AuxCapture:
 
     def stacked(self) -> torch.Tensor:
         """`[T, n * H]`, chunks in the order of `layer_ids`."""
-        if self._buffer is not None:
-            return self._buffer[:self._num_tokens]
-        missing = [i for i in self.layer_ids if i not in self._records]
+        recorded = self._records if self._buffer is None else self._recorded
+        missing = [i for i in self.layer_ids if i not in recorded]
         if missing:
             raise RuntimeError(f"aux layers {missing} were not recorded; did the target forward run with this capture?")
+        if self._buffer is not None:
+            return self._buffer[:self._num_tokens]
         return torch.cat([self._records[i] for i in self.layer_ids], dim=-1)

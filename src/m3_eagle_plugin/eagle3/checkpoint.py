@@ -5,9 +5,10 @@ is accepted), `fc`, optional `fc_norm.{0,1,2}`, `norm`, optional `embed_tokens` 
 optional `d2t` (draft id d -> target id d + d2t[d]) and `t2d` (a mask, unused). Config keys:
 `eagle_config.eagle_aux_hidden_state_layer_ids` (ids in the "input of layer i" convention,
 default (2, L//2, L-3)), `draft_vocab_size`, `target_hidden_size`, `norm_output`,
-`norm_before_residual`. A missing embedding or lm_head is taken from the target (the lm_head
-restricted to the draft vocabulary through `d2t` when that is smaller). Names and shapes are
-all validated before anything is assigned.
+`norm_before_residual`. A missing embedding or lm_head is taken from the target (the lm_head's
+rows gathered into draft-id order through `d2t` whenever that is not all zeros: a smaller draft
+vocabulary, or a full one in another order). Names and shapes are all validated before anything
+is assigned.
 """
 from __future__ import annotations
 
@@ -159,15 +160,20 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
     state = {c: tensors[by_canon[c]] for c in present & set(expected)}
     d2t = state.pop("d2t", None)
     if d2t is not None:
+        if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
+            raise CheckpointError(f"{source.where}: d2t must hold integer id offsets, got dtype {d2t.dtype}")
         d2t = d2t.to(device=device, dtype=torch.long)
         target_ids = torch.arange(d2t.shape[0], device=device) + d2t
         if int(target_ids.min()) < 0 or int(target_ids.max()) >= config.vocab_size:
             raise CheckpointError(f"{source.where}: d2t maps draft ids outside the target vocabulary")
+    # The target's lm_head rows are in target-id order; a draft row d must score target id d + d2t[d],
+    # so any non-zero d2t (a smaller draft vocabulary, or a full-size one in another order) needs them gathered.
+    remapped = d2t is not None and bool((d2t != 0).any())
     shared = {}
     if "embed_tokens.weight" not in state:
         shared["embed_tokens"] = target.embed_tokens
     if "lm_head.weight" not in state:
-        if shrunk_vocab:
+        if shrunk_vocab or remapped:
             state["lm_head.weight"] = target.lm_head.weight.detach()[target_ids].clone()
         else:
             shared["lm_head"] = target.lm_head

@@ -172,7 +172,8 @@ def dense_head_step(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Ten
 
 def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_weight: float = 0.0) -> torch.Tensor:
     """Mean over passes 0..ttt_steps-1 of KL(target || head) at the position the head predicts (Eagle3
-    shift rule), plus `hard_weight` times the cross-entropy against the target's greedy token.
+    shift rule), plus `hard_weight` times the cross-entropy against the target's greedy token. Passes
+    that no position of the batch reaches (pass s needs s + 2 tokens before the row's end) are left out.
 
     The tiny random target's distributions are nearly flat, so its argmax is a fragile function of
     the context: matching the whole distribution teaches far more per example than the argmax alone.
@@ -189,8 +190,12 @@ def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_w
     prior: list[tuple[torch.Tensor, torch.Tensor]] = []
     losses = []
     for pass_index in range(ttt_steps):
-        logits, out, kv = dense_head_step(head, input_ids, hidden, prior)
         mask = valid & (positions >= pass_index)
+        if not mask.any():  # rows too short for this pass (and so for every later one): KL of nothing is NaN
+            if pass_index == 0:
+                raise ValueError("distillation batch has no position to train: every row is shorter than 2 tokens")
+            break
+        logits, out, kv = dense_head_step(head, input_ids, hidden, prior)
         log_q = logits[mask].log_softmax(dim=-1)
         loss = F.kl_div(log_q, soft[mask], log_target=True, reduction="batchmean")
         if hard_weight:
@@ -287,5 +292,22 @@ def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan
     for name in sorted(old):  # names the head does not hold as weights (d2t, t2d) are kept as they were
         value = trained.get(canonical_name(name), old[name])
         new[name] = value.detach().to(old[name].dtype).contiguous()
-    save_file(new, str(weights), metadata={"format": "pt"})
+    _replace_file(weights, lambda path: save_file(new, str(path), metadata={"format": "pt"}))
     return history
+
+
+def _replace_file(path, write) -> None:
+    """`write(tmp)` next to `path`, then rename over it: a failed or interrupted write (disk full,
+    Ctrl-C) leaves the old checkpoint intact instead of a truncated one."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, os.stat(path).st_mode & 0o777)  # mkstemp's 0600 would hide a shared checkpoint
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -79,3 +79,11 @@ def test_replay_refuses_a_diverged_request():
     proposer = ReplayProposer({0: [1, 2, 3, 4]}, 11)
     with pytest.raises(ValueError, match="diverged"):
         proposer(DraftContext.build([0], [[1, 9]], 2))
+
+
+def test_drafter_plugin_refuses_a_proposal_count_that_does_not_match_the_requests():
+    context = DraftContext.build([0, 1], [[1, 2], [3]], 2)
+    plugin = DrafterPlugin(lambda ctx: [[5], [6, 7], [8, 9]])  # three proposals for two requests
+    with pytest.raises(ValueError, match="3 requests, expected 2"):
+        plugin.m3_eagle_propose_drafts(context)
+    assert DrafterPlugin(lambda ctx: [[5], []]).m3_eagle_propose_drafts(context) == [[5, 5], [3, 3]]

@@ -101,6 +101,9 @@ class DrafterPlugin:
         drafts = self.proposer(context)
         if drafts is None:
             return None
+        drafts = list(drafts)
+        if len(drafts) != len(context.tokens):  # zip below would silently drop the extra proposals
+            raise ValueError(f"proposer returned drafts for {len(drafts)} requests, expected {len(context.tokens)}")
         padded = []
         for proposal, tokens in zip(drafts, context.tokens):
             proposal = list(proposal)[: context.draft_len]

@@ -1,8 +1,13 @@
 """Speculative-decoding statistics of one run: acceptance, draft counts, throughput.
 
 Definitions follow the usual Eagle reporting: ``acceptance_rate = accepted_tokens / draft_tokens``;
-``mean_acceptance_length`` = tokens emitted per verify step (accepted drafts + the bonus token);
-``per_position_acceptance[i]`` = share of verify steps whose draft ``i`` was proposed and accepted.
+``mean_acceptance_length`` = accepted drafts + 1 (the bonus token) per verify step;
+``per_position_acceptance[i]`` = accepted / proposed among the verify steps that proposed a draft ``i``.
+
+They measure the drafter as the verifier judged it: a verify step's accepted drafts all count even
+where the request then stopped inside them (an eos among them, or ``max_new_tokens`` reached), so
+they do not depend on where requests end. ``generated_tokens`` counts only the tokens actually kept,
+so on a request's last step it can be less than the accepted drafts + 1 recorded for it.
 """
 from __future__ import annotations
 

@@ -1,0 +1,48 @@
+"""SpecStats: the definitions of its docstring, computed by hand, and what a request stopping inside an
+accepted run does to them (the drafter is measured as the verifier judged it; only kept tokens count as
+generated)."""
+from __future__ import annotations
+
+import pytest
+
+from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
+from m3_eagle_plugin.host.reference.proposers import ReplayProposer
+from m3_eagle_plugin.host.reference.stats import SpecStats
+
+from . import _fakes
+
+
+def test_definitions_by_hand():
+    stats = SpecStats(draft_len=3)
+    for drafts, accepted in ((3, 3), (3, 0), (2, 1), (0, 0)):
+        stats.record_verify(drafts, accepted)
+    assert (stats.verify_steps, stats.draft_tokens, stats.accepted_tokens) == (4, 8, 4)
+    assert stats.acceptance_rate == 4 / 8
+    assert stats.mean_acceptance_length == (4 + 4) / 4
+    # proposed: positions 0, 1 by three steps, position 2 by the two 3-draft steps;
+    # accepted: position 0 by the (3, 3) and (2, 1) steps, positions 1 and 2 by the (3, 3) step only
+    assert stats.proposed_at == [3, 3, 2] and stats.accepted_at == [2, 1, 1]
+    assert stats.per_position_acceptance == [2 / 3, 1 / 3, 1 / 2]
+    assert SpecStats(draft_len=3).as_dict()["mean_acceptance_length"] == 0.0
+
+
+@pytest.mark.parametrize("stop", ["eos", "length"])
+def test_a_request_stopping_inside_an_accepted_run(stop):
+    """Prompt -> first token; one verify step whose 3 correct drafts are all accepted, but the request
+    stops after the second new token of that step."""
+    prompt = [4, 5, 6, 7]
+    target = _fakes.FakeTarget()
+    ref = target.greedy(prompt, 8)
+    assert ref[2] not in ref[:2]
+    eos = (ref[2],) if stop == "eos" else ()
+    max_new = 10 if stop == "eos" else 3
+    proposer = ReplayProposer({0: prompt + ref}, _fakes.VOCAB)
+    engine = Engine(target, _fakes.make_cache(), EngineConfig(draft_len=3, max_batch_size=1, max_tokens_per_step=8,
+                                                              eos_ids=eos),
+                    vocab_size=_fakes.VOCAB, proposer=proposer)
+    result = engine.generate([prompt], max_new_tokens=max_new)
+    assert result.outputs == [ref[:3]] and result.stop_reasons == [stop]
+    stats = result.stats
+    assert (stats.verify_steps, stats.draft_tokens, stats.accepted_tokens) == (1, 3, 3)
+    assert stats.mean_acceptance_length == 4.0 and stats.acceptance_rate == 1.0
+    assert stats.generated_tokens == 3  # the first token + the 2 kept of that step's 4
