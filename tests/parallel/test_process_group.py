@@ -1,4 +1,5 @@
 """Starting the local group, and the whole two-rank suite over NCCL on two GPUs (skipped without)."""
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,13 @@ def test_bad_arguments_are_refused_before_any_rendezvous():
         init_local_group(2, 2, 12345)
     with pytest.raises(ValueError, match="backend"):
         init_local_group(0, 2, 12345, backend="mpi")
+
+
+def test_nccl_without_a_gpu_per_rank_is_refused_naming_the_cause(monkeypatch):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    with pytest.raises(ValueError, match="CUDA devices are visible"):
+        init_local_group(0, torch.cuda.device_count() + 1, 12345, backend="nccl")
+    assert "NCCL_NVLS_ENABLE" not in os.environ  # refused before touching anything
 
 
 @pytest.mark.gpu

@@ -156,3 +156,14 @@ def test_tp2_greedy_output_and_logits_equal_tp1(two_rank_run):
         assert (tp2["eagle_pools"], tp1["eagle_pools"]) == (1, 2)
     assert tp1["sparse_active"]  # some token saw more than top-k blocks: selection really pruned
     assert 0 < tp1["engine_stats"]["acceptance_rate"] < 1
+
+
+@pytest.mark.parametrize("rows, tp, shard_rows", [(6, 4, 2), (8, 3, 3)])
+def test_a_cut_that_does_not_partition_the_tensor_is_refused_on_every_rank(rows, tp, shard_rows):
+    """``rows`` do not split over ``tp`` ranks, so no rank may get a slice: `torch.chunk` still
+    hands the first ranks ``shard_rows``-row pieces (and the others a short piece or none)."""
+    full = {"layers.0.self_attn.q_proj.weight": torch.randn(rows, 3)}
+    shapes = {"layers.0.self_attn.q_proj.weight": torch.Size([shard_rows, 3])}
+    for rank in range(tp):
+        with pytest.raises(ShardingError, match="q_proj"):
+            shard_state_dict(full, shapes, rank, tp)

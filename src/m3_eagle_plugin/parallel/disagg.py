@@ -21,7 +21,8 @@ from m3_eagle_plugin.host.reference.engine import Engine, GenerationResult
 from m3_eagle_plugin.host.reference.request import Request, RequestState
 from m3_eagle_plugin.host.reference.scheduler import RowKind
 from m3_eagle_plugin.kv.transfer import KVTransferPayload, export_request, import_request
-from m3_eagle_plugin.parallel.transfer import recv_ints, recv_payload, send_ints, send_payload
+from m3_eagle_plugin.parallel.transfer import (as_ints, check_sendable, recv_ints, recv_payload, send_ints,
+                                               send_payload)
 
 __all__ = ["ContextHandoff", "HandoffError", "run_context_phase", "export_handoff", "import_handoff",
            "continue_generation", "send_handoff", "recv_handoff"]
@@ -67,22 +68,40 @@ def run_context_phase(engine: Engine, prompts: Sequence[Sequence[int]], max_new_
     """Prefill ``prompts`` (request ``i`` = prompt ``i``), emitting each first token and first drafts.
 
     Only context rows run: returned requests are in the decode state with their pending verify
-    inputs, or done (a request that ended on its first token, or failed validation).
+    inputs, or done (a request that ended on its first token, or failed validation). On any error
+    the requests already registered are released before it propagates.
     """
     _check_engine(engine)
-    requests = [engine.make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+    requests: list[Request] = []
     step_id = 0
-    while True:
-        rows = [r for r in engine.scheduler.schedule(requests) if r.kind is RowKind.CONTEXT]
-        if not rows:
-            break
-        _step(engine, rows, requests, step_id)
-        step_id += 1
-    engine.stats.engine_steps += step_id
-    stuck = [r.index for r in requests if r.state in (RequestState.WAITING, RequestState.PREFILL)]
-    if stuck:
-        raise HandoffError(f"requests {stuck} could not be prefilled (KV budget)")
+    try:
+        for i, prompt in enumerate(prompts):  # registering can fail midway (an id still held)
+            requests.append(engine.make_request(i, prompt, max_new_tokens))
+        while True:
+            rows = [r for r in engine.scheduler.schedule(requests) if r.kind is RowKind.CONTEXT]
+            if not rows:
+                break
+            _step(engine, rows, requests, step_id)
+            step_id += 1
+        stuck = [r.index for r in requests if r.state in (RequestState.WAITING, RequestState.PREFILL)]
+        if stuck:
+            raise HandoffError(f"requests {stuck} could not be prefilled (KV budget)")
+    except BaseException:
+        _release_unfinished(engine, requests)
+        raise
+    finally:
+        engine.stats.engine_steps += step_id
     return requests
+
+
+def _release_unfinished(engine: Engine, requests: list[Request]) -> None:
+    """Give back the pages and budget of every request still held: the caller never sees these
+    requests after an error, so nothing else could release them (and their ids would collide
+    with the next batch's)."""
+    for request in requests:
+        if not request.done:
+            request.fail("the context phase stopped before every request was prefilled")
+            engine.finish(request)
 
 
 def export_handoff(engine: Engine, request: Request) -> ContextHandoff:
@@ -103,12 +122,39 @@ def export_handoff(engine: Engine, request: Request) -> ContextHandoff:
     return handoff
 
 
+def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
+    """Refuse a handoff that contradicts itself or ``engine`` before anything is admitted: a bad
+    token id would fail the whole batch's next step, and a ``kv_len`` the pages do not back would
+    make verify attend to pages nobody wrote (silently wrong tokens)."""
+    where = f"request {handoff.index}"
+    if not isinstance(handoff.payload, KVTransferPayload):
+        raise HandoffError(f"{where}: payload must be a KVTransferPayload, got {type(handoff.payload).__name__}")
+    if len(handoff.pending_inputs) != 1 + engine.k:
+        raise HandoffError(f"{where}: {len(handoff.pending_inputs) - 1} pending drafts, "
+                           f"this engine verifies {engine.k}")
+    if not 0 <= handoff.pending_draft_len <= engine.k:
+        raise HandoffError(f"{where}: pending_draft_len {handoff.pending_draft_len} not in [0, {engine.k}]")
+    if not handoff.prompt or not 1 <= len(handoff.output) < handoff.max_new_tokens:
+        raise HandoffError(f"{where}: a handoff needs a prompt and 1 to max_new_tokens - 1 = "
+                           f"{handoff.max_new_tokens - 1} emitted tokens, got {len(handoff.prompt)} and "
+                           f"{len(handoff.output)}")
+    tokens = [*handoff.prompt, *handoff.output, *handoff.pending_inputs]
+    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < engine.vocab_size]
+    if bad:
+        raise HandoffError(f"{where}: token ids must be ints in [0, {engine.vocab_size}), got {bad[:5]}")
+    if handoff.pending_inputs[0] != handoff.output[-1]:
+        raise HandoffError(f"{where}: the first pending input {handoff.pending_inputs[0]} is not the last "
+                           f"emitted token {handoff.output[-1]}")
+    committed = len(handoff.prompt) + len(handoff.output) - 1  # the last token's KV is not written yet
+    if handoff.kv_len != committed or handoff.payload.num_tokens < committed:
+        raise HandoffError(f"{where}: kv_len {handoff.kv_len} and {handoff.payload.num_tokens} transferred tokens "
+                           f"do not hold the {committed} committed positions (prompt + output - 1)")
+
+
 def import_handoff(engine: Engine, handoff: ContextHandoff) -> Request:
     """Admit ``handoff`` into ``engine``: import its pages and resume it in the decode state."""
     _check_engine(engine)
-    if len(handoff.pending_inputs) != 1 + engine.k:
-        raise HandoffError(f"request {handoff.index}: {len(handoff.pending_inputs) - 1} pending drafts, "
-                           f"this engine verifies {engine.k}")
+    _check_handoff(engine, handoff)
     request = Request(index=handoff.index, prompt=list(handoff.prompt), max_new_tokens=handoff.max_new_tokens,
                       eos_ids=frozenset(engine.config.eos_ids))
     engine.scheduler.check_fits(request)
@@ -154,10 +200,15 @@ def continue_generation(engine: Engine, requests: list[Request]) -> GenerationRe
 
 
 def send_handoff(handoff: ContextHandoff, dst: int, group: dist.ProcessGroup | None = None) -> None:
-    """Send ``handoff`` (state as int64 tensors, pages via `send_payload`) to rank ``dst``."""
-    send_ints([handoff.index, handoff.max_new_tokens, handoff.kv_len, handoff.pending_draft_len,
-               len(handoff.prompt), len(handoff.output), len(handoff.pending_inputs),
-               *handoff.prompt, *handoff.output, *handoff.pending_inputs], dst, group)
+    """Send ``handoff`` (state as int64 tensors, pages via `send_payload`) to rank ``dst``.
+
+    Everything is checked before the first message: a refusal between the state and the pages
+    would leave the peer holding a state with no payload (and misreading the next handoff)."""
+    check_sendable(handoff.payload)
+    state = as_ints([handoff.index, handoff.max_new_tokens, handoff.kv_len, handoff.pending_draft_len,
+                      len(handoff.prompt), len(handoff.output), len(handoff.pending_inputs),
+                      *handoff.prompt, *handoff.output, *handoff.pending_inputs])
+    send_ints(state, dst, group)
     send_payload(handoff.payload, dst, group)
 
 

@@ -29,6 +29,10 @@ def init_local_group(rank: int, world_size: int, port: int, *, backend: str | No
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        # checked here: torch's own failure (no CUDA build, bad ordinal) does not name the cause
+        raise ValueError(f"backend 'nccl' gives every rank its own GPU (rank r uses cuda:r), but "
+                         f"{torch.cuda.device_count()} CUDA devices are visible for {world_size} ranks")
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank)

@@ -49,13 +49,24 @@ def _rule(name: str) -> str | None:
     return None
 
 
-def _cut(full: torch.Tensor, rule: str, rank: int, tp_size: int) -> torch.Tensor:
+def _part(name: str, full: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    """Rank's equal slice of ``dim``. Not `torch.chunk`: for a size ``parts`` does not divide it
+    gives the first ranks full-size pieces (that pass a shape check) and the last a short one or none."""
+    size = full.shape[dim]
+    if size % parts:
+        raise ShardingError(f"{name}: dim {dim} of size {size} does not split into {parts} equal parts")
+    step = size // parts
+    return full.narrow(dim, rank * step, step)
+
+
+def _cut(name: str, full: torch.Tensor, rule: str, rank: int, tp_size: int) -> torch.Tensor:
     if rule == "rows":
-        return full.chunk(tp_size, dim=0)[rank]
+        return _part(name, full, 0, rank, tp_size)
     if rule == "cols":
-        return full.chunk(tp_size, dim=-1)[rank]
-    gate, up = full.chunk(2, dim=-2)
-    return torch.cat([gate.chunk(tp_size, dim=-2)[rank], up.chunk(tp_size, dim=-2)[rank]], dim=-2)
+        return _part(name, full, full.dim() - 1, rank, tp_size)
+    gate, up = (_part(name, full, full.dim() - 2, half, 2) for half in (0, 1))
+    return torch.cat([_part(name, gate, gate.dim() - 2, rank, tp_size),
+                      _part(name, up, up.dim() - 2, rank, tp_size)], dim=-2)
 
 
 def shard_state_dict(full: dict[str, torch.Tensor], shard_shapes: dict[str, torch.Size], rank: int,
@@ -74,7 +85,7 @@ def shard_state_dict(full: dict[str, torch.Tensor], shard_shapes: dict[str, torc
             if rule is None:
                 raise ShardingError(f"{name}: full shape {tuple(tensor.shape)} differs from the shard's "
                                     f"{tuple(want)} but the tensor has no tensor-parallel split rule")
-            tensor = _cut(tensor, rule, rank, tp_size)
+            tensor = _cut(name, tensor, rule, rank, tp_size)
             if tensor.shape != want:
                 raise ShardingError(f"{name}: cutting {rule} for rank {rank}/{tp_size} gave "
                                     f"{tuple(tensor.shape)}, the shard needs {tuple(want)}")

@@ -9,23 +9,31 @@ work over gloo (CPU) and NCCL (GPU).
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 
 from m3_eagle_plugin.kv.transfer import KVTransferPayload
 from m3_eagle_plugin.parallel.process_group import comm_device
 
-__all__ = ["send_payload", "recv_payload", "send_ints", "recv_ints"]
+__all__ = ["send_payload", "recv_payload", "send_ints", "recv_ints", "check_sendable", "as_ints"]
 
 _HEADER_FIXED = 3  # fingerprint bytes, num_tokens, num_pools
 
 
 def send_ints(values: list[int], dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send a list of ints (length first) to rank ``dst``."""
+    values = as_ints(values)
     device = comm_device(group)
     dist.send(torch.tensor([len(values)], dtype=torch.int64, device=device), dst, group=group)
     if values:
         dist.send(torch.tensor(values, dtype=torch.int64, device=device), dst, group=group)
+
+
+def as_ints(values) -> list[int]:
+    """``values`` as Python ints; a float raises TypeError (an int64 tensor would truncate it silently)."""
+    return [operator.index(v) for v in values]
 
 
 def recv_ints(src: int, group: dist.ProcessGroup | None = None) -> list[int]:
@@ -43,19 +51,33 @@ def recv_ints(src: int, group: dist.ProcessGroup | None = None) -> list[int]:
     return values.cpu().tolist()
 
 
-def send_payload(payload: KVTransferPayload, dst: int, group: dist.ProcessGroup | None = None) -> None:
-    """Send ``payload`` to rank ``dst`` (blocking until it is handed to the transport)."""
+def check_sendable(payload: KVTransferPayload) -> None:
+    """Refuse, before the first message, what `recv_payload` would refuse or misread: once the
+    header is out, a refusal on either side leaves the rest of the payload stranded in flight.
+    A non-int token count would be truncated by the int64 header without a word."""
     if not isinstance(payload, KVTransferPayload):
         raise TypeError(f"payload must be a KVTransferPayload, got {type(payload).__name__}")
+    if not isinstance(payload.fingerprint, str):
+        raise TypeError(f"payload fingerprint must be a str, got {type(payload.fingerprint).__name__}")
+    if not payload.fingerprint:
+        raise ValueError("payload has an empty geometry fingerprint")
+    if isinstance(payload.num_tokens, bool) or not isinstance(payload.num_tokens, int):
+        raise TypeError(f"payload num_tokens must be an int, got {payload.num_tokens!r}")
+    if payload.num_tokens < 0:
+        raise ValueError(f"payload num_tokens must be >= 0, got {payload.num_tokens}")
+    for pages in payload.pool_pages:
+        if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.dim() != 3:
+            raise ValueError(f"payload pages must be uint8 [pages, sub_pages, page_bytes] tensors, got "
+                             f"{getattr(pages, 'dtype', type(pages).__name__)} {tuple(getattr(pages, 'shape', ()))}")
+
+
+def send_payload(payload: KVTransferPayload, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Send ``payload`` to rank ``dst`` (blocking until it is handed to the transport)."""
+    check_sendable(payload)
     fingerprint = torch.frombuffer(bytearray(payload.fingerprint.encode("utf-8")), dtype=torch.uint8)
     header = [fingerprint.numel(), payload.num_tokens, len(payload.pool_pages)]
     for pages in payload.pool_pages:
-        if pages.dtype != torch.uint8 or pages.dim() != 3:
-            raise ValueError(f"payload pages must be uint8 [pages, sub_pages, page_bytes], got "
-                             f"{pages.dtype} {tuple(pages.shape)}")
         header.extend(int(x) for x in pages.shape)
-    if not header[0]:
-        raise ValueError("payload has an empty geometry fingerprint")
     device = comm_device(group)
     send_ints(header, dst, group)
     dist.send(fingerprint.to(device), dst, group=group)

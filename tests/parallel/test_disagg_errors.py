@@ -1,0 +1,110 @@
+"""Disaggregation helpers in one process: what an error leaves behind in the engines.
+
+A handoff that fails must leave the engine as it found it (no pages, no admission budget, no
+registered request ids), so the engine can serve the next batch; checked against a fresh
+engine's counts, not against the helpers' own bookkeeping.
+"""
+import pytest
+
+from m3_eagle_plugin.host.reference.build import blocks_for_prompts, build_engine
+from m3_eagle_plugin.host.reference.engine import EngineConfig
+from m3_eagle_plugin.parallel.disagg import HandoffError, export_handoff, run_context_phase
+
+from ._workers import DISAGG_K, DISAGG_NEW, DISAGG_PROMPTS
+
+
+def _engine(tiny_pair, num_blocks):
+    config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
+    return build_engine(tiny_pair[0], tiny_pair[1], config, num_blocks=num_blocks)
+
+
+def _is_clean(engine) -> bool:
+    return (engine.cache.num_free_blocks == engine.cache.num_blocks and engine.scheduler.admitted_blocks == 0
+            and not engine.cache.allocator.request_ids)
+
+
+def test_context_phase_that_cannot_prefill_everything_leaves_the_engine_clean(tiny_pair):
+    # room for the first prompt's worst case only: the second can never be admitted while the
+    # first (decoding, never verified here) holds its budget
+    one = blocks_for_prompts(DISAGG_PROMPTS[:1], DISAGG_NEW, DISAGG_K, 4)
+    assert one < blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    engine = _engine(tiny_pair, one)
+    with pytest.raises(HandoffError, match="could not be prefilled"):
+        run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)
+    assert _is_clean(engine)
+    # and the engine still serves a batch that fits
+    requests = run_context_phase(engine, DISAGG_PROMPTS[:1], DISAGG_NEW)
+    handoff = export_handoff(engine, requests[0])
+    assert len(handoff.output) == 1 and _is_clean(engine)
+
+
+@pytest.fixture(scope="module")
+def handoffs(tiny_pair):
+    """Real handoffs of both prompts from a context engine (Eagle3 head drafting)."""
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    return [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)]
+
+
+def _tampered(handoff, vocab):
+    """Handoffs that contradict themselves or the receiving engine, each in one field."""
+    import dataclasses
+
+    replace = lambda **kw: dataclasses.replace(handoff, **kw)  # noqa: E731
+    return {
+        "kv_len past the pages": replace(kv_len=handoff.kv_len + 1),
+        "kv_len short of the tokens": replace(kv_len=handoff.kv_len - 1),
+        "pending token outside the vocabulary": replace(pending_inputs=handoff.pending_inputs[:-1] + [vocab]),
+        "negative prompt token": replace(prompt=[-1] + handoff.prompt[1:]),
+        "more pending drafts than inputs": replace(pending_draft_len=DISAGG_K + 1),
+        "pending input is not the last token": replace(pending_inputs=[(handoff.output[-1] + 1) % vocab]
+                                                        + handoff.pending_inputs[1:]),
+        "nothing emitted yet": replace(output=[], kv_len=handoff.kv_len),
+    }
+
+
+def test_import_refuses_inconsistent_handoffs_and_stays_clean(tiny_pair, handoffs):
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    vocab = engine.vocab_size
+    # first principles: the KV holds every prompt token and every emitted token but the last,
+    # which is the first pending input (it is fed to the next verify step)
+    for h in handoffs:
+        assert h.kv_len == h.payload.num_tokens == len(h.prompt) + len(h.output) - 1
+        assert h.pending_inputs[0] == h.output[-1]
+    for name, bad in _tampered(handoffs[0], vocab).items():
+        with pytest.raises(HandoffError):
+            import_handoff(engine, bad)
+            pytest.fail(f"accepted a handoff with {name}")
+        assert _is_clean(engine), name
+    request = import_handoff(engine, handoffs[0])  # the untouched handoff still imports
+    assert engine.cache.num_tokens(request.rid) == handoffs[0].kv_len
+
+
+def test_send_handoff_refuses_a_bad_handoff_before_sending_anything(handoffs):
+    """No process group exists here, so any message sent would raise about the group: the
+    refusals must come first, or a peer gets the request's state with no (or a torn) payload."""
+    import dataclasses
+
+    from m3_eagle_plugin.kv.transfer import KVTransferPayload
+    from m3_eagle_plugin.parallel.disagg import send_handoff
+
+    h = handoffs[0]
+    floats = KVTransferPayload(h.payload.fingerprint, h.payload.num_tokens,
+                               tuple(p.float() for p in h.payload.pool_pages))
+    with pytest.raises(ValueError, match="uint8"):
+        send_handoff(dataclasses.replace(h, payload=floats), 1)
+    with pytest.raises(TypeError, match="KVTransferPayload"):
+        send_handoff(dataclasses.replace(h, payload=None), 1)
+    with pytest.raises(TypeError):  # int64 on the wire would truncate 3.5 to 3 without a word
+        send_handoff(dataclasses.replace(h, prompt=h.prompt[:-1] + [3.5]), 1)
+
+
+def test_context_phase_refused_at_registration_leaves_no_request_behind(tiny_pair):
+    # request id 1 is still held (say, an earlier batch's request not yet exported): registering
+    # the new batch fails at its second prompt, and its first must not stay registered
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    engine.cache.add_request(1)
+    with pytest.raises(ValueError, match="already exists"):
+        run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)
+    assert engine.cache.allocator.request_ids == [1] and engine.scheduler.admitted_blocks == 0
