@@ -135,3 +135,25 @@ def test_import_rejects_bad_payloads():
     dst.add_request(0)
     with pytest.raises(ValueError, match="already exists"):
         import_request(dst, 0, payload)
+
+
+def test_a_non_contiguous_payload_imports_its_bytes_or_changes_nothing():
+    """Bytes of the right dtype and shape in another memory order (e.g. a slice or a permuted
+    receive buffer) are the same payload: import them like the contiguous original."""
+    gen = torch.Generator().manual_seed(0)
+    src, dst = _cache(dtype=torch.float32), _cache(dtype=torch.float32)
+    src.add_request(0)
+    src.reserve(0, 7)
+    _fill(src, 0, gen)
+    payload = export_request(src, 0)
+    # same values, last dim strided: page bytes interleaved with padding
+    strided = []
+    for pages in payload.pool_pages:
+        wide = torch.zeros(*pages.shape[:2], 2 * pages.shape[2], dtype=torch.uint8)
+        wide[..., ::2] = pages
+        strided.append(wide[..., ::2])
+    assert not strided[0].is_contiguous() and torch.equal(strided[0], payload.pool_pages[0])
+    import_request(dst, "new", KVTransferPayload(payload.fingerprint, payload.num_tokens, tuple(strided)))
+    expected, got = _per_token(src, 0, 7), _per_token(dst, "new", 7)
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key

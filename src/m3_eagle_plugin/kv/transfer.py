@@ -86,9 +86,12 @@ def import_request(cache: PagedKVCache, rid: Hashable, payload: KVTransferPayloa
     if needed > cache.num_free_blocks:
         raise OutOfBlocksError(f"importing request {rid!r} needs {needed} blocks, "
                                f"only {cache.num_free_blocks} are free")
+    # Reinterpreted before allocating: bytes in another memory order cannot be viewed as wider
+    # elements, and failing after `allocate` would leave ``rid`` registered with unwritten pages.
+    sources = [data.to(cache.device).contiguous().view(cache.storage(pool.pool_id).dtype)
+               for pool, data in zip(cache.geometry.pools, payload.pool_pages)]
     pages = cache.allocator.allocate(rid, payload.num_tokens)
     index = torch.tensor(pages, dtype=torch.long, device=cache.device)
-    for pool, data in zip(cache.geometry.pools, payload.pool_pages):
-        storage = cache.storage(pool.pool_id)
-        storage.index_copy_(0, index, data.to(cache.device).view(storage.dtype))
+    for pool, source in zip(cache.geometry.pools, sources):
+        cache.storage(pool.pool_id).index_copy_(0, index, source)
     return torch.tensor(pages, dtype=torch.int32)

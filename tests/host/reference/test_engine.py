@@ -129,3 +129,22 @@ def test_max_seq_len_bounds_the_table_width_and_refuses_longer_requests_alone():
     assert cache.num_free_blocks == cache.num_blocks
     with pytest.raises(ValueError, match="max_seq_len"):
         EngineConfig(max_seq_len=0)
+
+
+@pytest.mark.parametrize("max_new_tokens", [2.5, True, "3", None])
+def test_a_non_integer_max_new_tokens_fails_the_requests_instead_of_running(max_new_tokens):
+    engine, target, cache = build(draft_len=2)
+    result = engine.generate(PROMPTS[:2], max_new_tokens=max_new_tokens)
+    assert result.outputs == [[], []]
+    assert all("max_new_tokens" in error for error in result.errors)
+    assert cache.num_free_blocks == cache.num_blocks
+    assert engine.generate(PROMPTS[:2], max_new_tokens=3).outputs == [target.greedy(p, 3) for p in PROMPTS[:2]]
+
+
+def test_fractional_forced_acceptance_restarts_its_schedule_every_generate_call():
+    """2.5 forces 2, 3, 2, ... from the first verify step of each call: n steps accept floor(2.5 n)."""
+    engine, target, cache = build(draft_len=3, force_accepted=2.5)
+    for _ in range(3):
+        stats = engine.generate(PROMPTS[:1], max_new_tokens=4).stats  # one verify step: forces 2
+        assert stats.verify_steps == 1
+        assert stats.accepted_tokens == 2

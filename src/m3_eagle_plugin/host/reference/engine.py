@@ -148,8 +148,10 @@ class Engine:
                 raise RequestError(
                     f"request {index}: token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}"
                 )
-            if max_new_tokens < 1:
-                raise RequestError(f"request {index}: max_new_tokens must be >= 1, got {max_new_tokens}")
+            # Not only >= 1: a float or bool would run (2.5 -> 3 tokens) and a str or None would raise
+            # past this request, so every bad count fails the request here.
+            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+                raise RequestError(f"request {index}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
             request.prompt = list(prompt)
             self.scheduler.check_fits(request)
         except RequestError as error:
@@ -172,6 +174,7 @@ class Engine:
         progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
         self.stats = SpecStats(draft_len=self.k)  # per call
+        self.runner.restart_forced_schedule()  # so is a fractional forced mean's 2, 3, 2, ... schedule
         requests = [self.make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         started = time.perf_counter()
         inflight: StepOutput | None = None

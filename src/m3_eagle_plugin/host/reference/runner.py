@@ -117,6 +117,12 @@ class StepRunner:
         self.forced_step.add_(1)
         return count
 
+    def restart_forced_schedule(self) -> None:
+        """Start `forced_count_at`'s schedule over (each `generate` call), in place: a captured CUDA
+        graph keeps reading the same counter."""
+        if self.forced_step is not None:
+            self.forced_step.zero_()
+
     # ----- host side ---------------------------------------------------------------------------
     def _reserve_tokens(self, staged_kv: int) -> int:
         """KV tokens a row needs: its staged length, plus the positions the draft steps write ahead."""
