@@ -44,12 +44,16 @@ def test_cpu_smoke_writes_json_and_prints_table_last(tmp_path, capsys):
     (["--write-table", "/nonexistent/t.json"], "--write-table /nonexistent/t.json: /nonexistent is not"),
     (["--e2e", "--e2e-batches", "x"], "--e2e-batches: expected a comma list of integers"),
     (["--e2e", "--e2e-tokens", "2"], "new_tokens must be >= 4"),
+    (["--e2e", "--e2e-hidden", "0"], "hidden must be >= 1, got 0"),
+    (["--kernels", "sparse_attn,bogus"], "--kernels: unknown kernel(s) bogus"),
+    (["--qo-lens", "4,1", "--configs", "1x2,2x64"], "--configs 1x2: context shorter than --qo-lens 4"),
 ])
 def test_bad_options_are_refused_before_anything_is_measured(argv, match, capsys, monkeypatch):
     measured = []
     monkeypatch.setattr(cli, "_cpu_smoke_rows", lambda args: measured.append(1) or ([], {}))
     monkeypatch.setattr(cli, "run_end_to_end", lambda args: measured.append(2) or [])
-    assert m3_main(["bench", "--configs", "2x64", *argv]) == 2
+    argv = argv if "--configs" in argv else ["--configs", "2x64", *argv]
+    assert m3_main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("m3-eagle bench: ") and match in err and measured == []
 
@@ -132,3 +136,37 @@ def test_rounds_must_be_a_positive_integer_and_reach_the_written_command(tmp_pat
     assert seen == {"rounds": 5}
     assert json.loads(path.read_text())["command"].endswith("--flashinfer auto --rounds 5")
     kernel_table.clear_caches()
+
+
+def test_sets_must_be_a_positive_integer(capsys):
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            m3_main(["bench", "--device", "cpu", "--configs", "2x64", "--sets", bad])
+        assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_cpu_smoke_rows_are_the_kernels_asked_for(tmp_path):
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "2", "--kernels",
+                    "dense_attn, index_select", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["kernel"] for r in rows) == ["dense_attn", "index_select"]
+    # 2 requests x 32 tokens in pages of 16: 4 pages; index-K 16 x 32 fp32, K+V 2 x 16 x 32 fp32 a page
+    by = {r["kernel"]: r["bytes"] for r in rows}
+    assert by == {"index_select": 4 * 16 * 32 * 4, "dense_attn": 4 * 2 * 16 * 32 * 4}
+
+
+def test_json_is_standard_even_with_non_finite_figures(tmp_path, monkeypatch):
+    """A kernel that returns NaN reports error inf; the file must still be JSON (RFC 8259 has no
+    Infinity or NaN), readable by a strict parser."""
+    rows = [{"section": "kernels", "kernel": "sparse_attn", "error": float("inf"), "graph_us": 2.5,
+             "ours_rounds_us": [1.0, float("nan")]}]
+    monkeypatch.setattr(cli, "_cpu_smoke_rows", lambda args: (rows, {"note": "x"}))
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x64", "--json", str(out)]) == 0
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    data = json.loads(out.read_text(), parse_constant=refuse)
+    (row,) = data["rows"]
+    assert row["error"] == "inf" and row["graph_us"] == 2.5 and row["ours_rounds_us"] == [1.0, "nan"]

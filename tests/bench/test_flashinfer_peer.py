@@ -591,3 +591,27 @@ def test_peer_is_broken_only_by_a_failure_that_left_cuda_unusable(monkeypatch):
     monkeypatch.setattr(fp, "cuda_poisoned", lambda: "illegal memory access")
     assert peer.broken_by("plan + run") is True
     assert peer.broken == "CUDA unusable after FlashInfer plan + run: illegal memory access"
+
+
+def test_run_kernel_suite_rounds_reach_the_dense_peer_row(monkeypatch, fresh_import_status):
+    """`--rounds N` makes every FlashInfer row the medians of N alternating pairs, the issue's dense
+    peer case (kernel `dense_peer`) too: its graph_us, vs_flashinfer and pct_of_floor follow them."""
+    from m3_eagle_plugin.bench import kernel_suite as ks
+
+    _install_fake(monkeypatch)
+    monkeypatch.setattr(ks, "_kernel_thunks", lambda name, step, geo: (lambda: _reference(name, step, geo),) * 2)
+    monkeypatch.setattr(ks, "_bytes", lambda *a: (2000, 0))  # 2000 B at 1 GB/s: a 2 us floor
+    monkeypatch.setattr(ks, "time_eager_us", lambda thunks, **kw: 4.0)
+    times = iter([10.0] + [1.0, 5.0, 3.0])  # run_case's timing, then the three rounds of ours
+    monkeypatch.setattr(ks, "time_graph_us", lambda thunks, **kw: next(times))
+    monkeypatch.setattr(fp, "time_peer_us", lambda thunks, device: (6.0, "cpu", None))
+    monkeypatch.setattr(ks, "DENSE_PEER", {**ks.DENSE_PEER, "batch": 2, "context": 9, "qo_len": 2,
+                                           "geo": Geometry(q_heads=4, kv_heads=2, head_dim=8, block=4)})
+    rows = run_kernel_suite([], [2], ["dense_peer"], GEO, kv_dtype=torch.float32, index_dtype=torch.float32,
+                            q_dtype=torch.float32, device=torch.device("cpu"), ceiling_gbps=1.0, num_sets=2,
+                            time_reference=False, flashinfer="auto", rounds=3, log=lambda _: None)
+    (row,) = rows
+    assert row["kernel"] == "dense_attn_peer" and "flashinfer_error" not in row, row
+    assert row["ours_rounds_us"] == [1.0, 5.0, 3.0] and row["graph_us"] == 3.0
+    assert row["vs_flashinfer"] == pytest.approx(6.0 / 3.0) and row["meets_goal"] is False
+    assert row["pct_of_floor"] == pytest.approx(100.0 * 2.0 / 3.0)

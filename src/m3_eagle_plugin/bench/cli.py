@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from .kernel_suite import KERNELS, StepSet, run_kernel_suite
 from .table import format_table
 
 DEFAULT_CONFIGS = "1x8192,16x32768,64x32768,64x131072"
+SMOKE_CONFIGS = [(2, 256)]  # the CPU smoke table's default
 DTYPES = {"fp8": getattr(torch, "float8_e4m3fn", None), "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp32": torch.float32}
 
@@ -61,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default=",".join(KERNELS), help="comma list of kernels")
     parser.add_argument("--kv-dtype", choices=sorted(DTYPES), default="fp8", help="sparse-layer K/V dtype")
     parser.add_argument("--dense-kv-dtype", choices=sorted(DTYPES), default="bf16", help="dense-layer K/V dtype")
-    parser.add_argument("--sets", type=int, default=3, help="input sets rotated while timing")
+    parser.add_argument("--sets", type=_positive_int, default=3, help="input sets rotated while timing")
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with the torch reference")
     parser.add_argument("--no-reference-timing", action="store_true", help="do not time the torch reference")
     parser.add_argument("--flashinfer", choices=("auto", "off"), default="auto",
@@ -87,7 +89,7 @@ def _gpu_rows(args: argparse.Namespace, device: torch.device, log) -> tuple[list
     ceiling = copy_ceiling_gbps(device)
     log(f"copy ceiling (read+write) {ceiling:.0f} GB/s")
     qo_lens = qo_lens_of(args)
-    kernels = [k for k in args.kernels.split(",") if k]
+    kernels = kernels_of(args)
     context = {"copy_ceiling_gbps": ceiling, "backend": backend_report(device),
                "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__}
     if args.flashinfer != "off":
@@ -114,8 +116,8 @@ def _cpu_smoke_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dic
     from .timing import time_cpu_us
 
     geo = Geometry(q_heads=4, kv_heads=1, head_dim=32, index_heads=1, index_dim=32, block=16, topk=4)
-    rows = []
-    for batch, context in args.configs or [(2, 256)]:
+    rows, wanted = [], kernels_of(args)
+    for batch, context in args.configs or SMOKE_CONFIGS:
         steps = StepSet(batch, context, geo, kv_dtype=torch.float32, index_dtype=torch.float32,
                         q_dtype=torch.float32, device=torch.device("cpu"), num_sets=1)
         for qo_len in qo_lens_of(args):
@@ -130,7 +132,7 @@ def _cpu_smoke_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dic
                 "dense_attn": (lambda: ref.dense_attention(st["q"], cache.k, cache.v, meta, scale=0.1),
                                dense_kv_bytes(meta, geo, torch.float32)),
             }
-            for name, (fn, nbytes) in cases.items():
+            for name, (fn, nbytes) in ((k, v) for k, v in cases.items() if k in wanted):
                 rows.append({"section": "reference_smoke", "kernel": name, "batch": batch, "context": context,
                              "qo_len": qo_len, "kv_dtype": "float32", "torch_us": time_cpu_us([fn]),
                              "bytes": nbytes})
@@ -147,6 +149,28 @@ def qo_lens_of(args: argparse.Namespace) -> list[int]:
     return values
 
 
+def kernels_of(args: argparse.Namespace) -> list[str]:
+    """`--kernels` as names (blanks dropped: `""` means the end-to-end section alone); an unknown
+    name is refused here, before the copy ceiling is measured, not as a traceback after it."""
+    names = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = sorted(set(names) - set(KERNELS))
+    if unknown:
+        raise ValueError(f"--kernels: unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
+    return names
+
+
+def _check_configs(args: argparse.Namespace, device: torch.device) -> None:
+    """Every context must hold the longest q_len's tokens (they sit at its last positions)."""
+    from m3_eagle_plugin.msa.kernels import triton_available
+
+    gpu = device.type == "cuda" and triton_available(device)
+    configs = args.configs or (parse_configs(DEFAULT_CONFIGS) if gpu else SMOKE_CONFIGS)
+    longest = max(qo_lens_of(args))
+    short = [f"{b}x{c}" for b, c in configs if c < longest]
+    if short:
+        raise ValueError(f"--configs {','.join(short)}: context shorter than --qo-lens {longest}")
+
+
 def checked_device(args: argparse.Namespace) -> torch.device:
     """The device to measure on, every option checked first (a ValueError naming it), so a bad one
     fails before anything is measured rather than after."""
@@ -160,6 +184,8 @@ def checked_device(args: argparse.Namespace) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {want}: no CUDA device is available")
     qo_lens_of(args)
+    kernels_of(args)
+    _check_configs(args, device)
     for option in ("json", "write_table"):
         path = getattr(args, option, None)
         folder = Path(path).resolve().parent if path else None
@@ -189,10 +215,23 @@ def main(args: argparse.Namespace) -> int:
         rows += run_end_to_end(args)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"context": context, "rows": rows}, fh, indent=1, default=str)
+            json.dump(_standard_json({"context": context, "rows": rows}), fh, indent=1, default=str)
     written = _write_table(args, rows, context) if args.write_table else True
     print(format_table(rows))
     return 0 if written else 1
+
+
+def _standard_json(value: Any) -> Any:
+    """`value` with non-finite floats as the strings the table prints ("inf", "nan"): a kernel that
+    returns NaN gets `error` inf, and `json.dump` would write `Infinity`, which is not JSON (jq and
+    other strict readers refuse the whole file)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _standard_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_standard_json(v) for v in value]
+    return value
 
 
 def _write_table(args: argparse.Namespace, rows: list[dict[str, Any]], context: dict[str, Any]) -> bool:

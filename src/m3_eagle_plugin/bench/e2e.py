@@ -66,6 +66,8 @@ class E2EShape(Geometry):
             raise ValueError(f"forced_mean {self.forced_mean} must lie in [0, draft_len={self.draft_len}]")
         if self.new_tokens < 4 or self.repeats < 1 or self.prompt_len < 1:
             raise ValueError("new_tokens must be >= 4, prompt_len and repeats >= 1")
+        if self.hidden < 1:  # else the model's config refuses it, after the kernel section has run
+            raise ValueError(f"hidden must be >= 1, got {self.hidden}")
         if not self.batches or min(self.batches) < 1:
             raise ValueError(f"batches must be non-empty and >= 1, got {self.batches}")
 

@@ -364,9 +364,10 @@ def _flashinfer_check(name: str, op, step: dict[str, Any], geo: Geometry, expect
 
 
 def run_dense_peer(*, device, ceiling_gbps: float, num_sets: int, check: bool, time_reference: bool, peer,
-                   log: Callable[[str], None]) -> dict[str, Any]:
+                   log: Callable[[str], None], rounds: int = 1) -> dict[str, Any]:
     """The issue's dense case: our dense verify vs FlashInfer's paged prefill wrapper (B8, q_len 4,
-    64 q / 4 KV heads, head dim 128, page 128, 4K context, bf16 KV). Row kernel `dense_attn_peer`."""
+    64 q / 4 KV heads, head dim 128, page 128, 4K context, bf16 KV). Row kernel `dense_attn_peer`.
+    `rounds` as for the grid's rows: the pair's medians, so `--rounds` holds for this row too."""
     p = DENSE_PEER
     steps = StepSet(p["batch"], p["context"], p["geo"], kv_dtype=torch.bfloat16, index_dtype=torch.bfloat16,
                     q_dtype=torch.bfloat16, device=device, num_sets=num_sets)
@@ -378,8 +379,10 @@ def run_dense_peer(*, device, ceiling_gbps: float, num_sets: int, check: bool, t
         row["note"] = "FlashInfer not timed (unavailable or --flashinfer off)"
     else:
         row.update(flashinfer_fields("dense_attn", steps, p["qo_len"], peer, graph_us=row["graph_us"],
-                                     expects=expects, check=check,
-                                     ours_eager=lambda s=steps: _time_ours("dense_attn", s, p["qo_len"], eager=True)))
+                                     expects=expects, check=check, rounds=rounds,
+                                     ours_eager=lambda s=steps: _time_ours("dense_attn", s, p["qo_len"], eager=True),
+                                     ours=lambda s=steps: _time_ours("dense_attn", s, p["qo_len"])))
+        _derive(row)
         if "vs_flashinfer" in row:
             row["meets_goal"] = row["vs_flashinfer"] >= p["goal"]
         if "eager_us" in row and not peer.broken:
@@ -469,7 +472,7 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
         torch.cuda.empty_cache()
     if "dense_peer" in kernels:
         rows.append(run_dense_peer(device=device, ceiling_gbps=ceiling_gbps, num_sets=num_sets, check=check,
-                                   time_reference=time_reference, peer=peer, log=log))
+                                   time_reference=time_reference, peer=peer, log=log, rounds=rounds))
     if peer is not None and flashinfer_available() and "index_select" in kernels and configs:
         log("  flashinfer top-k with num_valid_pages, in a child process")
         probe = nvp_probe(configs, qo_lens)
