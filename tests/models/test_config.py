@@ -264,3 +264,51 @@ def test_any_json_value_for_a_size_parses_exactly_or_fails_naming_the_field(fiel
     else:
         with pytest.raises(ConfigError, match=rf"^x\.json: text_config\.{field}: "):
             M3Config.from_dict(raw, "x.json")
+
+
+# ---- fields read where transformers reads them (MiniMaxM3VLConfig is the oracle) ----
+
+@pytest.mark.parametrize("top,text", [(True, False), (True, None), (False, True), (False, False), (None, None)])
+def test_vl_top_level_tie_word_embeddings_ties_like_transformers(top, text):
+    from transformers import MiniMaxM3VLConfig
+
+    raw = target_config()
+    for section, value in ((raw, top), (raw["text_config"], text)):
+        section.pop("tie_word_embeddings")
+        if value is not None:
+            section["tie_word_embeddings"] = value
+    want = MiniMaxM3VLConfig(**json.loads(json.dumps(raw))).tie_word_embeddings
+    assert M3Config.from_dict(raw).tie_word_embeddings == want
+
+
+def test_missing_head_dim_defaults_like_transformers():
+    raw = target_config()
+    del raw["text_config"]["head_dim"]
+    raw["text_config"]["sparse_attention_config"]["sparse_index_dim"] = 128  # >= the rotary dim (64)
+    hf = _as_transformers_sees_it(json.loads(json.dumps(raw)))
+    cfg = M3Config.from_dict(raw)
+    assert cfg.head_dim == hf.head_dim == 128  # not hidden_size // num_attention_heads (16 here)
+    _assert_same(cfg, hf)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_scaling": {"type": "default", "rope_theta": 500.0}},
+    {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+    {"rope_scaling": {"type": "default"}, "rope_parameters": {"rope_type": "default", "rope_theta": 777.0}},
+    {"rope_scaling": {}, "rope_parameters": {"rope_type": "default", "rope_theta": 777.0}},
+    {"rope_parameters": {"type": "default", "rope_theta": 300.0, "partial_rotary_factor": 1.0}},
+])
+def test_rope_dict_is_the_one_transformers_reads(rope):
+    raw = target_config()
+    raw["text_config"].update(rope)
+    hf = _as_transformers_sees_it(json.loads(json.dumps(raw)))
+    assert hf.rope_parameters["rope_type"] == "default"
+    _assert_same(M3Config.from_dict(raw), hf)
+
+
+def test_legacy_type_key_in_rope_parameters_is_not_ignored():
+    raw = target_config()
+    raw["text_config"]["rope_parameters"] = {"type": "linear", "factor": 2.0}
+    assert _as_transformers_sees_it(json.loads(json.dumps(raw))).rope_parameters["rope_type"] == "linear"
+    with pytest.raises(ConfigError, match=r"rope_parameters\.rope_type: 'linear' is not supported"):
+        M3Config.from_dict(raw)

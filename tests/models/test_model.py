@@ -144,3 +144,48 @@ def test_cuda_fp32_and_bf16_match_transformers(tiny_dir):
         assert got.dtype == torch.float32 and torch.isfinite(got).all()
         torch.testing.assert_close(got, want[:start], atol=atol, rtol=0)  # bf16: a rare routing flip
         assert (got - want[:start]).abs().mean() < atol / 20
+
+
+def _prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    runner = PagedRunner(model.config)
+    runner.prepare([("a", len(ids))])
+    with torch.no_grad():
+        return model.compute_logits(model(ids, runner.meta, runner.cache))
+
+
+def test_vl_top_level_tie_word_embeddings_loads_and_matches_transformers(tiny_dir, tmp_path):
+    """A VL config tying at its top level only: the checkpoint has no lm_head; the embedding serves."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import MiniMaxM3SparseForConditionalGeneration
+
+    src = tiny_dir / "target"
+    raw = json.loads((src / "config.json").read_text())
+    raw["tie_word_embeddings"], raw["text_config"]["tie_word_embeddings"] = True, False
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["language_model.lm_head.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ids = torch.randint(0, 256, (18,), generator=torch.Generator().manual_seed(9))
+    hf = load_oracle(tmp_path, MiniMaxM3SparseForConditionalGeneration)
+    with torch.no_grad():
+        want = hf(input_ids=ids[None]).logits[0].float()
+    assert torch.equal(hf.lm_head.weight, tensors["language_model.model.embed_tokens.weight"])  # the oracle ties
+    torch.testing.assert_close(_prefill_logits(load_target(tmp_path), ids), want, atol=TOL, rtol=0)
+
+
+def test_zero_width_shared_expert_checkpoint_matches_transformers(tmp_path):
+    """`shared_intermediate_size: 0` (no shared expert): transformers saves empty shared-expert tensors."""
+    from ._oracle import MiniMaxM3VLForCausalLM, randomize_, tiny_text_config
+
+    torch.manual_seed(0)
+    hf = MiniMaxM3VLForCausalLM(tiny_text_config(shared_intermediate_size=0))
+    randomize_(hf, seed=2)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        want = load_oracle(tmp_path)(input_ids=ids[None]).logits[0].float()
+    model = load_target(tmp_path)
+    assert all(layer.mlp.shared_experts is None for layer in model.layers[1:])
+    torch.testing.assert_close(_prefill_logits(model, ids), want, atol=TOL, rtol=0)

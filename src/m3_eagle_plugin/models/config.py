@@ -13,7 +13,7 @@ field is read through `ConfigFields`, so a wrong type or range fails as one `Con
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -100,9 +100,12 @@ class M3Config:
         top = ConfigFields(raw, source)
         text = top.get_section("text_config") or top
         # transformers re-saves the VL wrapper with a text-style text_config; the field style decides
-        if text.has("layer_types") or text.has("mlp_layer_types"):
-            return _parse_text(text)
-        return _parse_production(text)
+        parse = _parse_text if text.has("layer_types") or text.has("mlp_layer_types") else _parse_production
+        config = parse(text)
+        # the VL wrapper ties lm_head to the embedding when its own flag or the text config's is true
+        if text is not top and top.get_bool("tie_word_embeddings", False):
+            config = replace(config, tie_word_embeddings=True)
+        return config
 
     @classmethod
     def from_file(cls, path: str | Path) -> "M3Config":
@@ -118,7 +121,7 @@ class M3Config:
 def _common(t: ConfigFields) -> dict[str, Any]:
     hidden = t.get_int("hidden_size", minimum=1)
     heads = t.get_int("num_attention_heads", minimum=1)
-    head_dim = t.get_int("head_dim", 0, minimum=0) or hidden // heads
+    head_dim = t.get_int("head_dim", 128, minimum=1)  # transformers' default, not hidden // heads
     shared_key = "n_shared_experts" if "n_shared_experts" in t.raw else "num_shared_experts"
     shared_experts = t.get_int(shared_key, 0 if shared_key in t.raw else 1, minimum=0)  # explicit null: none
     num_experts_key = "num_local_experts" if t.has("num_local_experts") else "num_experts"
@@ -143,9 +146,17 @@ def _common(t: ConfigFields) -> dict[str, Any]:
     )
 
 
+def _rope_section(t: ConfigFields) -> ConfigFields:
+    """The RoPE dict transformers reads: a non-empty legacy `rope_scaling` replaces `rope_parameters`."""
+    legacy = t.get_section("rope_scaling")
+    if legacy is not None and legacy.raw:
+        return legacy
+    return t.get_section("rope_parameters") or ConfigFields({}, t.source, t.name("rope_parameters"))
+
+
 def _rope(t: ConfigFields, head_dim: int, use_rotary_dim: bool) -> tuple[int, float]:
-    params = t.get_section("rope_parameters") or ConfigFields({}, t.source, t.name("rope_parameters"))
-    rope_type = params.need("rope_type", "default")
+    params = _rope_section(t)
+    rope_type = params.need("rope_type", params.need("type", "default"))  # "type": the legacy key, same meaning
     if rope_type != "default":
         raise params.error("rope_type", f"{show_value(rope_type)} is not supported (only 'default')")
     where = params if params.has("rope_theta") else t
@@ -176,11 +187,6 @@ def _check_fixed_semantics(t: ConfigFields) -> None:
     if groups > 1 and t.get_int("topk_group", groups, minimum=1) < groups:
         raise t.error("topk_group", f"grouped expert routing ({groups} groups, topk_group "
                       f"{t.get_int('topk_group', groups)}) is not supported")
-    legacy = t.get_section("rope_scaling")  # transformers converts it into rope_parameters
-    if legacy is not None:
-        kind = legacy.need("rope_type", legacy.need("type", "default"))
-        if kind != "default":
-            raise legacy.error("rope_type", f"{show_value(kind)} is not supported (only 'default')")
 
 
 _ZERO_ONE = {0: False, 1: True}

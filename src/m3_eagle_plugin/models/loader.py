@@ -127,6 +127,12 @@ def _with_aliases(recipe: _Recipe, names: set[str]) -> _Recipe:
     return _Recipe(tuple(sources), recipe.combine)
 
 
+def _holds_nothing(shape: tuple[int, ...]) -> bool:
+    """A zero-element tensor carries no weight: transformers writes `[0, H]` / `[H, 0]` shared-expert
+    tensors for `shared_intermediate_size: 0`, a shared expert this model leaves out altogether."""
+    return 0 in shape
+
+
 def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> dict[str, _Recipe]:
     """Map every model tensor to its checkpoint tensors; raise on any name or shape mismatch."""
     names = source.names()
@@ -143,7 +149,7 @@ def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> 
         recipes["lm_head.weight"] = recipes["embed_tokens.weight"]
     needed = {s for r in recipes.values() for s in r.sources}
     missing = sorted(needed - names)
-    unknown = sorted(n for n in names - needed if not _IGNORED.search(n))
+    unknown = sorted(n for n in names - needed if not _IGNORED.search(n) and not _holds_nothing(source.shape(n)))
     check_names(source.where, missing, unknown)
     for key, recipe in recipes.items():
         for src, want in zip(recipe.sources, _source_shapes(recipe, expected[key])):
