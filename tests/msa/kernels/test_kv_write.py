@@ -70,6 +70,37 @@ def check_all_skipped_writes_nothing(device, dtype=torch.float32):
         assert torch.equal(got, exp)
 
 
+def check_slots_past_the_cache_write_nothing(device, dtype=torch.float32):
+    """Caches that are the first pages of a longer pool: a slot past them must not land in the
+    pages beyond (it is skipped), while the valid tokens are written."""
+    gen = torch.Generator().manual_seed(3)
+    (k_all, v_all, ik_all), pool = _pool_views(5, 1, 8, 16, 16, dtype, device, gen)
+    k_cache, v_cache, ik_cache = k_all[:3], v_all[:3], ik_all[:3]
+    before = pool.clone()
+    slots = torch.tensor([3 * 8, 2, 3 * 8 + 9, 23], device=device)
+    k = torch.randn(4, 1, 16, generator=gen).to(device).to(dtype)
+    v = torch.randn(4, 1, 16, generator=gen).to(device).to(dtype)
+    ik = torch.randn(4, 16, generator=gen).to(device).to(dtype)
+    from m3_eagle_plugin.msa.kernels.kv_write import write_step_kv_fused
+
+    write_step_kv_fused(k_cache, v_cache, slots, k, v, ik_cache, ik)
+    assert torch.equal(pool[3:], before[3:]), "a slot past the cache wrote beyond it"
+    for t, slot in ((1, 2), (3, 23)):
+        assert torch.equal(k_cache[slot // 8, 0, slot % 8], k[t, 0]) and torch.equal(ik_cache[slot // 8, slot % 8], ik[t])
+    want = before[:3].clone()
+    want_k, want_v, want_ik = (x[:3] for x in _pool_views_of(want))
+    for t, slot in ((1, 2), (3, 23)):
+        want_k[slot // 8, 0, slot % 8], want_v[slot // 8, 0, slot % 8], want_ik[slot // 8, slot % 8] = k[t, 0], v[t, 0], ik[t]
+    assert torch.equal(pool[:3], want), "only the valid tokens' rows may change"
+
+
+def _pool_views_of(pool, hkv=1, block=8, dim=16, index_dim=16):
+    elems = hkv * block * dim
+    pages = pool.shape[0]
+    return (pool[:, :elems].view(pages, hkv, block, dim), pool[:, elems:2 * elems].view(pages, hkv, block, dim),
+            pool[:, 3 * elems:].view(pages, block, index_dim))
+
+
 #: The interpreter's share (few, small launches: CI has two cores).
 INTERPRETER_CASES = [
     (check_write_matches_torch, dict(dtype=torch.float32)),
@@ -77,6 +108,7 @@ INTERPRETER_CASES = [
                                      skip=(0,))),
     (check_write_matches_torch, dict(dtype=torch.float32, with_index=False, dim=24, index_dim=24, skip=())),
     (check_all_skipped_writes_nothing, dict()),
+    (check_slots_past_the_cache_write_nothing, dict()),
 ]
 
 
@@ -130,6 +162,11 @@ def test_dispatcher_uses_the_torch_writers_on_cpu():
 
 
 # ------------------------------------------------------------------------------------------- CUDA
+
+@needs_gpu
+def test_slots_past_the_cache_write_nothing_on_the_gpu():
+    check_slots_past_the_cache_write_nothing("cuda")
+
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32] + ([FP8] if FP8 else []))

@@ -5,7 +5,9 @@ to a harmless duplicate write, since `index_put_` cannot mask, which costs about
 kernels per cache tensor; at batch 1 a verify + draft cycle spent more GPU time in them than in
 its attention. Here a program per (token, KV head) loads its slot and stores its rows under a
 mask, so a skipped token writes nothing at all. Values must already have the cache's dtype (the
-callers cast, so fp8 rounding is torch's). Mirrors the torch writers exactly.
+callers cast, so fp8 rounding is torch's). Mirrors the torch writers exactly, except for a slot
+past the cache: the torch writers refuse one in a host tensor, and here (device slots, no host
+sync) it is skipped like a negative one rather than written out of bounds.
 """
 from __future__ import annotations
 
@@ -22,14 +24,14 @@ def _write_step_kernel(
     slots_ptr,
     k_ptr, s_k_t, s_k_h, v_ptr, s_v_t, s_v_h,
     kc_ptr, s_kc_p, s_kc_h, s_kc_b, vc_ptr, s_vc_p, s_vc_h, s_vc_b,
-    ik_ptr, s_ik_t, ikc_ptr, s_ikc_p, s_ikc_b,
+    ik_ptr, s_ik_t, ikc_ptr, s_ikc_p, s_ikc_b, kv_slots, ik_slots,
     BLOCK: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, DI: tl.constexpr, DI_P: tl.constexpr,
     HAS_INDEX: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    keep = slot >= 0
+    keep = (slot >= 0) & (slot < kv_slots)
     page = tl.maximum(slot, 0) // BLOCK
     off = tl.maximum(slot, 0) % BLOCK
     d = tl.arange(0, D_P)
@@ -40,7 +42,7 @@ def _write_step_kernel(
     tl.store(vc_ptr + page * s_vc_p + h * s_vc_h + off * s_vc_b + d, v, mask=dm)
     if HAS_INDEX:
         di = tl.arange(0, DI_P)
-        im = (di < DI) & keep & (h == 0)
+        im = (di < DI) & (slot >= 0) & (slot < ik_slots) & (h == 0)
         ik = tl.load(ik_ptr + t * s_ik_t + di, mask=im)
         tl.store(ikc_ptr + page * s_ikc_p + off * s_ikc_b + di, ik, mask=im)
 
@@ -56,7 +58,8 @@ def write_step_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tor
                         v: torch.Tensor, index_k_cache: torch.Tensor | None = None,
                         index_k: torch.Tensor | None = None) -> None:
     """Write `k`, `v` `[T, Hkv, D]` into `[P, Hkv, B, D]` caches (and `index_k` `[T, Di]` into
-    `[P, B, Di]`) at `slots` `[T]` (page * B + offset; negative = skip). Capture-safe, one launch."""
+    `[P, B, Di]`) at `slots` `[T]` (page * B + offset; negative or past the cache = skip).
+    Capture-safe, one launch."""
     check_cache_view("k_cache", k_cache, 4)
     check_cache_view("v_cache", v_cache, 4)
     require(k_cache.shape == v_cache.shape, f"k/v cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
@@ -85,7 +88,7 @@ def write_step_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tor
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        ik, ik.stride(0), ikc, ikc.stride(0), ikc.stride(1),
+        ik, ik.stride(0), ikc, ikc.stride(0), ikc.stride(1), k_cache.shape[0] * block, ikc.shape[0] * block,
         BLOCK=block, D=dim, D_P=next_pow2(dim), DI=di, DI_P=next_pow2(di), HAS_INDEX=has_index,
         num_warps=1,
     )
