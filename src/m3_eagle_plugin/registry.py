@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import operator
 import os
 import threading
 from dataclasses import dataclass
@@ -209,7 +210,7 @@ class M3PluginManager(pluggy.PluginManager):
                 f"m3_eagle_propose_drafts returned {[len(d) for d in drafts]} tokens for "
                 f"{len(context.request_ids)} requests; expected {context.draft_len} each"
             )
-        return [[int(t) for t in d] for d in drafts]
+        return [[_token_id(t, rid) for t in d] for rid, d in zip(context.request_ids, drafts)]
 
     def plugin_summary(self) -> list[dict[str, Any]]:
         """One row per registered plugin: name, distribution/version, implemented hooks."""
@@ -226,6 +227,17 @@ class M3PluginManager(pluggy.PluginManager):
                 "hooks": hooks,
             })
         return rows
+
+
+def _token_id(token: Any, rid: Any) -> int:
+    """A drafter's token as an int: integers only (numpy and 0-d torch integers too), since `int`
+    would quietly turn 2.7 into 2 or "3" into 3 and the host would verify a token never proposed."""
+    if not isinstance(token, bool):
+        try:
+            return operator.index(token)
+        except TypeError:
+            pass
+    raise PluginError(f"m3_eagle_propose_drafts returned {token!r} for request {rid}; token ids must be ints")
 
 
 def make_plugin_manager(*, autoload: bool = False, strict: bool = False, register_builtin: bool = True,

@@ -159,3 +159,63 @@ def test_rejection_outputs_are_consistent(rows, k, vocab, seed):
         assert result.tokens[r, :a].tolist() == drafts[r, :a].tolist()
         assert all(p[r, j, drafts[r, j]] > 0 for j in range(a))  # zero target mass is never accepted
         assert p[r, a, result.tokens[r, a]] > 0
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.data())
+def test_draft_lens_outside_zero_to_k_mean_the_nearest_end_in_all_three_rules(data):
+    """A row cannot carry more than K drafts nor fewer than none: every rule treats a length past
+    either end as that end. One-hot targets make rejection sampling deterministic (a draft with
+    p = 1 is always accepted, one with p = 0 never, and the token after is the target's), so all
+    three rules are checked against the naive loops on the clamped length."""
+    rows = data.draw(st.integers(1, 5))
+    k = data.draw(st.integers(0, 4))
+    vocab = data.draw(st.integers(2, 4))
+    drafts = [[data.draw(st.integers(0, vocab - 1)) for _ in range(k)] for _ in range(rows)]
+    targets = [[data.draw(st.integers(0, vocab - 1)) for _ in range(k + 1)] for _ in range(rows)]
+    lens = [data.draw(st.integers(-3, k + 3)) for _ in range(rows)]
+    forced = [data.draw(st.integers(-2, k + 3)) for _ in range(rows)]
+    draft_t, target_t = torch.tensor(drafts, dtype=torch.long).view(rows, k), torch.tensor(targets)
+    lens_t = torch.tensor(lens)
+    probs = torch.nn.functional.one_hot(target_t, vocab).float()
+    results = {
+        "greedy": greedy_accept(draft_t, target_t, lens_t),
+        "rejection": rejection_accept(draft_t, None, probs, torch.Generator().manual_seed(0), lens_t),
+        "forced": forced_accept(draft_t, target_t, torch.tensor(forced), lens_t),
+        "forced int": forced_accept(draft_t, target_t, k + 2, lens_t),
+    }
+    for r in range(rows):
+        length = min(max(lens[r], 0), k)
+        expected = {"greedy": naive_greedy(drafts[r], targets[r], length),
+                    "forced": _naive_forced(drafts[r], targets[r], min(max(forced[r], 0), length)),
+                    "forced int": _naive_forced(drafts[r], targets[r], length)}
+        expected["rejection"] = expected["greedy"]
+        for rule, result in results.items():
+            tokens, a = expected[rule]
+            assert int(result.num_accepted[r]) == a, rule
+            assert result.tokens[r, : a + 1].tolist() == tokens, rule
+
+
+def _naive_forced(drafts, targets, a):
+    return drafts[:a] + [targets[a]], a
+
+
+@pytest.mark.parametrize("mean", ["0.0005", "0.5", "1.5", "2.999", "0.000123", "1.000001"])
+def test_forced_schedule_sums_to_the_decimal_mean_times_the_steps(mean):
+    """First principles: the first n counts of a schedule whose long-run mean is m sum to
+    floor(n m); m is the decimal as written (exact arithmetic on its digits)."""
+    from fractions import Fraction
+
+    exact = Fraction(mean)
+    steps = 2 * exact.denominator + 7  # past two full periods of the schedule
+    counts = forced_count_at(float(mean), torch.arange(steps)).tolist()
+    running = 0
+    for n, count in enumerate(counts, start=1):
+        running += count
+        assert running == n * exact.numerator // exact.denominator, (mean, n)
+
+
+def test_forced_schedule_refuses_a_positive_mean_it_would_round_to_zero():
+    with pytest.raises(ValueError, match="resolution"):
+        forced_count_at(1e-7, torch.tensor(0))
+    assert forced_count_at(0.0, torch.arange(5)).tolist() == [0] * 5

@@ -121,3 +121,18 @@ def test_writers_are_capturable_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     assert torch.equal(k_cache[2, :, 1], k[1]) and torch.equal(ik_cache[2, 1], ik[1])
     assert int((k_cache != 0).sum()) == 2 * 8
+
+
+@pytest.mark.parametrize("slots", [[0, 12], [12, 0], [5, -1, 30]])
+def test_a_slot_past_the_cache_writes_nothing(slots) -> None:
+    """3 pages of 4 slots hold slots 0..11, so 12 is one past the end: the call fails before
+    writing any token, the in-range ones included, in the K, the V and the index-K cache alike."""
+    cache = PooledCache(num_pages=3, block_size=4, kv_heads=2, head_dim=3, index_dim=5)
+    cache.pool.normal_()
+    before = cache.pool.clone()
+    n = len(slots)
+    with pytest.raises(MsaInputError, match="past the cache"):
+        write_kv(cache.k, cache.v, torch.tensor(slots), torch.randn(n, 2, 3), torch.randn(n, 2, 3))
+    with pytest.raises(MsaInputError, match="past the cache"):
+        write_index_k(cache.index_k, torch.tensor(slots), torch.randn(n, 5))
+    assert torch.equal(cache.pool, before)

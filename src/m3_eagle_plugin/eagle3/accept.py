@@ -26,6 +26,8 @@ class AcceptResult:
 
 
 def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft_lens: torch.Tensor | None) -> torch.Tensor:
+    """Checks shapes; returns ``draft_lens`` as int64, clamped to ``[0, K]`` on the device (a row
+    cannot carry more drafts than it has columns; checking instead would read them to the host)."""
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must be [R, K], got shape {tuple(draft_tokens.shape)}")
     num_rows, num_drafts = draft_tokens.shape
@@ -37,7 +39,7 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft_lens: 
         return torch.full((num_rows,), num_drafts, dtype=torch.long, device=draft_tokens.device)
     if draft_lens.shape != (num_rows,):
         raise ValueError(f"draft_lens must be [R] = [{num_rows}], got {tuple(draft_lens.shape)}")
-    return draft_lens.to(device=draft_tokens.device, dtype=torch.long)
+    return draft_lens.to(device=draft_tokens.device, dtype=torch.long).clamp(0, num_drafts)
 
 
 def _prefix_length(ok: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
@@ -61,7 +63,7 @@ def greedy_accept(
     """Accept the longest prefix of drafts equal to the target's argmax; the bonus is the target's next token.
 
     ``draft_tokens [R, K]``, ``target_tokens [R, K + 1]`` (argmax per verify position), optional
-    ``draft_lens [R]`` (drafts past a row's length never count as accepted).
+    ``draft_lens [R]`` (drafts past a row's length never count as accepted; clamped to ``[0, K]``).
     """
     draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
     target_tokens = target_tokens.to(torch.long)
@@ -77,14 +79,15 @@ def forced_accept(
     """Benchmark mode: accept ``min(num_forced, draft_len)`` drafts whatever they are (output is NOT the target's).
 
     ``num_forced`` is an int, or a device tensor (0-d or ``[R]``) such as `forced_count_at` returns;
-    a tensor is not range-checked here (that would read it back to the host).
+    a tensor is clamped on the device, not checked (that would read it back to the host).
     """
     draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
     if isinstance(num_forced, torch.Tensor):
         if num_forced.dim() > 1 or (num_forced.dim() == 1 and num_forced.shape[0] != draft_lens.shape[0]):
             raise ValueError(f"num_forced must be an int, a 0-d tensor or [R] = [{draft_lens.shape[0]}], "
                              f"got shape {tuple(num_forced.shape)}")
-        num_accepted = torch.minimum(draft_lens, num_forced.to(device=draft_lens.device, dtype=torch.long))
+        num_forced = num_forced.to(device=draft_lens.device, dtype=torch.long).clamp_min(0)
+        num_accepted = torch.minimum(draft_lens, num_forced)
     else:
         if num_forced < 0:
             raise ValueError(f"num_forced must be >= 0, got {num_forced}")
@@ -93,16 +96,27 @@ def forced_accept(
     return AcceptResult(_emit(draft_tokens.to(torch.long), num_accepted, bonus), num_accepted)
 
 
+_FORCED_DENOMINATOR = 10**6
+
+
 def forced_count_at(mean: float, step: torch.Tensor) -> torch.Tensor:
     """Drafts to force at verify step ``step`` (a device counter) so the running mean is ``mean``.
 
     ``floor((s + 1) * mean) - floor(s * mean)`` in exact rational arithmetic: each count is
     ``floor(mean)`` or ``ceil(mean)``, the first ``n`` counts sum to ``floor(n * mean)`` (2.5 gives
     2, 3, 2, 3, ...). Computed on the device from ``step``, so a CUDA graph can replay it.
+
+    ``mean`` is taken as the nearest fraction with a denominator up to 10**6: exact for decimals of
+    up to six places (0.0005 is 1/2000; a bound of 1000 made it 1/1000, twice the asked mean) and
+    for simple ratios such as 1/3, while ``step * numerator`` stays far inside int64. A positive
+    mean below that resolution would round to "never accept" and is refused instead.
     """
     if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 <= mean < float("inf"):
         raise ValueError(f"mean forced acceptance must be a finite number >= 0, got {mean!r}")
-    ratio = Fraction(mean).limit_denominator(1000)
+    ratio = Fraction(mean).limit_denominator(_FORCED_DENOMINATOR)
+    if mean > 0 and ratio == 0:
+        raise ValueError(f"mean forced acceptance {mean!r} is below the schedule's resolution "
+                         f"1/{_FORCED_DENOMINATOR}: it would never force a draft")
     step = step.to(torch.long)
     return ((step + 1) * ratio.numerator) // ratio.denominator - (step * ratio.numerator) // ratio.denominator
 

@@ -4,7 +4,9 @@ Slots are ``page * B + offset`` as produced by ``MsaDecodeMetadata.cache_slots``
 means "do not write". The caches may be strided views into a pooled "mega-slot" tensor, so the
 writers only index them (``index_put_``) and never reshape, which makes the writes land in the
 pool's storage. Negative slots are redirected without host synchronisation (see
-``_redirect_skipped``), so the writers are safe inside CUDA-graph capture.
+``_redirect_skipped``), so the writers are safe inside CUDA-graph capture. A slot past the cache
+is refused before anything is written where the slots are a host tensor (free to read); device
+slots are not checked, since that would read them back to the host.
 """
 
 from __future__ import annotations
@@ -42,12 +44,17 @@ def _redirect_skipped(
     return safe_slots, safe_values
 
 
-def _check_slots(slots: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def _check_slots(slots: torch.Tensor, num_tokens: int, capacity: int) -> torch.Tensor:
+    """Shape and dtype always; the range only for host slots, before the first write, so a slot
+    past the cache fails the whole call instead of after the K cache (or a prefix of it) is written."""
     if slots.dim() != 1 or slots.shape[0] != num_tokens:
         raise MsaInputError(f"slots must be [T={num_tokens}], got {tuple(slots.shape)}")
     if slots.dtype.is_floating_point or slots.dtype == torch.bool:
         raise TypeError(f"slots must be an integer tensor, got {slots.dtype}")
-    return slots.to(torch.int64)
+    slots = slots.to(torch.int64)
+    if slots.device.type == "cpu" and num_tokens and int(slots.max()) >= capacity:
+        raise MsaInputError(f"slot {int(slots.max())} is past the cache's {capacity} slots (pages * block size)")
+    return slots
 
 
 def write_kv(
@@ -58,12 +65,12 @@ def write_kv(
         raise MsaInputError(
             f"k_cache and v_cache must both be [P, Hkv, B, D], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    _, num_heads, block_size, dim = k_cache.shape
+    num_pages, num_heads, block_size, dim = k_cache.shape
     if k.dim() != 3 or k.shape[1:] != (num_heads, dim) or v.shape != k.shape:
         raise MsaInputError(
             f"k and v must both be [T, Hkv={num_heads}, D={dim}], got {tuple(k.shape)} and {tuple(v.shape)}"
         )
-    slots = _check_slots(slots, k.shape[0])
+    slots = _check_slots(slots, k.shape[0], num_pages * block_size)
     if k.shape[0] == 0:
         return
     heads = torch.arange(num_heads, device=k_cache.device)[None, :]
@@ -82,10 +89,10 @@ def write_index_k(index_k_cache: torch.Tensor, slots: torch.Tensor, ik: torch.Te
     """Write index keys ``ik`` ``[T, Di]`` into the index-K cache ``[P, B, Di]`` at ``slots``."""
     if index_k_cache.dim() != 3:
         raise MsaInputError(f"index_k_cache must be [P, B, Di], got {tuple(index_k_cache.shape)}")
-    _, block_size, dim = index_k_cache.shape
+    num_pages, block_size, dim = index_k_cache.shape
     if ik.dim() != 2 or ik.shape[1] != dim:
         raise MsaInputError(f"ik must be [T, Di={dim}], got {tuple(ik.shape)}")
-    slots = _check_slots(slots, ik.shape[0])
+    slots = _check_slots(slots, ik.shape[0], num_pages * block_size)
     if ik.shape[0] == 0:
         return
 

@@ -64,19 +64,25 @@ def _step(engine: Engine, rows, requests: list[Request], step_id: int) -> None:
 
 
 @torch.no_grad()
-def run_context_phase(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Request]:
-    """Prefill ``prompts`` (request ``i`` = prompt ``i``), emitting each first token and first drafts.
+def run_context_phase(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      first_index: int = 0) -> list[Request]:
+    """Prefill ``prompts`` (request ``first_index + i`` = prompt ``i``), emitting each first token
+    and first drafts.
 
     Only context rows run: returned requests are in the decode state with their pending verify
     inputs, or done (a request that ended on its first token, or failed validation). On any error
-    the requests already registered are released before it propagates.
+    the requests already registered are released before it propagates. A request keeps its id
+    through the handoff, so a generation engine that holds requests of several batches at once
+    needs each batch numbered past the others (``first_index``).
     """
     _check_engine(engine)
+    if isinstance(first_index, bool) or not isinstance(first_index, int) or first_index < 0:
+        raise ValueError(f"first_index must be an int >= 0, got {first_index!r}")
     requests: list[Request] = []
     step_id = 0
     try:
         for i, prompt in enumerate(prompts):  # registering can fail midway (an id still held)
-            requests.append(engine.make_request(i, prompt, max_new_tokens))
+            requests.append(engine.make_request(first_index + i, prompt, max_new_tokens))
         while True:
             rows = [r for r in engine.scheduler.schedule(requests) if r.kind is RowKind.CONTEXT]
             if not rows:

@@ -148,3 +148,22 @@ def test_fractional_forced_acceptance_restarts_its_schedule_every_generate_call(
         stats = engine.generate(PROMPTS[:1], max_new_tokens=4).stats  # one verify step: forces 2
         assert stats.verify_steps == 1
         assert stats.accepted_tokens == 2
+
+
+@pytest.mark.parametrize("field,value", [
+    ("draft_len", True), ("draft_len", 2.0), ("draft_len", "3"), ("draft_len", -1),
+    ("max_seq_len", 64.0), ("max_seq_len", True), ("max_seq_len", "64"),
+    ("eos_ids", 5), ("eos_ids", "5"), ("eos_ids", (5.0,)), ("eos_ids", (True,)), ("eos_ids", (-1,)),
+])
+def test_engine_config_refuses_a_mistyped_field_naming_it(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_engine_config_takes_eos_ids_as_a_list_and_stays_hashable():
+    ref = _fakes.FakeTarget().greedy(PROMPTS[0], 6)
+    assert ref[2] not in ref[:2]
+    engine, target, cache = build(draft_len=2, eos_ids=[ref[2]])
+    assert engine.config.eos_ids == (ref[2],) and hash(engine.config) is not None
+    result = engine.generate(PROMPTS[:1], max_new_tokens=6)
+    assert result.outputs == [ref[:3]] and result.stop_reasons == ["eos"]

@@ -87,3 +87,33 @@ def test_drafter_plugin_refuses_a_proposal_count_that_does_not_match_the_request
     with pytest.raises(ValueError, match="3 requests, expected 2"):
         plugin.m3_eagle_propose_drafts(context)
     assert DrafterPlugin(lambda ctx: [[5], []]).m3_eagle_propose_drafts(context) == [[5, 5], [3, 3]]
+
+
+@pytest.mark.parametrize("token", [2.7, 3.0, "3", True])
+@pytest.mark.parametrize("through_plugin", [False, True])
+def test_a_non_integer_draft_token_is_refused_naming_the_request(token, through_plugin):
+    """`int` would verify 2 for a proposed 2.7 (or 3 for "3"): a token nobody proposed."""
+    target = _fakes.FakeTarget()
+    cache = _fakes.make_cache()
+    proposer = lambda ctx: [[token] * ctx.draft_len for _ in ctx.tokens]  # noqa: E731
+    manager = None
+    if through_plugin:
+        manager = make_plugin_manager(register_builtin=False)
+        manager.register(DrafterPlugin(proposer), name="floats")
+        proposer = None
+    engine = Engine(target, cache, EngineConfig(draft_len=2, max_batch_size=1, max_tokens_per_step=8),
+                    vocab_size=_fakes.VOCAB, proposer=proposer, plugin_manager=manager)
+    with pytest.raises(Exception, match=r"request 0\b") as raised:
+        engine.generate(PROMPTS[:1], max_new_tokens=NEW)
+    assert repr(token) in str(raised.value)
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_integer_draft_tokens_of_other_types_are_taken():
+    """0-d torch integers are integers (`operator.index` takes them): the replayed drafts are
+    accepted exactly as the plain-int replay's are."""
+    import torch
+
+    replay = ReplayProposer.with_error_rate(references(), _fakes.VOCAB, 0.3, seed=5)
+    result = run(lambda ctx: [list(torch.tensor(p, dtype=torch.long)) for p in replay(ctx)])
+    assert result.stats.accepted_tokens == replay.expected_accepted > 0

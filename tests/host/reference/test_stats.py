@@ -26,6 +26,14 @@ def test_definitions_by_hand():
     assert SpecStats(draft_len=3).as_dict()["mean_acceptance_length"] == 0.0
 
 
+@pytest.mark.parametrize("drafts,accepted,draft_len", [(1, 0, 0), (4, 4, 3), (2, 3, 3), (-1, 0, 3), (2, -1, 3)])
+def test_an_impossible_verify_step_is_refused_and_not_counted(drafts, accepted, draft_len):
+    stats = SpecStats(draft_len=draft_len)
+    with pytest.raises(ValueError, match="num_drafts"):
+        stats.record_verify(drafts, accepted)
+    assert (stats.verify_steps, stats.draft_tokens, stats.accepted_tokens) == (0, 0, 0)
+
+
 @pytest.mark.parametrize("stop", ["eos", "length"])
 def test_a_request_stopping_inside_an_accepted_run(stop):
     """Prompt -> first token; one verify step whose 3 correct drafts are all accepted, but the request

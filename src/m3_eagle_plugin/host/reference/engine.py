@@ -9,6 +9,7 @@ host-side proposers need committed tokens, so they turn overlap off.
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -41,12 +42,23 @@ class EngineConfig:
     max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.draft_len < 0:
-            raise ValueError(f"draft_len must be >= 0, got {self.draft_len}")
-        if self.max_seq_len is not None and self.max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+        # Types too, not only ranges: a bool draft_len runs as 0 or 1, a float max_seq_len or an
+        # int eos_ids fails deep inside the first step, with no word of which field was wrong.
+        _check_int("draft_len", self.draft_len, 0)
+        if self.max_seq_len is not None:
+            _check_int("max_seq_len", self.max_seq_len, 1)
+        if isinstance(self.eos_ids, (str, bytes)) or not isinstance(self.eos_ids, (tuple, list, set, frozenset)):
+            raise ValueError(f"eos_ids must be a tuple of token ids, got {self.eos_ids!r}")
+        for token in self.eos_ids:
+            _check_int("eos_ids", token, 0)
+        object.__setattr__(self, "eos_ids", tuple(self.eos_ids))  # stays hashable, like the default
         if self.force_accepted is not None and not self.force_accepted >= 0:
             raise ValueError(f"force_accepted must be >= 0, got {self.force_accepted}")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -282,14 +294,29 @@ class Engine:
         if len(drafts) != len(ready):
             raise ValueError(f"proposer returned drafts for {len(drafts)} requests, expected {len(ready)}")
         for request, proposal in zip(ready, drafts):
-            proposal = [int(t) for t in list(proposal)[: self.k]]
-            bad = [t for t in proposal if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"proposer returned token ids outside [0, {self.vocab_size}): {bad[:5]}")
+            proposal = list(proposal)[: self.k]
+            ids = [_token_id(t, self.vocab_size) for t in proposal]
+            if None in ids:
+                bad = [t for t, i in zip(proposal, ids) if i is None]
+                raise ValueError(f"{self.draft_source} drafts for request {request.index}: token ids must be ints "
+                                 f"in [0, {self.vocab_size}), got {bad[:5]}")
+            proposal = ids
             padded = [request.output[-1]] + proposal + [0] * (self.k - len(proposal))
             request.pending_inputs = torch.tensor(padded, dtype=torch.long, device=self.device)
             request.pending_draft_len = len(proposal)
             request.pending_draft_probs = None
+
+
+def _token_id(token, vocab_size: int) -> int | None:
+    """``token`` as a vocabulary id, or None. Integers only (numpy and 0-d torch integers too):
+    `int` would quietly turn a proposer's 2.7 into 2 or "3" into 3, and verify a token it never meant."""
+    if isinstance(token, bool):
+        return None
+    try:
+        token = operator.index(token)
+    except TypeError:
+        return None
+    return token if 0 <= token < vocab_size else None
 
 
 def _start_readback(out: StepOutput) -> tuple:

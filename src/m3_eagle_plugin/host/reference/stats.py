@@ -29,6 +29,11 @@ class SpecStats:
     proposed_at: list[int] = field(default_factory=list)
 
     def record_verify(self, num_drafts: int, num_accepted: int) -> None:
+        # Refused, not grown: ``draft_len`` is the width the per-position rates are reported for,
+        # and a step outside it (or accepting more than it drafted) is a caller's bug to surface.
+        if not 0 <= num_accepted <= num_drafts <= self.draft_len:
+            raise ValueError(f"a verify step needs 0 <= num_accepted ({num_accepted}) <= num_drafts ({num_drafts}) "
+                             f"<= draft_len ({self.draft_len})")
         if len(self.accepted_at) < self.draft_len:
             self.accepted_at = [0] * self.draft_len
             self.proposed_at = [0] * self.draft_len

@@ -1,0 +1,54 @@
+"""A generation engine serving handoffs of several context batches at once: request ids stay
+distinct (``first_index``) and every request continues to the target model's own greedy output,
+taken from transformers' ``generate`` (independent of the reference host)."""
+import pytest
+import torch
+
+from m3_eagle_plugin.host.reference.build import blocks_for_prompts, build_engine
+from m3_eagle_plugin.host.reference.engine import EngineConfig
+from m3_eagle_plugin.parallel.disagg import continue_generation, export_handoff, import_handoff, run_context_phase
+
+from ._workers import DISAGG_K, DISAGG_NEW, DISAGG_PROMPTS
+
+
+def _engine(tiny_pair, prompts):
+    config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
+    return build_engine(tiny_pair[0], tiny_pair[1], config,
+                        num_blocks=blocks_for_prompts(prompts, DISAGG_NEW, DISAGG_K, 4))
+
+
+def _transformers_greedy(target_dir, prompts) -> list[list[int]]:
+    from transformers import MiniMaxM3SparseForConditionalGeneration
+
+    hf = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
+        target_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    outputs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=DISAGG_NEW, do_sample=False,
+                              min_new_tokens=DISAGG_NEW)
+        outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
+
+
+def test_generation_engine_holds_two_context_batches_at_once(tiny_pair):
+    batch_a, batch_b = DISAGG_PROMPTS, DISAGG_PROMPTS[::-1]
+    context = _engine(tiny_pair, batch_a)
+    handoffs = [export_handoff(context, r) for r in run_context_phase(context, batch_a, DISAGG_NEW)]
+    handoffs += [export_handoff(context, r)
+                 for r in run_context_phase(context, batch_b, DISAGG_NEW, first_index=len(batch_a))]
+    assert [h.index for h in handoffs] == [0, 1, 2, 3]
+    generation = _engine(tiny_pair, batch_a + batch_b)
+    requests = [import_handoff(generation, h) for h in handoffs]  # batch a is still held here
+    result = continue_generation(generation, requests)
+    assert result.errors == [None] * 4
+    assert result.outputs == _transformers_greedy(tiny_pair[0], batch_a + batch_b)
+    assert generation.cache.num_free_blocks == generation.cache.num_blocks
+
+
+@pytest.mark.parametrize("first_index", [-1, 1.0, True, "2"])
+def test_context_phase_refuses_a_bad_first_index(tiny_pair, first_index):
+    engine = _engine(tiny_pair, DISAGG_PROMPTS)
+    with pytest.raises(ValueError, match="first_index"):
+        run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW, first_index=first_index)
+    assert not engine.cache.allocator.request_ids
