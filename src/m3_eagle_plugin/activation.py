@@ -197,6 +197,7 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
     from m3_eagle_plugin.host import trtllm as adapter
 
     installed_report = dict(adapter.install() or {})
+    history, recorded = None, 0
     try:
         report.patches = list(installed_report.get("patches", planned))
         if installed_report.get("models"):
@@ -204,9 +205,16 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
         report.host_report = installed_report
         report.fingerprint = fingerprint(report.patches)
         report.activated, report.ok = True, True
-        manager.hook.m3_eagle_host_ready.call_historic(kwargs={"host": manifest.host.package, "report": report})
+        host_ready = manager.hook.m3_eagle_host_ready
+        history = getattr(host_ready, "_call_history", None)
+        recorded = len(history) if history is not None else 0
+        host_ready.call_historic(kwargs={"host": manifest.host.package, "report": report})
     except BaseException:  # e.g. another plugin's host_ready hook: leave the host as it was found
         adapter.uninstall()
+        # pluggy records a historic call before running it and replays it to every plugin
+        # registered later: the host is not ready after all, so that call must not stay recorded.
+        if history is not None:
+            del history[recorded:]
         raise
 
 

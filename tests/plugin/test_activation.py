@@ -129,6 +129,31 @@ def test_a_failure_after_install_takes_the_patches_out(active_env, hermetic_mana
     assert not m3_eagle_plugin.status().activated
 
 
+def test_a_failed_host_ready_is_not_replayed_to_later_plugins(active_env, hermetic_manager):
+    """pluggy records a historic call before running it and replays it to every plugin registered
+    later; after the failure above the host is left untouched, so no late plugin may hear it is ready."""
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    from m3_eagle_plugin.hooks import hookimpl
+
+    class Broken:
+        @hookimpl
+        def m3_eagle_host_ready(self, host, report):
+            raise RuntimeError("third-party hook failed")
+
+    seen = []
+
+    class Late:
+        @hookimpl
+        def m3_eagle_host_ready(self, host, report):
+            seen.append(host)
+
+    hermetic_manager.register(Broken(), name="broken")
+    assert not m3_eagle_plugin.activate("auto").activated
+    hermetic_manager.register(Late(), name="late")
+    assert installs == [1, -1] and seen == []
+
+
 def test_require_on_untested_host_raises_unless_forced(active_env, monkeypatch):
     make_host, installs = active_env
     make_host("1.3.0")

@@ -64,6 +64,36 @@ def test_capture_hooks_record_hidden_plus_residual_at_layer_exit(host):
     assert spec.captured == {} and model.eagle3_capture.spec_metadata is None
 
 
+def test_capture_after_setup_aliases_is_the_raw_layer_output_not_the_boundary_norm(host):
+    # The host's setup_aliases wires next_layer_layernorm, so a layer returns
+    # (rmsnorm(out + residual), out + residual). Eagle3 needs out + residual, which the post-#18872
+    # host captures before that norm (modeling_minimaxm3.py forward_MoE / forward_mlp @ 12b1dd65).
+    from tensorrt_llm._torch.speculative import SpecMetadata
+
+    text_cls, _ = _classes()
+    torch.manual_seed(0)
+    model = text_cls(_model_config())
+    model.setup_aliases()
+    ids = torch.tensor([2, 4, 6, 8])
+    spec = SpecMetadata(layers_to_capture=(0, 2, 3))
+    model.forward(None, input_ids=ids, spec_metadata=spec)
+
+    def rmsnorm(x, weight, eps):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    layers = model.model.layers
+    stream = model.model.embed_tokens(ids)  # the residual stream, walked by hand
+    normed, expected = rmsnorm(stream, layers[0].input_layernorm.weight, 1e-6), {}
+    for i, layer in enumerate(layers):
+        stream = torch.tanh(layer.proj(normed)) + stream
+        expected[i] = stream
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+        normed = rmsnorm(stream, nxt.weight, nxt.variance_epsilon)
+    assert set(spec.captured) == {0, 2, 3}
+    for layer_id in (0, 2, 3):
+        torch.testing.assert_close(spec.captured[layer_id], expected[layer_id])
+
+
 def test_weights_go_through_the_host_m3_loader(host):
     """The host M3 loader first (it takes no `skip_modules`), then the Eagle3 base's, which has the
     generic loader skip the draft model, as the host's classes chain after #18872."""

@@ -47,3 +47,22 @@ def test_registration_failure_leaves_no_trace(current_host, monkeypatch):
         adapter.install()
     assert modeling_utils.MODEL_CLASS_MAPPING == before
     assert interface.should_use_separate_draft_kv_cache is predicate
+
+
+def test_uninstall_leaves_no_lazy_zoo_record_behind(current_host):
+    """The lazy zoo (#17281) records every registration per module and rebuilds the mapping from those
+    records whenever a declaration of external providers arrives (#18284: a driver's
+    `export_external_model_modules()`, received by its workers). An uninstalled plugin must not come
+    back from them, e.g. in a process whose activation failed and was undone."""
+    from tensorrt_llm._torch.models import modeling_utils
+
+    adapter.install()
+    plugin = {arch: modeling_utils.get_registered_model_class(arch) for arch in ARCHS}
+    declared = modeling_utils.export_external_model_modules()
+    assert declared == {arch: cls.__module__ for arch, cls in plugin.items()}
+    adapter.uninstall()
+    assert modeling_utils.export_external_model_modules() == {}
+    modeling_utils.register_external_model_modules(declared)
+    for arch, cls in plugin.items():
+        assert modeling_utils.get_registered_model_class(arch) is not cls
+        assert arch not in cls.__dict__.get("_registered_architectures", ())

@@ -7,7 +7,10 @@ hidden states. This class reuses the host's `MiniMaxM3Model` and weight loading 
 - derives from `SpecDecOneEngineForCausalLM` (draft model, spec worker, draft-weight loading);
 - captures the Eagle3 auxiliary hidden states with forward hooks at each decoder layer's exit
   (`spec_metadata.maybe_capture_hidden_states(layer, hidden_states, residual)`), so the host's
-  layer code needs no `spec_metadata` parameter;
+  layer code needs no `spec_metadata` parameter. Once `setup_aliases` has wired a layer's
+  `next_layer_layernorm`, the layer exits through the next layer's add+RMSNorm (fused with the
+  AllReduce under TP) and returns `(rmsnorm(out + residual), out + residual)`; the raw output
+  `out + residual` (what the post-#18872 host captures before that norm) is then the residual;
 - runs both `setup_aliases` (the host M3 override does not chain to the Eagle3 one);
 - marks its speculative config for the unified draft/target KV policy.
 
@@ -38,7 +41,7 @@ class Eagle3CaptureHooks:
 
     def __init__(self, layers: Any) -> None:
         self.spec_metadata: Optional[Any] = None
-        self._handles = [layer.register_forward_hook(self._hook(self._layer_id(i, layer)))
+        self._handles = [layer.register_forward_hook(self._hook(self._layer_id(i, layer), layer))
                          for i, layer in enumerate(layers)]
 
     @staticmethod
@@ -46,12 +49,16 @@ class Eagle3CaptureHooks:
         layer_idx = getattr(layer, "layer_idx", None)
         return layer_idx if isinstance(layer_idx, int) else index
 
-    def _hook(self, layer_id: int):
+    def _hook(self, layer_id: int, layer: Any):
         def capture(_module: Any, _inputs: Any, output: Any) -> None:
             spec = self.spec_metadata
             if spec is None or not spec.is_layer_capture(layer_id):
                 return
             hidden, residual = output if isinstance(output, tuple) else (output, None)
+            if getattr(layer, "next_layer_layernorm", None) is not None and residual is not None:
+                # Once setup_aliases wired the boundary norm, the layer returns
+                # (rmsnorm(out + residual), out + residual): the raw output is the residual.
+                hidden, residual = residual, None
             spec.maybe_capture_hidden_states(layer_id, hidden, residual)
 
         return capture

@@ -1,7 +1,11 @@
 """Double of the pre-#18872 MiniMax-M3 model: no spec_metadata in the layers, DecoderModelForCausalLM base.
 
 As the host at 016beb63: the constructor turns a VL config into its text config first, and
-`load_weights` has no `skip_modules` (and no `**kwargs`) and calls its base with keywords."""
+`load_weights` has no `skip_modules` (and no `**kwargs`) and calls its base with keywords.
+Layer boundaries as there too: `setup_aliases` wires each layer's `next_layer_layernorm` (the next
+layer's `input_layernorm`, the final `norm` for the last layer), and a wired layer returns
+`next_layer_layernorm(ffn_out, residual)`, i.e. `(rmsnorm(ffn_out + residual), ffn_out + residual)`
+(the host's RMSNorm with a residual); only layer 0 applies its own input norm."""
 import copy
 from types import SimpleNamespace
 from typing import Dict, Optional
@@ -26,16 +30,40 @@ def get_text_model_config(model_config):  # a deep copy, as the host's: its spec
     return cfg
 
 
+class RMSNorm(nn.Module):
+    """As the host's `modules/rms_norm.py`: with a residual, returns (norm(h + r), h + r)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states, residual=...):
+        if isinstance(residual, torch.Tensor):
+            hidden_states = hidden_states + residual
+            residual = hidden_states
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        normed = self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+        return normed if residual is ... else (normed, residual)
+
+
 class MiniMaxM3DecoderLayer(nn.Module):
     def __init__(self, model_config, layer_idx: int, aux_stream_dict=None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.proj = nn.Linear(model_config.pretrained_config.hidden_size,
-                              model_config.pretrained_config.hidden_size, bias=False)
+        hidden_size = model_config.pretrained_config.hidden_size
+        self.input_layernorm = RMSNorm(hidden_size)
+        self.proj = nn.Linear(hidden_size, hidden_size, bias=False)  # stands in for attention + FFN
+        self.next_layer_layernorm = None  # wired by MiniMaxM3ForCausalLM.setup_aliases
 
     def forward(self, position_ids, hidden_states, attn_metadata, residual, **kwargs):
-        residual = hidden_states if residual is None else residual + hidden_states
-        return torch.tanh(self.proj(residual)), residual
+        if residual is None:  # layer-0 prologue; later layers got their input norm from the previous one
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = torch.tanh(self.proj(hidden_states))
+        if self.next_layer_layernorm is None:
+            return hidden_states, residual
+        return self.next_layer_layernorm(hidden_states, residual)
 
 
 class MiniMaxM3Model(DecoderModel):
@@ -45,13 +73,16 @@ class MiniMaxM3Model(DecoderModel):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(MiniMaxM3DecoderLayer(model_config, i)
                                     for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size)
 
     def forward(self, attn_metadata, input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             hidden, residual = layer(position_ids, hidden, attn_metadata, residual)
-        return hidden + residual
+        if self.layers[-1].next_layer_layernorm is None:  # the last layer applied it otherwise
+            hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 @register_auto_model("MiniMaxM3SparseForCausalLM")
@@ -74,6 +105,9 @@ class MiniMaxM3ForCausalLM(DecoderModelForCausalLM):
                              allow_partial_loading=allow_partial_loading)
 
     def setup_aliases(self) -> None:  # does not chain to super(), as in the real host
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            layer.next_layer_layernorm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
         self.m3_aliases_set_up = True
 
 
