@@ -111,3 +111,100 @@ def test_random_operations_match_a_naive_model(ops, num_blocks, block):
         assert all(len(held[r]) == -(-tokens[r] // block) for r in tokens)
         assert all(alloc.num_tokens(r) == tokens[r] for r in tokens)
         assert alloc.num_free_blocks == num_blocks - len(flat)
+
+
+class NaiveAllocator:
+    """Sets and sorted lists: a request holds ceil(tokens / B) pages taken lowest free id first."""
+
+    def __init__(self, num_blocks, block):
+        self.free, self.block, self.pages, self.tokens = set(range(num_blocks)), block, {}, {}
+
+    def grow(self, rid, n):
+        need = -(-n // self.block) - len(self.pages[rid])
+        if need > len(self.free):
+            return None
+        added = sorted(self.free)[: max(need, 0)]
+        self.free -= set(added)
+        self.pages[rid] += added
+        self.tokens[rid] = max(self.tokens[rid], n)
+        return added
+
+
+step = st.tuples(st.sampled_from(["add", "allocate", "reserve", "rewind", "free", "table"]),
+                 st.integers(0, 4), st.integers(-2, 30))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(ops=st.lists(step, max_size=50), num_blocks=st.integers(1, 10), block=st.sampled_from([1, 2, 4, 8]))
+def test_every_call_matches_a_lowest_free_first_model(ops, num_blocks, block):
+    """Exact page ids of allocate/reserve/rewind/free (also unknown ids, negative counts, out of
+    blocks), block tables, and after every call: no page held twice, none lost, nothing half-done."""
+    alloc, model = BlockAllocator(num_blocks, block), NaiveAllocator(num_blocks, block)
+    for kind, rid, n in ops:
+        known = rid in model.pages
+        before = ({r: alloc.pages(r) for r in model.pages}, alloc.num_free_blocks)
+        if kind == "add":
+            if known:
+                with pytest.raises(ValueError, match="already exists"):
+                    alloc.add_request(rid)
+            else:
+                alloc.add_request(rid)
+                model.pages[rid], model.tokens[rid] = [], 0
+        elif kind == "allocate":
+            fits = n >= 0 and -(-n // block) <= len(model.free)
+            if known or not fits:
+                with pytest.raises(ValueError if known or n < 0 else OutOfBlocksError):
+                    alloc.allocate(rid, n)
+                assert ({r: alloc.pages(r) for r in model.pages}, alloc.num_free_blocks) == before
+                assert (rid in alloc) == known
+            else:
+                model.pages[rid], model.tokens[rid] = [], 0
+                assert alloc.allocate(rid, n) == model.grow(rid, n)
+        elif kind == "reserve":
+            if not known:
+                with pytest.raises(UnknownRequestError):
+                    alloc.reserve(rid, max(n, 0))
+            elif n < 0:
+                with pytest.raises(ValueError, match="num_tokens"):
+                    alloc.reserve(rid, n)
+            else:
+                expected = model.grow(rid, n)
+                if expected is None:
+                    with pytest.raises(OutOfBlocksError):
+                        alloc.reserve(rid, n)
+                else:
+                    assert alloc.reserve(rid, n) == expected
+        elif kind == "rewind":
+            if not known:
+                with pytest.raises(UnknownRequestError):
+                    alloc.rewind(rid, 0)
+            elif not 0 <= n <= model.tokens[rid]:
+                with pytest.raises(ValueError, match="rewind"):
+                    alloc.rewind(rid, n)
+            else:
+                keep = -(-n // block)
+                freed = model.pages[rid][keep:]
+                model.pages[rid] = model.pages[rid][:keep]
+                model.free |= set(freed)
+                model.tokens[rid] = n
+                assert alloc.rewind(rid, n) == freed
+        elif kind == "free":
+            if not known:
+                with pytest.raises(UnknownRequestError):
+                    alloc.free(rid)
+            else:
+                alloc.free(rid)
+                model.free |= set(model.pages.pop(rid))
+                del model.tokens[rid]
+        else:
+            rids = sorted(model.pages)
+            width = max([len(model.pages[r]) for r in rids] + [1]) + (n % 3 if n > 0 else 0)
+            table = alloc.block_table(rids, width)
+            assert table.dtype == torch.int32
+            assert table.tolist() == [model.pages[r] + [-1] * (width - len(model.pages[r])) for r in rids]
+        held = [p for r in model.pages for p in alloc.pages(r)]
+        assert {r: alloc.pages(r) for r in model.pages} == model.pages
+        assert {r: alloc.num_tokens(r) for r in model.pages} == model.tokens
+        assert sorted(held + sorted(model.free)) == list(range(num_blocks))  # none shared, none lost
+        assert alloc.num_free_blocks == len(model.free) and sorted(alloc.request_ids, key=str) == sorted(model.pages)
+        assert sorted(alloc.used_blocks()) == sorted(held)

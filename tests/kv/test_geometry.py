@@ -142,3 +142,54 @@ def test_geometry_matches_a_naive_packing(num_layers, sparse_bits, heads, head_d
     for pool in geo.pools:
         offsets = sorted(sp.offset for sp in geo.placements.values() if sp.pool_id == pool.pool_id)
         assert offsets == list(range(pool.sub_pages))
+
+
+LAYER = st.tuples(st.sampled_from([8, 16, 24]), st.sampled_from([None, "first", "last"]), st.sampled_from([8, 16]),
+                  st.booleans())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(layers=st.lists(LAYER, min_size=1, max_size=6), ids=st.permutations(range(6)),
+       drafts_bits=st.integers(0, 63))
+def test_any_buffer_list_packs_like_a_naive_walk(layers, ids, drafts_bits):
+    """Arbitrary layer ids and order, K/V/index-K page sizes that coalesce or split, index-K listed
+    before K or after V, any subset of K/V-only layers named draft: placements, pool sizes and the
+    draft-hosting verdict against a naive walk; each slot's sub-pages tile it without overlap."""
+    buffers, drafts, target_kv_sizes, draft_sizes = [], [], set(), []
+    for (kv, index, index_bytes, _), layer in zip(layers, ids):
+        if index == "first":
+            buffers.append(BufferSpec(layer, "index_k", index_bytes))
+        buffers += [BufferSpec(layer, "k", kv), BufferSpec(layer, "v", kv)]
+        if index == "last":
+            buffers.append(BufferSpec(layer, "index_k", index_bytes))
+        if index is None and drafts_bits >> layer & 1:
+            drafts.append(layer)
+            draft_sizes.append(kv)
+        else:
+            target_kv_sizes.add(kv)
+    sizes, counts, expected = [], [], {}
+    for buf in buffers:  # naive: a pool per distinct page size, in first-seen order, filled in list order
+        if buf.page_bytes not in sizes:
+            sizes.append(buf.page_bytes)
+            counts.append(0)
+        pool = sizes.index(buf.page_bytes)
+        expected[(buf.layer, buf.role)] = (pool, counts[pool])
+        counts[pool] += 1
+    if any(size not in target_kv_sizes for size in draft_sizes):
+        with pytest.raises(DraftLayerPlacementError, match="cannot be hosted"):
+            build_pool_geometry(buffers, draft_layer_ids=drafts)
+        return
+    geo = build_pool_geometry(buffers, draft_layer_ids=drafts)
+    assert {key: (sp.pool_id, sp.offset) for key, sp in geo.placements.items()} == expected
+    assert [(p.pool_id, p.page_bytes, p.sub_pages) for p in geo.pools] == [
+        (i, s, c) for i, (s, c) in enumerate(zip(sizes, counts))]
+    assert geo.draft_layer_ids == tuple(drafts)
+    assert geo.target_layer_ids == tuple(sorted(set(ids[: len(layers)]) - set(drafts)))
+    for pool in geo.pools:  # byte ranges inside one slot: disjoint, inside slot_bytes, page aligned
+        spans = sorted((sp.offset * pool.page_bytes, (sp.offset + 1) * pool.page_bytes)
+                       for sp in geo.placements.values() if sp.pool_id == pool.pool_id)
+        assert spans[0][0] == 0 and spans[-1][1] == pool.slot_bytes
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    for layer in ids[: len(layers)]:
+        k, v = geo.locate(layer, "k"), geo.locate(layer, "v")
+        assert (v.pool_id, v.offset) == (k.pool_id, k.offset + 1)

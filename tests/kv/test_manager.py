@@ -250,3 +250,62 @@ def test_production_tp4_cache_reproduces_the_worked_example_tables():
                                              [storage[0, 177].data_ptr(), 0]]
     assert cache.k(60)[1].data_ptr() == storage.data_ptr() + (179 + 177) * 128 * 128 * 2
     assert cache.v(60)[1].data_ptr() == storage.data_ptr() + (179 + 178) * 128 * 128 * 2
+
+
+def naive_packing(num_layers, sparse, num_drafts, kv_page, index_page, draft_page):
+    """(pool sizes in first-seen order, sub-page count per pool, {(layer, role): (pool, offset)})."""
+    sizes, counts, where = [], [], {}
+    for layer in range(num_layers + num_drafts):
+        draft = layer >= num_layers
+        roles = ("k", "v") if draft or layer not in sparse else ("k", "v", "index_k")
+        for role in roles:
+            size = draft_page if draft else index_page if role == "index_k" else kv_page
+            if size not in sizes:
+                sizes.append(size)
+                counts.append(0)
+            pool = sizes.index(size)
+            where[(layer, role)] = (pool, counts[pool])
+            counts[pool] += 1
+    return sizes, counts, where
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    num_layers=st.integers(1, 5),
+    sparse_bits=st.integers(0, 31),
+    heads=st.sampled_from([1, 2]),
+    head_dim=st.sampled_from([4, 8]),
+    index_dim=st.sampled_from([4, 8, 16]),
+    block=st.sampled_from([1, 2, 4]),
+    num_drafts=st.integers(0, 2),
+    num_blocks=st.integers(1, 5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]),
+)
+def test_every_page_sits_at_its_naive_byte_offset_and_pages_tile_each_pool(
+        num_layers, sparse_bits, heads, head_dim, index_dim, block, num_drafts, num_blocks, dtype):
+    """Byte ranges of every (layer, role, slot) page, read off the views' data pointers, against a
+    naive packing: start = (slot * sub_pages + offset) * page_bytes inside its own pool, each range
+    one contiguous page, no two overlapping, and together they cover each pool's allocation exactly."""
+    sparse = {i for i in range(num_layers) if sparse_bits >> i & 1}
+    cache = PagedKVCache.for_minimax_m3(num_layers, sparse, heads, head_dim, index_dim, block, num_blocks,
+                                        num_draft_layers=num_drafts, dtype=dtype)
+    item = torch.empty((), dtype=dtype).element_size()
+    kv_page = heads * block * head_dim * item
+    sizes, counts, where = naive_packing(num_layers, sparse, num_drafts, kv_page, block * index_dim * item, kv_page)
+    assert [(p.page_bytes, p.sub_pages) for p in cache.geometry.pools] == list(zip(sizes, counts))
+    ranges = {pool: [] for pool in range(len(sizes))}
+    for (layer, role), (pool, offset) in where.items():
+        view = cache.index_k(layer) if role == "index_k" else cache.k(layer) if role == "k" else cache.v(layer)
+        base = cache.storage(pool).data_ptr()
+        for slot in range(num_blocks):
+            page = view[slot]
+            start = page.data_ptr() - base
+            assert page.is_contiguous() and page.numel() * item == sizes[pool]
+            assert start == (slot * counts[pool] + offset) * sizes[pool], (layer, role, slot)
+            assert start % item == 0
+            ranges[pool].append((start, start + sizes[pool]))
+    for pool, spans in ranges.items():
+        spans.sort()
+        storage = cache.storage(pool)
+        assert spans[0][0] == 0 and spans[-1][1] == storage.numel() * item  # inside the allocation
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no overlap, no gap

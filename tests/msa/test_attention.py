@@ -226,3 +226,62 @@ def test_cuda_references_match_cpu_without_host_sync(oracle: SparseLayerOracle) 
     assert torch.equal(sel.cpu(), sel_cpu)
     torch.testing.assert_close(out.cpu(), out_cpu, **TOL)
     torch.testing.assert_close(dense.cpu(), dense_cpu, **TOL)
+
+
+def test_a_non_integer_selection_is_refused() -> None:
+    # A float selection was truncated to block ids (0.7 -> block 0) and attended to silently.
+    meta = MsaDecodeMetadata(1, 4, 1, 4, "cpu")
+    meta.prepare([2], [2], torch.tensor([[0]], dtype=torch.int32))
+    k_cache = torch.randn(1, 1, 4, 8)
+    for bad in (torch.tensor([[[0.7], [0.2]]]), torch.tensor([[[True], [True]]])):
+        with pytest.raises(MsaInputError, match="selection must be an integer tensor"):
+            sparse_attention(torch.randn(2, 1, 8), k_cache, k_cache, meta, bad, scale=1.0)
+
+
+def masked_reference(q, keys, values, positions, sel, block, scale):
+    """One request's tokens at once, float64: scores ``[Hq, T, S]`` under an additive mask that is 0
+    where the key is causal (``j <= p``) and its block is listed for the head's KV group, -inf elsewhere;
+    rows with no allowed key give zeros. ``sel`` ``[Hkv, T, k]`` may repeat ids or list absent ones."""
+    num_q, num_kv, seq = q.shape[1], keys.shape[1], keys.shape[0]
+    group = num_q // num_kv
+    j = torch.arange(seq)
+    causal = j[None, :] <= torch.tensor(positions)[:, None]  # [T, S]
+    listed = (j[None, None, :, None] // block == sel.long()[:, :, None, :]).any(-1)  # [Hkv, T, S]
+    allowed = (causal[None] & listed).repeat_interleave(group, dim=0)  # [Hq, T, S]
+    scores = torch.einsum("thd,shd->hts", q.double(), keys.double().repeat_interleave(group, dim=1)) * scale
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("hts,shd->thd", weights, values.double().repeat_interleave(group, dim=1))
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12)), min_size=1, max_size=3),
+    log_block=st.integers(0, 3),
+    heads_kv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    topk=st.integers(1, 4),
+    shrink=st.lists(st.integers(0, 3), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_sparse_attention_matches_a_dense_masked_reference(rows, log_block, heads_kv, group, topk, shrink, seed):
+    block, dim = 1 << log_block, 4
+    rows = [(q, q + extra) for q, extra in rows]
+    meta, cache, seqs, q, corrected, gen = _random_step(rows, block, heads_kv * group, heads_kv, dim, seed, shrink)
+    # Ids drawn with repeats from [-1, blocks + 1]: -1 padding, repeats, blocks no request has.
+    hi = meta.max_step_blocks + 2
+    sel = (torch.randint(0, hi + 1, (heads_kv, meta.num_tokens, topk), generator=gen) - 1).to(torch.int32)
+    out = sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.6)
+    dense = dense_attention(q, cache.k, cache.v, meta, scale=0.6)
+    everything = torch.arange(hi)[None, None, :].expand(heads_kv, meta.num_tokens, -1)
+    start = 0
+    for r, (qo, _) in enumerate(rows):
+        rows_r = slice(start, start + qo)
+        start += qo
+        if not qo:
+            continue
+        keys, values = seqs[r]
+        positions = list(range(corrected[r] - qo, corrected[r]))
+        exp = masked_reference(q[rows_r], keys, values, positions, sel[:, rows_r], block, 0.6)
+        torch.testing.assert_close(out[rows_r].double(), exp, **TOL)
+        exp_dense = masked_reference(q[rows_r], keys, values, positions, everything[:, rows_r], block, 0.6)
+        torch.testing.assert_close(dense[rows_r].double(), exp_dense, **TOL)

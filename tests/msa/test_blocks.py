@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m3_eagle_plugin.msa import MsaInputError, per_token_valid_blocks, validate_block_size
+from m3_eagle_plugin.msa import MsaInputError, per_token_valid_blocks, valid_blocks_from_positions, validate_block_size
 
 
 def naive_valid_blocks(qo_lens: list[int], kv_lens: list[int], block_size: int) -> list[int]:
@@ -97,3 +97,19 @@ def test_device_inputs_stay_on_device_without_sync() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert got.device.type == "cuda"
     assert got.cpu().tolist() == [2, 2, 3, 3, 3]
+
+
+@pytest.mark.parametrize("qo, kv", [([1.5], [3]), ([1], [2.9]), ([True], [3]), ([1], ["3"])])
+def test_non_integer_host_lengths_are_refused(qo, kv) -> None:
+    # A float length was truncated (1.5 -> 1 token) and a bool read as 1; integer tensors are required already.
+    with pytest.raises(TypeError, match="entries must be ints"):
+        per_token_valid_blocks(qo, kv, 4)
+
+
+def test_valid_blocks_from_int32_positions_near_the_limit_do_not_wrap() -> None:
+    # (p + 1 + B - 1) // B overflowed int32 positions: p = 2**31 - 2 at B = 2**20 gave a negative count.
+    positions = torch.tensor([-1, 0, 2**20 - 1, 2**20, 2**31 - 2], dtype=torch.int32)
+    got = valid_blocks_from_positions(positions, 2**20)
+    assert got.dtype == torch.int32
+    expected = [0 if p < 0 else math.ceil((p + 1) / 2**20) for p in positions.tolist()]
+    assert got.tolist() == expected == [0, 1, 1, 2, 2048]

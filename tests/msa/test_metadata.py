@@ -260,3 +260,123 @@ def test_corrections_on_another_device_are_refused_by_name() -> None:
     meta.prepare([2, 3], [9, 12], worked_example_tables())
     with pytest.raises(MsaInputError, match="kv_lens is on cpu"):
         meta.on_update_kv_lens(torch.tensor([8, 12], dtype=torch.int32))
+
+
+def test_page_ids_whose_cache_slots_pass_int32_are_refused() -> None:
+    # page * B + offset must fit the int32 slot: page 2**28 at B = 16 is slot 2**32, which wrapped to slot 0
+    # (another request's page) instead of being refused.
+    meta = MsaDecodeMetadata(1, 4, 2, 16, "cpu")
+    with pytest.raises(MsaInputError, match="page id past int32"):
+        meta.prepare([1], [1], torch.tensor([[2**28]], dtype=torch.int64))
+    assert meta.num_requests == 0 and meta.prepare_count == 0  # nothing staged
+    last = (2**31) // 16 - 1  # the last page whose slots all fit int32
+    meta.prepare([2], [18], torch.tensor([[0, last]], dtype=torch.int64))
+    assert meta.cache_slots.tolist() == [last * 16, last * 16 + 1]
+    assert max(meta.cache_slots.tolist()) <= 2**31 - 1
+
+
+def test_valid_blocks_of_a_length_near_int32_max_do_not_wrap() -> None:
+    # ceil((p + 1) / B) computed as (p + 1 + B - 1) // B overflowed int32 for kv_len close to 2**31 - 1,
+    # a length prepare accepts: the count came out negative.
+    block = 1 << 20
+    blocks = -(-(2**31 - 1) // block)
+    meta = MsaDecodeMetadata(1, 2, blocks, block, "cpu")
+    meta.prepare([2], [2**31 - 1], torch.arange(blocks, dtype=torch.int32)[None])
+    assert meta.positions.tolist() == [2**31 - 3, 2**31 - 2]
+    assert meta.token_kv_lens.tolist() == [2**31 - 2, 2**31 - 1]
+    assert meta.valid_blocks.tolist() == [blocks, blocks] == [math.ceil((2**31 - 2) / block)] * 2
+
+
+def naive_step(rows, tables, block, width_cut):
+    """Every field of one step from first principles: ``rows = [(qo, kv)]``, python lists only."""
+    f = {k: [] for k in ("slots", "valid", "kv_tok", "pos", "req", "intra")}
+    for r, (q, k) in enumerate(rows):
+        for t in range(q):
+            p = k - q + t  # prefix k - q, then the step's tokens
+            page = tables[r][p // block] if p >= 0 else -1
+            f["slots"].append(page * block + p % block if p >= 0 else -1)
+            f["valid"].append(-(-max(0, p + 1) // block))
+            f["kv_tok"].append(max(0, p + 1))
+            f["pos"].append(p)
+            f["req"].append(r)
+            f["intra"].append(t)
+    cu = [0]
+    for q, _ in rows:
+        cu.append(cu[-1] + q)
+    f["cu"] = cu
+    f["tables"] = [[tables[r][c] if c < width_cut else -1 for c in range(len(tables[r]))] for r in range(len(rows))]
+    return f
+
+
+# A row is (kind, size, extra): a prompt chunk of `size` tokens after a cached prefix of `extra`, a
+# verify row of 1 + K tokens, a single decode token, or an idle request (kv cached, no token).
+ROW = st.tuples(st.sampled_from(["chunk", "verify", "decode", "idle"]), st.integers(1, 9), st.integers(0, 12))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    steps=st.lists(st.lists(ROW, min_size=0, max_size=5), min_size=1, max_size=3),
+    draft_len=st.integers(0, 3),
+    log_block=st.integers(0, 4),
+    wide=st.integers(0, 3),
+    int64_table=st.booleans(),
+    data=st.data(),
+)
+def test_consecutive_mixed_steps_match_naive(steps, draft_len, log_block, wide, int64_table, data) -> None:
+    """One metadata object over several steps mixing prompt chunks, verify rows, decodes and idle rows;
+    random scattered pages, junk past each row's pages, tables wider than the metadata; then a
+    verify-style correction (each verify row keeps 1 + accepted of its 1 + K tokens)."""
+    block = 1 << log_block
+    max_blocks = 6
+    meta = MsaDecodeMetadata(5, 64, max_blocks, block, "cpu", max_draft_len=draft_len)
+    for step in steps:
+        rows = []
+        for kind, size, extra in step:
+            q = {"chunk": size, "verify": 1 + draft_len, "decode": 1, "idle": 0}[kind]
+            k = max(q + extra, 1 if kind == "idle" else 0)
+            if k > max_blocks * block:  # would need more pages than the metadata holds
+                continue
+            rows.append((q, k))
+        if sum(q for q, _ in rows) > 64:
+            rows = rows[:1]
+        need = [-(-k // block) for _, k in rows]
+        pool = data.draw(st.permutations(range(sum(need) + 8)))
+        width = max(need + [1]) + wide
+        tables, used = [], 0
+        for n in need:
+            junk = data.draw(st.lists(st.integers(-1, 500), min_size=width - n, max_size=width - n))
+            tables.append(list(pool[used : used + n]) + junk)  # junk past the pages is never read
+            used += n
+        table = torch.tensor(tables, dtype=torch.int64 if int64_table else torch.int32).view(len(rows), width)
+        meta.prepare([q for q, _ in rows], [k for _, k in rows], table)
+
+        exp = naive_step(rows, tables, block, min(width, max_blocks))
+        n_tok = sum(q for q, _ in rows)
+        assert meta.num_tokens == n_tok and meta.num_requests == len(rows)
+        assert meta.cache_slots_buffer.tolist() == exp["slots"] + [-1] * (64 - n_tok)  # stale tail cleared
+        assert meta.valid_blocks.tolist() == exp["valid"]
+        assert meta.token_kv_lens.tolist() == exp["kv_tok"]
+        assert meta.positions.tolist() == exp["pos"]
+        assert meta.token_request.tolist() == exp["req"]
+        assert meta.token_intra.tolist() == exp["intra"]
+        assert meta.cu_qo_lens.tolist() == exp["cu"]
+        assert meta.qo_lens.tolist() == [q for q, _ in rows]
+        assert meta.kv_lens.tolist() == meta.kv_lens_staged.tolist() == [k for _, k in rows]
+        assert meta.qo_offsets.tolist() == [k - q for q, k in rows]
+        cut = min(width, max_blocks)
+        assert meta.block_tables.tolist() == [t[:cut] + [-1] * (max_blocks - cut) for t in exp["tables"]]
+        assert meta.is_decode_only == (bool(rows) and all(q <= 1 + draft_len for q, _ in rows))
+        assert meta.max_step_blocks == max(need, default=0)
+        slots = [s for s in exp["slots"] if s >= 0]
+        assert len(slots) == len(set(slots))  # no two tokens of a step write one slot
+
+        # Rejection: verify rows keep 1 + accepted tokens, other rows keep everything.
+        accepted = [data.draw(st.integers(0, draft_len)) if q == 1 + draft_len else q - 1 for q, _ in rows]
+        corrected = [k - (q - 1 - a) if q else k for (q, k), a in zip(rows, accepted)]
+        meta.on_update_kv_lens(torch.tensor(corrected, dtype=torch.int32))
+        shrunk = naive_step([(q, c) for (q, _), c in zip(rows, corrected)], tables, block, cut)
+        assert meta.kv_lens.tolist() == corrected and meta.kv_lens_staged.tolist() == [k for _, k in rows]
+        assert meta.cache_slots.tolist() == shrunk["slots"]
+        assert meta.valid_blocks.tolist() == shrunk["valid"]
+        assert meta.token_kv_lens.tolist() == shrunk["kv_tok"]
+        assert meta.positions.tolist() == shrunk["pos"]

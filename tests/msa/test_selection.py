@@ -197,3 +197,53 @@ def test_select_blocks_paged_checks_cache_shape() -> None:
         select_blocks_paged(torch.zeros(2, 1, 8), torch.zeros(3, 2, 8), meta, topk=2)
     with pytest.raises(MsaInputError, match="index_q"):
         select_blocks_paged(torch.zeros(3, 1, 8), torch.zeros(3, 4, 8), meta, topk=2)
+
+
+def test_select_from_block_scores_refuses_query_blocks_of_another_length() -> None:
+    # One own-block for three tokens broadcast silently: every token was selected as if it sat in block 4.
+    scores = torch.randn(2, 3, 5)
+    with pytest.raises(MsaInputError, match=r"query_blocks must be \[T=3\]"):
+        select_from_block_scores(scores, torch.tensor([4]), topk=2)
+    with pytest.raises(MsaInputError, match=r"query_blocks must be \[T=3\]"):
+        select_from_block_scores(scores, torch.tensor([[4, 1, 0]]), topk=2)
+    with pytest.raises(MsaInputError, match="integer"):
+        select_from_block_scores(scores, torch.tensor([4.0, 1.5, 0.0]), topk=2)
+    with pytest.raises(MsaInputError, match=r"block_scores must be \[H, T, N\]"):
+        select_from_block_scores(scores[0], torch.tensor([4, 1, 0]), topk=2)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    heads=st.integers(1, 2),
+    num_blocks=st.integers(0, 7),
+    own=st.lists(st.integers(-1, 8), min_size=0, max_size=5),
+    topk=st.integers(1, 5),
+    local=st.integers(0, 3),
+    init=st.integers(0, 3),
+    data=st.data(),
+)
+def test_select_from_block_scores_is_a_valid_top_k_even_with_ties(heads, num_blocks, own, topk, local, init, data):
+    """Scores drawn from {-1, 0, 1} (ties everywhere), own blocks past the scored range or before block 0.
+
+    Any tie-break is correct, so the reference checks the definition instead of one answer: the
+    forced visible blocks are all in, exactly min(topk, visible) blocks are kept, and no dropped
+    visible block beats a kept free one."""
+    if local + init > topk:
+        local, init = min(local, topk), max(0, min(init, topk - min(local, topk)))
+    values = data.draw(st.lists(st.sampled_from([-1.0, 0.0, 1.0]), min_size=heads * len(own) * num_blocks,
+                                max_size=heads * len(own) * num_blocks))
+    scores = torch.tensor(values, dtype=torch.float32).view(heads, len(own), num_blocks)
+    sel = select_from_block_scores(scores, torch.tensor(own, dtype=torch.int64), topk=topk,
+                                   local_blocks=local, init_blocks=init)
+    assert sel.shape == (heads, len(own), topk)
+    assert_well_formed(sel, topk)
+    for h in range(heads):
+        for t, o in enumerate(own):
+            visible = {b for b in range(num_blocks) if b <= o}
+            forced = {b for b in visible if b > o - local or b < init}
+            kept = {b for b in sel[h, t].tolist() if b >= 0}
+            assert forced <= kept <= visible
+            assert len(kept) == min(topk, len(visible))
+            free_kept = [float(scores[h, t, b]) for b in kept - forced]
+            dropped = [float(scores[h, t, b]) for b in visible - kept]
+            assert not free_kept or not dropped or min(free_kept) >= max(dropped)

@@ -132,6 +132,8 @@ def sparse_attention(
         raise MsaInputError(
             f"selection must be [Hkv={num_kv_heads}, T={q.shape[0]}, topk], got {tuple(selection.shape)}"
         )
+    if selection.dtype.is_floating_point or selection.dtype.is_complex or selection.dtype == torch.bool:
+        raise MsaInputError(f"selection must be an integer tensor of block ids, got {selection.dtype}")  # not truncated
     return _attend(q, k_cache, v_cache, meta, selection, scale)
 
 

@@ -35,7 +35,8 @@ def validate_block_size(block_size: object) -> int:
 def valid_blocks_from_positions(positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Visible-block count of tokens at ``positions``: ``ceil((p + 1) / B)``, 0 for ``p < 0``."""
     seen = (positions + 1).clamp(min=0)
-    return torch.div(seen + (block_size - 1), block_size, rounding_mode="floor").to(torch.int32)
+    # (n - 1) // B + 1, not (n + B - 1) // B: the latter overflows int32 positions near 2**31.
+    return (torch.div(seen - 1, block_size, rounding_mode="floor") + 1).to(torch.int32)
 
 
 def request_pages(meta: Any) -> Iterator[tuple[int, slice, torch.Tensor]]:
@@ -59,7 +60,11 @@ def _as_length_tensor(name: str, values: torch.Tensor | Sequence[int], device: t
         if values.dtype.is_floating_point or values.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {values.dtype}")
         return values.to(torch.int64)
-    return torch.as_tensor(list(values), dtype=torch.int64, device=device)
+    values = list(values)
+    for x in values:  # as_tensor would truncate 1.5 to 1 and read True as 1
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name} entries must be ints, got {type(x).__name__}")
+    return torch.as_tensor(values, dtype=torch.int64, device=device)
 
 
 def per_token_valid_blocks(

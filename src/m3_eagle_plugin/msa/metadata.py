@@ -76,6 +76,8 @@ class MsaDecodeMetadata:
         self.max_num_tokens = _positive_int("max_num_tokens", max_num_tokens)
         self.max_blocks_per_seq = _positive_int("max_blocks_per_seq", max_blocks_per_seq)
         self.block_size = validate_block_size(block_size)
+        # The last page whose every slot (page * B + offset) fits the int32 cache_slots: a larger id would wrap.
+        self._max_page = (_INT32_MAX + 1) // self.block_size - 1
         self.max_draft_len = _positive_int("max_draft_len", max_draft_len, minimum=0)
         self.num_index_heads = _positive_int("num_index_heads", num_index_heads)
         self.device = torch.device(device)
@@ -236,8 +238,11 @@ class MsaDecodeMetadata:
                 raise MsaInputError(f"request {r}: kv_len {k} needs {pages} pages, block_tables has {width} columns")
             if host_table is not None and pages and bool((host_table[r, :pages] < 0).any()):
                 raise MsaInputError(f"request {r}: block_tables has an unmapped page (< 0) among its first {pages}")
-            if host_table is not None and pages and bool((host_table[r, :pages] > _INT32_MAX).any()):
-                raise MsaInputError(f"request {r}: block_tables has a page id past int32 among its first {pages}")
+            if host_table is not None and pages and bool((host_table[r, :pages] > self._max_page).any()):
+                raise MsaInputError(
+                    f"request {r}: block_tables has a page id past int32 cache slots (page * {self.block_size} "
+                    f"+ offset must fit int32: page <= {self._max_page}) among its first {pages}"
+                )
         num_tokens = sum(qo)
         if num_tokens > self.max_num_tokens:
             raise MsaInputError(f"step has {num_tokens} tokens, max_num_tokens is {self.max_num_tokens}")
@@ -327,7 +332,8 @@ class MsaDecodeMetadata:
         self._positions.copy_(position)
         kv_len = (position + 1).clamp(min=0)
         self._token_kv_lens.copy_(kv_len)
-        self._valid_blocks.copy_(torch.div(kv_len + (block - 1), block, rounding_mode="floor"))
+        # ceil(n / B) as (n - 1) // B + 1: the usual (n + B - 1) // B overflows int32 for n near 2**31.
+        self._valid_blocks.copy_(torch.div(kv_len - 1, block, rounding_mode="floor") + 1)
         column = torch.div(position.clamp(min=0), block, rounding_mode="floor").clamp(max=self.max_blocks_per_seq - 1)
         page = self._block_table_flat.index_select(0, request * self.max_blocks_per_seq + column)
         slot = page * block + torch.remainder(position, block)

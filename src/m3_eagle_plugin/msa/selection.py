@@ -55,7 +55,13 @@ def select_from_block_scores(
     any real score. Returns int32 ``[H, T, topk]``: ascending block ids, ``-1`` padded.
     """
     _validate_selection_args(topk, local_blocks, init_blocks)
+    if block_scores.dim() != 3:
+        raise MsaInputError(f"block_scores must be [H, T, N], got {tuple(block_scores.shape)}")
     num_heads, num_tokens, num_blocks = block_scores.shape
+    if query_blocks.dim() != 1 or query_blocks.shape[0] != num_tokens:  # [1] would broadcast to every token
+        raise MsaInputError(f"query_blocks must be [T={num_tokens}], got {tuple(query_blocks.shape)}")
+    if query_blocks.dtype.is_floating_point or query_blocks.dtype.is_complex or query_blocks.dtype == torch.bool:
+        raise MsaInputError(f"query_blocks must be an integer tensor, got {query_blocks.dtype}")
     out = torch.full((num_heads, num_tokens, topk), -1, dtype=torch.int32, device=block_scores.device)
     if num_blocks == 0 or num_tokens == 0:
         return out
