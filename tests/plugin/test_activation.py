@@ -104,12 +104,8 @@ def test_auto_on_untested_host_activates_with_verdict_and_a_warning(active_env):
     assert [level for level, message in levels if "activated" in message] == [logging.WARNING]
 
 
-@pytest.mark.parametrize("mode", ["auto", "require"])
-def test_a_failure_after_install_takes_the_patches_out(active_env, hermetic_manager, log_lines, mode):
-    """Another plugin's host_ready hook raising: the patches come out again, and the report (and the
-    log line saying the host was left untouched) is then true."""
-    make_host, installs = active_env
-    make_host("1.3.0rc24")
+def _broken_host_ready_plugin():
+    """A third-party plugin whose host_ready hook raises."""
     from m3_eagle_plugin.hooks import hookimpl
 
     class Broken:
@@ -117,7 +113,16 @@ def test_a_failure_after_install_takes_the_patches_out(active_env, hermetic_mana
         def m3_eagle_host_ready(self, host, report):
             raise RuntimeError("third-party hook failed")
 
-    hermetic_manager.register(Broken(), name="broken")
+    return Broken()
+
+
+@pytest.mark.parametrize("mode", ["auto", "require"])
+def test_a_failure_after_install_takes_the_patches_out(active_env, hermetic_manager, log_lines, mode):
+    """Another plugin's host_ready hook raising: the patches come out again, and the report (and the
+    log line saying the host was left untouched) is then true."""
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    hermetic_manager.register(_broken_host_ready_plugin(), name="broken")
     if mode == "require":
         with pytest.raises(ActivationError, match="third-party hook failed"):
             m3_eagle_plugin.activate(mode)
@@ -136,11 +141,6 @@ def test_a_failed_host_ready_is_not_replayed_to_later_plugins(active_env, hermet
     make_host("1.3.0rc24")
     from m3_eagle_plugin.hooks import hookimpl
 
-    class Broken:
-        @hookimpl
-        def m3_eagle_host_ready(self, host, report):
-            raise RuntimeError("third-party hook failed")
-
     seen = []
 
     class Late:
@@ -148,7 +148,7 @@ def test_a_failed_host_ready_is_not_replayed_to_later_plugins(active_env, hermet
         def m3_eagle_host_ready(self, host, report):
             seen.append(host)
 
-    hermetic_manager.register(Broken(), name="broken")
+    hermetic_manager.register(_broken_host_ready_plugin(), name="broken")
     assert not m3_eagle_plugin.activate("auto").activated
     hermetic_manager.register(Late(), name="late")
     assert installs == [1, -1] and seen == []
