@@ -333,6 +333,107 @@ def test_layer_runs_flashinfers_whole_step_not_a_mix(fake_fi, monkeypatch, tmp_p
     torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_layer_decides_on_the_whole_step_first(fake_fi, monkeypatch, tmp_path):
+    """Both halves eligible, both halves' rows say ours, the whole-step row FlashInfer: the layer
+    runs FlashInfer's whole step, as README and `m3-eagle doctor` ("where both halves could run on
+    FlashInfer, the whole step it says is faster") say; the halves' rows do not decide first."""
+    from m3_eagle_plugin.msa.kernels import backend, backend_report, sparse_layer_attention, verify_step
+
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", _write_table(tmp_path / "t.json", "Fake H200", [
+        _row("index_select", 2, 512, 2, 10.0, 12.0), _row("sparse_attn", 2, 512, 2, 10.0, 12.0),
+        _row("sparse_step", 2, 512, 2, 20.0, 17.0)]))
+    decision = backend_report("cpu")["table_verdicts"]["sparse_step"]
+    assert decision[0] == "B2/512 q2 -> flashinfer (ours 20 / FlashInfer 17 us)"
+    st = _step([2, 2], [500, 300], seed=5)
+    meta = st["meta"]
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    monkeypatch.setattr(verify_step, "sparse_verify_step", lambda *a, **k: pytest.fail("ran our whole step"))
+    got = sparse_layer_attention(st["q"], st["k"], st["v"], st["index_q"], st["index_k"], meta, topk=16, scale=0.1)
+    assert {"msa_sparse_decode_attention", "msa_proxy_score", "msa_topk_select"} <= set(fake_fi.calls)
+    expect = ref_sparse(st["q"], st["k"], st["v"], meta, ref_select(st["index_q"], st["index_k"], meta, topk=16),
+                        scale=0.1)
+    torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
+def _faster_table(monkeypatch, tmp_path):
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", _write_table(tmp_path / "t.json", "Fake H200", [
+        _row("sparse_attn", 2, 512, 2, 10.0, 5.0), _row("index_select", 2, 512, 2, 10.0, 5.0)]))
+
+
+@pytest.mark.parametrize("mode", ["auto", "flashinfer"])
+def test_float_selection_is_not_truncated_into_block_ids(fake_fi, monkeypatch, tmp_path, mode):
+    """The reference refuses a floating-point selection (1.9 is no block id); the routed call
+    must not cast it to int32 and attend blocks 1 instead."""
+    _faster_table(monkeypatch, tmp_path)
+    monkeypatch.setenv("M3_EAGLE_KERNELS", mode)
+    st = _step([2, 2], [500, 300], seed=3)
+    meta, sel = st["meta"], _selection(st["meta"], 1, seed=4).float()
+    sel[sel >= 0] += 0.9
+    with pytest.raises(ValueError, match="integer"):
+        ref_sparse(st["q"], st["k"], st["v"], meta, sel, scale=0.1)
+    with pytest.raises((ValueError, KernelBackendError), match="integer"):
+        sparse_attention(st["q"], st["k"], st["v"], meta, sel, scale=0.1)
+    assert fake_fi.calls == []
+
+
+@pytest.mark.parametrize("local_blocks, init_blocks", [(9, 8), (-1, 0), (1, -2)])
+@pytest.mark.parametrize("mode", ["auto", "flashinfer"])
+def test_routed_selection_refuses_forced_blocks_the_reference_refuses(fake_fi, monkeypatch, tmp_path, mode,
+                                                                     local_blocks, init_blocks):
+    """17 forced blocks cannot fit in 16 (nor can -1 be forced): the reference raises, so must
+    the routed call, before FlashInfer runs."""
+    _faster_table(monkeypatch, tmp_path)
+    monkeypatch.setenv("M3_EAGLE_KERNELS", mode)
+    st = _step([2, 2], [2433, 1100], seed=3)
+    kw = dict(topk=16, local_blocks=local_blocks, init_blocks=init_blocks)
+    with pytest.raises(ValueError, match="(local|init)_blocks"):
+        ref_select(st["index_q"], st["index_k"], st["meta"], **kw)
+    with pytest.raises(ValueError, match="(local|init)_blocks"):
+        select_blocks_paged(st["index_q"], st["index_k"], st["meta"], **kw)
+    assert fake_fi.calls == []
+
+
+def test_report_names_flashinfer_for_the_kernels_forced_onto_it(fake_fi, monkeypatch):
+    """Under `M3_EAGLE_KERNELS=flashinfer` the report's per-kernel backend is what a call runs:
+    FlashInfer for the two routed kernels, the torch reference (CPU) for the rest."""
+    from m3_eagle_plugin.msa.kernels import backend_report, dense_attention
+
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    kernels = backend_report("cpu")["kernels"]
+    st = _step([2, 2], [500, 300], seed=3)
+    meta, sel = st["meta"], _selection(st["meta"], 1, seed=4)
+    sparse_attention(st["q"], st["k"], st["v"], meta, sel, scale=0.1)
+    assert fake_fi.calls == ["msa_sparse_decode_attention"]
+    select_blocks_paged(st["index_q"], st["index_k"], meta, topk=16)
+    assert fake_fi.calls[1:] == ["msa_proxy_score", "msa_topk_select"]
+    dense_attention(st["q"], st["k"].float(), st["v"].float(), meta, scale=0.1)
+    assert len(fake_fi.calls) == 3  # dense: no FlashInfer route
+    assert kernels["sparse_attention"] == kernels["select_blocks_paged"] == "flashinfer"
+    assert kernels["dense_attention"] == "torch"
+
+
+def test_layer_whole_step_needs_a_selection_per_kv_head(fake_fi, monkeypatch, tmp_path):
+    """One index head, two KV heads: the selection the layer makes ([1, T, 16]) is not the
+    [Hkv, T, 16] one `sparse_attention` takes (the reference refuses it), so FlashInfer's whole
+    step must not run it (it would broadcast one head's blocks to both KV heads)."""
+    from m3_eagle_plugin.msa import MsaInputError
+    from m3_eagle_plugin.msa.kernels import backend, sparse_layer_attention, verify_step
+
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", _write_table(tmp_path / "t.json", "Fake H200", [
+        _row("index_select", 2, 512, 2, 10.0, 5.0), _row("sparse_attn", 2, 512, 2, 10.0, 5.0),
+        _row("sparse_step", 2, 512, 2, 20.0, 17.0)]))
+    st = _step([2, 2], [500, 300], q_heads=4, kv_heads=2, index_heads=1, seed=5)
+    meta = st["meta"]
+    sel = ref_select(st["index_q"], st["index_k"], meta, topk=16)
+    with pytest.raises(MsaInputError, match="selection must be"):
+        ref_sparse(st["q"], st["k"], st["v"], meta, sel, scale=0.1)
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    monkeypatch.setattr(verify_step, "sparse_verify_step", lambda *a, **k: pytest.fail("ran our whole step"))
+    with pytest.raises(ValueError, match="selection"):  # as the reference: ours refuses it before launching
+        sparse_layer_attention(st["q"], st["k"], st["v"], st["index_q"], st["index_k"], meta, topk=16, scale=0.1)
+    assert "msa_sparse_decode_attention" not in fake_fi.calls
+
+
 def test_auto_without_a_row_for_the_q_len_keeps_ours(fake_fi, monkeypatch, tmp_path):
     monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", _write_table(tmp_path / "t.json", "Fake H200", [
         _row("sparse_attn", 2, 512, 4, 10.0, 1.0)]))

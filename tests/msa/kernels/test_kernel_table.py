@@ -149,6 +149,19 @@ def test_nearest_row(batch, context, q_len, expect):
     assert (row.batch, row.context, row.qo_len) == expect + (q_len,)
 
 
+@pytest.mark.parametrize("batch, context, expect", [
+    (20, 8192, (16, 8192)),      # 20/16 == 25/20: a tie in batch, the smaller measured batch
+    (2, 20000, (2, 16000)),      # 20000/16000 == 25000/20000: a tie in context, the smaller context
+])
+def test_nearest_row_ties_off_powers_of_two(batch, context, expect):
+    """Ties decided exactly: float log2 rounds |log2(20/16)| above |log2(20/25)|."""
+    rows = [_row("sparse_attn", 16, 8192, 4, 10.0, 5.0), _row("sparse_attn", 25, 8192, 4, 10.0, 50.0),
+            _row("sparse_attn", 2, 16000, 4, 10.0, 5.0), _row("sparse_attn", 2, 25000, 4, 10.0, 50.0)]
+    row = _table(rows).nearest("sparse_attn", batch, context, 4)
+    assert (row.batch, row.context) == expect
+    assert _choose("sparse_attention", batch, context, 4, rows=rows).backend == "flashinfer"  # the smaller row's
+
+
 def test_nearest_row_needs_the_same_kernel_and_q_len():
     table = _table(ROWS)
     assert table.nearest("sparse_attn", 16, 32768, 2) is None

@@ -104,7 +104,8 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, Any]:
         reason = "CUDA device compute capability < 8.0"
     report["backend"] = chosen
     report["reason"] = reason
-    report["kernels"] = {name: chosen for name in KERNELS}
+    report["kernels"] = {name: "flashinfer" if mode == "flashinfer" and name in fim.ROUTED_KERNELS else chosen
+                         for name in KERNELS}  # forced: those calls run FlashInfer or raise
     report.update(_flashinfer_report(device, mode))
     return report
 
@@ -236,11 +237,11 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
 
 def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *, topk, scale, local_blocks=1,
                            init_blocks=0, k_scale=None, v_scale=None, max_qo_len: int | None = None):
-    """A sparse layer's block selection then sparse attention: our whole step in one call
-    (`verify_step`) when neither half goes to FlashInfer or the table's whole-step row says ours
-    is faster; FlashInfer's whole step (both halves) where that row says FlashInfer's is
-    (`_whole_step_backend`); else `select_blocks_paged` then `sparse_attention`, each routed by
-    its own row."""
+    """A sparse layer's block selection then sparse attention. Where both halves could run on
+    FlashInfer and the table has a whole-step row (`_whole_step_backend`), that row decides: our
+    whole step in one call (`verify_step`) or FlashInfer's (both halves). Otherwise our whole step
+    when neither half goes to FlashInfer, else `select_blocks_paged` then `sparse_attention`, each
+    routed by its own row."""
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len)
     if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
@@ -249,12 +250,14 @@ def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *,
         checks = {fim.INDEX: functools.cache(lambda: fim.eligibility(
                       fim.INDEX, index_q, index_k_cache, meta, topk=topk, max_qo_len=max_qo_len)),
                   fim.SPARSE: functools.cache(lambda: fim.eligibility(  # the selection does not exist yet: its shape
-                      fim.SPARSE, q, k_cache, v_cache, meta,
-                      q.new_empty((k_cache.shape[1], q.shape[0], topk), dtype=torch.int32),
+                      fim.SPARSE, q, k_cache, v_cache, meta,                # (one row per index head)
+                      q.new_empty((index_q.shape[1], q.shape[0], topk), dtype=torch.int32),
                       k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len))}
-        routed = any(flashinfer_route(name, q.device, meta, q.shape[0], max_qo_len, check) is not None
-                     for name, check in checks.items())
-        whole = _whole_step_backend(q.device, meta, q.shape[0], max_qo_len, checks.values()) if routed else "triton"
+        # The whole-step row decides first (README, doctor); without one, each half by its own row.
+        whole = _whole_step_backend(q.device, meta, q.shape[0], max_qo_len, checks.values())
+        if whole is None and not any(flashinfer_route(name, q.device, meta, q.shape[0], max_qo_len, check)
+                                     is not None for name, check in checks.items()):
+            whole = "triton"
         if whole == "triton":
             from .verify_step import sparse_verify_step
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._common import device_capability  # tests patch it here; the bench imports it from here
+from ._common import device_capability, require  # device_capability: tests patch it here; the bench imports it here
 
 SPARSE = "sparse_attention"
 INDEX = "select_blocks_paged"
@@ -226,6 +226,8 @@ def sparse_eligibility(q, k_cache, v_cache, meta, selection, *, k_scale=None, v_
         return False, f"GQA group {q.shape[1]}/{hkv} must be a whole number <= {MAX_GROUP}"
     if selection.dim() != 3 or tuple(selection.shape) != (hkv, q.shape[0], TOPK):
         return False, f"selection must be [Hkv={hkv}, T={q.shape[0]}, {TOPK}], got {tuple(selection.shape)}"
+    if selection.dtype.is_floating_point or selection.dtype.is_complex or selection.dtype == torch.bool:
+        return False, f"selection must be an integer tensor of block ids, got {selection.dtype}"  # not truncated
     if not (_is_scale(k_scale) and _is_scale(v_scale)):
         return False, "fp8 scales must be Python floats (FlashInfer takes no scale tensors)"
     return True, f"SM90, interleaved fp8 K/V, group {q.shape[1] // hkv}, q_len {q_len}"
@@ -290,6 +292,9 @@ def select_blocks(index_q, index_k_cache, meta, *, topk: int, q_len: int, local_
                   init_blocks: int = 0) -> torch.Tensor:
     """int32 `[Hi, T, topk]`, ascending, -1 padded, as `msa.select_blocks_paged` (inputs passed
     `index_eligibility`)."""
+    require(local_blocks >= 0 and init_blocks >= 0, "local_blocks and init_blocks must be >= 0")
+    require(local_blocks + init_blocks <= topk, f"local_blocks {local_blocks} + init_blocks {init_blocks} exceed topk "
+            f"{topk}: the forced blocks would not all be selected")
     msa = _msa()
     tokens, heads = index_q.shape[0], index_q.shape[1]
     tiles = _tiles(meta)

@@ -24,6 +24,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -33,7 +34,8 @@ SHIPPED_PATH = Path(__file__).with_name(SHIPPED_NAME)
 TABLE_KERNELS = ("index_select", "sparse_attn", "sparse_step", "dense_attn", "dense_attn_peer")
 #: Dispatcher -> the table kernels that measure it. `sparse_layer_attention` (a sparse layer's
 #: selection + attention) is decided on the whole step: where both halves could run on FlashInfer,
-#: the layer runs our whole step if `sparse_step` says ours is faster, else each half by its own row.
+#: the nearest `sparse_step` row picks the whole step (ours or FlashInfer's); without one, each half
+#: follows its own row.
 STEP = "sparse_layer_attention"
 DISPATCH_ROWS = {"select_blocks_paged": ("index_select",), "sparse_attention": ("sparse_attn",),
                  "dense_attention": ("dense_attn", "dense_attn_peer"), STEP: ("sparse_step",)}
@@ -41,6 +43,10 @@ DISPATCH_ROWS = {"select_blocks_paged": ("index_select",), "sparse_attention": (
 
 class KernelTableError(ValueError):
     """A kernel table file is missing, unreadable or malformed (the message names the file)."""
+
+
+def _ratio(a: int, b: int) -> Fraction:
+    return Fraction(max(a, b), min(a, b))
 
 
 @dataclass(frozen=True)
@@ -57,10 +63,12 @@ class TableRow:
         ctx = f"{self.context // 1024}K" if self.context % 1024 == 0 else str(self.context)
         return f"B{self.batch}/{ctx} q{self.qo_len}"
 
-    def distance(self, batch: int, context: int) -> tuple[float, float, int, int]:
-        """How far this row's shape is from (batch, context): log2 batch ratio, then log2 context
-        ratio, then the smaller measured batch and context (the module docstring's nearest row)."""
-        return abs(math.log2(batch / self.batch)), abs(math.log2(context / self.context)), self.batch, self.context
+    def distance(self, batch: int, context: int) -> tuple[Fraction, Fraction, int, int]:
+        """How far this row's shape is from (batch, context): the batch ratio (larger over smaller,
+        ordered as |log2| of it), then the context ratio, then the smaller measured batch and
+        context (the module docstring's nearest row). Exact fractions: float log2 breaks ties such
+        as B20 between B16 and B25 (20/16 = 25/20) by rounding, not by the smaller batch."""
+        return _ratio(batch, self.batch), _ratio(context, self.context), self.batch, self.context
 
     def verdict(self) -> str:
         """Short: 'B16/32K q4 -> flashinfer (ours 18.9 / FlashInfer 15.3 us)'."""
