@@ -186,6 +186,23 @@ def check_rope_nan_stays_in_its_head(device, dtype):
     assert torch.isfinite(q_out[~bad.to(q_out.device)]).all() and torch.isfinite(k_out).all()
 
 
+def check_rope_refuses_positions_of_another_length(device, dtype):
+    """Positions must be one per token: the torch path raises on any other length, so the fused one
+    must not quietly rotate by a prefix of them."""
+    gen = torch.Generator().manual_seed(11)
+    rot = RotaryEmbedding(8, 1e4).to(device)
+    q, k = _randn((2, 2, 16), gen, dtype, device), _randn((2, 1, 16), gen, dtype, device)
+    norms = [_norm(True, 16, gen, dtype, device) for _ in range(2)]
+    weights = (norms[0].weight, 1e-6, norms[1].weight, 1e-6)
+    for pos in (torch.tensor([3, 9, 100], device=device), torch.tensor([3], device=device)):
+        with torch.no_grad(), fused(True):
+            assert fused_ops.norm_rope_qk(q, k, pos, rot.inv_freq) is None
+            assert fused_ops.norm_rope_qk(q, k, pos, rot.inv_freq, weights) is None
+            for qk_norms in ((), norms):
+                with pytest.raises(RuntimeError):
+                    rot.at(pos).qk(q, k, *qk_norms)
+
+
 def check_gather_logits(device, dtype, *, rows=3, vd=37, v=300, pad=5, seed=0):
     gen = torch.Generator().manual_seed(seed)
     target_ids = torch.randperm(v, generator=gen)[:vd].to(device)
@@ -279,6 +296,7 @@ INTERPRETER_CASES = [
     (check_rope, dict(dtype=torch.bfloat16, t=2, hq=3, hk=1, d=66, rd=20, norm=True, norm_dtype=torch.float32)),
     (check_rope, dict(dtype=torch.float16, t=2, hq=1, hk=2, d=16, rd=8, norm=True, positions=[-1, 5])),
     (check_rope_nan_stays_in_its_head, dict(dtype=torch.float32)),
+    (check_rope_refuses_positions_of_another_length, dict(dtype=torch.float16)),
     (check_gather_logits, dict(dtype=torch.bfloat16)),
     (check_gather_logits, dict(dtype=torch.float32, rows=1, vd=300, v=300, pad=0)),
 ]

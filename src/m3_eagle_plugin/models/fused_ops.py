@@ -72,7 +72,8 @@ def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """NeoX RoPE of q `[T, Hq, D]` and k `[T, Hk, D]` over their first `2 * len(inv_freq)` channels,
     in one launch, new tensors out. Angles are `fp32(positions[t]) * inv_freq` (computed in-kernel,
-    no cos/sin tables). `norm = (q_weight, q_eps, k_weight, k_eps)` first applies a Gemma RMSNorm per
+    no cos/sin tables); `positions` is `[T]`, one per token (other lengths take the torch path,
+    which refuses them). `norm = (q_weight, q_eps, k_weight, k_eps)` first applies a Gemma RMSNorm per
     head (cast back to the activation dtype, as `GemmaRMSNorm` then `apply_rope` do)."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         return None
@@ -80,7 +81,7 @@ def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     half = inv_freq.shape[0] if inv_freq.dim() == 1 else -1
     if (q.dtype not in _FLOATS or k.dtype != q.dtype or q.stride(-1) != 1 or k.stride(-1) != 1 or t == 0
             or half < 1 or 2 * half > d or inv_freq.dtype not in _FLOATS or positions.dim() != 1
-            or positions.shape[0] < t or positions.dtype.is_floating_point or positions.device != q.device
+            or positions.shape[0] != t or positions.dtype.is_floating_point or positions.device != q.device
             or k.device != q.device):
         return None
     tensors = [q, k]
