@@ -313,34 +313,19 @@ def test_layer_follows_the_whole_step_row(fake_fi, monkeypatch, tmp_path, step_r
     torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
 
 
-def test_layer_runs_flashinfers_whole_step_not_a_mix(fake_fi, monkeypatch, tmp_path):
-    """The index row says ours, the attention row FlashInfer, the whole-step row FlashInfer: the
-    layer runs FlashInfer's scoring, top-k and attention (the step that row measured), not our
-    selection with FlashInfer's attention (a mix no run measured)."""
-    from m3_eagle_plugin.msa.kernels import backend, sparse_layer_attention, verify_step
-
-    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", _write_table(tmp_path / "t.json", "Fake H200", [
-        _row("index_select", 2, 512, 2, 10.0, 12.0), _row("sparse_attn", 2, 512, 2, 10.0, 5.0),
-        _row("sparse_step", 2, 512, 2, 20.0, 17.0)]))
-    st = _step([2, 2], [500, 300], seed=5)
-    meta = st["meta"]
-    monkeypatch.setattr(backend, "use_triton", lambda device: True)
-    monkeypatch.setattr(verify_step, "sparse_verify_step", lambda *a, **k: pytest.fail("ran our whole step"))
-    got = sparse_layer_attention(st["q"], st["k"], st["v"], st["index_q"], st["index_k"], meta, topk=16, scale=0.1)
-    assert {"msa_sparse_decode_attention", "msa_proxy_score", "msa_topk_select"} <= set(fake_fi.calls)
-    expect = ref_sparse(st["q"], st["k"], st["v"], meta, ref_select(st["index_q"], st["index_k"], meta, topk=16),
-                        scale=0.1)
-    torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
-
-
-def test_layer_decides_on_the_whole_step_first(fake_fi, monkeypatch, tmp_path):
-    """Both halves eligible, both halves' rows say ours, the whole-step row FlashInfer: the layer
-    runs FlashInfer's whole step, as README and `m3-eagle doctor` ("where both halves could run on
-    FlashInfer, the whole step it says is faster") say; the halves' rows do not decide first."""
+@pytest.mark.parametrize("index_flashinfer_us, attn_flashinfer_us", [(12.0, 5.0), (12.0, 12.0)],
+                         ids=["halves-mixed", "halves-ours"])
+def test_layer_runs_flashinfers_whole_step_where_its_row_says(fake_fi, monkeypatch, tmp_path, index_flashinfer_us,
+                                                               attn_flashinfer_us):
+    """The whole-step row says FlashInfer, the halves' rows say ours for the index and FlashInfer or
+    ours for the attention: the layer runs FlashInfer's scoring, top-k and attention (the step that
+    row measured), not a mix no run measured, and the halves' rows do not decide first (README and
+    `m3-eagle doctor`: "where both halves could run on FlashInfer, the whole step it says is faster")."""
     from m3_eagle_plugin.msa.kernels import backend, backend_report, sparse_layer_attention, verify_step
 
     monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", _write_table(tmp_path / "t.json", "Fake H200", [
-        _row("index_select", 2, 512, 2, 10.0, 12.0), _row("sparse_attn", 2, 512, 2, 10.0, 12.0),
+        _row("index_select", 2, 512, 2, 10.0, index_flashinfer_us),
+        _row("sparse_attn", 2, 512, 2, 10.0, attn_flashinfer_us),
         _row("sparse_step", 2, 512, 2, 20.0, 17.0)]))
     decision = backend_report("cpu")["table_verdicts"]["sparse_step"]
     assert decision[0] == "B2/512 q2 -> flashinfer (ours 20 / FlashInfer 17 us)"
