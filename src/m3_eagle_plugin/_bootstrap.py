@@ -3,12 +3,17 @@
 TensorRT-LLM has no plugin system, and its MPI workers and spawned servers are fresh interpreters,
 so the only way to activate in every process is to run at interpreter start. This runs in *every*
 Python process of the environment, so when the plugin is off it must cost next to nothing: it reads
-one environment variable and `sys.argv`, imports nothing beyond `os` and `sys`, and returns.
+a few environment variables and `sys.argv`, imports nothing beyond `os` and `sys`, and returns.
 
 When enabled (`M3_EAGLE_PLUGIN` not off, or a `trtllm-*` style `--config`/`--extra_llm_api_options`
 flag that may carry the `m3_eagle_plugin:` config key) it installs a one-shot `sys.meta_path` finder
 that wraps the loader of `tensorrt_llm` only; right after `tensorrt_llm` finishes importing, the
 real activation (`m3_eagle_plugin.activation`) runs. Neither torch nor tensorrt_llm is imported here.
+
+An MPI-launched process (`MPI_MARKERS` in its environment) gets the finder even with the plugin
+off, deferred: TensorRT-LLM's MPI pool workers receive the driver's `M3_EAGLE_*` settings only
+after they start (mpi4py applies `env` before the first task, `patches/forward_env_to_mpi_pool.py`),
+so the decision is taken when `tensorrt_llm` is imported; still off then, nothing else runs.
 """
 import os
 import sys
@@ -16,10 +21,12 @@ import sys
 ENV_VAR = "M3_EAGLE_PLUGIN"
 HOST_MODULE = "tensorrt_llm"
 CONFIG_FLAGS = ("--extra_llm_api_options", "--config")
+#: Set by the MPI runtimes (Open MPI, MPICH / Intel MPI, PMIx) in every process they launch or spawn.
+MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 _OFF_VALUES = ("", "off")
 
 
-def wants_bootstrap(environ, argv) -> bool:
+def wants_activation(environ, argv) -> bool:
     """True when the plugin is not off, or the command line may carry the YAML config key."""
     if environ.get(ENV_VAR, "").strip().lower() not in _OFF_VALUES:
         return True
@@ -27,6 +34,15 @@ def wants_bootstrap(environ, argv) -> bool:
         if arg.startswith(CONFIG_FLAGS):
             return True
     return False
+
+
+def is_mpi_process(environ) -> bool:
+    return any(name in environ for name in MPI_MARKERS)
+
+
+def wants_bootstrap(environ, argv) -> bool:
+    """True when the finder goes in: activation wanted now, or an MPI process that may learn later."""
+    return wants_activation(environ, argv) or is_mpi_process(environ)
 
 
 class _PostImportLoader:
@@ -57,8 +73,9 @@ class HostImportHook:
 
     _m3_eagle_host_hook = True  # marker that survives a reload of this module
 
-    def __init__(self, module_name: str = HOST_MODULE) -> None:
+    def __init__(self, module_name: str = HOST_MODULE, deferred: bool = False) -> None:
         self.module_name = module_name
+        self.deferred = deferred  # decide from the environment at the host import (MPI workers)
         self.fired = False
         self._searching = False
 
@@ -85,6 +102,8 @@ class HostImportHook:
     def on_host_imported(self, module) -> None:
         self.fired = True
         remove_hook()
+        if self.deferred and not wants_activation(os.environ, ()):
+            return
         from m3_eagle_plugin.activation import on_host_imported
 
         on_host_imported(module)
@@ -101,19 +120,27 @@ def remove_hook() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_m3_eagle_host_hook", False)]
 
 
-def install_hook() -> None:
-    """Activate right after `tensorrt_llm` is imported (or now, if it already is)."""
+def install_hook(deferred: bool = False) -> None:
+    """Activate right after `tensorrt_llm` is imported (or now, if it already is). `deferred`: only
+    if the environment then asks for it."""
     if HOST_MODULE in sys.modules:
+        if deferred and not wants_activation(os.environ, ()):
+            return
         from m3_eagle_plugin.activation import on_host_imported
 
         on_host_imported(sys.modules[HOST_MODULE])
         return
-    if installed_hook() is None:
-        sys.meta_path.insert(0, HostImportHook())
+    hook = installed_hook()
+    if hook is None:
+        sys.meta_path.insert(0, HostImportHook(deferred=deferred))
+    elif not deferred:
+        hook.deferred = False
 
 
 def main() -> None:
     """Entry point of the `.pth` line and the `.start` file; safe to call more than once."""
-    if not wants_bootstrap(os.environ, getattr(sys, "argv", ())):
-        return
-    install_hook()
+    environ, argv = os.environ, getattr(sys, "argv", ())
+    if wants_activation(environ, argv):
+        install_hook()
+    elif is_mpi_process(environ):
+        install_hook(deferred=True)

@@ -3,11 +3,11 @@
 TensorRT-LLM rejects unknown top-level keys (BaseLlmArgs forbids extras), so the key must be read and
 removed before the host validates the dict. It is sugar for the environment variables: it sets
 `M3_EAGLE_PLUGIN` (and `M3_EAGLE_PLUGIN_FORCE` / `_TRACE`) in `os.environ`, which processes this
-one starts afterwards inherit, and under `mpirun` every rank reads `--config` itself. Not
-TensorRT-LLM's own MPI pool: its workers start from the environment the driver had when MPI
-started (the first `tensorrt_llm` import, before this key is read) plus only `TRTLLM*` / `TLLM*`
-variables, so there the variables must be exported (README, "Configuration reference"). An explicitly
-exported `M3_EAGLE_PLUGIN` wins over the key.
+one starts afterwards inherit, and under `mpirun` every rank reads `--config` itself.
+TensorRT-LLM's own MPI pool starts its workers from the environment the driver had when MPI
+started (the first `tensorrt_llm` import, before this key is read), so the activated driver
+forwards them through the pool's `env` (`host/trtllm/patches/forward_env_to_mpi_pool.py`). An
+explicitly exported `M3_EAGLE_PLUGIN` wins over the key.
 
 Accepted values::
 

@@ -51,6 +51,10 @@ def test_startup_files():
         ({}, ["/usr/bin/trtllm-serve", "m", "--extra_llm_api_options", "x.yaml"], True),
         ({}, ["/usr/bin/trtllm-serve", "m", "--config=x.yaml"], True),
         ({"M3_EAGLE_PLUGIN": "off"}, ["serve", "--config", "x.yaml"], True),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, ["-m"], True),  # MPI workers: deferred to the host import
+        ({"PMI_SIZE": "4", "M3_EAGLE_PLUGIN": "off"}, [], True),
+        ({"PMIX_RANK": "0"}, [], True),
+        ({"OMPI_MCA_foo": "1"}, [], False),
     ],
 )
 def test_gate_examples(environ, argv, expected):
@@ -87,6 +91,52 @@ def test_hook_activates_right_after_the_host_import(fake_host, hermetic_manager,
     from m3_eagle_plugin.activation import status
 
     assert status().activated and status().patches == ["fake-a", "fake-b"]
+
+
+def _mpi_worker(monkeypatch):
+    """This process as an MPI-spawned worker: a runtime marker set, no plugin settings yet."""
+    for name in _bootstrap.MPI_MARKERS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PMI_SIZE", "2")
+
+
+def test_mpi_worker_decides_at_the_host_import_from_settings_that_arrived_later(
+        fake_host, hermetic_manager, fake_install, monkeypatch):
+    """A TensorRT-LLM MPI pool worker starts without M3_EAGLE_PLUGIN; mpi4py applies the driver's
+    forwarded settings before the first task imports the host. The bootstrap must still act then."""
+    fake_host("1.3.0rc24")
+    _mpi_worker(monkeypatch)
+    _bootstrap.main()
+    assert installed_hook() is not None and installed_hook().deferred
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")  # mpi4py's env=, applied after interpreter start
+    import tensorrt_llm  # noqa: F401
+
+    assert fake_install == [1] and installed_hook() is None
+    from m3_eagle_plugin.activation import status
+
+    assert status().activated
+
+
+def test_mpi_worker_still_off_at_the_host_import_runs_nothing(fake_host, hermetic_manager, fake_install,
+                                                              monkeypatch):
+    import m3_eagle_plugin.activation as activation
+
+    fake_host("1.3.0rc24")
+    _mpi_worker(monkeypatch)
+    called = []
+    monkeypatch.setattr(activation, "on_host_imported", lambda module: called.append(module))
+    _bootstrap.main()
+    import tensorrt_llm  # noqa: F401
+
+    assert called == [] and fake_install == [] and installed_hook() is None
+
+
+def test_an_explicit_setting_upgrades_a_deferred_hook(fake_host, hermetic_manager, fake_install, monkeypatch):
+    fake_host("1.3.0rc24")
+    _mpi_worker(monkeypatch)
+    _bootstrap.main()
+    _bootstrap.install_hook()  # e.g. the .start file after the .pth, or a caller that wants it now
+    assert not installed_hook().deferred
 
 
 def test_require_failure_surfaces_at_host_import(fake_host, hermetic_manager, fake_install, monkeypatch):

@@ -113,7 +113,9 @@ def install(force: bool = False) -> dict:
             raise
         except Exception as exc:
             raise HostPatchError(f"collecting host patches failed: {type(exc).__name__}: {exc}") from exc
-        _engine.apply(patches, steps=[_register_models])
+        from m3_eagle_plugin.host.trtllm.patches.forward_env_to_mpi_pool import forward_env_to_mpi_pool
+
+        _engine.apply(patches, steps=[_register_models, forward_env_to_mpi_pool])
         return report()
 
 
@@ -146,6 +148,7 @@ def report() -> dict[str, Any]:
             "layout": _layout(),
             "installed": engine["applied"],
             "patches": sorted(set(engine["patches"])),
+            "steps": list(engine.get("steps", [])),  # model registration, MPI pool env forwarding
             "bindings": engine["bindings"],
             "models": dict(_models),
             "components": dict(COMPONENTS),

@@ -1,0 +1,56 @@
+"""forward-env-to-mpi-pool: the driver's M3_EAGLE_* settings reach TensorRT-LLM's MPI pool workers."""
+from __future__ import annotations
+
+import importlib
+
+from m3_eagle_plugin.host import trtllm as adapter
+from m3_eagle_plugin.host.trtllm.patches.forward_env_to_mpi_pool import forwarding_executor
+
+
+def _session_env(n_workers=2):
+    mpi_session = importlib.import_module("tensorrt_llm.llmapi.mpi_session")
+    pool = mpi_session.MpiPoolSession(n_workers).mpi_pool
+    return pool, pool.worker_environ({"PATH": "/bin"})
+
+
+def test_workers_receive_the_plugin_settings_the_driver_set_after_mpi_started(current_host, monkeypatch):
+    # what the config key exports in the driver once the host (and MPI) is already up
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "require")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "1")
+    monkeypatch.setenv("TRTLLM_SOMETHING", "7")
+    monkeypatch.setenv("UNRELATED_SETTING", "x")
+    _, before = _session_env()
+    assert "M3_EAGLE_PLUGIN" not in before  # the defect: the workers would run without the plugin
+    mpi_session = importlib.import_module("tensorrt_llm.llmapi.mpi_session")
+    original = mpi_session.MPIPoolExecutor
+    adapter.install()
+    pool, worker = _session_env()
+    assert worker == {"PATH": "/bin", "TRTLLM_SOMETHING": "7", "M3_EAGLE_PLUGIN": "require",
+                      "M3_EAGLE_PLUGIN_FORCE": "1"}
+    assert isinstance(pool, original) and pool.max_workers == 2
+    assert "forward_env_to_mpi_pool" in adapter.report()["steps"]
+    adapter.uninstall()
+    assert mpi_session.MPIPoolExecutor is original
+    assert "M3_EAGLE_PLUGIN" not in _session_env()[1]
+
+
+def test_a_single_device_build_binds_no_executor_and_installs_all_the_same(current_host, monkeypatch):
+    mpi_session = importlib.import_module("tensorrt_llm.llmapi.mpi_session")
+    monkeypatch.delattr(mpi_session, "MPIPoolExecutor")
+    adapter.install()
+    assert adapter.report()["installed"] and not hasattr(mpi_session, "MPIPoolExecutor")
+    adapter.uninstall()
+
+
+def test_the_hosts_own_env_wins_and_a_host_passing_none_gets_ours(monkeypatch):
+    class Recorder:
+        def __init__(self, max_workers=None, **kwargs):
+            self.kwargs = kwargs
+
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    executor = forwarding_executor(Recorder)
+    assert executor(2, env={"M3_EAGLE_PLUGIN": "off", "TLLM_X": "1"}).kwargs["env"] == {
+        "M3_EAGLE_PLUGIN": "off", "TLLM_X": "1"}
+    assert executor(2, path=["p"]).kwargs == {"path": ["p"], "env": {"M3_EAGLE_PLUGIN": "auto"}}
+    monkeypatch.delenv("M3_EAGLE_PLUGIN")
+    assert executor(2).kwargs == {}  # nothing to forward: the call is the host's, unchanged
