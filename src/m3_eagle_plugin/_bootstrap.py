@@ -140,7 +140,5 @@ def install_hook(deferred: bool = False) -> None:
 def main() -> None:
     """Entry point of the `.pth` line and the `.start` file; safe to call more than once."""
     environ, argv = os.environ, getattr(sys, "argv", ())
-    if wants_activation(environ, argv):
-        install_hook()
-    elif is_mpi_process(environ):
-        install_hook(deferred=True)
+    if wants_bootstrap(environ, argv):
+        install_hook(deferred=not wants_activation(environ, argv))

@@ -99,7 +99,7 @@ def _gpu_rows(args: argparse.Namespace, device: torch.device, log) -> tuple[list
         log(f"flashinfer: {context['flashinfer']}")
     if not kernels:  # `--kernels ""`: the end-to-end section alone
         return [], context
-    rows = run_kernel_suite(args.configs or parse_configs(DEFAULT_CONFIGS), qo_lens, kernels, Geometry(),
+    rows = run_kernel_suite(configs_of(args, gpu=True), qo_lens, kernels, Geometry(),
                             kv_dtype=DTYPES[args.kv_dtype], index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
                             device=device, ceiling_gbps=ceiling, num_sets=args.sets,
                             dense_kv_dtype=DTYPES[args.dense_kv_dtype], check=not args.no_check,
@@ -117,7 +117,7 @@ def _cpu_smoke_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dic
 
     geo = Geometry(q_heads=4, kv_heads=1, head_dim=32, index_heads=1, index_dim=32, block=16, topk=4)
     rows, wanted = [], kernels_of(args)
-    for batch, context in args.configs or SMOKE_CONFIGS:
+    for batch, context in configs_of(args, gpu=False):
         steps = StepSet(batch, context, geo, kv_dtype=torch.float32, index_dtype=torch.float32,
                         q_dtype=torch.float32, device=torch.device("cpu"), num_sets=1)
         for qo_len in qo_lens_of(args):
@@ -159,14 +159,22 @@ def kernels_of(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def _check_configs(args: argparse.Namespace, device: torch.device) -> None:
-    """Every context must hold the longest q_len's tokens (they sit at its last positions)."""
+def measures_kernels(device: torch.device) -> bool:
+    """Whether `device` runs the kernel suite (CUDA with Triton); else the CPU smoke table runs."""
     from m3_eagle_plugin.msa.kernels import triton_available
 
-    gpu = device.type == "cuda" and triton_available(device)
-    configs = args.configs or (parse_configs(DEFAULT_CONFIGS) if gpu else SMOKE_CONFIGS)
+    return device.type == "cuda" and triton_available(device)
+
+
+def configs_of(args: argparse.Namespace, gpu: bool) -> list[tuple[int, int]]:
+    """`--configs`, or the kernel suite's (`gpu`) or the smoke table's default."""
+    return args.configs or (parse_configs(DEFAULT_CONFIGS) if gpu else SMOKE_CONFIGS)
+
+
+def _check_configs(args: argparse.Namespace, device: torch.device) -> None:
+    """Every context must hold the longest q_len's tokens (they sit at its last positions)."""
     longest = max(qo_lens_of(args))
-    short = [f"{b}x{c}" for b, c in configs if c < longest]
+    short = [f"{b}x{c}" for b, c in configs_of(args, measures_kernels(device)) if c < longest]
     if short:
         raise ValueError(f"--configs {','.join(short)}: context shorter than --qo-lens {longest}")
 
@@ -203,9 +211,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"m3-eagle bench: {error}", file=sys.stderr)
         return 2
-    from m3_eagle_plugin.msa.kernels import triton_available
-
-    if device.type == "cuda" and triton_available(device):
+    if measures_kernels(device):
         rows, context = _gpu_rows(args, device, log)
     else:
         if device.type == "cuda":
@@ -245,7 +251,7 @@ def _write_table(args: argparse.Namespace, rows: list[dict[str, Any]], context: 
         print("--write-table: no GPU kernel rows were measured (needs CUDA and Triton); nothing written",
               file=sys.stderr)
         return False
-    configs = ",".join(f"{b}x{c}" for b, c in (args.configs or parse_configs(DEFAULT_CONFIGS)))
+    configs = ",".join(f"{b}x{c}" for b, c in configs_of(args, gpu=True))
     command = (f"m3-eagle bench --configs {configs} --qo-lens {args.qo_lens} --kernels {args.kernels} "
                f"--kv-dtype {args.kv_dtype} --dense-kv-dtype {args.dense_kv_dtype} --flashinfer {args.flashinfer}"
                + (f" --rounds {args.rounds}" if args.rounds > 1 else ""))

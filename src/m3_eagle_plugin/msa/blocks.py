@@ -53,6 +53,15 @@ def request_pages(meta: Any) -> Iterator[tuple[int, slice, torch.Tensor]]:
             yield r, rows, meta.block_tables[r, : -(-kv // meta.block_size)].to(torch.int64)
 
 
+def int_entries(name: str, values: Sequence[int]) -> list[int]:
+    """`values` as a list, every entry a Python int (torch would truncate 1.5 to 1 and read True as 1)."""
+    out = list(values)
+    for x in out:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name} entries must be ints, got {type(x).__name__}")
+    return out
+
+
 def _as_length_tensor(name: str, values: torch.Tensor | Sequence[int], device: torch.device | None) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
@@ -60,11 +69,7 @@ def _as_length_tensor(name: str, values: torch.Tensor | Sequence[int], device: t
         if values.dtype.is_floating_point or values.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {values.dtype}")
         return values.to(torch.int64)
-    values = list(values)
-    for x in values:  # as_tensor would truncate 1.5 to 1 and read True as 1
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise TypeError(f"{name} entries must be ints, got {type(x).__name__}")
-    return torch.as_tensor(values, dtype=torch.int64, device=device)
+    return torch.as_tensor(int_entries(name, values), dtype=torch.int64, device=device)
 
 
 def per_token_valid_blocks(

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .blocks import MsaInputError, validate_block_size
+from .blocks import MsaInputError, int_entries, validate_block_size
 
 #: The largest value the metadata's int32 fields (lengths, page ids) hold.
 _INT32_MAX = (1 << 31) - 1
@@ -42,12 +42,7 @@ def _host_lengths(name: str, values: torch.Tensor | Sequence[int]) -> list[int]:
         if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
             raise MsaInputError(f"{name} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}")
         return [int(x) for x in values.tolist()]
-    out = []
-    for x in values:
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise TypeError(f"{name} entries must be ints, got {type(x).__name__}")
-        out.append(x)
-    return out
+    return int_entries(name, values)
 
 
 class MsaDecodeMetadata:

@@ -56,9 +56,9 @@ class EngineConfig:
             raise ValueError(f"force_accepted must be >= 0, got {self.force_accepted}")
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+def _check_int(name: str, value, minimum: int, error: type[Exception] = ValueError) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise error(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -162,8 +162,7 @@ class Engine:
                 )
             # Not only >= 1: a float or bool would run (2.5 -> 3 tokens) and a str or None would raise
             # past this request, so every bad count fails the request here.
-            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-                raise RequestError(f"request {index}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+            _check_int(f"request {index}: max_new_tokens", max_new_tokens, 1, RequestError)
             request.prompt = list(prompt)
             self.scheduler.check_fits(request)
         except RequestError as error:

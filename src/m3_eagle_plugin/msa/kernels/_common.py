@@ -70,6 +70,12 @@ def env_switch(name: str) -> str:
     return mode
 
 
+def check_switches() -> None:
+    """Every switch of `SWITCHES` read now (a bad value raises, naming it)."""
+    for name in SWITCHES:
+        env_switch(name)
+
+
 def triton_interpreting() -> bool:
     """True under Triton's CPU interpreter (TRITON_INTERPRET=1), which runs no inline PTX."""
     return (env_value("TRITON_INTERPRET") or "").strip().lower() in ("1", "true", "on", "yes")

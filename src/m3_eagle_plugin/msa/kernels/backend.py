@@ -24,7 +24,7 @@ import torch
 
 from . import flashinfer_msa as fim
 from . import kernel_table
-from ._common import SWITCHES, KernelInputError, env_switch, env_value, triton_available, triton_importable
+from ._common import KernelInputError, check_switches, env_value, triton_available, triton_importable
 
 ENV_VAR = "M3_EAGLE_KERNELS"
 MODES = ("auto", "triton", "torch", "flashinfer")
@@ -46,8 +46,7 @@ def check_backend(device: torch.device | str) -> str:
     """The requested mode, checked now against `device` (a forced `triton` or `flashinfer` that
     cannot run there raises `KernelBackendError`), so a host can refuse it before it starts. The
     kernels' other switches (`SWITCHES`: hand-off, PDL, replay) are checked too."""
-    for name in SWITCHES:
-        env_switch(name)
+    check_switches()
     mode = requested_backend()
     if mode == "triton":
         use_triton(device)
@@ -77,8 +76,7 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, Any]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     mode = requested_backend()
-    for name in SWITCHES:  # a bad one would fail every kernel call: `doctor` must say so
-        env_switch(name)
+    check_switches()  # a bad one would fail every kernel call: `doctor` must say so
     report: dict[str, Any] = {
         "device": str(device),
         "requested": mode,
