@@ -18,3 +18,8 @@ def test_topk_program_breaks_ties_like_the_sort_oracle_in_the_interpreter():
 
     lines = interpreter_case_lines("tests.msa.kernels.interpret_topk")
     assert len(lines) == len(CASES), lines
+
+
+@needs_interpreter
+def test_fused_kv_lens_update_does_not_wrap_near_int32_max_in_the_interpreter():
+    assert interpreter_case_lines("tests.msa.kernels.interpret_kv_lens") == ["PASS kv lengths near 2^31"]

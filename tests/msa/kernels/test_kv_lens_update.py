@@ -105,3 +105,10 @@ def test_a_strided_kv_lens_is_refused_before_anything_runs():
     with pytest.raises(KernelInputError, match="kv_lens must be contiguous"):
         on_update_kv_lens_fused(meta, torch.tensor([38, 0, 67, 0, 19, 0])[::2])
     assert meta.kv_lens.tolist() == staged
+
+
+@needs_gpu
+def test_kv_lengths_near_int32_max_do_not_wrap():
+    from .interpret_kv_lens import near_int32_max_mismatches
+
+    assert near_int32_max_mismatches("cuda") == []

@@ -9,7 +9,7 @@ idempotent. It works on the metadata's whole fixed-size buffers, exactly as the 
     kv[r]        = max(min(kv[r] (or new[r] for r < len(new)), staged[r]), 0)
     qo_offset[r] = kv[r] - qo[r]
     pos[t]       = qo_offset[req[t]] + intra[t] if live[t] else -1
-    token_kv[t]  = max(pos + 1, 0);  valid_blocks[t] = ceil(token_kv / B)
+    token_kv[t]  = max(pos + 1, 0);  valid_blocks[t] = ceil(token_kv / B)  (no int32 wrap near 2^31)
     slot[t]      = page * B + pos % B with page = table[req, min(max(pos, 0) // B, W - 1)],
                    or -1 when not live, pos < 0 or page < 0
 """
@@ -65,7 +65,8 @@ def _derive_token_fields_kernel(
     tl.store(qoff_ptr + i, kv - qo, mask=is_req)
     tl.store(pos_ptr + i, pos, mask=is_tok)
     tl.store(tkv_ptr + i, token_kv, mask=is_tok)
-    tl.store(vb_ptr + i, (token_kv + BLOCK - 1) // BLOCK, mask=is_tok)
+    # ceil without `token_kv + BLOCK - 1`, which wraps for kv lengths within BLOCK of 2^31
+    tl.store(vb_ptr + i, token_kv // BLOCK + ((token_kv & (BLOCK - 1)) != 0).to(tl.int32), mask=is_tok)
     tl.store(slot_ptr + i, slot, mask=is_tok)
 
 
