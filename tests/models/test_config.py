@@ -26,7 +26,8 @@ def _assert_same(cfg: M3Config, hf) -> None:
     assert cfg.rotary_dim == int(hf.head_dim * hf.rope_parameters.get("partial_rotary_factor", 1.0))
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"]
     if any(cfg.sparse_layers):  # index fields only matter (and are only required) with sparse layers
-        assert (cfg.index_heads, cfg.index_dim, cfg.block_size, cfg.topk_blocks, cfg.local_blocks) == (
+        stored_heads = cfg.index_heads // cfg.index_head_repeat  # repeated up to one per KV head
+        assert (stored_heads, cfg.index_dim, cfg.block_size, cfg.topk_blocks, cfg.local_blocks) == (
             hf.index_n_heads, hf.index_head_dim, hf.index_block_size, hf.index_topk_blocks, hf.index_local_blocks)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
         hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size)
@@ -112,11 +113,62 @@ def test_forced_blocks_past_the_top_k_are_refused_at_load():
         M3Config.from_dict(raw)
 
 
-def test_index_heads_must_equal_kv_heads():
+def test_index_heads_that_divide_the_kv_heads_are_repeated_per_kv_head():
     raw = target_config()
     raw["text_config"]["sparse_attention_config"]["sparse_num_index_heads"] = 1
-    with pytest.raises(ConfigError, match="index heads"):
-        M3Config.from_dict(raw)
+    cfg = M3Config.from_dict(raw)
+    assert (cfg.index_heads, cfg.index_head_repeat) == (cfg.num_kv_heads, cfg.num_kv_heads)
+    _assert_same(cfg, _as_transformers_sees_it(raw))
+
+
+def test_more_index_heads_than_kv_heads_are_refused_naming_the_field():
+    """transformers runs it (two selections inside one KV head's group); one selection per KV head cannot."""
+    raw = target_config()
+    text = raw["text_config"]
+    text["sparse_attention_config"]["sparse_num_index_heads"] = text["num_attention_heads"]
+    with pytest.raises(ConfigError) as info:
+        M3Config.from_dict(raw, "x.json")
+    assert str(info.value).startswith(
+        f"x.json: text_config.sparse_attention_config.sparse_num_index_heads: {text['num_attention_heads']} index "
+        f"heads do not divide num_key_value_heads ({text['num_key_value_heads']})")
+
+
+@pytest.mark.parametrize("key,value", [("n_shared_experts", 2), ("num_shared_experts", 3),
+                                       ("n_shared_experts", 0), ("n_shared_experts", None)])
+def test_shared_expert_count_is_not_read_like_transformers(key, value):
+    raw = target_config()
+    raw["text_config"][key] = value
+    cfg = M3Config.from_dict(raw)
+    assert cfg.shared_intermediate_size == raw["text_config"]["shared_intermediate_size"]
+    _assert_same(cfg, _as_transformers_sees_it(raw))
+
+
+def test_use_sparse_attention_false_is_not_read_like_transformers():
+    raw = target_config()
+    raw["text_config"]["sparse_attention_config"]["use_sparse_attention"] = False
+    cfg = M3Config.from_dict(raw)
+    assert any(cfg.sparse_layers)
+    _assert_same(cfg, _as_transformers_sees_it(raw))
+
+
+@pytest.mark.parametrize("section,flat", [
+    # the section's sparse_* index keys override index_*; layer_types / mlp_layer_types win over the patterns
+    ({"sparse_block_size": 8, "sparse_topk_blocks": 2, "sparse_local_block": 2, "sparse_index_dim": 8,
+      "sparse_attention_freq": [0, 0, 0, 0]}, {}),
+    ({"sparse_block_size": 8}, {"index_topk_blocks": 5}),  # keys the section lacks come from index_*
+    ({"sparse_attention_freq": [0, 1, 0, 1]}, {"layer_types": None}),  # no layer_types: the section's
+    ({}, {"mlp_layer_types": None, "moe_layer_freq": [1, 0, 1, 0]}),  # no mlp_layer_types: moe_layer_freq
+])
+def test_text_config_with_a_legacy_section_resolves_like_transformers(section, flat):
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    raw = {k: v for k, v in tiny_text_config().to_dict().items() if k not in ("layer_types", "mlp_layer_types")}
+    raw.update(layer_types=["full_attention"] + ["minimax_m3_sparse"] * 3, mlp_layer_types=["dense"] + ["sparse"] * 3)
+    raw.update(flat, sparse_attention_config=section)
+    raw = {k: v for k, v in raw.items() if v is not None}
+    cfg = M3Config.from_dict(raw)
+    assert cfg.layout == "text"
+    _assert_same(cfg, MiniMaxM3VLTextConfig(**json.loads(json.dumps(raw))))
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)

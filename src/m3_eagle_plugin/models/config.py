@@ -38,7 +38,7 @@ class M3Config:
     moe_layers: tuple[bool, ...]  # per layer: MoE MLP (else dense MLP)
     dense_intermediate_size: int
     moe_intermediate_size: int
-    shared_intermediate_size: int  # total width of the shared expert(s); 0 = none
+    shared_intermediate_size: int  # width of the one shared expert; 0 = none
     num_experts: int
     num_experts_per_tok: int
     routed_scaling_factor: float
@@ -50,6 +50,7 @@ class M3Config:
     topk_blocks: int
     local_blocks: int
     init_blocks: int
+    index_head_repeat: int = 1  # checkpoint loading: each stored index head serves this many KV heads
     tie_word_embeddings: bool = False
     layout: str = "text"  # "production" | "text"
     source: str = "<dict>"
@@ -99,9 +100,7 @@ class M3Config:
     def from_dict(cls, raw: Mapping[str, Any], source: str = "<dict>") -> "M3Config":
         top = ConfigFields(raw, source)
         text = top.get_section("text_config") or top
-        # transformers re-saves the VL wrapper with a text-style text_config; the field style decides
-        parse = _parse_text if text.has("layer_types") or text.has("mlp_layer_types") else _parse_production
-        config = parse(text)
+        config = _parse(text)
         # the VL wrapper ties lm_head to the embedding when its own flag or the text config's is true
         if text is not top and top.get_bool("tie_word_embeddings", False):
             config = replace(config, tie_word_embeddings=True)
@@ -122,8 +121,6 @@ def _common(t: ConfigFields) -> dict[str, Any]:
     hidden = t.get_int("hidden_size", minimum=1)
     heads = t.get_int("num_attention_heads", minimum=1)
     head_dim = t.get_int("head_dim", 128, minimum=1)  # transformers' default, not hidden // heads
-    shared_key = "n_shared_experts" if "n_shared_experts" in t.raw else "num_shared_experts"
-    shared_experts = t.get_int(shared_key, 0 if shared_key in t.raw else 1, minimum=0)  # explicit null: none
     num_experts_key = "num_local_experts" if t.has("num_local_experts") else "num_experts"
     return dict(
         vocab_size=t.get_int("vocab_size", minimum=1),
@@ -135,7 +132,8 @@ def _common(t: ConfigFields) -> dict[str, Any]:
         rms_norm_eps=t.get_float("rms_norm_eps", 1e-6, positive=True),
         dense_intermediate_size=t.get_int("dense_intermediate_size", 12288, minimum=1),
         moe_intermediate_size=t.get_int("intermediate_size", minimum=1),
-        shared_intermediate_size=t.get_int("shared_intermediate_size", 3072, minimum=0) * shared_experts,
+        # one shared expert of this width: transformers reads no n_shared_experts / num_shared_experts
+        shared_intermediate_size=t.get_int("shared_intermediate_size", 3072, minimum=0),
         num_experts=t.get_int(num_experts_key, 128, minimum=1),
         num_experts_per_tok=t.get_int("num_experts_per_tok", 4, minimum=1),
         routed_scaling_factor=t.get_float("routed_scaling_factor", 2.0),
@@ -190,74 +188,111 @@ def _check_fixed_semantics(t: ConfigFields) -> None:
 
 
 _ZERO_ONE = {0: False, 1: True}
+_ATTENTION_TYPES = {SPARSE_LAYER: True, DENSE_LAYER: False}
+_MLP_TYPES = {"sparse": True, "dense": False}
+
+#: M3Config field -> (the flat key transformers keeps, the legacy `sparse_attention_config` key that overrides it)
+_INDEX_KEYS = {
+    "index_heads": ("index_n_heads", "sparse_num_index_heads"),
+    "index_dim": ("index_head_dim", "sparse_index_dim"),
+    "block_size": ("index_block_size", "sparse_block_size"),
+    "topk_blocks": ("index_topk_blocks", "sparse_topk_blocks"),
+    "local_blocks": ("index_local_blocks", "sparse_local_block"),
+}
 
 
-#: The index-branch fields under their names in each layout: heads, dim, block, top-k, local blocks.
-_PRODUCTION_INDEX_KEYS = ("sparse_num_index_heads", "sparse_index_dim", "sparse_block_size",
-                          "sparse_topk_blocks", "sparse_local_block")
-_TEXT_INDEX_KEYS = ("index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks",
-                    "index_local_blocks")
+def _parse(t: ConfigFields) -> M3Config:
+    """Either layout, each field resolved as transformers' `MiniMaxM3VLTextConfig.__post_init__` does."""
+    # transformers re-saves the VL wrapper with a text-style text_config; the field style decides
+    layout = "text" if t.has("layer_types") or t.has("mlp_layer_types") else "production"
+    _check_fixed_semantics(t)
+    common = _common(t)
+    n = common["num_layers"]
+    rotary_dim, theta = _rope(t, common["head_dim"], use_rotary_dim=layout == "production")
+    legacy = t.get_section("sparse_attention_config")
+    sparse = _sparse_pattern(t, legacy, n, layout)
+    if legacy is not None:
+        _check_legacy_branch(legacy, sparse)
+    index = _index_geometry(t, legacy, any(sparse))
+    if any(sparse) and common["num_heads"] % common["num_kv_heads"] == 0:  # else M3Config refuses the GQA split
+        index["index_head_repeat"] = _index_head_repeat(t, legacy, index["index_heads"], common["num_kv_heads"])
+        index["index_heads"] *= index["index_head_repeat"]
+    return M3Config(
+        **common,
+        rotary_dim=rotary_dim,
+        rope_theta=theta,
+        sparse_layers=sparse,
+        moe_layers=_moe_pattern(t, n, layout),
+        **index,
+        init_blocks=legacy.get_int("sparse_init_block", 0, minimum=0) if legacy is not None else 0,
+        layout=layout,
+    )
 
 
-def _index_geometry(f: ConfigFields, need_index: bool, keys: tuple[str, ...]) -> dict[str, int]:
+def _sparse_pattern(t: ConfigFields, legacy: ConfigFields | None, n: int, layout: str) -> tuple[bool, ...]:
+    """`layer_types` wins over the legacy `sparse_attention_freq`; `use_sparse_attention` is read by
+    neither transformers nor us. A text config needs one of them; a production one without the
+    section has no sparse layer."""
+    if t.has("layer_types") or (legacy is None and layout == "text"):
+        return t.get_pattern("layer_types", _ATTENTION_TYPES, n)
+    if legacy is not None:
+        return legacy.get_pattern("sparse_attention_freq", _ZERO_ONE, n)
+    return (False,) * n
+
+
+def _moe_pattern(t: ConfigFields, n: int, layout: str) -> tuple[bool, ...]:
+    """`mlp_layer_types` wins over the legacy `moe_layer_freq`; the layout's own key is the one required."""
+    if t.has("mlp_layer_types") or (layout == "text" and not t.has("moe_layer_freq")):
+        return t.get_pattern("mlp_layer_types", _MLP_TYPES, n)
+    return t.get_pattern("moe_layer_freq", _ZERO_ONE, n)
+
+
+def _check_legacy_branch(sp: ConfigFields, sparse: tuple[bool, ...]) -> None:
+    """Legacy-section values that would change the index branch: refused."""
+    score_type = sp.need("sparse_score_type", "max")
+    if score_type != "max":
+        raise sp.error("sparse_score_type", f"{show_value(score_type)} is not supported (only 'max')")
+    if sp.has("sparse_disable_index_value"):
+        disabled = sp.get_pattern("sparse_disable_index_value", _ZERO_ONE, len(sparse))
+        with_iv = [i for i, (s, d) in enumerate(zip(sparse, disabled)) if s and not d]
+        if with_iv:
+            raise sp.error("sparse_disable_index_value", f"sparse layers {with_iv} keep the index-value "
+                           "branch, which is not supported")
+
+
+def _index_key(t: ConfigFields, legacy: ConfigFields | None, field: str) -> tuple[ConfigFields, str]:
+    """Where transformers reads an index field: the legacy section's key when given, else the flat
+    `index_*` key (a missing field is reported under the section when there is one)."""
+    flat, old = _INDEX_KEYS[field]
+    if legacy is not None and (legacy.has(old) or not t.has(flat)):
+        return legacy, old
+    return t, flat
+
+
+def _index_geometry(t: ConfigFields, legacy: ConfigFields | None, need_index: bool) -> dict[str, int]:
     """Index-branch geometry; a model without sparse layers needs none of it (production defaults)."""
-    heads, dim, block, topk, local = keys
+    def read(field: str, default: Any) -> int:
+        fields, key = _index_key(t, legacy, field)
+        return fields.get_int(key, minimum=1) if need_index else default
+
+    fields, key = _index_key(t, legacy, "local_blocks")
     return {
-        "index_heads": f.get_int(heads, minimum=1) if need_index else 0,
-        "index_dim": f.get_int(dim, minimum=1) if need_index else 0,
-        "block_size": f.get_int(block, minimum=1) if need_index else 128,
-        "topk_blocks": f.get_int(topk, minimum=1) if need_index else 16,
-        "local_blocks": f.get_int(local, 1, minimum=0),
+        "index_heads": read("index_heads", 0),
+        "index_dim": read("index_dim", 0),
+        "block_size": read("block_size", 128),
+        "topk_blocks": read("topk_blocks", 16),
+        "local_blocks": fields.get_int(key, 1, minimum=0),
     }
 
 
-def _parse_production(t: ConfigFields) -> M3Config:
-    _check_fixed_semantics(t)
-    common = _common(t)
-    n = common["num_layers"]
-    rotary_dim, theta = _rope(t, common["head_dim"], use_rotary_dim=True)
-    given = t.get_section("sparse_attention_config")
-    sp = given or ConfigFields({}, t.source, t.name("sparse_attention_config"))
-    sparse = (False,) * n
-    if given is not None:
-        if sp.get_bool("use_sparse_attention", True):
-            sparse = sp.get_pattern("sparse_attention_freq", _ZERO_ONE, n)
-        score_type = sp.need("sparse_score_type", "max")
-        if score_type != "max":
-            raise sp.error("sparse_score_type", f"{show_value(score_type)} is not supported (only 'max')")
-        if sp.has("sparse_disable_index_value"):
-            disabled = sp.get_pattern("sparse_disable_index_value", _ZERO_ONE, n)
-            with_iv = [i for i, (s, d) in enumerate(zip(sparse, disabled)) if s and not d]
-            if with_iv:
-                raise sp.error("sparse_disable_index_value", f"sparse layers {with_iv} keep the index-value "
-                               "branch, which is not supported")
-    moe = t.get_pattern("moe_layer_freq", _ZERO_ONE, n)
-    return M3Config(
-        **common,
-        rotary_dim=rotary_dim,
-        rope_theta=theta,
-        sparse_layers=sparse,
-        moe_layers=moe,
-        **_index_geometry(sp, any(sparse), _PRODUCTION_INDEX_KEYS),
-        init_blocks=sp.get_int("sparse_init_block", 0, minimum=0),
-        layout="production",
-    )
-
-
-def _parse_text(t: ConfigFields) -> M3Config:
-    _check_fixed_semantics(t)
-    common = _common(t)
-    n = common["num_layers"]
-    rotary_dim, theta = _rope(t, common["head_dim"], use_rotary_dim=False)
-    sparse = t.get_pattern("layer_types", {SPARSE_LAYER: True, DENSE_LAYER: False}, n)
-    moe = t.get_pattern("mlp_layer_types", {"sparse": True, "dense": False}, n)
-    return M3Config(
-        **common,
-        rotary_dim=rotary_dim,
-        rope_theta=theta,
-        sparse_layers=sparse,
-        moe_layers=moe,
-        **_index_geometry(t, any(sparse), _TEXT_INDEX_KEYS),
-        init_blocks=0,
-        layout="text",
-    )
+def _index_head_repeat(t: ConfigFields, legacy: ConfigFields | None, index_heads: int, kv_heads: int) -> int:
+    """How many KV heads each checkpoint index head selects blocks for. transformers gives index
+    head h the query heads [h, h+1) * num_attention_heads / index_heads (its block mask
+    repeat-interleaves the selections over the query heads); the MSA core selects per KV head, so
+    index heads that divide the KV heads run with each head repeated, and any other count is refused."""
+    if kv_heads % index_heads == 0:
+        return kv_heads // index_heads
+    fields, key = _index_key(t, legacy, "index_heads")
+    raise fields.error(key, f"{index_heads} index heads do not divide num_key_value_heads ({kv_heads}): each "
+                       "index head selects blocks for num_attention_heads / index heads query heads, and the "
+                       "MSA core can only run one selection per KV head")

@@ -13,7 +13,7 @@ shapes) before any weight is read into the model, so a bad checkpoint loads noth
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,9 @@ class _Recipe:
     """How one model tensor is assembled from checkpoint tensors."""
     sources: tuple[str, ...]
     combine: str = "copy"  # "copy" | "cat0" (gate then up rows) | "experts_gate_up" | "experts_down"
+    # | "repeat_heads": each block of `head_rows` rows repeated `repeat` times
+    repeat: int = 1
+    head_rows: int = 0
 
 
 def detect_layout(names: set[str]) -> str:
@@ -97,9 +100,20 @@ def _mlp_recipe(key: str, leaf: str, prefix: str) -> dict[str, _Recipe]:
     return {key: _Recipe((prefix + leaf,))}
 
 
+def _repeat_index_heads(recipes: dict[str, _Recipe], config: M3Config) -> dict[str, _Recipe]:
+    """Fewer index heads than KV heads: each stored index_q head is repeated, one copy per KV head
+    it selects for (`M3Config.index_head_repeat`), so every KV head gets its index head's selection."""
+    if config.index_head_repeat == 1:
+        return recipes
+    return {k: replace(r, combine="repeat_heads", repeat=config.index_head_repeat, head_rows=config.index_dim)
+            if k.endswith(".indexer.q_proj.weight") else r for k, r in recipes.items()}
+
+
 def _source_shapes(recipe: _Recipe, want: tuple[int, ...]) -> list[tuple[int, ...]]:
     if recipe.combine == "copy":
         return [want]
+    if recipe.combine == "repeat_heads":
+        return [(want[0] // recipe.repeat,) + want[1:]]
     if recipe.combine == "cat0":
         return [(want[0] // 2,) + want[1:]] * 2
     if recipe.combine == "experts_gate_up":  # want [E, 2I, H]; sources w1/w3 [I, H] per expert
@@ -115,6 +129,8 @@ def _assemble(recipe: _Recipe, tensors: dict[str, torch.Tensor]) -> torch.Tensor
         return torch.cat(parts, dim=0)
     if recipe.combine == "experts_gate_up":
         return torch.stack([torch.cat(parts[i:i + 2], dim=0) for i in range(0, len(parts), 2)])
+    if recipe.combine == "repeat_heads":
+        return parts[0].unflatten(0, (-1, recipe.head_rows)).repeat_interleave(recipe.repeat, dim=0).flatten(0, 1)
     return torch.stack(parts)
 
 
@@ -143,7 +159,7 @@ def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> 
         recipes = _production_recipes(keys, model.config)
     else:
         recipes = _fused_recipes(keys, "model." if layout == "text" else "model.language_model.")
-    recipes = {k: _with_aliases(r, names) for k, r in recipes.items()}
+    recipes = _repeat_index_heads({k: _with_aliases(r, names) for k, r in recipes.items()}, model.config)
     lm_src = recipes["lm_head.weight"].sources[0]
     if lm_src not in names and model.config.tie_word_embeddings:
         recipes["lm_head.weight"] = recipes["embed_tokens.weight"]
