@@ -16,6 +16,8 @@ def test_parse_configs():
     assert cli.parse_configs("16x32K, 1x8192") == [(16, 32768), (1, 8192)]
     with pytest.raises(argparse.ArgumentTypeError, match="BATCHxCONTEXT"):
         cli.parse_configs("16by32")
+    with pytest.raises(argparse.ArgumentTypeError, match="config '16x32768' repeats 16x32768"):
+        cli.parse_configs("16x32K,16x32768")  # the kernel table keeps one row a shape
 
 
 def test_cpu_smoke_writes_json_and_prints_table_last(tmp_path, capsys):
@@ -28,11 +30,25 @@ def test_cpu_smoke_writes_json_and_prints_table_last(tmp_path, capsys):
     rows = data["rows"]
     assert {(r["kernel"], r["qo_len"]) for r in rows} == {
         (k, q) for k in ("index_select", "sparse_attn", "dense_attn") for q in (4, 1)}
-    # tiny geometry: block 16, index dim 32, head dim 32, fp32; 2 requests x 64 tokens = 8 pages
+    # tiny geometry: block 16, 4 q heads, index dim 32, head dim 32, topk 4, fp32; 2 requests x 64 tokens
     by = {(r["kernel"], r["qo_len"]): r for r in rows}
-    assert by[("index_select", 4)]["bytes"] == 8 * 16 * 32 * 4
-    assert by[("dense_attn", 1)]["bytes"] == 8 * 2 * 16 * 32 * 4
+    # index queries (8 tokens) + index-K + the int32 selection written
+    assert by[("index_select", 4)]["bytes"] == 8 * 32 * 4 + 128 * 32 * 4 + 8 * 4 * 4
+    # q read + K/V + output written (2 tokens)
+    assert by[("dense_attn", 1)]["bytes"] == 2 * 4 * 32 * 4 + 128 * 2 * 32 * 4 + 2 * 4 * 32 * 4
     assert all(r["torch_us"] > 0 for r in rows)
+
+
+def test_cpu_smoke_bytes_count_q_the_output_and_a_partial_last_page_by_its_tokens(tmp_path):
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x40", "--qo-lens", "1", "--json", str(out)]) == 0
+    by = {r["kernel"]: r["bytes"] for r in json.loads(out.read_text())["rows"]}
+    # 2 requests x 40 tokens (pages of 16: the third holds 8), one query token each
+    q_and_out = 2 * (2 * 4 * 32 * 4)
+    kv = 80 * 2 * 32 * 4  # 80 valid tokens, K and V, not 6 whole pages
+    assert by["dense_attn"] == q_and_out + kv
+    assert by["sparse_attn"] == q_and_out + kv + 2 * 4 * 4  # topk 4 >= 3 blocks: all selected; + the selection
+    assert by["index_select"] == 2 * 32 * 4 + 80 * 32 * 4 + 2 * 4 * 4
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -40,6 +56,7 @@ def test_cpu_smoke_writes_json_and_prints_table_last(tmp_path, capsys):
     (["--qo-lens", "x"], "--qo-lens: expected a comma list of positive integers"),
     (["--qo-lens", "0"], "--qo-lens: expected a comma list of positive integers"),
     (["--qo-lens", "4,-2"], "--qo-lens: expected a comma list of positive integers"),
+    (["--qo-lens", "4,1,4"], "--qo-lens 4,1,4: a q_len given twice"),
     (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: /nonexistent/dir is not a writable"),
     (["--write-table", "/nonexistent/t.json"], "--write-table /nonexistent/t.json: /nonexistent is not"),
     (["--e2e", "--e2e-batches", "x"], "--e2e-batches: expected a comma list of integers"),
@@ -47,6 +64,11 @@ def test_cpu_smoke_writes_json_and_prints_table_last(tmp_path, capsys):
     (["--e2e", "--e2e-hidden", "0"], "hidden must be >= 1, got 0"),
     (["--kernels", "sparse_attn,bogus"], "--kernels: unknown kernel(s) bogus"),
     (["--qo-lens", "4,1", "--configs", "1x2,2x64"], "--configs 1x2: context shorter than --qo-lens 4"),
+    (["--e2e-hidden", "64"], "--e2e-hidden: needs --e2e"),
+    (["--e2e-hidden", "0"], "--e2e-hidden: needs --e2e"),
+    (["--e2e-overlap"], "--e2e-overlap: needs --e2e"),
+    (["--e2e-batches", ""], "--e2e-batches: needs --e2e"),
+    (["--e2e-tokens", "8", "--e2e-batches", "1"], "--e2e-tokens, --e2e-batches: need --e2e"),
 ])
 def test_bad_options_are_refused_before_anything_is_measured(argv, match, capsys, monkeypatch):
     measured = []
@@ -56,6 +78,20 @@ def test_bad_options_are_refused_before_anything_is_measured(argv, match, capsys
     assert m3_main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("m3-eagle bench: ") and match in err and measured == []
+
+
+def test_every_e2e_option_defaults_to_none_or_false():
+    """`e2e.options_given` tells a given `--e2e-*` option by a value other than None / False."""
+    from m3_eagle_plugin.bench import e2e
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args([])
+    dests = {a.dest for a in parser._actions if any(s.startswith("--e2e-") for s in a.option_strings)}
+    assert dests and all(getattr(args, d) is None or getattr(args, d) is False for d in dests)
+    assert e2e.options_given(args) == []
+    assert set(e2e.options_given(parser.parse_args(["--e2e-overlap", "--e2e-repeats", "2"]))) == {
+        "--e2e-overlap", "--e2e-repeats"}
 
 
 def test_cuda_without_a_gpu_is_refused_not_replaced_by_the_cpu_smoke(capsys, monkeypatch):
@@ -151,9 +187,10 @@ def test_cpu_smoke_rows_are_the_kernels_asked_for(tmp_path):
                     "dense_attn, index_select", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert sorted(r["kernel"] for r in rows) == ["dense_attn", "index_select"]
-    # 2 requests x 32 tokens in pages of 16: 4 pages; index-K 16 x 32 fp32, K+V 2 x 16 x 32 fp32 a page
+    # 2 requests x 32 tokens, 2 query tokens each: index-K 32 fp32 a token, K+V 2 x 32 fp32 a token
     by = {r["kernel"]: r["bytes"] for r in rows}
-    assert by == {"index_select": 4 * 16 * 32 * 4, "dense_attn": 4 * 2 * 16 * 32 * 4}
+    q_and_out = 2 * (4 * 4 * 32 * 4)  # 4 tokens x 4 q heads x dim 32, read and written
+    assert by == {"index_select": 4 * 32 * 4 + 64 * 32 * 4 + 4 * 4 * 4, "dense_attn": q_and_out + 64 * 2 * 32 * 4}
 
 
 def test_json_is_standard_even_with_non_finite_figures(tmp_path, monkeypatch):

@@ -43,6 +43,8 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"bad config {item!r}: expected BATCHxCONTEXT, e.g. 16x32K") from exc
         if out[-1][0] < 1 or out[-1][1] < 1:
             raise argparse.ArgumentTypeError(f"bad config {item!r}: batch and context must be >= 1")
+        if out[-1] in out[:-1]:  # the kernel table keeps one row a shape (`kernel_table`)
+            raise argparse.ArgumentTypeError(f"config {item!r} repeats {out[-1][0]}x{out[-1][1]}")
     return out
 
 
@@ -111,8 +113,7 @@ def _gpu_rows(args: argparse.Namespace, device: torch.device, log) -> tuple[list
 def _cpu_smoke_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Reference-only timings on a tiny geometry: proves the suite's plumbing without a GPU."""
     from . import torch_reference as ref
-    from .kernel_suite import dense_kv_bytes, index_k_bytes, kv_page_bytes
-    from .inputs import union_blocks
+    from .kernel_suite import byte_floor
     from .timing import time_cpu_us
 
     geo = Geometry(q_heads=4, kv_heads=1, head_dim=32, index_heads=1, index_dim=32, block=16, topk=4)
@@ -125,14 +126,13 @@ def _cpu_smoke_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dic
             meta, cache = st["meta"], st["cache"]
             sel = ref.select_blocks(st["index_q"], cache.index_k, meta, topk=geo.topk)
             cases = {
-                "index_select": (lambda: ref.select_blocks(st["index_q"], cache.index_k, meta, topk=geo.topk),
-                                 index_k_bytes(meta, geo, torch.float32)),
-                "sparse_attn": (lambda: ref.sparse_attention(st["q"], cache.k, cache.v, meta, sel, scale=0.1),
-                                union_blocks(sel, meta) * kv_page_bytes(geo, torch.float32)),
-                "dense_attn": (lambda: ref.dense_attention(st["q"], cache.k, cache.v, meta, scale=0.1),
-                               dense_kv_bytes(meta, geo, torch.float32)),
+                "index_select": lambda: ref.select_blocks(st["index_q"], cache.index_k, meta, topk=geo.topk),
+                "sparse_attn": lambda: ref.sparse_attention(st["q"], cache.k, cache.v, meta, sel, scale=0.1),
+                "dense_attn": lambda: ref.dense_attention(st["q"], cache.k, cache.v, meta, scale=0.1),
             }
-            for name, (fn, nbytes) in ((k, v) for k, v in cases.items() if k in wanted):
+            for name, fn in ((k, v) for k, v in cases.items() if k in wanted):
+                nbytes, _ = byte_floor(name, meta, geo, q=st["q"], index_q=st["index_q"], kv_dtype=torch.float32,
+                                       index_dtype=torch.float32, selection=sel)
                 rows.append({"section": "reference_smoke", "kernel": name, "batch": batch, "context": context,
                              "qo_len": qo_len, "kv_dtype": "float32", "torch_us": time_cpu_us([fn]),
                              "bytes": nbytes})
@@ -146,6 +146,8 @@ def qo_lens_of(args: argparse.Namespace) -> list[int]:
         values = []
     if not values or min(values) < 1:
         raise ValueError(f"--qo-lens: expected a comma list of positive integers, got {args.qo_lens!r}")
+    if len(set(values)) < len(values):  # the kernel table keeps one row a shape (`kernel_table`)
+        raise ValueError(f"--qo-lens {args.qo_lens}: a q_len given twice")
     return values
 
 
@@ -201,6 +203,9 @@ def checked_device(args: argparse.Namespace) -> torch.device:
             raise ValueError(f"--{option.replace('_', '-')} {path}: {folder} is not a writable directory")
     if args.e2e:
         e2e.shape_from_args(args, device)
+    elif stray := e2e.options_given(args):
+        raise ValueError(f"{', '.join(stray)}: {'needs' if len(stray) == 1 else 'need'} --e2e "
+                         "(without it the end-to-end section does not run)")
     return device
 
 

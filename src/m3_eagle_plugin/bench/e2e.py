@@ -32,7 +32,8 @@ from .end_to_end import register_end_to_end
 from .inputs import Geometry
 
 __all__ = ["E2EShape", "GPU_SHAPE", "CPU_SHAPE", "SPEEDUP_GOAL_BATCH1", "TargetOnlyGraphs", "DecodeMeasurement",
-           "all_decoding", "build_random_models", "measure_decode", "run_e2e", "add_arguments", "shape_from_args"]
+           "all_decoding", "build_random_models", "measure_decode", "run_e2e", "add_arguments", "options_given",
+           "shape_from_args"]
 
 
 @dataclass(frozen=True)
@@ -359,6 +360,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--e2e-repeats", type=int, default=None, help="timed runs per mode (median reported)")
     parser.add_argument("--e2e-overlap", action="store_true",
                         help="run both modes with the engine's overlapped step loop")
+
+
+def options_given(args: argparse.Namespace) -> list[str]:
+    """The `--e2e-*` options set on the command line, as flags (`--e2e-hidden`), in `args`' order.
+
+    Every one of them defaults to None (False for the `--e2e-overlap` flag), so any other value was
+    given; `m3-eagle bench` refuses them without `--e2e`, which alone runs the section they shape."""
+    return ["--" + dest.replace("_", "-") for dest, value in vars(args).items()
+            if dest.startswith("e2e_") and value is not None and value is not False]
 
 
 def shape_from_args(args: argparse.Namespace, device: torch.device) -> E2EShape:

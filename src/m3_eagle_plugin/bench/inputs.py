@@ -114,16 +114,26 @@ def shared_selection(meta: StepMeta, geo: Geometry, generator: torch.Generator) 
     return out.to(meta.positions.device)
 
 
-def union_blocks(selection: torch.Tensor, meta: StepMeta) -> int:
-    """Sum over (request, KV head) of the number of distinct selected blocks."""
+def _union_ids(selection: torch.Tensor, meta: StepMeta):
+    """(request, distinct selected block ids) for every (KV head, request) of `selection`."""
     cu = meta.cu_qo_lens.tolist()
     sel = selection.cpu()
-    total = 0
     for h in range(sel.shape[0]):
         for r in range(len(cu) - 1):
             ids = sel[h, cu[r]:cu[r + 1]].flatten()
-            total += int(torch.unique(ids[ids >= 0]).numel())
-    return total
+            yield r, torch.unique(ids[ids >= 0])
+
+
+def union_blocks(selection: torch.Tensor, meta: StepMeta) -> int:
+    """Sum over (request, KV head) of the number of distinct selected blocks."""
+    return sum(int(ids.numel()) for _, ids in _union_ids(selection, meta))
+
+
+def selected_tokens(selection: torch.Tensor, meta: StepMeta) -> int:
+    """Sum over (request, KV head) of the valid tokens in the distinct selected blocks: a block
+    counts `block_size` tokens, the request's partly filled last block only its `kv_len` share."""
+    kv_lens, block = meta.kv_lens.tolist(), meta.block_size
+    return sum(int((kv_lens[r] - ids * block).clamp(0, block).sum()) for r, ids in _union_ids(selection, meta))
 
 
 def make_step(batch: int, context: int, qo_len: int, geo: Geometry, *, kv_dtype, index_dtype, q_dtype,

@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 
 from . import torch_reference as ref
-from .inputs import Geometry, make_cache, shuffled_block_tables, shared_selection, union_blocks, verify_queries
+from .inputs import (Geometry, make_cache, selected_tokens, shuffled_block_tables, shared_selection, union_blocks,
+                     verify_queries)
 from .step_meta import build_step_meta
 from .timing import time_eager_us, time_graph_us
 
@@ -40,8 +41,8 @@ def dtype_size(dtype: torch.dtype) -> int:
 
 
 def index_k_bytes(meta, geo: Geometry, index_dtype: torch.dtype) -> int:
-    pages = sum(-(-kv // geo.block) for kv in meta.kv_lens.tolist())
-    return pages * geo.block * geo.index_dim * dtype_size(index_dtype)
+    """Index-K bytes of every valid token of every request (a partly filled last page: its share)."""
+    return int(meta.kv_lens.sum()) * geo.index_dim * dtype_size(index_dtype)
 
 
 def kv_page_bytes(geo: Geometry, kv_dtype: torch.dtype) -> int:
@@ -49,9 +50,62 @@ def kv_page_bytes(geo: Geometry, kv_dtype: torch.dtype) -> int:
     return 2 * geo.block * geo.head_dim * dtype_size(kv_dtype)
 
 
+def kv_token_bytes(geo: Geometry, kv_dtype: torch.dtype) -> int:
+    """Bytes of one token's K plus V of one KV head."""
+    return 2 * geo.head_dim * dtype_size(kv_dtype)
+
+
 def dense_kv_bytes(meta, geo: Geometry, kv_dtype: torch.dtype) -> int:
-    pages = sum(-(-kv // geo.block) for kv in meta.kv_lens.tolist())
-    return pages * geo.kv_heads * kv_page_bytes(geo, kv_dtype)
+    """K/V bytes of every valid token of every request and KV head."""
+    return int(meta.kv_lens.sum()) * geo.kv_heads * kv_token_bytes(geo, kv_dtype)
+
+
+def _token_bytes(x: torch.Tensor, num_tokens: int) -> int:
+    """Bytes of the first `num_tokens` rows of a `[T, ...]` tensor (graph padding rows excluded)."""
+    return num_tokens * (x[0].numel() if x.shape[0] else 0) * x.element_size()
+
+
+def byte_floor(name: str, meta, geo: Geometry, *, q: torch.Tensor, index_q: torch.Tensor, kv_dtype: torch.dtype,
+               index_dtype: torch.dtype, selection: torch.Tensor | None = None) -> tuple[int, int]:
+    """(bytes that must be moved, union blocks) of one verify step of kernel `name`: the floor of
+    the "% floor" figures, for the GPU kernel rows and the CPU smoke table alike.
+
+    Each kernel must read its inputs and write its outputs once:
+    - `index_select`: the index queries, the index-K of every valid token, the selection written
+      (int32 `[H_idx, T, topk]`);
+    - `sparse_attn`: the queries, the selection given (`selection`, int32), the K and V of the
+      valid tokens of each (request, KV head)'s union of selected blocks, the output (`q`'s shape
+      and dtype);
+    - `sparse_step` (selection + attention in one): the index queries, the index-K of every valid
+      token, the queries, the selected K/V as above (`selection` is the step's own: it says which
+      pages, but stays inside the step, so it is not counted), the output;
+    - `dense_attn`: the queries, the K/V of every valid token of every KV head, the output;
+    - anything else (`kv_lens_update`): 0.
+    Union blocks: the number of distinct selected blocks summed over (request, KV head).
+
+    Pages are counted by their valid tokens: a request's partly filled last page costs only its
+    `kv_len % block` tokens. The kernels read such a page whole (tiles are pages), so this is the
+    true floor, not what the kernels move; with contexts that are multiples of the block (every
+    shape of the published tables) the two agree. Only live tokens count (`meta.cu_qo_lens[-1]`),
+    not graph padding. The index queries and the selections, which the floor left out before,
+    add under 0.1% at the published shapes.
+    """
+    tokens = int(meta.cu_qo_lens[-1])
+    q_bytes = 2 * _token_bytes(q, tokens)  # read q, write the output (q's shape and dtype)
+    index_bytes = _token_bytes(index_q, tokens) + index_k_bytes(meta, geo, index_dtype)
+    if name == "index_select":
+        return index_bytes + index_q.shape[1] * tokens * geo.topk * 4, 0
+    if name in ("sparse_attn", "sparse_step"):
+        if selection is None:
+            raise ValueError(f"byte_floor({name!r}) needs the selection")
+        union, union_tokens = union_blocks(selection, meta), selected_tokens(selection, meta)
+        nbytes = union_tokens * kv_token_bytes(geo, kv_dtype) + q_bytes
+        if name == "sparse_attn":
+            return nbytes + selection.shape[0] * tokens * selection.shape[-1] * 4, union
+        return nbytes + index_bytes, union
+    if name == "dense_attn":
+        return dense_kv_bytes(meta, geo, kv_dtype) + q_bytes, 0
+    return 0, 0
 
 
 def relative_error(out: torch.Tensor, expect: torch.Tensor) -> float:
@@ -168,24 +222,15 @@ def _error(name: str, got: Any, expect: Any, step: dict[str, Any], geo: Geometry
     return relative_error(got, expect)
 
 
-def _bytes(name: str, step: dict[str, Any], geo: Geometry, kv_dtype, index_dtype, kernel_out: Any) -> tuple[int, int]:
-    """(bytes that must be read, union blocks) for one input set."""
-    meta = step["meta"]
-    q_bytes = step["q"].numel() * step["q"].element_size() * 2  # read q, write out
-    if name == "index_select":
-        return index_k_bytes(meta, geo, index_dtype), 0
-    if name == "sparse_attn":
-        u = union_blocks(step["selection"], meta)
-        return u * kv_page_bytes(geo, kv_dtype) + q_bytes, u
+def _bytes(name: str, step: dict[str, Any], geo: Geometry, kv_dtype, index_dtype) -> tuple[int, int]:
+    """`byte_floor` for one input set; the step's selection is the one its kernel made."""
+    selection = step["selection"] if name == "sparse_attn" else None
     if name == "sparse_step":
         from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
 
-        sel = select_blocks_verify(step["index_q"], step["cache"].index_k, meta, topk=geo.topk)
-        u = union_blocks(sel, meta)
-        return index_k_bytes(meta, geo, index_dtype) + u * kv_page_bytes(geo, kv_dtype) + q_bytes, u
-    if name == "dense_attn":
-        return dense_kv_bytes(meta, geo, kv_dtype) + q_bytes, 0
-    return 0, 0
+        selection = select_blocks_verify(step["index_q"], step["cache"].index_k, step["meta"], topk=geo.topk)
+    return byte_floor(name, step["meta"], geo, q=step["q"], index_q=step["index_q"], kv_dtype=kv_dtype,
+                      index_dtype=index_dtype, selection=selection)
 
 
 def run_case(name: str, steps: StepSet, qo_len: int, *, ceiling_gbps: float, check: bool = True,
@@ -210,7 +255,7 @@ def run_case(name: str, steps: StepSet, qo_len: int, *, ceiling_gbps: float, che
             kernels[0]()
             got = _kv_fields(msa_meta)
         row["error"] = _error(name, got, expect, sets[0], geo)
-    nbytes, union = _bytes(name, sets[0], geo, steps.kv_dtype, steps.index_dtype, got)
+    nbytes, union = _bytes(name, sets[0], geo, steps.kv_dtype, steps.index_dtype)
     row["eager_us"] = time_eager_us(kernels)
     row["graph_us"] = time_graph_us(kernels)
     if time_reference:
