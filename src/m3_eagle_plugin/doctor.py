@@ -52,6 +52,21 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def _override_table_error() -> str | None:
+    """Why the table `M3_EAGLE_KERNEL_TABLE` names cannot be used, or None (unset, or fine)."""
+    try:
+        from m3_eagle_plugin.msa.kernels import kernel_table
+    except ImportError as exc:
+        return f"m3_eagle_plugin.msa.kernels unavailable: {exc}"
+    try:
+        kernel_table.check_override()
+    except kernel_table.KernelTableError as exc:  # names the file and the problem
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - doctor reports, it does not crash
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def collect(host_source: str | None = None) -> dict[str, Any]:
     """Everything the doctor prints, as plain data."""
     from m3_eagle_plugin import __version__
@@ -101,6 +116,9 @@ def collect(host_source: str | None = None) -> dict[str, Any]:
     data["kernel_backend"] = backend if why is None else {"unavailable": why}
     if why is not None and " failed: " in why:
         data["ok"] = False  # e.g. a bad M3_EAGLE_KERNELS, which every kernel call would refuse
+        table_error = _override_table_error()
+        if table_error is not None:  # the report stopped before the table: name it all the same
+            data["kernel_backend"]["kernel_table"] = {"error": table_error}
     if "error" in (data["kernel_backend"].get("kernel_table") or {}):
         data["ok"] = False  # a broken M3_EAGLE_KERNEL_TABLE would raise at the first eligible call
     if host_source is not None:

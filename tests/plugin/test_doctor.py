@@ -111,3 +111,22 @@ def test_malformed_kernel_table_fails_the_doctor(clean_state, capsys, monkeypatc
     assert cli.main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert f"kernel table {bad}: rows[0].kernel must be one of" in out
+
+
+@pytest.mark.parametrize("json_out", [True, False])
+def test_a_bad_kernel_table_is_reported_beside_a_bad_switch(clean_state, capsys, monkeypatch, tmp_path, json_out):
+    """A bad switch stops the backend report before it reads the table: the doctor still names
+    both, so the operator does not fix one only to meet the other."""
+    from m3_eagle_plugin.msa.kernels import kernel_table
+
+    monkeypatch.setenv("M3_EAGLE_PDL", "off")
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(tmp_path / "nowhere.json"))
+    kernel_table.clear_caches()
+    assert cli.main(["doctor"] + (["--json"] if json_out else [])) == 1
+    out = capsys.readouterr().out
+    if json_out:
+        backend = json.loads(out)["kernel_backend"]
+        assert "M3_EAGLE_PDL='off'" in backend["unavailable"]
+        assert backend["kernel_table"]["error"].startswith(f"kernel table {tmp_path / 'nowhere.json'}: cannot read")
+    else:
+        assert "M3_EAGLE_PDL='off'" in out and f"kernel table {tmp_path / 'nowhere.json'}: cannot read" in out

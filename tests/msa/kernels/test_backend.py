@@ -138,3 +138,35 @@ def test_no_kernel_module_shadows_an_exported_dispatcher():
 
     modules = {p.stem for p in Path(kernels.__file__).parent.glob("*.py")}
     assert not modules & set(kernels.__all__), sorted(modules & set(kernels.__all__))
+
+
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+@pytest.mark.parametrize("content, problem", [(None, "cannot read"), ('{"device": "X"}', "'date' must be")])
+def test_check_backend_loads_the_named_kernel_table_up_front(monkeypatch, tmp_path, mode, content, problem):
+    """`m3-eagle run` calls check_backend before reading any weight: a missing or malformed
+    M3_EAGLE_KERNEL_TABLE is refused there, not at the first kernel choice mid-run (any mode: the
+    variable names a file that is wrong whatever the mode)."""
+    from m3_eagle_plugin.msa.kernels import kernel_table
+
+    path = tmp_path / "table.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("M3_EAGLE_KERNELS", mode)
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(path))
+    kernel_table.clear_caches()
+    with pytest.raises(kernel_table.KernelTableError, match=f"kernel table {path}: {problem}"):
+        check_backend("cpu")
+    kernel_table.clear_caches()
+
+
+def test_check_backend_parses_the_named_table_once(monkeypatch, tmp_path):
+    from m3_eagle_plugin.msa.kernels import kernel_table
+
+    path = tmp_path / "table.json"
+    path.write_text('{"device": "X", "date": "d", "command": "c", "rows": []}')
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(path))
+    kernel_table.clear_caches()
+    assert check_backend("cpu") == "auto"
+    assert kernel_table.load_table().source == str(path) and kernel_table._load.cache_info().misses == 1
+    kernel_table.clear_caches()

@@ -110,6 +110,17 @@ GOOD = {"device": "GPU X", "date": "d", "command": "c", "rows": [_row("sparse_at
      "rows[0] has unknown field(s) ['speedup']"),
     (b"\xff\xfe\x00binary", "not UTF-8 text"),
     (b"[" * 100000, "not valid JSON (RecursionError"),
+    ("", "the file is empty"),
+    (" \n\t\n", "the file is empty"),
+    (json.dumps({**GOOD, "devices": "GPU X"}), "unknown field(s) ['devices']"),
+    (json.dumps({**GOOD, "rows": [_row("sparse_attn", 1, 64, 1, 10 ** 400, 1.0)]}),  # float() overflows
+     "rows[0].ours_us must be a positive number, got 1000"),
+    (json.dumps({**GOOD, "rows": [_row("sparse_attn", 1, 64, 1, 2.0, -(10 ** 400))]}),
+     "rows[0].flashinfer_us must be a positive number or null, got -1000"),
+    (json.dumps({**GOOD, "rows": [_row("sparse_attn", 1, 64, 1, float("nan"), 1.0)]}),  # json writes NaN
+     "rows[0].ours_us must be a positive number, got nan"),
+    (json.dumps({**GOOD, "rows": [_row("sparse_attn", 1, 64, 1, 2.0, float("inf"))]}),
+     "rows[0].flashinfer_us must be a positive number or null, got inf"),
 ])
 def test_malformed_override_names_the_file_and_the_problem(tmp_path, monkeypatch, content, problem):
     path = tmp_path / "bad.json"
@@ -118,6 +129,64 @@ def test_malformed_override_names_the_file_and_the_problem(tmp_path, monkeypatch
     with pytest.raises(kt.KernelTableError) as info:
         kt.load_table()
     assert str(path) in str(info.value) and problem in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("second, what", [
+    (_row("sparse_attn", 16, 32768, 4, 20.0, 30.0), "different times"),  # the choice would hang on row order
+    (_row("sparse_attn", 16, 32768, 4, 20.0, 10.0), "identical"),         # doctor would list it twice
+])
+def test_a_shape_measured_twice_is_refused_naming_both_rows(tmp_path, monkeypatch, second, what):
+    path = tmp_path / "twice.json"
+    rows = [_row("sparse_attn", 16, 32768, 4, 20.0, 10.0), _row("sparse_attn", 16, 32768, 1, 9.0, None), second]
+    text = json.dumps({"device": "GPU X", "date": "d", "command": "c", "rows": rows}, indent=1)
+    path.write_text(text)
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(path))
+    with pytest.raises(kt.KernelTableError) as info:
+        kt.load_table()
+    message = str(info.value)
+    assert message.startswith(f"kernel table {path}: rows[2] measures sparse_attn B16/32K q4 again (rows[0])"), message
+    assert what in message, message
+    # the same rule where no file is read (a table written from bench rows)
+    with pytest.raises(kt.KernelTableError, match=r"kernel table t: rows\[2\] measures sparse_attn B16/32K q4 again "
+                                                  r"\(rows\[0\]\)"):
+        _table(rows)
+
+
+def test_the_same_shape_for_another_kernel_or_q_len_is_not_a_repeat():
+    rows = [_row("sparse_attn", 16, 32768, 4, 20.0, 10.0), _row("sparse_attn", 16, 32768, 1, 9.0, None),
+            _row("index_select", 16, 32768, 4, 40.0, 30.0), _row("sparse_attn", 16, 8192, 4, 9.0, None)]
+    assert len(_table(rows).rows) == 4
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"device": "GPU X", "device": "GPU Y", "date": "d", "command": "c", "rows": []}',
+     "kernel table {path}: field(s) ['device'] given more than once"),
+    ('{"device": "GPU X", "date": "d", "command": "c", "rows": [\n'
+     ' {"kernel": "sparse_attn", "batch": 1, "context": 64, "qo_len": 1, "ours_us": 2.0, "ours_us": 9.0}]}',
+     "kernel table {path}: rows[0] has field(s) ['ours_us'] given more than once"),
+])
+def test_a_repeated_json_key_is_refused(tmp_path, monkeypatch, text, problem):
+    """JSON decoders keep the last of a repeated key: the file would say two things, one silently."""
+    path = tmp_path / "keys.json"
+    path.write_text(text)
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(path))
+    with pytest.raises(kt.KernelTableError) as info:
+        kt.load_table()
+    assert problem.format(path=path) in str(info.value), str(info.value)
+
+
+def test_check_override_loads_the_named_table_once(tmp_path, monkeypatch):
+    assert kt.check_override() is None  # unset: the shipped table, nothing to check
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(GOOD))
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(path))
+    table = kt.check_override()
+    assert table.source == str(path) and kt.load_table() is table
+    path.write_text("{broken")  # read once per path: the checked table is the one the choices use
+    assert kt.check_override() is table and kt._load.cache_info().misses == 1
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(tmp_path / "gone.json"))
+    with pytest.raises(kt.KernelTableError, match="gone.json: cannot read"):
+        kt.check_override()
 
 
 def test_missing_override_file(tmp_path, monkeypatch):

@@ -45,9 +45,12 @@ def requested_backend() -> str:
 def check_backend(device: torch.device | str) -> str:
     """The requested mode, checked now against `device` (a forced `triton` or `flashinfer` that
     cannot run there raises `KernelBackendError`), so a host can refuse it before it starts. The
-    kernels' other switches (`SWITCHES`: hand-off, PDL, replay) are checked too."""
+    kernels' other switches (`SWITCHES`: hand-off, PDL, replay) are checked too, and the table
+    `M3_EAGLE_KERNEL_TABLE` names is read and validated (`KernelTableError` naming the file; in
+    any mode: the variable names a wrong file whatever the mode) and kept for the choices to come."""
     check_switches()
     mode = requested_backend()
+    kernel_table.check_override()
     if mode == "triton":
         use_triton(device)
     elif mode == "flashinfer":

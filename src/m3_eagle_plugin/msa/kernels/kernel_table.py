@@ -8,14 +8,19 @@ the numbers get re-measured; so the choice reads data, not code. The shipped tab
 Format (JSON object): `device` (the `torch.cuda.get_device_name` it was measured on), `date`,
 `command`, optional `flashinfer` (version) and `notes`, and `rows`: objects with `kernel` (a bench
 kernel name, TABLE_KERNELS), `batch`, `context`, `qo_len` (positive ints), `ours_us` (positive),
-`flashinfer_us` (positive, or null / absent when not measured) and an optional `note`.
+`flashinfer_us` (positive, or null / absent when not measured) and an optional `note`. Refused,
+naming the file (and the row): an empty file, an unknown or repeated field (JSON
+decoders silently keep the last of a repeated key), a non-finite or non-positive time, and a shape
+measured twice (two rows of the same kernel, batch, context and qo_len: with different times the
+choice would hang on their order; identical ones would be listed and counted twice by `doctor`).
 
 Nearest row: among rows of the same kernel and the same q_len, the smallest |log2(batch ratio)|,
 then the smallest |log2(context ratio)|, then the smaller measured batch and context. The chooser
 answers "flashinfer" only when FlashInfer is eligible, the table was measured on a device of the
 same name, such a row exists, and its FlashInfer time is lower; every other case is "triton" (ours)
 with the reason. Decisions are cached per (table, kernel, device, batch, context, q_len); the table
-is read once per path (restart to pick up an edited file).
+is read once per path (restart to pick up an edited file); `check_override` reads the one
+`M3_EAGLE_KERNEL_TABLE` names up front (`check_backend`, before `m3-eagle run` reads a weight).
 """
 from __future__ import annotations
 
@@ -108,8 +113,36 @@ def _positive_int(value: Any) -> bool:
 
 
 def _positive_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value > 0)
+    """A finite positive int or float that converts to a finite float (an int past float's range
+    would raise OverflowError, not a named error)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value)) and value > 0
+    except OverflowError:
+        return False
+
+
+TOP_FIELDS = ("device", "date", "command", "flashinfer", "notes", "rows")
+ROW_FIELDS = ("kernel", "batch", "context", "qo_len", "ours_us", "flashinfer_us", "note")
+
+
+class _Object(dict):
+    """A decoded JSON object that keeps the keys given more than once (JSON decoders silently keep
+    the last)."""
+    repeated: tuple[str, ...] = ()
+
+
+def _object(items: list[tuple[str, Any]]) -> _Object:
+    obj = _Object(items)
+    if len(obj) < len(items):
+        seen: set[str] = set()
+        obj.repeated = tuple(sorted({k for k, _ in items if k in seen or seen.add(k)}))
+    return obj
+
+
+def _kind(value: Any) -> str:
+    return "dict" if isinstance(value, dict) else type(value).__name__  # a decoded `_Object` too
 
 
 def parse_table(data: Any, source: str, *, shipped: bool = False) -> KernelTable:
@@ -118,7 +151,12 @@ def parse_table(data: Any, source: str, *, shipped: bool = False) -> KernelTable
         raise KernelTableError(f"kernel table {source}: {problem}")
 
     if not isinstance(data, dict):
-        fail(f"expected a JSON object, got {type(data).__name__}")
+        fail(f"expected a JSON object, got {_kind(data)}")
+    if getattr(data, "repeated", ()):
+        fail(f"field(s) {list(data.repeated)} given more than once")
+    unknown = set(data) - set(TOP_FIELDS)
+    if unknown:
+        fail(f"unknown field(s) {sorted(unknown)} (expected {', '.join(TOP_FIELDS)})")
     for key in ("device", "date", "command"):
         if not isinstance(data.get(key), str) or not data[key].strip():
             fail(f"'{key}' must be a non-empty string, got {data.get(key)!r}")
@@ -127,13 +165,16 @@ def parse_table(data: Any, source: str, *, shipped: bool = False) -> KernelTable
             fail(f"'{key}' must be a string, got {data[key]!r}")
     rows_in = data.get("rows")
     if not isinstance(rows_in, list):
-        fail(f"'rows' must be a list, got {type(rows_in).__name__}")
-    rows = []
+        fail(f"'rows' must be a list, got {_kind(rows_in)}")
+    rows: list[TableRow] = []
+    first: dict[tuple[str, int, int, int], int] = {}  # shape -> the index of the row measuring it
     for i, row in enumerate(rows_in):
         where = f"rows[{i}]"
         if not isinstance(row, dict):
-            fail(f"{where} must be an object, got {type(row).__name__}")
-        unknown = set(row) - {"kernel", "batch", "context", "qo_len", "ours_us", "flashinfer_us", "note"}
+            fail(f"{where} must be an object, got {_kind(row)}")
+        if getattr(row, "repeated", ()):
+            fail(f"{where} has field(s) {list(row.repeated)} given more than once")
+        unknown = set(row) - set(ROW_FIELDS)
         if unknown:
             fail(f"{where} has unknown field(s) {sorted(unknown)}")
         if row.get("kernel") not in TABLE_KERNELS:
@@ -148,8 +189,18 @@ def parse_table(data: Any, source: str, *, shipped: bool = False) -> KernelTable
         if row.get("note") is not None and not isinstance(row["note"], str):
             fail(f"{where}.note must be a string, got {row['note']!r}")
         fi = row.get("flashinfer_us")
-        rows.append(TableRow(row["kernel"], row["batch"], row["context"], row["qo_len"], float(row["ours_us"]),
-                             None if fi is None else float(fi), row.get("note")))
+        parsed = TableRow(row["kernel"], row["batch"], row["context"], row["qo_len"], float(row["ours_us"]),
+                          None if fi is None else float(fi), row.get("note"))
+        key = (parsed.kernel, parsed.batch, parsed.context, parsed.qo_len)
+        if key in first:
+            j = first[key]
+            same = (rows[j].ours_us, rows[j].flashinfer_us) == (parsed.ours_us, parsed.flashinfer_us)
+            fail(f"{where} measures {parsed.kernel} {parsed.shape()} again (rows[{j}]): "
+                 + ("identical times" if same else
+                    f"different times ({rows[j].verdict()} there, {parsed.verdict()} here)")
+                 + "; keep one row per kernel, batch, context and qo_len")
+        first[key] = i
+        rows.append(parsed)
     return KernelTable(source, shipped, data["device"].strip(), data["date"], data["command"], tuple(rows),
                        data.get("flashinfer"), data.get("notes"))
 
@@ -162,8 +213,10 @@ def _load(path: str, shipped: bool) -> KernelTable:
         raise KernelTableError(f"kernel table {path}: cannot read ({exc.strerror or exc})") from exc
     except UnicodeDecodeError as exc:
         raise KernelTableError(f"kernel table {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    if not text.strip():
+        raise KernelTableError(f"kernel table {path}: the file is empty (expected a JSON object; module docstring)")
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_object)
     except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's stack
         raise KernelTableError(f"kernel table {path}: not valid JSON ({type(exc).__name__}: {exc})") from exc
     return parse_table(data, path, shipped=shipped)
@@ -178,6 +231,14 @@ def table_path() -> tuple[str, bool]:
 def load_table() -> KernelTable:
     """The table in force (read once per path); KernelTableError if it is unreadable or malformed."""
     return _load(*table_path())
+
+
+def check_override() -> KernelTable | None:
+    """The table `M3_EAGLE_KERNEL_TABLE` names, read and validated now (and cached: the choices to
+    come use this very object), or None when the variable is unset (the shipped table, tested with
+    the package); KernelTableError names the file and the problem."""
+    path, shipped = table_path()
+    return None if shipped else _load(path, shipped)
 
 
 def clear_caches() -> None:
