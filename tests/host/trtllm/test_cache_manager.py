@@ -113,6 +113,48 @@ def test_block_offset_copy_is_untouched_without_draft_layers(current_host):
     assert len(native.CALLS) == 1
 
 
+def test_a_draft_layer_count_the_host_counts_differently_is_refused(current_host, monkeypatch):
+    """Hosts whose get_num_spec_layers reads `num_eagle_layers` append 2 draft layers here while the
+    layout reserves 1: layer 61 would keep a uniform-stride mapping into the mega-slot."""
+    import sys
+
+    import tensorrt_llm._torch.speculative.utils as spec_utils
+
+    plugin, _ = _classes()
+
+    def older_host_count(spec_config):
+        layers = getattr(spec_config, "num_eagle_layers", None)
+        return 1 if layers is None else layers
+
+    monkeypatch.setattr(spec_utils, "get_num_spec_layers", older_host_count)
+    monkeypatch.setattr(sys.modules[_kv_module().__name__], "get_num_spec_layers", older_host_count)
+    spec = _spec()
+    spec.num_eagle_layers = 2
+    with pytest.raises(ValueError, match=r"gives the KV cache 2 Eagle3 draft layer\(s\).*reserves 1"):
+        _make(plugin, spec_config=spec)
+    spec._num_draft_hidden_layers = 2  # the two counts agree: both draft layers get a virtual pool
+    manager = _make(plugin, spec_config=spec)
+    assert manager.shared_draft_layer_ids == (60, 61) and manager.virtual_pools.op_pools == [(1, 0), (2, 0)]
+
+
+def test_an_nvfp4_cache_gives_draft_layers_no_virtual_pool(current_host, monkeypatch):
+    """NVFP4 pool pointers are [data, block-scale] pairs: a virtual draft pool would carry a 0 scale
+    pointer, so the draft layer would read its block scales from address 0."""
+    plugin, host_cls = _classes()
+    base = host_cls.__mro__[1]
+    original = base._prepare_page_table_tensor
+
+    def nvfp4_tables(self, index_mapper_capacity):
+        original(self, index_mapper_capacity)
+        pointers = self.kv_cache_pool_pointers
+        self.kv_cache_pool_pointers = torch.stack([pointers, pointers + 1], dim=-1)  # [pools, 2, 2]
+
+    monkeypatch.setattr(base, "_prepare_page_table_tensor", nvfp4_tables)
+    with pytest.raises(NotImplementedError, match="NVFP4"):
+        _make(plugin)
+    assert _make(plugin, spec_config=None).virtual_pools is None  # no draft layers: nothing to refuse
+
+
 def test_update_resources_refuses_tree_acceptance(current_host):
     plugin, _ = _classes()
     manager = _make(plugin)

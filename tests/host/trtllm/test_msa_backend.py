@@ -104,8 +104,26 @@ def test_scratch_is_sized_by_verify_tokens_not_batch(current_host):
     assert meta.msa_n_valid_blocks.numel() == 8
     assert meta.msa_n_valid_blocks.tolist() == [1, 2, 2, 2, 2, 2, 2, 3]
     too_long = _metadata(backend.Metadata, manager, seq_lens=[5, 5], cached=[0, 2])
-    with pytest.raises(MsaInputError, match="proxy scratch"):  # 2 x 5 tokens > 2 x (1 + 3)
+    with pytest.raises(MsaInputError, match="max_draft_len is 3"):  # 2 x 5 tokens > 2 x (1 + 3)
         too_long.prepare()
+
+
+def test_a_generation_row_past_the_draft_max_is_refused(current_host):
+    """A verify row of 1 + 5 tokens with max_draft_len 3 (a tree's total draft tokens, say) fits
+    the scratch beside a 1-token row, but would be laid out as a chain: refused at prepare."""
+    backend = _backend()
+    plugin, _ = _classes()
+    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64)  # max_draft_len 3
+    manager.add_sequence(0, [0, 1])
+    manager.add_sequence(1, [2, 3, 4])
+    meta = _metadata(backend.Metadata, manager, seq_lens=[1, 6], cached=[4, 3])
+    with pytest.raises(MsaInputError, match=r"seq_lens\[1\] is 6: generation row 1 carries 5 draft "
+                                            r"tokens but max_draft_len is 3"):
+        meta.prepare()
+    context_first = _metadata(backend.Metadata, manager, seq_lens=[6, 1], cached=[0, 8])
+    context_first.num_contexts = 1  # a context row may be longer
+    context_first.prepare()
+    assert context_first.msa_out_cache_loc[:7].tolist() == [0, 1, 2, 3, 4, 5, 16]
 
 
 def test_a_prefill_longer_than_the_decode_scratch_publishes_its_slots(current_host):

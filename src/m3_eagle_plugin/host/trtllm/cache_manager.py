@@ -6,6 +6,11 @@ the draft layer(s) appended after the target layers are reached through one *vir
 attention-op pool each (the M3 mega-slot is not on a uniform per-layer stride), the block-offset
 copy that feeds those pools, the trtllm-gen P128 opt-in, and a refusal of tree acceptance (the
 mega-slot cannot relocate KV). All table arithmetic is `m3_eagle_plugin.kv`'s.
+
+Setup refuses two layouts where a draft layer would read pages it does not own: a draft-layer
+count that differs from the one the host's base manager appends (its `get_num_spec_layers`,
+whose rule changed across host versions), and an NVFP4 cache (its pool pointers pair data with
+block scales; a virtual draft pool has no block-scale root).
 """
 from __future__ import annotations
 
@@ -39,6 +44,23 @@ def _host_name(name: str, required: bool = True) -> Any:
     return None
 
 
+def _check_draft_layer_count(spec_config: Any, layer_mask: Any, reserved: int) -> None:
+    """The base manager appends the host's `get_num_spec_layers(spec_config)` draft layers after the
+    target's (`get_pp_layers`); the shared draft layout must reserve (give a virtual pool to)
+    exactly that many. A layer the layout missed keeps the base's uniform-stride mapping into the
+    mega-slot and silently reads another layer's pages; one it reserved in excess is a target layer."""
+    if spec_config is None or layer_mask is not None:
+        return
+    appended = int(resolve("spec_layer_count")(spec_config))
+    if appended != reserved:
+        raise ValueError(
+            f"spec_config gives the KV cache {appended} Eagle3 draft layer(s) (the host's "
+            f"get_num_spec_layers) but the shared draft layout reserves {reserved} "
+            "(m3_eagle_plugin.kv.shared_draft_layer_count); the draft layers would address the "
+            "wrong pages. The two must agree (the layout counts spec_config._num_draft_hidden_layers, "
+            "default 1)")
+
+
 def _requests(scheduled_batch: Any) -> Iterable[Any]:
     all_requests = getattr(scheduled_batch, "all_requests", None)
     if callable(all_requests):
@@ -56,6 +78,7 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
     def __init__(self, *args: Any, sparse_layer_ids: Any = None, **kwargs: Any) -> None:
         num_layers = kwargs.get("num_layers")
         num_draft = core_kv.shared_draft_layer_count(kwargs.get("spec_config"), kwargs.get("layer_mask"))
+        _check_draft_layer_count(kwargs.get("spec_config"), kwargs.get("layer_mask"), num_draft)
         draft_ids, num_target = core_kv.derive_shared_draft_layout(
             num_layers, kwargs.get("num_kv_heads", 1), num_draft)
         if sparse_layer_ids is None and num_target is not None and num_layers is not None \
@@ -89,6 +112,11 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
                         if layer_offsets is None or layer in layer_offsets]
         if not draft_layers:  # pipeline ranks that do not own the draft tail
             return
+        if self.kv_cache_pool_pointers.dim() == 3:
+            raise NotImplementedError(
+                "MiniMax-M3 shared draft layers cannot use an NVFP4 KV cache: its pool pointers pair "
+                "data with block scales, and a virtual draft pool has no block-scale root (the draft "
+                "layer would read its scales from address 0); use an FP8 or BF16 KV cache")
         pools = core_kv.extend_attention_op_pools(
             self.kv_cache_pool_pointers, self.kv_cache_pool_mapping, draft_layers)
         self.kv_cache_pool_pointers = _pinned_like(pools.pool_pointers, self.kv_cache_pool_pointers)

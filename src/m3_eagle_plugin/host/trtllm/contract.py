@@ -123,6 +123,8 @@ CONTRACT: tuple[HostSymbol, ...] = (
          "msa_metadata"),
     _sym("m3_kv_role", tuple(f"{m}.cache_manager" for m in _M3_PKG), "Role", "binding",
          used_by="cache_manager"),
+    _sym("spec_layer_count", (f"{_T}.speculative.utils",), "get_num_spec_layers", "function",
+         ("spec_config",), "cache_manager"),
     _sym("v2_prepare_page_table", _KV_V2, "KVCacheManagerV2._prepare_page_table_tensor", "method",
          ("self", "index_mapper_capacity"), "cache_manager"),
     _sym("v2_copy_block_offsets", _KV_V2, "KVCacheManagerV2.copy_batch_block_offsets", "method",

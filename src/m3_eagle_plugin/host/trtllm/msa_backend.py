@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from m3_eagle_plugin.host.trtllm.contract import resolve
-from m3_eagle_plugin.msa import MsaDecodeMetadata
+from m3_eagle_plugin.msa import MsaDecodeMetadata, MsaInputError
 
 HostMsaMetadata = resolve("msa_metadata_prepare")
 HostMsaAttention = resolve("msa_attention")
@@ -82,11 +82,28 @@ class M3EagleMsaMetadata(HostMsaMetadata):
         if self.m3_eagle_step is None:
             self.m3_eagle_step = self._build_step_metadata()
         num_seqs = int(self.num_seqs)
+        num_contexts = int(self.num_contexts)
+        qo_lens = self.seq_lens[:num_seqs].tolist()  # host (pinned) tensor: no device sync
+        self._check_draft_lengths(qo_lens, num_contexts)
         request_ids = list(self.request_ids or [])[:num_seqs]
         self.m3_eagle_step.prepare(
-            self.seq_lens[:num_seqs], self._host_kv_lens(num_seqs), self._block_tables(request_ids),
-            num_context_requests=int(self.num_contexts))
+            qo_lens, self._host_kv_lens(num_seqs), self._block_tables(request_ids),
+            num_context_requests=num_contexts)
         self._publish()
+
+    def _check_draft_lengths(self, qo_lens: list[int], num_contexts: int) -> None:
+        """A generation row carries 1 + draft_len tokens in a linear chain, draft_len <= max_draft_len.
+
+        A longer row (a tree's 1 + max_total_draft_tokens, or a draft length past the configured
+        max) would be laid out as a chain (position = kv_len - qo_len + t), which is wrong for tree
+        tokens, and overruns the per-token scratch sized by 1 + max_draft_len per row."""
+        max_draft_len = self.m3_eagle_step.max_draft_len
+        for row in range(max(num_contexts, 0), len(qo_lens)):
+            if qo_lens[row] > 1 + max_draft_len:
+                raise MsaInputError(
+                    f"seq_lens[{row}] is {qo_lens[row]}: generation row {row} carries "
+                    f"{qo_lens[row] - 1} draft tokens but max_draft_len is {max_draft_len} "
+                    "(spec_config.max_draft_len; tree drafts are not supported)")
 
     def on_update_kv_lens(self) -> None:
         super().on_update_kv_lens()
