@@ -293,3 +293,163 @@ def all_workers(rank: int, world_size: int, target_dir: str, draft_dir: str, out
     echo_worker(rank, world_size, out_dir)
     dist.barrier()
     disagg_worker(rank, world_size, target_dir, draft_dir, out_dir)
+
+
+# ----- the handoff wire under malformed and unfitting headers (rank 0 sends, rank 1 receives) ----
+def _payload_ints(payload) -> list[int]:
+    """A KV payload header body, written from `parallel.transfer`'s documented format."""
+    data = list(payload.fingerprint.encode("utf-8"))
+    return [payload.num_tokens, len(payload.pool_pages), *(int(x) for p in payload.pool_pages for x in p.shape),
+            len(data), *data]
+
+
+def _handoff_ints(h) -> list[int]:
+    lists = [h.prompt, h.output, h.pending_inputs]
+    return [h.index, h.max_new_tokens, h.kv_len, h.pending_draft_len, *map(len, lists), *sum(lists, []),
+            *_payload_ints(h.payload)]
+
+
+def _raw_frame(kind, values, group=None, *, magic=None, version=None, body=None) -> None:
+    from m3_eagle_plugin.parallel import transfer as t
+
+    magic = t.MAGIC if magic is None else magic
+    version = t.VERSION if version is None else version
+    dist.send(torch.tensor([magic, version, kind, len(values)], dtype=torch.int64), 1, group=group)
+    dist.send(torch.tensor(values + [t.TRAILER] if body is None else body, dtype=torch.int64), 1, group=group)
+
+
+def _raw_verdict(group=None) -> str:
+    from m3_eagle_plugin.parallel import transfer as t
+
+    preamble = torch.zeros(4, dtype=torch.int64)
+    dist.recv(preamble, 1, group=group)
+    magic, version, kind, n = preamble.tolist()
+    assert (magic, version, kind) == (t.MAGIC, t.VERSION, t.KIND_VERDICT), preamble
+    body = torch.zeros(n + 1, dtype=torch.int64)
+    dist.recv(body, 1, group=group)
+    assert body[-1] == t.TRAILER
+    return "refused: " + bytes(body[:-1].tolist()).decode() if n else "accepted"
+
+
+def _digest(payload) -> list:
+    return [payload.num_tokens, [int(p.sum()) for p in payload.pool_pages], [list(p.shape) for p in payload.pool_pages]]
+
+
+def _outcome(call) -> str:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - what happened is the observation
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+def wire_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out_dir: str) -> None:
+    """Scripted exchanges: each malformed or unfitting header from rank 0, then a good one that
+    must arrive intact (the stream stayed in step); the last ones break the stream on purpose."""
+    import dataclasses
+    import json as json_
+
+    from m3_eagle_plugin.host.reference.build import blocks_for_prompts, build_engine
+    from m3_eagle_plugin.host.reference.engine import EngineConfig
+    from m3_eagle_plugin.parallel import transfer as t
+    from m3_eagle_plugin.parallel.disagg import (export_handoff, import_handoff, recv_handoff, run_context_phase,
+                                                 send_handoff)
+
+    config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
+    engine = build_engine(target_dir, draft_dir, config, device=torch.device("cpu"),
+                          num_blocks=blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    out = Path(out_dir)
+    if rank == 0:
+        h = [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)][0]
+        good, ints, block = h.payload, _payload_ints(h.payload), engine.cache.block_size
+        fp = json_.loads(good.fingerprint)
+        other_geometry = dataclasses.replace(good, fingerprint=json_.dumps({**fp, "block_size": block * 2},
+                                                                           sort_keys=True, separators=(",", ":")))
+        pages = tuple(torch.cat([p, torch.zeros_like(p[:1])]) for p in good.pool_pages)
+        padded = dataclasses.replace(good, num_tokens=good.num_tokens + block, pool_pages=pages)
+        n_pools, fp_at = len(good.pool_pages), 2 + 3 * len(good.pool_pages)
+        payload_cases = {
+            "version": lambda: _raw_frame(t.KIND_PAYLOAD, ints, version=t.VERSION + 1),
+            "negative num_tokens": lambda: _raw_frame(t.KIND_PAYLOAD, [-4] + ints[1:]),
+            "negative page size": lambda: _raw_frame(t.KIND_PAYLOAD, ints[:3] + [-1] + ints[4:]),
+            "absurd page count": lambda: _raw_frame(t.KIND_PAYLOAD, [good.num_tokens, n_pools]
+                                                    + [x if i % 3 else 1 << 40 for i, x in enumerate(ints[2:fp_at])]
+                                                    + ints[fp_at:]),
+            "pool count": lambda: _raw_frame(t.KIND_PAYLOAD, ints[:1] + [n_pools + 1] + ints[2:]),
+            "fingerprint byte": lambda: _raw_frame(t.KIND_PAYLOAD, ints[:-1] + [300]),
+        }
+        api_payload_cases = {  # through the public API: the receiver's cache decides
+            "geometry": lambda: t.send_payload(other_geometry, 1),
+            "page count": lambda: t.send_payload(dataclasses.replace(good, num_tokens=good.num_tokens + 4 * block), 1),
+            "a handoff where a payload belongs": lambda: send_handoff(h, 1),
+        }
+        hints = _handoff_ints(h)
+        handoff_cases = {
+            "token count": lambda: _raw_frame(t.KIND_HANDOFF, hints[:4] + [hints[4] + 1000] + hints[5:]),
+            "negative output length": lambda: _raw_frame(t.KIND_HANDOFF, hints[:5] + [-1] + hints[6:]),
+            "version": lambda: _raw_frame(t.KIND_HANDOFF, hints, version=0),
+        }
+        vocab = engine.vocab_size
+        api_handoff_cases = {
+            "token outside the vocabulary": dataclasses.replace(h, pending_inputs=h.pending_inputs[:-1] + [vocab]),
+            "kv_len": dataclasses.replace(h, kv_len=h.kv_len + 1),
+            "pages past the committed positions": dataclasses.replace(h, payload=padded),
+            "geometry": dataclasses.replace(h, payload=other_geometry),
+        }
+        sender = {}
+        for name, send in payload_cases.items():
+            send()
+            sender[f"payload {name}"] = _raw_verdict()
+            t.send_payload(good, 1)
+        for name, send in api_payload_cases.items():
+            sender[f"payload {name}"] = _outcome(send)
+            t.send_payload(good, 1)
+        for name, send in handoff_cases.items():
+            send()
+            sender[f"handoff {name}"] = _raw_verdict()
+            send_handoff(h, 1)
+        for name, bad in api_handoff_cases.items():
+            sender[f"handoff {name}"] = _outcome(lambda: send_handoff(bad, 1))
+            send_handoff(h, 1)
+        # breaking the stream: a short frame (default group), a foreign one, pages cut off midway
+        _raw_frame(t.KIND_HANDOFF, hints, body=hints[:-3] + [t.TRAILER])
+        g2 = dist.new_group([0, 1])
+        dist.send(torch.tensor([0x1234, 1, t.KIND_HANDOFF, 5], dtype=torch.int64), 1, group=g2)
+        g3 = dist.new_group([0, 1])
+        _raw_frame(t.KIND_HANDOFF, hints, group=g3)
+        sender["cut"] = _raw_verdict(g3)
+        dist.send(good.pool_pages[0].contiguous(), 1, group=g3)
+        (out / "wire_rank0.json").write_text(json_.dumps({"sender": sender, "good": _digest(good)}))
+        return  # the stream ends in the middle of the payload
+
+    outcomes, clean, followups = {}, {}, {}
+
+    def is_clean() -> bool:
+        return (engine.cache.num_free_blocks == engine.cache.num_blocks and engine.scheduler.admitted_blocks == 0
+                and not engine.cache.allocator.request_ids)
+
+    def follow_up_handoff(name):
+        handoff = recv_handoff(0, engine=engine)
+        request = import_handoff(engine, handoff)
+        followups[name] = _digest(handoff.payload) + [engine.cache.num_tokens(request.rid)]
+        engine.finish(request)
+
+    for name in ("version", "negative num_tokens", "negative page size", "absurd page count", "pool count",
+                 "fingerprint byte", "geometry", "page count", "a handoff where a payload belongs"):
+        outcomes[f"payload {name}"] = _outcome(lambda: t.recv_payload(0, cache=engine.cache))
+        followups[f"payload {name}"] = _digest(t.recv_payload(0, cache=engine.cache))
+    for name in ("token count", "negative output length", "version", "token outside the vocabulary", "kv_len",
+                 "pages past the committed positions", "geometry"):
+        outcomes[f"handoff {name}"] = _outcome(lambda: recv_handoff(0, engine=engine))
+        clean[f"handoff {name}"] = is_clean()
+        follow_up_handoff(f"handoff {name}")
+    outcomes["short frame"] = _outcome(lambda: recv_handoff(0, engine=engine))
+    outcomes["after the short frame"] = _outcome(lambda: recv_handoff(0, engine=engine))
+    g2 = dist.new_group([0, 1])
+    outcomes["foreign frame"] = _outcome(lambda: recv_handoff(0, g2, engine=engine))
+    outcomes["after the foreign frame"] = _outcome(lambda: t.recv_ints(0, g2))
+    g3 = dist.new_group([0, 1])
+    outcomes["cut"] = _outcome(lambda: recv_handoff(0, g3, engine=engine))
+    outcomes["after the cut"] = _outcome(lambda: t.recv_ints(0, g3))
+    clean["cut"] = is_clean()
+    (out / "wire_rank1.json").write_text(json_.dumps({"outcomes": outcomes, "clean": clean, "followups": followups}))

@@ -45,12 +45,28 @@ def handoffs(tiny_pair):
     return [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)]
 
 
-def _tampered(handoff, vocab):
+def padded(handoff, block_size):
+    """``handoff`` whose payload carries one more (zero) page and a block more tokens than it commits."""
+    import dataclasses
+
+    import torch
+
+    pages = tuple(torch.cat([p, torch.zeros_like(p[:1])]) for p in handoff.payload.pool_pages)
+    payload = dataclasses.replace(handoff.payload, num_tokens=handoff.payload.num_tokens + block_size, pool_pages=pages)
+    return dataclasses.replace(handoff, payload=payload)
+
+
+def _tampered(handoff, vocab, block_size):
     """Handoffs that contradict themselves or the receiving engine, each in one field."""
     import dataclasses
 
     replace = lambda **kw: dataclasses.replace(handoff, **kw)  # noqa: E731
     return {
+        "negative request index": replace(index=-1),
+        "fractional max_new_tokens": replace(max_new_tokens=DISAGG_NEW + 0.5),
+        "bool pending_draft_len": replace(pending_draft_len=True),
+        # the pages past kv_len would be allocated beyond what the scheduler admitted
+        "pages past the committed positions": padded(handoff, block_size),
         "kv_len past the pages": replace(kv_len=handoff.kv_len + 1),
         "kv_len short of the tokens": replace(kv_len=handoff.kv_len - 1),
         "pending token outside the vocabulary": replace(pending_inputs=handoff.pending_inputs[:-1] + [vocab]),
@@ -72,7 +88,7 @@ def test_import_refuses_inconsistent_handoffs_and_stays_clean(tiny_pair, handoff
     for h in handoffs:
         assert h.kv_len == h.payload.num_tokens == len(h.prompt) + len(h.output) - 1
         assert h.pending_inputs[0] == h.output[-1]
-    for name, bad in _tampered(handoffs[0], vocab).items():
+    for name, bad in _tampered(handoffs[0], vocab, engine.cache.block_size).items():
         with pytest.raises(HandoffError):
             import_handoff(engine, bad)
             pytest.fail(f"accepted a handoff with {name}")
@@ -108,3 +124,20 @@ def test_context_phase_refused_at_registration_leaves_no_request_behind(tiny_pai
     with pytest.raises(ValueError, match="already exists"):
         run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)
     assert engine.cache.allocator.request_ids == [1] and engine.scheduler.admitted_blocks == 0
+
+
+def test_padded_handoff_cannot_take_the_pages_of_an_admitted_request(tiny_pair, handoffs):
+    """A payload carrying pages past its committed positions holds more pages than its request
+    was admitted for: here so many that the other request, admitted too, finds too few left."""
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    a, b = handoffs
+    fat = a
+    for _ in range(engine.cache.num_blocks - a.payload.num_pages - b.payload.num_pages + 1):
+        fat = padded(fat, engine.cache.block_size)
+    with pytest.raises(HandoffError, match="transferred tokens"):
+        import_handoff(engine, fat)
+    assert _is_clean(engine)
+    request = import_handoff(engine, b)  # gets every page it was promised
+    assert engine.cache.num_tokens(request.rid) == b.kv_len

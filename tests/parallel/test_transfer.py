@@ -35,3 +35,62 @@ def test_send_refuses_what_the_receiver_would_refuse_before_sending_anything():
                               (KVTransferPayload(b"fp", 4, pages), TypeError, "fingerprint")]:
         with pytest.raises(error, match=cause):
             send_payload(bad, 1)
+
+
+def test_send_refuses_a_payload_the_receiver_would_refuse_by_size():
+    """Pools with different page counts (a request has one page of each pool per slot) and an
+    oversized fingerprint are refused by the receiver; the sender must refuse them first."""
+    uneven = KVTransferPayload("fp", 4, (torch.zeros(1, 2, 3, dtype=torch.uint8), torch.zeros(2, 2, 3, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="different page counts"):
+        send_payload(uneven, 1)
+    with pytest.raises(ValueError, match="fingerprint is over"):
+        send_payload(KVTransferPayload("x" * (1 << 17), 4, (torch.zeros(1, 2, 3, dtype=torch.uint8),)), 1)
+
+
+def _header(shapes=((2, 3, 8), (2, 1, 16)), num_tokens=5, fingerprint='{"block_size":4}'):
+    """A KV payload header body as `parallel.transfer`'s docstring lays it out."""
+    data = list(fingerprint.encode("utf-8"))
+    return [num_tokens, len(shapes), *(x for s in shapes for x in s), len(data), *data]
+
+
+@pytest.mark.parametrize("values, cause", [
+    (_header()[:2], "needs at least 3"),
+    ([-1] + _header()[1:], "num_tokens -1 is negative"),
+    (_header()[:1] + [1 << 20] + _header()[2:], "pools"),
+    (_header()[:1] + [3] + _header()[2:], "ends before|announces"),
+    (_header(shapes=((2, -3, 8), (2, 1, 16))), r"pool 0 pages have shape \(2, -3, 8\)"),
+    (_header(shapes=((2, 3, 8), (3, 1, 16))), "different page counts"),
+    (_header(shapes=((1 << 40, 3, 8), (1 << 40, 1, 16))), "bytes"),
+    (_header()[:-1], "announces .* but carries"),
+    (_header() + [0], "announces .* but carries"),
+    (_header()[:-1] + [300], "outside a byte"),
+    (_header()[:-2] + [0xC3, 0x28], "not valid UTF-8"),
+    (_header()[:8] + [0], "fingerprint length 0"),
+])
+def test_payload_header_parse_names_what_is_malformed(values, cause):
+    from m3_eagle_plugin.parallel.transfer import PayloadHeader, TransferError
+
+    with pytest.raises(TransferError, match=cause):
+        PayloadHeader.parse(values, "here")
+
+
+def test_payload_header_round_trips_and_checks_the_receiving_cache():
+    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.kv.transfer import export_request
+    from m3_eagle_plugin.parallel.transfer import PayloadHeader, TransferError
+
+    def cache(block_size):
+        return PagedKVCache.for_minimax_m3(2, [1], 2, 8, 4, block_size, 8, dtype=torch.float32)
+
+    source = cache(4)
+    source.add_request(0)
+    source.reserve(0, 6)
+    payload = export_request(source, 0)
+    header = PayloadHeader.of(payload)
+    assert header.to_ints() == _header([tuple(p.shape) for p in payload.pool_pages], 6, payload.fingerprint)
+    assert PayloadHeader.parse(header.to_ints(), "here") == header
+    header.check_fits(cache(4), "here")
+    with pytest.raises(TransferError, match=r"differs from this cache's in block_size \(payload 4, cache 8\)"):
+        header.check_fits(cache(8), "here")
+    with pytest.raises(TransferError, match="do not match this cache's"):
+        PayloadHeader(header.fingerprint, 9, header.shapes).check_fits(cache(4), "here")

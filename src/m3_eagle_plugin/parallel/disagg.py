@@ -8,9 +8,22 @@ imports both and continues with verify steps exactly where an aggregated engine 
 
 It drives the engine one step at a time through the engine's own launch/commit, so the steps
 are the ones `Engine.generate` runs; overlap is refused (a handoff needs committed state).
+
+On the wire (`send_handoff` / `recv_handoff`) a handoff is one header frame of kind 3 (see
+`parallel.transfer` for frames, verdicts and the page messages) whose body is::
+
+    [index, max_new_tokens, kv_len, pending_draft_len, n_prompt, n_output, n_pending,
+     prompt (n_prompt ints), output (n_output ints), pending_inputs (n_pending ints),
+     the KV payload header body (kind 2)]
+
+then, once the receiver accepted it, the payload's pages. The receiver checks the header (and,
+given its engine, everything `import_handoff` would check) before answering, so a malformed or
+unfitting handoff is refused by name on both sides, its pages never move, and the receiving
+engine is untouched.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,8 +34,9 @@ from m3_eagle_plugin.host.reference.engine import Engine, GenerationResult
 from m3_eagle_plugin.host.reference.request import Request, RequestState
 from m3_eagle_plugin.host.reference.scheduler import RowKind
 from m3_eagle_plugin.kv.transfer import KVTransferPayload, export_request, import_request
-from m3_eagle_plugin.parallel.transfer import (as_ints, check_sendable, recv_ints, recv_payload, send_ints,
-                                               send_payload)
+from m3_eagle_plugin.parallel.process_group import comm_device
+from m3_eagle_plugin.parallel.transfer import (KIND_HANDOFF, PayloadHeader, TransferError, as_ints, check_sendable,
+                                               recv_header, recv_pages, send_header, send_pages)
 
 __all__ = ["ContextHandoff", "HandoffError", "run_context_phase", "export_handoff", "import_handoff",
            "continue_generation", "send_handoff", "recv_handoff"]
@@ -133,6 +147,10 @@ def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
     token id would fail the whole batch's next step, and a ``kv_len`` the pages do not back would
     make verify attend to pages nobody wrote (silently wrong tokens)."""
     where = f"request {handoff.index}"
+    for name, low in (("index", 0), ("max_new_tokens", 1), ("kv_len", 0), ("pending_draft_len", 0)):
+        value = getattr(handoff, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise HandoffError(f"{where}: {name} must be an int >= {low}, got {value!r}")
     if not isinstance(handoff.payload, KVTransferPayload):
         raise HandoffError(f"{where}: payload must be a KVTransferPayload, got {type(handoff.payload).__name__}")
     if len(handoff.pending_inputs) != 1 + engine.k:
@@ -152,9 +170,10 @@ def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
         raise HandoffError(f"{where}: the first pending input {handoff.pending_inputs[0]} is not the last "
                            f"emitted token {handoff.output[-1]}")
     committed = len(handoff.prompt) + len(handoff.output) - 1  # the last token's KV is not written yet
-    if handoff.kv_len != committed or handoff.payload.num_tokens < committed:
+    # exactly: pages past the committed positions would be allocated beyond the admitted budget
+    if handoff.kv_len != committed or handoff.payload.num_tokens != committed:
         raise HandoffError(f"{where}: kv_len {handoff.kv_len} and {handoff.payload.num_tokens} transferred tokens "
-                           f"do not hold the {committed} committed positions (prompt + output - 1)")
+                           f"must both be the {committed} committed positions (prompt + output - 1)")
 
 
 def import_handoff(engine: Engine, handoff: ContextHandoff) -> Request:
@@ -205,31 +224,75 @@ def continue_generation(engine: Engine, requests: list[Request]) -> GenerationRe
     )
 
 
+_STATE_INTS = 7  # index, max_new_tokens, kv_len, pending_draft_len, n_prompt, n_output, n_pending
+
+
 def send_handoff(handoff: ContextHandoff, dst: int, group: dist.ProcessGroup | None = None) -> None:
-    """Send ``handoff`` (state as int64 tensors, pages via `send_payload`) to rank ``dst``.
+    """Send ``handoff`` to rank ``dst`` (format in the module docstring).
 
-    Everything is checked before the first message: a refusal between the state and the pages
-    would leave the peer holding a state with no payload (and misreading the next handoff)."""
+    Everything this side can check is checked before the first message; a handoff the receiver
+    refuses raises `HandoffError` with its reason, and then no page was sent; a stream that broke
+    (or a header too long for a frame) raises `TransferError`."""
     check_sendable(handoff.payload)
+    lists = [as_ints(handoff.prompt), as_ints(handoff.output), as_ints(handoff.pending_inputs)]
     state = as_ints([handoff.index, handoff.max_new_tokens, handoff.kv_len, handoff.pending_draft_len,
-                      len(handoff.prompt), len(handoff.output), len(handoff.pending_inputs),
-                      *handoff.prompt, *handoff.output, *handoff.pending_inputs])
-    send_ints(state, dst, group)
-    send_payload(handoff.payload, dst, group)
+                     *(len(x) for x in lists)])
+    header = [*state, *(t for x in lists for t in x), *PayloadHeader.of(handoff.payload).to_ints()]
+    send_header(KIND_HANDOFF, header, dst, group, f"handoff of request {handoff.index}", error=HandoffError)
+    send_pages(handoff.payload.pool_pages, dst, group, f"handoff of request {handoff.index}")
 
 
-def recv_handoff(src: int, group: dist.ProcessGroup | None = None) -> ContextHandoff:
-    """Receive what `send_handoff` sent from rank ``src``."""
-    ints = recv_ints(src, group)
-    if len(ints) < 7:
-        raise HandoffError(f"handoff header from rank {src} is too short: {ints}")
-    index, max_new, kv_len, draft_len, n_prompt, n_output, n_pending = ints[:7]
-    body = ints[7:]
-    if len(body) != n_prompt + n_output + n_pending:
-        raise HandoffError(f"handoff from rank {src} announces {n_prompt + n_output + n_pending} tokens, "
-                           f"carries {len(body)}")
-    return ContextHandoff(
-        index=index, prompt=body[:n_prompt], max_new_tokens=max_new, output=body[n_prompt:n_prompt + n_output],
-        kv_len=kv_len, pending_inputs=body[n_prompt + n_output:], pending_draft_len=draft_len,
-        payload=recv_payload(src, group),
-    )
+def _parse_handoff(values: list[int], where: str) -> ContextHandoff:
+    """The handoff a header announces, its pages as shape-only (meta) tensors; raises `HandoffError`
+    naming the first field that no sender of ours could have written."""
+    if len(values) < _STATE_INTS:
+        raise HandoffError(f"{where}: the header has {len(values)} ints, the state alone needs {_STATE_INTS}")
+    index, max_new, kv_len, draft_len, *counts = values[:_STATE_INTS]
+    for name, value, low in (("index", index, 0), ("max_new_tokens", max_new, 1), ("kv_len", kv_len, 0),
+                             ("pending_draft_len", draft_len, 0), ("prompt length", counts[0], 0),
+                             ("output length", counts[1], 0), ("pending input count", counts[2], 0)):
+        if value < low:
+            raise HandoffError(f"{where}: {name} {value} is below {low}")
+    tokens_end = _STATE_INTS + sum(counts)
+    if tokens_end > len(values):
+        raise HandoffError(f"{where}: the header announces {sum(counts)} tokens ({counts[0]} prompt, {counts[1]} "
+                           f"output, {counts[2]} pending) but carries {len(values) - _STATE_INTS} ints after the state")
+    tokens = values[_STATE_INTS:tokens_end]
+    if any(t < 0 for t in tokens):
+        raise HandoffError(f"{where}: negative token ids {[t for t in tokens if t < 0][:5]}")
+    try:
+        header = PayloadHeader.parse(values[tokens_end:], where)
+    except TransferError as error:
+        raise HandoffError(str(error)) from None
+    pages = tuple(torch.empty(shape, dtype=torch.uint8, device="meta") for shape in header.shapes)
+    a, b = counts[0], counts[0] + counts[1]
+    return ContextHandoff(index=index, prompt=tokens[:a], max_new_tokens=max_new, output=tokens[a:b], kv_len=kv_len,
+                          pending_inputs=tokens[b:], pending_draft_len=draft_len,
+                          payload=KVTransferPayload(header.fingerprint, header.num_tokens, pages))
+
+
+def recv_handoff(src: int, group: dist.ProcessGroup | None = None, *, engine: Engine | None = None) -> ContextHandoff:
+    """Receive what `send_handoff` sent from rank ``src``.
+
+    A malformed header raises `HandoffError` naming the field, before any page moves (the sender
+    raises it too, and the next handoff on the stream arrives intact). With ``engine`` (the one
+    that will import it), a handoff `import_handoff` would refuse there is refused the same way,
+    so its pages never cross; ``engine`` itself is not touched. A frame that is not ours, a
+    truncated one or a stream that broke raises `TransferError`."""
+    where = f"handoff from rank {src}"
+
+    def accept(values: list[int]):
+        handoff = _parse_handoff(values, where)
+        header = PayloadHeader.of(handoff.payload)
+        if engine is not None:
+            _check_engine(engine)
+            _check_handoff(engine, handoff)
+            try:
+                header.check_fits(engine.cache, f"{where}, request {handoff.index}")
+            except TransferError as error:
+                raise HandoffError(str(error)) from None
+        return handoff, header.buffers(comm_device(group), where)
+
+    handoff, buffers = recv_header(KIND_HANDOFF, src, group, accept)
+    pages = recv_pages(buffers, src, group, f"{where}, request {handoff.index}")
+    return dataclasses.replace(handoff, payload=dataclasses.replace(handoff.payload, pool_pages=pages))

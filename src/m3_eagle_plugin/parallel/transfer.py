@@ -2,110 +2,382 @@
 
 Disaggregated serving prefills on a context GPU and decodes on a generation GPU; the payload
 carries every pool's slots of the request, so the target layers' K/V, the index-K pages and the
-shared draft layer travel together. The wire format is tensors only (no pickles): an int64
-header (fingerprint length, token count, pool count, each pool's shape), the fingerprint as
-UTF-8 bytes, then each pool's uint8 pages. Tensors go through ``comm_device`` so the same calls
-work over gloo (CPU) and NCCL (GPU).
+shared draft layer travel together. Tensors only (no pickles), through ``comm_device`` so the
+same calls work over gloo (CPU) and NCCL (GPU).
+
+Wire format, version 1 (every message int64 unless said otherwise)
+-------------------------------------------------------------------
+A *frame* is two messages::
+
+    preamble  [MAGIC, VERSION, KIND, N]      MAGIC = int.from_bytes(b"M3EAGLE", "big")
+    body      [v_0, ..., v_{N-1}, TRAILER]   TRAILER = -MAGIC, so a short body is caught
+
+KIND: 1 a list of ints (`send_ints`), 2 a KV payload header, 3 a handoff header
+(`parallel.disagg`), 4 a verdict. A KV payload (`send_payload`) is::
+
+    sender -> receiver  frame 2: [num_tokens, num_pools, (pages, sub_pages, page_bytes) per pool,
+                                  fingerprint length, the fingerprint's UTF-8 bytes, one per int]
+    receiver -> sender  frame 4: empty = accepted, else the refusal's reason in UTF-8 bytes
+    sender -> receiver  accepted only: each pool's uint8 pages (a pool with no bytes is skipped)
+
+A handoff is the same with frame 3, whose body is the request's state followed by the body of
+frame 2 (see `parallel.disagg`). The receiver checks the whole header (sizes, counts, and, when
+given the receiving cache or engine, geometry and state) and allocates the page buffers before
+it answers, so a refused header never sends its pages: both sides raise, naming the cause, and
+the next frame on the stream is the next header. The preamble, a header frame and its verdict
+are what every version keeps, so a peer speaking another version is refused by name.
+
+A frame that is not ours (wrong magic), announces an absurd length or arrives short leaves the
+position in the stream unknown: the receiver raises `TransferError`, and every later message
+to or from that peer in that process group is refused at once (start a new group) rather than
+payload bytes being read as a header. So is a stream that broke in the middle of the pages.
 """
 from __future__ import annotations
 
+import json
 import operator
+import weakref
+from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from m3_eagle_plugin.kv.transfer import KVTransferPayload
+from m3_eagle_plugin.kv.manager import PagedKVCache
+from m3_eagle_plugin.kv.transfer import KVTransferPayload, cache_fingerprint
 from m3_eagle_plugin.parallel.process_group import comm_device
 
-__all__ = ["send_payload", "recv_payload", "send_ints", "recv_ints", "check_sendable", "as_ints"]
+__all__ = ["send_payload", "recv_payload", "send_ints", "recv_ints", "check_sendable", "as_ints",
+           "TransferError", "PayloadHeader", "MAGIC", "VERSION", "TRAILER", "KIND_INTS", "KIND_PAYLOAD",
+           "KIND_HANDOFF", "KIND_VERDICT"]
 
-_HEADER_FIXED = 3  # fingerprint bytes, num_tokens, num_pools
+MAGIC = int.from_bytes(b"M3EAGLE", "big")
+VERSION = 1
+TRAILER = -MAGIC
+KIND_INTS, KIND_PAYLOAD, KIND_HANDOFF, KIND_VERDICT = 1, 2, 3, 4
+_KIND_NAMES = {KIND_INTS: "int list", KIND_PAYLOAD: "KV payload header", KIND_HANDOFF: "handoff header",
+               KIND_VERDICT: "verdict"}
+_WAITS_FOR_VERDICT = (KIND_PAYLOAD, KIND_HANDOFF)
+
+# Limits past which a size is refused as absurd (not a plausible request), before any allocation.
+MAX_FRAME_INTS = 1 << 24
+MAX_FINGERPRINT_BYTES = 1 << 16
+MAX_POOLS = 1 << 10
+MAX_PAYLOAD_BYTES = 1 << 40
+_MAX_REASON_BYTES = 4096
+
+T = TypeVar("T")
 
 
-def send_ints(values: list[int], dst: int, group: dist.ProcessGroup | None = None) -> None:
-    """Send a list of ints (length first) to rank ``dst``."""
-    values = as_ints(values)
+class TransferError(ValueError):
+    """A message that is malformed or does not fit the receiver, or a stream that is out of sync."""
+
+
+# ----- stream state: a peer whose stream lost its framing is refused from then on -------------
+_out_of_sync: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def _group_key(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return dist.group.WORLD if group is None else group
+
+
+def _lose_sync(group: dist.ProcessGroup | None, peer: int, message: str) -> TransferError:
+    _out_of_sync.setdefault(_group_key(group), {}).setdefault(peer, message)
+    return TransferError(message)
+
+
+def _check_in_sync(group: dist.ProcessGroup | None, peer: int) -> None:
+    cause = _out_of_sync.get(_group_key(group), {}).get(peer)
+    if cause is not None:
+        raise TransferError(f"the stream with rank {peer} is out of sync (earlier: {cause}); nothing more "
+                            f"can be exchanged with it in this process group, start a new one")
+
+
+def _send_tensor(tensor: torch.Tensor, dst: int, group, what: str) -> None:
+    try:
+        dist.send(tensor, dst, group=group)
+    except RuntimeError as error:
+        raise _lose_sync(group, dst, f"sending {what} to rank {dst} failed: {error}") from error
+
+
+def _recv_tensor(tensor: torch.Tensor, src: int, group, what: str) -> None:
+    try:
+        dist.recv(tensor, src, group=group)
+    except RuntimeError as error:
+        raise _lose_sync(group, src, f"the stream from rank {src} broke while receiving {what}: {error}") from error
+
+
+# ----- frames ---------------------------------------------------------------------------------
+def _send_frame(kind: int, values: list[int], dst: int, group) -> None:
+    _check_in_sync(group, dst)
+    if len(values) > MAX_FRAME_INTS:
+        raise TransferError(f"a {_KIND_NAMES[kind]} of {len(values)} ints is over the {MAX_FRAME_INTS} limit")
     device = comm_device(group)
-    dist.send(torch.tensor([len(values)], dtype=torch.int64, device=device), dst, group=group)
-    if values:
-        dist.send(torch.tensor(values, dtype=torch.int64, device=device), dst, group=group)
+    name = _KIND_NAMES[kind]
+    try:  # both built before the first send: a value past int64 must not strand a sent preamble
+        preamble = torch.tensor([MAGIC, VERSION, kind, len(values)], dtype=torch.int64, device=device)
+        body = torch.tensor([*values, TRAILER], dtype=torch.int64, device=device)
+    except (RuntimeError, OverflowError) as error:
+        raise TransferError(f"a {name} holds a value that is not an int64: {error}") from None
+    _send_tensor(preamble, dst, group, f"a {name} preamble")
+    _send_tensor(body, dst, group, f"a {name}")
 
 
+def _recv_frame(src: int, group) -> tuple[int, int, list[int]]:
+    """(kind, version, values) of the next frame from ``src``; raises (and marks the stream out of
+    sync) when its framing cannot be trusted. Version and kind are the caller's to check."""
+    _check_in_sync(group, src)
+    device = comm_device(group)
+    preamble = torch.zeros(4, dtype=torch.int64, device=device)
+    _recv_tensor(preamble, src, group, "a frame preamble")
+    magic, version, kind, n = preamble.cpu().tolist()
+    if magic != MAGIC:
+        raise _lose_sync(group, src, f"rank {src} is not speaking the m3-eagle transfer protocol: the frame "
+                                     f"starts with {magic:#x}, expected the magic {MAGIC:#x}")
+    if not 0 <= n <= MAX_FRAME_INTS:
+        raise _lose_sync(group, src, f"rank {src} announced a frame of {n} ints (allowed: 0 to {MAX_FRAME_INTS})")
+    body = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    _recv_tensor(body, src, group, f"a frame of {n} ints")
+    values = body.cpu().tolist()
+    if values[-1] != TRAILER:
+        raise _lose_sync(group, src, f"the frame of {n} ints from rank {src} arrived truncated or corrupt "
+                                     f"(its trailer is {values[-1]:#x}, expected {TRAILER:#x})")
+    return kind, version, values[:-1]
+
+
+def _check_frame(kind: int, version: int, expected: int, peer: int) -> None:
+    if version != VERSION:
+        raise TransferError(f"rank {peer} speaks transfer protocol version {version}, this side speaks {VERSION}")
+    if kind != expected:
+        raise TransferError(f"expected a {_KIND_NAMES[expected]} from rank {peer}, got a "
+                            f"{_KIND_NAMES.get(kind, f'frame of unknown kind {kind}')}")
+
+
+def _utf8(text: str, limit: int) -> list[int]:
+    return list(text.encode("utf-8")[:limit])
+
+
+def _decode_utf8(values: list[int], what: str) -> str:
+    bad = [v for v in values if not 0 <= v <= 255]
+    if bad:
+        raise TransferError(f"{what} holds values outside a byte: {bad[:5]}")
+    try:
+        return bytes(values).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TransferError(f"{what} is not valid UTF-8: {error}") from None
+
+
+def send_header(kind: int, values: list[int], dst: int, group, what: str,
+                error: type[Exception] = TransferError) -> None:
+    """Send a header frame and wait for the receiver's verdict; a refusal raises ``error`` with the
+    receiver's reason (nothing else was sent, so the stream is still in step)."""
+    _send_frame(kind, values, dst, group)
+    got, version, reason = _recv_frame(dst, group)
+    try:
+        _check_frame(got, version, KIND_VERDICT, dst)
+    except TransferError as mismatch:  # the peer is not answering this header: position unknown
+        raise _lose_sync(group, dst, f"no verdict on the {what}: {mismatch}") from None
+    if reason:
+        raise error(f"rank {dst} refused the {what}: {_decode_utf8(reason, 'the refusal reason')}")
+
+
+def recv_header(kind: int, src: int, group, accept: Callable[[list[int]], T]) -> T:
+    """Receive a header frame of ``kind``, run ``accept`` on its values (checks, buffer allocation)
+    and answer the sender: any exception from it is sent back as the refusal's reason and raised
+    here; the sender then sends nothing more for this header."""
+    got, version, values = _recv_frame(src, group)
+    try:
+        _check_frame(got, version, kind, src)
+        result = accept(values)
+    except Exception as refusal:
+        if got in _WAITS_FOR_VERDICT:
+            try:
+                _send_frame(KIND_VERDICT, _utf8(str(refusal) or type(refusal).__name__, _MAX_REASON_BYTES),
+                            src, group)
+            except TransferError:
+                pass  # the peer is gone (the stream is marked): the refusal is still the news here
+        else:  # an int list or verdict where a header belongs: its sender waits for no answer
+            _lose_sync(group, src, f"expected a {_KIND_NAMES[kind]} from rank {src}, got a "
+                                   f"{_KIND_NAMES.get(got, f'frame of unknown kind {got}')}")
+        raise
+    _send_frame(KIND_VERDICT, [], src, group)
+    return result
+
+
+# ----- int lists ------------------------------------------------------------------------------
 def as_ints(values) -> list[int]:
     """``values`` as Python ints; a float raises TypeError (an int64 tensor would truncate it silently)."""
     return [operator.index(v) for v in values]
 
 
+def send_ints(values: list[int], dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Send a list of ints (one frame) to rank ``dst``."""
+    _send_frame(KIND_INTS, as_ints(values), dst, group)
+
+
 def recv_ints(src: int, group: dist.ProcessGroup | None = None) -> list[int]:
     """Receive what `send_ints` sent from rank ``src``."""
+    kind, version, values = _recv_frame(src, group)
+    try:
+        _check_frame(kind, version, KIND_INTS, src)
+    except TransferError as mismatch:
+        raise _lose_sync(group, src, str(mismatch)) from None
+    return values
+
+
+# ----- KV payload headers ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class PayloadHeader:
+    """What a KV payload header announces: checked for sanity when parsed, before any page moves."""
+
+    fingerprint: str
+    num_tokens: int
+    shapes: tuple[tuple[int, int, int], ...]
+
+    def to_ints(self) -> list[int]:
+        data = list(self.fingerprint.encode("utf-8"))
+        return [self.num_tokens, len(self.shapes), *(x for s in self.shapes for x in s), len(data), *data]
+
+    @classmethod
+    def of(cls, payload: KVTransferPayload) -> "PayloadHeader":
+        return cls(payload.fingerprint, payload.num_tokens,
+                   tuple(tuple(int(x) for x in pages.shape) for pages in payload.pool_pages))
+
+    @classmethod
+    def parse(cls, values: list[int], where: str) -> "PayloadHeader":
+        """Parse a header body that must be exactly ``values``; raises `TransferError` naming the field."""
+        if len(values) < 3:
+            raise TransferError(f"{where}: the KV payload header has {len(values)} ints, needs at least 3")
+        num_tokens, num_pools = values[0], values[1]
+        if num_tokens < 0:
+            raise TransferError(f"{where}: num_tokens {num_tokens} is negative")
+        if not 0 <= num_pools <= MAX_POOLS:
+            raise TransferError(f"{where}: {num_pools} pools (allowed: 0 to {MAX_POOLS})")
+        fp_at = 2 + 3 * num_pools
+        if len(values) <= fp_at:
+            raise TransferError(f"{where}: {num_pools} pools announced, the header ends before their "
+                                f"{3 * num_pools} shape entries and the fingerprint length")
+        shapes = tuple(tuple(values[2 + 3 * i: 5 + 3 * i]) for i in range(num_pools))
+        fp_len = values[fp_at]
+        if not 1 <= fp_len <= MAX_FINGERPRINT_BYTES:
+            raise TransferError(f"{where}: fingerprint length {fp_len} (allowed: 1 to {MAX_FINGERPRINT_BYTES})")
+        if len(values) != fp_at + 1 + fp_len:
+            raise TransferError(f"{where}: the header announces {fp_at + 1 + fp_len} ints "
+                                f"({num_pools} pools, a {fp_len}-byte fingerprint) but carries {len(values)}")
+        header = cls(_decode_utf8(values[fp_at + 1:], f"{where}: the fingerprint"), num_tokens, shapes)
+        header.check_sizes(where)
+        return header
+
+    def check_sizes(self, where: str) -> None:
+        """Sizes every payload must have whoever receives it: non-negative, the same number of pages
+        in every pool (one slot each), and a total a host could plausibly hold."""
+        for i, shape in enumerate(self.shapes):
+            if len(shape) != 3 or any(x < 0 for x in shape):
+                raise TransferError(f"{where}: pool {i} pages have shape {shape}, expected 3 sizes >= 0")
+        if len({s[0] for s in self.shapes}) > 1:
+            raise TransferError(f"{where}: the pools carry different page counts {[s[0] for s in self.shapes]} "
+                                f"(a request has one page of each pool per slot)")
+        total = sum(a * b * c for a, b, c in self.shapes)
+        if total > MAX_PAYLOAD_BYTES:
+            raise TransferError(f"{where}: the pages would take {total} bytes (limit {MAX_PAYLOAD_BYTES})")
+
+    def check_fits(self, cache: PagedKVCache, where: str) -> None:
+        """Refuse a header whose pages do not fit ``cache``: another geometry, or a page count that
+        does not match ``num_tokens`` in this cache's block size."""
+        expected = cache_fingerprint(cache)
+        if self.fingerprint != expected:
+            raise TransferError(f"{where}: the KV geometry differs from this cache's in "
+                                f"{_fingerprint_difference(self.fingerprint, expected)}")
+        needed = cache.allocator.blocks_for(self.num_tokens)
+        shapes = tuple((needed, p.sub_pages, p.page_bytes) for p in cache.geometry.pools)
+        if self.shapes != shapes:
+            raise TransferError(f"{where}: pages of shape {list(self.shapes)} do not match this cache's "
+                                f"{list(shapes)} for {self.num_tokens} tokens")
+        if needed > cache.num_blocks:
+            raise TransferError(f"{where}: {needed} pages, this cache has {cache.num_blocks}")
+
+    def buffers(self, device: torch.device, where: str) -> list[torch.Tensor]:
+        """Zeroed receive buffers, allocated before the header is accepted (a failure refuses it)."""
+        try:
+            return [torch.zeros(shape, dtype=torch.uint8, device=device) for shape in self.shapes]
+        except RuntimeError as error:
+            raise TransferError(f"{where}: cannot allocate the {len(self.shapes)} page buffers: {error}") from None
+
+
+def _fingerprint_difference(got: str, expected: str) -> str:
+    try:
+        a, b = json.loads(got), json.loads(expected)
+    except ValueError:
+        return f"its form: {got[:80]!r} is not a cache fingerprint"
+    if not isinstance(a, dict):
+        return f"its form: {got[:80]!r} is not a cache fingerprint"
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    return "; ".join(f"{k} (payload {json.dumps(a.get(k))[:120]}, cache {json.dumps(b.get(k))[:120]})" for k in keys)
+
+
+def send_pages(pool_pages, dst: int, group, what: str) -> None:
     device = comm_device(group)
-    length = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(length, src, group=group)
-    n = int(length.item())
-    if n < 0:
-        raise ValueError(f"peer {src} announced a negative list length {n}")
-    if n == 0:
-        return []
-    values = torch.zeros(n, dtype=torch.int64, device=device)
-    dist.recv(values, src, group=group)
-    return values.cpu().tolist()
+    for i, pages in enumerate(pool_pages):
+        if pages.numel():
+            _send_tensor(pages.contiguous().to(device), dst, group, f"pool {i} of the {what}")
 
 
+def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str) -> tuple[torch.Tensor, ...]:
+    for i, pages in enumerate(buffers):
+        if pages.numel():
+            _recv_tensor(pages, src, group, f"pool {i} of {len(buffers)} of the {what}")
+    return tuple(pages.cpu() for pages in buffers)
+
+
+# ----- KV payloads ----------------------------------------------------------------------------
 def check_sendable(payload: KVTransferPayload) -> None:
-    """Refuse, before the first message, what `recv_payload` would refuse or misread: once the
-    header is out, a refusal on either side leaves the rest of the payload stranded in flight.
-    A non-int token count would be truncated by the int64 header without a word."""
+    """Refuse, before the first message, what `recv_payload` would refuse or misread. A non-int
+    token count would be truncated by the int64 header without a word."""
     if not isinstance(payload, KVTransferPayload):
         raise TypeError(f"payload must be a KVTransferPayload, got {type(payload).__name__}")
     if not isinstance(payload.fingerprint, str):
         raise TypeError(f"payload fingerprint must be a str, got {type(payload.fingerprint).__name__}")
     if not payload.fingerprint:
         raise ValueError("payload has an empty geometry fingerprint")
+    if len(payload.fingerprint.encode("utf-8")) > MAX_FINGERPRINT_BYTES:
+        raise ValueError(f"payload fingerprint is over {MAX_FINGERPRINT_BYTES} bytes")
     if isinstance(payload.num_tokens, bool) or not isinstance(payload.num_tokens, int):
         raise TypeError(f"payload num_tokens must be an int, got {payload.num_tokens!r}")
     if payload.num_tokens < 0:
         raise ValueError(f"payload num_tokens must be >= 0, got {payload.num_tokens}")
+    if len(payload.pool_pages) > MAX_POOLS:
+        raise ValueError(f"payload has {len(payload.pool_pages)} pools, at most {MAX_POOLS} travel")
     for pages in payload.pool_pages:
         if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.dim() != 3:
             raise ValueError(f"payload pages must be uint8 [pages, sub_pages, page_bytes] tensors, got "
                              f"{getattr(pages, 'dtype', type(pages).__name__)} {tuple(getattr(pages, 'shape', ()))}")
+    try:
+        PayloadHeader.of(payload).check_sizes("payload")
+    except TransferError as error:
+        raise ValueError(str(error)) from None
 
 
 def send_payload(payload: KVTransferPayload, dst: int, group: dist.ProcessGroup | None = None) -> None:
-    """Send ``payload`` to rank ``dst`` (blocking until it is handed to the transport)."""
+    """Send ``payload`` to rank ``dst``; raises `TransferError` with the receiver's reason when it
+    refuses the header (then no page was sent)."""
     check_sendable(payload)
-    fingerprint = torch.frombuffer(bytearray(payload.fingerprint.encode("utf-8")), dtype=torch.uint8)
-    header = [fingerprint.numel(), payload.num_tokens, len(payload.pool_pages)]
-    for pages in payload.pool_pages:
-        header.extend(int(x) for x in pages.shape)
-    device = comm_device(group)
-    send_ints(header, dst, group)
-    dist.send(fingerprint.to(device), dst, group=group)
-    for pages in payload.pool_pages:
-        if pages.numel():
-            dist.send(pages.contiguous().to(device), dst, group=group)
+    send_header(KIND_PAYLOAD, PayloadHeader.of(payload).to_ints(), dst, group, "KV payload")
+    send_pages(payload.pool_pages, dst, group, "KV payload")
 
 
-def recv_payload(src: int, group: dist.ProcessGroup | None = None) -> KVTransferPayload:
-    """Receive a payload sent by `send_payload` from rank ``src``; its pages land on the host."""
-    device = comm_device(group)
-    header = recv_ints(src, group)
-    if len(header) < _HEADER_FIXED:
-        raise ValueError(f"KV payload header from rank {src} is too short: {header}")
-    fp_len, num_tokens, num_pools = header[:_HEADER_FIXED]
-    if fp_len < 1 or num_tokens < 0 or num_pools < 0:
-        raise ValueError(f"KV payload header from rank {src} is malformed: {header[:_HEADER_FIXED]}")
-    shapes = header[_HEADER_FIXED:]
-    if len(shapes) != 3 * num_pools:
-        raise ValueError(f"KV payload header from rank {src} announces {num_pools} pools but carries "
-                         f"{len(shapes)} shape entries")
-    fingerprint = torch.zeros(fp_len, dtype=torch.uint8, device=device)
-    dist.recv(fingerprint, src, group=group)
-    pool_pages = []
-    for i in range(num_pools):
-        pages = torch.zeros(tuple(shapes[3 * i: 3 * i + 3]), dtype=torch.uint8, device=device)
-        if pages.numel():
-            dist.recv(pages, src, group=group)
-        pool_pages.append(pages.cpu())
-    text = bytes(fingerprint.cpu().tolist()).decode("utf-8")
-    return KVTransferPayload(text, int(num_tokens), tuple(pool_pages))
+def recv_payload(src: int, group: dist.ProcessGroup | None = None, *,
+                 cache: PagedKVCache | None = None) -> KVTransferPayload:
+    """Receive a payload sent by `send_payload` from rank ``src``; its pages land on the host.
+
+    With ``cache``, a payload that could not be imported there (geometry, page count) is refused
+    before its pages are sent. Every refusal raises `TransferError` here and in the sender."""
+    where = f"KV payload from rank {src}"
+
+    def accept(values: list[int]):
+        header = PayloadHeader.parse(values, where)
+        if cache is not None:
+            header.check_fits(cache, where)
+        return header, header.buffers(comm_device(group), where)
+
+    header, buffers = recv_header(KIND_PAYLOAD, src, group, accept)
+    return KVTransferPayload(header.fingerprint, header.num_tokens, recv_pages(buffers, src, group, where))
