@@ -164,9 +164,10 @@ def _verdict_refusal(mode: str, verdict: Any, manifest: Any, force: bool) -> str
     return None
 
 
-def _evaluate(mode: str, report: ActivationReport) -> None:
-    """Fill `report` and activate; raises ActivationError (require) or returns with ok=False (auto)."""
-    from m3_eagle_plugin.manifest import DEFER, host_verdict, load_manifest
+def _judge_host(report: ActivationReport) -> tuple[Any, bool, str | None, bool, Any]:
+    """(manifest, installed, version, force, verdict) of the manifest's host; fills `report`'s host,
+    host_version, verdict and reason (what activate and status both report first)."""
+    from m3_eagle_plugin.manifest import host_verdict, load_manifest
 
     manifest = load_manifest()
     installed, version = host_version(manifest.host.package)
@@ -174,6 +175,14 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
     force = force_requested()
     verdict = host_verdict(version, manifest, force=force)
     report.verdict, report.reason = verdict.status, verdict.reason
+    return manifest, installed, version, force, verdict
+
+
+def _evaluate(mode: str, report: ActivationReport) -> None:
+    """Fill `report` and activate; raises ActivationError (require) or returns with ok=False (auto)."""
+    from m3_eagle_plugin.manifest import DEFER
+
+    manifest, installed, version, force, verdict = _judge_host(report)
     if not installed:
         raise ActivationError(f"{manifest.host.package} is not installed (pip install {manifest.host.package})")
     if version is None:
@@ -277,14 +286,7 @@ def status() -> ActivationReport:
         return ActivationReport(mode=os.environ.get(MODE_ENV, ""), ok=False, reason=str(exc))
     report = ActivationReport(mode=mode)
     try:
-        from m3_eagle_plugin.manifest import host_verdict, load_manifest
-
-        manifest = load_manifest()
-        installed, version = host_version(manifest.host.package)
-        report.host, report.host_version = manifest.host.package, version
-        force = force_requested()
-        verdict = host_verdict(version, manifest, force=force)
-        report.verdict, report.reason = verdict.status, verdict.reason
+        manifest, installed, version, force, verdict = _judge_host(report)
         if not installed:
             report.reason = f"{manifest.host.package} is not installed"
         from m3_eagle_plugin.registry import get_plugin_manager

@@ -229,15 +229,25 @@ class M3PluginManager(pluggy.PluginManager):
         return rows
 
 
+def exact_index(value: Any) -> int | None:
+    """`value` as an int if it is an integer (numpy and 0-d torch integers too, not bool), else None.
+
+    For drafted token ids (here and in the reference host): `int` would quietly turn 2.7 into 2 or
+    "3" into 3, and the host would verify a token never proposed."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _token_id(token: Any, rid: Any) -> int:
-    """A drafter's token as an int: integers only (numpy and 0-d torch integers too), since `int`
-    would quietly turn 2.7 into 2 or "3" into 3 and the host would verify a token never proposed."""
-    if not isinstance(token, bool):
-        try:
-            return operator.index(token)
-        except TypeError:
-            pass
-    raise PluginError(f"m3_eagle_propose_drafts returned {token!r} for request {rid}; token ids must be ints")
+    """A drafter's token as an int (`exact_index`), else PluginError."""
+    index = exact_index(token)
+    if index is None:
+        raise PluginError(f"m3_eagle_propose_drafts returned {token!r} for request {rid}; token ids must be ints")
+    return index
 
 
 def make_plugin_manager(*, autoload: bool = False, strict: bool = False, register_builtin: bool = True,

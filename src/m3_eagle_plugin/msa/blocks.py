@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "MsaInputError",
     "validate_block_size",
+    "checked_int",
     "per_token_valid_blocks",
     "valid_blocks_from_positions",
 ]
@@ -21,6 +22,15 @@ __all__ = [
 
 class MsaInputError(ValueError):
     """Raised when an MSA function or the step metadata receives inconsistent input."""
+
+
+def checked_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value`` if it is an int (not bool) of at least ``minimum``; TypeError / MsaInputError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise MsaInputError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def validate_block_size(block_size: object) -> int:

@@ -19,20 +19,12 @@ from typing import Sequence
 
 import torch
 
-from .blocks import MsaInputError, int_entries, validate_block_size
+from .blocks import MsaInputError, checked_int, int_entries, validate_block_size
 
 #: The largest value the metadata's int32 fields (lengths, page ids) hold.
 _INT32_MAX = (1 << 31) - 1
 
 __all__ = ["MsaDecodeMetadata"]
-
-
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise MsaInputError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _host_lengths(name: str, values: torch.Tensor | Sequence[int]) -> list[int]:
@@ -67,14 +59,14 @@ class MsaDecodeMetadata:
         max_draft_len: int = 0,
         num_index_heads: int = 1,
     ) -> None:
-        self.max_num_requests = _positive_int("max_num_requests", max_num_requests)
-        self.max_num_tokens = _positive_int("max_num_tokens", max_num_tokens)
-        self.max_blocks_per_seq = _positive_int("max_blocks_per_seq", max_blocks_per_seq)
+        self.max_num_requests = checked_int("max_num_requests", max_num_requests)
+        self.max_num_tokens = checked_int("max_num_tokens", max_num_tokens)
+        self.max_blocks_per_seq = checked_int("max_blocks_per_seq", max_blocks_per_seq)
         self.block_size = validate_block_size(block_size)
         # The last page whose every slot (page * B + offset) fits the int32 cache_slots: a larger id would wrap.
         self._max_page = (_INT32_MAX + 1) // self.block_size - 1
-        self.max_draft_len = _positive_int("max_draft_len", max_draft_len, minimum=0)
-        self.num_index_heads = _positive_int("num_index_heads", num_index_heads)
+        self.max_draft_len = checked_int("max_draft_len", max_draft_len, minimum=0)
+        self.num_index_heads = checked_int("num_index_heads", num_index_heads)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())

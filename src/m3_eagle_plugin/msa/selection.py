@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .blocks import MsaInputError, request_pages, validate_block_size
+from .blocks import MsaInputError, checked_int, request_pages, validate_block_size
 
 __all__ = ["select_blocks", "select_blocks_paged", "select_from_block_scores"]
 
@@ -23,10 +23,7 @@ _SCORE_CHUNK_ELEMS = 1 << 24
 
 def _validate_selection_args(topk: int, local_blocks: int, init_blocks: int) -> None:
     for name, value, low in (("topk", topk, 1), ("local_blocks", local_blocks, 0), ("init_blocks", init_blocks, 0)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < low:
-            raise MsaInputError(f"{name} must be >= {low}, got {value}")
+        checked_int(name, value, low)
     if local_blocks + init_blocks > topk:
         raise MsaInputError(
             f"local_blocks + init_blocks ({local_blocks} + {init_blocks}) exceed topk ({topk}): "

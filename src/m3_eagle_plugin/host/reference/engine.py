@@ -9,7 +9,6 @@ host-side proposers need committed tokens, so they turn overlap off.
 """
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -307,15 +306,11 @@ class Engine:
 
 
 def _token_id(token, vocab_size: int) -> int | None:
-    """``token`` as a vocabulary id, or None. Integers only (numpy and 0-d torch integers too):
-    `int` would quietly turn a proposer's 2.7 into 2 or "3" into 3, and verify a token it never meant."""
-    if isinstance(token, bool):
-        return None
-    try:
-        token = operator.index(token)
-    except TypeError:
-        return None
-    return token if 0 <= token < vocab_size else None
+    """``token`` as a vocabulary id (an integer, `registry.exact_index`, in ``[0, vocab_size)``), or None."""
+    from m3_eagle_plugin.registry import exact_index
+
+    index = exact_index(token)
+    return index if index is not None and 0 <= index < vocab_size else None
 
 
 def _start_readback(out: StepOutput) -> tuple:
