@@ -171,6 +171,18 @@ def test_text_config_with_a_legacy_section_resolves_like_transformers(section, f
     _assert_same(cfg, MiniMaxM3VLTextConfig(**json.loads(json.dumps(raw))))
 
 
+def test_init_blocks_in_a_text_configs_legacy_section_are_refused_naming_the_field():
+    """transformers reads no `sparse_init_block` (its indexer forces no init block), so a text config
+    that asks for init blocks would run another model than transformers does: refused, not read."""
+    raw = {k: v for k, v in tiny_text_config().to_dict().items()}
+    raw["sparse_attention_config"] = {"sparse_init_block": 1}
+    with pytest.raises(ConfigError) as info:
+        M3Config.from_dict(raw, "x.json")
+    assert str(info.value).startswith("x.json: sparse_attention_config.sparse_init_block: 1 init blocks")
+    raw["sparse_attention_config"] = {"sparse_init_block": 0}
+    assert M3Config.from_dict(raw).init_blocks == 0
+
+
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(layers=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=8),
        factor=st.sampled_from([0.25, 0.5, 1.0]), theta=st.sampled_from([1e4, 5e6]))

@@ -214,6 +214,7 @@ def _parse(t: ConfigFields) -> M3Config:
     if legacy is not None:
         _check_legacy_branch(legacy, sparse)
     index = _index_geometry(t, legacy, any(sparse))
+    init_blocks = _init_blocks(legacy, any(sparse), layout)
     if any(sparse) and common["num_heads"] % common["num_kv_heads"] == 0:  # else M3Config refuses the GQA split
         index["index_head_repeat"] = _index_head_repeat(t, legacy, index["index_heads"], common["num_kv_heads"])
         index["index_heads"] *= index["index_head_repeat"]
@@ -224,7 +225,7 @@ def _parse(t: ConfigFields) -> M3Config:
         sparse_layers=sparse,
         moe_layers=_moe_pattern(t, n, layout),
         **index,
-        init_blocks=legacy.get_int("sparse_init_block", 0, minimum=0) if legacy is not None else 0,
+        init_blocks=init_blocks,
         layout=layout,
     )
 
@@ -258,6 +259,19 @@ def _check_legacy_branch(sp: ConfigFields, sparse: tuple[bool, ...]) -> None:
         if with_iv:
             raise sp.error("sparse_disable_index_value", f"sparse layers {with_iv} keep the index-value "
                            "branch, which is not supported")
+
+
+def _init_blocks(legacy: ConfigFields | None, need_index: bool, layout: str) -> int:
+    """The legacy `sparse_init_block`: read in the production layout (vLLM / SGLang force those blocks).
+    transformers reads it in neither layout and forces no init block, so a text config that asks for
+    some would run another model than the transformers that writes that layout: refused by name."""
+    if legacy is None:
+        return 0
+    init = legacy.get_int("sparse_init_block", 0, minimum=0)
+    if init and need_index and layout == "text":
+        raise legacy.error("sparse_init_block", f"{init} init blocks are not supported in a text-layout config "
+                           "(layer_types / mlp_layer_types): transformers forces no init block there")
+    return init
 
 
 def _index_key(t: ConfigFields, legacy: ConfigFields | None, field: str) -> tuple[ConfigFields, str]:
