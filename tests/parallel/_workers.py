@@ -453,3 +453,74 @@ def wire_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out
     outcomes["after the cut"] = _outcome(lambda: t.recv_ints(0, g3))
     clean["cut"] = is_clean()
     (out / "wire_rank1.json").write_text(json_.dumps({"outcomes": outcomes, "clean": clean, "followups": followups}))
+
+
+# ----- paths where one side waited for a message the other never sends (rank 0 sends) ----------
+def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out_dir: str) -> None:
+    """Each case on its own group with a short timeout, so a side left waiting shows up as a
+    timeout outcome instead of a hung test; every case ends with a good payload that must arrive
+    intact (the stream stayed in step). Outcomes are written after every case."""
+    import dataclasses
+    import datetime
+    import json as json_
+
+    from m3_eagle_plugin.host.reference.build import blocks_for_prompts, build_engine
+    from m3_eagle_plugin.host.reference.engine import EngineConfig
+    from m3_eagle_plugin.kv.transfer import KVTransferPayload
+    from m3_eagle_plugin.parallel import transfer as t
+    from m3_eagle_plugin.parallel.disagg import export_handoff, recv_handoff, run_context_phase, send_handoff
+
+    names = ("header where ints belong", "long non-ascii refusal", "handoff that never fits", "pages fail after accept")
+    groups = {name: dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10)) for name in names}
+    good = KVTransferPayload("fp", 5, (torch.arange(48, dtype=torch.uint8).view(2, 3, 8),))
+    config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
+    engine = build_engine(target_dir, draft_dir, config, device=torch.device("cpu"),
+                          num_blocks=blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    seen: dict[str, str | list] = {}
+    out = Path(out_dir) / f"edges_rank{rank}.json"
+
+    def observe(call):
+        try:
+            value = call()
+        except Exception as error:  # noqa: BLE001 - what happened is the observation
+            return f"{type(error).__name__}: {error}"
+        return "ok" if value is None else value
+
+    def case(name, call, follow_up=None):
+        seen[name] = observe(call)
+        if follow_up is not None:
+            seen[f"{name}, then"] = observe(follow_up)
+        out.write_text(json_.dumps(seen))
+        dist.barrier()  # a side left waiting times out in its own case, not in the next one
+
+    if rank == 0:
+        g = groups["header where ints belong"]
+        case("header where ints belong", lambda: t.send_payload(good, 1, g), lambda: t.send_payload(good, 1, g))
+        g = groups["long non-ascii refusal"]
+        keys = json_.dumps({("é" * 400 + str(i)): i for i in range(20)})  # a reason past 4096 bytes
+        case("long non-ascii refusal", lambda: t.send_payload(dataclasses.replace(good, fingerprint=keys), 1, g),
+             lambda: t.send_payload(good, 1, g))
+        g = groups["handoff that never fits"]
+        h = [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)][0]
+        case("handoff that never fits", lambda: send_handoff(dataclasses.replace(h, max_new_tokens=10 ** 6), 1, g),
+             lambda: t.send_payload(good, 1, g))
+        g = groups["pages fail after accept"]
+        meta = dataclasses.replace(good, pool_pages=(torch.empty(2, 3, 8, dtype=torch.uint8, device="meta"),))
+        case("pages fail after accept", lambda: t.send_payload(meta, 1, g), lambda: t.send_payload(good, 1, g))
+        return
+    cache = PagedKVCache.for_minimax_m3(2, [1], 2, 8, 4, 4, 8, dtype=torch.float32)
+    g = groups["header where ints belong"]
+    case("header where ints belong", lambda: t.recv_ints(0, g), lambda: _digest(t.recv_payload(0, g)))
+    g = groups["long non-ascii refusal"]
+    case("long non-ascii refusal", lambda: t.recv_payload(0, g, cache=cache), lambda: _digest(t.recv_payload(0, g)))
+    g = groups["handoff that never fits"]
+
+    def receive_and_import():
+        from m3_eagle_plugin.parallel.disagg import import_handoff
+
+        engine.finish(import_handoff(engine, recv_handoff(0, g, engine=engine)))
+
+    case("handoff that never fits", receive_and_import, lambda: _digest(t.recv_payload(0, g)))
+    g = groups["pages fail after accept"]
+    seen["good"] = _digest(good)
+    case("pages fail after accept", lambda: _digest(t.recv_payload(0, g)))

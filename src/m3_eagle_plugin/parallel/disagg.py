@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 
 from m3_eagle_plugin.host.reference.engine import Engine, GenerationResult
-from m3_eagle_plugin.host.reference.request import Request, RequestState
+from m3_eagle_plugin.host.reference.request import Request, RequestError, RequestState
 from m3_eagle_plugin.host.reference.scheduler import RowKind
 from m3_eagle_plugin.kv.transfer import KVTransferPayload, export_request, import_request
 from m3_eagle_plugin.parallel.process_group import comm_device
 from m3_eagle_plugin.parallel.transfer import (KIND_HANDOFF, PayloadHeader, TransferError, as_ints, check_sendable,
-                                               recv_header, recv_pages, send_header, send_pages)
+                                               recv_header, recv_pages, send_header, send_pages, stage_pages)
 
 __all__ = ["ContextHandoff", "HandoffError", "run_context_phase", "export_handoff", "import_handoff",
            "continue_generation", "send_handoff", "recv_handoff"]
@@ -174,15 +174,22 @@ def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
     if handoff.kv_len != committed or handoff.payload.num_tokens != committed:
         raise HandoffError(f"{where}: kv_len {handoff.kv_len} and {handoff.payload.num_tokens} transferred tokens "
                            f"must both be the {committed} committed positions (prompt + output - 1)")
+    try:  # a request this engine could never admit, even alone (its cache or max_seq_len is smaller)
+        engine.scheduler.check_fits(_request(handoff))
+    except RequestError as error:
+        raise HandoffError(str(error)) from None
+
+
+def _request(handoff: ContextHandoff, eos_ids=frozenset()) -> Request:
+    return Request(index=handoff.index, prompt=list(handoff.prompt), max_new_tokens=handoff.max_new_tokens,
+                   eos_ids=frozenset(eos_ids))
 
 
 def import_handoff(engine: Engine, handoff: ContextHandoff) -> Request:
     """Admit ``handoff`` into ``engine``: import its pages and resume it in the decode state."""
     _check_engine(engine)
     _check_handoff(engine, handoff)
-    request = Request(index=handoff.index, prompt=list(handoff.prompt), max_new_tokens=handoff.max_new_tokens,
-                      eos_ids=frozenset(engine.config.eos_ids))
-    engine.scheduler.check_fits(request)
+    request = _request(handoff, engine.config.eos_ids)
     if not engine.scheduler.admit(request):
         raise HandoffError(f"request {handoff.index}: no KV budget left on the generation engine")
     try:
@@ -238,8 +245,9 @@ def send_handoff(handoff: ContextHandoff, dst: int, group: dist.ProcessGroup | N
     state = as_ints([handoff.index, handoff.max_new_tokens, handoff.kv_len, handoff.pending_draft_len,
                      *(len(x) for x in lists)])
     header = [*state, *(t for x in lists for t in x), *PayloadHeader.of(handoff.payload).to_ints()]
+    staged = stage_pages(handoff.payload.pool_pages, group)
     send_header(KIND_HANDOFF, header, dst, group, f"handoff of request {handoff.index}", error=HandoffError)
-    send_pages(handoff.payload.pool_pages, dst, group, f"handoff of request {handoff.index}")
+    send_pages(staged, dst, group, f"handoff of request {handoff.index}")
 
 
 def _parse_handoff(values: list[int], where: str) -> ContextHandoff:

@@ -154,7 +154,8 @@ def _check_frame(kind: int, version: int, expected: int, peer: int) -> None:
 
 
 def _utf8(text: str, limit: int) -> list[int]:
-    return list(text.encode("utf-8")[:limit])
+    """``text``'s UTF-8 bytes, cut to ``limit`` at a character boundary (so the cut still decodes)."""
+    return list(text.encode("utf-8")[:limit].decode("utf-8", "ignore").encode("utf-8"))
 
 
 def _decode_utf8(values: list[int], what: str) -> str:
@@ -191,17 +192,21 @@ def recv_header(kind: int, src: int, group, accept: Callable[[list[int]], T]) ->
         result = accept(values)
     except Exception as refusal:
         if got in _WAITS_FOR_VERDICT:
-            try:
-                _send_frame(KIND_VERDICT, _utf8(str(refusal) or type(refusal).__name__, _MAX_REASON_BYTES),
-                            src, group)
-            except TransferError:
-                pass  # the peer is gone (the stream is marked): the refusal is still the news here
+            _refuse(refusal, src, group)
         else:  # an int list or verdict where a header belongs: its sender waits for no answer
             _lose_sync(group, src, f"expected a {_KIND_NAMES[kind]} from rank {src}, got a "
                                    f"{_KIND_NAMES.get(got, f'frame of unknown kind {got}')}")
         raise
     _send_frame(KIND_VERDICT, [], src, group)
     return result
+
+
+def _refuse(refusal: Exception, src: int, group) -> None:
+    """Answer a header frame from ``src`` with a refusal (its sender waits for a verdict)."""
+    try:
+        _send_frame(KIND_VERDICT, _utf8(str(refusal) or type(refusal).__name__, _MAX_REASON_BYTES), src, group)
+    except TransferError:
+        pass  # the peer is gone (the stream is marked): the refusal is still the news here
 
 
 # ----- int lists ------------------------------------------------------------------------------
@@ -221,6 +226,9 @@ def recv_ints(src: int, group: dist.ProcessGroup | None = None) -> list[int]:
     try:
         _check_frame(kind, version, KIND_INTS, src)
     except TransferError as mismatch:
+        if kind in _WAITS_FOR_VERDICT:  # its sender waits for a verdict: refuse it, the stream stays in step
+            _refuse(mismatch, src, group)
+            raise
         raise _lose_sync(group, src, str(mismatch)) from None
     return values
 
@@ -315,11 +323,19 @@ def _fingerprint_difference(got: str, expected: str) -> str:
     return "; ".join(f"{k} (payload {json.dumps(a.get(k))[:120]}, cache {json.dumps(b.get(k))[:120]})" for k in keys)
 
 
-def send_pages(pool_pages, dst: int, group, what: str) -> None:
+def stage_pages(pool_pages, group) -> list[torch.Tensor]:
+    """The pages as `send_pages` sends them (contiguous, on ``group``'s device): made before the
+    header goes out, so a copy that fails (out of memory, a meta tensor) fails before any message
+    instead of after the receiver accepted and waits for pages (it would read the next frame as them)."""
     device = comm_device(group)
-    for i, pages in enumerate(pool_pages):
+    return [pages.contiguous().to(device) for pages in pool_pages]
+
+
+def send_pages(staged: list[torch.Tensor], dst: int, group, what: str) -> None:
+    """Send what `stage_pages` made, after the receiver accepted the header."""
+    for i, pages in enumerate(staged):
         if pages.numel():
-            _send_tensor(pages.contiguous().to(device), dst, group, f"pool {i} of the {what}")
+            _send_tensor(pages, dst, group, f"pool {i} of the {what}")
 
 
 def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str) -> tuple[torch.Tensor, ...]:
@@ -361,8 +377,9 @@ def send_payload(payload: KVTransferPayload, dst: int, group: dist.ProcessGroup 
     """Send ``payload`` to rank ``dst``; raises `TransferError` with the receiver's reason when it
     refuses the header (then no page was sent)."""
     check_sendable(payload)
+    staged = stage_pages(payload.pool_pages, group)
     send_header(KIND_PAYLOAD, PayloadHeader.of(payload).to_ints(), dst, group, "KV payload")
-    send_pages(payload.pool_pages, dst, group, "KV payload")
+    send_pages(staged, dst, group, "KV payload")
 
 
 def recv_payload(src: int, group: dist.ProcessGroup | None = None, *,

@@ -1,0 +1,51 @@
+"""Wire paths where one side used to wait for a message the other never sends, or read the next
+frame as pages (`_workers.wire_edges_worker`): each must raise on both sides, naming the cause,
+and the good payload sent next must arrive intact."""
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def edges(tiny_pair, tmp_path_factory):
+    from ._spawn import run_ranks
+    from ._workers import wire_edges_worker
+
+    out = tmp_path_factory.mktemp("wire_edges")
+    try:
+        run_ranks(wire_edges_worker, 2, str(tiny_pair[0]), str(tiny_pair[1]), str(out), timeout_s=180)
+    finally:  # what each rank saw up to a crash is the evidence
+        seen = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "edges_rank0.json",
+                                                                          out / "edges_rank1.json")]
+    return seen
+
+
+def test_a_header_where_an_int_list_belongs_is_refused_to_its_sender(edges):
+    sender, receiver = edges
+    assert receiver["header where ints belong"].startswith("TransferError: expected a int list from rank 0, got a KV")
+    # the sender waits for a verdict: it must get one, not a timeout
+    assert sender["header where ints belong"].startswith("TransferError: rank 1 refused the KV payload: expected a")
+    assert sender["header where ints belong, then"] == "ok"
+    assert receiver["header where ints belong, then"] == receiver["good"]
+
+
+def test_a_refusal_reason_cut_at_the_limit_still_decodes(edges):
+    sender, receiver = edges
+    assert receiver["long non-ascii refusal"].startswith("TransferError: KV payload from rank 0: the KV geometry")
+    assert sender["long non-ascii refusal"].startswith("TransferError: rank 1 refused the KV payload: KV payload from")
+    assert receiver["long non-ascii refusal, then"] == receiver["good"]
+
+
+def test_a_handoff_the_engine_could_never_admit_is_refused_before_its_pages_move(edges):
+    sender, receiver = edges
+    assert receiver["handoff that never fits"].startswith("HandoffError: request 0 needs"), receiver
+    assert sender["handoff that never fits"].startswith("HandoffError: rank 1 refused the handoff of request 0")
+    assert receiver["handoff that never fits, then"] == receiver["good"]
+
+
+def test_pages_that_cannot_be_sent_fail_before_the_header(edges):
+    sender, receiver = edges
+    assert sender["pages fail after accept"].startswith("NotImplementedError"), sender
+    assert sender["pages fail after accept, then"] == "ok"
+    # the next payload's frame must not be read as the failed one's pages
+    assert receiver["pages fail after accept"] == receiver["good"]
