@@ -150,13 +150,17 @@ def parse_table(data: Any, source: str, *, shipped: bool = False) -> KernelTable
     def fail(problem: str):
         raise KernelTableError(f"kernel table {source}: {problem}")
 
+    def check_fields(obj: dict, fields: tuple[str, ...], where: str = "") -> None:
+        has = f"{where} has " if where else ""
+        if getattr(obj, "repeated", ()):
+            fail(f"{has}field(s) {list(obj.repeated)} given more than once")
+        unknown = set(obj) - set(fields)
+        if unknown:
+            fail(f"{has}unknown field(s) {sorted(unknown)} (expected {', '.join(fields)})")
+
     if not isinstance(data, dict):
         fail(f"expected a JSON object, got {_kind(data)}")
-    if getattr(data, "repeated", ()):
-        fail(f"field(s) {list(data.repeated)} given more than once")
-    unknown = set(data) - set(TOP_FIELDS)
-    if unknown:
-        fail(f"unknown field(s) {sorted(unknown)} (expected {', '.join(TOP_FIELDS)})")
+    check_fields(data, TOP_FIELDS)
     for key in ("device", "date", "command"):
         if not isinstance(data.get(key), str) or not data[key].strip():
             fail(f"'{key}' must be a non-empty string, got {data.get(key)!r}")
@@ -172,11 +176,7 @@ def parse_table(data: Any, source: str, *, shipped: bool = False) -> KernelTable
         where = f"rows[{i}]"
         if not isinstance(row, dict):
             fail(f"{where} must be an object, got {_kind(row)}")
-        if getattr(row, "repeated", ()):
-            fail(f"{where} has field(s) {list(row.repeated)} given more than once")
-        unknown = set(row) - set(ROW_FIELDS)
-        if unknown:
-            fail(f"{where} has unknown field(s) {sorted(unknown)}")
+        check_fields(row, ROW_FIELDS, where)
         if row.get("kernel") not in TABLE_KERNELS:
             fail(f"{where}.kernel must be one of {list(TABLE_KERNELS)}, got {row.get('kernel')!r}")
         for key in ("batch", "context", "qo_len"):
