@@ -63,6 +63,8 @@ def test_cpu_smoke_bytes_count_q_the_output_and_a_partial_last_page_by_its_token
     (["--e2e", "--e2e-tokens", "2"], "new_tokens must be >= 4"),
     (["--e2e", "--e2e-hidden", "0"], "hidden must be >= 1, got 0"),
     (["--kernels", "sparse_attn,bogus"], "--kernels: unknown kernel(s) bogus"),
+    (["--kernels", "sparse_attn,dense_attn,sparse_attn"], "--kernels sparse_attn,dense_attn,sparse_attn: "
+                                                         "sparse_attn given twice"),
     (["--qo-lens", "4,1", "--configs", "1x2,2x64"], "--configs 1x2: context shorter than --qo-lens 4"),
     (["--e2e-hidden", "64"], "--e2e-hidden: needs --e2e"),
     (["--e2e-hidden", "0"], "--e2e-hidden: needs --e2e"),
@@ -149,6 +151,28 @@ def test_write_table_from_gpu_rows_loads_as_the_override(tmp_path, monkeypatch, 
     assert table.command.startswith("m3-eagle bench --configs 16x32768 --qo-lens 4")
     assert sorted((r.kernel, r.ours_us, r.flashinfer_us) for r in table.rows) == [
         ("dense_attn", 80.0, 110.0), ("sparse_attn", 18.0, 15.0)]
+
+
+def test_a_repeated_kernel_is_refused_before_the_gpu_rows_not_by_the_written_table(tmp_path, monkeypatch, capsys):
+    """The suite measures a kernel once per name listed: `--kernels a,a` gave two rows of one shape,
+    which `--write-table` refused (KernelTableError, a traceback) only after the whole GPU run."""
+    from m3_eagle_plugin.msa import kernels
+
+    measured = []
+
+    def gpu_rows(args, device, log):  # like run_kernel_suite: one row per listed kernel and shape
+        measured.append(1)
+        return ([{"section": "kernels", "kernel": k, "batch": 16, "context": 32768, "qo_len": 4, "graph_us": 18.0}
+                 for k in cli.kernels_of(args)], {"device_name": "Fake GPU"})
+
+    monkeypatch.setattr(kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)  # a GPU faked end to end
+    monkeypatch.setattr(cli, "_gpu_rows", gpu_rows)
+    path = tmp_path / "table.json"
+    assert m3_main(["bench", "--device", "cuda", "--configs", "16x32K", "--qo-lens", "4", "--kernels",
+                    "sparse_attn,sparse_attn", "--write-table", str(path)]) == 2
+    assert "--kernels sparse_attn,sparse_attn: sparse_attn given twice" in capsys.readouterr().err
+    assert measured == [] and not path.exists()
 
 
 def test_rounds_must_be_a_positive_integer_and_reach_the_written_command(tmp_path, monkeypatch, capsys):

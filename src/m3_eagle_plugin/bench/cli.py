@@ -158,6 +158,9 @@ def kernels_of(args: argparse.Namespace) -> list[str]:
     unknown = sorted(set(names) - set(KERNELS))
     if unknown:
         raise ValueError(f"--kernels: unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
+    repeated = sorted({k for k in names if names.count(k) > 1})
+    if repeated:  # the suite measures a kernel once per listing; the kernel table keeps one row a shape
+        raise ValueError(f"--kernels {args.kernels}: {', '.join(repeated)} given twice")
     return names
 
 

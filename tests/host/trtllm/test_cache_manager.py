@@ -155,6 +155,24 @@ def test_an_nvfp4_cache_gives_draft_layers_no_virtual_pool(current_host, monkeyp
     assert _make(plugin, spec_config=None).virtual_pools is None  # no draft layers: nothing to refuse
 
 
+def test_a_host_with_per_layer_page_tables_keeps_its_own_pools(current_host, monkeypatch):
+    """A host whose manager already gives every layer its own pool (per-layer page tables) needs no
+    virtual draft pool, so neither one is added nor an NVFP4 cache refused."""
+    plugin, host_cls = _classes()
+    base = host_cls.__mro__[1]
+    original = base._prepare_page_table_tensor
+
+    def per_layer_nvfp4_tables(self, index_mapper_capacity):
+        original(self, index_mapper_capacity)
+        self._use_per_layer_page_tables = True
+        pointers = self.kv_cache_pool_pointers
+        self.kv_cache_pool_pointers = torch.stack([pointers, pointers + 1], dim=-1)
+
+    monkeypatch.setattr(base, "_prepare_page_table_tensor", per_layer_nvfp4_tables)
+    manager = _make(plugin)
+    assert manager.virtual_pools is None and manager.kv_cache_pool_pointers.dim() == 3
+
+
 def test_update_resources_refuses_tree_acceptance(current_host):
     plugin, _ = _classes()
     manager = _make(plugin)

@@ -104,6 +104,8 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
     def _add_virtual_draft_pools(self) -> None:
         if getattr(self, "is_draft", False) or not self.shared_draft_layer_ids:
             return
+        if getattr(self, "_use_per_layer_page_tables", False):  # hosts with #18872: a pool per layer already
+            return
         if getattr(self, "enable_swa_scratch_reuse", False):
             raise NotImplementedError(
                 "MiniMax-M3 shared draft layers cannot be combined with SWA scratch reuse")
