@@ -189,6 +189,27 @@ def _kernel_shape_ok(head_dim: int, block_size: int) -> bool:
     return all(n >= MIN_KERNEL_DIM and n & (n - 1) == 0 for n in (int(head_dim), int(block_size)))
 
 
+def on_first_argument_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run dispatcher `fn` with its first argument's CUDA device current (a tensor, or metadata
+    with a `device`). Triton and FlashInfer launch on the current device, torch ops on their
+    tensors': tensors on cuda:1 while cuda:0 is current would otherwise have kernels launched on
+    cuda:0 with cuda:1 addresses. One comparison when the device is already current."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else next(iter(kwargs.values()))
+        if isinstance(first, torch.Tensor):
+            index = first.get_device()  # -1 off CUDA; a C call, where torch.device() costs microseconds
+        else:
+            device = torch.device(first.device)
+            index = device.index if device.type == "cuda" and device.index is not None else -1
+        # CUDA is initialised once a CUDA tensor exists: the C getter skips current_device()'s init check
+        if index >= 0 and index != torch._C._cuda_getDevice():
+            with torch.cuda.device(index):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return call
+
+
 def _reference(name: str) -> Callable[..., Any]:
     msa = importlib.import_module("m3_eagle_plugin.msa")
     fn = getattr(msa, name, None)
@@ -197,6 +218,7 @@ def _reference(name: str) -> Callable[..., Any]:
     return fn
 
 
+@on_first_argument_device
 def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, init_blocks=0,
                         max_qo_len: int | None = None):
     """Dispatching twin of `msa.select_blocks_paged`."""
@@ -214,6 +236,7 @@ def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, i
                                              local_blocks=local_blocks, init_blocks=init_blocks)
 
 
+@on_first_argument_device
 def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=None, v_scale=None,
                      max_qo_len: int | None = None):
     """Dispatching twin of `msa.sparse_attention` (fp8 scales handled by the kernels only).
@@ -236,6 +259,7 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
     return _reference("sparse_attention")(q, k_cache, v_cache, meta, selection, scale=scale)
 
 
+@on_first_argument_device
 def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *, topk, scale, local_blocks=1,
                            init_blocks=0, k_scale=None, v_scale=None, max_qo_len: int | None = None):
     """A sparse layer's block selection then sparse attention. Where both halves could run on
@@ -291,6 +315,7 @@ def _whole_step_backend(device, meta, num_tokens: int, max_qo_len: int | None, c
     return choice.backend
 
 
+@on_first_argument_device
 def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=None,
                     max_qo_len: int | None = None):
     """Dispatching twin of `msa.dense_attention`."""
@@ -304,6 +329,7 @@ def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=N
     return _reference("dense_attention")(q, k_cache, v_cache, meta, scale=scale)
 
 
+@on_first_argument_device
 def on_update_kv_lens(meta, kv_lens=None) -> None:
     """`meta.on_update_kv_lens(kv_lens)` in one fused launch on CUDA, the metadata's torch path elsewhere."""
     if use_triton(meta.device):
@@ -314,6 +340,7 @@ def on_update_kv_lens(meta, kv_lens=None) -> None:
         meta.on_update_kv_lens(kv_lens)
 
 
+@on_first_argument_device
 def write_step_kv(k_cache, v_cache, slots, k, v, index_k_cache=None, index_k=None) -> None:
     """A step's K/V (and a sparse layer's index-K) into the paged caches: one fused launch on CUDA
     (`kv_write`), the torch writers `msa.write_kv` / `msa.write_index_k` elsewhere."""
