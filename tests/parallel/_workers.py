@@ -470,7 +470,7 @@ def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: st
     from m3_eagle_plugin.parallel import transfer as t
     from m3_eagle_plugin.parallel.disagg import export_handoff, recv_handoff, run_context_phase, send_handoff
 
-    names = ("header where ints belong", "long non-ascii refusal", "handoff that never fits", "pages fail after accept")
+    names = ("header where ints belong", "long non-ascii refusal", "handoff that never fits", "pages that cannot be staged")
     groups = {name: dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10)) for name in names}
     good = KVTransferPayload("fp", 5, (torch.arange(48, dtype=torch.uint8).view(2, 3, 8),))
     config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
@@ -504,9 +504,9 @@ def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: st
         h = [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)][0]
         case("handoff that never fits", lambda: send_handoff(dataclasses.replace(h, max_new_tokens=10 ** 6), 1, g),
              lambda: t.send_payload(good, 1, g))
-        g = groups["pages fail after accept"]
+        g = groups["pages that cannot be staged"]
         meta = dataclasses.replace(good, pool_pages=(torch.empty(2, 3, 8, dtype=torch.uint8, device="meta"),))
-        case("pages fail after accept", lambda: t.send_payload(meta, 1, g), lambda: t.send_payload(good, 1, g))
+        case("pages that cannot be staged", lambda: t.send_payload(meta, 1, g), lambda: t.send_payload(good, 1, g))
         return
     cache = PagedKVCache.for_minimax_m3(2, [1], 2, 8, 4, 4, 8, dtype=torch.float32)
     g = groups["header where ints belong"]
@@ -521,6 +521,6 @@ def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: st
         engine.finish(import_handoff(engine, recv_handoff(0, g, engine=engine)))
 
     case("handoff that never fits", receive_and_import, lambda: _digest(t.recv_payload(0, g)))
-    g = groups["pages fail after accept"]
+    g = groups["pages that cannot be staged"]
     seen["good"] = _digest(good)
-    case("pages fail after accept", lambda: _digest(t.recv_payload(0, g)))
+    case("pages that cannot be staged", lambda: _digest(t.recv_payload(0, g)))

@@ -94,3 +94,21 @@ def test_payload_header_round_trips_and_checks_the_receiving_cache():
         header.check_fits(cache(8), "here")
     with pytest.raises(TransferError, match="do not match this cache's"):
         PayloadHeader(header.fingerprint, 9, header.shapes).check_fits(cache(4), "here")
+
+
+def test_a_fingerprint_with_the_same_fields_written_another_way_is_refused_naming_that():
+    """The receiver compares fingerprints as text (as `import_request` does): one that only differs
+    in its spacing or key order is refused too, and the reason must say so rather than name nothing."""
+    import json
+
+    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.kv.transfer import cache_fingerprint
+    from m3_eagle_plugin.parallel.transfer import PayloadHeader, TransferError
+
+    cache = PagedKVCache.for_minimax_m3(2, [1], 2, 8, 4, 4, 8, dtype=torch.float32)
+    spaced = json.dumps(json.loads(cache_fingerprint(cache)), indent=1)
+    shapes = tuple((0, p.sub_pages, p.page_bytes) for p in cache.geometry.pools)
+    with pytest.raises(TransferError) as info:
+        PayloadHeader(spaced, 0, shapes).check_fits(cache, "here")
+    assert not str(info.value).endswith(" in "), str(info.value)
+    assert "the same fields" in str(info.value), str(info.value)

@@ -45,7 +45,7 @@ def test_a_handoff_the_engine_could_never_admit_is_refused_before_its_pages_move
 
 def test_pages_that_cannot_be_sent_fail_before_the_header(edges):
     sender, receiver = edges
-    assert sender["pages fail after accept"].startswith("NotImplementedError"), sender
-    assert sender["pages fail after accept, then"] == "ok"
+    assert sender["pages that cannot be staged"].startswith("NotImplementedError"), sender
+    assert sender["pages that cannot be staged, then"] == "ok"
     # the next payload's frame must not be read as the failed one's pages
-    assert receiver["pages fail after accept"] == receiver["good"]
+    assert receiver["pages that cannot be staged"] == receiver["good"]

@@ -223,7 +223,8 @@ def _error(name: str, got: Any, expect: Any, step: dict[str, Any], geo: Geometry
 
 
 def _bytes(name: str, step: dict[str, Any], geo: Geometry, kv_dtype, index_dtype) -> tuple[int, int]:
-    """`byte_floor` for one input set; the step's selection is the one its kernel made."""
+    """`byte_floor` for one input set: `sparse_attn` counts the selection it is given,
+    `sparse_step` the one its own top-k makes."""
     selection = step["selection"] if name == "sparse_attn" else None
     if name == "sparse_step":
         from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify

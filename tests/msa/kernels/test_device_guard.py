@@ -40,8 +40,10 @@ def test_a_call_on_another_device_runs_with_that_device_current_and_restores_it(
 
 
 def test_every_dispatcher_is_guarded():
+    guard_code = backend.on_first_argument_device(lambda x: x).__code__
     for name in backend.KERNELS + ("sparse_layer_attention",):
-        assert getattr(getattr(backend, name), "__wrapped__", None) is not None, name
+        fn = getattr(backend, name)
+        assert fn.__code__ is guard_code and fn.__wrapped__.__name__ == name, name
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -51,3 +53,17 @@ def test_kernels_on_the_second_gpu_while_the_first_is_current():
                          capture_output=True, text=True, timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert out.returncode == 0 and len(lines) == 3, out.stdout + out.stderr
+
+
+def test_the_first_parameter_is_found_by_name_when_every_argument_is_a_keyword():
+    """Keywords come in the caller's order: `on_update_kv_lens(kv_lens=None, meta=meta)` must read
+    `meta`'s device, not `kv_lens`; a call missing the first argument gets the function's TypeError."""
+    calls = []
+    fn = backend.on_first_argument_device(lambda meta, kv_lens=None: calls.append(kv_lens) or "out")
+    cpu_meta = SimpleNamespace(device=torch.device("cpu"))
+    assert fn(kv_lens=None, meta=cpu_meta) == "out"
+    assert fn(kv_lens=7, meta=cpu_meta) == "out" and calls == [None, 7]
+    with pytest.raises(TypeError, match="meta"):
+        fn()
+    with pytest.raises(TypeError, match="meta"):
+        fn(kv_lens=None)

@@ -3,14 +3,15 @@
 Imported only once TensorRT-LLM is present (the route patch returns this class for MiniMax-M3).
 It subclasses the host's `MiniMaxM3KVCacheManagerV2` and adds what one-model Eagle3 needs:
 the draft layer(s) appended after the target layers are reached through one *virtual*
-attention-op pool each (the M3 mega-slot is not on a uniform per-layer stride), the block-offset
-copy that feeds those pools, the trtllm-gen P128 opt-in, and a refusal of tree acceptance (the
-mega-slot cannot relocate KV). All table arithmetic is `m3_eagle_plugin.kv`'s.
+attention-op pool each (the M3 mega-slot is not on a uniform per-layer stride; a host whose
+manager already keeps a page table per layer, TensorRT-LLM's own shared draft layers, gets
+none), the block-offset copy that feeds those pools, the trtllm-gen P128 opt-in, and a refusal
+of tree acceptance (the mega-slot cannot relocate KV). All table arithmetic is `m3_eagle_plugin.kv`'s.
 
 Setup refuses two layouts where a draft layer would read pages it does not own: a draft-layer
 count that differs from the one the host's base manager appends (its `get_num_spec_layers`,
-whose rule changed across host versions), and an NVFP4 cache (its pool pointers pair data with
-block scales; a virtual draft pool has no block-scale root).
+whose rule changed across host versions), and an NVFP4 cache where virtual draft pools are added
+(its pool pointers pair data with block scales; a virtual draft pool has no block-scale root).
 """
 from __future__ import annotations
 

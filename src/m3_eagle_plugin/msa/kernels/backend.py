@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -194,9 +195,13 @@ def on_first_argument_device(fn: Callable[..., Any]) -> Callable[..., Any]:
     with a `device`). Triton and FlashInfer launch on the current device, torch ops on their
     tensors': tensors on cuda:1 while cuda:0 is current would otherwise have kernels launched on
     cuda:0 with cuda:1 addresses. One comparison when the device is already current."""
+    first_name = next(iter(inspect.signature(fn).parameters))  # keywords come in the caller's order
+
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        first = args[0] if args else next(iter(kwargs.values()))
+        first = args[0] if args else kwargs.get(first_name)
+        if first is None:  # not given: `fn` raises its own TypeError
+            return fn(*args, **kwargs)
         if isinstance(first, torch.Tensor):
             index = first.get_device()  # -1 off CUDA; a C call, where torch.device() costs microseconds
         else:
