@@ -25,6 +25,7 @@ from m3_eagle_plugin.models.config import ConfigError, ConfigFields, read_json_o
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.models.rope import RotaryEmbedding
 from m3_eagle_plugin.models.safetensors_source import CheckpointError, SafetensorsSource, check_names, check_shape
+from m3_eagle_plugin.msa.blocks import is_integer_dtype
 
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.|^t2d$")
 _OPTIONAL = ("embed_tokens.weight", "lm_head.weight", "d2t")
@@ -160,7 +161,7 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
     state = {c: tensors[by_canon[c]] for c in present & set(expected)}
     d2t = state.pop("d2t", None)
     if d2t is not None:
-        if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
+        if not is_integer_dtype(d2t.dtype):
             raise CheckpointError(f"{source.where}: d2t must hold integer id offsets, got dtype {d2t.dtype}")
         d2t = d2t.to(device=device, dtype=torch.long)
         target_ids = torch.arange(d2t.shape[0], device=device) + d2t

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .blocks import MsaInputError, request_pages
+from .blocks import MsaInputError, is_integer_dtype, request_pages
 
 __all__ = ["sparse_attention", "dense_attention"]
 
@@ -132,7 +132,7 @@ def sparse_attention(
         raise MsaInputError(
             f"selection must be [Hkv={num_kv_heads}, T={q.shape[0]}, topk], got {tuple(selection.shape)}"
         )
-    if selection.dtype.is_floating_point or selection.dtype.is_complex or selection.dtype == torch.bool:
+    if not is_integer_dtype(selection.dtype):
         raise MsaInputError(f"selection must be an integer tensor of block ids, got {selection.dtype}")  # not truncated
     return _attend(q, k_cache, v_cache, meta, selection, scale)
 

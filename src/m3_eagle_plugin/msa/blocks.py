@@ -15,6 +15,7 @@ __all__ = [
     "MsaInputError",
     "validate_block_size",
     "checked_int",
+    "is_integer_dtype",
     "per_token_valid_blocks",
     "valid_blocks_from_positions",
 ]
@@ -31,6 +32,11 @@ def checked_int(name: str, value: object, minimum: int = 1) -> int:
     if value < minimum:
         raise MsaInputError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """True for integer tensors of ids or lengths: not float (torch would truncate), complex or bool."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def validate_block_size(block_size: object) -> int:

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .blocks import MsaInputError, checked_int, int_entries, validate_block_size
+from .blocks import MsaInputError, checked_int, int_entries, valid_blocks_from_positions, validate_block_size
 
 #: The largest value the metadata's int32 fields (lengths, page ids) hold.
 _INT32_MAX = (1 << 31) - 1
@@ -319,8 +319,7 @@ class MsaDecodeMetadata:
         self._positions.copy_(position)
         kv_len = (position + 1).clamp(min=0)
         self._token_kv_lens.copy_(kv_len)
-        # ceil(n / B) as (n - 1) // B + 1: the usual (n + B - 1) // B overflows int32 for n near 2**31.
-        self._valid_blocks.copy_(torch.div(kv_len - 1, block, rounding_mode="floor") + 1)
+        self._valid_blocks.copy_(valid_blocks_from_positions(position, block))
         column = torch.div(position.clamp(min=0), block, rounding_mode="floor").clamp(max=self.max_blocks_per_seq - 1)
         page = self._block_table_flat.index_select(0, request * self.max_blocks_per_seq + column)
         slot = page * block + torch.remainder(position, block)

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .blocks import MsaInputError, checked_int, request_pages, validate_block_size
+from .blocks import MsaInputError, checked_int, is_integer_dtype, request_pages, validate_block_size
 
 __all__ = ["select_blocks", "select_blocks_paged", "select_from_block_scores"]
 
@@ -57,7 +57,7 @@ def select_from_block_scores(
     num_heads, num_tokens, num_blocks = block_scores.shape
     if query_blocks.dim() != 1 or query_blocks.shape[0] != num_tokens:  # [1] would broadcast to every token
         raise MsaInputError(f"query_blocks must be [T={num_tokens}], got {tuple(query_blocks.shape)}")
-    if query_blocks.dtype.is_floating_point or query_blocks.dtype.is_complex or query_blocks.dtype == torch.bool:
+    if not is_integer_dtype(query_blocks.dtype):
         raise MsaInputError(f"query_blocks must be an integer tensor, got {query_blocks.dtype}")
     out = torch.full((num_heads, num_tokens, topk), -1, dtype=torch.int32, device=block_scores.device)
     if num_blocks == 0 or num_tokens == 0:
@@ -131,7 +131,7 @@ def select_blocks(
             f"q_positions {tuple(q_positions.shape)}"
         )
     seq_len = index_k.shape[0]
-    if q_positions.dtype.is_floating_point or q_positions.dtype.is_complex or q_positions.dtype == torch.bool:
+    if not is_integer_dtype(q_positions.dtype):
         raise MsaInputError(f"q_positions must be an integer tensor, got {q_positions.dtype}")
     if num_tokens and not (0 <= int(q_positions.min()) and int(q_positions.max()) < seq_len):
         raise MsaInputError(f"q_positions must lie in [0, {seq_len}) (the index keys), got "

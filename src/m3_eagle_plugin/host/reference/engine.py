@@ -20,6 +20,7 @@ from m3_eagle_plugin.host.reference.runner import RunnerConfig, StepOutput, Step
 from m3_eagle_plugin.host.reference.sampler import SamplingParams, request_generator
 from m3_eagle_plugin.host.reference.scheduler import RowKind, Scheduler
 from m3_eagle_plugin.host.reference.stats import SpecStats
+from m3_eagle_plugin.registry import exact_index
 
 __all__ = ["EngineConfig", "GenerationResult", "Engine", "Proposer"]
 
@@ -307,8 +308,6 @@ class Engine:
 
 def _token_id(token, vocab_size: int) -> int | None:
     """``token`` as a vocabulary id (an integer, `registry.exact_index`, in ``[0, vocab_size)``), or None."""
-    from m3_eagle_plugin.registry import exact_index
-
     index = exact_index(token)
     return index if index is not None and 0 <= index < vocab_size else None
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..blocks import is_integer_dtype
 from ._common import device_capability, require  # device_capability: tests patch it here; the bench imports it here
 
 SPARSE = "sparse_attention"
@@ -226,7 +227,7 @@ def sparse_eligibility(q, k_cache, v_cache, meta, selection, *, k_scale=None, v_
         return False, f"GQA group {q.shape[1]}/{hkv} must be a whole number <= {MAX_GROUP}"
     if selection.dim() != 3 or tuple(selection.shape) != (hkv, q.shape[0], TOPK):
         return False, f"selection must be [Hkv={hkv}, T={q.shape[0]}, {TOPK}], got {tuple(selection.shape)}"
-    if selection.dtype.is_floating_point or selection.dtype.is_complex or selection.dtype == torch.bool:
+    if not is_integer_dtype(selection.dtype):
         return False, f"selection must be an integer tensor of block ids, got {selection.dtype}"  # not truncated
     if not (_is_scale(k_scale) and _is_scale(v_scale)):
         return False, "fp8 scales must be Python floats (FlashInfer takes no scale tensors)"
