@@ -97,6 +97,25 @@ def test_import_refuses_inconsistent_handoffs_and_stays_clean(tiny_pair, handoff
     assert engine.cache.num_tokens(request.rid) == handoffs[0].kv_len
 
 
+def test_a_handoff_whose_index_is_live_is_refused_before_its_pages_move(tiny_pair, handoffs):
+    """The receive check (`recv_handoff(engine=)` runs the same one) must catch it: failing at
+    import would come after the pages crossed, and the wire would carry them for nothing."""
+    from m3_eagle_plugin.parallel.disagg import _check_handoff, import_handoff
+
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    first = import_handoff(engine, handoffs[0])
+    held = (engine.cache.num_free_blocks, engine.scheduler.admitted_blocks, engine.cache.allocator.request_ids)
+    with pytest.raises(HandoffError, match=f"request {handoffs[0].index} is already live"):
+        _check_handoff(engine, handoffs[0])
+    with pytest.raises(HandoffError, match="already live"):
+        import_handoff(engine, handoffs[0])
+    assert (engine.cache.num_free_blocks, engine.scheduler.admitted_blocks,
+            engine.cache.allocator.request_ids) == held
+    assert engine.cache.num_tokens(first.rid) == handoffs[0].kv_len
+    engine.finish(first)  # once it is gone, the same index imports again
+    assert import_handoff(engine, handoffs[0]).rid == handoffs[0].index
+
+
 def test_send_handoff_refuses_a_bad_handoff_before_sending_anything(handoffs):
     """No process group exists here, so any message sent would raise about the group: the
     refusals must come first, or a peer gets the request's state with no (or a torn) payload."""

@@ -153,6 +153,9 @@ def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
             raise HandoffError(f"{where}: {name} must be an int >= {low}, got {value!r}")
     if not isinstance(handoff.payload, KVTransferPayload):
         raise HandoffError(f"{where}: payload must be a KVTransferPayload, got {type(handoff.payload).__name__}")
+    if handoff.index in engine.cache.allocator:  # two requests cannot share an index (its pages, its sampler)
+        raise HandoffError(f"{where} is already live on this engine; number each batch past the others "
+                           f"(run_context_phase's first_index)")
     if len(handoff.pending_inputs) != 1 + engine.k:
         raise HandoffError(f"{where}: {len(handoff.pending_inputs) - 1} pending drafts, "
                            f"this engine verifies {engine.k}")
