@@ -81,3 +81,16 @@ def test_legacy_section_overrides_flat_index_fields_but_not_layer_types(hf_text_
     assert (hf_config.index_block_size, hf_config.index_topk_blocks) == (8, 2)
     assert "minimax_m3_sparse" in hf_config.layer_types
     _assert_matches_transformers(path)  # 30 tokens: top-2 blocks of 8 drop keys after 16
+
+
+def test_tied_checkpoint_holding_only_lm_head_loads_like_transformers(tmp_path):
+    """safetensors' `save_model` keeps one tensor of a tied pair, `lm_head.weight` (first by name);
+    transformers ties either way round, so the embedding comes from lm_head."""
+    from safetensors.torch import load_file, save_model
+
+    path = _hf_checkpoint(tmp_path / "ckpt", tie_word_embeddings=True)
+    hf = MiniMaxM3VLForCausalLM.from_pretrained(path, dtype=torch.float32)
+    save_model(hf, str(path / "model.safetensors"))
+    names = set(load_file(str(path / "model.safetensors")))
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
+    _assert_matches_transformers(path)

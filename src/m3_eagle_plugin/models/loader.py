@@ -149,6 +149,17 @@ def _holds_nothing(shape: tuple[int, ...]) -> bool:
     return 0 in shape
 
 
+def _tie_embeddings(recipes: dict[str, _Recipe], names: set[str]) -> None:
+    """Tied embeddings: whichever of the pair the checkpoint holds serves both. safetensors'
+    `save_model` keeps only the first name of a shared pair, `lm_head.weight`, and transformers
+    ties either way round."""
+    embed, head = "embed_tokens.weight", "lm_head.weight"
+    if recipes[head].sources[0] not in names:
+        recipes[head] = recipes[embed]
+    elif recipes[embed].sources[0] not in names:
+        recipes[embed] = recipes[head]
+
+
 def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> dict[str, _Recipe]:
     """Map every model tensor to its checkpoint tensors; raise on any name or shape mismatch."""
     names = source.names()
@@ -160,9 +171,8 @@ def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> 
     else:
         recipes = _fused_recipes(keys, "model." if layout == "text" else "model.language_model.")
     recipes = _repeat_index_heads({k: _with_aliases(r, names) for k, r in recipes.items()}, model.config)
-    lm_src = recipes["lm_head.weight"].sources[0]
-    if lm_src not in names and model.config.tie_word_embeddings:
-        recipes["lm_head.weight"] = recipes["embed_tokens.weight"]
+    if model.config.tie_word_embeddings:
+        _tie_embeddings(recipes, names)
     needed = {s for r in recipes.values() for s in r.sources}
     missing = sorted(needed - names)
     unknown = sorted(n for n in names - needed if not _IGNORED.search(n) and not _holds_nothing(source.shape(n)))
