@@ -73,6 +73,30 @@ def test_bad_calls_are_rejected():
         BlockAllocator(0, 4)
 
 
+@pytest.mark.parametrize("bad", [5.5, 4.0, "8", True])
+def test_token_counts_that_are_not_ints_are_refused_not_truncated(bad):
+    """5.5 tokens used to hold 5 (int() truncates): the block count then disagreed with any
+    ceil() a caller made; a string or a bool was read as a number."""
+    alloc = BlockAllocator(4, 4)
+    alloc.allocate("x", 3)
+    with pytest.raises(TypeError, match="num_tokens must be an int"):
+        alloc.allocate("y", bad)
+    with pytest.raises(TypeError, match="num_tokens must be an int"):
+        alloc.reserve("x", bad)
+    with pytest.raises(TypeError, match="num_tokens must be an int"):
+        alloc.rewind("x", bad)
+    with pytest.raises(TypeError, match="width must be an int"):
+        alloc.block_table(["x"], width=bad)
+    assert "y" not in alloc and alloc.pages("x") == [0] and alloc.num_tokens("x") == 3
+    assert alloc.num_free_blocks == 3
+
+
+def test_integer_likes_are_counts():
+    alloc = BlockAllocator(4, 4)
+    assert alloc.allocate("x", torch.tensor(5)) == [0, 1]
+    assert alloc.num_tokens("x") == 5 and type(alloc.num_tokens("x")) is int
+
+
 op = st.tuples(st.sampled_from(["add", "reserve", "rewind", "free"]), st.integers(0, 3),
                st.integers(0, 40))
 

@@ -157,3 +157,27 @@ def test_a_non_contiguous_payload_imports_its_bytes_or_changes_nothing():
     expected, got = _per_token(src, 0, 7), _per_token(dst, "new", 7)
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch lacks float8_e4m3fn")
+def test_an_fp8_cache_round_trips_every_byte():
+    """Slots are bytes: the import must not need any kernel of the cache's element dtype (CPU
+    torch has no fp8 index_copy), and must leave no half-imported request behind."""
+    gen = torch.Generator().manual_seed(0)
+    src, dst = _cache(dtype=torch.float8_e4m3fn), _cache(dtype=torch.float8_e4m3fn)
+    src.add_request(0)
+    src.reserve(0, 7)
+    for pool in src.geometry.pools:  # random bytes straight into the request's slots
+        raw = src.storage(pool.pool_id).view(torch.uint8)
+        for page in src.pages(0):
+            raw[page] = torch.randint(0, 256, raw[page].shape, dtype=torch.uint8, generator=gen)
+    dst.add_request("other")
+    dst.reserve("other", B)  # the import lands on other page ids
+
+    table = import_request(dst, "new", export_request(src, 0))
+
+    assert dst.num_tokens("new") == 7 and table.tolist() == dst.pages("new") != src.pages(0)
+    for pool in src.geometry.pools:
+        sent = src.storage(pool.pool_id).view(torch.uint8)[src.pages(0)]
+        got = dst.storage(pool.pool_id).view(torch.uint8)[dst.pages("new")]
+        assert torch.equal(got, sent)

@@ -195,6 +195,28 @@ def test_bad_arguments_raise() -> None:
         dense_attention(torch.zeros(2, 2, 8), torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), meta, scale=1.0)
 
 
+def test_scale_may_be_a_numpy_scalar_and_a_tensor_is_refused_by_type() -> None:
+    """np.float32(0.7) is a positive finite scale: it was refused as if it were not one."""
+    np = pytest.importorskip("numpy")
+    gen = torch.Generator().manual_seed(0)
+    meta = MsaDecodeMetadata(1, 4, 1, 4, "cpu")
+    meta.prepare([3], [3], torch.tensor([[0]], dtype=torch.int32))
+    keys, values = torch.randn(3, 1, 8, generator=gen), torch.randn(3, 1, 8, generator=gen)
+    k_cache, v_cache = torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8)
+    write_kv(k_cache, v_cache, meta.cache_slots, keys, values)
+    q = torch.randn(3, 2, 8, generator=gen)
+    scale = np.float32(0.7)
+    out = dense_attention(q, k_cache, v_cache, meta, scale=scale)
+    sel = torch.zeros(1, 3, 1, dtype=torch.int32)
+    sparse = sparse_attention(q, k_cache, v_cache, meta, sel, scale=scale)
+    for t in range(3):
+        expected = naive_attention(q[t], keys, values, [list(range(t + 1))], float(scale))
+        torch.testing.assert_close(out[t].double(), expected, **TOL)
+        torch.testing.assert_close(sparse[t].double(), expected, **TOL)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        dense_attention(q, k_cache, v_cache, meta, scale=torch.tensor(0.7))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_references_match_cpu_without_host_sync(oracle: SparseLayerOracle) -> None:
     lengths, prefixes = [30, 26, 19, 8], [0, 22, 18, 3]

@@ -7,6 +7,7 @@ rejection. Every change is all-or-nothing: when blocks run out nothing is modifi
 from __future__ import annotations
 
 import heapq
+import operator
 from typing import Hashable, Iterable, Optional, Sequence
 
 import torch
@@ -20,15 +21,25 @@ class UnknownRequestError(KeyError, ValueError):
     """The request id is not (or no longer) known to the allocator."""
 
 
+def _count(name: str, value: object) -> int:
+    """``value`` as an int: a float (5.5 tokens), a string or a bool is refused, not truncated."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
 class BlockAllocator:
     """Hands out block ids ``0 .. num_blocks-1``, lowest free id first."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        if int(num_blocks) <= 0 or int(block_size) <= 0:
+        self.num_blocks = _count("num_blocks", num_blocks)
+        self.block_size = _count("block_size", block_size)
+        if self.num_blocks <= 0 or self.block_size <= 0:
             raise ValueError(
                 f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
-        self.num_blocks = int(num_blocks)
-        self.block_size = int(block_size)
         self._free: list[int] = list(range(self.num_blocks))
         heapq.heapify(self._free)
         self._pages: dict[Hashable, list[int]] = {}
@@ -46,7 +57,7 @@ class BlockAllocator:
         return rid in self._pages
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-int(num_tokens) // self.block_size)
+        return -(-_count("num_tokens", num_tokens) // self.block_size)
 
     def add_request(self, rid: Hashable) -> None:
         if rid in self._pages:
@@ -70,7 +81,8 @@ class BlockAllocator:
     def reserve(self, rid: Hashable, num_tokens: int) -> list[int]:
         """Make ``rid`` hold at least ``num_tokens`` tokens; returns the newly added pages."""
         pages = self._require(rid)
-        if int(num_tokens) < 0:
+        num_tokens = _count("num_tokens", num_tokens)
+        if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         need = self.blocks_for(num_tokens) - len(pages)
         if need > len(self._free):
@@ -80,14 +92,15 @@ class BlockAllocator:
             )
         added = [heapq.heappop(self._free) for _ in range(max(need, 0))]
         pages.extend(added)
-        self._tokens[rid] = max(self._tokens[rid], int(num_tokens))
+        self._tokens[rid] = max(self._tokens[rid], num_tokens)
         return added
 
     def allocate(self, rid: Hashable, num_tokens: int) -> list[int]:
         """Add ``rid`` holding ``num_tokens`` tokens in one step (all-or-nothing)."""
         if rid in self._pages:
             raise ValueError(f"request {rid!r} already exists")
-        if int(num_tokens) < 0:  # before anything is registered
+        num_tokens = _count("num_tokens", num_tokens)
+        if num_tokens < 0:  # before anything is registered
             raise ValueError(f"request {rid!r}: num_tokens must be >= 0, got {num_tokens}")
         if self.blocks_for(num_tokens) > len(self._free):
             raise OutOfBlocksError(
@@ -101,7 +114,8 @@ class BlockAllocator:
     def rewind(self, rid: Hashable, num_tokens: int) -> list[int]:
         """Shrink ``rid`` to ``num_tokens`` tokens; returns the freed pages."""
         pages = self._require(rid)
-        if not 0 <= int(num_tokens) <= self._tokens[rid]:
+        num_tokens = _count("num_tokens", num_tokens)
+        if not 0 <= num_tokens <= self._tokens[rid]:
             raise ValueError(
                 f"cannot rewind request {rid!r} to {num_tokens} tokens: "
                 f"it holds {self._tokens[rid]}"
@@ -111,7 +125,7 @@ class BlockAllocator:
         del pages[keep:]
         for page in freed:
             heapq.heappush(self._free, page)
-        self._tokens[rid] = int(num_tokens)
+        self._tokens[rid] = num_tokens
         return freed
 
     def free(self, rid: Hashable) -> None:
@@ -128,7 +142,7 @@ class BlockAllocator:
         longest = max((len(r) for r in rows), default=0)
         if width is None:
             width = max(longest, 1)
-        elif int(width) < longest:
+        elif _count("width", width) < longest:
             raise ValueError(f"block table width {width} < {longest} pages held by a request")
         table = torch.full((len(rows), int(width)), -1, dtype=torch.int32)
         for i, row in enumerate(rows):

@@ -86,12 +86,15 @@ def import_request(cache: PagedKVCache, rid: Hashable, payload: KVTransferPayloa
     if needed > cache.num_free_blocks:
         raise OutOfBlocksError(f"importing request {rid!r} needs {needed} blocks, "
                                f"only {cache.num_free_blocks} are free")
-    # Reinterpreted before allocating: bytes in another memory order cannot be viewed as wider
-    # elements, and failing after `allocate` would leave ``rid`` registered with unwritten pages.
-    sources = [data.to(cache.device).contiguous().view(cache.storage(pool.pool_id).dtype)
-               for pool, data in zip(cache.geometry.pools, payload.pool_pages)]
+    # Copied as bytes into byte views of the storage: no kernel of the element dtype is needed
+    # (CPU torch has no fp8 index_copy_), and a payload in any memory order is accepted.
+    sources = [data.to(cache.device) for data in payload.pool_pages]
     pages = cache.allocator.allocate(rid, payload.num_tokens)
     index = torch.tensor(pages, dtype=torch.long, device=cache.device)
-    for pool, source in zip(cache.geometry.pools, sources):
-        cache.storage(pool.pool_id).index_copy_(0, index, source)
+    try:
+        for pool, source in zip(cache.geometry.pools, sources):
+            cache.storage(pool.pool_id).view(torch.uint8).index_copy_(0, index, source)
+    except BaseException:
+        cache.allocator.free(rid)  # no request registered over half-written pages
+        raise
     return torch.tensor(pages, dtype=torch.int32)

@@ -11,6 +11,7 @@ than a bounded ``tokens x keys`` score tile.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -107,7 +108,10 @@ def _selected_keys(selection: torch.Tensor, num_blocks: int, block_size: int) ->
 
 
 def _check_scale(scale: float) -> float:
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
+    # numbers.Real takes NumPy scalars too; a tensor is refused by type (reading it would sync a device).
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number (a Python or NumPy scalar), got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
         raise MsaInputError(f"scale must be a positive finite number, got {scale!r}")
     return float(scale)
 
