@@ -21,17 +21,21 @@ from typing import Any, Iterator
 
 from m3_eagle_plugin._version import __version__
 from m3_eagle_plugin.log import get_logger
+from m3_eagle_plugin.switches import read_switch
 
 MODE_ENV = "M3_EAGLE_PLUGIN"
 FORCE_ENV = "M3_EAGLE_PLUGIN_FORCE"
 MODES = ("off", "auto", "require")
 HOST_PACKAGE = "tensorrt_llm"
-_TRUE = ("1", "true", "yes", "on")
 _M3_SPARSE_PROBE = {"algorithm": "minimax_m3"}
 
 
 class InvalidModeError(ValueError):
     """`M3_EAGLE_PLUGIN` (or the `mode` argument) is not one of off, auto, require."""
+
+
+class InvalidSwitchError(ValueError):
+    """`M3_EAGLE_PLUGIN_FORCE` is neither true (1, true, yes, on) nor false (0, false, no, off, unset)."""
 
 
 class ActivationError(RuntimeError):
@@ -91,7 +95,12 @@ def resolve_mode(mode: str | None = None, environ: Mapping[str, str] | None = No
 
 
 def force_requested(environ: Mapping[str, str] | None = None) -> bool:
-    return (os.environ if environ is None else environ).get(FORCE_ENV, "").strip().lower() in _TRUE
+    """`$M3_EAGLE_PLUGIN_FORCE` as a bool; any other value raises `InvalidSwitchError` (a typo such as
+    `force` must not quietly mean "not forced": under `require` it decides whether the host is taken)."""
+    on, problem = read_switch(FORCE_ENV, environ)
+    if problem is not None:
+        raise InvalidSwitchError(problem)
+    return on
 
 
 def host_version(package: str = HOST_PACKAGE) -> tuple[bool, str | None]:

@@ -4,7 +4,8 @@ The one command an operator runs when something looks wrong: plugin version, mod
 version, manifest verdict, registered plugins and components, patches applied (or why not), the kernel
 backend choice (FlashInfer's status, the measured table in force and its verdict per shape), and
 optionally a static check of a TensorRT-LLM source tree (no import) against every host symbol the
-adapter touches. `--json` prints the same as one JSON object.
+adapter touches. `--json` prints the same as one JSON object. It exits 1 when anything would fail or
+run otherwise than asked, a malformed setting included.
 """
 from __future__ import annotations
 
@@ -67,6 +68,15 @@ def _override_table_error() -> str | None:
     return None
 
 
+def _setting_errors() -> list[str]:
+    """Plugin settings that are not values the README allows but that their readers survive (a log
+    level, the trace switch: they warn and fall back, so only the doctor can fail on them)."""
+    from m3_eagle_plugin.log import level_from_env
+    from m3_eagle_plugin.registry import trace_from_env
+
+    return [problem for _, problem in (level_from_env(), trace_from_env()) if problem is not None]
+
+
 def collect(host_source: str | None = None) -> dict[str, Any]:
     """Everything the doctor prints, as plain data."""
     from m3_eagle_plugin import __version__
@@ -88,6 +98,9 @@ def collect(host_source: str | None = None) -> dict[str, Any]:
         "plugin_errors": report["plugin_errors"],
         "ok": report["ok"],
     }
+    data["setting_errors"] = _setting_errors()
+    if data["setting_errors"]:
+        data["ok"] = False
     try:
         from m3_eagle_plugin.manifest import load_manifest
 
@@ -157,6 +170,7 @@ def render_table(data: dict[str, Any]) -> str:
     rows = [
         ("plugin version", data["plugin_version"]),
         ("mode", data["mode"]),
+        ("setting errors", data["setting_errors"] or None),
         ("host", f"{data['host']} {data['host_version'] or ('(version unknown)' if data['host_found'] else '(not found)')}"),
         ("manifest verdict", f"{data['verdict']}: {data['reason']}"),
         ("manifest", data["manifest"]),

@@ -4,7 +4,8 @@
 from the entry-point group `m3_eagle_plugin`, one at a time: a broken plugin is recorded in
 `load_errors` (and logged) instead of aborting the others; callers that must not run degraded
 (`M3_EAGLE_PLUGIN=require`) turn those errors into a failure. `M3_EAGLE_PLUGIN_LOAD` is an allow-list
-of entry-point names ("" = third-party plugins off), `M3_EAGLE_PLUGIN_TRACE=1` logs every hook call.
+of entry-point names ("" = third-party plugins off), `M3_EAGLE_PLUGIN_TRACE=1` logs every hook call
+(another value than a switch logs a warning and leaves tracing off; `m3-eagle doctor` fails on it).
 `get_plugin_manager()` is the per-process singleton; `make_plugin_manager()` builds hermetic ones.
 """
 from __future__ import annotations
@@ -22,12 +23,12 @@ import pluggy
 
 from m3_eagle_plugin.hooks import PROJECT_NAME, DraftContext, M3EagleSpecs
 from m3_eagle_plugin.log import get_logger
+from m3_eagle_plugin.switches import read_switch
 
 ENTRY_POINT_GROUP = "m3_eagle_plugin"
 BUILTIN_NAME = "builtin"
 LOAD_ENV = "M3_EAGLE_PLUGIN_LOAD"
 TRACE_ENV = "M3_EAGLE_PLUGIN_TRACE"
-_TRUE = ("1", "true", "yes", "on")
 
 
 class PluginError(RuntimeError):
@@ -73,6 +74,13 @@ def resolve(reference: str) -> Any:
     return obj
 
 
+def trace_from_env(environ: Mapping[str, str] | None = None) -> tuple[bool, str | None]:
+    """(trace?, None) from `$M3_EAGLE_PLUGIN_TRACE`, or (False, why the value is not a switch): a typo
+    must not quietly mean "no trace", and a manager must not fail over it (hosts build one mid-run)."""
+    on, problem = read_switch(TRACE_ENV, environ)
+    return on, None if problem is None else f"{problem}; tracing stays off"
+
+
 def _allow_list(environ: Mapping[str, str]) -> set[str] | None:
     raw = environ.get(LOAD_ENV)
     if raw is None:
@@ -93,7 +101,11 @@ class M3PluginManager(pluggy.PluginManager):
             from m3_eagle_plugin import builtin
 
             self.register(builtin, name=BUILTIN_NAME)
-        if trace if trace is not None else os.environ.get(TRACE_ENV, "").strip().lower() in _TRUE:
+        if trace is None:
+            trace, problem = trace_from_env()
+            if problem is not None:
+                get_logger().warning(problem)
+        if trace:
             self.enable_trace()
 
     # -- loading ---------------------------------------------------------------------------------

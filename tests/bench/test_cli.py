@@ -71,6 +71,9 @@ def test_cpu_smoke_bytes_count_q_the_output_and_a_partial_last_page_by_its_token
     (["--e2e-overlap"], "--e2e-overlap: needs --e2e"),
     (["--e2e-batches", ""], "--e2e-batches: needs --e2e"),
     (["--e2e-tokens", "8", "--e2e-batches", "1"], "--e2e-tokens, --e2e-batches: need --e2e"),
+    (["--kernels", ""], '--kernels "": no kernel to measure'),  # printed an empty table, exit 0
+    (["--device", "cpu", "--kernels", "sparse_step,kv_lens_update"],
+     "--kernels sparse_step,kv_lens_update: the cpu smoke table (no CUDA/Triton kernels) times only"),
 ])
 def test_bad_options_are_refused_before_anything_is_measured(argv, match, capsys, monkeypatch):
     measured = []
@@ -231,3 +234,25 @@ def test_json_is_standard_even_with_non_finite_figures(tmp_path, monkeypatch):
     data = json.loads(out.read_text(), parse_constant=refuse)
     (row,) = data["rows"]
     assert row["error"] == "inf" and row["graph_us"] == 2.5 and row["ours_rounds_us"] == [1.0, "nan"]
+
+
+@pytest.mark.parametrize("option", ["--json", "--write-table"])
+def test_an_output_path_that_is_a_directory_is_refused_before_anything_is_measured(option, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """`open(DIR, "w")` raised IsADirectoryError, a traceback after the whole run; the folder check
+    passed because a directory's parent is writable."""
+    measured = []
+    monkeypatch.setattr(cli, "_cpu_smoke_rows", lambda args: measured.append(1) or ([], {}))
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x64", option, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"m3-eagle bench: {option} {tmp_path}: ") and "directory" in err
+    assert measured == [] and list(tmp_path.iterdir()) == []
+
+
+def test_the_smoke_table_names_the_kernels_it_does_not_time(capsys):
+    """On CPU only the reference kernels run; the others were dropped without a word."""
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--kernels",
+                    "sparse_step,dense_attn"]) == 0
+    captured = capsys.readouterr()
+    assert "does not time sparse_step" in captured.err
+    assert [line.split()[1] for line in captured.out.splitlines()[2:]] == ["dense_attn"]

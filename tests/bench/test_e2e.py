@@ -180,3 +180,15 @@ def test_all_decoding_counts_first_tokens():
     early = SpecStats(draft_len=3, generated_tokens=1 + 4 * 3, verify_steps=4, accepted_tokens=8)  # 1 request of 3
     assert not e2e.all_decoding(early, 3)
     assert e2e.all_decoding(SpecStats(draft_len=3, generated_tokens=3 + 8, verify_steps=2, accepted_tokens=6), 3)
+
+
+def test_a_run_too_short_to_time_is_an_option_error_not_a_traceback(tmp_path, capsys):
+    """At 4 new tokens the Eagle3 run ends in its first verify step (1 + 3 or 4 tokens): there is no
+    full-batch decode window to time, which only the run itself finds; it raised ValueError out of
+    `m3-eagle bench`, a traceback, and the JSON asked for was not written either way."""
+    out = tmp_path / "bench.json"
+    rc = m3_main(["bench", "--device", "cpu", "--configs", "1x16", "--qo-lens", "1", "--kernels", "", "--e2e",
+                  "--e2e-batches", "1", "--e2e-tokens", "4", "--e2e-context", "9", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "m3-eagle bench: --e2e: no full-batch decode window" in err and "--e2e-tokens" in err
+    assert not out.exists()

@@ -275,3 +275,24 @@ def test_reentrant_activation_from_install(active_env, monkeypatch):
     monkeypatch.setattr(adapter, "install", install, raising=False)
     report = m3_eagle_plugin.activate("auto")
     assert report.activated and len(inner) == 1 and inner[0] is report
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "force"])
+def test_a_bad_force_value_is_an_error_naming_it_not_quietly_unforced(active_env, monkeypatch, log_lines, value):
+    """README: `M3_EAGLE_PLUGIN_FORCE=1` forces; any other value read as "not forced" without a word,
+    so `require` on a deferring host refused for the wrong reason and `auto` stepped aside silently."""
+    make_host, installs = active_env
+    make_host("1.4.0rc1")  # defer: only the force switch activates here
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", value)
+    with pytest.raises(ActivationError, match=rf"M3_EAGLE_PLUGIN_FORCE='{value}'.*allowed values: 1 or 0"):
+        m3_eagle_plugin.activate("require")
+    report = m3_eagle_plugin.activate("auto")
+    assert not report.ok and not report.activated and f"M3_EAGLE_PLUGIN_FORCE='{value}'" in report.reason
+    assert len(log_lines) == 1 and f"M3_EAGLE_PLUGIN_FORCE='{value}'" in log_lines[0]  # one line a process
+    assert installs == []
+
+
+@pytest.mark.parametrize("value, forced", [("1", True), ("TRUE", True), ("0", False), ("no", False), (" ", False)])
+def test_force_values_the_readme_and_the_config_key_write_are_read(monkeypatch, value, forced):
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", value)  # the config key exports 1 / 0
+    assert activation.force_requested() is forced

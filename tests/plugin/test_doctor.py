@@ -130,3 +130,35 @@ def test_a_bad_kernel_table_is_reported_beside_a_bad_switch(clean_state, capsys,
         assert backend["kernel_table"]["error"].startswith(f"kernel table {tmp_path / 'nowhere.json'}: cannot read")
     else:
         assert "M3_EAGLE_PDL='off'" in out and f"kernel table {tmp_path / 'nowhere.json'}: cannot read" in out
+
+
+def test_a_bad_force_switch_fails_the_doctor(fake_host, hermetic_manager, capsys, monkeypatch):
+    fake_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "yes please")
+    assert cli.main(["doctor", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and "M3_EAGLE_PLUGIN_FORCE='yes please'" in data["reason"]
+
+
+@pytest.mark.parametrize("name, value", [("M3_EAGLE_PLUGIN_LOG_LEVEL", "LOUD"), ("M3_EAGLE_PLUGIN_LOG_LEVEL", "10"),
+                                         ("M3_EAGLE_PLUGIN_TRACE", "2")])
+def test_a_bad_log_level_or_trace_switch_fails_the_doctor(clean_state, capsys, monkeypatch, name, value):
+    """README allows DEBUG, INFO, WARNING and the 1 switch; their readers fell back (INFO, no trace)
+    without a word and the doctor said ok."""
+    monkeypatch.setenv(name, value)
+    assert cli.main(["doctor", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and any(f"{name}={value!r}" in e and "allowed values" in e
+                                       for e in data["setting_errors"])
+    assert cli.main(["doctor"]) == 1
+    assert f"{name}={value!r}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, value", [("M3_EAGLE_PLUGIN_LOG_LEVEL", "debug"),
+                                         ("M3_EAGLE_PLUGIN_LOG_LEVEL", "WARNING"), ("M3_EAGLE_PLUGIN_LOG_LEVEL", ""),
+                                         ("M3_EAGLE_PLUGIN_TRACE", "1"), ("M3_EAGLE_PLUGIN_TRACE", "0")])
+def test_the_documented_log_levels_and_trace_switches_pass_the_doctor(clean_state, capsys, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    assert cli.main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setting_errors"] == []

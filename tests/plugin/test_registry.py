@@ -243,6 +243,29 @@ def test_trace_logs_hook_calls(monkeypatch):
     assert lines == []
 
 
+@pytest.mark.parametrize("value", ["2", "verbose"])
+def test_a_bad_trace_value_warns_naming_it_and_leaves_tracing_off(monkeypatch, caplog, value):
+    """README: `M3_EAGLE_PLUGIN_TRACE=1` traces; any other value meant "no trace" without a word."""
+    import logging
+
+    from m3_eagle_plugin.log import LOGGER_NAME, get_logger
+
+    get_logger()  # configured (its own handler) before caplog's is added beside it
+    monkeypatch.setenv(registry.TRACE_ENV, value)
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        logger = logging.getLogger(LOGGER_NAME)
+        logger.addHandler(caplog.handler)
+        try:
+            pm = make_plugin_manager()
+        finally:
+            logger.removeHandler(caplog.handler)
+    assert pm._undo_trace is None
+    assert [r.getMessage() for r in caplog.records if f"M3_EAGLE_PLUGIN_TRACE={value!r}" in r.getMessage()
+            and "allowed values: 1 or 0" in r.getMessage()]
+    monkeypatch.setenv(registry.TRACE_ENV, "off")  # a switch's "no": quiet, as before
+    assert registry.trace_from_env() == (False, None)
+
+
 def test_resolve():
     assert resolve("importlib.metadata:version") is importlib.metadata.version
     assert resolve("m3_eagle_plugin.registry:M3PluginManager.model_classes") is registry.M3PluginManager.model_classes

@@ -27,6 +27,7 @@ from .table import format_table
 
 DEFAULT_CONFIGS = "1x8192,16x32768,64x32768,64x131072"
 SMOKE_CONFIGS = [(2, 256)]  # the CPU smoke table's default
+SMOKE_KERNELS = ("index_select", "sparse_attn", "dense_attn")  # what the CPU smoke table times
 DTYPES = {"fp8": getattr(torch, "float8_e4m3fn", None), "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp32": torch.float32}
 
@@ -184,6 +185,35 @@ def _check_configs(args: argparse.Namespace, device: torch.device) -> None:
         raise ValueError(f"--configs {','.join(short)}: context shorter than --qo-lens {longest}")
 
 
+def _check_something_runs(args: argparse.Namespace, device: torch.device) -> None:
+    """Some row will be measured: without `--e2e`, `--kernels` must name a kernel the device times (the
+    CPU smoke table times `SMOKE_KERNELS` only); else the run printed an empty table and exited 0."""
+    wanted = kernels_of(args)
+    if args.e2e:
+        return
+    if not wanted:
+        raise ValueError('--kernels "": no kernel to measure (an empty list runs the end-to-end section alone: '
+                         "add --e2e)")
+    if not measures_kernels(device) and not set(wanted) & set(SMOKE_KERNELS):
+        raise ValueError(f"--kernels {args.kernels}: the {device.type} smoke table (no CUDA/Triton kernels) times "
+                         f"only {', '.join(SMOKE_KERNELS)}")
+
+
+def _check_output_path(option: str, path: str | None) -> None:
+    """`path` can be opened for writing: its folder is a writable directory and the path itself is
+    not a directory or a read-only file (else `open` raised a traceback after the whole run)."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path}: is a directory, not a file")
+    folder = target.resolve().parent
+    if not (folder.is_dir() and os.access(folder, os.W_OK)):
+        raise ValueError(f"{option} {path}: {folder} is not a writable directory")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ValueError(f"{option} {path}: the file is not writable")
+
+
 def checked_device(args: argparse.Namespace) -> torch.device:
     """The device to measure on, every option checked first (a ValueError naming it), so a bad one
     fails before anything is measured rather than after."""
@@ -197,13 +227,10 @@ def checked_device(args: argparse.Namespace) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {want}: no CUDA device is available")
     qo_lens_of(args)
-    kernels_of(args)
+    _check_something_runs(args, device)
     _check_configs(args, device)
     for option in ("json", "write_table"):
-        path = getattr(args, option, None)
-        folder = Path(path).resolve().parent if path else None
-        if folder is not None and not (folder.is_dir() and os.access(folder, os.W_OK)):
-            raise ValueError(f"--{option.replace('_', '-')} {path}: {folder} is not a writable directory")
+        _check_output_path(f"--{option.replace('_', '-')}", getattr(args, option, None))
     if args.e2e:
         e2e.shape_from_args(args, device)
     elif stray := e2e.options_given(args):
@@ -224,9 +251,16 @@ def main(args: argparse.Namespace) -> int:
     else:
         if device.type == "cuda":
             log(f"no Triton kernels on {device}: the torch reference smoke table only")
+        skipped = [k for k in kernels_of(args) if k not in SMOKE_KERNELS]
+        if skipped:
+            log(f"the smoke table does not time {', '.join(skipped)} (CUDA with Triton only)")
         rows, context = _cpu_smoke_rows(args)
     if args.e2e:
-        rows += run_end_to_end(args)
+        try:
+            rows += run_end_to_end(args)
+        except e2e.NoDecodeWindowError as error:  # an option error the run itself found: no traceback
+            print(f"m3-eagle bench: --e2e: {error}", file=sys.stderr)
+            return 2
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(_standard_json({"context": context, "rows": rows}), fh, indent=1, default=str)

@@ -32,8 +32,8 @@ from .end_to_end import register_end_to_end
 from .inputs import Geometry
 
 __all__ = ["E2EShape", "GPU_SHAPE", "CPU_SHAPE", "SPEEDUP_GOAL_BATCH1", "TargetOnlyGraphs", "DecodeMeasurement",
-           "all_decoding", "build_random_models", "measure_decode", "run_e2e", "add_arguments", "options_given",
-           "shape_from_args"]
+           "NoDecodeWindowError", "all_decoding", "build_random_models", "measure_decode", "run_e2e", "add_arguments",
+           "options_given", "shape_from_args"]
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,12 @@ def _engine(target, head, shape: E2EShape, *, speculate: bool, batch: int, promp
     return engine
 
 
+class NoDecodeWindowError(ValueError):
+    """A run too short to time: no two commits at which every request decodes. Known only once the
+    schedule has run (it depends on prefill chunking and acceptance), so `m3-eagle bench` reports it
+    as an option error then."""
+
+
 @dataclass
 class DecodeMeasurement:
     """One timed `generate`: the full-batch decode window's tokens, verify steps, accepted drafts and
@@ -294,8 +300,9 @@ def measure_decode(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int
     if failed:
         raise RuntimeError(f"end-to-end generation failed: {failed[0]}")
     if len(marks) < 2:
-        raise ValueError(f"no full-batch decode window: raise new_tokens ({max_new_tokens}) so every request "
-                         "decodes at least two steps together")
+        raise NoDecodeWindowError(f"no full-batch decode window: raise new_tokens ({max_new_tokens}; "
+                                  "`m3-eagle bench --e2e-tokens`) so every request decodes at least two steps "
+                                  "together")
     (t0, g0, v0, a0), (t1, g1, v1, a1) = marks[0], marks[-1]
     return DecodeMeasurement(tokens=g1 - g0, verify_steps=v1 - v0, accepted=a1 - a0, seconds=t1 - t0,
                              generated_total=result.stats.generated_tokens, engine_steps=result.stats.engine_steps,

@@ -1,0 +1,34 @@
+"""The plugin's logger: its level from `M3_EAGLE_PLUGIN_LOG_LEVEL`, a bad value said out loud."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = "from m3_eagle_plugin.log import get_logger; l = get_logger(); l.info('info-line'); l.debug('debug-line')"
+
+
+def _stderr(level: str) -> str:
+    """A fresh interpreter's stderr (the logger is configured once a process)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("M3_EAGLE")}
+    env.update(M3_EAGLE_PLUGIN="off", M3_EAGLE_PLUGIN_LOG_LEVEL=level)
+    return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                          check=True, timeout=60).stderr
+
+
+@pytest.mark.parametrize("level", ["LOUD", "10", "verbose"])
+def test_a_bad_level_warns_naming_it_and_keeps_info(level):
+    """It fell back to INFO without a word (README allows DEBUG, INFO, WARNING)."""
+    err = _stderr(level)
+    assert f"WARNING M3_EAGLE_PLUGIN_LOG_LEVEL={level!r} is not a log level; allowed values: DEBUG" in err
+    assert "info-line" in err and "debug-line" not in err
+
+
+@pytest.mark.parametrize("level, shown", [("debug", {"info-line", "debug-line"}), ("WARNING", set()),
+                                          ("", {"info-line"})])
+def test_documented_levels_apply_quietly(level, shown):
+    err = _stderr(level)
+    assert "is not a log level" not in err
+    assert {line for line in ("info-line", "debug-line") if line in err} == shown
