@@ -154,6 +154,18 @@ def test_buffers_stay_put_and_wide_tables_are_cut() -> None:
     assert [meta.cache_slots_buffer.data_ptr(), meta.block_tables.data_ptr(), meta.proxy_scores.data_ptr()] == pointers
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_its_own_block_table_passed_back_is_kept(device) -> None:
+    """A caller keeping the pages of the last step may hand `block_tables` back: on a device the
+    table is a view of the buffer `prepare` restages, so it must be read before it is blanked."""
+    meta = MsaDecodeMetadata(2, 8, 8, 4, device, max_draft_len=2)
+    meta.prepare([2, 3], [9, 12], worked_example_tables().to(device))
+    meta.prepare([1, 1], [10, 13], meta.block_tables)
+    assert meta.block_tables.cpu().tolist() == worked_example_tables().tolist()
+    assert meta.cache_slots.cpu().tolist() == [9, 112]  # page 2 of request 0, page 28 of request 1
+
+
 def naive_fields(qo, staged, corrected, tables, block):
     slots, valid, kv_tok, pos_all = [], [], [], []
     for r, q in enumerate(qo):

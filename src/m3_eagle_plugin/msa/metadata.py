@@ -290,6 +290,8 @@ class MsaDecodeMetadata:
         table_on_host = block_tables.device.type == "cpu"
         if table_on_host and num_requests:
             host_tables[:num_requests, :columns] = block_tables[:, :columns].to(torch.int32)
+        elif num_requests and block_tables.untyped_storage().data_ptr() == self._fields.untyped_storage().data_ptr():
+            block_tables = block_tables.clone()  # our own table passed back: the staging copy would blank it first
 
         self._fields.copy_(host, non_blocking=self._staging_done is not None)
         if self._staging_done is not None:
