@@ -241,3 +241,52 @@ def test_a_failed_write_leaves_the_draft_checkpoint_intact(tmp_path, monkeypatch
                                                                    batch_size=2))
     assert weights.read_bytes() == before
     assert sorted(p.name for p in draft_dir.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def _reduced_vocabulary_draft(draft_dir, out_dir, draft_vocab: int):
+    """The draft checkpoint with a `draft_vocab`-id vocabulary: draft id d scores target id 2d."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(draft_dir, out_dir)
+    tensors = load_file(str(out_dir / "model.safetensors"))
+    tensors["d2t"] = torch.arange(draft_vocab)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    config = json.loads((out_dir / "config.json").read_text())
+    config["draft_vocab_size"] = draft_vocab
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+def test_a_reduced_draft_vocabulary_is_distilled_on_the_ids_it_can_propose(pair, data, tmp_path):
+    """Such a head gives every other target id probability 0, so a KL against the whole target
+    distribution is infinite. The loss is the KL against the target renormalized over the head's
+    target ids (naive sums below), the hard term counts only labels the head can propose, and
+    training sees finite, falling losses."""
+    _, draft_dir, target, _ = pair
+    head = load_draft(_reduced_vocabulary_draft(draft_dir, tmp_path / "reduced", 128), target)
+    ids = torch.arange(128) * 2
+    batch = data.select(torch.arange(4))
+    with torch.no_grad():
+        soft_loss = float(distill_loss(head, batch, 1))
+        hard_loss = float(distill_loss(head, batch, 1, hard_weight=1.0))
+        logits, _, _ = dense_head_step(head, batch.tokens[:, 1:], batch.aux[:, :-1])
+    kl, nll, labelled, positions = 0.0, 0.0, 0, 0
+    for row in range(batch.tokens.shape[0]):
+        for p in range(batch.tokens.shape[1] - 1):  # every row is full length: every p predicts p + 2
+            target_p = batch.target_logprobs[row, p + 1, ids].double().exp()
+            target_p = target_p / target_p.sum()
+            head_q = torch.softmax(logits[row, p, ids].double(), dim=0)
+            kl += float((target_p * (target_p.log() - head_q.log())).sum())
+            positions += 1
+            label = int(batch.target_next[row, p + 1])
+            if label % 2 == 0:  # every even id is some draft id's
+                nll -= float(head_q[label // 2].log())
+                labelled += 1
+    assert 0 < labelled < positions
+    assert soft_loss == pytest.approx(kl / positions, rel=1e-4)
+    assert hard_loss - soft_loss == pytest.approx(nll / labelled, rel=1e-4)
+    history = train_head(head, data, steps=6, batch_size=4, seed=0)
+    assert all(torch.isfinite(torch.tensor(history))) and history[-1] < history[0]

@@ -177,6 +177,10 @@ def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_w
 
     The tiny random target's distributions are nearly flat, so its argmax is a fragile function of
     the context: matching the whole distribution teaches far more per example than the argmax alone.
+
+    A head with a smaller draft vocabulary (`d2t`) gives every other target id probability 0, so the
+    KL against the full target distribution is infinite: both sides are taken over the target ids the
+    head can propose, the target's renormalized there, and a greedy label outside them is not counted.
     """
     tokens, aux, target_next, lengths = data.tokens, data.aux, data.target_next, data.lengths
     soft = data.target_logprobs[:, 1:]         # the target's distribution for the token at p + 2
@@ -186,6 +190,7 @@ def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_w
     labels = target_next[:, 1:]                # target's greedy token at p + 2
     positions = torch.arange(s)[None, :]
     valid = positions + 1 < lengths[:, None]   # position p + 1 went through the target
+    draft_ids = _draft_target_ids(head, soft.shape[-1])
     hidden: torch.Tensor = features
     prior: list[tuple[torch.Tensor, torch.Tensor]] = []
     losses = []
@@ -196,14 +201,38 @@ def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_w
                 raise ValueError("distillation batch has no position to train: every row is shorter than 2 tokens")
             break
         logits, out, kv = dense_head_step(head, input_ids, hidden, prior)
-        log_q = logits[mask].log_softmax(dim=-1)
-        loss = F.kl_div(log_q, soft[mask], log_target=True, reduction="batchmean")
-        if hard_weight:
-            loss = loss + hard_weight * F.nll_loss(log_q, labels[mask])
+        head_logits, target_logprobs, greedy = _on_draft_vocabulary(draft_ids, logits[mask], soft[mask], labels[mask])
+        log_q = head_logits.log_softmax(dim=-1)
+        loss = F.kl_div(log_q, target_logprobs, log_target=True, reduction="batchmean")
+        counted = greedy >= 0
+        if hard_weight and counted.any():
+            loss = loss + hard_weight * F.nll_loss(log_q[counted], greedy[counted])
         losses.append(loss)
         prior.append(kv)
         hidden = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)  # from q - 1 to q
     return torch.stack(losses).mean()
+
+
+def _draft_target_ids(head: Eagle3Head, vocab_size: int) -> torch.Tensor | None:
+    """The sorted target ids the head can propose, or None when that is every id (no restriction)."""
+    if head.target_ids is None:
+        return None
+    ids = torch.unique(head.target_ids)
+    return None if ids.numel() == vocab_size else ids
+
+
+def _on_draft_vocabulary(draft_ids: torch.Tensor | None, logits: torch.Tensor, target_logprobs: torch.Tensor,
+                         labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[P, V]`` head logits and target log-probabilities and ``[P]`` greedy labels, restricted to
+    ``draft_ids``: the target renormalized over them, labels as indices into them (-1 when outside)."""
+    if draft_ids is None:
+        return logits, target_logprobs, labels
+    target_logprobs = target_logprobs[:, draft_ids.to(target_logprobs.device)]
+    target_logprobs = target_logprobs - target_logprobs.logsumexp(dim=-1, keepdim=True)
+    label_ids = draft_ids.to(labels.device)
+    where = torch.searchsorted(label_ids, labels).clamp(max=label_ids.numel() - 1)
+    labels = torch.where(label_ids[where] == labels, where, torch.full_like(labels, -1))
+    return logits[:, draft_ids.to(logits.device)], target_logprobs, labels
 
 
 def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: int = 16, lr: float = 1e-2,
