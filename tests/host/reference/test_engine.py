@@ -86,6 +86,24 @@ def test_bad_requests_fail_alone_without_leaks():
     assert cache.num_free_blocks == cache.num_blocks
 
 
+def test_prompts_of_numpy_and_torch_integers_run_like_lists_and_floats_still_fail():
+    """Token ids from `list(array)`, a 1-D tensor or a 1-D array are integers: they run as the lists
+    would; a float id (2.0 would quietly become 2), a 2-D tensor or a bool still fail their request."""
+    import numpy as np
+    import torch
+
+    engine, target, cache = build(draft_len=2)
+    prompts = [list(np.array([1, 2, 3])), torch.tensor([4, 5, 6]), np.array([7, 1], dtype=np.int32),
+               [torch.tensor(2), 3], [1, 2.0], torch.tensor([[1, 2]]), [True, 2]]
+    result = engine.generate(prompts, max_new_tokens=4)
+    assert result.outputs[:4] == [target.greedy(p, 4) for p in ([1, 2, 3], [4, 5, 6], [7, 1], [2, 3])]
+    assert result.errors[:4] == [None] * 4
+    assert "2.0" in result.errors[4] and "must be ints" in result.errors[4]
+    assert "prompt must be a list" in result.errors[5] and "True" in result.errors[6]
+    assert result.outputs[4:] == [[], [], []]
+    assert cache.num_free_blocks == cache.num_blocks
+
+
 def test_requests_wait_for_kv_budget_and_all_complete():
     engine, target, cache = build(draft_len=2, num_blocks=12, max_batch_size=4)
     prompts = [[i + 1, i + 2, i + 3] for i in range(6)]

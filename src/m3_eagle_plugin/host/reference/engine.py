@@ -151,19 +151,22 @@ class Engine:
         request = Request(index=index, prompt=[], max_new_tokens=max_new_tokens,
                           eos_ids=frozenset(self.config.eos_ids))
         try:
+            if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):  # a 1-D tensor or array
+                prompt = prompt.tolist()
             if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
                 raise RequestError(f"request {index}: prompt must be a list of token ids, got {type(prompt).__name__}")
             if len(prompt) == 0:
                 raise RequestError(f"request {index}: empty prompt")
-            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
+            ids = [_token_id(t, self.vocab_size) for t in prompt]
+            if None in ids:
+                bad = [t for t, i in zip(prompt, ids) if i is None]
                 raise RequestError(
                     f"request {index}: token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}"
                 )
             # Not only >= 1: a float or bool would run (2.5 -> 3 tokens) and a str or None would raise
             # past this request, so every bad count fails the request here.
             _check_int(f"request {index}: max_new_tokens", max_new_tokens, 1, RequestError)
-            request.prompt = list(prompt)
+            request.prompt = ids
             self.scheduler.check_fits(request)
         except RequestError as error:
             request.fail(str(error))
