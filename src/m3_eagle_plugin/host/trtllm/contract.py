@@ -112,6 +112,12 @@ CONTRACT: tuple[HostSymbol, ...] = (
          "MiniMaxM3MsaSparseAttentionMetadata.prepare", "method", ("self",), "msa_metadata"),
     _sym("msa_metadata_on_update_kv_lens", tuple(f"{m}.msa_backend" for m in _M3_PKG),
          "MiniMaxM3MsaSparseAttentionMetadata.on_update_kv_lens", "method", ("self",), "msa_metadata"),
+    # The host's decode-scratch sizing hook, which the plugin metadata overrides to size scratch by
+    # verify tokens. A host without it (the first MSA metadata) sizes that scratch by batch and its
+    # prepare() refuses any decode row of more than one token, so verify steps cannot run there.
+    # Declared as an attribute: only its presence matters (the override keeps its `(self)` signature).
+    _sym("msa_decode_scratch_sizing", tuple(f"{m}.msa_backend" for m in _M3_PKG),
+         "MiniMaxM3MsaSparseAttentionMetadata._msa_max_decode_tokens", "attribute", used_by="msa_metadata"),
     _sym("msa_attention", tuple(f"{m}.msa_backend" for m in _M3_PKG),
          "MiniMaxM3MsaSparseAttention.__init__", "method",
          ("self", "layer_idx", "num_heads", "head_dim"), "msa_metadata"),

@@ -87,9 +87,10 @@ class MiniMaxM3Eagle3ForCausalLM(HostMiniMaxM3ForCausalLM, SpecDecOneEngineForCa
             HostMiniMaxM3ForCausalLM.__init__(self, model_config)
             self.eagle3_capture = Eagle3CaptureHooks([])
         else:
-            text = model_config.pretrained_config
-            SpecDecOneEngineForCausalLM.__init__(self, HostMiniMaxM3Model(model_config), model_config,
-                                                 hidden_size=text.hidden_size, vocab_size=text.vocab_size)
+            # model_config already holds the text config, whose hidden_size / vocab_size the base
+            # reads itself; hosts before the VLM-wrapper change take no such keywords
+            # (`__init__(self, model, model_config)`), so none are passed.
+            SpecDecOneEngineForCausalLM.__init__(self, HostMiniMaxM3Model(model_config), model_config)
             self.eagle3_capture = Eagle3CaptureHooks(self.model.layers)
 
     def forward(self, attn_metadata: Any, input_ids: Any = None, position_ids: Any = None,
