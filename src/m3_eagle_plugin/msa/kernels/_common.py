@@ -168,16 +168,25 @@ def step_buffer(store: dict, device: torch.device | str, numel: int, *, fill: in
     holding `fill` (at least `min_numel`, grown to the next power of two), or None while a CUDA
     graph is being captured and the buffer is too small: a captured graph must not own it, so
     callers fall back to a path without it. Kernels that use it leave it holding `fill` again.
-    Made by a fill, never `torch.empty`: `replay` takes an empty allocation for a fresh output."""
+    Made by a fill, never `torch.empty`: `replay` takes an empty allocation for a fresh output.
+    A buffer replaced by a bigger one is kept (`_RETIRED`), never freed: a CUDA graph captured
+    while it was current reads and writes it at every replay, and freed memory would go to other
+    tensors (scores written over them, and a board or flags no longer holding `fill` between steps)."""
     device = torch.device(device)
     have = store.get(device)
     if have is None or have.numel() < numel:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         size = max(min_numel, 1 << max(0, numel - 1).bit_length())
+        if have is not None:
+            _RETIRED.append(have)  # sizes double: everything kept is at most the new buffer's size
         have = torch.full((size,), fill, device=device, dtype=torch.int32)
         store[device] = have
     return have[:numel]
+
+
+#: Step buffers replaced by bigger ones (`step_buffer`), alive for the process: captured graphs use them.
+_RETIRED: list[torch.Tensor] = []
 
 
 def require(cond: bool, message: str) -> None:

@@ -348,7 +348,11 @@ def on_update_kv_lens(meta, kv_lens=None) -> None:
 @on_first_argument_device
 def write_step_kv(k_cache, v_cache, slots, k, v, index_k_cache=None, index_k=None) -> None:
     """A step's K/V (and a sparse layer's index-K) into the paged caches: one fused launch on CUDA
-    (`kv_write`), the torch writers `msa.write_kv` / `msa.write_index_k` elsewhere."""
+    (`kv_write`), the torch writers `msa.write_kv` / `msa.write_index_k` elsewhere. The index-K
+    cache and rows come together on both paths (one without the other would leave index-K unwritten)."""
+    if (index_k_cache is None) != (index_k is None):
+        raise KernelInputError("pass index_k_cache and index_k together (one without the other leaves index-K "
+                               "unwritten)")
     if use_triton(k.device):
         from .kv_write import write_step_kv_fused
 

@@ -20,7 +20,7 @@ value), a launch argument that is a view into an input or a fresh tensor rather 
 itself, or a result that is not a fresh tensor. The signature must hold everything else the
 ordinary path decides on: the callers put in every input's shape, strides, dtype, device and
 16-byte alignment, the metadata object (held weakly: a new object never matches an old
-recording) and its fields' shapes and addresses, every scalar argument, and the environment
+recording) and its fields' shapes and addresses, every scalar argument (and its type), and the environment
 variables the kernels read (`ENV_KEYS`). `M3_EAGLE_REPLAY=0` turns replay off.
 
 Contract for the kernel wrappers: a buffer kept across calls (`_common.step_buffer`) is made by a
@@ -82,7 +82,10 @@ def call_signature(inputs: tuple[torch.Tensor, ...], meta: Any, scalars: tuple) 
         value = getattr(meta, name, None)
         fields.append(_layout(value) if isinstance(value, torch.Tensor) else value)
     device = torch.cuda.current_device() if cuda_present() else None  # the launches' device and stream
-    return tuple(map(tensor_signature, inputs)), id(meta), tuple(fields), scalars, env_state(), device
+    # The scalars' types too: equal values of other types (False == 0 == 0.0, True == 1) hash alike, and the
+    # ordinary path may tell them apart (`early is not False`; a float where an int is due raises there).
+    return (tuple(map(tensor_signature, inputs)), id(meta), tuple(fields), scalars, tuple(map(type, scalars)),
+            env_state(), device)
 
 
 def _layout(t: torch.Tensor) -> tuple:
