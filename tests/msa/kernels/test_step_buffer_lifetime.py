@@ -56,3 +56,43 @@ def test_the_kernels_buffers_survive_growth(monkeypatch, getter):
     assert store[CPU].numel() > size
     gc.collect()
     assert old() is not None and (old() == idle).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_graph_captured_before_the_board_grew_still_replays_right(monkeypatch):
+    """End to end on the GPU: a graph captured for a small step, then an eager step big enough to
+    grow the score board, then memory handed out again and filled with non-sentinel values: the
+    graph's replays must still select and attend as its eager call did, and write none of that memory."""
+    from m3_eagle_plugin.bench.inputs import Geometry
+    from m3_eagle_plugin.msa.kernels import handoff, merge
+    from m3_eagle_plugin.msa.kernels.verify_step import sparse_verify_step
+
+    from .kernel_case_helpers import capture_after_warmup, random_step
+
+    for module, name in ((handoff, "_BOARDS"), (handoff, "_READY"), (merge, "_ARRIVALS")):
+        monkeypatch.setattr(module, name, {})
+    geo = Geometry(q_heads=16, kv_heads=2, head_dim=32, index_heads=2, index_dim=32, block=16, topk=4)
+
+    def step(meta, cache, q, index_q):
+        return sparse_verify_step(index_q, cache.index_k, q, cache.k, cache.v, meta, topk=geo.topk,
+                                  scale=geo.head_dim ** -0.5, max_qo_len=4, early=True, splits=2)
+
+    small = random_step(geo, [4, 2, 4, 1], [300, 45, 1000, 16], pad_tokens=2)
+    eager_sel, eager = step(*small)
+    graph, (sel, out) = capture_after_warmup(lambda: step(*small))
+    device = torch.device("cuda", torch.cuda.current_device())
+    small_board = (handoff._BOARDS[device].data_ptr(), handoff._BOARDS[device].numel())
+
+    big = random_step(geo, [4] * 64, [40_000] * 64, seed=1)  # 2 heads x 256 tokens x 2501 blocks > 2^20
+    step(*big)
+    assert handoff._BOARDS[device].numel() > small_board[1], "the big step did not grow the board"
+    del big
+    torch.cuda.synchronize()
+    junk = [torch.full((small_board[1],), 7, dtype=torch.int32, device=device) for _ in range(4)]
+    expect_junk = [j.clone() for j in junk]
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(sel, eager_sel) and torch.equal(out, eager)
+    assert all(torch.equal(a, b) for a, b in zip(junk, expect_junk)), "a replay wrote memory it no longer owns"
