@@ -65,6 +65,7 @@ def test_a_graph_captured_before_the_board_grew_still_replays_right(monkeypatch)
     graph's replays must still select and attend as its eager call did, and write none of that memory."""
     from m3_eagle_plugin.bench.inputs import Geometry
     from m3_eagle_plugin.msa.kernels import handoff, merge
+    from m3_eagle_plugin.msa.kernels.replay import clear_all
     from m3_eagle_plugin.msa.kernels.verify_step import sparse_verify_step
 
     from .kernel_case_helpers import capture_after_warmup, random_step
@@ -87,9 +88,15 @@ def test_a_graph_captured_before_the_board_grew_still_replays_right(monkeypatch)
     step(*big)
     assert handoff._BOARDS[device].numel() > small_board[1], "the big step did not grow the board"
     del big
+    clear_all()  # the launch recordings that also held the old board go, as at MAX_RECORDINGS
     torch.cuda.synchronize()
-    junk = [torch.full((small_board[1],), 7, dtype=torch.int32, device=device) for _ in range(4)]
+    # what the caching allocator hands out now (many blocks of the old board's size: a freed board
+    # would be among them) is filled with values that are not the sentinel
+    junk = [torch.full((small_board[1],), 7, dtype=torch.int32, device=device) for _ in range(64)]
     expect_junk = [j.clone() for j in junk]
+    ptr, size = small_board[0], 4 * small_board[1]
+    assert not [j for j in junk if j.data_ptr() < ptr + size and ptr < j.data_ptr() + size], \
+        "the board the graph was captured with was freed and handed out again"
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
