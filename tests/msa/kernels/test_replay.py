@@ -99,6 +99,20 @@ def test_signature_changes_record_again(cpu_replay):
     assert len(body) == 4
 
 
+def test_scalars_equal_in_value_but_not_in_type_record_apart(cpu_replay):
+    """`False == 0 == 0.0` and `True == 1` hash alike, but the ordinary path may tell them apart
+    (`sparse_verify_step` reads `early is not False`; an int argument given as a float raises)."""
+    kernel, replayer, body = Doubler(), Replayer(), []
+    call = _wrapper(kernel, replayer, body)
+    meta = Meta(torch.tensor([1]))
+    x = _quarters(5, 3)
+    for shift in (False, False, 0, 0.0, True, 1):
+        torch.testing.assert_close(call(x, meta, shift=shift), 2 * x + 1 + shift, rtol=0, atol=0)
+    assert len(body) == 5  # False recorded, then replayed; 0, 0.0, True and 1 each recorded
+    sig = lambda *scalars: call_signature((x,), meta, scalars)  # noqa: E731
+    assert sig(4, 0.5, None) == sig(4, 0.5, None) and sig(4) != sig(4.0)
+
+
 def test_a_dead_metadata_object_is_never_matched(cpu_replay):
     kernel, replayer, body = Doubler(), Replayer(), []
     call = _wrapper(kernel, replayer, body)
