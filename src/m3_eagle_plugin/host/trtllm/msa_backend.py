@@ -61,8 +61,9 @@ class M3EagleMsaMetadata(HostMsaMetadata):
         )
 
     def _msa_max_decode_tokens(self) -> int:
-        """Host scratch sizing hook: one entry per decode *token* (1 + draft_len per row)."""
-        base = super()._msa_max_decode_tokens() if hasattr(super(), "_msa_max_decode_tokens") else 0
+        """Host scratch sizing hook (`contract`'s msa_decode_scratch_sizing, so always present): one
+        entry per decode *token* (1 + draft_len per row)."""
+        base = super()._msa_max_decode_tokens()
         step = getattr(self, "m3_eagle_step", None)
         return max(int(base), step.scratch_decode_tokens if step is not None else 0)
 
