@@ -71,7 +71,8 @@ def _cut(name: str, full: torch.Tensor, rule: str, rank: int, tp_size: int) -> t
 
 def shard_state_dict(full: dict[str, torch.Tensor], shard_shapes: dict[str, torch.Size], rank: int,
                      tp_size: int) -> dict[str, torch.Tensor]:
-    """Cut ``full`` to ``shard_shapes`` (a rank model's state-dict shapes); unsplit names are copied."""
+    """Cut ``full`` to ``shard_shapes`` (a rank model's state-dict shapes). A cut tensor owns its
+    memory (just this rank's slice); an unsplit one is passed through (shares ``full``'s storage)."""
     if not 0 <= rank < tp_size:
         raise ValueError(f"rank {rank} is outside [0, {tp_size})")
     missing = sorted(set(shard_shapes) - set(full))
@@ -89,6 +90,9 @@ def shard_state_dict(full: dict[str, torch.Tensor], shard_shapes: dict[str, torc
             if tensor.shape != want:
                 raise ShardingError(f"{name}: cutting {rule} for rank {rank}/{tp_size} gave "
                                     f"{tuple(tensor.shape)}, the shard needs {tuple(want)}")
+            # a copy of its own: a row cut is a view that would pin (and save, and write through
+            # to) the whole unsharded tensor
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
         out[name] = tensor.contiguous()
     return out
 
@@ -131,7 +135,7 @@ def _cut_copy(source: nn.Module, build: Callable[[], nn.Module], rank: int, tp_s
     left = [name for name, t in [*shard.named_parameters(), *shard.named_buffers()] if t.is_meta]
     if left:
         raise ShardingError(f"shard tensors left unassigned: {left[:5]}")
-    return shard.eval()
+    return shard.eval().requires_grad_(False)  # inference only, like the loaded models it is cut from
 
 
 def shard_target(model: MiniMaxM3ForCausalLM, rank: int, tp_size: int, *,
