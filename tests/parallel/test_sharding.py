@@ -59,6 +59,17 @@ def test_no_mega_slot_when_k_pages_are_bigger(tp, kv_page):
     assert geometry.locate(3, "index_k").pool_id == 1
 
 
+@pytest.mark.parametrize("tp, pools", [
+    # fp8 K/V (1 B) with a bf16 index-K (2 B): K page = kv heads x 128 x 128 x 1 B, index-K page 128 x 128 x 2 B
+    (4, [(16384, 120), (32768, 57)]),  # 1 KV head a rank: K/V pages are half the index-K's
+    (2, [(32768, 120 + 57)]),           # 2 KV heads a rank: the same size, one mega-slot
+])
+def test_fp8_kv_beside_a_bf16_index_k(tp, pools):
+    geometry = rank_pool_geometry(production_config(), tp, bytes_per_elem=1, index_bytes_per_elem=2)
+    assert [(p.page_bytes, p.sub_pages) for p in geometry.pools] == pools
+    assert index_k_coalesced(geometry) == (len(pools) == 1)
+
+
 def test_indivisible_counts_name_the_cause():
     with pytest.raises(ShardingError, match="num_key_value_heads = 4 does not split over 8"):
         shard_heads(64, 4, 4, 8)

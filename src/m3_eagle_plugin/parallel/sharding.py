@@ -111,10 +111,13 @@ def rank_pool_geometry(
     num_draft_layers: int = 0,
     draft_num_kv_heads: int | None = None,
     bytes_per_elem: int = 2,
+    index_bytes_per_elem: int | None = None,
 ) -> PoolGeometry:
     """The cache pools of one rank (every rank has the same geometry).
 
     ``draft_num_kv_heads`` is the draft head's total KV head count; it is split like the target's.
+    ``bytes_per_elem`` is the K/V element size, ``index_bytes_per_elem`` the index-K's (default: the
+    same; production pairs fp8 K/V, 1 byte, with a bf16 index-K, 2).
     """
     shape = shard_heads(config.num_heads, config.num_kv_heads,
                         config.index_heads if any(config.sparse_layers) else 0, tp_size)
@@ -125,7 +128,8 @@ def rank_pool_geometry(
         config.num_layers, config.sparse_layer_ids, shape.kv_heads, config.head_dim,
         config.index_dim or config.head_dim, config.block_size,
         num_draft_layers=num_draft_layers, draft_num_kv_heads=draft_heads,
-        kv_bytes_per_elem=bytes_per_elem, index_bytes_per_elem=bytes_per_elem,
+        kv_bytes_per_elem=bytes_per_elem,
+        index_bytes_per_elem=bytes_per_elem if index_bytes_per_elem is None else index_bytes_per_elem,
     )
 
 
