@@ -39,6 +39,21 @@ def test_cpu_smoke_writes_json_and_prints_table_last(tmp_path, capsys):
     assert all(r["torch_us"] > 0 for r in rows)
 
 
+def test_bare_json_prints_one_object_on_stdout_and_the_table_on_stderr(tmp_path, capsys, monkeypatch):
+    """DESIGN.md's command-line rule: `--json` prints one JSON object on stdout. The same rows as
+    `--json PATH` writes (timings aside)."""
+    monkeypatch.chdir(tmp_path)  # where a file named "-" would land
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x64", "--qo-lens", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    document = json.loads(captured.out)  # the whole of stdout is one object
+    assert "reference_smoke" in captured.err.splitlines()[-1]
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x64", "--qo-lens", "1", "--json", str(out)]) == 0
+    keys = lambda rows: [(r["kernel"], r["qo_len"], r["bytes"]) for r in rows]  # noqa: E731
+    assert keys(document["rows"]) == keys(json.loads(out.read_text())["rows"]) and len(document["rows"]) == 3
+    assert not (tmp_path / "-").exists()
+
+
 def test_cpu_smoke_bytes_count_q_the_output_and_a_partial_last_page_by_its_tokens(tmp_path):
     out = tmp_path / "bench.json"
     assert m3_main(["bench", "--device", "cpu", "--configs", "2x40", "--qo-lens", "1", "--json", str(out)]) == 0

@@ -78,7 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--e2e", action="store_true", help="also run the end-to-end section")
     e2e.add_arguments(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write all rows and context as JSON")
+    parser.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
+                        help="all rows and context as JSON: one object on stdout (the table then goes to "
+                             "stderr), or written to PATH")
     parser.add_argument("--write-table", metavar="PATH", default=None,
                         help="write the measured ours-vs-FlashInfer kernel rows as a kernel table (the format of "
                              "M3_EAGLE_KERNEL_TABLE, which the backend choice reads); GPU runs only")
@@ -202,7 +204,7 @@ def _check_something_runs(args: argparse.Namespace, device: torch.device) -> Non
 def _check_output_path(option: str, path: str | None) -> None:
     """`path` can be opened for writing: its folder is a writable directory and the path itself is
     not a directory or a read-only file (else `open` raised a traceback after the whole run)."""
-    if not path:
+    if not path or path == "-":  # "-": stdout
         return
     target = Path(path)
     if target.is_dir():
@@ -261,11 +263,16 @@ def main(args: argparse.Namespace) -> int:
         except e2e.NoDecodeWindowError as error:  # an option error the run itself found: no traceback
             print(f"m3-eagle bench: --e2e: {error}", file=sys.stderr)
             return 2
-    if args.json:
+    document = _standard_json({"context": context, "rows": rows})
+    if args.json and args.json != "-":
         with open(args.json, "w") as fh:
-            json.dump(_standard_json({"context": context, "rows": rows}), fh, indent=1, default=str)
+            json.dump(document, fh, indent=1, default=str)
     written = _write_table(args, rows, context) if args.write_table else True
-    print(format_table(rows))
+    if args.json == "-":  # stdout holds the one JSON object; the table is for the reader
+        print(format_table(rows), file=sys.stderr)
+        print(json.dumps(document, default=str))
+    else:
+        print(format_table(rows))
     return 0 if written else 1
 
 
