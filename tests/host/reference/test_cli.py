@@ -31,6 +31,18 @@ def test_json_output_has_the_documented_fields_and_isolates_bad_prompts(tiny_pai
     assert report["kv_blocks_free_after"] == report["kv_blocks"]
 
 
+def test_without_prompts_the_default_prompt_runs_and_is_announced(tiny_pair, capsys):
+    """DESIGN.md shows the prompt options as optional: `m3-eagle run --model DIR --json` runs the
+    default prompt (what the README's first command passes), saying so on stderr only."""
+    target, draft = tiny_pair
+    rc, out, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--max-new-tokens", "5", "--json")
+    assert rc == 0 and "no --prompt-ids or --prompts" in err
+    rc2, given, _ = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--max-new-tokens", "5",
+                            "--prompt-ids", "1,2,3,4", "--json")
+    assert rc2 == 0 and json.loads(out)["outputs"] == json.loads(given)["outputs"]
+    assert len(json.loads(out)["outputs"]) == 1 and len(json.loads(out)["outputs"][0]) == 5
+
+
 def test_text_output_announces_forced_acceptance(tiny_pair, capsys):
     target, draft = tiny_pair
     rc, out, _ = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--draft-len", "2",

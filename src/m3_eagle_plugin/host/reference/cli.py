@@ -1,7 +1,8 @@
 """`m3-eagle run`: generation with one-model Eagle3 on the reference host.
 
 Prompts are token ids (`--prompt-ids 1,2,3`, repeatable, or `--prompts FILE` with one JSON list of
-ids per line). A bad prompt fails alone with its message in the output; the others complete.
+ids per line; neither: the one prompt `DEFAULT_PROMPT`, said on stderr). A bad prompt fails alone
+with its message in the output; the others complete.
 `--json` prints one JSON object on stdout; a progress bar goes to stderr when it is a terminal.
 Exit status: 0 when at least one request completed (per-request errors are in the output), 1 when
 none did, 2 for bad arguments or setup errors.
@@ -16,6 +17,9 @@ from typing import Any, TextIO
 
 __all__ = ["add_arguments", "main", "read_prompts"]
 
+#: The prompt `m3-eagle run` generates from when given neither --prompt-ids nor --prompts.
+DEFAULT_PROMPT = (1, 2, 3, 4)
+
 FORCED_NOTE = "forced acceptance: {n} drafts per verify step are accepted regardless (benchmark mode; outputs are NOT the target's)"
 
 
@@ -23,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="MiniMax-M3 target checkpoint directory (HF layout)")
     parser.add_argument("--draft", default=None, help="Eagle3 head checkpoint directory (omit: target only)")
     parser.add_argument("--draft-len", type=int, default=3, help="draft tokens per verify step (default 3)")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt-ids", action="append", help="comma-separated token ids of one prompt (repeatable)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt-ids", action="append", help="comma-separated token ids of one prompt (repeatable; "
+                        f"with neither this nor --prompts: {','.join(map(str, DEFAULT_PROMPT))})")
     source.add_argument("--prompts", type=Path, help="JSON-lines file: one list of token ids per line")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -79,6 +84,10 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
                 prompts.append(None)
                 errors.append(str(error))
         return prompts, errors
+    if args.prompts is None:
+        print(f"m3-eagle run: no --prompt-ids or --prompts: generating from the prompt "
+              f"{','.join(map(str, DEFAULT_PROMPT))}", file=sys.stderr)
+        return [list(DEFAULT_PROMPT)], [None]
     lines = [line for line in args.prompts.read_text().splitlines() if line.strip()]
     for n, line in enumerate(lines, start=1):
         try:
