@@ -69,12 +69,16 @@ def _override_table_error() -> str | None:
 
 
 def _setting_errors() -> list[str]:
-    """Plugin settings that are not values the README allows but that their readers survive (a log
-    level, the trace switch: they warn and fall back, so only the doctor can fail on them)."""
+    """Plugin settings that are not values the README allows: the log level and the trace switch
+    (their readers warn and fall back, so only the doctor can fail on them) and the force switch
+    (activation refuses it too; named here beside the others)."""
+    from m3_eagle_plugin.activation import FORCE_ENV
     from m3_eagle_plugin.log import level_from_env
     from m3_eagle_plugin.registry import trace_from_env
+    from m3_eagle_plugin.switches import read_switch
 
-    return [problem for _, problem in (level_from_env(), trace_from_env()) if problem is not None]
+    checks = (level_from_env(), trace_from_env(), read_switch(FORCE_ENV))
+    return [problem for _, problem in checks if problem is not None]
 
 
 def collect(host_source: str | None = None) -> dict[str, Any]:

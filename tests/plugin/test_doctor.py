@@ -139,6 +139,7 @@ def test_a_bad_force_switch_fails_the_doctor(fake_host, hermetic_manager, capsys
     assert cli.main(["doctor", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is False and "M3_EAGLE_PLUGIN_FORCE='yes please'" in data["reason"]
+    assert [e for e in data["setting_errors"] if "M3_EAGLE_PLUGIN_FORCE='yes please'" in e]
 
 
 @pytest.mark.parametrize("name, value", [("M3_EAGLE_PLUGIN_LOG_LEVEL", "LOUD"), ("M3_EAGLE_PLUGIN_LOG_LEVEL", "10"),
