@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from m3_eagle_plugin.bench import torch_reference as ref
+from m3_eagle_plugin.bench.inputs import Geometry
 from tests._interpreter import module_cases_lines, needs_interpreter
 
 from .kernel_case_helpers import assert_close_rel, random_step
@@ -88,6 +89,13 @@ def check_bad_tilings_are_refused(device):
                       (dict(request_major=True, layout="union"), "request_major needs layout 'token'")):
         with pytest.raises(KernelInputError, match=match):
             sparse_verify_attention(q, cache.k, cache.v, meta, sel, scale=0.2, **kw)
+    # 16-bit pages of 128 x 128: a two-page tile's two stages would not fit shared memory (the H200
+    # asked for 274 KB of its 227) -- refused by name, not left to Triton's OutOfResources
+    wide = Geometry(q_heads=16, kv_heads=1, head_dim=128, index_heads=1, index_dim=128, block=128, topk=4)
+    meta, cache, q, _ = random_step(wide, [2], [300], kv_dtype=torch.bfloat16, device=device)
+    sel = torch.tensor([[[0, 1, 2, -1]] * q.shape[0]], dtype=torch.int32, device=device)
+    with pytest.raises(KernelInputError, match="two-page K and V tile of 128 KB"):
+        sparse_verify_attention(q, cache.k, cache.v, meta, sel, scale=0.2, pages_per_tile=2)
 
 
 #: The interpreter's share (small launches: CI has two cores). Top-4 selections: one split gives

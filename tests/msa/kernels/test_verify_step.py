@@ -141,6 +141,8 @@ def test_early_splits_rule():
     assert ([early_rule(u, 16, "cpu") for u in (4, 16, 32, 64, 128, 133, 256, 264, 265, 512)]
             == [None, 16, 8, 4, 2, 1, 1, 1, None, None])
     assert early_tiling(16, 16) == {} and early_tiling(4, 16)["pages_per_tile"] == 2
+    # 1-byte pages of 128 x 256 make a 128 KB two-page tile: past what fits, so one-page tiles
+    assert early_tiling(4, 16, 1, block=128, dim=256) == {} and early_tiling(4, 16, 1, block=64, dim=256) != {}
     # Request-major programs for fp8 K/V only (bf16 lost every measured round).
     assert early_order(1) and not early_order(2)
     # bf16 K/V: B16 q1 and B8 q4 early (one-page tiles), B16 q4 not.

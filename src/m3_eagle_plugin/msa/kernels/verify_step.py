@@ -53,7 +53,7 @@ from .handoff import handoff_enabled
 from .index_select import select_announcing, select_blocks_verify
 from .pdl import pdl_args
 from .replay import Replayer, call_signature
-from .sparse_verify import default_layout, sparse_verify_attention
+from .sparse_verify import default_layout, sparse_verify_attention, two_page_tile_fits
 
 #: Fewest (token, KV head) rows a step needs for the early attention (B16 q1 and B4 q4 have 16).
 EARLY_MIN_UNITS = 16
@@ -89,11 +89,12 @@ def early_order(kv_bytes: int = 1) -> bool:
     return kv_bytes == 1
 
 
-def early_tiling(splits: int, topk: int, kv_bytes: int = 1) -> dict:
+def early_tiling(splits: int, topk: int, kv_bytes: int = 1, block: int = 128, dim: int = 128) -> dict:
     """The early attention's tile options: for 1-byte K/V, two-page key tiles with two pipeline
-    stages where a program gets two pages or more (`sparse_verify_attention(pages_per_tile=2)`);
-    else the defaults."""
-    return dict(pages_per_tile=2, num_stages=2) if kv_bytes == 1 and -(-topk // splits) >= 2 else {}
+    stages where a program gets two pages or more (`sparse_verify_attention(pages_per_tile=2)`)
+    and such a tile fits (`two_page_tile_fits`: pages `block` x `dim`); else the defaults."""
+    two = kv_bytes == 1 and -(-topk // splits) >= 2 and two_page_tile_fits(block, dim, kv_bytes)
+    return dict(pages_per_tile=2, num_stages=2) if two else {}
 
 
 def sparse_verify_step(
@@ -156,7 +157,7 @@ def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, loc
         return selection, sparse_verify_attention(q, k_cache, v_cache, meta, selection, **attend)
     try:
         out = sparse_verify_attention(q, k_cache, v_cache, meta, selection, splits=splits, ready=ready,
-                                      request_major=early_order(kv_bytes), **early_tiling(splits, topk, kv_bytes),
+                                      request_major=early_order(kv_bytes), **early_tiling(splits, topk, kv_bytes, k_cache.shape[2], q.shape[-1]),
                                       **attend)
     except BaseException:
         ready.zero_()  # in stream order, after the top-k has set them: the next step must find zeros
