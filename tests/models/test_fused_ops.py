@@ -9,9 +9,11 @@ a NaN the reference does not have, and inputs sit in NaN-filled storage so a str
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -331,6 +333,44 @@ def test_rope_at_is_apply_rope_on_cpu():
     assert torch.equal(got[1], apply_rope(norms[1](k), cos, sin))
 
 
+class _OnSecondGpu(torch.Tensor):
+    """A CPU tensor that reports CUDA device 1 (`get_device`), for the device-guard test without GPUs."""
+
+    def get_device(self):
+        return 1
+
+
+def test_kernels_launch_with_the_tensors_device_current(monkeypatch):
+    """Triton launches on the current device: a fused op on tensors of cuda:1 while cuda:0 is current
+    must make cuda:1 current for its launch (and restore cuda:0), as the MSA dispatchers do."""
+    current, entered, seen = [0], [], []
+
+    @contextlib.contextmanager
+    def device(d):
+        entered.append(d)
+        before, current[0] = current[0], d
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    def kernel(result):
+        return lambda *args, **kwargs: seen.append(current[0]) or result
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    x = torch.randn(2, 8).as_subclass(_OnSecondGpu)
+    fake = SimpleNamespace(rms_norm_rows=kernel((torch.empty(2, 8), None)), norm_rope_qk=kernel(None),
+                           gather_logits=kernel(torch.empty(2, 3)))
+    monkeypatch.setattr(fused_ops, "_kernels", lambda: fake)
+    with torch.no_grad(), fused(True):
+        assert fused_ops.rms_norm(x, torch.ones(8), 1e-6, gemma=True) is not None
+        assert fused_ops.norm_rope_qk(x.view(2, 2, 4), x.view(2, 2, 4), torch.arange(2), torch.ones(2)) is not None
+        assert fused_ops.gather_logits(x, torch.arange(3)) is not None
+        assert fused_ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, gemma=True) is not None  # CPU: no switch
+    assert seen == [1, 1, 1, 0] and entered == [1, 1, 1] and current == [0]
+
+
 @needs_interpreter
 def test_kernels_in_the_interpreter():
     lines = interpreter_case_lines("tests.models.interpret_fused_ops")
@@ -392,6 +432,37 @@ def test_gather_logits_places_the_draft_vocabulary(dtype):
 @pytest.mark.gpu
 def test_models_with_and_without_the_kernels(tiny_dir):
     check_models_fused_vs_torch("cuda", torch.float32, tiny_dir, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ok() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs with Triton")
+def test_kernels_on_the_second_gpu_while_the_first_is_current(monkeypatch):
+    """Each fused launch runs with its tensors' device current (checked before the launch, so a
+    wrong device fails here instead of launching on cuda:0 with cuda:1 addresses), and matches."""
+    from m3_eagle_plugin.models import fused_kernels
+
+    checked = []
+
+    def on_tensor_device(name):
+        real = getattr(fused_kernels, name)
+
+        def call(first, *args, **kwargs):
+            assert torch.cuda.current_device() == first.device.index, (name, torch.cuda.current_device())
+            checked.append(name)
+            return real(first, *args, **kwargs)
+        return call
+
+    proxy = SimpleNamespace(**{n: on_tensor_device(n) for n in ("rms_norm_rows", "norm_rope_qk", "gather_logits")})
+    monkeypatch.setattr(fused_ops, "_kernels", lambda: proxy)
+    with torch.cuda.device(0):
+        for dtype in DTYPES:
+            check_rms_norm("cuda:1", dtype, 777, gemma=True, residual=True, rows=5, pad=3)
+            check_rms_norm("cuda:1", dtype, 6144, gemma=False, rows=4)
+            check_rope("cuda:1", dtype, t=7, hq=16, hk=1, d=128, rd=64, norm=True, theta=5e6)
+            check_gather_logits("cuda:1", dtype)
+        torch.cuda.synchronize(1)
+        assert torch.cuda.current_device() == 0
+    assert {"rms_norm_rows", "norm_rope_qk", "gather_logits"} <= set(checked)
 
 
 @needs_gpu

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from m3_eagle_plugin.msa.kernels import use_triton
+from m3_eagle_plugin.msa.kernels.backend import run_on_device_of
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -60,8 +61,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool,
     if not (active(x, weight) if residual is None else active(x, weight, residual)):
         return None
     out_dtype = x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
-    y, total = _kernels().rms_norm_rows(rows_x, weight, float(eps), gemma=gemma, out_dtype=out_dtype,
-                                        residual=rows_r)
+    y, total = run_on_device_of(x, _kernels().rms_norm_rows, rows_x, weight, float(eps), gemma=gemma,
+                                out_dtype=out_dtype, residual=rows_r)
     if total is None:
         return y.view(x.shape)
     return total.view(x.shape), y.view(x.shape)
@@ -96,7 +97,8 @@ def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     norm_args = None if norm is None else (norm[0], float(norm[1]), norm[2], float(norm[3]))
-    _kernels().norm_rope_qk(q, k, positions, inv_freq.to(q.device).contiguous(), q_out, k_out, norm_args)
+    run_on_device_of(q, _kernels().norm_rope_qk, q, k, positions, inv_freq.to(q.device).contiguous(), q_out,
+                     k_out, norm_args)
     return q_out, k_out
 
 
@@ -109,7 +111,7 @@ def gather_logits(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor | N
         return None
     if not active(logits):
         return None
-    return _kernels().gather_logits(logits, index)
+    return run_on_device_of(logits, _kernels().gather_logits, logits, index)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:

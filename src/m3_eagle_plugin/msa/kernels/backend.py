@@ -202,17 +202,23 @@ def on_first_argument_device(fn: Callable[..., Any]) -> Callable[..., Any]:
         first = args[0] if args else kwargs.get(first_name)
         if first is None:  # not given: `fn` raises its own TypeError
             return fn(*args, **kwargs)
-        if isinstance(first, torch.Tensor):
-            index = first.get_device()  # -1 off CUDA; a C call, where torch.device() costs microseconds
-        else:
-            device = torch.device(first.device)
-            index = device.index if device.type == "cuda" and device.index is not None else -1
-        # CUDA is initialised once a CUDA tensor exists: the C getter skips current_device()'s init check
-        if index >= 0 and index != torch._C._cuda_getDevice():
-            with torch.cuda.device(index):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+        return run_on_device_of(first, fn, *args, **kwargs)
     return call
+
+
+def run_on_device_of(first: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` with `first`'s CUDA device current (a tensor, or an object with a
+    `device`); as it is when that device is current already or `first` is not on CUDA."""
+    if isinstance(first, torch.Tensor):
+        index = first.get_device()  # -1 off CUDA; a C call, where torch.device() costs microseconds
+    else:
+        device = torch.device(first.device)
+        index = device.index if device.type == "cuda" and device.index is not None else -1
+    # CUDA is initialised once a CUDA tensor exists: the C getter skips current_device()'s init check
+    if index >= 0 and index != torch._C._cuda_getDevice():
+        with torch.cuda.device(index):
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def _reference(name: str) -> Callable[..., Any]:
