@@ -7,6 +7,7 @@ test, perhaps under other patched helpers, is replayed in it.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -27,3 +28,23 @@ def _no_recordings_from_other_tests():
     if replay is not None:
         replay.clear_all()
     yield
+
+
+@pytest.fixture
+def fake_current_device(monkeypatch):
+    """(current, entered): torch's current CUDA device as `current[0]` and `torch.cuda.device(d)`
+    switching it (each `d` entered is appended to `entered`), for device-switch tests without GPUs."""
+    current, entered = [0], []
+
+    @contextlib.contextmanager
+    def device(d):
+        entered.append(d)
+        before, current[0] = current[0], d
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    return current, entered

@@ -9,7 +9,6 @@ a NaN the reference does not have, and inputs sit in NaN-filled storage so a str
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -340,25 +339,14 @@ class _OnSecondGpu(torch.Tensor):
         return 1
 
 
-def test_kernels_launch_with_the_tensors_device_current(monkeypatch):
+def test_kernels_launch_with_the_tensors_device_current(monkeypatch, fake_current_device):
     """Triton launches on the current device: a fused op on tensors of cuda:1 while cuda:0 is current
     must make cuda:1 current for its launch (and restore cuda:0), as the MSA dispatchers do."""
-    current, entered, seen = [0], [], []
-
-    @contextlib.contextmanager
-    def device(d):
-        entered.append(d)
-        before, current[0] = current[0], d
-        try:
-            yield
-        finally:
-            current[0] = before
+    (current, entered), seen = fake_current_device, []
 
     def kernel(result):
         return lambda *args, **kwargs: seen.append(current[0]) or result
 
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
-    monkeypatch.setattr(torch.cuda, "device", device)
     x = torch.randn(2, 8).as_subclass(_OnSecondGpu)
     fake = SimpleNamespace(rms_norm_rows=kernel((torch.empty(2, 8), None)), norm_rope_qk=kernel(None),
                            gather_logits=kernel(torch.empty(2, 3)))

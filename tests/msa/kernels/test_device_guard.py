@@ -1,7 +1,6 @@
 """The kernel dispatchers run with their tensors' CUDA device current (`backend.on_first_argument_device`)."""
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -16,20 +15,8 @@ from m3_eagle_plugin.msa.kernels import backend
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_a_call_on_another_device_runs_with_that_device_current_and_restores_it(monkeypatch):
-    current, entered = [0], []
-
-    @contextlib.contextmanager
-    def device(d):
-        entered.append(d)
-        before, current[0] = current[0], d
-        try:
-            yield
-        finally:
-            current[0] = before
-
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
-    monkeypatch.setattr(torch.cuda, "device", device)
+def test_a_call_on_another_device_runs_with_that_device_current_and_restores_it(fake_current_device):
+    current, entered = fake_current_device
     seen = []
     fn = backend.on_first_argument_device(lambda x, *, y=0: seen.append((current[0], y)) or "out")
     assert fn(SimpleNamespace(device=torch.device("cuda:1")), y=5) == "out"
