@@ -183,6 +183,13 @@ def test_parse_draft_config_reads_the_tiny_draft():
      "d.json: eagle_config.eagle_aux_hidden_state_layer_ids: 1 aux layer id(s); Eagle3 needs at least 2"),
     (lambda r: r.update(hidden_act="gelu"),
      "d.json: hidden_act: 'gelu' is not supported (the draft MLP is SiLU-gated)"),
+    (lambda r: r["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 5, 2]),
+     "d.json: eagle_config.eagle_aux_hidden_state_layer_ids: aux layer ids [2, 5, 2] repeat a layer"),
+    (lambda r: r.update(num_aux_hidden_states=4),
+     "d.json: num_aux_hidden_states: 4 does not match the 3 aux layer ids [2, 4, 5]"),
+    (lambda r: r.update(fc_norm="yes"), "d.json: fc_norm: expected true or false, got str 'yes'"),
+    (lambda r: r["eagle_config"].update(norm_before_fc=2),
+     "d.json: eagle_config.norm_before_fc: expected true or false, got int 2"),
 ])
 def test_bad_draft_config_values(edit, message):
     raw = draft_config()

@@ -1,11 +1,15 @@
 """Eagle3 draft config parsing and checkpoint loading (public `LlamaForCausalLMEagle3` layout).
 
 Tensor names: one decoder layer under `midlayer.*` or `layers.0.*` (an optional leading `model.`
-is accepted), `fc`, optional `fc_norm.{0,1,2}`, `norm`, optional `embed_tokens` / `lm_head`,
-optional `d2t` (draft id d -> target id d + d2t[d]) and `t2d` (a mask, unused). Config keys:
-`eagle_config.eagle_aux_hidden_state_layer_ids` (ids in the "input of layer i" convention,
-default (2, L//2, L-3)), `draft_vocab_size`, `target_hidden_size`, `norm_output`,
-`norm_before_residual`. A missing embedding or lm_head is taken from the target (the lm_head's
+is accepted), `fc`, optional `fc_norm.{0,1,2}`, optional `input_norm` (with `norm_before_fc`),
+`norm`, optional `embed_tokens` / `lm_head`, optional `d2t` (draft id d -> target id d + d2t[d])
+and `t2d` (a mask, unused). Config keys: `eagle_config.eagle_aux_hidden_state_layer_ids` (ids in
+the "input of layer i" convention as vLLM reads them, default (2, L//2, L-3); fed to `fc` in
+ascending layer order), `num_aux_hidden_states` (checked against them), `draft_vocab_size`,
+`target_hidden_size`, `norm_output` (or TensorRT-LLM's `eagle_config.return_hidden_post_norm`),
+`norm_before_residual`, `fc_norm` (the per-chunk norms; when absent, their tensors decide) and
+`norm_before_fc`; each may sit at the top level or in `eagle_config`. A missing embedding or
+lm_head is taken from the target (the lm_head's
 rows gathered into draft-id order through `d2t` whenever that is not all zeros: a smaller draft
 vocabulary, or a full one in another order). Names and shapes are all validated before anything
 is assigned.
@@ -69,6 +73,14 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
     aux_key = "eagle_aux_hidden_state_layer_ids"
     aux_fields = flat_or_eagle(aux_key)
     aux = aux_fields.get_int_list(aux_key, ()) or tuple(default_aux_layer_ids)
+    if len(set(aux)) != len(aux):
+        raise aux_fields.error(aux_key, f"aux layer ids {list(aux)} repeat a layer")
+    # vLLM and SGLang append the aux states while walking the target's layers and TensorRT-LLM sorts its
+    # capture ids, so `fc` always sees them in ascending layer order, whatever order the config lists.
+    aux = tuple(sorted(aux))
+    num_aux = top.get_int("num_aux_hidden_states", len(aux), minimum=1)  # vLLM's fc width, when given
+    if num_aux != len(aux):
+        raise top.error("num_aux_hidden_states", f"{num_aux} does not match the {len(aux)} aux layer ids {list(aux)}")
     if target_num_layers is not None:
         bad = [i for i in aux if not 0 <= i < target_num_layers]
         if bad:
@@ -83,9 +95,13 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
         intermediate_size=top.get_int("intermediate_size", minimum=1),
         rms_norm_eps=top.get_float("rms_norm_eps", 1e-6, positive=True), rope_theta=theta, vocab_size=vocab,
         draft_vocab_size=draft_vocab, target_hidden_size=target_hidden_size, aux_layer_ids=aux,
-        norm_output=flat_or_eagle("norm_output").get_bool("norm_output", False),
+        # TensorRT-LLM also reads `eagle_config.return_hidden_post_norm` for the post-norm next hidden.
+        norm_output=(flat_or_eagle("norm_output").get_bool("norm_output", False)
+                     or eagle.get_bool("return_hidden_post_norm", False)),
         norm_before_residual=flat_or_eagle("norm_before_residual").get_bool("norm_before_residual", False),
-        has_fc_norm=has_fc_norm,
+        # The `fc_norm` flag builds the per-chunk norms (vLLM, TensorRT-LLM); without it, the tensors decide.
+        has_fc_norm=flat_or_eagle("fc_norm").get_bool("fc_norm", has_fc_norm),
+        norm_before_fc=flat_or_eagle("norm_before_fc").get_bool("norm_before_fc", False),
     )
 
 

@@ -1,9 +1,10 @@
 """The Eagle3 draft head for MiniMax-M3 (a one-layer Llama drafter fed by target hidden states).
 
 One step (reference §4.3): on the first draft step the incoming hidden is the target's aux
-capture `[T, n*H]`; each chunk gets its own plain RMSNorm (`fc_norm.{i}`, only when the
-checkpoint has them), the chunks are concatenated and `fc` maps them to H. Later steps feed
-the head's own `[T, H]` output and skip `fc`. Then
+capture `[T, n*H]` (chunks in ascending layer order); with `norm_before_fc` one plain RMSNorm
+(`input_norm`) normalises the whole row, then each chunk gets its own plain RMSNorm
+(`fc_norm.{i}`, only when the checkpoint has them), the chunks are concatenated and `fc` maps
+them to H. Later steps feed the head's own `[T, H]` output and skip `fc`. Then
     e = input_layernorm(embed(ids)); h = hidden_norm(g); x = concat(e, h)   # [T, 2H]
     y = residual + o_proj(attn(q(x), k(x), v(x)))   residual = g (or h if norm_before_residual)
     z = y + mlp(post_attention_layernorm(y)); logits = lm_head(norm(z))
@@ -47,6 +48,7 @@ class Eagle3Config:
     norm_output: bool = False
     norm_before_residual: bool = False
     has_fc_norm: bool = False
+    norm_before_fc: bool = False  # one RMSNorm (`input_norm`) over the whole aux row before fc_norm / fc
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -122,6 +124,7 @@ class Eagle3Head(nn.Module):
         self.config = config
         n, ht, h = len(config.aux_layer_ids), config.target_hidden_size, config.hidden_size
         self.fc = nn.Linear(n * ht, h, bias=False)
+        self.input_norm = LlamaRMSNorm(n * ht, config.rms_norm_eps) if config.norm_before_fc else None
         self.fc_norm = (nn.ModuleList(LlamaRMSNorm(ht, config.rms_norm_eps) for _ in range(n))
                         if config.has_fc_norm else None)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
@@ -163,7 +166,9 @@ class Eagle3Head(nn.Module):
         return self.config.aux_layer_ids
 
     def combine_aux(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[T, n*H_target]` aux capture -> `[T, H]` (fc_norm per chunk, then fc)."""
+        """`[T, n*H_target]` aux capture -> `[T, H]` (input_norm over the row, fc_norm per chunk, then fc)."""
+        if self.input_norm is not None:
+            hidden = self.input_norm(hidden)
         if self.fc_norm is not None:
             chunks = hidden.chunk(len(self.fc_norm), dim=-1)
             hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
