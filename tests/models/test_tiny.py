@@ -35,6 +35,7 @@ def test_layouts_are_the_public_ones(tiny_dir):
     assert dcfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert dcfg["num_key_value_heads"] < dcfg["num_attention_heads"]  # GQA
     assert {"fc.weight", "fc_norm.0.weight", "midlayer.hidden_norm.weight"} <= set(dtensors)
+    assert dcfg["fc_norm"] is True  # vLLM and TensorRT-LLM build the fc_norm layers from the flag, not the tensors
     assert not any("embed_tokens" in k or "lm_head" in k for k in dtensors)
 
 

@@ -71,7 +71,7 @@ def draft_config(aux_layer_ids: tuple[int, int, int] = (2, LAYERS // 2, LAYERS -
         "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "num_hidden_layers": 1, "hidden_act": "silu",
         "rms_norm_eps": 1e-6, "rope_theta": ROPE_THETA, "max_position_embeddings": 4096,
         "vocab_size": VOCAB, "draft_vocab_size": VOCAB, "target_hidden_size": HIDDEN,
-        "tie_word_embeddings": False, "norm_output": True, "torch_dtype": "float32",
+        "tie_word_embeddings": False, "norm_output": True, "fc_norm": True, "torch_dtype": "float32",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
     }
 
