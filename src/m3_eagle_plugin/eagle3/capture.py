@@ -4,9 +4,10 @@
 target layer i (hidden + residual, before `input_layernorm`; equal to transformers'
 `output_hidden_states[i]`) for every token of the step, verify tokens included.
 
-Convention: ids mean "input of layer i" (vLLM/SGLang; default (2, L//2, L-3) = (2, 30, 57) for
-M3). TensorRT-LLM and NeMo name the same tensors "output of layer j" with j = i - 1
-(1, 29, 56); use `from_output_layer_ids` to convert such ids.
+Convention: ids mean "input of layer i" (vLLM; default (2, L//2, L-3) = (2, 30, 57) for M3).
+TensorRT-LLM, NeMo and SpecForge's exports name the same tensors "output of layer j" with
+j = i - 1 (1, 29, 56); use `from_output_layer_ids` to convert such ids. (SGLang adds 1 to ids
+whose first is 1; a config does not say which convention its ids follow.)
 
 Two storage modes: by default the recorded tensors are kept and concatenated by `stacked()`;
 after `allocate(max_tokens, hidden_size, ...)` they are copied into one preallocated
