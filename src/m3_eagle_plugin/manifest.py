@@ -271,7 +271,8 @@ def host_verdict(host_version: str | None, manifest: Manifest | None = None, *, 
 
     - `unsupported`: no host, an unparsable version, or outside `host.requires`;
     - `defer`: inside `host.defer_from` (upstream ships the feature) unless `force`;
-    - `supported`: in range and listed in `host.tested`; `untested`: in range but not listed.
+    - `supported`: in range and listed in `host.tested` (a local label aside); `untested`: in range
+      but not listed.
     Prereleases count as inside a range (`1.4.0rc1` matches `>=1.4.0rc1`).
     """
     manifest = manifest or load_manifest()
@@ -299,7 +300,8 @@ def host_verdict(host_version: str | None, manifest: Manifest | None = None, *, 
         forced = True
     tested = {Version(v) for v in manifest.host.tested}
     note = f" (defer to upstream overridden by {manifest.activation.force_env}=1)" if forced else ""
-    if version in tested:
+    # a local build label (`1.3.0rc24+cu130`) is the tested release, as PEP 440's `==` reads it
+    if version in tested or Version(version.public) in tested:
         return Verdict(SUPPORTED, f"{package} {version} is a tested host{note}", host_version, forced)
     return Verdict(
         UNTESTED,

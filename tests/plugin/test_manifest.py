@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from m3_eagle_plugin.manifest import (
@@ -109,6 +110,8 @@ def test_extra_patch_fields_are_kept():
         ("1.3.0rc0", False, UNSUPPORTED),
         ("1.3.0rc1", False, UNTESTED),
         ("1.3.0rc24", False, SUPPORTED),
+        ("1.3.0rc24+cu130", False, SUPPORTED),  # a local build of the tested release (PEP 440 ==)
+        ("1.3.0rc24.post1", False, UNTESTED),
         ("1.3.0", False, UNTESTED),
         ("1.4.0rc1", False, DEFER),   # prerelease must match >=1.4.0rc1
         ("1.4.0rc1", True, UNTESTED),
@@ -131,7 +134,7 @@ versions = st.builds(
     lambda major, minor, patch, pre: f"{major}.{minor}.{patch}{pre}",
     st.integers(0, 2), st.integers(0, 6), st.integers(0, 3),
     st.sampled_from(["", "rc1", "rc7", "rc24", "a1", "b2", ".post1", ".dev3"]),
-)
+).flatmap(lambda v: st.sampled_from([v, v + "+cu130", v + "+local.7"]))
 
 
 def _expected(version: str, force: bool) -> str:
@@ -141,7 +144,7 @@ def _expected(version: str, force: bool) -> str:
         return UNSUPPORTED
     if v >= Version("1.4.0rc1") and not force:
         return DEFER
-    return SUPPORTED if v == Version("1.3.0rc24") else UNTESTED
+    return SUPPORTED if SpecifierSet("==1.3.0rc24").contains(v, prereleases=True) else UNTESTED
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
