@@ -67,7 +67,8 @@ def parse_config_value(value: Any) -> ConfigKeySettings:
     """Turn the YAML value of `m3_eagle_plugin:` into settings; raises `ConfigKeyError` when malformed."""
     if not isinstance(value, Mapping):
         return ConfigKeySettings(mode=_mode(value))
-    unknown = sorted(set(value) - {"mode", "force", "trace"})
+    # YAML reads bare `on:` / `1:` keys as bool / int: sort by repr, mixed types do not compare.
+    unknown = sorted(set(value) - {"mode", "force", "trace"}, key=repr)
     if unknown:
         raise ConfigKeyError(f"config key {CONFIG_KEY!r}: unknown field(s) {unknown}; allowed: mode, force, trace")
     return ConfigKeySettings(
@@ -141,11 +142,14 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _binding(module: Any) -> Any:
-    # vars(), not getattr(): a lazy module-level __getattr__ must not run (or import) here.
+    # The raw namespace, not getattr() or vars(): a lazy module-level __getattr__ must not run here, nor
+    # the `__getattribute__` of an `importlib.util.LazyLoader` module (any attribute access, `__dict__`
+    # included, executes it) or of any other object that sits in sys.modules.
     try:
-        return vars(module).get(HOST_FUNCTION)
-    except TypeError:
+        namespace = object.__getattribute__(module, "__dict__")
+    except Exception:  # noqa: BLE001 - no namespace of its own: it cannot hold the host function
         return None
+    return namespace.get(HOST_FUNCTION) if isinstance(namespace, dict) else None
 
 
 def install_host_hook() -> list[str]:

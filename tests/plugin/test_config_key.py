@@ -105,3 +105,43 @@ def test_host_yaml_is_stripped_and_activates(fake_host, hermetic_manager, fake_i
     assert llm_args.update_llm_args_with_extra_options({}, str(plain)) == {"max_batch_size": 4}
     assert install_host_hook() == []  # idempotent: nothing left to rebind
     assert sys.modules["tensorrt_llm.llmapi.llm_utils"].update_llm_args_with_extra_dict is serve.update_llm_args_with_extra_dict
+
+
+def test_unknown_fields_of_mixed_key_types_are_a_config_error():
+    # YAML reads a bare `on:` / `1:` key as a bool / int: the message must still name the fields, not
+    # fail with a TypeError from sorting str against bool.
+    config = yaml.safe_load("m3_eagle_plugin: {mode: auto, on: 1, speed: 2}\n")
+    with pytest.raises(ConfigKeyError, match="unknown field.*speed"):
+        split_config_key(config)
+    with pytest.raises(ConfigKeyError, match="unknown field"):
+        parse_config_value({"mode": "auto", 1: "x", "foo": "y"})
+
+
+def test_install_does_not_load_lazily_imported_modules(fake_host, hermetic_manager, fake_install, tmp_path,
+                                                       monkeypatch):
+    """`importlib.util.LazyLoader` modules execute on any attribute access, `__dict__` included: looking
+    for the host function must neither load them nor fail when loading them fails."""
+    import importlib.util
+
+    fake_host("1.3.0rc24")
+    import tensorrt_llm.commands.serve as serve
+
+    source = tmp_path / "m3_lazy_probe.py"
+    source.write_text("import os\nos.environ['M3_LAZY_PROBE_RAN'] = '1'\nraise RuntimeError('optional dep missing')\n")
+    monkeypatch.setenv("M3_LAZY_PROBE_RAN", "")  # recorded, so a run of the probe is undone
+    monkeypatch.delenv("M3_LAZY_PROBE_RAN")
+    spec = importlib.util.spec_from_file_location("m3_lazy_probe", source)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "m3_lazy_probe", module)
+    spec.loader.exec_module(module)  # lazy: nothing runs yet
+
+    assert "tensorrt_llm.commands.serve" in install_host_hook()
+    assert "M3_LAZY_PROBE_RAN" not in os.environ
+    config = tmp_path / "extra.yaml"
+    config.write_text("max_batch_size: 8\nm3_eagle_plugin: auto\n")
+    assert serve.load_args(config) == {"model": "m", "max_batch_size": 8}
+    from m3_eagle_plugin.config_key import uninstall_host_hook
+
+    uninstall_host_hook()
+    assert "M3_LAZY_PROBE_RAN" not in os.environ
