@@ -48,6 +48,11 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.capacity = cfg.max_blocks_per_seq * cfg.block_size
         self._planned: dict[int, tuple] = {}
+        # The device the step's tensors live on: capture and replay run with it current. Streams,
+        # `current_stream()` and the capture stream belong to the current device; on another one
+        # (cuda:1 while cuda:0 is current) the ops would run eagerly outside an empty graph and
+        # every replay would hand back the first step's outputs.
+        self.device = cfg.device
 
     def _plan(self, meta, qo_lens: list[int], tables: torch.Tensor, **kw) -> None:
         """`meta.prepare` at capacity, skipped when it would stage exactly what it staged last time.
@@ -87,6 +92,10 @@ class StepGraphs:
         Returns the static outputs, which the next replay overwrites."""
         if not self.capture:
             return self._body(bucket)
+        with torch.cuda.device(self.device):
+            return self._capture_and_replay(bucket, after_warmup)
+
+    def _capture_and_replay(self, bucket, after_warmup):
         if bucket.graph is None:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
