@@ -27,10 +27,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, MutableMapping
 
+from m3_eagle_plugin.switches import FORCE_ENV, TRACE_ENV
+
 CONFIG_KEY = "m3_eagle_plugin"
 MODE_ENV = "M3_EAGLE_PLUGIN"
-FORCE_ENV = "M3_EAGLE_PLUGIN_FORCE"
-TRACE_ENV = "M3_EAGLE_PLUGIN_TRACE"
 MODES = ("off", "auto", "require")
 HOST_FUNCTION = "update_llm_args_with_extra_dict"
 HOST_MODULES = ("tensorrt_llm.llmapi.llm_args", "tensorrt_llm.llmapi.llm_utils")

@@ -72,10 +72,9 @@ def _setting_errors() -> list[str]:
     """Plugin settings that are not values the README allows: the log level and the trace switch
     (their readers warn and fall back, so only the doctor can fail on them) and the force switch
     (activation refuses it too; named here beside the others)."""
-    from m3_eagle_plugin.activation import FORCE_ENV
     from m3_eagle_plugin.log import level_from_env
     from m3_eagle_plugin.registry import trace_from_env
-    from m3_eagle_plugin.switches import read_switch
+    from m3_eagle_plugin.switches import FORCE_ENV, read_switch
 
     checks = (level_from_env(), trace_from_env(), read_switch(FORCE_ENV))
     return [problem for _, problem in checks if problem is not None]

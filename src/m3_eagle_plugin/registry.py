@@ -23,12 +23,11 @@ import pluggy
 
 from m3_eagle_plugin.hooks import PROJECT_NAME, DraftContext, M3EagleSpecs
 from m3_eagle_plugin.log import get_logger
-from m3_eagle_plugin.switches import read_switch
+from m3_eagle_plugin.switches import TRACE_ENV, read_switch
 
 ENTRY_POINT_GROUP = "m3_eagle_plugin"
 BUILTIN_NAME = "builtin"
 LOAD_ENV = "M3_EAGLE_PLUGIN_LOAD"
-TRACE_ENV = "M3_EAGLE_PLUGIN_TRACE"
 
 
 class PluginError(RuntimeError):

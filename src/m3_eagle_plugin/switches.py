@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+FORCE_ENV = "M3_EAGLE_PLUGIN_FORCE"
+TRACE_ENV = "M3_EAGLE_PLUGIN_TRACE"
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
 

@@ -263,7 +263,7 @@ def main(args: argparse.Namespace) -> int:
         except e2e.NoDecodeWindowError as error:  # an option error the run itself found: no traceback
             print(f"m3-eagle bench: --e2e: {error}", file=sys.stderr)
             return 2
-    document = _standard_json({"context": context, "rows": rows})
+    document = _standard_json({"context": context, "rows": rows}) if args.json else None
     if args.json and args.json != "-":
         with open(args.json, "w") as fh:
             json.dump(document, fh, indent=1, default=str)

@@ -45,14 +45,14 @@ def index_k_bytes(meta, geo: Geometry, index_dtype: torch.dtype) -> int:
     return int(meta.kv_lens.sum()) * geo.index_dim * dtype_size(index_dtype)
 
 
-def kv_page_bytes(geo: Geometry, kv_dtype: torch.dtype) -> int:
-    """Bytes of one K page plus one V page of one KV head."""
-    return 2 * geo.block * geo.head_dim * dtype_size(kv_dtype)
-
-
 def kv_token_bytes(geo: Geometry, kv_dtype: torch.dtype) -> int:
     """Bytes of one token's K plus V of one KV head."""
     return 2 * geo.head_dim * dtype_size(kv_dtype)
+
+
+def kv_page_bytes(geo: Geometry, kv_dtype: torch.dtype) -> int:
+    """Bytes of one K page plus one V page of one KV head."""
+    return geo.block * kv_token_bytes(geo, kv_dtype)
 
 
 def dense_kv_bytes(meta, geo: Geometry, kv_dtype: torch.dtype) -> int:

@@ -253,9 +253,9 @@ def send_handoff(handoff: ContextHandoff, dst: int, group: dist.ProcessGroup | N
     send_pages(staged, dst, group, f"handoff of request {handoff.index}")
 
 
-def _parse_handoff(values: list[int], where: str) -> ContextHandoff:
-    """The handoff a header announces, its pages as shape-only (meta) tensors; raises `HandoffError`
-    naming the first field that no sender of ours could have written."""
+def _parse_handoff(values: list[int], where: str) -> tuple[ContextHandoff, PayloadHeader]:
+    """The handoff a header announces (its pages as shape-only (meta) tensors) and its payload
+    header; raises `HandoffError` naming the first field that no sender of ours could have written."""
     if len(values) < _STATE_INTS:
         raise HandoffError(f"{where}: the header has {len(values)} ints, the state alone needs {_STATE_INTS}")
     index, max_new, kv_len, draft_len, *counts = values[:_STATE_INTS]
@@ -277,9 +277,10 @@ def _parse_handoff(values: list[int], where: str) -> ContextHandoff:
         raise HandoffError(str(error)) from None
     pages = tuple(torch.empty(shape, dtype=torch.uint8, device="meta") for shape in header.shapes)
     a, b = counts[0], counts[0] + counts[1]
-    return ContextHandoff(index=index, prompt=tokens[:a], max_new_tokens=max_new, output=tokens[a:b], kv_len=kv_len,
-                          pending_inputs=tokens[b:], pending_draft_len=draft_len,
-                          payload=KVTransferPayload(header.fingerprint, header.num_tokens, pages))
+    handoff = ContextHandoff(index=index, prompt=tokens[:a], max_new_tokens=max_new, output=tokens[a:b],
+                             kv_len=kv_len, pending_inputs=tokens[b:], pending_draft_len=draft_len,
+                             payload=KVTransferPayload(header.fingerprint, header.num_tokens, pages))
+    return handoff, header
 
 
 def recv_handoff(src: int, group: dist.ProcessGroup | None = None, *, engine: Engine | None = None) -> ContextHandoff:
@@ -293,8 +294,7 @@ def recv_handoff(src: int, group: dist.ProcessGroup | None = None, *, engine: En
     where = f"handoff from rank {src}"
 
     def accept(values: list[int]):
-        handoff = _parse_handoff(values, where)
-        header = PayloadHeader.of(handoff.payload)
+        handoff, header = _parse_handoff(values, where)
         if engine is not None:
             _check_engine(engine)
             _check_handoff(engine, handoff)

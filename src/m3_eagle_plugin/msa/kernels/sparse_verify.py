@@ -275,9 +275,14 @@ def _merge_rows(o_ptr, lse_ptr, fin_ptr, s_o_t, s_o_h, tok, head, d, row_ok, num
 MAX_TWO_PAGE_TILE_BYTES = 64 * 1024
 
 
+def two_page_tile_bytes(block: int, dim: int, elem_bytes: int) -> int:
+    """Bytes of a two-page K + V tile of pages `block` x `dim`."""
+    return 2 * 2 * block * dim * elem_bytes
+
+
 def two_page_tile_fits(block: int, dim: int, elem_bytes: int) -> bool:
     """Whether a two-page K + V tile of pages `block` x `dim` fits (`MAX_TWO_PAGE_TILE_BYTES`)."""
-    return 2 * 2 * block * dim * elem_bytes <= MAX_TWO_PAGE_TILE_BYTES
+    return two_page_tile_bytes(block, dim, elem_bytes) <= MAX_TWO_PAGE_TILE_BYTES
 
 #: Key rows per MMA tile by layout (H200 sweep, scripts/tune_verify_kernels.py --sparse-only, 2026-11-29).
 DEFAULT_KEY_TILE = {"union": 64, "token": 128}
@@ -389,10 +394,11 @@ def sparse_verify_attention(
     require(pages_per_tile in (1, 2), f"pages_per_tile must be 1 or 2, got {pages_per_tile!r}")
     require(pages_per_tile == 1 or (layout == "token" and prefetch),
             "pages_per_tile=2 needs layout 'token' with prefetch (the tile's page ids come from registers)")
+    tile_kb = two_page_tile_bytes(block, dim, k_cache.element_size()) // 1024
     require(pages_per_tile == 1 or two_page_tile_fits(block, dim, k_cache.element_size()),
-            f"pages_per_tile=2: a two-page K and V tile of {4 * block * dim * k_cache.element_size() // 1024} KB "
-            f"({k_cache.dtype}, block {block}, head dim {dim}) is past the {MAX_TWO_PAGE_TILE_BYTES // 1024} KB "
-            "that fit shared memory; use pages_per_tile=1 (or 1-byte K/V)")
+            f"pages_per_tile=2: a two-page K and V tile of {tile_kb} KB ({k_cache.dtype}, block {block}, head dim "
+            f"{dim}) is past the {MAX_TWO_PAGE_TILE_BYTES // 1024} KB that fit shared memory; use pages_per_tile=1 "
+            "(or 1-byte K/V)")
     if paired_v is None:
         paired_v = layout == "token" and paired_v_applies(v_cache, compute_f16)
     require(not paired_v or paired_v_applies(v_cache, compute_f16),

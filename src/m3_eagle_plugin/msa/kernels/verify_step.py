@@ -155,10 +155,10 @@ def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, loc
         selection, ready = select_blocks_verify(index_q, index_k_cache, meta, **kw), None
     if ready is None:
         return selection, sparse_verify_attention(q, k_cache, v_cache, meta, selection, **attend)
+    tiling = early_tiling(splits, topk, kv_bytes, k_cache.shape[2], q.shape[-1])
     try:
         out = sparse_verify_attention(q, k_cache, v_cache, meta, selection, splits=splits, ready=ready,
-                                      request_major=early_order(kv_bytes), **early_tiling(splits, topk, kv_bytes, k_cache.shape[2], q.shape[-1]),
-                                      **attend)
+                                      request_major=early_order(kv_bytes), **tiling, **attend)
     except BaseException:
         ready.zero_()  # in stream order, after the top-k has set them: the next step must find zeros
         raise
