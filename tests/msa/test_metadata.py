@@ -392,3 +392,16 @@ def test_consecutive_mixed_steps_match_naive(steps, draft_len, log_block, wide, 
         assert meta.valid_blocks.tolist() == shrunk["valid"]
         assert meta.token_kv_lens.tolist() == shrunk["kv_tok"]
         assert meta.positions.tolist() == shrunk["pos"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_staging_event_follows_the_copy_on_another_device() -> None:
+    """With cuda:0 current, a cuda:1 object's staging copy runs on cuda:1's stream: its event must too."""
+    torch.cuda.set_device(0)
+    meta = MsaDecodeMetadata(4, 8, 8, 4, "cuda:1", max_draft_len=2)
+    with torch.cuda.device(1):
+        torch.cuda._sleep(1 << 30)  # the copy queues behind this on cuda:1
+    meta.prepare([2, 3], [9, 12], worked_example_tables())
+    assert not meta._staging_done.query()  # recorded on idle cuda:0 it would read done at once
+    torch.cuda.synchronize(1)
+    assert meta._staging_done.query()

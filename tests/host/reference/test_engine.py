@@ -4,6 +4,7 @@ the expected acceptance from an independent simulation of the head's known error
 from __future__ import annotations
 
 import pytest
+import torch
 
 from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
 
@@ -185,3 +186,21 @@ def test_engine_config_takes_eos_ids_as_a_list_and_stays_hashable():
     assert engine.config.eos_ids == (ref[2],) and hash(engine.config) is not None
     result = engine.generate(PROMPTS[:1], max_new_tokens=6)
     assert result.outputs == [ref[:3]] and result.stop_reasons == ["eos"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_readback_event_follows_the_copy_on_another_device():
+    """With cuda:0 current, a cuda:1 step's readback copy runs on cuda:1's stream: its event must too."""
+    from types import SimpleNamespace
+
+    from m3_eagle_plugin.host.reference.engine import _finish_readback, _start_readback
+
+    torch.cuda.set_device(0)
+    out = SimpleNamespace(emitted=torch.tensor([[5, 6]], device="cuda:1"),
+                          num_emitted=torch.tensor([2], device="cuda:1"),
+                          num_accepted=torch.tensor([1], device="cuda:1"))
+    with torch.cuda.device(1):
+        torch.cuda._sleep(1 << 30)  # the copy queues behind this on cuda:1
+    readback = _start_readback(out)
+    assert not readback[1].query()  # recorded on idle cuda:0 it would read done at once
+    assert _finish_readback(readback, 2) == ([[5, 6]], [2], [1])

@@ -329,7 +329,7 @@ def _start_readback(out: StepOutput) -> tuple:
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
     host.copy_(packed, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(packed.device))  # the copy's stream, not the current device's
     return host, done
 
 
