@@ -193,3 +193,52 @@ def test_any_buffer_list_packs_like_a_naive_walk(layers, ids, drafts_bits):
     for layer in ids[: len(layers)]:
         k, v = geo.locate(layer, "k"), geo.locate(layer, "v")
         assert (v.pool_id, v.offset) == (k.pool_id, k.offset + 1)
+
+
+def _small_buffers(spec):
+    """K, V (and index-K last) per (layer, kv bytes, index bytes or None)."""
+    buffers = []
+    for layer, kv, index in spec:
+        buffers += [BufferSpec(layer, "k", kv), BufferSpec(layer, "v", kv)]
+        if index is not None:
+            buffers.append(BufferSpec(layer, "index_k", index))
+    return buffers
+
+
+SMALL_LAYER = st.tuples(st.sampled_from([8, 16]), st.sampled_from([None, 8, 16]))
+
+
+def _geometry(spec, ids, draft):
+    """Layers listed in order with ids `ids`; the last one a draft layer when `draft` and it can be hosted."""
+    last = len(spec) - 1
+    hosted = spec[last][1] is None and any(kv == spec[last][0] for kv, _ in spec[:last])
+    buffers = _small_buffers([(layer, kv, ix) for layer, (kv, ix) in zip(ids, spec)])
+    return build_pool_geometry(buffers, draft_layer_ids=[ids[last]] if draft and hosted else [])
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(spec=st.lists(SMALL_LAYER, min_size=2, max_size=4), draft=st.booleans(),
+       edit=st.sampled_from(["none", "draft", "reorder", "resize", "drop_index"]), data=st.data())
+def test_fingerprints_agree_exactly_when_slot_layouts_do(spec, draft, edit, data):
+    """Transfer refuses a payload whose fingerprint differs: two geometries must share it iff their pools,
+    every (layer, role) placement and the draft layers are equal (compared field by field here). The
+    second geometry is the first after one small edit, so near misses are the common case."""
+    if edit == "draft":
+        spec = spec[:-1] + [(spec[0][0], None)]  # a hostable last layer: the edit really moves a draft
+    ids = list(range(len(spec)))
+    other_spec, other_ids, other_draft = list(spec), list(ids), draft
+    if edit == "draft":
+        other_draft = not draft
+    elif edit == "reorder":  # the same layers, listed in another order: other offsets
+        i, j = data.draw(st.lists(st.integers(0, len(spec) - 1), min_size=2, max_size=2, unique=True))
+        other_ids[i], other_ids[j] = other_ids[j], other_ids[i]
+        other_spec[i], other_spec[j] = other_spec[j], other_spec[i]
+    elif edit == "resize":
+        i = data.draw(st.integers(0, len(spec) - 1))
+        other_spec[i] = (24, other_spec[i][1])
+    elif edit == "drop_index":
+        other_spec = [(kv, None) for kv, _ in spec]
+    ga, gb = _geometry(spec, ids, draft), _geometry(other_spec, other_ids, other_draft)
+    same = (ga.pools == gb.pools and dict(ga.placements) == dict(gb.placements)
+            and ga.draft_layer_ids == gb.draft_layer_ids)
+    assert (ga.fingerprint() == gb.fingerprint()) == same

@@ -309,3 +309,47 @@ def test_every_page_sits_at_its_naive_byte_offset_and_pages_tile_each_pool(
         storage = cache.storage(pool)
         assert spans[0][0] == 0 and spans[-1][1] == storage.numel() * item  # inside the allocation
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no overlap, no gap
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    num_layers=st.integers(1, 4),
+    sparse_bits=st.integers(0, 15),
+    heads=st.sampled_from([1, 2]),
+    index_dim=st.sampled_from([4, 8]),
+    num_drafts=st.integers(0, 2),
+    lengths=st.lists(st.integers(0, 13), min_size=1, max_size=3),
+    extra_width=st.integers(0, 2),
+)
+def test_block_offsets_address_every_layers_pages_at_their_naive_bytes(num_layers, sparse_bits, heads, index_dim,
+                                                                       num_drafts, lengths, extra_width):
+    """What an attention op computes from `block_offsets` + op tables (pointer + (offset + layer offset) x
+    page bytes) for every K/V page of every layer, drafts included, against the naive packing's byte
+    address of (request page, layer, role) in the real storage; unused entries -1 in every op pool."""
+    sparse = {i for i in range(num_layers) if sparse_bits >> i & 1}
+    cache = PagedKVCache.for_minimax_m3(num_layers, sparse, heads, D, index_dim, B, 12,
+                                        num_draft_layers=num_drafts, dtype=torch.float32)
+    kv_page = heads * B * D * 4
+    sizes, counts, where = naive_packing(num_layers, sparse, num_drafts, kv_page, B * index_dim * 4, kv_page)
+    rids = list(range(len(lengths)))
+    for rid, n in zip(rids, lengths):
+        cache.add_request(rid)
+        cache.reserve(rid, n)
+    width = max([len(cache.pages(r)) for r in rids] + [1]) + extra_width
+    offsets = cache.block_offsets(rids[::-1], width=width)  # rows in another order than the requests
+    tables = cache.op_tables
+    assert offsets.shape == (tables.num_op_pools, len(rids), 2, width) and offsets.dtype == torch.int32
+    for layer in range(num_layers + num_drafts):
+        op_pool, layer_offset = tables.pool_mapping[layer].tolist()
+        for row, rid in enumerate(rids[::-1]):
+            pages = cache.pages(rid)
+            for role_i, role in enumerate(("k", "v")):
+                pool, sub_page = where[(layer, role)]
+                for b in range(width):
+                    got = int(offsets[op_pool, row, role_i, b])
+                    if b >= len(pages):
+                        assert got == -1, (layer, role, rid, b)
+                        continue
+                    address = int(tables.pool_pointers[op_pool].reshape(-1)[0]) + (got + layer_offset) * sizes[pool]
+                    naive = cache.storage(pool).data_ptr() + (pages[b] * counts[pool] + sub_page) * sizes[pool]
+                    assert address == naive, (layer, role, rid, b)

@@ -202,3 +202,38 @@ def test_virtual_pool_addresses_equal_real_pool_addresses(layer_sub_pages, draft
                 assert base + (int(dst[0, 0, kv, b]) + t_off) * page_bytes == \
                     base + (slot * sub_pages + offsets[layer] + kv) * page_bytes
     assert dst[:, 0, :, len(slots)].eq(-1).all()
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    host_rows=st.integers(1, 4),
+    host_width=st.integers(1, 6),
+    dst_rows_extra=st.integers(0, 2),
+    dst_width=st.integers(1, 6),
+    scale=st.integers(1, 200),
+    kv_offset=st.integers(0, 3),
+    max_blocks=st.one_of(st.none(), st.integers(0, 7)),
+    data=st.data(),
+)
+def test_pool_block_offset_copy_matches_a_naive_loop(host_rows, host_width, dst_rows_extra, dst_width, scale,
+                                                     kv_offset, max_blocks, data):
+    """Any host rows (unused entries anywhere, V field junk), a copy index with repeats in any order,
+    dst narrower or wider than host, max_blocks: entry by entry against a Python loop, and every
+    dst entry outside the copied rows x width keeps its old value."""
+    slots = data.draw(st.lists(st.integers(-3, 40), min_size=host_rows * host_width,
+                               max_size=host_rows * host_width))
+    host = torch.tensor(slots, dtype=torch.int32).view(host_rows, 1, host_width).repeat(1, 2, 1)
+    host[:, 1] = 12345  # the V field of the host table is never read
+    index = data.draw(st.lists(st.integers(0, host_rows - 1), min_size=0, max_size=host_rows + 1))
+    dst = torch.full((len(index) + dst_rows_extra, 2, dst_width), -7, dtype=torch.int32)
+    copy_pool_block_offsets(dst, host, torch.tensor(index, dtype=torch.int64), scale, kv_offset, max_blocks)
+    width = min(host_width, dst_width, host_width if max_blocks is None else max_blocks)
+    for i in range(dst.shape[0]):
+        for b in range(dst_width):
+            if i < len(index) and b < width:
+                slot = int(host[index[i], 0, b])
+                k = slot * scale if slot >= 0 else -1
+                v = k + kv_offset if slot >= 0 else -1
+            else:
+                k = v = -7
+            assert dst[i, :, b].tolist() == [k, v], (i, b)

@@ -38,7 +38,9 @@ def test_a_kv_len_below_qo_len_clamps_early_tokens_to_zero() -> None:
 
 def test_num_tokens_hint_gives_same_result() -> None:
     qo, kv = torch.tensor([3, 1]), torch.tensor([7, 1])
-    assert per_token_valid_blocks(qo, kv, 2, num_tokens=4).tolist() == per_token_valid_blocks(qo, kv, 2).tolist()
+    expected = naive_valid_blocks([3, 1], [7, 1], 2)
+    assert per_token_valid_blocks(qo, kv, 2, num_tokens=4).tolist() == expected == [3, 3, 4, 1]
+    assert per_token_valid_blocks(qo, kv, 2).tolist() == expected
 
 
 @pytest.mark.parametrize("bad", [0, -4, 3, 12, 100])
@@ -113,3 +115,36 @@ def test_valid_blocks_from_int32_positions_near_the_limit_do_not_wrap() -> None:
     assert got.dtype == torch.int32
     expected = [0 if p < 0 else math.ceil((p + 1) / 2**20) for p in positions.tolist()]
     assert got.tolist() == expected == [0, 1, 1, 2, 2048]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 30)), min_size=0, max_size=6),
+    log_block=st.integers(0, 5),
+    dtype=st.sampled_from([torch.int32, torch.int64, None]),
+    hint=st.booleans(),
+)
+def test_matches_naive_loop_also_when_kv_is_below_qo(rows, log_block, dtype, hint) -> None:
+    """Shrinking corrections leave kv_len below qo_len (even 0 with tokens): early tokens see nothing,
+    never a negative count; lists and int32/int64 tensors, with or without the num_tokens hint, agree."""
+    block_size = 1 << log_block
+    qo, kv = [q for q, _ in rows], [k for _, k in rows]
+    args = (qo, kv) if dtype is None else (torch.tensor(qo, dtype=dtype), torch.tensor(kv, dtype=dtype))
+    got = per_token_valid_blocks(*args, block_size, num_tokens=sum(qo) if hint else None)
+    assert got.dtype == torch.int32
+    assert got.tolist() == naive_valid_blocks(qo, kv, block_size)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    positions=st.lists(st.integers(-(2**31), 2**31 - 2), max_size=12),
+    log_block=st.integers(0, 20),
+    wide=st.booleans(),
+)
+def test_valid_blocks_from_positions_matches_python_ceil(positions, log_block, wide) -> None:
+    """Any int32 position (the metadata's shifted positions go far below -1 after a shrink): Python's
+    exact ceil((p + 1) / B) for p >= 0, 0 for every negative position."""
+    block = 1 << log_block
+    got = valid_blocks_from_positions(torch.tensor(positions, dtype=torch.int64 if wide else torch.int32), block)
+    assert got.dtype == torch.int32
+    assert got.tolist() == [-(-(p + 1) // block) if p >= 0 else 0 for p in positions]

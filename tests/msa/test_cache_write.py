@@ -136,3 +136,13 @@ def test_a_slot_past_the_cache_writes_nothing(slots) -> None:
     with pytest.raises(MsaInputError, match="past the cache"):
         write_index_k(cache.index_k, torch.tensor(slots), torch.randn(n, 5))
     assert torch.equal(cache.pool, before)
+
+
+def test_skipped_tokens_need_no_page_of_an_empty_cache() -> None:
+    """Every token skipped (padding rows) into a cache of 0 pages writes nothing: the skipped-token
+    redirect to slot 0 read a page that does not exist (IndexError). A real slot is still refused."""
+    k_cache, ik_cache = torch.zeros(0, 2, 4, 3), torch.zeros(0, 4, 5)
+    write_kv(k_cache, k_cache.clone(), torch.tensor([-1, -1]), torch.randn(2, 2, 3), torch.randn(2, 2, 3))
+    write_index_k(ik_cache, torch.tensor([-1, -1]), torch.randn(2, 5))
+    with pytest.raises(MsaInputError, match="past the cache"):
+        write_index_k(ik_cache, torch.tensor([-1, 0]), torch.randn(2, 5))

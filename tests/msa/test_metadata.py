@@ -405,3 +405,48 @@ def test_staging_event_follows_the_copy_on_another_device() -> None:
     assert not meta._staging_done.query()  # recorded on idle cuda:0 it would read done at once
     torch.cuda.synchronize(1)
     assert meta._staging_done.query()
+
+
+@pytest.mark.parametrize("context_rows", [None, "none", "one", "all", "negative", "past"])
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    around_verify=st.lists(st.integers(-2, 2), min_size=0, max_size=4),
+    draft_len=st.integers(0, 3),
+    heads=st.integers(1, 2),
+    log_block=st.integers(0, 2),
+)
+def test_decode_only_and_proxy_view_follow_the_stated_rule(context_rows, around_verify, draft_len, heads,
+                                                           log_block) -> None:
+    """is_decode_only is "no context row": every qo_len <= 1 + max_draft_len by default, or the host's
+    count of leading context rows being 0; a count outside [0, R] is refused with nothing staged. A
+    decode-only step past the scratch (R x (1 + K) tokens) is refused; the proxy view is
+    [heads, tokens, ceil(max kv / B)]."""
+    qo = [max(0, 1 + draft_len + d) for d in around_verify]  # rows on both sides of a full verify row
+    context = {None: None, "none": 0, "one": min(1, len(qo)), "all": len(qo), "negative": -1,
+               "past": len(qo) + 1}[context_rows]
+    block = 1 << log_block
+    kv = [q + 3 for q in qo]
+    width = max([-(-k // block) for k in kv] + [1])
+    table = torch.arange(len(qo) * width, dtype=torch.int32).view(len(qo), width)
+    meta = MsaDecodeMetadata(4, 32, width, block, "cpu", max_draft_len=draft_len, num_index_heads=heads)
+    if context is not None and not 0 <= context <= len(qo):
+        with pytest.raises(MsaInputError, match="num_context_requests"):
+            meta.prepare(qo, kv, table, num_context_requests=context)
+        assert meta.prepare_count == 0 and meta.num_requests == 0
+        return
+    rule = all(q <= 1 + draft_len for q in qo) if context is None else context == 0
+    decode_only = bool(qo) and rule
+    if decode_only and sum(qo) > 4 * (1 + draft_len):
+        with pytest.raises(MsaInputError, match="proxy scratch"):
+            meta.prepare(qo, kv, table, num_context_requests=context)
+        return
+    meta.prepare(qo, kv, table, num_context_requests=context)
+    assert meta.is_decode_only == decode_only
+    assert meta.max_step_blocks == max([-(-k // block) for k in kv], default=0)
+    if sum(qo) <= 4 * (1 + draft_len):
+        view = meta.proxy_scores_view()
+        assert view.shape == (heads, sum(qo), meta.max_step_blocks)
+        assert view._base is meta.proxy_scores  # a view of the fixed scratch, no copy
+    else:
+        with pytest.raises(MsaInputError, match="proxy scratch"):
+            meta.proxy_scores_view()

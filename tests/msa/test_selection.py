@@ -247,3 +247,37 @@ def test_select_from_block_scores_is_a_valid_top_k_even_with_ties(heads, num_blo
             free_kept = [float(scores[h, t, b]) for b in kept - forced]
             dropped = [float(scores[h, t, b]) for b in visible - kept]
             assert not free_kept or not dropped or min(free_kept) >= max(dropped)
+
+
+@PROPERTY
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 20)), min_size=1, max_size=3),
+    log_block=st.integers(0, 2),
+    topk=st.integers(1, 5),
+    local=st.integers(0, 3),
+    init=st.integers(0, 3),
+    shrink=st.lists(st.integers(0, 3), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_select_blocks_paged_with_forced_blocks_matches_naive(rows, log_block, topk, local, init, shrink, seed):
+    """Mixed batch, corrected lengths, any local / init forcing: each live token's block set per index head
+    equals the python float64 loop over its request's own keys (not the dense twin, which shares the core)."""
+    if local + init > topk:
+        local, init = min(local, topk), max(0, topk - min(local, topk))
+    block = 1 << log_block
+    rows = [(q, q + extra) for q, extra in rows]
+    corrected = [max(0, k - s) for (_, k), s in zip(rows, shrink)]
+    meta, cache, seqs, iq = _paged_batch(rows, block, heads=2, dim=8, seed=seed, corrections=corrected)
+    sel = select_blocks_paged(iq, cache.index_k, meta, topk=topk, local_blocks=local, init_blocks=init)
+    assert_well_formed(sel, topk)
+    got = selection_sets(sel)
+    t = 0
+    for r, (q, _) in enumerate(rows):
+        for i in range(q):
+            p = corrected[r] - q + i
+            if p < 0:
+                assert all(head[t] == frozenset() for head in got)
+            else:
+                expected = naive_selection(iq[t], seqs[r], p, block, topk, local, init)
+                assert [head[t] for head in got] == expected, (r, i, p)
+            t += 1

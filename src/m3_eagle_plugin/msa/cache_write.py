@@ -71,7 +71,7 @@ def write_kv(
             f"k and v must both be [T, Hkv={num_heads}, D={dim}], got {tuple(k.shape)} and {tuple(v.shape)}"
         )
     slots = _check_slots(slots, k.shape[0], num_pages * block_size)
-    if k.shape[0] == 0:
+    if k.shape[0] == 0 or num_pages == 0:  # no page: every (checked) slot is skipped, and slot 0 is no fallback
         return
     heads = torch.arange(num_heads, device=k_cache.device)[None, :]
     for cache, values in ((k_cache, k), (v_cache, v)):
@@ -93,7 +93,7 @@ def write_index_k(index_k_cache: torch.Tensor, slots: torch.Tensor, ik: torch.Te
     if ik.dim() != 2 or ik.shape[1] != dim:
         raise MsaInputError(f"ik must be [T, Di={dim}], got {tuple(ik.shape)}")
     slots = _check_slots(slots, ik.shape[0], num_pages * block_size)
-    if ik.shape[0] == 0:
+    if ik.shape[0] == 0 or num_pages == 0:
         return
 
     def read_slot(slot: int) -> torch.Tensor:
