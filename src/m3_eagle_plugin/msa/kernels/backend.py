@@ -25,7 +25,8 @@ import torch
 
 from . import flashinfer_msa as fim
 from . import kernel_table
-from ._common import KernelInputError, check_switches, env_value, triton_available, triton_importable
+from ._common import (MAX_TILE_ROWS, KernelInputError, check_switches, env_value, is_pow2, triton_available,
+                      triton_importable)
 
 ENV_VAR = "M3_EAGLE_KERNELS"
 MODES = ("auto", "triton", "torch", "flashinfer")
@@ -190,6 +191,14 @@ def _kernel_shape_ok(head_dim: int, block_size: int) -> bool:
     return all(n >= MIN_KERNEL_DIM and n & (n - 1) == 0 for n in (int(head_dim), int(block_size)))
 
 
+def _kernel_heads_ok(q: torch.Tensor, k_cache: torch.Tensor | None = None, *, padded_rows: int = 0) -> bool:
+    """Head counts the kernels tile whole: `q`'s heads (per KV head of `k_cache` when given) a power
+    of two, or at most `padded_rows` (the per-token sparse layout pads its rows). Others, which no
+    M3 geometry has (GQA 16, one index head a rank), stay on the torch references."""
+    heads = int(q.shape[1]) // max(int(k_cache.shape[1]), 1) if k_cache is not None else int(q.shape[1])
+    return heads <= padded_rows or is_pow2(heads)
+
+
 def on_first_argument_device(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run dispatcher `fn` with its first argument's CUDA device current (a tensor, or metadata
     with a `device`). Triton and FlashInfer launch on the current device, torch ops on their
@@ -238,7 +247,8 @@ def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, i
     if q_len is not None:
         return fim.select_blocks(index_q, index_k_cache, meta, topk=topk, q_len=q_len, local_blocks=local_blocks,
                                  init_blocks=init_blocks)
-    if use_triton(index_q.device) and _kernel_shape_ok(index_q.shape[-1], meta.block_size):
+    if (use_triton(index_q.device) and _kernel_shape_ok(index_q.shape[-1], meta.block_size)
+            and _kernel_heads_ok(index_q)):
         from .index_select import select_blocks_verify
 
         return select_blocks_verify(index_q, index_k_cache, meta, topk=topk, local_blocks=local_blocks,
@@ -260,7 +270,8 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
     if q_len is not None:
         return fim.sparse_attention(q, k_cache, v_cache, meta, selection, scale=scale, q_len=q_len,
                                     k_scale=k_scale, v_scale=v_scale)
-    if use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size):
+    if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
+            and _kernel_heads_ok(q, k_cache, padded_rows=MAX_TILE_ROWS)):
         from .sparse_verify import sparse_verify_attention
 
         return sparse_verify_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale,
@@ -281,7 +292,8 @@ def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *,
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len)
     if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
-            and _kernel_shape_ok(index_q.shape[-1], meta.block_size)):
+            and _kernel_shape_ok(index_q.shape[-1], meta.block_size) and _kernel_heads_ok(index_q)
+            and _kernel_heads_ok(q, k_cache, padded_rows=MAX_TILE_ROWS)):
         # Each half's eligibility, computed at most once (the route and the whole-step rule both ask).
         checks = {fim.INDEX: functools.cache(lambda: fim.eligibility(
                       fim.INDEX, index_q, index_k_cache, meta, topk=topk, max_qo_len=max_qo_len)),
@@ -330,7 +342,8 @@ def _whole_step_backend(device, meta, num_tokens: int, max_qo_len: int | None, c
 def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=None,
                     max_qo_len: int | None = None):
     """Dispatching twin of `msa.dense_attention`."""
-    if use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size):
+    if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
+            and _kernel_heads_ok(q, k_cache)):
         from .dense_verify import dense_verify_attention
 
         return dense_verify_attention(q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import device_sm_count, fits_one_tile, qo_len_hint, scale_value, tokens_per_tile
+from ._common import device_sm_count, fits_one_tile, is_pow2, qo_len_hint, require, scale_value, tokens_per_tile
 from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
 from .attention_tiles import LOG2E, online_softmax_step, store_rows, zero_graph_padding
 from .launch import launch
@@ -166,6 +166,8 @@ def _dense(q, k_cache, v_cache, meta, *, scale, k_scale, v_scale, max_qo_len, sp
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
     group = num_heads // hkv
+    require(is_pow2(group), f"dense attention tiles whole GQA groups: query heads per KV head must be a power of "
+            f"two, got {group}")
     num_requests = meta.kv_lens.shape[0]
     width = meta.block_tables.shape[1]
     qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)

@@ -30,6 +30,7 @@ from ._common import (
     device_capability,
     device_sm_count,
     fits_one_tile,
+    is_pow2,
     next_pow2,
     require,
     tokens_per_tile,
@@ -267,6 +268,8 @@ def index_block_scores(
     num_tokens, num_heads, dim = index_q.shape
     _, block, kdim = index_k_cache.shape
     require(kdim == dim, f"index dims differ: index_q {dim} vs index_k_cache {kdim}")
+    require(is_pow2(num_heads), f"the scoring tiles all index heads of a token: their count must be a power of two, "
+            f"got {num_heads}")
     check_step_rows("index_q", index_q, meta)
     check_cache_block("index_k_cache", block, meta)
     require(block >= 16 and dim >= 16 and block & (block - 1) == 0 and dim & (dim - 1) == 0,

@@ -24,6 +24,7 @@ from ._common import (
     byte_aligned,
     qo_len_hint,
     device_sm_count,
+    is_pow2,
     next_pow2,
     require,
     scale_value,
@@ -391,6 +392,9 @@ def sparse_verify_attention(
     if layout is None:
         layout = default_layout(group)
     require(layout in ("union", "token"), f"layout must be 'union' or 'token', got {layout!r}")
+    require(layout == "token" or is_pow2(group), f"layout 'union' tiles whole GQA groups: query heads per KV head "
+            f"must be a power of two, got {group}" + (f" (over {MAX_TILE_ROWS}, too tall for layout 'token')"
+                                                      if group > MAX_TILE_ROWS else ""))
     require(pages_per_tile in (1, 2), f"pages_per_tile must be 1 or 2, got {pages_per_tile!r}")
     require(pages_per_tile == 1 or (layout == "token" and prefetch),
             "pages_per_tile=2 needs layout 'token' with prefetch (the tile's page ids come from registers)")
