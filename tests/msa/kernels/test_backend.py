@@ -12,6 +12,7 @@ from m3_eagle_plugin.msa import sparse_attention as ref_sparse
 from m3_eagle_plugin.msa.kernels import (
     KernelBackendError,
     KernelInputError,
+    KernelTooLargeError,
     backend_report,
     check_backend,
     dense_attention,
@@ -171,3 +172,48 @@ def test_check_backend_parses_the_named_table_once(monkeypatch, tmp_path):
     path.write_text("{broken")  # parsed by check_backend: the choices to come use that table, not a re-read
     assert kernel_table.load_table().source == str(path)
     kernel_table.clear_caches()
+
+
+def _too_large(*args, **kwargs):
+    raise KernelTooLargeError("stand-in: these tiles need more shared memory than the device has")
+
+
+@pytest.fixture
+def kernels_too_large(monkeypatch):
+    """Every kernel entry the dispatchers call refuses its tiles, as `launch` does past one stage."""
+    from m3_eagle_plugin.msa.kernels import backend, dense_verify, index_select, sparse_verify, verify_step
+
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    for module, name in ((dense_verify, "dense_verify_attention"), (sparse_verify, "sparse_verify_attention"),
+                         (index_select, "select_blocks_verify"), (verify_step, "sparse_verify_step")):
+        monkeypatch.setattr(module, name, _too_large)
+    return backend
+
+
+def test_auto_runs_the_torch_reference_where_a_kernel_is_too_large(monkeypatch, kernels_too_large):
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    backend = kernels_too_large
+    geo, step, meta = _cpu_step()
+    cache, q, index_q = step["cache"], step["q"], step["index_q"]
+    sel = ref_select(index_q, cache.index_k, meta, topk=geo.topk)
+    assert torch.equal(backend.select_blocks_paged(index_q, cache.index_k, meta, topk=geo.topk), sel)
+    expect = ref_sparse(q, cache.k, cache.v, meta, sel, scale=0.25)
+    assert torch.equal(backend.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.25), expect)
+    assert torch.equal(backend.sparse_layer_attention(q, cache.k, cache.v, index_q, cache.index_k, meta,
+                                                      topk=geo.topk, scale=0.25), expect)
+    assert torch.equal(backend.dense_attention(q, cache.k, cache.v, meta, scale=0.25),
+                       ref_dense(q, cache.k, cache.v, meta, scale=0.25))
+
+
+def test_a_too_large_kernel_is_an_error_when_forced_or_with_fp8_scales(monkeypatch, kernels_too_large):
+    backend = kernels_too_large
+    geo, step, meta = _cpu_step()
+    cache, q = step["cache"], step["q"]
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    with pytest.raises(KernelTooLargeError):  # the reference has no fp8 scales: say what failed
+        backend.dense_attention(q, cache.k, cache.v, meta, scale=0.25, k_scale=0.5)
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "triton")
+    with pytest.raises(KernelTooLargeError):
+        backend.dense_attention(q, cache.k, cache.v, meta, scale=0.25)
+    with pytest.raises(KernelTooLargeError):
+        backend.select_blocks_paged(step["index_q"], cache.index_k, meta, topk=geo.topk)

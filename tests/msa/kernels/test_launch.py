@@ -153,3 +153,62 @@ def test_launch_hooks_see_every_launch():
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 1
     torch.testing.assert_close(y, x * 2, rtol=0, atol=0)
+
+
+class _SharedMemoryBound:
+    """A stand-in kernel whose tiles fit the device's shared memory from `fits` stages down."""
+
+    def __init__(self, fits):
+        self.fits, self.tried = fits, []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            from triton.runtime.errors import OutOfResources
+
+            stages = kwargs.get("num_stages", launch_mod.DEFAULT_NUM_STAGES)
+            self.tried.append(stages)
+            if stages > self.fits:
+                raise OutOfResources(1000 * stages, 1000 * self.fits, "shared memory")
+            return ("ran", args, kwargs)
+        return run
+
+
+@pytest.mark.parametrize("fits", [3, 2, 1])
+def test_a_kernel_too_large_for_its_stages_runs_at_the_deepest_that_fits(fits):
+    kernel = _SharedMemoryBound(fits)
+    assert launch(kernel, (1,), 7, K=4) == ("ran", (7,), {"K": 4} if fits == 3 else {"K": 4, "num_stages": fits})
+    assert kernel.tried == list(range(3, fits - 1, -1))
+
+
+def test_a_kernel_too_large_at_one_stage_is_refused_naming_it_and_its_bytes():
+    kernel = _SharedMemoryBound(0)
+    with pytest.raises(launch_mod.KernelTooLargeError, match="needs 4000 bytes of shared memory at 4 stages"):
+        launch(kernel, (1,), num_stages=4)
+    assert kernel.tried == [4, 3, 2, 1]
+
+
+@triton.jit
+def _wide_tiles_kernel(a_ptr, b_ptr, c_ptr, K, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    rm, rk, rn = tl.arange(0, BM), tl.arange(0, BK), tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptr + rm[:, None] * K + (k0 + rk)[None, :])
+        b = tl.load(b_ptr + (k0 + rk)[:, None] * BN + rn[None, :])
+        acc += tl.dot(a, b)
+    tl.store(c_ptr + rm[:, None] * BN + rn[None, :], acc)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_a_real_kernel_over_shared_memory_at_three_stages_runs_at_fewer():
+    from triton.runtime.errors import OutOfResources
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(128, 1024, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(1024, 128, device="cuda", generator=g).to(torch.bfloat16)
+    c = torch.full((128, 128), float("nan"), device="cuda")
+    tiles = dict(BM=128, BK=256, BN=128)  # 128 KB of bf16 operands a stage
+    with pytest.raises(OutOfResources):  # what Triton alone does with these tiles at 3 stages
+        _wide_tiles_kernel[(1,)](a, b, c, 1024, **tiles, num_stages=3)
+    launch(_wide_tiles_kernel, (1,), a, b, c, 1024, **tiles, num_stages=3)
+    launch(_wide_tiles_kernel, (1,), a, b, c, 1024, **tiles, num_stages=3)  # the hit path keeps the depth
+    torch.testing.assert_close(c, a.float() @ b.float(), rtol=2e-2, atol=2e-1)

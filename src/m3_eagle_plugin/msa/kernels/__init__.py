@@ -10,7 +10,7 @@ package attribute of the same name, which would replace the function with the mo
 """
 from __future__ import annotations
 
-from ._common import KernelInputError, triton_available
+from ._common import KernelInputError, KernelTooLargeError, triton_available
 from .backend import (
     KernelBackendError,
     backend_report,
@@ -27,6 +27,7 @@ from .backend import (
 __all__ = [
     "KernelBackendError",
     "KernelInputError",
+    "KernelTooLargeError",
     "backend_report",
     "check_backend",
     "dense_attention",

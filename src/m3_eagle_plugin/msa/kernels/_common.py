@@ -27,6 +27,11 @@ class KernelInputError(ValueError):
     """An input tensor has a shape, dtype, device or layout the kernels cannot take."""
 
 
+class KernelTooLargeError(KernelInputError):
+    """A kernel's tiles need more of a device resource (shared memory) than the device has, at
+    every pipeline depth down to one stage (`launch`)."""
+
+
 @functools.lru_cache(maxsize=None)
 def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None

@@ -25,8 +25,8 @@ import torch
 
 from . import flashinfer_msa as fim
 from . import kernel_table
-from ._common import (MAX_TILE_ROWS, KernelInputError, check_switches, env_value, is_pow2, triton_available,
-                      triton_importable)
+from ._common import (MAX_TILE_ROWS, KernelInputError, KernelTooLargeError, check_switches, env_value, is_pow2,
+                      triton_available, triton_importable)
 
 ENV_VAR = "M3_EAGLE_KERNELS"
 MODES = ("auto", "triton", "torch", "flashinfer")
@@ -191,6 +191,13 @@ def _kernel_shape_ok(head_dim: int, block_size: int) -> bool:
     return all(n >= MIN_KERNEL_DIM and n & (n - 1) == 0 for n in (int(head_dim), int(block_size)))
 
 
+def _reference_instead(error: KernelTooLargeError, *scales: Any) -> None:
+    """Re-raise `error` unless `auto` may run the torch reference in the kernel's place (it takes
+    no fp8 scales)."""
+    if requested_backend() != "auto" or any(scale is not None for scale in scales):
+        raise error
+
+
 def _kernel_heads_ok(q: torch.Tensor, k_cache: torch.Tensor | None = None, *, padded_rows: int = 0) -> bool:
     """Head counts the kernels tile whole: `q`'s heads (per KV head of `k_cache` when given) a power
     of two, or at most `padded_rows` (the per-token sparse layout pads its rows). Others, which no
@@ -251,8 +258,11 @@ def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, i
             and _kernel_heads_ok(index_q)):
         from .index_select import select_blocks_verify
 
-        return select_blocks_verify(index_q, index_k_cache, meta, topk=topk, local_blocks=local_blocks,
-                                    init_blocks=init_blocks, max_qo_len=max_qo_len)
+        try:
+            return select_blocks_verify(index_q, index_k_cache, meta, topk=topk, local_blocks=local_blocks,
+                                        init_blocks=init_blocks, max_qo_len=max_qo_len)
+        except KernelTooLargeError as error:
+            _reference_instead(error)
     return _reference("select_blocks_paged")(index_q, index_k_cache, meta, topk=topk,
                                              local_blocks=local_blocks, init_blocks=init_blocks)
 
@@ -274,8 +284,11 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
             and _kernel_heads_ok(q, k_cache, padded_rows=MAX_TILE_ROWS)):
         from .sparse_verify import sparse_verify_attention
 
-        return sparse_verify_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale,
-                                       v_scale=v_scale, max_qo_len=max_qo_len)
+        try:
+            return sparse_verify_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale,
+                                           v_scale=v_scale, max_qo_len=max_qo_len)
+        except KernelTooLargeError as error:
+            _reference_instead(error, k_scale, v_scale)
     if k_scale is not None or v_scale is not None:
         raise KernelBackendError("fp8 KV scales need the Triton backend")
     return _reference("sparse_attention")(q, k_cache, v_cache, meta, selection, scale=scale)
@@ -309,8 +322,11 @@ def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *,
         if whole == "triton":
             from .verify_step import sparse_verify_step
 
-            return sparse_verify_step(index_q, index_k_cache, q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale,
-                                      v_scale=v_scale, **kw)[1]
+            try:
+                return sparse_verify_step(index_q, index_k_cache, q, k_cache, v_cache, meta, scale=scale,
+                                          k_scale=k_scale, v_scale=v_scale, **kw)[1]
+            except KernelTooLargeError as error:  # each half then by its own dispatcher
+                _reference_instead(error, k_scale, v_scale)
         if whole == "flashinfer":  # both halves, as that row measured them (not one of each)
             q_len, _ = fim.host_q_len(meta, q.shape[0], max_qo_len)
             selection = fim.select_blocks(index_q, index_k_cache, meta, topk=topk, q_len=q_len,
@@ -346,8 +362,11 @@ def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=N
             and _kernel_heads_ok(q, k_cache)):
         from .dense_verify import dense_verify_attention
 
-        return dense_verify_attention(q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale,
-                                      v_scale=v_scale, max_qo_len=max_qo_len)
+        try:
+            return dense_verify_attention(q, k_cache, v_cache, meta, scale=scale, k_scale=k_scale,
+                                          v_scale=v_scale, max_qo_len=max_qo_len)
+        except KernelTooLargeError as error:
+            _reference_instead(error, k_scale, v_scale)
     if k_scale is not None or v_scale is not None:
         raise KernelBackendError("fp8 KV scales need the Triton backend")
     return _reference("dense_attention")(q, k_cache, v_cache, meta, scale=scale)

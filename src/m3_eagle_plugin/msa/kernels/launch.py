@@ -19,6 +19,13 @@ Triton's specialisation, so a hit always runs the kernel Triton would have picke
 Falls back to `kernel[grid]` under the interpreter, with launch hooks installed (profilers), or for
 an argument type it does not key. Assumes Triton's global knobs (debug, instrumentation) do not
 change after the first launch of a key.
+
+Shared memory: the tiles are tuned for M3 (head dim 128, 16-bit or fp8 K/V). Larger rows (head dim
+256, fp32 queries or caches) can ask more shared memory than the device has; Triton says so when
+the compiled kernel is first loaded, before anything runs. Such a first launch is retried with
+fewer pipeline stages (the shape then runs at the depth that fits); where even one stage does not
+fit, `KernelTooLargeError` names the kernel and the bytes, and the dispatchers take the torch
+reference under `auto`.
 """
 from __future__ import annotations
 
@@ -29,9 +36,14 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import replay
+from ._common import KernelTooLargeError
 
 _COMPILED: dict[tuple, tuple[Any, tuple]] = {}
 _INT32 = (-(1 << 31), 1 << 31)
+
+
+#: Triton's pipeline depth when a launch names none (CUDA backend).
+DEFAULT_NUM_STAGES = 3
 
 
 class _Unkeyed(Exception):
@@ -114,7 +126,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
         return _through_triton(kernel, grid, args, kwargs)
     launched = hit is None
     if launched:  # Triton binds, compiles or finds the kernel, and launches it
-        compiled = kernel[grid](*args, **kwargs)
+        compiled = _first_launch(kernel, grid, args, kwargs)
         if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
             compiled = compiled.result()
         if compiled is None:
@@ -136,7 +148,30 @@ def run_compiled(compiled: Any, grid: tuple[int, ...], stream: int, args: tuple,
     compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
 
 
+def _first_launch(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Any:
+    """`kernel[grid](*args, **kwargs)`; where its tiles do not fit the device's shared memory, again
+    at one pipeline stage fewer each time (the first, successful depth is what Triton then caches
+    for these arguments), else `KernelTooLargeError`."""
+    from triton.runtime.errors import OutOfResources
+
+    stages = kwargs.get("num_stages") or DEFAULT_NUM_STAGES
+    try:
+        return kernel[grid](*args, **kwargs)
+    except OutOfResources as error:
+        first_error = error
+    for fewer in range(stages - 1, 0, -1):
+        try:
+            return kernel[grid](*args, **{**kwargs, "num_stages": fewer})
+        except OutOfResources:
+            continue
+    name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+    raise KernelTooLargeError(
+        f"{name} needs {first_error.required} bytes of {first_error.name} at {stages} stages, more than the "
+        f"device's {first_error.limit} even at 1 stage: its tiles are sized for head dim 128 with 16-bit or fp8 "
+        f"K/V (the torch reference runs any shape: M3_EAGLE_KERNELS=torch)") from None
+
+
 def _through_triton(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Any:
     if replay.recording():
         replay.record_launch(kernel, None, grid, args, kwargs, ())
-    return kernel[grid](*args, **kwargs)
+    return _first_launch(kernel, grid, args, kwargs)
