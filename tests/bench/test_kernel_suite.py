@@ -1,8 +1,10 @@
-"""The byte floor of the kernel rows (GPU) and the CPU smoke table: one function, checked by hand."""
+"""The byte floor of the kernel rows (GPU) and the CPU smoke table: one function, checked by hand and
+against a per-request, per-block tally on random steps."""
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from m3_eagle_plugin.bench.inputs import Geometry, selected_tokens, union_blocks
 from m3_eagle_plugin.bench.kernel_suite import byte_floor
@@ -54,3 +56,67 @@ def test_selected_tokens_counts_each_union_block_once(step):
 def test_sparse_rows_need_the_selection(step):
     with pytest.raises(ValueError, match="needs the selection"):
         floor("sparse_attn", step, selection=None)
+
+
+ELEM = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}
+
+
+def tally_bytes(name, qo_lens, kv_lens, selection, geo, *, q_elem, kv_elem, index_elem):
+    """The byte floor tallied request by request and block by block: each (KV head, request) reads
+    each distinct selected block once, `min(block, kv_len - b * block)` of its tokens (0 for a block
+    past the request's keys); queries, index queries and outputs of live tokens only."""
+    live = sum(qo_lens)
+    q_rw = 2 * live * geo.q_heads * geo.head_dim * q_elem
+    index = live * geo.index_heads * geo.index_dim * index_elem
+    for kv in kv_lens:  # index-K: every page of the request, the last one partly
+        tokens = sum(min(geo.block, kv - b * geo.block) for b in range(-(-kv // geo.block)))
+        index += tokens * geo.index_dim * index_elem
+    if name == "index_select":
+        return index + geo.index_heads * live * geo.topk * 4, 0
+    if name == "dense_attn":
+        return q_rw + geo.kv_heads * sum(kv_lens) * 2 * geo.head_dim * kv_elem, 0
+    kv_bytes, union = 0, 0
+    start = 0
+    for kv, qo in zip(kv_lens, qo_lens):
+        for h in range(selection.shape[0]):
+            blocks = set()
+            for t in range(start, start + qo):
+                blocks |= {b for b in selection[h, t].tolist() if b >= 0}
+            union += len(blocks)
+            kv_bytes += sum(max(0, min(geo.block, kv - b * geo.block)) for b in blocks) * 2 * geo.head_dim * kv_elem
+        start += qo
+    if name == "sparse_attn":
+        return q_rw + kv_bytes + selection.shape[0] * live * selection.shape[2] * 4, union
+    return q_rw + kv_bytes + index, union
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_byte_floor_equals_a_per_request_per_block_tally(data):
+    """Random geometry, requests (partial last pages, q_len mixes), graph padding, dtypes and a raw
+    selection (any block id, invisible ones included, repeats across tokens, -1 anywhere)."""
+    block = data.draw(st.sampled_from([4, 16]))
+    kv_heads = data.draw(st.integers(1, 3))
+    geo = Geometry(q_heads=kv_heads * data.draw(st.integers(1, 3)), kv_heads=kv_heads,
+                   head_dim=data.draw(st.sampled_from([4, 8])), index_heads=data.draw(st.integers(1, 2)),
+                   index_dim=data.draw(st.sampled_from([3, 8])), block=block, topk=data.draw(st.integers(1, 4)))
+    qo_lens = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    kv_lens = [q + data.draw(st.integers(0, 3 * block)) for q in qo_lens]
+    pad = data.draw(st.integers(0, 3))
+    width = max(-(-kv // block) for kv in kv_lens)
+    tables = torch.arange(len(kv_lens) * width, dtype=torch.int32).reshape(len(kv_lens), width)
+    meta = build_step_meta(qo_lens, kv_lens, tables, block, device="cpu", pad_tokens=pad)
+    total = sum(qo_lens) + pad
+    q_dtype, kv_dtype, index_dtype = (data.draw(st.sampled_from(list(ELEM))) for _ in range(3))
+    q = torch.zeros(total, geo.q_heads, geo.head_dim, dtype=q_dtype)
+    index_q = torch.zeros(total, geo.index_heads, geo.index_dim, dtype=index_dtype)
+    ids = st.integers(-1, width + 1)
+    selection = torch.tensor(data.draw(st.lists(st.lists(st.lists(ids, min_size=geo.topk, max_size=geo.topk),
+                                                          min_size=total, max_size=total),
+                                                 min_size=kv_heads, max_size=kv_heads)), dtype=torch.int32)
+    for name in ("index_select", "sparse_attn", "sparse_step", "dense_attn"):
+        got = byte_floor(name, meta, geo, q=q, index_q=index_q, kv_dtype=kv_dtype, index_dtype=index_dtype,
+                         selection=selection)
+        expect = tally_bytes(name, qo_lens, kv_lens, selection, geo, q_elem=ELEM[q_dtype], kv_elem=ELEM[kv_dtype],
+                             index_elem=ELEM[index_dtype])
+        assert got == expect, name

@@ -1,14 +1,20 @@
-"""Block-union lists (from a given selection, and from the fused top-k) vs a Python set oracle."""
+"""Block-union lists (from a given selection, and from the fused top-k) vs a Python set oracle.
+
+The `check_*` functions are device-agnostic: on CUDA they run here (`test_on_gpu`); on CPU
+`tests._interpreter` runs `INTERPRETER_CASES` through Triton's interpreter, so CI executes the
+union kernel and the fused top-k's union writer.
+"""
 from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from .kernel_case_helpers import SMALL, needs_gpu, random_step
+from tests._interpreter import module_cases_lines, needs_interpreter
 
-pytestmark = needs_gpu
+from .kernel_case_helpers import SMALL, needs_gpu, random_step
 
 
 def expected_union(selection, meta, chunk, num_chunks):
@@ -56,6 +62,52 @@ def _random_selection(meta, heads, topk, block, seed):
     return sel.to(meta.positions.device)
 
 
+def check_union_from_selection_matches_sets(device, *, qo_lens=(4, 3, 1, 6), kv_lens=(100, 64, 7, 90), chunk=4,
+                                            topk=4, seed=0):
+    """`union_from_selection` vs the Python-set union of each (request, head, chunk of tokens)."""
+    from m3_eagle_plugin.msa.kernels.block_union import chunk_count, union_from_selection
+
+    meta, _, _, _ = random_step(SMALL, list(qo_lens), list(kv_lens), seed=seed, device=device)
+    sel = _random_selection(meta, SMALL.kv_heads, topk, SMALL.block, seed)
+    nch = chunk_count(sum(qo_lens), len(qo_lens), chunk, max(qo_lens))
+    union = union_from_selection(sel, meta.cu_qo_lens, meta.block_tables, chunk=chunk, num_chunks=nch)
+    assert union_as_dict(union, meta.block_tables) == expected_union(sel, meta, chunk, nch)
+
+
+def check_fused_topk_union_matches_its_own_selection(device, *, seed=0):
+    """The union lists the fused top-k writes vs the Python-set union of the selection it returns."""
+    from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+
+    meta, cache, _, index_q = random_step(SMALL, [4, 4, 2], [90, 50, 21], index_dtype=torch.float32, pad_tokens=2,
+                                          seed=seed, device=device)
+    sel, union = select_blocks_verify(index_q, cache.index_k, meta, topk=SMALL.topk, max_qo_len=4, union_group=4)
+    assert union.chunk == 4 and union.num_chunks == 1
+    assert union_as_dict(union, meta.block_tables) == expected_union(sel, meta, 4, 1)
+    assert (sel[:, 10:].cpu() == -1).all()
+
+
+#: The interpreter's share (CI has two cores): chunks of 4 (two a request for q_len 6) and of 1,
+#: a top-k of 1, and the fused top-k's writer.
+INTERPRETER_CASES = [
+    (check_union_from_selection_matches_sets, dict()),
+    (check_union_from_selection_matches_sets, dict(qo_lens=(2, 5), kv_lens=(40, 33), chunk=1, topk=1, seed=1)),
+    (check_fused_topk_union_matches_its_own_selection, dict()),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("fn,kw", INTERPRETER_CASES)
+def test_on_gpu(fn, kw):
+    fn("cuda", **kw)
+
+
+@needs_interpreter
+def test_kernel_in_the_interpreter():
+    lines = module_cases_lines("tests.msa.kernels.test_block_union")
+    assert len(lines) == len(INTERPRETER_CASES), lines
+
+
+@needs_gpu
 def test_union_from_selection_matches_sets():
     from m3_eagle_plugin.msa.kernels.block_union import union_from_selection
 
@@ -65,6 +117,7 @@ def test_union_from_selection_matches_sets():
     assert union_as_dict(union, meta.block_tables) == expected_union(sel, meta, 4, 2)
 
 
+@needs_gpu
 def test_fused_topk_union_matches_its_own_selection():
     from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
 
@@ -76,6 +129,7 @@ def test_fused_topk_union_matches_its_own_selection():
     assert (sel[:, 10:].cpu() == -1).all()
 
 
+@needs_gpu
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(
     reqs=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 200)), min_size=1, max_size=5),

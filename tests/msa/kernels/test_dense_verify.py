@@ -1,4 +1,10 @@
-"""Triton dense verify attention (causal ladder) vs the naive torch reference."""
+"""Triton dense verify attention (causal ladder) vs the naive torch reference.
+
+The `check_*` functions are device-agnostic: on CUDA they run here (`test_on_gpu`); on CPU
+`tests._interpreter` runs `INTERPRETER_CASES` through Triton's interpreter, so CI executes the
+kernel's causal mask, its splits and the graph-padding rows. The interpreter's `tl.dot` is wrong
+for bf16 operands (Triton 3.6), so those cases use fp32 or fp16 queries.
+"""
 from __future__ import annotations
 
 import math
@@ -7,11 +13,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from m3_eagle_plugin.bench import torch_reference as ref
+from tests._interpreter import module_cases_lines, needs_interpreter
+
 from .kernel_case_helpers import (M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, poison_allocator_like,
                                   random_step)
-from m3_eagle_plugin.bench import torch_reference as ref
-
-pytestmark = needs_gpu
 
 
 def _run(q, cache, meta, **kw):
@@ -20,6 +26,42 @@ def _run(q, cache, meta, **kw):
     return dense_verify_attention(q, cache.k, cache.v, meta, **kw)
 
 
+def check_matches_reference(device, *, splits=None, qo_lens=(4, 2, 1), kv_lens=(70, 33, 5), kv_dtype=torch.float32,
+                            q_dtype=torch.float32, pad_tokens=0, max_qo_len=None, scale=0.25, seed=0):
+    """Live rows vs `torch_reference.dense_attention` (with the fp8 scales); graph-padding rows zero."""
+    meta, cache, q, _ = random_step(SMALL, list(qo_lens), list(kv_lens), kv_dtype=kv_dtype, q_dtype=q_dtype,
+                                    seed=seed, pad_tokens=pad_tokens, device=device)
+    kw = dict(scale=scale, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    out = _run(q, cache, meta, splits=splits, max_qo_len=max_qo_len, **kw)
+    live = sum(qo_lens)
+    expect = ref.dense_attention(q, cache.k, cache.v, meta, **kw)
+    assert_close_rel(out[:live], expect[:live], 1e-4 if q_dtype == torch.float32 else 2e-2)
+    assert (out[live:] == 0).all(), "graph-padding rows are not zero"
+
+
+#: The interpreter's share (CI has two cores): several splits (more than some requests have pages)
+#: and one (the kernel zeroes the padding rows itself), fp8 K/V with scales and fp16 partials.
+INTERPRETER_CASES = [
+    (check_matches_reference, dict(splits=3)),
+    (check_matches_reference, dict(splits=1, pad_tokens=2, seed=1)),
+    (check_matches_reference, dict(qo_lens=(3, 4), kv_lens=(40, 21), pad_tokens=1, kv_dtype=torch.float8_e4m3fn,
+                                   q_dtype=torch.float16, max_qo_len=4, scale=2.0, seed=2)),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("fn,kw", INTERPRETER_CASES)
+def test_on_gpu(fn, kw):
+    fn("cuda", **kw)
+
+
+@needs_interpreter
+def test_kernel_in_the_interpreter():
+    lines = module_cases_lines("tests.msa.kernels.test_dense_verify")
+    assert len(lines) == len(INTERPRETER_CASES), lines
+
+
+@needs_gpu
 @pytest.mark.parametrize("splits", [1, 4, 40, None])
 def test_matches_reference_fp32(splits):
     meta, cache, q, _ = random_step(SMALL, [4, 2, 1], [170, 33, 5], kv_dtype=torch.float32, q_dtype=torch.float32)
@@ -27,6 +69,7 @@ def test_matches_reference_fp32(splits):
     assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=0.25), 1e-4)
 
 
+@needs_gpu
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_m3_geometry(kv_dtype):
     meta, cache, q, _ = random_step(M3, [4, 4, 4], [3000, 129, 700], kv_dtype=kv_dtype, pad_tokens=1)
@@ -37,6 +80,7 @@ def test_m3_geometry(kv_dtype):
     assert (out[12:] == 0).all()
 
 
+@needs_gpu
 def test_one_split_zeroes_graph_padding_rows_itself():
     meta, cache, q, _ = random_step(M3, [4, 3], [700, 129], kv_dtype=torch.float8_e4m3fn, pad_tokens=5)
     kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
@@ -46,6 +90,7 @@ def test_one_split_zeroes_graph_padding_rows_itself():
     assert (out[7:] == 0).all()
 
 
+@needs_gpu
 @pytest.mark.parametrize("kv_dtype,gain", [(torch.bfloat16, 4e5), (torch.float8_e5m2, 4096.0)])
 def test_16_bit_partials_keep_the_largest_values_of_v(kv_dtype, gain):
     # split partials are 16-bit for bf16 queries (`attention_io.partial_dtype`): bf16 V past fp16's
@@ -60,6 +105,7 @@ def test_16_bit_partials_keep_the_largest_values_of_v(kv_dtype, gain):
     assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=0.088, **kw), 2e-2)
 
 
+@needs_gpu
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(
     reqs=st.lists(st.tuples(st.integers(1, 7), st.integers(0, 300)), min_size=1, max_size=4),
@@ -74,6 +120,7 @@ def test_property_random_steps(reqs, splits, seed):
     assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=0.2), 1e-4)
 
 
+@needs_gpu
 def test_matches_package_reference_on_msa_metadata():
     from m3_eagle_plugin.msa import dense_attention
 
@@ -83,6 +130,7 @@ def test_matches_package_reference_on_msa_metadata():
     assert_close_rel(out, dense_attention(q, cache.k, cache.v, meta, scale=0.088), 1e-2)
 
 
+@needs_gpu
 def test_long_prefill_chunk_bounds_its_splits():
     # 4096 tokens x 16 heads x 128 dims: with a split per SM pair the partials would pass 2**31
     # elements (an illegal address on the H200 before the bound); the bound keeps them <= 2**27.
@@ -92,6 +140,7 @@ def test_long_prefill_chunk_bounds_its_splits():
     assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=scale), 2e-2)
 
 
+@needs_gpu
 def test_verify_rows_of_64_take_two_page_splits(monkeypatch):
     """B4/8K q4 at GQA group 16: one tile of 64 rows a request, so two-page splits (32, not 64);
     the output still matches the reference."""

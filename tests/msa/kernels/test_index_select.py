@@ -1,4 +1,10 @@
-"""Triton index scoring + per-token top-k vs an exact float64 oracle and the naive torch reference."""
+"""Triton index scoring + per-token top-k vs an exact float64 oracle and the naive torch reference.
+
+The `check_*` functions are device-agnostic: on CUDA they run here (`test_on_gpu`); on CPU
+`tests._interpreter` runs `INTERPRETER_CASES` through Triton's interpreter, so CI executes the
+scoring and top-k programs end to end (`select_blocks_verify`). The interpreter's `tl.dot` is
+wrong for bf16 operands (Triton 3.6), so those cases use fp32 index queries and keys.
+"""
 from __future__ import annotations
 
 import pytest
@@ -15,8 +21,7 @@ from .kernel_case_helpers import (
     random_step,
 )
 from m3_eagle_plugin.bench import torch_reference as ref
-
-pytestmark = needs_gpu
+from tests._interpreter import module_cases_lines, needs_interpreter
 
 
 def _select(index_q, cache, meta, **kw):
@@ -25,6 +30,43 @@ def _select(index_q, cache, meta, **kw):
     return select_blocks_verify(index_q, cache.index_k, meta, **kw)
 
 
+def check_matches_reference(device, *, qo_lens=(4, 4, 1, 3), kv_lens=(100, 37, 16, 70), topk=3, local_blocks=1,
+                            init_blocks=0, pad_tokens=0, max_qo_len=None, seed=0):
+    """The selection equals `torch_reference.select_blocks` (same forced local/init blocks); graph
+    padding rows are all -1. Most requests have more blocks than `topk`, so the scores decide."""
+    meta, cache, _, index_q = random_step(SMALL, list(qo_lens), list(kv_lens), index_dtype=torch.float32,
+                                          seed=seed, pad_tokens=pad_tokens, device=device)
+    kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
+    sel = _select(index_q, cache, meta, max_qo_len=max_qo_len, **kw)
+    live = sum(qo_lens)
+    expect = ref.select_blocks(index_q, cache.index_k, meta, **kw)
+    assert sel.shape == (SMALL.index_heads, live + pad_tokens, topk) and sel.dtype == torch.int32
+    assert torch.equal(sel[:, :live].cpu(), expect[:, :live].cpu())
+    assert (sel[:, live:].cpu() == -1).all(), "graph-padding rows are not -1"
+
+
+#: The interpreter's share (CI has two cores): verify and decode rows, a top-k wider than some
+#: requests' visible blocks, forced local and init blocks with graph padding under a q_len hint.
+INTERPRETER_CASES = [
+    (check_matches_reference, dict()),
+    (check_matches_reference, dict(qo_lens=(2, 4, 1), kv_lens=(90, 20, 61), topk=4, local_blocks=1, init_blocks=1,
+                                   pad_tokens=2, max_qo_len=4, seed=1)),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("fn,kw", INTERPRETER_CASES)
+def test_on_gpu(fn, kw):
+    fn("cuda", **kw)
+
+
+@needs_interpreter
+def test_kernel_in_the_interpreter():
+    lines = module_cases_lines("tests.msa.kernels.test_index_select")
+    assert len(lines) == len(INTERPRETER_CASES), lines
+
+
+@needs_gpu
 def test_matches_reference_small_geometry():
     meta, cache, _, index_q = random_step(SMALL, [4, 4, 1, 3], [200, 37, 16, 130], index_dtype=torch.float32)
     sel = _select(index_q, cache, meta, topk=SMALL.topk)
@@ -33,6 +75,7 @@ def test_matches_reference_small_geometry():
     assert torch.equal(sel.cpu(), expect.cpu())
 
 
+@needs_gpu
 def test_m3_geometry_bf16_with_graph_padding():
     meta, cache, _, index_q = random_step(M3, [4, 4, 4], [4000, 2100, 129], pad_tokens=3)
     sel = _select(index_q, cache, meta, topk=M3.topk, max_qo_len=4)
@@ -42,6 +85,7 @@ def test_m3_geometry_bf16_with_graph_padding():
     assert_valid_selection(sel[:, :live], scores, M3.topk)
 
 
+@needs_gpu
 def test_fp8_index_k_and_init_blocks():
     meta, cache, _, index_q = random_step(SMALL, [3, 2], [300, 90], index_dtype=torch.float8_e4m3fn,
                                           q_dtype=torch.bfloat16)
@@ -51,6 +95,7 @@ def test_fp8_index_k_and_init_blocks():
     assert_valid_selection(sel, scores, SMALL.topk, local_blocks=2, init_blocks=1)
 
 
+@needs_gpu
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(
     reqs=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 400)), min_size=1, max_size=5),
@@ -67,6 +112,7 @@ def test_property_any_step_is_a_valid_topk(reqs, topk, local, seed):
                            tol=1e-4)
 
 
+@needs_gpu
 def test_matches_package_reference_on_msa_metadata():
     from m3_eagle_plugin.msa import select_blocks_paged
 
@@ -77,6 +123,7 @@ def test_matches_package_reference_on_msa_metadata():
     assert torch.equal(sel.cpu(), expect.cpu())
 
 
+@needs_gpu
 def test_topk_program_breaks_ties_like_the_sort_oracle():
     from .interpret_topk import CASES
 
@@ -84,6 +131,7 @@ def test_topk_program_breaks_ties_like_the_sort_oracle():
         case("cuda")
 
 
+@needs_gpu
 @pytest.mark.parametrize("blocks_per_program", [None, 1, 2, 3, 5])
 def test_block_scores_match_exact_maxima_for_any_pages_per_program(blocks_per_program):
     """Programs own runs of 1-5 pages; requests of uneven length end inside a run."""

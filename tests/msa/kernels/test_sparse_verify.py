@@ -1,4 +1,10 @@
-"""Triton sparse verify attention (both layouts: union-loading and per-token) vs the naive torch reference."""
+"""Triton sparse verify attention (both layouts: union-loading and per-token) vs the naive torch reference.
+
+The `check_*` functions are device-agnostic: on CUDA they run here (`test_on_gpu`); on CPU
+`tests._interpreter` runs `INTERPRETER_CASES` through Triton's interpreter, so CI executes both
+layouts, the split merge and the graph-padding rows of the kernel itself. The interpreter's
+`tl.dot` is wrong for bf16 operands (Triton 3.6), so those cases use fp32 or fp16 queries.
+"""
 from __future__ import annotations
 
 import math
@@ -7,11 +13,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from m3_eagle_plugin.bench import torch_reference as ref
+from tests._interpreter import module_cases_lines, needs_interpreter
+
 from .kernel_case_helpers import (M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, poison_allocator_like,
                                   random_step)
-from m3_eagle_plugin.bench import torch_reference as ref
-
-pytestmark = needs_gpu
 
 
 def _run(q, cache, meta, sel, **kw):
@@ -38,6 +44,62 @@ def _random_selection(meta, hkv, topk, block, seed):
 LAYOUTS = ["union", "token"]
 
 
+def check_matches_reference(device, *, layout, splits=None, qo_lens=(4, 1, 3), kv_lens=(70, 20, 40), topk=3,
+                            kv_dtype=torch.float32, q_dtype=torch.float32, pad_tokens=0, max_qo_len=None, scale=0.3,
+                            seed=1):
+    """Live rows vs `torch_reference.sparse_attention` on a random selection (with the fp8 scales);
+    graph-padding rows zero. `topk` is below most requests' block counts, so the selection matters."""
+    meta, cache, q, _ = random_step(SMALL, list(qo_lens), list(kv_lens), kv_dtype=kv_dtype, q_dtype=q_dtype,
+                                    seed=seed, pad_tokens=pad_tokens, device=device)
+    sel = _random_selection(meta, SMALL.kv_heads, topk, SMALL.block, seed)
+    kw = dict(scale=scale, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    out = _run(q, cache, meta, sel, splits=splits, layout=layout, max_qo_len=max_qo_len, **kw)
+    live = sum(qo_lens)
+    expect = ref.sparse_attention(q, cache.k, cache.v, meta, sel, **kw)
+    assert_close_rel(out[:live], expect[:live], 1e-4 if q_dtype == torch.float32 else 2e-2)
+    assert (out[live:] == 0).all(), "graph-padding rows are not zero"
+
+
+def check_fused_union_matches_reference(device, *, splits=None, seed=2):
+    """The union lists written by the fused top-k (`select_blocks_verify(union_group=...)`) drive the
+    union layout (named: the default layout at this group is 'token', which ignores `union`): the
+    output is the reference's on that top-k's selection."""
+    from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+
+    meta, cache, q, index_q = random_step(SMALL, [4, 2, 1], [50, 37, 16], kv_dtype=torch.float32,
+                                          q_dtype=torch.float32, index_dtype=torch.float32, seed=seed, device=device)
+    sel, union = select_blocks_verify(index_q, cache.index_k, meta, topk=2, max_qo_len=4, union_group=4)
+    out = _run(q, cache, meta, sel, union=union, layout="union", scale=0.3, max_qo_len=4, splits=splits)
+    assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.3), 1e-4)
+
+
+#: The interpreter's share (CI has two cores): both layouts, several splits (the merge) and one
+#: (the kernel zeroes the padding rows itself), fp8 K/V with scales, decode rows beside verify rows.
+INTERPRETER_CASES = [
+    (check_matches_reference, dict(layout="union", splits=2)),
+    (check_matches_reference, dict(layout="token", splits=1, pad_tokens=2, seed=2)),
+    (check_matches_reference, dict(layout="union", splits=1, qo_lens=(2, 4), kv_lens=(70, 50), pad_tokens=1,
+                                   kv_dtype=torch.float8_e4m3fn, q_dtype=torch.float16, max_qo_len=4, scale=2.0,
+                                   seed=3)),
+    (check_matches_reference, dict(layout="token", splits=2, qo_lens=(1, 3), kv_lens=(49, 30), topk=2,
+                                   kv_dtype=torch.float8_e4m3fn, q_dtype=torch.float16, scale=2.0, seed=4)),
+    (check_fused_union_matches_reference, dict(splits=2)),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("fn,kw", INTERPRETER_CASES)
+def test_on_gpu(fn, kw):
+    fn("cuda", **kw)
+
+
+@needs_interpreter
+def test_kernel_in_the_interpreter():
+    lines = module_cases_lines("tests.msa.kernels.test_sparse_verify")
+    assert len(lines) == len(INTERPRETER_CASES), lines
+
+
+@needs_gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("splits", [1, 3, None])
 def test_matches_reference_fp32(splits, layout):
@@ -47,6 +109,7 @@ def test_matches_reference_fp32(splits, layout):
     assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.3), 1e-4)
 
 
+@needs_gpu
 @pytest.mark.parametrize("layout,compute_f16,prefetch", [("union", None, False), ("union", False, False),
                                                         ("token", None, False), ("token", True, True)])
 def test_m3_geometry_fp8_with_scales_and_padding(layout, compute_f16, prefetch):
@@ -62,6 +125,7 @@ def test_m3_geometry_fp8_with_scales_and_padding(layout, compute_f16, prefetch):
     assert (out[16:] == 0).all()
 
 
+@needs_gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_split_zeroes_graph_padding_rows_itself(layout):
     """One split writes `out` with no memset: the kernel zeroes the rows past the last request."""
@@ -75,6 +139,7 @@ def test_one_split_zeroes_graph_padding_rows_itself(layout):
     assert (out[10:] == 0).all()
 
 
+@needs_gpu
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(
     reqs=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 300)), min_size=1, max_size=4),
@@ -94,6 +159,7 @@ def test_property_random_steps(reqs, topk, splits, hint, layout, seed):
     assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.2), 1e-4)
 
 
+@needs_gpu
 def test_fused_union_from_topk_gives_same_output():
     from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
 
@@ -101,13 +167,14 @@ def test_fused_union_from_topk_gives_same_output():
                                           correlation=0.9)
     sel, union = select_blocks_verify(index_q, cache.index_k, meta, topk=M3.topk, max_qo_len=4, union_group=16)
     kw = dict(scale=0.088, k_scale=cache.k_scale, v_scale=cache.v_scale, max_qo_len=4)
-    fused = _run(q, cache, meta, sel, union=union, **kw)
+    fused = _run(q, cache, meta, sel, union=union, layout="union", **kw)  # the default ('token') ignores union
     assert_close_rel(fused, ref.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.088, k_scale=cache.k_scale,
                                                  v_scale=cache.v_scale), 2e-2)
     # Same blocks, possibly another order (ascending vs first-seen): equal up to summation order.
     assert_close_rel(fused, _run(q, cache, meta, sel, **kw), 2e-3)
 
 
+@needs_gpu
 @pytest.mark.parametrize("key_tile", [16, 64])
 def test_main_loop_variants_agree_with_reference(key_tile):
     meta, cache, q, _ = random_step(M3, [4, 1, 4], [900, 300, 4000], kv_dtype=torch.float8_e4m3fn)
@@ -117,6 +184,7 @@ def test_main_loop_variants_agree_with_reference(key_tile):
     assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, **kw), 2e-2)
 
 
+@needs_gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_nan_in_selected_page_propagates(layout):
     meta, cache, q, _ = random_step(SMALL, [2], [40], kv_dtype=torch.float32, q_dtype=torch.float32)
@@ -127,6 +195,7 @@ def test_nan_in_selected_page_propagates(layout):
     assert torch.isnan(out[:, : SMALL.q_heads // SMALL.kv_heads]).any()
 
 
+@needs_gpu
 def test_matches_package_reference_on_msa_metadata():
     from m3_eagle_plugin.msa import sparse_attention
 
@@ -137,6 +206,7 @@ def test_matches_package_reference_on_msa_metadata():
     assert_close_rel(out, sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.088), 1e-2)
 
 
+@needs_gpu
 @pytest.mark.parametrize("kw,match", [({"layout": "ragged"}, "layout"), ({"layout": ""}, "layout"),
                                       ({"compute_f16": True}, "16-bit")])
 def test_bad_options_are_refused(kw, match):

@@ -1,0 +1,135 @@
+"""The plugin's M3 KV manager on the host double: the per-step block-offset copy into the virtual
+draft pools (against offsets written out from the slot ids and the mega-slot's sub-page count),
+and the setup paths of pipeline ranks, SWA scratch reuse and older V2 storage."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from .conftest import _activate, _deactivate
+from .fakehost import CURRENT
+from .test_cache_manager import _classes, _kv_module, _make, _spec
+
+
+def sub_pages_per_slot(num_target: int, num_draft: int) -> int:
+    """Mega-slot sub-pages: K, V (+ index-K on sparse layers 3..num_target-1); draft layers K, V."""
+    return sum(3 if 3 <= layer < num_target else 2 for layer in range(num_target)) + 2 * num_draft
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_every_pool_gets_each_scheduled_requests_offsets(fake_host_dirs, data):
+    """Random requests (slot lists), a random scheduled subset in random order: every attention-op
+    pool (the target's and each draft layer's virtual one) gets, per batch row, K = slot x
+    sub-pages-per-slot and V = K + 1, -1 past the request's slots; rows past the batch stay."""
+    num_target = data.draw(st.integers(1, 8))
+    num_draft = data.draw(st.integers(1, 2))
+    num_requests = data.draw(st.integers(1, 4))
+    slots = {rid: data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=5, unique=True))
+             for rid in range(10, 10 + num_requests)}
+    batch = data.draw(st.permutations(list(slots)))[: data.draw(st.integers(1, num_requests))]
+    root = fake_host_dirs[CURRENT]
+    _activate(root)
+    try:
+        plugin, _ = _classes()
+        manager = _make(plugin, num_layers=num_target, tokens_per_block=16, max_seq_len=128,
+                        spec_config=_spec(num_draft))
+        for rid, ids in slots.items():
+            manager.add_sequence(rid, ids)
+        width = manager.max_blocks_per_seq
+        dst = torch.full((1 + num_draft, 4, 2, width), -9, dtype=torch.int32)
+        manager.copy_batch_block_offsets(dst, batch, 1, 0, len(batch))
+        scale = sub_pages_per_slot(num_target, num_draft)
+        for pool in range(1 + num_draft):
+            for row, rid in enumerate(batch):
+                k = [s * scale for s in slots[rid]] + [-1] * (width - len(slots[rid]))
+                v = [s * scale + 1 for s in slots[rid]] + [-1] * (width - len(slots[rid]))
+                assert dst[pool, row, 0].tolist() == k, (pool, row)
+                assert dst[pool, row, 1].tolist() == v, (pool, row)
+            assert dst[pool, len(batch):].eq(-9).all()
+    finally:
+        _deactivate(root)
+
+
+_UNSET = object()
+
+
+def test_max_blocks_reaches_the_host_copy_only_when_given(current_host, monkeypatch):
+    """A host M3 manager whose copy takes `max_blocks` gets it when the caller gives one, and a call
+    without it (older base signatures) passes none; the draft pool is fed either way."""
+    plugin, host_cls = _classes()
+    seen = []
+    base_copy = host_cls.__mro__[1].copy_batch_block_offsets
+
+    def host_copy(self, dst, request_ids, beam_width, num_contexts, num_seqs, max_blocks=_UNSET):
+        seen.append(max_blocks)
+        base_copy(self, dst, request_ids, beam_width, num_contexts, num_seqs)
+
+    monkeypatch.setattr(host_cls, "copy_batch_block_offsets", host_copy, raising=False)
+    manager = _make(plugin)
+    manager.add_sequence(3, [4, 1])
+    for kw in ({"max_blocks": 2}, {}):
+        dst = torch.full((2, 1, 2, manager.max_blocks_per_seq), -9, dtype=torch.int32)
+        manager.copy_batch_block_offsets(dst, [3], 1, 0, 1, **kw)
+        assert dst[1, 0, 0, :2].tolist() == [4 * 179, 179]  # 179 sub-pages a slot (60 target + 1 draft)
+    assert seen == [2, _UNSET]
+
+
+def _with_layer_offsets(monkeypatch, host_cls, offsets):
+    """Make the base manager report `offsets` (global -> local layer) after building its tables, as
+    a pipeline rank's manager does."""
+    base = host_cls.__mro__[1]
+    original = base._prepare_page_table_tensor
+
+    def tables(self, index_mapper_capacity):
+        original(self, index_mapper_capacity)
+        self.layer_offsets = offsets
+
+    monkeypatch.setattr(base, "_prepare_page_table_tensor", tables)
+
+
+def test_a_pipeline_rank_without_the_draft_tail_adds_no_pool(current_host, monkeypatch):
+    plugin, host_cls = _classes()
+    _with_layer_offsets(monkeypatch, host_cls, {layer: layer for layer in range(30)})  # layers 0-29 only
+    manager, reference = _make(plugin), _make(host_cls)
+    assert manager.virtual_pools is None and manager.trtllm_gen_extra_tokens_per_block == frozenset()
+    assert torch.equal(manager.kv_cache_pool_pointers, reference.kv_cache_pool_pointers)
+
+
+def test_a_pipeline_rank_roots_the_draft_pool_at_its_local_layer(current_host, monkeypatch):
+    """Global draft layer 60 is local layer 30 on a rank owning layers 30-60: its pool is rooted at
+    the K page of the storage's layer 30 (30 sub-page runs in: 3 dense x 2 + 27 sparse x 3)."""
+    plugin, host_cls = _classes()
+    kv_module = _kv_module()
+    _with_layer_offsets(monkeypatch, host_cls, {30 + i: i for i in range(31)})
+    manager = _make(plugin)
+    assert manager.kv_cache_pool_pointers[1].tolist() == [kv_module.POOL_BASE_ADDRESS + (3 * 2 + 27 * 3)
+                                                          * kv_module.PAGE_BYTES, 0]
+
+
+def test_swa_scratch_reuse_with_draft_layers_is_refused(current_host, monkeypatch):
+    plugin, host_cls = _classes()
+    base = host_cls.__mro__[1]
+    monkeypatch.setattr(base, "enable_swa_scratch_reuse", True, raising=False)
+    with pytest.raises(NotImplementedError, match="SWA scratch reuse"):
+        _make(plugin)
+    assert _make(plugin, spec_config=None).virtual_pools is None  # no draft layers: nothing to refuse
+
+
+def test_older_v2_storage_without_page_index_modes(current_host, monkeypatch):
+    """Storage whose base address takes (layer, role) only, in a host that binds no PageIndexMode:
+    the draft pool is rooted at the same K page (177 sub-pages in, as in the current storage)."""
+    plugin, _ = _classes()
+    kv_module = _kv_module()
+    storage = type(_make(plugin, spec_config=None).impl)
+
+    def two_arguments(self, layer, role):
+        sub_page = self.offsets[layer] + (role == kv_module.Role.VALUE)
+        return kv_module.POOL_BASE_ADDRESS + sub_page * kv_module.PAGE_BYTES
+
+    monkeypatch.delattr(kv_module, "PageIndexMode")
+    monkeypatch.setattr(storage, "get_mem_pool_base_address", two_arguments)
+    manager = _make(plugin)
+    assert manager.kv_cache_pool_pointers[1].tolist() == [kv_module.POOL_BASE_ADDRESS + 177 * kv_module.PAGE_BYTES, 0]

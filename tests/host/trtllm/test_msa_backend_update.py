@@ -1,0 +1,145 @@
+"""The plugin's MSA metadata on the host double: device-side kv corrections, sizing read from the
+host's fields, and the publish guards, each against values written out from the per-token rule
+(token t of a row sits at position kv_len - qo_len + t) or from the host objects themselves."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from .conftest import _activate, _deactivate
+from .fakehost import CURRENT
+from .test_cache_manager import _classes, _make, _spec
+from .test_msa_backend import _backend, _metadata
+
+
+def naive_step_fields(tables, page, qo, kv):
+    """Per token, from first principles: (slot, valid-block count, kv segment length, request row).
+    A token whose position falls before the row's first key (a correction below qo_len) has no
+    slot (-1) and sees nothing."""
+    slots, valid, seg, rows = [], [], [], []
+    for r, (q, k) in enumerate(zip(qo, kv)):
+        for t in range(q):
+            pos = k - q + t
+            if pos < 0:
+                slots.append(-1), valid.append(0), seg.append(0)
+            else:
+                slots.append(tables[r][pos // page] * page + pos % page)
+                valid.append(math.ceil((pos + 1) / page))
+                seg.append(pos + 1)
+            rows.append(r)
+    return slots, valid, seg, rows
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_kv_corrections_rederive_the_published_fields_per_token(fake_host_dirs, data):
+    """Random verify rows (1..4 tokens, max_draft_len 3), speculative extra slots, and a device
+    correction per row anywhere in [0, staged + 3]: corrections past the staged length are clamped
+    to it, and the published slots / counts / plan rows follow the per-token rule."""
+    page = 4
+    num_requests = data.draw(st.integers(1, 3))
+    qo = data.draw(st.lists(st.integers(1, 4), min_size=num_requests, max_size=num_requests))
+    cached = data.draw(st.lists(st.integers(0, 20), min_size=num_requests, max_size=num_requests))
+    extra = data.draw(st.integers(0, 3))
+    staged = [c + q for c, q in zip(cached, qo)]
+    corrected = [data.draw(st.integers(0, s + 3)) for s in staged]
+    root = fake_host_dirs[CURRENT]
+    _activate(root)
+    try:
+        backend = _backend()
+        plugin, _ = _classes()
+        manager = _make(plugin, num_layers=4, tokens_per_block=page, max_seq_len=64)
+        tables = []
+        for rid in range(num_requests):
+            tables.append([7 * (rid + 1) + 2 * b for b in range(math.ceil(staged[rid] / page))])
+            manager.add_sequence(rid, tables[-1])
+        meta = _metadata(backend.Metadata, manager, qo, cached, max_num_tokens=16, max_num_requests=3, extra=extra)
+        meta.prepare()
+        meta.kv_lens_cuda[:num_requests] = torch.tensor(corrected, dtype=torch.int32)
+        meta.on_update_kv_lens()
+        kv = [min(c, s) for c, s in zip(corrected, staged)]
+        slots, valid, seg, rows = naive_step_fields(tables, page, qo, kv)
+        total = sum(qo)
+        assert meta.m3_eagle_step.kv_lens.tolist() == kv
+        assert meta.msa_out_cache_loc[:total].tolist() == slots
+        assert meta.msa_out_cache_loc[total:].eq(-1).all()
+        assert meta.msa_n_valid_blocks[:total].tolist() == valid
+        plan_rows, plan_lens = meta.m3_eagle_plan_rows()
+        assert plan_rows.tolist() == rows and plan_lens.tolist() == seg
+    finally:
+        _deactivate(root)
+
+
+def test_step_metadata_is_sized_from_the_host_fields(current_host):
+    """Rows from `max_num_sequences` (over `max_num_requests`), index heads from the sparse params,
+    draft length from the manager's spec config: the proxy scratch and the host's decode scratch
+    hold max_num_sequences x (1 + max_draft_len) tokens."""
+    backend = _backend()
+    plugin, _ = _classes()
+    spec = _spec()
+    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64, spec_config=spec)
+    meta = backend.Metadata(max_num_requests=2, max_num_sequences=3, max_num_tokens=16, kv_cache_manager=manager,
+                            sparse_metadata_params=SimpleNamespace(sparse_num_index_heads=4))
+    step = meta.m3_eagle_step
+    assert step.max_num_requests == 3 and step.max_draft_len == spec.max_draft_len
+    assert step.block_size == 4 and step.max_blocks_per_seq == 16  # 64 tokens / 4 a page
+    assert tuple(step.proxy_scores.shape) == (4, 3 * (1 + spec.max_draft_len), 16)
+    assert meta.msa_n_valid_blocks.numel() == 3 * (1 + spec.max_draft_len)
+    plain = backend.Metadata(max_num_requests=2, max_num_tokens=16, kv_cache_manager=manager,
+                             sparse_metadata_params=SimpleNamespace(sparse_num_index_heads=None))
+    assert plain.m3_eagle_step.max_num_requests == 2 and plain.m3_eagle_step.num_index_heads == 1
+
+
+@pytest.mark.parametrize("own,manager_len,spec_len,expect", [
+    (None, None, 2, 2),     # only the manager's spec config says
+    (None, 5, 2, 5),        # the manager's own field wins over its spec config
+    (1, 5, 2, 1),           # the metadata's own field wins over both
+    (None, None, None, 0),  # nobody says: no drafts
+])
+def test_draft_length_is_read_in_order_of_precedence(current_host, own, manager_len, spec_len, expect):
+    backend = _backend()
+    manager = SimpleNamespace(max_blocks_per_seq=8, tokens_per_block=4,
+                              spec_config=None if spec_len is None else SimpleNamespace(max_draft_len=spec_len))
+    if manager_len is not None:
+        manager.max_draft_len = manager_len
+    cls = backend.Metadata if own is None else type("WithDraft", (backend.Metadata,), {"max_draft_len": own})
+    meta = cls(max_num_requests=2, max_num_tokens=16, kv_cache_manager=manager)
+    assert meta.m3_eagle_step.max_draft_len == expect
+    assert meta.m3_eagle_step.scratch_decode_tokens == 2 * (1 + expect)
+
+
+def test_a_mixed_step_leaves_the_decode_scratch_to_the_host(current_host):
+    """A context row beside a verify row: the host's own per-row writes stay, the plugin writes no
+    per-token count into the decode scratch (its entries past the host's rows keep their value)."""
+    backend = _backend()
+    plugin, _ = _classes()
+    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64)
+    manager.add_sequence(0, [0, 1])
+    manager.add_sequence(1, [2, 3, 4])
+    meta = _metadata(backend.Metadata, manager, seq_lens=[6, 2], cached=[0, 8])
+    meta.num_contexts = 1
+    meta.msa_n_valid_blocks.fill_(77)
+    meta.prepare()
+    assert meta.msa_n_valid_blocks[:2].tolist() == [2, 3]  # the host's rows: last positions 5 and 9
+    assert meta.msa_n_valid_blocks[2:].eq(77).all()
+    assert meta.msa_out_cache_loc[:8].tolist() == [0, 1, 2, 3, 4, 5, 16, 17]
+
+
+@pytest.mark.parametrize("buffer,match", [("msa_out_cache_loc", "msa_out_cache_loc holds 3 entries"),
+                                          ("msa_n_valid_blocks", "sized it by batch")])
+def test_a_host_buffer_too_small_for_the_step_is_refused(current_host, buffer, match):
+    """Publishing 5 verify tokens into a 3-entry host buffer must not truncate silently."""
+    backend = _backend()
+    plugin, _ = _classes()
+    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64)
+    manager.add_sequence(0, [0, 1, 2])
+    manager.add_sequence(1, [5, 6, 27])
+    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 3], cached=[7, 9])
+    setattr(meta, buffer, torch.full((3,), -1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=match):
+        meta.prepare()
