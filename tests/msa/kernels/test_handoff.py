@@ -33,13 +33,13 @@ def _board_clean(device):
 
 
 def check_handoff_selects_like_two_launches(device, *, qo_lens=(4, 1, 3), kv_lens=(150, 16, 97), union_group=None,
-                                            local=1, init=0, pad_tokens=0, seed=0):
+                                            local=1, init=0, pad_tokens=0, seed=0, topk=GEO.topk):
     from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
 
     # fp16, not the production bf16: Triton's interpreter has no bf16 dot.
     meta, cache, _, index_q = random_step(GEO, list(qo_lens), list(kv_lens), kv_dtype=torch.float16,
                                           index_dtype=torch.float16, seed=seed, pad_tokens=pad_tokens, device=device)
-    kw = dict(topk=GEO.topk, local_blocks=local, init_blocks=init, max_qo_len=max(qo_lens), union_group=union_group)
+    kw = dict(topk=topk, local_blocks=local, init_blocks=init, max_qo_len=max(qo_lens), union_group=union_group)
     got = select_blocks_verify(index_q, cache.index_k, meta, handoff=True, **kw)
     want = select_blocks_verify(index_q, cache.index_k, meta, handoff=False, **kw)
     _board_clean(device)
@@ -52,7 +52,7 @@ def check_handoff_selects_like_two_launches(device, *, qo_lens=(4, 1, 3), kv_len
     assert torch.equal(got.cpu(), want.cpu())
     live = sum(qo_lens)
     assert (got[:, live:].cpu() == -1).all()
-    assert_valid_selection(got[:, :live], exact_block_scores(index_q, cache.index_k, meta), GEO.topk,
+    assert_valid_selection(got[:, :live], exact_block_scores(index_q, cache.index_k, meta), topk,
                            local_blocks=local, init_blocks=init)
 
 
@@ -68,6 +68,7 @@ INTERPRETER_CASES = [
     (check_handoff_selects_like_two_launches, dict()),
     (check_handoff_selects_like_two_launches, dict(union_group=16, local=2, init=1, pad_tokens=3, seed=1)),
     (check_board_reused_across_batches, dict()),
+    (check_handoff_selects_like_two_launches, dict(qo_lens=(1, 2), kv_lens=(60, 30), topk=8)),  # all blocks chosen
 ]
 
 
@@ -108,6 +109,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
     # M3 shape: 128-token pages, top-16, 32 requests of 4 verify tokens at 4-8K context.
     (check_handoff_selects_like_two_launches, dict(qo_lens=(4,) * 32, kv_lens=tuple(4000 + 131 * i for i in range(32)),
                                                    pad_tokens=5, seed=3)),
+    # top-k at least the table's padded width (every visible block chosen), one warp a program: the
+    # polled row is then read by nothing, which Triton 3.6 failed to compile
+    (check_handoff_selects_like_two_launches, dict(qo_lens=(1, 1), kv_lens=(400, 200), topk=32)),
 ])
 def test_on_gpu(fn, kw):
     fn("cuda", **kw)
@@ -158,3 +162,35 @@ def test_bad_env_value_names_the_allowed_ones(monkeypatch):
     monkeypatch.setenv("M3_EAGLE_HANDOFF", "yes")
     with pytest.raises(KernelInputError, match="M3_EAGLE_HANDOFF='yes': expected one of 0, 1"):
         handoff_enabled()
+
+
+def _compiles_for_sm90() -> bool:
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(triton, "compile")
+
+
+@pytest.mark.skipif(not _compiles_for_sm90(), reason="needs Triton's compiler")
+@pytest.mark.parametrize("nbp,topk,warps", [(32, 32, 1), (64, 100, 2), (128, 128, 1), (1024, 16, 8)])
+def test_the_polling_top_k_compiles_for_sm90_where_every_block_is_chosen(nbp, topk, warps):
+    """Compiled for an H100/H200 target on any machine (no GPU needed): with the hand-off on and
+    the padded width at most top-k, the top-k once crashed Triton 3.6's compiler."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from m3_eagle_plugin.msa.kernels._common import next_pow2
+    from m3_eagle_plugin.msa.kernels.index_select import _topk_union_kernel
+
+    constexprs = dict(QP=1, NCH=1, NBP=nbp, TOPK=topk, TOPK_P=next_pow2(topk), LOCAL=1, INIT=0, WRITE_UNION=False,
+                      HANDOFF=True, ANNOUNCE=0, PDL=True)
+    signature = {p.name: ("constexpr" if p.name in constexprs else "*fp32" if p.name == "score_ptr"
+                          else "*i32" if p.name.endswith("_ptr") else "i32") for p in _topk_union_kernel.params}
+    try:
+        triton.compile(ASTSource(_topk_union_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    except FileNotFoundError as missing:  # a Triton build without its bundled ptxas
+        pytest.skip(f"no ptxas: {missing}")

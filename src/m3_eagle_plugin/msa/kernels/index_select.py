@@ -198,9 +198,17 @@ def _topk_union_kernel(
     if HANDOFF:
         board = score_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         written = row_ok[:, None] & (ids[None, :] < tl.cdiv(tl.load(kvl_ptr + r), block))
-        raw = tl.load(board + at, mask=written, other=0, volatile=True)
-        while tl.sum(((raw == SENTINEL) & written).to(tl.int32)) > 0:
+        if NBP <= TOPK:
+            # Every visible block is chosen: only the wait matters. A polled row no later code reads
+            # (a dead loop-carried tensor) crashes Triton 3.6's compiler from NBP >= 32 x warps.
+            while tl.sum(((tl.load(board + at, mask=written, other=0, volatile=True) == SENTINEL)
+                          & written).to(tl.int32)) > 0:
+                pass
+            raw = tl.zeros([QP, NBP], tl.int32)
+        else:
             raw = tl.load(board + at, mask=written, other=0, volatile=True)
+            while tl.sum(((raw == SENTINEL) & written).to(tl.int32)) > 0:
+                raw = tl.load(board + at, mask=written, other=0, volatile=True)
         if PDL and ANNOUNCE == 0:  # only now: an attention waiting for this whole grid would hold SMs
             release_dependents()
         vals = tl.where(visible, raw.to(tl.float32, bitcast=True), float("-inf"))
