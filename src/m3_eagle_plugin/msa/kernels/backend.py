@@ -13,6 +13,11 @@ leads at 3 of the 19 measured shapes, by 2-4%, and only in the form planned for 
 lengths, which an engine re-plans every step (on an H200 at B8/4K `plan()` + `run()` took
 134-328 us eagerly, `run()` alone 31) or, under CUDA graphs, replaces by the fixed-buffer form,
 up to 1.5x slower at the q4 rows. The table's verdicts are reported for it all the same.
+
+Shapes the kernels do not take (head dim or block under 16 or not a power of two, a GQA group or
+index-head count they cannot tile, tiles past the device's shared memory) run the torch references
+even on CUDA. Those loop over requests on the host, so a CUDA graph of them replays the lengths it
+was captured with: capture them only with lengths staged at capacity (`host/reference/cuda_graphs`).
 """
 from __future__ import annotations
 
