@@ -123,6 +123,7 @@ def test_a_draft_the_target_cache_cannot_host_is_refused_before_any_weight_is_re
     rc, out, err = run_cli(capsys, "--model", str(target), "--draft", str(bad), "--prompt-ids", "1,2",
                            "--max-new-tokens", "2")
     assert rc == 2 and "cannot be hosted" in err and reads == []
+    assert f"num_key_value_heads: the draft head's 1 differs from the target's {kv_heads}" in err
     rc, _, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--prompt-ids", "1,2",
                          "--max-new-tokens", "2")
     assert rc == 0 and reads  # the loader is the one the check watched

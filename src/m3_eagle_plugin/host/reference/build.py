@@ -40,7 +40,7 @@ def build_engine(
 ) -> Engine:
     from m3_eagle_plugin.eagle3.capture import AuxCapture
     from m3_eagle_plugin.eagle3.checkpoint import inspect_draft, load_draft
-    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.kv import DraftLayerPlacementError, PagedKVCache
     from m3_eagle_plugin.kv.manager import minimax_m3_cache_layout
     from m3_eagle_plugin.models.config import M3Config
     from m3_eagle_plugin.models.loader import load_target
@@ -58,7 +58,16 @@ def build_engine(
               tc.block_size)
     shared = dict(num_draft_layers=1 if plan is not None else 0,
                   draft_num_kv_heads=plan.config.num_kv_heads if plan is not None else None, dtype=dtype)
-    geometry, _ = minimax_m3_cache_layout(*layout, **shared)
+    try:
+        geometry, _ = minimax_m3_cache_layout(*layout, **shared)
+    except DraftLayerPlacementError as error:
+        if plan is None or plan.config.num_kv_heads == tc.num_kv_heads:
+            raise
+        raise DraftLayerPlacementError(
+            f"{Path(draft_dir) / 'config.json'}: num_key_value_heads: the draft head's {plan.config.num_kv_heads} "
+            f"differs from the target's {tc.num_kv_heads}; the draft layer lives in the target's K/V pages, so "
+            f"use a head exported with the target's KV heads (for MiniMax-M3: the GQA export, not the MHA one) "
+            f"({error})") from None
     _check_cache_fits(num_blocks * sum(pool.slot_bytes for pool in geometry.pools), num_blocks, device)
 
     target = load_target(model_dir, dtype=dtype, device=device)
