@@ -24,6 +24,9 @@ from m3_eagle_plugin.msa.kernels import index_select
 from m3_eagle_plugin.msa.kernels.index_select import index_block_scores, select_blocks_verify, topk_from_block_scores
 from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.msa.kernels.sparse_verify import sparse_verify_attention, token_splits, union_splits
+from m3_eagle_plugin.msa.kernels import launch as kernel_launch
+
+kernel_launch.RETRY_FEWER_STAGES = False  # a variant is timed at the depth its row names, or skipped
 
 
 def _fp8_step_set(geo, dev, batch: int, ctx: int, num_sets: int) -> StepSet:

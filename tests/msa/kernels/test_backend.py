@@ -193,6 +193,9 @@ def kernels_too_large(monkeypatch):
 def test_auto_runs_the_torch_reference_where_a_kernel_is_too_large(monkeypatch, kernels_too_large):
     monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
     backend = kernels_too_large
+    warned = []
+    monkeypatch.setattr(backend, "_FELL_BACK", set())
+    monkeypatch.setattr(backend, "get_logger", lambda: type("L", (), {"warning": lambda *a: warned.append(a)})())
     geo, step, meta = _cpu_step()
     cache, q, index_q = step["cache"], step["q"], step["index_q"]
     sel = ref_select(index_q, cache.index_k, meta, topk=geo.topk)
@@ -203,6 +206,21 @@ def test_auto_runs_the_torch_reference_where_a_kernel_is_too_large(monkeypatch, 
                                                       topk=geo.topk, scale=0.25), expect)
     assert torch.equal(backend.dense_attention(q, cache.k, cache.v, meta, scale=0.25),
                        ref_dense(q, cache.k, cache.v, meta, scale=0.25))
+    assert len(warned) == 1 and "stand-in" in str(warned[0])  # one refusal, said once however often it falls back
+
+
+def test_fp8_scales_on_a_shape_the_kernels_skip_say_why(monkeypatch):
+    from m3_eagle_plugin.msa.kernels import backend
+
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    geo = Geometry(q_heads=6, kv_heads=2, head_dim=16, index_heads=2, index_dim=16, block=16, topk=3)
+    step = make_step(2, 70, 3, geo, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
+                     device="cpu", seed=3)
+    sm, cache = step["meta"], step["cache"]
+    meta = MsaDecodeMetadata(2, 6, sm.block_tables.shape[1], geo.block, "cpu", max_draft_len=2)
+    meta.prepare(sm.qo_lens.tolist(), sm.kv_lens.tolist(), sm.block_tables)
+    with pytest.raises(KernelBackendError, match="6 query heads over 2 KV heads: the group must be a power of two"):
+        backend.dense_attention(step["q"], cache.k, cache.v, meta, scale=0.25, k_scale=0.5)
 
 
 def test_a_too_large_kernel_is_an_error_when_forced_or_with_fp8_scales(monkeypatch, kernels_too_large):

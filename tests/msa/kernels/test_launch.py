@@ -160,6 +160,7 @@ class _SharedMemoryBound:
 
     def __init__(self, fits):
         self.fits, self.tried = fits, []
+        self.fn = _SharedMemoryBound  # where Triton's JITFunction keeps the kernel's function (its name)
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
@@ -182,9 +183,22 @@ def test_a_kernel_too_large_for_its_stages_runs_at_the_deepest_that_fits(fits):
 
 def test_a_kernel_too_large_at_one_stage_is_refused_naming_it_and_its_bytes():
     kernel = _SharedMemoryBound(0)
-    with pytest.raises(launch_mod.KernelTooLargeError, match="needs 4000 bytes of shared memory at 4 stages"):
+    with pytest.raises(launch_mod.KernelTooLargeError,
+                       match=r"_SharedMemoryBound: .*more shared memory than the device has at 4 to 1 stages "
+                             r"\(1000 > 0 at the last\)"):
         launch(kernel, (1,), num_stages=4)
     assert kernel.tried == [4, 3, 2, 1]
+
+
+def test_first_launch_hands_back_the_depth_it_ran_at_and_tuners_can_turn_the_retry_off(monkeypatch):
+    """A recording replays `kernel[grid]` with the keywords it was given: they must be the ones that fit."""
+    result, ran_with = launch_mod._first_launch(_SharedMemoryBound(2), (1,), (), {"num_stages": 3, "K": 1})
+    assert ran_with == {"num_stages": 2, "K": 1} and result[2] == ran_with
+    monkeypatch.setattr(launch_mod, "RETRY_FEWER_STAGES", False)
+    kernel = _SharedMemoryBound(2)
+    with pytest.raises(launch_mod.KernelTooLargeError, match="at 3 stage"):
+        launch(kernel, (1,), num_stages=3)
+    assert kernel.tried == [3]
 
 
 @triton.jit
@@ -210,5 +224,50 @@ def test_a_real_kernel_over_shared_memory_at_three_stages_runs_at_fewer():
     with pytest.raises(OutOfResources):  # what Triton alone does with these tiles at 3 stages
         _wide_tiles_kernel[(1,)](a, b, c, 1024, **tiles, num_stages=3)
     launch(_wide_tiles_kernel, (1,), a, b, c, 1024, **tiles, num_stages=3)
+    torch.testing.assert_close(c, a.float() @ b.float(), rtol=2e-2, atol=2e-1)
+    c.fill_(float("nan"))
     launch(_wide_tiles_kernel, (1,), a, b, c, 1024, **tiles, num_stages=3)  # the hit path keeps the depth
     torch.testing.assert_close(c, a.float() @ b.float(), rtol=2e-2, atol=2e-1)
+
+
+def test_a_kernel_refused_for_its_key_is_refused_again_without_compiling(monkeypatch):
+    """Each retry costs up to three compiles; a shape that fits at no depth pays them once."""
+    calls = []
+
+    def refuse(kernel, grid, args, kwargs):
+        calls.append(kwargs)
+        raise launch_mod.KernelTooLargeError("_axpy_kernel: its tiles need more shared memory than the device has")
+
+    monkeypatch.setattr(launch_mod, "_first_launch", refuse)
+    monkeypatch.setattr(launch_mod, "direct_launch_possible", lambda: True)  # the cached path, without a GPU
+    monkeypatch.setattr(launch_mod, "_runtime", lambda: (lambda: 0, lambda device: 0, None))
+    monkeypatch.setattr(launch_mod, "_TOO_LARGE", {})
+    x = torch.zeros(64)
+    for _ in range(3):
+        with pytest.raises(launch_mod.KernelTooLargeError, match="_axpy_kernel: its tiles need more"):
+            launch(_axpy_kernel, (1,), x, 1, x, 64, 1.0, OFFSET=0, BLOCK=64)
+    assert len(calls) == 1
+    with pytest.raises(launch_mod.KernelTooLargeError):  # another key (BLOCK) is tried afresh
+        launch(_axpy_kernel, (1,), x, 1, x, 64, 1.0, OFFSET=0, BLOCK=32)
+    assert len(calls) == 2
+
+
+def test_the_cached_path_keeps_what_the_first_launch_compiled(monkeypatch):
+    """Later calls of a key launch the kernel the first one got (at whatever depth fit) directly."""
+    ran = []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *launch_args):
+            ran.append(launch_args[3:4] + launch_args[9:])
+
+    compiled = Compiled()
+    monkeypatch.setattr(launch_mod, "_first_launch", lambda kernel, grid, args, kwargs: (compiled, {**kwargs}))
+    monkeypatch.setattr(launch_mod, "direct_launch_possible", lambda: True)
+    monkeypatch.setattr(launch_mod, "_runtime", lambda: (lambda: 0, lambda device: 7, None))
+    monkeypatch.setattr(launch_mod, "_COMPILED", {})
+    x = torch.zeros(64)
+    assert launch(_axpy_kernel, (1,), x, 1, x, 64, 1.0, OFFSET=3, BLOCK=64) is compiled and ran == []
+    assert launch(_axpy_kernel, (1,), x, 1, x, 64, 2.0, OFFSET=3, BLOCK=64) is compiled
+    assert ran == [(7, x, 1, x, 64, 2.0, 3, 64)]  # stream, the call's arguments, then the constexpr tail

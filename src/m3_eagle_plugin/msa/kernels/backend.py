@@ -15,9 +15,12 @@ lengths, which an engine re-plans every step (on an H200 at B8/4K `plan()` + `ru
 up to 1.5x slower at the q4 rows. The table's verdicts are reported for it all the same.
 
 Shapes the kernels do not take (head dim or block under 16 or not a power of two, a GQA group or
-index-head count they cannot tile, tiles past the device's shared memory) run the torch references
-even on CUDA. Those loop over requests on the host, so a CUDA graph of them replays the lengths it
-was captured with: capture them only with lengths staged at capacity (`host/reference/cuda_graphs`).
+index-head count they cannot tile) run the torch references even on CUDA, whatever the mode; so do
+tiles past the device's shared memory (`KernelTooLargeError`) under `auto`, once warned, while a
+forced `triton` raises it. With fp8 scales, which only the kernels take, each raises naming why the
+kernel did not run. The references loop over requests on the host, so a CUDA graph of them replays
+the lengths it was captured with: capture them only with lengths staged at capacity
+(`host/reference/cuda_graphs`).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ import torch
 
 from . import flashinfer_msa as fim
 from . import kernel_table
+from m3_eagle_plugin.log import get_logger
+
 from ._common import (MAX_TILE_ROWS, KernelInputError, KernelTooLargeError, check_switches, env_value, is_pow2,
                       triton_available, triton_importable)
 
@@ -198,9 +203,28 @@ def _kernel_shape_ok(head_dim: int, block_size: int) -> bool:
 
 def _reference_instead(error: KernelTooLargeError, *scales: Any) -> None:
     """Re-raise `error` unless `auto` may run the torch reference in the kernel's place (it takes
-    no fp8 scales)."""
+    no fp8 scales); say so once per refusal."""
     if requested_backend() != "auto" or any(scale is not None for scale in scales):
         raise error
+    if str(error) not in _FELL_BACK:
+        _FELL_BACK.add(str(error))
+        get_logger().warning("%s; running the torch reference instead (M3_EAGLE_KERNELS=auto)", error)
+
+
+#: Refusals already reported by `_reference_instead`.
+_FELL_BACK: set[str] = set()
+
+
+def _why_no_kernel(q: torch.Tensor, k_cache: torch.Tensor, meta: Any, padded_rows: int = 0) -> str:
+    """Why a dispatcher did not run its Triton kernel on these inputs, in words."""
+    if not use_triton(q.device):
+        return f"the Triton backend does not run here ({backend_report(q.device).get('reason') or 'requested: torch'})"
+    if not _kernel_shape_ok(q.shape[-1], meta.block_size):
+        return (f"head dim {q.shape[-1]} and block {meta.block_size} must be powers of two >= {MIN_KERNEL_DIM}")
+    if not _kernel_heads_ok(q, k_cache, padded_rows=padded_rows):
+        return (f"{q.shape[1]} query heads over {k_cache.shape[1]} KV heads: the group must be a power of two"
+                + (f" or at most {padded_rows}" if padded_rows else ""))
+    return "the kernel does not fit this device"
 
 
 def _kernel_heads_ok(q: torch.Tensor, k_cache: torch.Tensor | None = None, *, padded_rows: int = 0) -> bool:
@@ -295,7 +319,7 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
         except KernelTooLargeError as error:
             _reference_instead(error, k_scale, v_scale)
     if k_scale is not None or v_scale is not None:
-        raise KernelBackendError("fp8 KV scales need the Triton backend")
+        raise KernelBackendError(f"fp8 KV scales need the Triton kernels: {_why_no_kernel(q, k_cache, meta, MAX_TILE_ROWS)}")
     return _reference("sparse_attention")(q, k_cache, v_cache, meta, selection, scale=scale)
 
 
@@ -373,7 +397,7 @@ def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=N
         except KernelTooLargeError as error:
             _reference_instead(error, k_scale, v_scale)
     if k_scale is not None or v_scale is not None:
-        raise KernelBackendError("fp8 KV scales need the Triton backend")
+        raise KernelBackendError(f"fp8 KV scales need the Triton kernels: {_why_no_kernel(q, k_cache, meta)}")
     return _reference("dense_attention")(q, k_cache, v_cache, meta, scale=scale)
 
 

@@ -14,7 +14,8 @@ alignment; an int's 1 / multiple-of-16 / 32-bit classes; a float's type; a tenso
 element type, block shape and padding). The first call of a key goes through `kernel[grid]`,
 which compiles (or finds) the kernel and returns it; later calls hand the arguments straight to
 that compiled kernel's launcher. The key is never coarser than
-Triton's specialisation, so a hit always runs the kernel Triton would have picked.
+Triton's specialisation, so a hit always runs the kernel Triton would have picked (at the depth
+that fit, below).
 
 Falls back to `kernel[grid]` under the interpreter, with launch hooks installed (profilers), or for
 an argument type it does not key. Assumes Triton's global knobs (debug, instrumentation) do not
@@ -23,9 +24,10 @@ change after the first launch of a key.
 Shared memory: the tiles are tuned for M3 (head dim 128, 16-bit or fp8 K/V). Larger rows (head dim
 256, fp32 queries or caches) can ask more shared memory than the device has; Triton says so when
 the compiled kernel is first loaded, before anything runs. Such a first launch is retried with
-fewer pipeline stages (the shape then runs at the depth that fits); where even one stage does not
-fit, `KernelTooLargeError` names the kernel and the bytes, and the dispatchers take the torch
-reference under `auto`.
+fewer pipeline stages (the shape then runs at the depth that fits; `RETRY_FEWER_STAGES = False`
+turns that off for tuners that label runs by depth); where even one stage does not fit,
+`KernelTooLargeError` names the kernel and the bytes, is kept for the key (later calls raise it
+without Triton), and the dispatchers take the torch reference under `auto`.
 """
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ _INT32 = (-(1 << 31), 1 << 31)
 
 #: Triton's pipeline depth when a launch names none (CUDA backend).
 DEFAULT_NUM_STAGES = 3
+#: Whether a first launch over the device's shared memory is retried at fewer stages (`_first_launch`).
+RETRY_FEWER_STAGES = True
+#: Keys whose kernel does not fit the device at any depth: the refusal's message, raised again on later calls.
+_TOO_LARGE: dict[tuple, str] = {}
 
 
 class _Unkeyed(Exception):
@@ -126,7 +132,13 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
         return _through_triton(kernel, grid, args, kwargs)
     launched = hit is None
     if launched:  # Triton binds, compiles or finds the kernel, and launches it
-        compiled = _first_launch(kernel, grid, args, kwargs)
+        if key in _TOO_LARGE:
+            raise KernelTooLargeError(_TOO_LARGE[key])
+        try:
+            compiled, _ = _first_launch(kernel, grid, args, kwargs)
+        except KernelTooLargeError as refusal:
+            _TOO_LARGE[key] = str(refusal)
+            raise
         if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
             compiled = compiled.result()
         if compiled is None:
@@ -148,30 +160,29 @@ def run_compiled(compiled: Any, grid: tuple[int, ...], stream: int, args: tuple,
     compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
 
 
-def _first_launch(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Any:
-    """`kernel[grid](*args, **kwargs)`; where its tiles do not fit the device's shared memory, again
-    at one pipeline stage fewer each time (the first, successful depth is what Triton then caches
-    for these arguments), else `KernelTooLargeError`."""
+def _first_launch(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> tuple[Any, dict]:
+    """(`kernel[grid](*args, **kwargs)`'s result, the keyword arguments it ran with): where the
+    tiles do not fit the device, again at one pipeline stage fewer each time (Triton then caches
+    that depth for these arguments), else `KernelTooLargeError`."""
     from triton.runtime.errors import OutOfResources
 
     stages = kwargs.get("num_stages") or DEFAULT_NUM_STAGES
-    try:
-        return kernel[grid](*args, **kwargs)
-    except OutOfResources as error:
-        first_error = error
-    for fewer in range(stages - 1, 0, -1):
+    for depth in range(stages, 0, -1) if RETRY_FEWER_STAGES else (stages,):
+        tried = kwargs if depth == stages else {**kwargs, "num_stages": depth}
         try:
-            return kernel[grid](*args, **{**kwargs, "num_stages": fewer})
-        except OutOfResources:
-            continue
+            return kernel[grid](*args, **tried), tried
+        except OutOfResources as error:
+            last = error
     name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+    depths = f"{stages} to 1 stages" if RETRY_FEWER_STAGES and stages > 1 else f"{stages} stage(s)"
     raise KernelTooLargeError(
-        f"{name} needs {first_error.required} bytes of {first_error.name} at {stages} stages, more than the "
-        f"device's {first_error.limit} even at 1 stage: its tiles are sized for head dim 128 with 16-bit or fp8 "
-        f"K/V (the torch reference runs any shape: M3_EAGLE_KERNELS=torch)") from None
+        f"{name}: its tiles need more {last.name} than the device has at {depths} ({last.required} > "
+        f"{last.limit} at the last); they are sized for head dim 128 with 16-bit or fp8 K/V, and the torch "
+        f"references (no fp8 scales) run other shapes") from None
 
 
 def _through_triton(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> Any:
-    if replay.recording():
-        replay.record_launch(kernel, None, grid, args, kwargs, ())
-    return _first_launch(kernel, grid, args, kwargs)
+    result, ran_with = _first_launch(kernel, grid, args, kwargs)
+    if replay.recording():  # with the depth that ran, so a replay through `kernel[grid]` fits too
+        replay.record_launch(kernel, None, grid, args, ran_with, ())
+    return result
