@@ -196,9 +196,22 @@ def flashinfer_route(kernel: str, device: torch.device, meta, num_tokens: int, m
 MIN_KERNEL_DIM = 16
 
 
-def _kernel_shape_ok(head_dim: int, block_size: int) -> bool:
-    """Tiny test models (head dim 16, block 4) stay on the torch references."""
-    return all(n >= MIN_KERNEL_DIM and n & (n - 1) == 0 for n in (int(head_dim), int(block_size)))
+def _tile_refusal(x: torch.Tensor, k_cache: torch.Tensor | None, block_size: int, padded_rows: int = 0) -> str | None:
+    """Why the kernels cannot tile `x` (queries over `k_cache`'s KV heads, or index queries when
+    `k_cache` is None) on pages of `block_size`, in words; None when they can. Tiny test models
+    (head dim 16, block 4) and head counts no M3 geometry has (GQA 16, one index head a rank) stay on
+    the torch references: the heads of a tile must be a power of two, or at most `padded_rows` (the
+    per-token sparse layout pads its rows)."""
+    dim, block = int(x.shape[-1]), int(block_size)
+    if not all(n >= MIN_KERNEL_DIM and n & (n - 1) == 0 for n in (dim, block)):
+        return f"head dim {dim} and block {block} must be powers of two >= {MIN_KERNEL_DIM}"
+    if k_cache is None:
+        return None if is_pow2(int(x.shape[1])) else f"{x.shape[1]} index heads: their count must be a power of two"
+    group = int(x.shape[1]) // max(int(k_cache.shape[1]), 1)
+    if group <= padded_rows or is_pow2(group):
+        return None
+    return (f"{x.shape[1]} query heads over {k_cache.shape[1]} KV heads: the group must be a power of two"
+            + (f" or at most {padded_rows}" if padded_rows else ""))
 
 
 def _reference_instead(error: KernelTooLargeError, *scales: Any) -> None:
@@ -215,24 +228,12 @@ def _reference_instead(error: KernelTooLargeError, *scales: Any) -> None:
 _FELL_BACK: set[str] = set()
 
 
-def _why_no_kernel(q: torch.Tensor, k_cache: torch.Tensor, meta: Any, padded_rows: int = 0) -> str:
-    """Why a dispatcher did not run its Triton kernel on these inputs, in words."""
-    if not use_triton(q.device):
-        return f"the Triton backend does not run here ({backend_report(q.device).get('reason') or 'requested: torch'})"
-    if not _kernel_shape_ok(q.shape[-1], meta.block_size):
-        return (f"head dim {q.shape[-1]} and block {meta.block_size} must be powers of two >= {MIN_KERNEL_DIM}")
-    if not _kernel_heads_ok(q, k_cache, padded_rows=padded_rows):
-        return (f"{q.shape[1]} query heads over {k_cache.shape[1]} KV heads: the group must be a power of two"
-                + (f" or at most {padded_rows}" if padded_rows else ""))
-    return "the kernel does not fit this device"
-
-
-def _kernel_heads_ok(q: torch.Tensor, k_cache: torch.Tensor | None = None, *, padded_rows: int = 0) -> bool:
-    """Head counts the kernels tile whole: `q`'s heads (per KV head of `k_cache` when given) a power
-    of two, or at most `padded_rows` (the per-token sparse layout pads its rows). Others, which no
-    M3 geometry has (GQA 16, one index head a rank), stay on the torch references."""
-    heads = int(q.shape[1]) // max(int(k_cache.shape[1]), 1) if k_cache is not None else int(q.shape[1])
-    return heads <= padded_rows or is_pow2(heads)
+def _fp8_scales_refused(q: torch.Tensor, k_cache: torch.Tensor, meta: Any, padded_rows: int = 0) -> KernelBackendError:
+    """fp8 scales on a call the kernels did not take (only they read scales), naming why."""
+    why = _tile_refusal(q, k_cache, meta.block_size, padded_rows)
+    if why is None:
+        why = f"the Triton backend does not run here ({backend_report(q.device).get('reason') or 'requested: torch'})"
+    return KernelBackendError(f"fp8 KV scales need the Triton kernels: {why}")
 
 
 def on_first_argument_device(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -283,8 +284,7 @@ def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, i
     if q_len is not None:
         return fim.select_blocks(index_q, index_k_cache, meta, topk=topk, q_len=q_len, local_blocks=local_blocks,
                                  init_blocks=init_blocks)
-    if (use_triton(index_q.device) and _kernel_shape_ok(index_q.shape[-1], meta.block_size)
-            and _kernel_heads_ok(index_q)):
+    if use_triton(index_q.device) and _tile_refusal(index_q, None, meta.block_size) is None:
         from .index_select import select_blocks_verify
 
         try:
@@ -309,8 +309,7 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
     if q_len is not None:
         return fim.sparse_attention(q, k_cache, v_cache, meta, selection, scale=scale, q_len=q_len,
                                     k_scale=k_scale, v_scale=v_scale)
-    if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
-            and _kernel_heads_ok(q, k_cache, padded_rows=MAX_TILE_ROWS)):
+    if use_triton(q.device) and _tile_refusal(q, k_cache, meta.block_size, MAX_TILE_ROWS) is None:
         from .sparse_verify import sparse_verify_attention
 
         try:
@@ -319,7 +318,7 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
         except KernelTooLargeError as error:
             _reference_instead(error, k_scale, v_scale)
     if k_scale is not None or v_scale is not None:
-        raise KernelBackendError(f"fp8 KV scales need the Triton kernels: {_why_no_kernel(q, k_cache, meta, MAX_TILE_ROWS)}")
+        raise _fp8_scales_refused(q, k_cache, meta, MAX_TILE_ROWS)
     return _reference("sparse_attention")(q, k_cache, v_cache, meta, selection, scale=scale)
 
 
@@ -333,9 +332,8 @@ def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *,
     routed by its own row."""
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len)
-    if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
-            and _kernel_shape_ok(index_q.shape[-1], meta.block_size) and _kernel_heads_ok(index_q)
-            and _kernel_heads_ok(q, k_cache, padded_rows=MAX_TILE_ROWS)):
+    if (use_triton(q.device) and _tile_refusal(q, k_cache, meta.block_size, MAX_TILE_ROWS) is None
+            and _tile_refusal(index_q, None, meta.block_size) is None):
         # Each half's eligibility, computed at most once (the route and the whole-step rule both ask).
         checks = {fim.INDEX: functools.cache(lambda: fim.eligibility(
                       fim.INDEX, index_q, index_k_cache, meta, topk=topk, max_qo_len=max_qo_len)),
@@ -387,8 +385,7 @@ def _whole_step_backend(device, meta, num_tokens: int, max_qo_len: int | None, c
 def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=None,
                     max_qo_len: int | None = None):
     """Dispatching twin of `msa.dense_attention`."""
-    if (use_triton(q.device) and _kernel_shape_ok(q.shape[-1], meta.block_size)
-            and _kernel_heads_ok(q, k_cache)):
+    if use_triton(q.device) and _tile_refusal(q, k_cache, meta.block_size) is None:
         from .dense_verify import dense_verify_attention
 
         try:
@@ -397,7 +394,7 @@ def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=N
         except KernelTooLargeError as error:
             _reference_instead(error, k_scale, v_scale)
     if k_scale is not None or v_scale is not None:
-        raise KernelBackendError(f"fp8 KV scales need the Triton kernels: {_why_no_kernel(q, k_cache, meta)}")
+        raise _fp8_scales_refused(q, k_cache, meta)
     return _reference("dense_attention")(q, k_cache, v_cache, meta, scale=scale)
 
 
