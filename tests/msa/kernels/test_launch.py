@@ -242,6 +242,7 @@ def test_a_kernel_refused_for_its_key_is_refused_again_without_compiling(monkeyp
     monkeypatch.setattr(launch_mod, "direct_launch_possible", lambda: True)  # the cached path, without a GPU
     monkeypatch.setattr(launch_mod, "_runtime", lambda: (lambda: 0, lambda device: 0, None))
     monkeypatch.setattr(launch_mod, "_TOO_LARGE", {})
+    monkeypatch.setattr(launch_mod, "_COMPILED", {})  # on a GPU an earlier test compiled this key for real
     x = torch.zeros(64)
     for _ in range(3):
         with pytest.raises(launch_mod.KernelTooLargeError, match="_axpy_kernel: its tiles need more"):

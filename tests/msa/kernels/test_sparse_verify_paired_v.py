@@ -105,3 +105,75 @@ def test_on_gpu(fn, kw):
 def test_kernel_in_the_interpreter():
     lines = module_cases_lines("tests.msa.kernels.test_sparse_verify_paired_v")
     assert len(lines) == len(INTERPRETER_CASES), lines
+
+
+def _tall_step(device, *, group, dim, block, qo_len, seed=5):
+    """e4m3 K/V, 6 requests of `qo_len` tokens, 16 selected blocks each: a GQA group of 64 or a
+    verify chunk x group of 64 makes a 64-row tile."""
+    geo = Geometry(q_heads=2 * group, kv_heads=2, head_dim=dim, index_heads=2, index_dim=32, block=block, topk=16)
+    kv_lens = [qo_len + 37 * block // 16 * i + 5 for i in range(6)]
+    meta, cache, q, _ = random_step(geo, [qo_len] * 6, kv_lens, kv_dtype=E4M3, q_dtype=torch.float16, seed=seed,
+                                    device=device)
+    gen = torch.Generator().manual_seed(seed)
+    sel = torch.full((2, len(meta.positions), 16), -1, dtype=torch.int32)
+    for t, pos in enumerate(meta.positions.tolist()):
+        for h in range(2):
+            local = pos // block
+            ids = sorted(set(torch.randperm(local, generator=gen)[:15].tolist() + [local]))
+            sel[h, t, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return meta, cache, q, sel.to(device), dict(scale=dim ** -0.5, k_scale=cache.k_scale, v_scale=cache.v_scale)
+
+
+def check_tall_narrow_tile_reads_v_as_bytes(device, *, layout, group, dim, block, qo_len=1, launch=True):
+    """A 64-row tile of 64 keys or more below head dim 128 (where Triton 3.6's warp-group MMA
+    miscomputes the paired read on sm_90) reads V as bytes by default and matches the reference;
+    asking for the paired read there is refused by name, before any launch."""
+    from m3_eagle_plugin.msa.kernels import KernelInputError
+    from m3_eagle_plugin.msa.kernels.sparse_verify import paired_v_tile_ok, sparse_verify_attention
+
+    meta, cache, q, sel, kw = _tall_step(device, group=group, dim=dim, block=block, qo_len=qo_len)
+    assert not paired_v_tile_ok(64, dim, block)
+    with pytest.raises(KernelInputError, match=f"paired_v: a tile of 64 query rows x {block} keys at head dim {dim}"):
+        sparse_verify_attention(q, cache.k, cache.v, meta, sel, layout=layout, max_qo_len=qo_len, paired_v=True, **kw)
+    if launch:
+        out = sparse_verify_attention(q, cache.k, cache.v, meta, sel, layout=layout, max_qo_len=qo_len, **kw)
+        assert_close_rel(out, ref.sparse_attention(q, cache.k, cache.v, meta, sel, **kw), 2e-2)
+
+
+def test_paired_v_tile_rule():
+    from m3_eagle_plugin.msa.kernels.sparse_verify import paired_v_tile_ok
+
+    assert paired_v_tile_ok(16, 64, 128) and paired_v_tile_ok(32, 32, 64) and paired_v_tile_ok(64, 128, 128)
+    assert paired_v_tile_ok(64, 64, 32) and paired_v_tile_ok(64, 32, 16)   # narrow key tiles: measured right
+    assert not paired_v_tile_ok(64, 64, 64) and not paired_v_tile_ok(64, 32, 128)
+
+
+@pytest.mark.skipif(E4M3 is None, reason="torch lacks float8_e4m3fn")
+@pytest.mark.parametrize("layout,group,qo_len", [("token", 64, 1), ("union", 16, 4)])
+def test_tall_narrow_tile_refuses_the_paired_read_on_any_device(layout, group, qo_len):
+    check_tall_narrow_tile_reads_v_as_bytes("cpu", layout=layout, group=group, dim=64, block=64, qo_len=qo_len,
+                                            launch=False)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kw", [
+    dict(layout="token", group=64, dim=64, block=64),      # wrong by 1.2 (relative) before: the fuzz case's tile
+    dict(layout="token", group=64, dim=32, block=64),
+    dict(layout="token", group=64, dim=64, block=128),     # an illegal address before
+    dict(layout="union", group=16, dim=64, block=64, qo_len=4),
+])
+def test_tall_narrow_tile_on_gpu(kw):
+    check_tall_narrow_tile_reads_v_as_bytes("cuda", **kw)
+
+
+@needs_cuda
+def test_tall_wide_tile_keeps_the_paired_read_on_gpu():
+    """Head dim 128 at 64 rows (measured right): the default still takes the paired read."""
+    from m3_eagle_plugin.msa.kernels.sparse_verify import sparse_verify_attention
+
+    meta, cache, q, sel, kw = _tall_step("cuda", group=64, dim=128, block=64, qo_len=1)
+    expect = ref.sparse_attention(q, cache.k, cache.v, meta, sel, **kw)
+    for paired in (None, True):
+        out = sparse_verify_attention(q, cache.k, cache.v, meta, sel, layout="token", max_qo_len=1, paired_v=paired,
+                                      **kw)
+        assert_close_rel(out, expect, 2e-2)

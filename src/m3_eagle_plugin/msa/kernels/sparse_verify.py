@@ -364,7 +364,8 @@ def sparse_verify_attention(
     kernel derives it); "token" walks each token's own pages. `compute_f16` (default: fp8 K/V
     with a 16-bit q) runs the MMAs in fp16, which fp8 converts to in one instruction and holds
     exactly. `paired_v` reads e4m3 V as 16-bit pairs of head dims (`attend_page_tile`); by
-    default on the per-token layout whenever `paired_v_applies`. `self_merge` (per-token layout;
+    default on the per-token layout whenever `paired_v_applies` and the tile takes it
+    (`paired_v_tile_ok`; refused where asked on a tile it does not). `self_merge` (per-token layout;
     default up to SELF_MERGE_SPLITS splits) has a token's last split merge the others in-kernel.
     `ready` (per-token flags a top-k launched just before sets, `index_select.select_announcing`
     with `consumers=splits`; per-token layout, explicit splits) launches the attention early (PDL)
@@ -403,13 +404,14 @@ def sparse_verify_attention(
             f"pages_per_tile=2: a two-page K and V tile of {tile_kb} KB ({k_cache.dtype}, block {block}, head dim "
             f"{dim}) is past the {MAX_TWO_PAGE_TILE_BYTES // 1024} KB that fit shared memory; use pages_per_tile=1 "
             "(or 1-byte K/V)")
-    if paired_v is None:
-        paired_v = layout == "token" and paired_v_applies(v_cache, compute_f16)
     require(not paired_v or paired_v_applies(v_cache, compute_f16),
             "paired_v needs an e4m3 V cache with even strides and offset, and compute_f16")
     if key_tile is None:
         key_tile = DEFAULT_KEY_TILE[layout]
     if layout == "token":
+        key_cols = 2 * block if pages_per_tile == 2 else min(block, key_tile)
+        paired_v = _paired_v_for_tile(paired_v, paired_v_applies(v_cache, compute_f16), token_tile_rows(group), dim,
+                                      key_cols)
         return _token_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                 max_qo_len=max_qo_len, splits=splits, num_warps=num_warps, num_stages=num_stages,
                                 key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch, paired_v=paired_v,
@@ -417,12 +419,13 @@ def sparse_verify_attention(
                                 request_major=request_major)
     require(ready is None, "ready flags need layout 'token'")
     require(not request_major, "request_major needs layout 'token'")
+    qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len) if union is None else union.chunk
+    require(qp * group >= 16, f"union chunk {qp} x group {group} must give >= 16 rows")
+    paired_v = _paired_v_for_tile(paired_v, False, qp * group, dim, min(block, key_tile))
     if union is None:
-        qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len)
         union = union_from_selection(selection, meta.cu_qo_lens, meta.block_tables, chunk=qp,
                                      num_chunks=chunk_count(num_tokens, num_requests, qp, max_qo_len))
-    qp, nch = union.chunk, union.num_chunks
-    require(qp * group >= 16, f"union chunk {qp} x group {group} must give >= 16 rows")
+    nch = union.num_chunks
     require(union.counts.shape[:2] == (num_requests, hkv), "union does not match requests x KV heads")
     partial_row = num_tokens * num_heads * dim
     if splits is None:
@@ -463,6 +466,41 @@ def paired_v_applies(v_cache: torch.Tensor, compute_f16: bool) -> bool:
     return compute_f16 and v_cache.dtype == torch.float8_e4m3fn and byte_aligned(v_cache, 2)
 
 
+#: Triton 3.6 on the H200 (sm_90) miscomputes the paired-V MMAs (`paired_v`) of a 64-row tile (its
+#: warp-group MMA, 4 warps) whose V halves are narrower than 64 columns (head dim below
+#: PAIRED_V_WIDE_DIM) with key tiles of 64 or more: relative errors near 1 or illegal addresses, in
+#: both layouts, at head dims 32 and 64, bf16 and fp16 queries, 1-3 stages, 1-4 splits. Measured
+#: right there: head dim 128, rows up to 32, key tiles of 16 and 32, 8 warps, the byte read
+#: (2026-12-01: `scripts/kernel_fuzz.py --seed 35 --case 17` and a 56-variant sweep;
+#: tests/msa/kernels/test_sparse_verify_paired_v.py keeps the shapes). Triton's interpreter
+#: computes these tiles right, so only a GPU run shows it.
+PAIRED_V_MAX_NARROW_ROWS = 32
+PAIRED_V_WIDE_DIM = 128
+PAIRED_V_MAX_NARROW_KEYS = 32
+
+
+def paired_v_tile_ok(rows: int, dim: int, key_cols: int) -> bool:
+    """Whether a tile of `rows` query rows x `key_cols` keys at head dim `dim` may take the
+    paired-V read (see PAIRED_V_WIDE_DIM for the miscompile it steers around)."""
+    return rows <= PAIRED_V_MAX_NARROW_ROWS or dim >= PAIRED_V_WIDE_DIM or key_cols <= PAIRED_V_MAX_NARROW_KEYS
+
+
+def _paired_v_for_tile(asked: bool | None, default: bool, rows: int, dim: int, key_cols: int) -> bool:
+    """The paired-V choice for a tile: `default` where None was asked; a tile it would be
+    miscomputed on (`paired_v_tile_ok`) reads V as bytes by default and refuses an explicit request."""
+    ok = paired_v_tile_ok(rows, dim, key_cols)
+    require(not asked or ok, f"paired_v: a tile of {rows} query rows x {key_cols} keys at head dim {dim} is "
+            "miscomputed by Triton's warp-group MMA on sm_90 (wrong results, illegal addresses); above "
+            f"{PAIRED_V_MAX_NARROW_ROWS} rows below head dim {PAIRED_V_WIDE_DIM} it takes key tiles of at most "
+            f"{PAIRED_V_MAX_NARROW_KEYS} (key_tile=); or leave paired_v unset")
+    return default and ok if asked is None else asked
+
+
+def token_tile_rows(group: int) -> int:
+    """Query rows of a per-token tile: the GQA group, padded to a power of two of at least 16 (tl.dot)."""
+    return next_pow2(max(16, group))
+
+
 def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,
                      num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v, self_merge,
                      ready=None, pages_per_tile=1, request_major=False) -> torch.Tensor:
@@ -497,7 +535,7 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions,
         o_buf, out.stride(0), out.stride(1), lse, num_tokens, out, out if arrivals is None else arrivals,
         out if ready is None else ready, float(scale) * scale_value(k_scale) * LOG2E, vs,
-        G=group, ROWS=next_pow2(max(16, group)), TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block,
+        G=group, ROWS=token_tile_rows(group), TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block,
         BN=2 * block if pages_per_tile == 2 else min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16,
         PREFETCH=prefetch,
         IEEE=q.dtype == torch.float32, VPAIR=paired_v, ASM=not triton_interpreting(), SELF_MERGE=self_merge,
