@@ -399,6 +399,10 @@ def test_staging_event_follows_the_copy_on_another_device() -> None:
     """With cuda:0 current, a cuda:1 object's staging copy runs on cuda:1's stream: its event must too."""
     torch.cuda.set_device(0)
     meta = MsaDecodeMetadata(4, 8, 8, 4, "cuda:1", max_draft_len=2)
+    # A first launch of a kernel may load its module, which waits for the device to idle (lazy
+    # loading): one prepare first, so the one below only queues work behind the sleep.
+    meta.prepare([2, 3], [9, 12], worked_example_tables())
+    torch.cuda.synchronize(1)
     with torch.cuda.device(1):
         torch.cuda._sleep(1 << 30)  # the copy queues behind this on cuda:1
     meta.prepare([2, 3], [9, 12], worked_example_tables())

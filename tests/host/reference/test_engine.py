@@ -199,6 +199,9 @@ def test_readback_event_follows_the_copy_on_another_device():
     out = SimpleNamespace(emitted=torch.tensor([[5, 6]], device="cuda:1"),
                           num_emitted=torch.tensor([2], device="cuda:1"),
                           num_accepted=torch.tensor([1], device="cuda:1"))
+    # A first launch of a kernel may load its module, which waits for the device to idle (lazy
+    # loading): one readback first, so the one below only queues work behind the sleep.
+    _finish_readback(_start_readback(out), 2)
     with torch.cuda.device(1):
         torch.cuda._sleep(1 << 30)  # the copy queues behind this on cuda:1
     readback = _start_readback(out)
