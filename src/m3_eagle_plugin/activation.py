@@ -297,6 +297,7 @@ def status() -> ActivationReport:
         manifest, installed, version, force, verdict = _judge_host(report)
         if not installed:
             report.reason = f"{manifest.host.package} is not installed"
+            report.ok = mode != "require"  # activating would raise (`activate`)
         from m3_eagle_plugin.registry import get_plugin_manager
 
         manager = get_plugin_manager()

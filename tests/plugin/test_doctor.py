@@ -48,6 +48,21 @@ def test_doctor_ok_is_what_activating_would_decide(fake_host, hermetic_manager, 
     assert data["ok"] is ok and (why is None or why in data["reason"]), data["reason"]
 
 
+@pytest.mark.parametrize("mode, ok", [("require", False), ("auto", True), ("off", True)])
+def test_doctor_without_host_fails_only_where_activating_would_raise(clean_state, capsys, monkeypatch, mode, ok):
+    """No tensorrt_llm: `activate("require")` raises, `auto` does nothing; the doctor says the same."""
+    from m3_eagle_plugin import activate
+    from m3_eagle_plugin.activation import ActivationError
+
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", mode)
+    assert cli.main(["doctor", "--json"]) == (0 if ok else 1)
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is ok and "tensorrt_llm is not installed" in data["reason"], data["reason"]
+    if mode == "require":
+        with pytest.raises(ActivationError, match="not installed"):
+            activate()
+
+
 def test_a_bad_kernel_setting_fails_the_doctor(clean_state, capsys, monkeypatch):
     monkeypatch.setenv("M3_EAGLE_KERNELS", "bogus")
     assert cli.main(["doctor", "--json"]) == 1
