@@ -5,7 +5,7 @@ Every case draws fresh random inputs (deterministic in `--seed` and the case num
   select_blocks_paged, sparse_attention, sparse_layer_attention, dense_attention, on_update_kv_lens,
   write_step_kv                      (the public dispatchers, `m3_eagle_plugin.msa.kernels`)
   sparse_verify_step                 (verify_step: selection + attention, early launch options)
-  sparse_verify_attention            (sparse_verify: layouts / splits / tiles / self-merge options)
+  sparse_verify_attention            (sparse_verify: layouts / splits / tiles / warps / paired V / self-merge)
   replay:<dispatcher>                (eager `replay.Replayer` path: later calls on one metadata object,
                                       re-prepared with other kv lengths, fresh inputs)
   graph:<dispatcher>                 (CUDA graph captured, metadata re-prepared, inputs rewritten, replayed)
@@ -233,6 +233,10 @@ def gen_case(seed: int, case: int, tiny: bool, gpu: bool) -> dict:
     p["graph"] = gpu and p["meta_kind"] == "msa" and p["unmapped"] is None and rng.random() < 0.3
     p["graph_update"] = p["graph"] and rng.random() < 0.5
     p["replay"] = gpu and p["meta_kind"] == "msa" and p["unmapped"] is None and rng.random() < 0.5
+    # Options added later draw from their own stream, so every earlier case keeps its parameters.
+    later = random.Random(f"fuzz34:{seed}:{case}:{int(tiny)}")
+    p["sva"]["num_warps"] = _pick(later, [(None, 4), (2, 0.5), (8, 1.5)])
+    p["sva"]["paired_v"] = _pick(later, [(None, 4), (True, 1.5), (False, 1)])   # the 64-row tiles' miscompile
     return p
 
 
@@ -757,8 +761,9 @@ def do_variants(ctx):
     kw = dict(scale=p["scale"], k_scale=ctx.ks, v_scale=ctx.vs, max_qo_len=hint(ctx), layout=o["layout"],
               splits=o["splits"], self_merge=o["self_merge"], key_tile=o["key_tile"], compute_f16=o["compute_f16"],
               prefetch=o["prefetch"], pages_per_tile=o["pages_per_tile"], request_major=o["request_major"])
-    if o["num_stages"] is not None:
-        kw["num_stages"] = o["num_stages"]
+    for name in ("num_stages", "num_warps", "paired_v"):
+        if o.get(name) is not None:
+            kw[name] = o[name]
     note = ""
     if (o["fused_union"] and o["layout"] == "union" and p["index_heads"] == ctx.hkv and p["unmapped"] is None):
         from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
