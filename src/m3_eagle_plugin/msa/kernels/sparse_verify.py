@@ -8,7 +8,7 @@ split) walks the chunk's block-union list (`block_union`), loads every page of t
 applies it to all of the chunk's query rows (tokens x GQA group in one MMA tile); a row only sees
 a page its own token selected (bitmask) and keys up to its own position. Splits plus an LSE merge
 keep small batches busy. e4m3 V is read in 16-bit pairs of head dims where it can be
-(`paired_v_applies`). Mirrors `m3_eagle_plugin.msa.sparse_attention`.
+(`paired_v_applies`) and Triton compiles it right (`paired_v_tile_ok`). Mirrors `m3_eagle_plugin.msa.sparse_attention`.
 """
 from __future__ import annotations
 
