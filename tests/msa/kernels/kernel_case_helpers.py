@@ -124,3 +124,37 @@ def check_zeroed_shared_growing(get) -> None:
     big = get("cpu", (1 << 16) + 5)
     assert big.shape == ((1 << 16) + 5,) and (big == 0).all()
     assert get("cpu", 1).data_ptr() == big.data_ptr()
+
+
+def sm90_compiler_available() -> bool:
+    """Whether Triton's compiler is importable (it targets sm_90 offline, no GPU needed)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("triton.backends.compiler") is not None
+    except ImportError:  # no triton at all
+        return False
+
+
+def compile_for_sm90(kernel, constexprs: dict, types: dict, *, num_warps: int = 4, num_stages: int = 3):
+    """Triton's compiled `kernel` for an H100/H200 target, on any machine: `constexprs` as given
+    (other constexpr parameters at their defaults), pointers and scalars typed by `types`, else
+    `*i32` for `*_ptr` parameters and `i32` for the rest. Pointers and strides (`s_*`) are
+    specialized as multiples of 16, as Triton does for the aligned caches of a real launch (it
+    pipelines loads through shared memory only then). Skips the test without ptxas."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = {p.name: p.default for p in kernel.params if p.is_constexpr and p.name not in constexprs}
+    consts.update(constexprs)
+    signature = {p.name: "constexpr" if p.name in consts else types.get(p.name, "*i32" if p.name.endswith("_ptr")
+                                                                              else "i32")
+                 for p in kernel.params}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+               if p.name not in consts and (p.name.endswith("_ptr") or p.name.startswith("s_"))}
+    try:
+        return triton.compile(ASTSource(kernel, signature, consts, aligned), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    except FileNotFoundError as missing:  # a Triton build without its bundled ptxas
+        pytest.skip(f"no ptxas: {missing}")

@@ -18,7 +18,7 @@ from m3_eagle_plugin.bench.inputs import Geometry
 from tests._interpreter import module_cases_lines, needs_interpreter
 
 from .kernel_case_helpers import (assert_valid_selection, capture_after_warmup, check_zeroed_shared_growing,
-                                  exact_block_scores, random_step)
+                                  compile_for_sm90, exact_block_scores, random_step, sm90_compiler_available)
 
 GEO = Geometry(q_heads=16, kv_heads=1, head_dim=32, index_heads=2, index_dim=32, block=16, topk=4)
 
@@ -164,33 +164,14 @@ def test_bad_env_value_names_the_allowed_ones(monkeypatch):
         handoff_enabled()
 
 
-def _compiles_for_sm90() -> bool:
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(triton, "compile")
-
-
-@pytest.mark.skipif(not _compiles_for_sm90(), reason="needs Triton's compiler")
+@pytest.mark.skipif(not sm90_compiler_available(), reason="needs Triton's compiler")
 @pytest.mark.parametrize("nbp,topk,warps", [(32, 32, 1), (64, 100, 2), (128, 128, 1), (1024, 16, 8)])
 def test_the_polling_top_k_compiles_for_sm90_where_every_block_is_chosen(nbp, topk, warps):
     """Compiled for an H100/H200 target on any machine (no GPU needed): with the hand-off on and
     the padded width at most top-k, the top-k once crashed Triton 3.6's compiler."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from m3_eagle_plugin.msa.kernels._common import next_pow2
     from m3_eagle_plugin.msa.kernels.index_select import _topk_union_kernel
 
     constexprs = dict(QP=1, NCH=1, NBP=nbp, TOPK=topk, TOPK_P=next_pow2(topk), LOCAL=1, INIT=0, WRITE_UNION=False,
                       HANDOFF=True, ANNOUNCE=0, PDL=True)
-    signature = {p.name: ("constexpr" if p.name in constexprs else "*fp32" if p.name == "score_ptr"
-                          else "*i32" if p.name.endswith("_ptr") else "i32") for p in _topk_union_kernel.params}
-    try:
-        triton.compile(ASTSource(_topk_union_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps})
-    except FileNotFoundError as missing:  # a Triton build without its bundled ptxas
-        pytest.skip(f"no ptxas: {missing}")
+    compile_for_sm90(_topk_union_kernel, constexprs, {"score_ptr": "*fp32"}, num_warps=warps)
