@@ -168,9 +168,11 @@ def test_tall_narrow_tile_on_gpu(kw):
 
 @needs_cuda
 def test_tall_wide_tile_keeps_the_paired_read_on_gpu():
-    """Head dim 128 at 64 rows (measured right): the default still takes the paired read."""
-    from m3_eagle_plugin.msa.kernels.sparse_verify import sparse_verify_attention
+    """Head dim 128 at 64 rows (measured right), where the rule keeps the paired read: asked for
+    and by default, it matches the reference."""
+    from m3_eagle_plugin.msa.kernels.sparse_verify import paired_v_tile_ok, sparse_verify_attention
 
+    assert paired_v_tile_ok(64, 128, 64)
     meta, cache, q, sel, kw = _tall_step("cuda", group=64, dim=128, block=64, qo_len=1)
     expect = ref.sparse_attention(q, cache.k, cache.v, meta, sel, **kw)
     for paired in (None, True):
