@@ -1,4 +1,4 @@
-"""The attention kernels' production specializations compile for an H100/H200 target on any machine.
+"""The verify step's kernels (scoring, top-k, attention) compile for an H100/H200 target on any machine.
 
 Why: CI has no GPU and Triton's interpreter neither compiles nor checks a kernel's layouts, so a
 kernel change made on a CPU machine could first fail in a GPU session (a compiler crash, or tiles
@@ -92,3 +92,32 @@ def test_which_tiles_take_the_warp_group_mma(group, dim, mma):
     ptx = compile_for_sm90(_sparse_token_kernel, consts, BF16_STEP).asm["ptx"]
     assert ("wgmma.mma_async" in ptx) == (mma == "wgmma"), mma
     assert paired_v_tile_ok(max(16, group), dim, 64) == (mma == "mma.sync" or dim >= 128)
+
+
+@pytest.mark.parametrize("tma,one_tile", [(True, True), (True, False), (False, False)],
+                         ids=["tma-one-tile", "tma", "plain"])
+def test_index_scoring_compiles_within_shared_memory(tma, one_tile):
+    """The block scoring as `select_blocks_paged` launches it at M3's index geometry (one index
+    head, dim 128, block 128, bf16): a page a program through a TMA descriptor at one stage, or
+    per-thread copies at two; the hand-off's release and PDL on."""
+    from m3_eagle_plugin.msa.kernels.index_select import _block_score_kernel
+
+    types = {"iq_ptr": "*bf16", "ik_ptr": "*bf16", "score_ptr": "*fp32",
+             "ik_desc": "tensordesc<bf16[1,128,128]>" if tma else "*bf16"}
+    consts = dict(HI=1, QP=4, BLOCK=128, DI=128, BLOCKS_PER_PROG=1 if tma else 4, IEEE=False, TMA=tma, RELEASE=True,
+                  PDL=True, ONE_TILE=one_tile)
+    compiled = compile_for_sm90(_block_score_kernel, consts, types, num_stages=1 if tma else 2)
+    assert compiled.metadata.shared <= H200_SHARED_BYTES, compiled.metadata.shared
+
+
+@pytest.mark.parametrize("qp,nbp,announce", [(1, 64, 4), (1, 1024, 0), (4, 256, 0)],
+                         ids=["8K-early", "128K", "32K-union"])
+def test_top_k_compiles(qp, nbp, announce):
+    """The per-token top-k (polling the scoring's hand-off) at 8K, 128K and a union-writing chunk."""
+    from m3_eagle_plugin.msa.kernels.index_select import _topk_union_kernel, default_topk_warps
+
+    consts = dict(QP=qp, NCH=1, NBP=nbp, TOPK=16, TOPK_P=16, LOCAL=1, INIT=0, WRITE_UNION=qp > 1, HANDOFF=True,
+                  ANNOUNCE=announce, PDL=True)
+    compiled = compile_for_sm90(_topk_union_kernel, consts, {"score_ptr": "*fp32"},
+                                num_warps=default_topk_warps(qp, nbp))
+    assert compiled.metadata.shared <= H200_SHARED_BYTES, compiled.metadata.shared
