@@ -61,10 +61,13 @@ def case_name(fn, kwargs) -> str:
     return f"{fn.__name__}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
 
 
-def module_cases_lines(module: str) -> list[str]:
-    """PASS/FAIL lines of `module.INTERPRETER_CASES` (`(fn, kwargs)` pairs, each called as
-    `fn("cpu", **kwargs)`) run in the interpreter by this file's `main`."""
-    return interpreter_case_lines("tests._interpreter", module)
+def check_module_cases(module: str) -> None:
+    """Run `module.INTERPRETER_CASES` (`(fn, kwargs)` pairs, each called as `fn("cpu", **kwargs)`)
+    in the interpreter through this file's `main`: every case must print one PASS line."""
+    import importlib
+
+    lines = interpreter_case_lines("tests._interpreter", module)
+    assert len(lines) == len(importlib.import_module(module).INTERPRETER_CASES), lines
 
 
 def main(argv: list[str]) -> int:
