@@ -21,10 +21,8 @@ from typing import Any, Iterator
 
 from m3_eagle_plugin._version import __version__
 from m3_eagle_plugin.log import get_logger
-from m3_eagle_plugin.switches import FORCE_ENV, read_switch
+from m3_eagle_plugin.switches import FORCE_ENV, MODE_ENV, MODES, read_switch
 
-MODE_ENV = "M3_EAGLE_PLUGIN"
-MODES = ("off", "auto", "require")
 HOST_PACKAGE = "tensorrt_llm"
 _M3_SPARSE_PROBE = {"algorithm": "minimax_m3"}
 

@@ -27,11 +27,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, MutableMapping
 
-from m3_eagle_plugin.switches import FORCE_ENV, TRACE_ENV
+from m3_eagle_plugin.switches import FORCE_ENV, MODE_ENV, MODES, TRACE_ENV
 
 CONFIG_KEY = "m3_eagle_plugin"
-MODE_ENV = "M3_EAGLE_PLUGIN"
-MODES = ("off", "auto", "require")
 HOST_FUNCTION = "update_llm_args_with_extra_dict"
 HOST_MODULES = ("tensorrt_llm.llmapi.llm_args", "tensorrt_llm.llmapi.llm_utils")
 

@@ -1,5 +1,6 @@
-"""The plugin's on/off environment settings (`M3_EAGLE_PLUGIN_FORCE`, `M3_EAGLE_PLUGIN_TRACE`), read
-one way: 1, true, yes, on / 0, false, no, off, or unset (off). Any other value is reported by name
+"""The plugin's environment setting names (its mode, `M3_EAGLE_PLUGIN`, read by `activation` and the
+config key) and its on/off switches (`M3_EAGLE_PLUGIN_FORCE`, `M3_EAGLE_PLUGIN_TRACE`), read one
+way: 1, true, yes, on / 0, false, no, off, or unset (off). Any other value is reported by name
 rather than quietly meaning "off"; each caller decides whether that raises or warns.
 """
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+MODE_ENV = "M3_EAGLE_PLUGIN"
+MODES = ("off", "auto", "require")
 FORCE_ENV = "M3_EAGLE_PLUGIN_FORCE"
 TRACE_ENV = "M3_EAGLE_PLUGIN_TRACE"
 TRUE = ("1", "true", "yes", "on")
