@@ -409,9 +409,6 @@ def sparse_verify_attention(
     if key_tile is None:
         key_tile = DEFAULT_KEY_TILE[layout]
     if layout == "token":
-        key_cols = 2 * block if pages_per_tile == 2 else min(block, key_tile)
-        paired_v = _paired_v_for_tile(paired_v, paired_v_applies(v_cache, compute_f16), token_tile_rows(group), dim,
-                                      key_cols)
         return _token_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                 max_qo_len=max_qo_len, splits=splits, num_warps=num_warps, num_stages=num_stages,
                                 key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch, paired_v=paired_v,
@@ -496,11 +493,6 @@ def _paired_v_for_tile(asked: bool | None, default: bool, rows: int, dim: int, k
     return default and ok if asked is None else asked
 
 
-def token_tile_rows(group: int) -> int:
-    """Query rows of a per-token tile: the GQA group, padded to a power of two of at least 16 (tl.dot)."""
-    return next_pow2(max(16, group))
-
-
 def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,
                      num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v, self_merge,
                      ready=None, pages_per_tile=1, request_major=False) -> torch.Tensor:
@@ -510,6 +502,9 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
     topk = selection.shape[2]
     num_requests = meta.kv_lens.shape[0]
     require(group <= MAX_TILE_ROWS, f"layout 'token' takes at most {MAX_TILE_ROWS} query heads per KV head, got {group}")
+    rows = next_pow2(max(16, group))  # the GQA group, padded for tl.dot
+    key_cols = 2 * block if pages_per_tile == 2 else min(block, key_tile)
+    paired_v = _paired_v_for_tile(paired_v, paired_v_applies(v_cache, compute_f16), rows, dim, key_cols)
     per_request = chunk_count(num_tokens, num_requests, 1, max_qo_len)
     partial_row = num_tokens * num_heads * dim
     if splits is None:
@@ -535,9 +530,8 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions,
         o_buf, out.stride(0), out.stride(1), lse, num_tokens, out, out if arrivals is None else arrivals,
         out if ready is None else ready, float(scale) * scale_value(k_scale) * LOG2E, vs,
-        G=group, ROWS=token_tile_rows(group), TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block,
-        BN=2 * block if pages_per_tile == 2 else min(block, key_tile), D=dim, SPLITS=splits, F16=compute_f16,
-        PREFETCH=prefetch,
+        G=group, ROWS=rows, TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block, BN=key_cols, D=dim, SPLITS=splits,
+        F16=compute_f16, PREFETCH=prefetch,
         IEEE=q.dtype == torch.float32, VPAIR=paired_v, ASM=not triton_interpreting(), SELF_MERGE=self_merge,
         READY=ready is not None, REQUEST_MAJOR=request_major, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(q.device, grid, every_grid=ready is not None),
