@@ -203,7 +203,7 @@ def _tile_refusal(x: torch.Tensor, k_cache: torch.Tensor | None, block_size: int
     the torch references: the heads of a tile must be a power of two, or at most `padded_rows` (the
     per-token sparse layout pads its rows)."""
     dim, block = int(x.shape[-1]), int(block_size)
-    if not all(n >= MIN_KERNEL_DIM and n & (n - 1) == 0 for n in (dim, block)):
+    if not all(n >= MIN_KERNEL_DIM and is_pow2(n) for n in (dim, block)):
         return f"head dim {dim} and block {block} must be powers of two >= {MIN_KERNEL_DIM}"
     if k_cache is None:
         return None if is_pow2(int(x.shape[1])) else f"{x.shape[1]} index heads: their count must be a power of two"
