@@ -49,6 +49,20 @@ def test_block_size_must_be_power_of_two(bad: int) -> None:
         per_token_valid_blocks([1], [1], bad)
 
 
+@pytest.mark.parametrize("bad", [0, -4, 3])
+def test_valid_blocks_from_positions_checks_the_block_size_too(bad: int) -> None:
+    # It computed with any divisor: -4 gave negative counts, 3 counts its siblings refuse, 0 a ZeroDivisionError.
+    with pytest.raises(MsaInputError, match="power of two"):
+        valid_blocks_from_positions(torch.tensor([0, 5, 9]), bad)
+
+
+def test_counts_past_int32_are_refused_not_wrapped() -> None:
+    # ceil((2**32 + 5) / 1) came back as int32 5; the metadata refuses such a kv_len by name too.
+    with pytest.raises(MsaInputError, match=f"request 1: kv_len {2**32 + 5} does not fit int32"):
+        per_token_valid_blocks([1, 1], [3, 2**32 + 5], 1)
+    assert per_token_valid_blocks([1], [2**31 - 1], 2**20).tolist() == [2048]
+
+
 def test_block_size_type_is_checked() -> None:
     with pytest.raises(TypeError):
         validate_block_size(4.0)

@@ -223,7 +223,8 @@ def test_select_from_block_scores_refuses_query_blocks_of_another_length() -> No
     data=st.data(),
 )
 def test_select_from_block_scores_is_a_valid_top_k_even_with_ties(heads, num_blocks, own, topk, local, init, data):
-    """Scores drawn from {-1, 0, 1} (ties everywhere), own blocks past the scored range or before block 0.
+    """Scores drawn from {-1, 0, 1} (ties everywhere), own blocks before block 0 (none visible) or
+    past the scored range (refused: the forced own block would be dropped).
 
     Any tie-break is correct, so the reference checks the definition instead of one answer: the
     forced visible blocks are all in, exactly min(topk, visible) blocks are kept, and no dropped
@@ -233,6 +234,10 @@ def test_select_from_block_scores_is_a_valid_top_k_even_with_ties(heads, num_blo
     values = data.draw(st.lists(st.sampled_from([-1.0, 0.0, 1.0]), min_size=heads * len(own) * num_blocks,
                                 max_size=heads * len(own) * num_blocks))
     scores = torch.tensor(values, dtype=torch.float32).view(heads, len(own), num_blocks)
+    if own and max(own) >= num_blocks:  # that token's forced own block is not among the scored ones
+        with pytest.raises(MsaInputError, match=f"reach block {max(own)} but block_scores score {num_blocks}"):
+            select_from_block_scores(scores, torch.tensor(own, dtype=torch.int64), topk=topk)
+        return
     sel = select_from_block_scores(scores, torch.tensor(own, dtype=torch.int64), topk=topk,
                                    local_blocks=local, init_blocks=init)
     assert sel.shape == (heads, len(own), topk)

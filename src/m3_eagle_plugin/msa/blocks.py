@@ -21,6 +21,10 @@ __all__ = [
 ]
 
 
+#: The largest value an int32 length, count or page id holds (the metadata's fields are int32).
+INT32_MAX = (1 << 31) - 1
+
+
 class MsaInputError(ValueError):
     """Raised when an MSA function or the step metadata receives inconsistent input."""
 
@@ -50,6 +54,7 @@ def validate_block_size(block_size: object) -> int:
 
 def valid_blocks_from_positions(positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Visible-block count of tokens at ``positions``: ``ceil((p + 1) / B)``, 0 for ``p < 0``."""
+    block_size = validate_block_size(block_size)
     seen = (positions + 1).clamp(min=0)
     # (n - 1) // B + 1, not (n + B - 1) // B: the latter overflows int32 positions near 2**31.
     return (torch.div(seen - 1, block_size, rounding_mode="floor") + 1).to(torch.int32)
@@ -134,5 +139,8 @@ def _check_host_lengths(qo: torch.Tensor, kv: torch.Tensor, num_tokens: int | No
     if bad.numel():
         r = int(bad[0])
         raise MsaInputError(f"request {r}: lengths must be >= 0, got qo_len={int(qo[r])}, kv_len={int(kv[r])}")
+    if kv.numel() and int(kv.max()) > INT32_MAX:  # the counts come back int32, like the metadata's lengths
+        r = int(kv.argmax())
+        raise MsaInputError(f"request {r}: kv_len {int(kv[r])} does not fit int32")
     if num_tokens is not None and num_tokens != int(qo.sum()):
         raise MsaInputError(f"num_tokens is {num_tokens} but qo_lens sum to {int(qo.sum())}")

@@ -19,10 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .blocks import MsaInputError, checked_int, int_entries, valid_blocks_from_positions, validate_block_size
-
-#: The largest value the metadata's int32 fields (lengths, page ids) hold.
-_INT32_MAX = (1 << 31) - 1
+from .blocks import INT32_MAX, MsaInputError, checked_int, int_entries, valid_blocks_from_positions, validate_block_size
 
 __all__ = ["MsaDecodeMetadata"]
 
@@ -43,7 +40,9 @@ class MsaDecodeMetadata:
     Per-token views (length ``num_tokens``): ``cache_slots``, ``valid_blocks``, ``token_kv_lens``,
     ``positions``, ``token_request``, ``token_intra``. Per-request views (length ``num_requests``):
     ``qo_lens``, ``kv_lens``, ``kv_lens_staged``, ``qo_offsets``; ``cu_qo_lens`` ``[R + 1]``;
-    ``block_tables`` ``[R, max_blocks_per_seq]`` (unused entries ``-1``). All int32 on ``device``.
+    ``block_tables`` ``[R, max_blocks_per_seq]``: the caller's columns as given (a request's
+    entries past its ``ceil(kv_len / B)`` pages are whatever the host padded with, often 0, and
+    nothing reads them), ``-1`` past the caller's width. All int32 on ``device``.
     ``proxy_scores`` is fp32 scratch ``[num_index_heads, scratch_decode_tokens, max_blocks_per_seq]``
     for decode-step block scores, sized by the worst-case decode-token count.
     """
@@ -64,7 +63,7 @@ class MsaDecodeMetadata:
         self.max_blocks_per_seq = checked_int("max_blocks_per_seq", max_blocks_per_seq)
         self.block_size = validate_block_size(block_size)
         # The last page whose every slot (page * B + offset) fits the int32 cache_slots: a larger id would wrap.
-        self._max_page = (_INT32_MAX + 1) // self.block_size - 1
+        self._max_page = (INT32_MAX + 1) // self.block_size - 1
         self.max_draft_len = checked_int("max_draft_len", max_draft_len, minimum=0)
         self.num_index_heads = checked_int("num_index_heads", num_index_heads)
         self.device = torch.device(device)
@@ -214,7 +213,7 @@ class MsaDecodeMetadata:
                 raise MsaInputError(f"request {r}: kv_len is 0 but qo_len is {q}")
             if q > k:
                 raise MsaInputError(f"request {r}: qo_len {q} exceeds kv_len {k} (kv_len counts the step's tokens)")
-            if k > _INT32_MAX:
+            if k > INT32_MAX:
                 raise MsaInputError(f"request {r}: kv_len {k} does not fit the metadata's int32 fields")
             pages = -(-k // self.block_size)
             if pages > self.max_blocks_per_seq:

@@ -49,7 +49,9 @@ def select_from_block_scores(
 
     Blocks after a token's own block are invisible whatever their score. Forced blocks (the
     ``local_blocks`` blocks ending at the token's block, and blocks ``0..init_blocks-1``) win over
-    any real score. Returns int32 ``[H, T, topk]``: ascending block ids, ``-1`` padded.
+    any real score. Returns int32 ``[H, T, topk]``: ascending block ids, ``-1`` padded. A token's
+    own block must be among the ``N`` scored ones (its local block is forced); checking that reads
+    ``query_blocks`` back once.
     """
     _validate_selection_args(topk, local_blocks, init_blocks)
     if block_scores.dim() != 3:
@@ -59,6 +61,16 @@ def select_from_block_scores(
         raise MsaInputError(f"query_blocks must be [T={num_tokens}], got {tuple(query_blocks.shape)}")
     if not is_integer_dtype(query_blocks.dtype):
         raise MsaInputError(f"query_blocks must be an integer tensor, got {query_blocks.dtype}")
+    if num_tokens and int(query_blocks.max()) >= num_blocks:
+        raise MsaInputError(f"query_blocks reach block {int(query_blocks.max())} but block_scores score "
+                            f"{num_blocks} blocks: that token's own (forced) block would be dropped")
+    return _select_from_scores(block_scores, query_blocks, topk, local_blocks, init_blocks)
+
+
+def _select_from_scores(block_scores, query_blocks, topk: int, local_blocks: int, init_blocks: int) -> torch.Tensor:
+    """`select_from_block_scores` on checked arguments whose query blocks lie among the scored ones
+    (the callers below derive both from the same positions): no read-back, so it can be captured."""
+    num_heads, num_tokens, num_blocks = block_scores.shape
     out = torch.full((num_heads, num_tokens, topk), -1, dtype=torch.int32, device=block_scores.device)
     if num_blocks == 0 or num_tokens == 0:
         return out
@@ -143,9 +155,7 @@ def select_blocks(
     block_scores = torch.empty((num_heads, num_tokens, num_blocks), dtype=torch.float32, device=index_q.device)
     _block_scores_into(block_scores, index_q, keys, positions, key_ok, block_size)
     query_blocks = torch.div(positions, block_size, rounding_mode="floor")
-    return select_from_block_scores(
-        block_scores, query_blocks, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks
-    )
+    return _select_from_scores(block_scores, query_blocks, topk, local_blocks, init_blocks)
 
 
 def select_blocks_paged(
@@ -189,6 +199,4 @@ def select_blocks_paged(
             block_scores[:, rows, :request_blocks], index_q[rows], keys, positions[rows], key_ok, block_size
         )
     query_blocks = torch.div(positions, block_size, rounding_mode="floor")
-    return select_from_block_scores(
-        block_scores, query_blocks, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks
-    )
+    return _select_from_scores(block_scores, query_blocks, topk, local_blocks, init_blocks)
