@@ -118,9 +118,19 @@ def host_version(package: str = HOST_PACKAGE) -> tuple[bool, str | None]:
 
 _lock = threading.RLock()
 _active: ActivationReport | None = None
-_last: dict[str, ActivationReport] = {}
+_last: dict[tuple[str, tuple[bool, str | None]], ActivationReport] = {}  # by _decision_key
 _in_progress: ActivationReport | None = None  # re-entry guard: install() may import tensorrt_llm
 _logged = False
+
+
+def _decision_key(mode: str) -> tuple[str, tuple[bool, str | None]]:
+    """A decision holds for its mode and force switch: the config key may export
+    `M3_EAGLE_PLUGIN_FORCE` after this process decided, and processes it spawns decide with it."""
+    return mode, read_switch(FORCE_ENV)
+
+
+def _unknown_version(package: str) -> str:
+    return f"{package} is importable but its version is unknown (no dist-info)"
 
 
 def fingerprint(patches: list[str]) -> str:
@@ -192,7 +202,7 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
     if not installed:
         raise ActivationError(f"{manifest.host.package} is not installed (pip install {manifest.host.package})")
     if version is None:
-        raise ActivationError(f"{manifest.host.package} is importable but its version is unknown (no dist-info)")
+        raise ActivationError(_unknown_version(manifest.host.package))
     refusal = _verdict_refusal(mode, verdict, manifest, force)
     if refusal is not None:
         raise ActivationError(refusal)
@@ -226,6 +236,8 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
         host_ready.call_historic(kwargs={"host": manifest.host.package, "report": report})
     except BaseException:  # e.g. another plugin's host_ready hook: leave the host as it was found
         adapter.uninstall()
+        report.patches, report.fingerprint, report.host_report = [], "", {}
+        report.components.pop("registered_models", None)
         # pluggy records a historic call before running it and replays it to every plugin
         # registered later: the host is not ready after all, so that call must not stay recorded.
         if history is not None:
@@ -235,17 +247,18 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
 
 def activate(mode: str | None = None) -> ActivationReport:
     """Activate on TensorRT-LLM according to `mode` (default `$M3_EAGLE_PLUGIN`); see the module doc."""
-    global _active, _in_progress
+    global _active, _in_progress, _logged
     resolved = resolve_mode(mode)
+    key = _decision_key(resolved)
     with _lock:
         if _active is not None:
             return _active
         if _in_progress is not None:  # same thread, from inside install(): the outer call decides
             return _in_progress
         if resolved == "off":
-            return _last.setdefault("off", ActivationReport(mode="off", reason=f"{MODE_ENV} is off"))
-        if resolved in _last:
-            return _last[resolved]
+            return _last.setdefault(key, ActivationReport(mode="off", reason=f"{MODE_ENV} is off"))
+        if key in _last:
+            return _last[key]
         report = ActivationReport(mode=resolved)
         _in_progress = report
         try:
@@ -259,7 +272,7 @@ def activate(mode: str | None = None) -> ActivationReport:
                     raise
                 raise ActivationError(f"activation failed: {report.reason}") from exc
             _log_once(f"not activated (auto): {report.reason}; TensorRT-LLM left untouched", warning=True)
-            _last[resolved] = report
+            _last[key] = report
             return report
         finally:
             _in_progress = None
@@ -269,6 +282,7 @@ def activate(mode: str | None = None) -> ActivationReport:
             from m3_eagle_plugin.manifest import UNTESTED  # loaded by _evaluate already
 
             _active = report
+            _logged = False  # a refusal logged before (e.g. before the config key set FORCE) no longer holds
             _log_once(
                 f"activated m3-eagle-plugin {__version__} ({resolved}) on {report.host} {report.host_version} "
                 f"[{report.verdict}]: model={report.components.get('model_classes')}, "
@@ -277,7 +291,7 @@ def activate(mode: str | None = None) -> ActivationReport:
             )
         else:
             _log_once(f"not activated ({resolved}): {report.reason}")
-        _last[resolved] = report
+        _last[key] = report
         return report
 
 
@@ -296,6 +310,8 @@ def status() -> ActivationReport:
         if not installed:
             report.reason = f"{manifest.host.package} is not installed"
             report.ok = mode != "require"  # activating would raise (`activate`)
+        elif version is None and mode != "off":  # activating refuses it in auto and require
+            report.ok, report.reason = False, _unknown_version(manifest.host.package)
         from m3_eagle_plugin.registry import get_plugin_manager
 
         manager = get_plugin_manager()
@@ -311,7 +327,7 @@ def status() -> ActivationReport:
     except Exception as exc:  # noqa: BLE001 - status reports, it does not fail
         report.ok = False
         report.reason = f"{report.reason}; {type(exc).__name__}: {exc}" if report.reason else f"{type(exc).__name__}: {exc}"
-    last = _last.get(mode)
+    last = _last.get(_decision_key(mode))
     if last is not None and not last.ok:
         report.ok, report.reason = False, last.reason
     return report

@@ -137,6 +137,8 @@ class M3PluginManager(pluggy.PluginManager):
                 if dist is not None:
                     self.distributions[ep.name] = f"{dist} {ep_dist.version}"
             except Exception as exc:  # a broken plugin must not take the others down
+                if self.get_plugin(ep.name) is not None:  # pluggy < 1.7 keeps the hookimpls it took before failing
+                    self.unregister(name=ep.name)
                 failure = PluginLoadError(ep.name, ep.value, dist, f"{type(exc).__name__}: {exc}")
                 self.load_errors.append(failure)
                 get_logger().warning(str(failure))
@@ -181,8 +183,9 @@ class M3PluginManager(pluggy.PluginManager):
         """Architecture -> "module:qualname", merged over all plugins; conflicting claims raise."""
         merged: dict[str, str] = {}
         owner: dict[str, str] = {}
+        kwargs = {"host": host}
         for impl in reversed(self.hook.m3_eagle_model_classes.get_hookimpls()):
-            result = impl.function(host=host)
+            result = impl.function(*(kwargs[name] for name in impl.argnames))  # as pluggy calls it
             if result is None:
                 continue
             if not isinstance(result, dict):

@@ -134,6 +134,25 @@ def test_a_failure_after_install_takes_the_patches_out(active_env, hermetic_mana
     assert not m3_eagle_plugin.status().activated
 
 
+def test_a_rolled_back_report_lists_nothing_of_the_undone_install(active_env, hermetic_manager, monkeypatch):
+    """After the rollback the adapter has nothing installed: the report must not list the patches,
+    fingerprint, adapter report or registered models of the install that was undone."""
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    import m3_eagle_plugin.host.trtllm as adapter
+
+    def install():
+        installs.append(1)
+        return {"patches": ["fake-a"], "models": {"MiniMaxM3SparseForCausalLM": "fake.model:M3"}}
+
+    monkeypatch.setattr(adapter, "install", install)
+    hermetic_manager.register(_broken_host_ready_plugin(), name="broken")
+    report = m3_eagle_plugin.activate("auto")
+    assert installs == [1, -1]  # installed, then uninstalled
+    assert (report.patches, report.fingerprint, report.host_report) == ([], "", {})
+    assert "registered_models" not in report.components
+
+
 def test_a_failed_host_ready_is_not_replayed_to_later_plugins(active_env, hermetic_manager):
     """pluggy records a historic call before running it and replays it to every plugin registered
     later; after the failure above the host is left untouched, so no late plugin may hear it is ready."""
@@ -184,6 +203,18 @@ def test_force_overrides_defer(active_env, monkeypatch):
     monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "1")
     report = m3_eagle_plugin.activate("auto")
     assert report.activated and "overridden" in report.reason and installs == [1]
+
+
+def test_force_set_after_a_defer_decision_activates(active_env, monkeypatch, log_lines):
+    """The config key may export the force switch after this process deferred; processes started
+    afterwards activate with it, so this one must too, and say so in a line of its own."""
+    make_host, installs = active_env
+    make_host("1.4.0rc1")
+    assert m3_eagle_plugin.activate("auto").verdict == "defer" and installs == []
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "1")
+    report = m3_eagle_plugin.activate("auto")
+    assert report.activated and "overridden" in report.reason and installs == [1]
+    assert len(log_lines) == 2 and "defer" in log_lines[0] and log_lines[1].startswith("activated")
 
 
 def test_unsupported_host_auto_logs_one_line_require_raises(active_env, log_lines):

@@ -107,6 +107,28 @@ def test_host_yaml_is_stripped_and_activates(fake_host, hermetic_manager, fake_i
     assert sys.modules["tensorrt_llm.llmapi.llm_utils"].update_llm_args_with_extra_dict is serve.update_llm_args_with_extra_dict
 
 
+def test_force_from_the_key_after_a_defer_decision_activates_the_driver_too(fake_host, hermetic_manager,
+                                                                          fake_install, tmp_path, monkeypatch):
+    """The driver decided "defer" at the first `tensorrt_llm` import; the key then exports
+    M3_EAGLE_PLUGIN_FORCE=1, with which every process started afterwards activates (README: the
+    force switch overrides defer). The driver must not keep its cached "defer"."""
+    from m3_eagle_plugin import activation
+
+    fake_host("1.4.0rc1")  # the manifest defers to the host's own one-model path
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    import tensorrt_llm.commands.serve as serve
+
+    deferred = activation.activate()
+    assert deferred.verdict == "defer" and not deferred.activated and fake_install == []
+    install_host_hook()
+    config = tmp_path / "extra.yaml"
+    config.write_text("max_batch_size: 8\nm3_eagle_plugin: {mode: auto, force: true}\n")
+    assert serve.load_args(config) == {"model": "m", "max_batch_size": 8}
+    assert os.environ["M3_EAGLE_PLUGIN_FORCE"] == "1"
+    driver = activation.status()
+    assert driver.activated and "overridden" in driver.reason and fake_install == [1]
+
+
 def test_unknown_fields_of_mixed_key_types_are_a_config_error():
     # YAML reads a bare `on:` / `1:` key as a bool / int: the message must still name the fields, not
     # fail with a TypeError from sorting str against bool.

@@ -63,6 +63,32 @@ def test_doctor_without_host_fails_only_where_activating_would_raise(clean_state
             activate()
 
 
+@pytest.mark.parametrize("mode", ["auto", "require"])
+def test_doctor_on_a_host_without_a_version_fails_as_activating_does(clean_state, hermetic_manager, fake_install,
+                                                                    capsys, monkeypatch, tmp_path, mode):
+    """A `tensorrt_llm` importable without dist-info (a source checkout on the path): activating
+    refuses it in auto and require, so the doctor must not pass it."""
+    from m3_eagle_plugin import activate
+    from m3_eagle_plugin.activation import ActivationError
+
+    (tmp_path / "tensorrt_llm").mkdir()
+    (tmp_path / "tensorrt_llm" / "__init__.py").write_text("__version__ = '1.3.0rc24'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", mode)
+    assert cli.main(["doctor", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    if mode == "require":
+        with pytest.raises(ActivationError) as refused:
+            activate()
+        reason = str(refused.value)
+    else:
+        decided = activate()
+        assert not decided.ok
+        reason = decided.reason
+    assert data["host_found"] is True and data["ok"] is False and data["reason"] == reason
+    assert fake_install == []
+
+
 def test_a_bad_kernel_setting_fails_the_doctor(clean_state, capsys, monkeypatch):
     monkeypatch.setenv("M3_EAGLE_KERNELS", "bogus")
     assert cli.main(["doctor", "--json"]) == 1

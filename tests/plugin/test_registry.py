@@ -119,6 +119,20 @@ def test_model_class_conflict_is_detected(manager):
         manager.model_classes("reference")
 
 
+def test_a_hookimpl_taking_a_subset_of_the_spec_arguments_is_called_as_pluggy_calls_it(manager):
+    """pluggy accepts hookimpls that declare only some of the spec's arguments."""
+    class NoHostArgument:
+        @hookimpl
+        def m3_eagle_model_classes(self):
+            return {"MyArch": "pkg.mod:MyModel"}
+
+    manager.register(NoHostArgument(), name="no-host")
+    expected = {}
+    for claims in manager.hook.m3_eagle_model_classes(host="reference"):  # pluggy's own call
+        expected.update(claims)
+    assert manager.model_classes("reference") == expected and "MyArch" in expected
+
+
 def test_historic_host_ready_reaches_late_plugins(manager):
     early = ReadyRecorder()
     manager.register(early, name="early")
@@ -180,6 +194,43 @@ def test_an_entry_point_with_an_unknown_hook_is_a_load_error_not_a_broken_manage
     manager.check_pending()  # nothing unknown left behind
     with pytest.raises(PluginError, match="future"):
         manager.load_entrypoints(entry_points=eps[:1], strict=True)
+
+
+def _hijacking_plugin():
+    class Hijack:
+        @hookimpl
+        def m3_eagle_kv_cache_manager(self, host, sparse_config):
+            return "hijack:Manager"
+
+    return Hijack()
+
+
+@pytest.mark.parametrize("how", ["invalid-hookimpl", "half-registered"])
+def test_a_plugin_failing_validation_answers_no_hook(manager, monkeypatch, how):
+    """A plugin with one valid and one invalid hookimpl: pluggy < 1.7 (the project allows >= 1.3)
+    raises PluginValidationError with the hookimpls before the invalid one registered; the
+    "half-registered" case makes today's pluggy do the same."""
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    probe = {"algorithm": "minimax_m3"}
+    expected = make_plugin_manager().hook.m3_eagle_kv_cache_manager(host="tensorrt_llm", sparse_config=probe)
+    plugin = _hijacking_plugin()
+    if how == "invalid-hookimpl":
+        def m3_eagle_model_classes(host, not_in_spec):
+            return {}
+
+        plugin.m3_eagle_model_classes = hookimpl(m3_eagle_model_classes)
+    else:
+        register = manager.register
+
+        def half_register(plugin, name=None):
+            register(plugin, name)
+            raise pluggy.PluginValidationError(plugin, "hookimpl m3_eagle_model_classes(host, not_in_spec)")
+
+        monkeypatch.setattr(manager, "register", half_register)
+    assert manager.load_entrypoints(entry_points=[_FakeEntryPoint("hijack", "hijack:plugin", lambda: plugin)]) == []
+    assert [e.name for e in manager.load_errors] == ["hijack"]
+    assert manager.get_plugin("hijack") is None and not manager.is_registered(plugin)
+    assert manager.hook.m3_eagle_kv_cache_manager(host="tensorrt_llm", sparse_config=probe) == expected
 
 
 def test_broken_entry_point_is_fatal_when_strict(manager):

@@ -3,6 +3,7 @@ host's fields, and the publish guards, each against values written out from the 
 (token t of a row sits at position kv_len - qo_len + t) or from the host objects themselves."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -14,7 +15,17 @@ from hypothesis import strategies as st
 from .conftest import _activate, _deactivate
 from .fakehost import CURRENT
 from .test_cache_manager import _classes, _make, _spec
+from .test_contract import _signature_files
 from .test_msa_backend import _backend, _metadata
+
+
+def _host_sparse_metadata_params(**values):
+    """The host's MiniMaxM3SparseMetadataParams with the fields its source declares (common.py in the
+    recorded host signatures), unset ones None: a field name the host lacks is a TypeError."""
+    cls = next(c for f in _signature_files() for c in f.get("classes", ())
+               if c["name"] == "MiniMaxM3SparseMetadataParams")
+    fields = [(f["name"], object, None) for f in cls["fields"]]
+    return dataclasses.make_dataclass(cls["name"], fields, frozen=True)(**values)
 
 
 def naive_step_fields(tables, page, qo, kv):
@@ -84,15 +95,28 @@ def test_step_metadata_is_sized_from_the_host_fields(current_host):
     spec = _spec()
     manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64, spec_config=spec)
     meta = backend.Metadata(max_num_requests=2, max_num_sequences=3, max_num_tokens=16, kv_cache_manager=manager,
-                            sparse_metadata_params=SimpleNamespace(sparse_num_index_heads=4))
+                            sparse_metadata_params=SimpleNamespace(num_index_heads=4))
     step = meta.m3_eagle_step
     assert step.max_num_requests == 3 and step.max_draft_len == spec.max_draft_len
     assert step.block_size == 4 and step.max_blocks_per_seq == 16  # 64 tokens / 4 a page
     assert tuple(step.proxy_scores.shape) == (4, 3 * (1 + spec.max_draft_len), 16)
     assert meta.msa_n_valid_blocks.numel() == 3 * (1 + spec.max_draft_len)
     plain = backend.Metadata(max_num_requests=2, max_num_tokens=16, kv_cache_manager=manager,
-                             sparse_metadata_params=SimpleNamespace(sparse_num_index_heads=None))
+                             sparse_metadata_params=SimpleNamespace(num_index_heads=None))
     assert plain.m3_eagle_step.max_num_requests == 2 and plain.m3_eagle_step.num_index_heads == 1
+
+
+def test_index_heads_are_read_from_the_hosts_sparse_metadata_params(current_host):
+    """`sparse_num_index_heads` is the YAML config's field; the metadata carries the host's
+    MiniMaxM3SparseMetadataParams, whose field is `num_index_heads`."""
+    backend = _backend()
+    plugin, _ = _classes()
+    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64, spec_config=_spec())
+    params = _host_sparse_metadata_params(global_num_q_heads=64, global_num_kv_heads=4, num_index_heads=3, topk=16)
+    meta = backend.Metadata(max_num_requests=2, max_num_tokens=16, kv_cache_manager=manager,
+                            sparse_metadata_params=params)
+    assert meta.m3_eagle_step.num_index_heads == 3
+    assert meta.m3_eagle_step.proxy_scores.shape[0] == 3
 
 
 @pytest.mark.parametrize("own,manager_len,spec_len,expect", [

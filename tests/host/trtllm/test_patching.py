@@ -95,6 +95,33 @@ def test_rebind_of_a_different_object_is_refused(host):
     assert all(snapshot()[k] is before[k] for k in before)
 
 
+_KV_REBINDS = ("sparse_pkg_kv_manager_binding", "attention_pkg_kv_manager_binding", "util_kv_manager_binding")
+
+
+@pytest.mark.parametrize("first_rebinds,second_target", [
+    (_KV_REBINDS, "sparse_kv_manager_dispatch"),  # the very same symbol
+    (_KV_REBINDS, "util_kv_manager_binding"),     # a re-export the first patch rebinds
+    ((), "util_kv_manager_binding"),              # a re-export the first patch leaves alone
+], ids=["same-symbol", "rebound-re-export", "other-re-export"])
+def test_two_patches_of_one_host_function_are_refused_before_anything_is_bound(host, first_rebinds, second_target):
+    """Two plugins (m3_eagle_host_patches) wrapping one host function: the second wrapper would
+    replace the first where it is bound while the other names keep the first."""
+    first = Patch("plugin-a", symbol("sparse_kv_manager_dispatch"), _tagging,
+                  tuple(symbol(key) for key in first_rebinds))
+    second = Patch("plugin-b", symbol(second_target), _tagging)
+    before = snapshot()
+    engine = PatchEngine()
+    with pytest.raises(HostPatchError) as err:
+        engine.apply([first, second])
+    message = str(err.value)
+    assert "'plugin-a'" in message and "'plugin-b'" in message
+    assert symbol(second_target).attribute in message and "nothing was patched" in message
+    assert all(snapshot()[k] is before[k] for k in before)
+    assert not engine.applied and engine.report()["error"] == message
+    engine.apply([first])  # either one alone is fine
+    engine.revert()
+
+
 def test_apply_is_idempotent_and_refuses_a_second_engine(host):
     engine = PatchEngine()
     first = engine.apply(builtin_patches())

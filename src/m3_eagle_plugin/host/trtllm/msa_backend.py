@@ -57,7 +57,7 @@ class M3EagleMsaMetadata(HostMsaMetadata):
             block_size=int(manager.tokens_per_block),
             device=device,
             max_draft_len=self._max_draft_len(),
-            num_index_heads=_int(getattr(params, "sparse_num_index_heads", None), 1),
+            num_index_heads=_int(getattr(params, "num_index_heads", None), 1),
         )
 
     def _msa_max_decode_tokens(self) -> int:

@@ -259,7 +259,8 @@ class PatchEngine:
 
     def _plan(self, patches: Iterable[Patch]) -> list[_Binding]:
         plan: list[_Binding] = []
-        seen: set[tuple[int, str]] = set()
+        seen: dict[tuple[int, str], str] = {}  # (id(owner), name) -> id of the patch binding it
+        wrapped: dict[int, str] = {}  # id(original) -> id of the patch wrapping it
         for patch in patches:
             try:
                 _, owner = resolve_owner(patch.target)
@@ -267,6 +268,11 @@ class PatchEngine:
                 raise HostPatchError(f"patch {patch.id!r}: {exc}") from None
             name = patch.target.name
             original, had_own = _owner_value(owner, name)
+            first = seen.get((id(owner), name), wrapped.get(id(original)))
+            if first is not None:  # its wrapper would replace the first where defined, re-exports keep the first
+                raise HostPatchError(
+                    f"patch {patch.id!r}: {patch.target.attribute} is already wrapped by patch {first!r} of the "
+                    "same set; a host function takes one wrapper; nothing was patched")
             if getattr(original, PATCH_MARK, None) is not None:
                 raise HostPatchError(
                     f"patch {patch.id!r}: {patch.target.attribute} is already wrapped by patch "
@@ -281,7 +287,8 @@ class PatchEngine:
             except Exception as exc:
                 raise HostPatchError(f"patch {patch.id!r}: building the wrapper failed: {exc}") from exc
             plan.append(_Binding(patch.id, owner, name, original, replacement, had_own))
-            seen.add((id(owner), name))
+            seen[(id(owner), name)] = patch.id
+            wrapped[id(original)] = patch.id
             for rebind in patch.rebinds:
                 try:
                     _, rowner = resolve_owner(rebind)
@@ -296,5 +303,5 @@ class PatchEngine:
                         f"is not the original {patch.target.attribute} (found {bound!r}); refusing to "
                         "patch a host whose bindings differ")
                 plan.append(_Binding(patch.id, rowner, rebind.name, original, replacement, True))
-                seen.add((id(rowner), rebind.name))
+                seen[(id(rowner), rebind.name)] = patch.id
         return plan
