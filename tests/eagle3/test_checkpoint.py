@@ -179,6 +179,10 @@ def test_parse_draft_config_reads_the_tiny_draft():
     (lambda r: r.update(norm_output="yes"), "d.json: norm_output: expected true or false, got str 'yes'"),
     (lambda r: r.update(rope_scaling={"type": "yarn"}),
      "d.json: rope_scaling.type: unsupported draft rope type 'yarn' (only 'default')"),
+    # transformers lets a non-empty legacy rope_scaling replace rope_parameters (so does the target's
+    # parser); the draft read rope_parameters first and ran unscaled RoPE.
+    (lambda r: r.update(rope_parameters={"rope_type": "default"}, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+     "d.json: rope_scaling.rope_type: unsupported draft rope type 'linear' (only 'default')"),
     (lambda r: r["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[4]),
      "d.json: eagle_config.eagle_aux_hidden_state_layer_ids: 1 aux layer id(s); Eagle3 needs at least 2"),
     (lambda r: r.update(hidden_act="gelu"),

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from m3_eagle_plugin.eagle3.head import Eagle3Config, Eagle3Head
-from m3_eagle_plugin.models.config import ConfigError, ConfigFields, read_json_object
+from m3_eagle_plugin.models.config import ConfigError, ConfigFields, read_json_object, rope_section
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.models.rope import RotaryEmbedding
 from m3_eagle_plugin.models.safetensors_source import CheckpointError, SafetensorsSource, check_names, check_shape
@@ -63,8 +63,7 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
     draft_vocab = top.get_int("draft_vocab_size", vocab, minimum=1)
     if draft_vocab > vocab:
         raise top.error("draft_vocab_size", f"{draft_vocab} exceeds vocab_size {vocab}")
-    rope_key = "rope_parameters" if top.has("rope_parameters") else "rope_scaling"
-    rope = top.get_section(rope_key) or ConfigFields({}, source, rope_key)
+    rope = rope_section(top)  # as for the target, and as transformers reads it
     type_key = "rope_type" if rope.has("rope_type") else "type"
     rope_type = rope.need(type_key, "default")
     if rope_type != "default":

@@ -144,7 +144,7 @@ def _common(t: ConfigFields) -> dict[str, Any]:
     )
 
 
-def _rope_section(t: ConfigFields) -> ConfigFields:
+def rope_section(t: ConfigFields) -> ConfigFields:
     """The RoPE dict transformers reads: a non-empty legacy `rope_scaling` replaces `rope_parameters`."""
     legacy = t.get_section("rope_scaling")
     if legacy is not None and legacy.raw:
@@ -153,7 +153,7 @@ def _rope_section(t: ConfigFields) -> ConfigFields:
 
 
 def _rope(t: ConfigFields, head_dim: int, use_rotary_dim: bool) -> tuple[int, float]:
-    params = _rope_section(t)
+    params = rope_section(t)
     rope_type = params.need("rope_type", params.need("type", "default"))  # "type": the legacy key, same meaning
     if rope_type != "default":
         raise params.error("rope_type", f"{show_value(rope_type)} is not supported (only 'default')")
