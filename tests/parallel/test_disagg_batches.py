@@ -52,3 +52,19 @@ def test_context_phase_refuses_a_bad_first_index(tiny_pair, first_index):
     with pytest.raises(ValueError, match="first_index"):
         run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW, first_index=first_index)
     assert not engine.cache.allocator.request_ids
+
+
+def test_context_phase_admits_more_prompts_than_batch_slots(tiny_pair):
+    """Three prompts, two batch slots: the prefilled requests (decoding, waiting to be handed off)
+    must not hold slots the third prompt needs (it used to fail as "could not be prefilled (KV
+    budget)" with the budget covering every prompt). Each continues to transformers' greedy output."""
+    prompts = DISAGG_PROMPTS + [[5, 6, 7, 8, 9]]
+    context = _engine(tiny_pair, prompts)
+    assert context.scheduler.max_batch_size == 2 < len(prompts)
+    handoffs = [export_handoff(context, r) for r in run_context_phase(context, prompts, DISAGG_NEW)]
+    assert [len(h.output) for h in handoffs] == [1, 1, 1]
+    assert context.cache.num_free_blocks == context.cache.num_blocks
+    generation = _engine(tiny_pair, prompts)
+    result = continue_generation(generation, [import_handoff(generation, h) for h in handoffs])
+    assert result.errors == [None] * 3
+    assert result.outputs == _transformers_greedy(tiny_pair[0], prompts)

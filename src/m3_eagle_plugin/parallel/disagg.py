@@ -98,7 +98,10 @@ def run_context_phase(engine: Engine, prompts: Sequence[Sequence[int]], max_new_
         for i, prompt in enumerate(prompts):  # registering can fail midway (an id still held)
             requests.append(engine.make_request(first_index + i, prompt, max_new_tokens))
         while True:
-            rows = [r for r in engine.scheduler.schedule(requests) if r.kind is RowKind.CONTEXT]
+            # prefilled requests (decoding, waiting to be handed off) would take verify rows, hence
+            # batch slots and step tokens the prompts still waiting need; they never verify here
+            pending = [r for r in requests if r.state is not RequestState.DECODE]
+            rows = [r for r in engine.scheduler.schedule(pending) if r.kind is RowKind.CONTEXT]
             if not rows:
                 break
             _step(engine, rows, requests, step_id)

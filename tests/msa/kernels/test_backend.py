@@ -209,6 +209,28 @@ def test_auto_runs_the_torch_reference_where_a_kernel_is_too_large(monkeypatch, 
     assert len(warned) == 1 and "stand-in" in str(warned[0])  # one refusal, said once however often it falls back
 
 
+def test_auto_runs_the_torch_reference_where_the_attention_grid_is_past_cudas_limit(monkeypatch):
+    """The real refusal, not a stand-in: a grid with more than 65535 programs on z (here a token's
+    splits, 3 tokens a request x 32768) is refused before launch, and `auto` runs the reference;
+    a forced `triton` says why."""
+    from m3_eagle_plugin.msa.kernels import backend, sparse_verify
+
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    monkeypatch.setattr(backend, "_FELL_BACK", set())
+    monkeypatch.setattr(backend, "get_logger", lambda: type("L", (), {"warning": lambda *a: None})())
+    monkeypatch.setattr(sparse_verify, "token_splits", lambda *a, **k: 1 << 15)  # stands in for a 64K-token step
+    monkeypatch.setattr(sparse_verify, "launch", lambda *a, **k: pytest.fail("launched a grid CUDA refuses"))
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    geo, step, meta = _cpu_step()
+    cache, q = step["cache"], step["q"]
+    sel = ref_select(step["index_q"], cache.index_k, meta, topk=geo.topk)[: geo.kv_heads]
+    assert torch.equal(backend.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.25),
+                       ref_sparse(q, cache.k, cache.v, meta, sel, scale=0.25))
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "triton")
+    with pytest.raises(KernelTooLargeError, match="3 tokens a request x 32768 splits"):
+        backend.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.25)
+
+
 def test_fp8_scales_on_a_shape_the_kernels_skip_say_why(monkeypatch):
     from m3_eagle_plugin.msa.kernels import backend
 

@@ -86,13 +86,61 @@ def check_fused_topk_union_matches_its_own_selection(device, *, seed=0):
     assert (sel[:, 10:].cpu() == -1).all()
 
 
+def check_unhinted_grids_reach_a_request_holding_every_token(device, *, seed=0):
+    """No `max_qo_len` hint and a request with no token this step (`MsaDecodeMetadata` takes qo_len 0
+    with kv_len > 0): request 1 holds all 5 tokens, more than the former bound T - R + 1 = 4. The
+    top-k (hand-off on) and the per-token attention must still cover its last token: selection and
+    output as the torch references', the score board back to the sentinel."""
+    import types
+
+    from m3_eagle_plugin.bench import torch_reference as ref
+    from m3_eagle_plugin.msa.kernels import handoff
+    from m3_eagle_plugin.msa.kernels.index_select import select_blocks_verify
+    from m3_eagle_plugin.msa.kernels.sparse_verify import sparse_verify_attention
+
+    block, dim, tokens = 16, 16, 5
+    positions = torch.arange(48 - tokens, 48, dtype=torch.int32)
+    meta = types.SimpleNamespace(  # no max_qo_len field: the kernels take the worst case
+        block_tables=torch.tensor([[0, -1, -1], [1, 2, 3]], dtype=torch.int32, device=device),
+        kv_lens=torch.tensor([16, 48], dtype=torch.int32, device=device),
+        cu_qo_lens=torch.tensor([0, 0, tokens], dtype=torch.int32, device=device),
+        positions=positions.to(device), valid_blocks=(positions // block + 1).to(device), block_size=block)
+    gen = torch.Generator().manual_seed(seed)
+    index_q, index_k = torch.randn(tokens, 1, dim, generator=gen), torch.randn(4, block, dim, generator=gen)
+    q = torch.randn(tokens, 2, dim, generator=gen)
+    k_cache, v_cache = torch.randn(4, 1, block, dim, generator=gen), torch.randn(4, 1, block, dim, generator=gen)
+    index_q, index_k, q, k_cache, v_cache = (t.to(device) for t in (index_q, index_k, q, k_cache, v_cache))
+    handoff.reset_board(device)
+    sel = select_blocks_verify(index_q, index_k, meta, topk=2, handoff=True)
+    assert torch.equal(sel.cpu(), ref.select_blocks(index_q, index_k, meta, topk=2).cpu())
+    board = handoff._BOARDS[torch.device(device)]
+    assert (board == handoff.SENTINEL).all(), "score-board entries left without the sentinel"
+    out = sparse_verify_attention(q, k_cache, v_cache, meta, sel, scale=0.25, splits=1, layout="token")
+    assert torch.allclose(out, ref.sparse_attention(q, k_cache, v_cache, meta, sel, scale=0.25), atol=1e-5)
+
+
 #: The interpreter's share (CI has two cores): chunks of 4 (two a request for q_len 6) and of 1,
-#: a top-k of 1, and the fused top-k's writer.
+#: a top-k of 1, the fused top-k's writer, and grids sized without a hint for a 0-token request.
 INTERPRETER_CASES = [
     (check_union_from_selection_matches_sets, dict()),
     (check_union_from_selection_matches_sets, dict(qo_lens=(2, 5), kv_lens=(40, 33), chunk=1, topk=1, seed=1)),
     (check_fused_topk_union_matches_its_own_selection, dict()),
+    (check_unhinted_grids_reach_a_request_holding_every_token, dict()),
 ]
+
+
+@pytest.mark.parametrize("tokens,requests,chunk,hint,want", [
+    (5, 2, 1, None, 5),    # request 0 has no token: request 1 may hold all 5 (the former bound gave 4)
+    (17, 2, 4, None, 5),   # ceil(17 / 4)
+    (1, 64, 1, None, 1),   # fewer tokens than requests: still one chunk
+    (0, 3, 1, None, 1),
+    (5, 2, 1, 3, 3),       # a hint sizes it alone
+    (17, 2, 4, 6, 2),
+])
+def test_chunk_count_bounds_every_request(tokens, requests, chunk, hint, want):
+    from m3_eagle_plugin.msa.kernels.block_union import chunk_count
+
+    assert chunk_count(tokens, requests, chunk, hint) == want
 
 
 @needs_gpu
@@ -145,3 +193,16 @@ def test_property_union_from_selection(reqs, chunk, topk, seed):
     nch = chunk_count(sum(qo_lens), len(qo_lens), chunk, max(qo_lens))
     union = union_from_selection(sel, meta.cu_qo_lens, meta.block_tables, chunk=chunk, num_chunks=nch)
     assert union_as_dict(union, meta.block_tables) == expected_union(sel, meta, chunk, nch)
+
+
+def test_union_grid_past_cudas_z_limit_is_refused_before_launch(monkeypatch):
+    """One program per (request, KV head, token chunk): 65536 chunks are past CUDA's 65535 on the
+    z axis (`cuLaunchKernel`: "invalid argument"); refused as too large before any allocation or launch."""
+    from m3_eagle_plugin.msa.kernels import KernelTooLargeError, block_union
+
+    monkeypatch.setattr(block_union, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(block_union, "allocate_union", lambda *a, **k: pytest.fail("allocated"))
+    sel = torch.zeros((1, 1, 2), dtype=torch.int32)
+    with pytest.raises(KernelTooLargeError, match=r"block union: its grid \(1, 1, 65536\)"):
+        block_union.union_from_selection(sel, torch.tensor([0, 1], dtype=torch.int32),
+                                         torch.zeros((1, 1), dtype=torch.int32), chunk=1, num_chunks=65536)

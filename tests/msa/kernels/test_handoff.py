@@ -101,6 +101,20 @@ def test_sentinel_is_no_float_arithmetic_result():
     assert (made.view(torch.int32) != SENTINEL).all()
 
 
+def test_sentinel_is_the_negative_signalling_nan_its_comment_names():
+    """The bits by hand: sign set, exponent all ones, quiet bit (22) clear, a mantissa (a NaN, not
+    an infinity); and the hex the module's comment gives (it once named another pattern)."""
+    import inspect
+    import re
+
+    from m3_eagle_plugin.msa.kernels import handoff
+
+    bits = handoff.SENTINEL & 0xFFFFFFFF
+    assert bits >> 31 == 1 and (bits >> 23) & 0xFF == 0xFF and not bits & (1 << 22) and bits & 0x7FFFFF
+    named = re.search(r"signalling NaN \((0x[0-9A-Fa-f]{8})\)", inspect.getsource(handoff))
+    assert named and int(named.group(1), 16) == bits, (named and named.group(1), hex(bits))
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

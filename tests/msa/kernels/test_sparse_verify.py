@@ -215,3 +215,43 @@ def test_bad_options_are_refused(kw, match):
     sel = _random_selection(meta, SMALL.kv_heads, SMALL.topk, SMALL.block, 4)
     with pytest.raises(KernelInputError, match=match):
         _run(q, cache, meta, sel, scale=0.2, **kw)
+
+
+def _one_request_step(tokens, *, hint=True, q_heads=2, dim=16, block=16):
+    """A CPU step of one request with `tokens` query tokens at the end of its context; every token
+    selects page 0 only (the grid checks run before any kernel, so the values do not matter)."""
+    import types
+
+    pages = -(-tokens // block)
+    meta = types.SimpleNamespace(
+        block_tables=torch.arange(pages, dtype=torch.int32).view(1, pages),
+        kv_lens=torch.tensor([tokens], dtype=torch.int32), cu_qo_lens=torch.tensor([0, tokens], dtype=torch.int32),
+        positions=torch.arange(tokens, dtype=torch.int32), block_size=block, **({"max_qo_len": tokens} if hint else {}))
+    q = torch.zeros(tokens, q_heads, dim)
+    kc = torch.zeros(pages, 1, block, dim)
+    sel = torch.full((1, tokens, 2), -1, dtype=torch.int32)
+    sel[..., 0] = 0
+    return q, kc, meta, sel
+
+
+@pytest.mark.parametrize("tokens,hint,kw,programs", [
+    (65536, True, {}, "65536 tokens a request x 1 splits"),                # a 64K-token prefill chunk
+    (65536, False, {}, "65536 tokens a request x 1 splits; without max_qo_len"),
+    (4, True, {"splits": 20000}, "4 tokens a request x 20000 splits"),
+    (8192, True, {"layout": "union", "splits": 200}, "512 chunks of 16 tokens a request x 200 splits"),
+])
+def test_a_grid_past_cudas_z_limit_is_refused_before_launch(monkeypatch, tokens, hint, kw, programs):
+    """CUDA launches at most 65535 programs on a grid's y and z axes (past it `cuLaunchKernel` only
+    says "invalid argument"); the attention's z is a request's tokens (or token chunks) x splits.
+    Refused as too large, naming the count, before anything is launched (`auto` then runs the
+    torch reference: tests/msa/kernels/test_backend.py)."""
+    from m3_eagle_plugin.msa.kernels import KernelTooLargeError
+    from m3_eagle_plugin.msa.kernels import block_union, sparse_verify
+
+    launched = []
+    for module in (sparse_verify, block_union):
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, *a, **k: launched.append(grid))
+    q, kc, meta, sel = _one_request_step(tokens, hint=hint)
+    with pytest.raises(KernelTooLargeError, match=r"\(1, 1, \d+\) \(requests, KV heads, " + programs.replace("(", r"\(")):
+        sparse_verify.sparse_verify_attention(q, kc, kc, meta, sel, scale=0.25, **kw)
+    assert not launched

@@ -43,3 +43,29 @@ def test_both_or_neither_still_write(monkeypatch):
         page, off = divmod(slot, 8)
         assert torch.equal(k_cache[page, :, off], k[t]) and torch.equal(v_cache[page, :, off], v[t])
         assert torch.equal(index_k_cache[page, off], index_k[t])
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("index_k rows", r"slots must be \[T=2\]"),        # 2 index-K rows for 3 slots
+    ("index_k dim", r"index_k must be \[T, Di=16\]"),
+    ("index cache pages", "slot 17 is past the cache's 16 slots"),  # fits K/V (3 pages), not index-K (2 pages)
+])
+def test_a_bad_index_k_is_refused_before_k_and_v_are_written(monkeypatch, bad, match):
+    """All or nothing, as `msa.cache_write` and the fused writer: the torch path used to write K/V,
+    then refuse the index-K."""
+    from m3_eagle_plugin.msa.blocks import MsaInputError
+
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "torch")
+    k_cache, v_cache, index_k_cache, slots, k, v, index_k = _inputs()
+    if bad == "index_k rows":
+        index_k = index_k[:2]
+    elif bad == "index_k dim":
+        index_k = torch.ones(3, 8)
+    else:
+        index_k_cache = index_k_cache[:2]
+        slots = torch.tensor([0, 9, 17])  # page 2 exists in K/V only
+    before = [t.clone() for t in (k_cache, v_cache, index_k_cache)]
+    with pytest.raises(MsaInputError, match=match):
+        write_step_kv(k_cache, v_cache, slots, k, v, index_k_cache, index_k)
+    for got, want in zip((k_cache, v_cache, index_k_cache), before):
+        assert torch.equal(got, want)

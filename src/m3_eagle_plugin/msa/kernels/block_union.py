@@ -14,8 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import KernelTooLargeError, next_pow2
 from .launch import launch
+
+#: Largest CUDA grid y and z dimensions (x takes 2**31 - 1; `index_select.MAX_GRID_Y` is the same limit).
+MAX_GRID_YZ = 65535
 
 
 @dataclass
@@ -54,9 +57,19 @@ def allocate_union(num_requests: int, num_heads: int, num_chunks: int, chunk: in
 
 
 def chunk_count(num_tokens: int, num_requests: int, chunk: int, max_qo_len: int | None) -> int:
-    """Chunks per request: from `max_qo_len`, else from the worst case (every other request has 1 token)."""
-    bound = max_qo_len if max_qo_len is not None else max(1, num_tokens - num_requests + 1)
+    """Chunks per request: from `max_qo_len`, else from the worst case (one request has every token:
+    a request may have none this step, `MsaDecodeMetadata` takes qo_len 0 with kv_len > 0)."""
+    bound = max_qo_len if max_qo_len is not None else max(1, num_tokens)
     return max(1, -(-int(bound) // chunk))
+
+
+def check_grid(kernel: str, grid: tuple[int, ...], axes: str) -> None:
+    """Refuse, before anything is launched, a grid whose y or z is past MAX_GRID_YZ (CUDA answers
+    such a launch only with "invalid argument"), naming its `axes`: `KernelTooLargeError`, so
+    `auto` runs the torch reference instead."""
+    if any(n > MAX_GRID_YZ for n in grid[1:]):
+        raise KernelTooLargeError(f"{kernel}: its grid {tuple(grid)} ({axes}) is past CUDA's {MAX_GRID_YZ} programs "
+                                  "on the y and z axes")
 
 
 @triton.jit
@@ -94,9 +107,11 @@ def union_from_selection(selection: torch.Tensor, cu_qo_lens: torch.Tensor, bloc
     """Union lists of `selection` int32 `[Hkv, T, topk]` for chunks of `chunk` tokens (<= 31)."""
     num_heads, _, topk = selection.shape
     num_requests = cu_qo_lens.shape[0] - 1
+    grid = (num_requests, num_heads, num_chunks)
+    check_grid("block union", grid, "requests, KV heads, token chunks a request")
     union = allocate_union(num_requests, num_heads, num_chunks, chunk, topk, selection.device)
     if num_requests and num_heads:
-        launch(_union_kernel, (num_requests, num_heads, num_chunks),
+        launch(_union_kernel, grid,
             selection, selection.stride(0), selection.stride(1), cu_qo_lens, block_tables, block_tables.stride(0),
             union.ids, union.pages, union.bits, union.counts,
             QP=chunk, TOPK=topk, TOPK_P=next_pow2(topk), num_warps=4,

@@ -25,7 +25,7 @@ import torch
 
 from ._common import env_switch, step_buffer
 
-#: The board's idle value: a negative signalling NaN (0xFFBADBAD). GPU arithmetic only makes
+#: The board's idle value: a negative signalling NaN (0xFFBBB7AD). GPU arithmetic only makes
 #: the canonical quiet NaN, so no score equals it.
 SENTINEL = -4474963
 

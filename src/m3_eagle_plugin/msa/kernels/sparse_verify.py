@@ -33,7 +33,7 @@ from ._common import (
 )
 from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
 from .attention_tiles import LOG2E, attend_page_tile, attend_two_pages, join_dim_halves, store_rows, zero_graph_padding
-from .block_union import BlockUnion, chunk_count, union_from_selection
+from .block_union import BlockUnion, check_grid, chunk_count, union_from_selection
 from .launch import launch
 from .merge import split_arrivals
 from .pdl import pdl_args, wait_for_prior_grid, wait_for_prior_grid_only
@@ -419,21 +419,22 @@ def sparse_verify_attention(
     qp = tokens_per_tile(num_tokens, num_requests, group, max_qo_len) if union is None else union.chunk
     require(qp * group >= 16, f"union chunk {qp} x group {group} must give >= 16 rows")
     paired_v = _paired_v_for_tile(paired_v, False, qp * group, dim, min(block, key_tile))
-    if union is None:
-        union = union_from_selection(selection, meta.cu_qo_lens, meta.block_tables, chunk=qp,
-                                     num_chunks=chunk_count(num_tokens, num_requests, qp, max_qo_len))
-    nch = union.num_chunks
-    require(union.counts.shape[:2] == (num_requests, hkv), "union does not match requests x KV heads")
+    nch = chunk_count(num_tokens, num_requests, qp, max_qo_len) if union is None else union.num_chunks
     partial_row = num_tokens * num_heads * dim
     if splits is None:
         splits = union_splits(num_requests * hkv * nch, qp, topk, q.device, partial_row=partial_row)
     check_splits(splits, partial_row)
+    grid = (num_requests, hkv, nch * splits)
+    check_grid("sparse verify attention (layout 'union')", grid, f"requests, KV heads, {nch} chunks of {qp} tokens "
+               f"a request x {splits} splits{_UNHINTED if max_qo_len is None else ''}")
+    if union is None:
+        union = union_from_selection(selection, meta.cu_qo_lens, meta.block_tables, chunk=qp, num_chunks=nch)
+    require(union.counts.shape[:2] == (num_requests, hkv), "union does not match requests x KV heads")
     out, o_buf, lse = split_outputs(q, v_cache, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
     qk_scale = float(scale) * scale_value(k_scale) * LOG2E
     vs = scale_value(v_scale)
-    grid = (num_requests, hkv, nch * splits)
     launch(_sparse_verify_kernel, grid,
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -493,6 +494,10 @@ def _paired_v_for_tile(asked: bool | None, default: bool, rows: int, dim: int, k
     return default and ok if asked is None else asked
 
 
+#: What a grid refusal adds where no `max_qo_len` sized it.
+_UNHINTED = "; without max_qo_len one request may hold every token of the step"
+
+
 def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,
                      num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v, self_merge,
                      ready=None, pages_per_tile=1, request_major=False) -> torch.Tensor:
@@ -513,6 +518,9 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
     check_splits(splits, partial_row)
     require(ready is None or (ready.dtype == torch.int32 and ready.numel() >= hkv * num_tokens),
             "ready flags must be int32 with one entry per KV head and token")
+    grid = (num_requests, hkv, per_request * splits)
+    check_grid("sparse verify attention (layout 'token')", grid, f"requests, KV heads, {per_request} tokens a "
+               f"request x {splits} splits{_UNHINTED if max_qo_len is None else ''}")
     out, o_buf, lse = split_outputs(q, v_cache, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
@@ -521,7 +529,6 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
         self_merge = 1 < splits <= SELF_MERGE_SPLITS
     arrivals = split_arrivals(q.device, num_tokens * hkv) if self_merge and splits > 1 else None
     self_merge = arrivals is not None
-    grid = (num_requests, hkv, per_request * splits)
     launch(_sparse_token_kernel, grid,
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
