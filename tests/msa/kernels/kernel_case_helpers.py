@@ -158,3 +158,21 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict, *, num_warps: int = 
                               options={"num_warps": num_warps, "num_stages": num_stages})
     except FileNotFoundError as missing:  # a Triton build without its bundled ptxas
         pytest.skip(f"no ptxas: {missing}")
+
+
+def one_request_step(tokens, *, hint=True, q_heads=2, dim=16, block=16):
+    """A CPU step (duck-typed metadata) of one request with `tokens` query tokens at the end of its
+    context; every token selects page 0 only. For the checks that run before any kernel, where the
+    values do not matter."""
+    import types
+
+    pages = -(-tokens // block)
+    meta = types.SimpleNamespace(
+        block_tables=torch.arange(pages, dtype=torch.int32).view(1, pages),
+        kv_lens=torch.tensor([tokens], dtype=torch.int32), cu_qo_lens=torch.tensor([0, tokens], dtype=torch.int32),
+        positions=torch.arange(tokens, dtype=torch.int32), block_size=block, **({"max_qo_len": tokens} if hint else {}))
+    q = torch.zeros(tokens, q_heads, dim)
+    kc = torch.zeros(pages, 1, block, dim)
+    sel = torch.full((1, tokens, 2), -1, dtype=torch.int32)
+    sel[..., 0] = 0
+    return q, kc, meta, sel

@@ -16,8 +16,8 @@ from hypothesis import given, settings, strategies as st
 from m3_eagle_plugin.bench import torch_reference as ref
 from tests._interpreter import check_module_cases, needs_interpreter
 
-from .kernel_case_helpers import (M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, poison_allocator_like,
-                                  random_step)
+from .kernel_case_helpers import (M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, one_request_step,
+                                  poison_allocator_like, random_step)
 
 
 def _run(q, cache, meta, **kw):
@@ -154,3 +154,15 @@ def test_verify_rows_of_64_take_two_page_splits(monkeypatch):
     (args, kw), = seen
     assert kw == {"tile_rows": 64} and real(*args, **kw) == -(-args[2] // 2)
     assert_close_rel(out, ref.dense_attention(q, cache.k, cache.v, meta, scale=scale), 2e-2)
+
+
+def test_a_grid_past_cudas_z_limit_is_refused_before_launch(monkeypatch):
+    """The dense grid's z is the split count: past CUDA's 65535 programs it is refused as too large
+    before any launch or allocation (`auto` then runs the torch reference), not failed by CUDA."""
+    from m3_eagle_plugin.msa.kernels import KernelTooLargeError, dense_verify
+
+    monkeypatch.setattr(dense_verify, "launch", lambda *a, **k: pytest.fail("launched"))
+    q, kc, meta, _ = one_request_step(4)
+    with pytest.raises(KernelTooLargeError, match=r"dense verify attention: its grid \(1, 1, 65536\) \(requests, "
+                                                  r"KV heads, splits\) is past CUDA's 65535"):
+        dense_verify.dense_verify_attention(q, kc, kc, meta, scale=0.25, splits=65536)

@@ -18,6 +18,7 @@ from .kernel_case_helpers import (
     exact_block_scores,
     msa_metadata,
     needs_gpu,
+    one_request_step,
     random_step,
 )
 from m3_eagle_plugin.bench import torch_reference as ref
@@ -142,3 +143,18 @@ def test_block_scores_match_exact_maxima_for_any_pages_per_program(blocks_per_pr
     for t, want in enumerate(exact):
         got = scores[:, t, : want.shape[1]].double().cpu()
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), f"token {t}"
+
+
+def test_a_top_k_grid_past_cudas_z_limit_is_refused_before_launch(monkeypatch):
+    """The top-k grid's z is a request's token chunks (4 tokens each at most): a 262,144-token
+    request needs 65,536 of them, past CUDA's 65535; refused as too large before any launch."""
+    from m3_eagle_plugin.msa.kernels import KernelTooLargeError, index_select
+
+    monkeypatch.setattr(index_select, "launch", lambda *a, **k: pytest.fail("launched"))
+    tokens = 4 * 65536
+    _, _, meta, _ = one_request_step(tokens)
+    meta.valid_blocks = torch.ones(tokens, dtype=torch.int32)
+    scores = torch.zeros(1, tokens, 1)
+    with pytest.raises(KernelTooLargeError, match=r"block top-k: its grid \(1, 1, 65536\) \(requests, index heads, "
+                                                  r"65536 chunks of 4 tokens\)"):
+        index_select.topk_from_block_scores(scores, meta, topk=1)

@@ -16,8 +16,8 @@ from hypothesis import given, settings, strategies as st
 from m3_eagle_plugin.bench import torch_reference as ref
 from tests._interpreter import check_module_cases, needs_interpreter
 
-from .kernel_case_helpers import (M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, poison_allocator_like,
-                                  random_step)
+from .kernel_case_helpers import (M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, one_request_step,
+                                  poison_allocator_like, random_step)
 
 
 def _run(q, cache, meta, sel, **kw):
@@ -217,23 +217,6 @@ def test_bad_options_are_refused(kw, match):
         _run(q, cache, meta, sel, scale=0.2, **kw)
 
 
-def _one_request_step(tokens, *, hint=True, q_heads=2, dim=16, block=16):
-    """A CPU step of one request with `tokens` query tokens at the end of its context; every token
-    selects page 0 only (the grid checks run before any kernel, so the values do not matter)."""
-    import types
-
-    pages = -(-tokens // block)
-    meta = types.SimpleNamespace(
-        block_tables=torch.arange(pages, dtype=torch.int32).view(1, pages),
-        kv_lens=torch.tensor([tokens], dtype=torch.int32), cu_qo_lens=torch.tensor([0, tokens], dtype=torch.int32),
-        positions=torch.arange(tokens, dtype=torch.int32), block_size=block, **({"max_qo_len": tokens} if hint else {}))
-    q = torch.zeros(tokens, q_heads, dim)
-    kc = torch.zeros(pages, 1, block, dim)
-    sel = torch.full((1, tokens, 2), -1, dtype=torch.int32)
-    sel[..., 0] = 0
-    return q, kc, meta, sel
-
-
 @pytest.mark.parametrize("tokens,hint,kw,programs", [
     (65536, True, {}, "65536 tokens a request x 1 splits"),                # a 64K-token prefill chunk
     (65536, False, {}, "65536 tokens a request x 1 splits; without max_qo_len"),
@@ -251,7 +234,7 @@ def test_a_grid_past_cudas_z_limit_is_refused_before_launch(monkeypatch, tokens,
     launched = []
     for module in (sparse_verify, block_union):
         monkeypatch.setattr(module, "launch", lambda kernel, grid, *a, **k: launched.append(grid))
-    q, kc, meta, sel = _one_request_step(tokens, hint=hint)
+    q, kc, meta, sel = one_request_step(tokens, hint=hint)
     with pytest.raises(KernelTooLargeError, match=r"\(1, 1, \d+\) \(requests, KV heads, " + programs.replace("(", r"\(")):
         sparse_verify.sparse_verify_attention(q, kc, kc, meta, sel, scale=0.25, **kw)
     assert not launched

@@ -29,7 +29,21 @@ class KernelInputError(ValueError):
 
 class KernelTooLargeError(KernelInputError):
     """A kernel's tiles need more of a device resource (shared memory) than the device has, at
-    every pipeline depth down to one stage (`launch`)."""
+    every pipeline depth down to one stage (`launch`), or its grid more programs than CUDA takes
+    (`check_grid`)."""
+
+
+#: Largest CUDA grid y and z dimensions (x takes 2**31 - 1).
+MAX_GRID_YZ = 65535
+
+
+def check_grid(kernel: str, grid: tuple[int, ...], axes: str) -> None:
+    """Refuse, before anything is launched, a grid whose y or z is past MAX_GRID_YZ (CUDA answers
+    such a launch only with "invalid argument"), naming its `axes`: `KernelTooLargeError`, so
+    `auto` runs the torch reference instead."""
+    if any(n > MAX_GRID_YZ for n in grid[1:]):
+        raise KernelTooLargeError(f"{kernel}: its grid {tuple(grid)} ({axes}) is past CUDA's {MAX_GRID_YZ} programs "
+                                  "on the y and z axes")
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,11 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelTooLargeError, next_pow2
+from ._common import check_grid, next_pow2
 from .launch import launch
-
-#: Largest CUDA grid y and z dimensions (x takes 2**31 - 1; `index_select.MAX_GRID_Y` is the same limit).
-MAX_GRID_YZ = 65535
 
 
 @dataclass
@@ -61,15 +58,6 @@ def chunk_count(num_tokens: int, num_requests: int, chunk: int, max_qo_len: int 
     a request may have none this step, `MsaDecodeMetadata` takes qo_len 0 with kv_len > 0)."""
     bound = max_qo_len if max_qo_len is not None else max(1, num_tokens)
     return max(1, -(-int(bound) // chunk))
-
-
-def check_grid(kernel: str, grid: tuple[int, ...], axes: str) -> None:
-    """Refuse, before anything is launched, a grid whose y or z is past MAX_GRID_YZ (CUDA answers
-    such a launch only with "invalid argument"), naming its `axes`: `KernelTooLargeError`, so
-    `auto` runs the torch reference instead."""
-    if any(n > MAX_GRID_YZ for n in grid[1:]):
-        raise KernelTooLargeError(f"{kernel}: its grid {tuple(grid)} ({axes}) is past CUDA's {MAX_GRID_YZ} programs "
-                                  "on the y and z axes")
 
 
 @triton.jit

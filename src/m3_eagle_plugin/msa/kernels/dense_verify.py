@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import device_sm_count, fits_one_tile, is_pow2, qo_len_hint, require, scale_value, tokens_per_tile
+from ._common import check_grid, device_sm_count, fits_one_tile, is_pow2, qo_len_hint, require, scale_value, tokens_per_tile
 from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
 from .attention_tiles import LOG2E, online_softmax_step, store_rows, zero_graph_padding
 from .launch import launch
@@ -176,6 +176,7 @@ def _dense(q, k_cache, v_cache, meta, *, scale, k_scale, v_scale, max_qo_len, sp
         splits = default_splits(num_requests, hkv, width, partial_row, q.device,
                                 tile_rows=qp * group if fits_one_tile(max_qo_len, qp) else 0)
     check_splits(splits, partial_row)
+    check_grid("dense verify attention", (num_requests, hkv, splits), "requests, KV heads, splits")
     out, o_buf, lse = split_outputs(q, v_cache, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()

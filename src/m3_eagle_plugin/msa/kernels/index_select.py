@@ -20,6 +20,8 @@ from .handoff import SENTINEL as _SENTINEL, handoff_enabled, ready_flags, reset_
 from .launch import launch
 from .pdl import pdl_args, release_dependents, wait_for_prior_grid, wait_then_release
 from ._common import (
+    MAX_GRID_YZ,
+    check_grid,
     qo_len_hint,
     FP8_DTYPES,
     byte_aligned,
@@ -285,7 +287,7 @@ def index_block_scores(
     require(index_k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES,
             f"unsupported index_k dtype {index_k_cache.dtype}")
     num_requests = meta.kv_lens.shape[0]
-    require(num_requests <= MAX_GRID_Y, f"{num_requests} requests: at most {MAX_GRID_Y} a step")
+    require(num_requests <= MAX_GRID_YZ, f"{num_requests} requests: at most {MAX_GRID_YZ} a step (the scoring grid's y)")
     width = meta.block_tables.shape[1]
     if out is None:
         out = torch.empty((num_heads, num_tokens, width), device=index_q.device, dtype=torch.float32)
@@ -313,10 +315,6 @@ def index_block_scores(
             num_warps=num_warps, num_stages=num_stages, **pdl_args(index_q.device, grid),
         )
     return out
-
-
-#: Largest CUDA grid y dimension (the scoring grid's request axis).
-MAX_GRID_Y = 65535
 
 
 def page_descriptor(index_k_cache: torch.Tensor):
@@ -399,6 +397,7 @@ def topk_from_block_scores(
     else:
         qp = tokens_per_tile(num_tokens, num_requests, union_group or 16, max_qo_len)
     nch = chunk_count(num_tokens, num_requests, qp, max_qo_len)
+    check_grid("block top-k", (num_requests, num_heads, nch), f"requests, index heads, {nch} chunks of {qp} tokens")
     union = None
     if union_group is not None:
         union = allocate_union(num_requests, num_heads, nch, qp, topk, block_scores.device)

@@ -22,6 +22,7 @@ import triton.language as tl
 from ._common import (
     MAX_TILE_ROWS,
     byte_aligned,
+    check_grid,
     qo_len_hint,
     device_sm_count,
     is_pow2,
@@ -33,7 +34,7 @@ from ._common import (
 )
 from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
 from .attention_tiles import LOG2E, attend_page_tile, attend_two_pages, join_dim_halves, store_rows, zero_graph_padding
-from .block_union import BlockUnion, check_grid, chunk_count, union_from_selection
+from .block_union import BlockUnion, chunk_count, union_from_selection
 from .launch import launch
 from .merge import split_arrivals
 from .pdl import pdl_args, wait_for_prior_grid, wait_for_prior_grid_only
