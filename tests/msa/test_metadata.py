@@ -454,3 +454,26 @@ def test_decode_only_and_proxy_view_follow_the_stated_rule(context_rows, around_
     else:
         with pytest.raises(MsaInputError, match="proxy scratch"):
             meta.proxy_scores_view()
+
+
+def _allocated_bytes(meta: MsaDecodeMetadata) -> int:
+    """Bytes of the distinct storages behind the instance's tensors (views share their base's)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in vars(meta).values() if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("requests,tokens,blocks,draft_len,heads", [
+    (2, 8, 3, 1, 1), (1, 1, 1, 0, 1), (5, 17, 9, 3, 4), (8, 256, 12, 0, 2),
+])
+def test_buffer_bytes_is_what_the_constructor_allocates(requests, tokens, blocks, draft_len, heads) -> None:
+    meta = MsaDecodeMetadata(requests, tokens, blocks, 4, "cpu", max_draft_len=draft_len, num_index_heads=heads)
+    expected = MsaDecodeMetadata.buffer_bytes(requests, tokens, blocks, 4, "cpu", max_draft_len=draft_len,
+                                              num_index_heads=heads)
+    assert expected == _allocated_bytes(meta)
+
+
+def test_buffer_bytes_worked_example() -> None:
+    """2 requests, 8 tokens, 3 blocks, 1 draft: int32 fields 4*2 + 3 + 3*8 + 2*3 = 41, staged twice
+    (host, device); 4 per-token int32 buffers of 8; fp32 scores 1 head x 2*(1+1) tokens x 3 blocks."""
+    assert MsaDecodeMetadata.buffer_bytes(2, 8, 3, 2, "cpu", max_draft_len=1) == 4 * (2 * 41 + 4 * 8) + 4 * 12

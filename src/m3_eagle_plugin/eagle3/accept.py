@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["AcceptResult", "greedy_accept", "rejection_accept", "forced_accept", "forced_count_at"]
+__all__ = ["AcceptResult", "greedy_accept", "rejection_accept", "forced_accept", "forced_count_at", "forced_ratio"]
 
 
 @dataclass
@@ -99,6 +99,18 @@ def forced_accept(
 _FORCED_DENOMINATOR = 10**6
 
 
+def forced_ratio(mean: float) -> Fraction:
+    """``mean`` as the fraction `forced_count_at` schedules; refuses what it cannot schedule (so a
+    caller can check a configured mean up front, before the first verify step)."""
+    if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 <= mean < float("inf"):
+        raise ValueError(f"mean forced acceptance must be a finite number >= 0, got {mean!r}")
+    ratio = Fraction(mean).limit_denominator(_FORCED_DENOMINATOR)
+    if mean > 0 and ratio == 0:
+        raise ValueError(f"mean forced acceptance {mean!r} is below the schedule's resolution "
+                         f"1/{_FORCED_DENOMINATOR}: it would never force a draft")
+    return ratio
+
+
 def forced_count_at(mean: float, step: torch.Tensor) -> torch.Tensor:
     """Drafts to force at verify step ``step`` (a device counter) so the running mean is ``mean``.
 
@@ -111,12 +123,7 @@ def forced_count_at(mean: float, step: torch.Tensor) -> torch.Tensor:
     for simple ratios such as 1/3, while ``step * numerator`` stays far inside int64. A positive
     mean below that resolution would round to "never accept" and is refused instead.
     """
-    if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 <= mean < float("inf"):
-        raise ValueError(f"mean forced acceptance must be a finite number >= 0, got {mean!r}")
-    ratio = Fraction(mean).limit_denominator(_FORCED_DENOMINATOR)
-    if mean > 0 and ratio == 0:
-        raise ValueError(f"mean forced acceptance {mean!r} is below the schedule's resolution "
-                         f"1/{_FORCED_DENOMINATOR}: it would never force a draft")
+    ratio = forced_ratio(mean)
     step = step.to(torch.long)
     return ((step + 1) * ratio.numerator) // ratio.denominator - (step * ratio.numerator) // ratio.denominator
 

@@ -23,6 +23,18 @@ from .blocks import INT32_MAX, MsaInputError, checked_int, int_entries, valid_bl
 
 __all__ = ["MsaDecodeMetadata"]
 
+#: cache_slots, valid_blocks, token_kv_lens, positions: int32 [max_num_tokens] each.
+_PER_TOKEN_FIELDS = 4
+
+
+def _staged_sections(r: int, t: int, m: int) -> dict[str, int]:
+    """What prepare() stages, int32 entries each, for r requests, t tokens and m blocks a request:
+    one block on the host and one on the device, so a step costs one host->device copy."""
+    return {
+        "qo_lens": r, "kv_lens": r, "kv_lens_staged": r, "qo_offsets": r, "cu_qo_lens": r + 1,
+        "token_request": t, "token_intra": t, "token_live": t, "block_tables": r * m,
+    }  # fmt: skip
+
 
 def _host_lengths(name: str, values: torch.Tensor | Sequence[int]) -> list[int]:
     if isinstance(values, torch.Tensor):
@@ -71,14 +83,9 @@ class MsaDecodeMetadata:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
         r, t, m = self.max_num_requests, self.max_num_tokens, self.max_blocks_per_seq
-        # One int32 block holds everything prepare() stages, so a step costs one host->device copy.
-        sections = {
-            "qo_lens": r, "kv_lens": r, "kv_lens_staged": r, "qo_offsets": r, "cu_qo_lens": r + 1,
-            "token_request": t, "token_intra": t, "token_live": t, "block_tables": r * m,
-        }  # fmt: skip
         self._layout: dict[str, slice] = {}
         start = 0
-        for name, size in sections.items():
+        for name, size in _staged_sections(r, t, m).items():
             self._layout[name] = slice(start, start + size)
             start += size
         pin = self.device.type == "cuda"
@@ -102,6 +109,7 @@ class MsaDecodeMetadata:
         self._block_table_flat = field("block_tables")
         self._block_tables = self._block_table_flat.view(r, m)
 
+        # The per-token int32 fields prepare() derives on the device (_PER_TOKEN_FIELDS of them).
         self._cache_slots = torch.full((t,), -1, dtype=torch.int32, device=self.device)
         self._valid_blocks = torch.zeros(t, dtype=torch.int32, device=self.device)
         self._token_kv_lens = torch.zeros(t, dtype=torch.int32, device=self.device)
@@ -119,6 +127,24 @@ class MsaDecodeMetadata:
         self.kv_lens_host: tuple[int, ...] = ()
         self.max_qo_len = 0
         self.max_kv_len = 0
+
+    @staticmethod
+    def buffer_bytes(
+        max_num_requests: int,
+        max_num_tokens: int,
+        max_blocks_per_seq: int,
+        block_size: int | None = None,
+        device: torch.device | str | None = None,
+        *,
+        max_draft_len: int = 0,
+        num_index_heads: int = 1,
+    ) -> int:
+        """Bytes ``__init__`` allocates for these constructor arguments, without allocating: the int32
+        fields twice (host staging and device), the four per-token int32 buffers and the fp32 proxy
+        scratch. ``block_size`` and ``device`` do not change the size."""
+        r, t, m = max_num_requests, max_num_tokens, max_blocks_per_seq
+        staged = sum(_staged_sections(r, t, m).values())
+        return 4 * (2 * staged + _PER_TOKEN_FIELDS * t) + 4 * num_index_heads * r * (1 + max_draft_len) * m
 
     # ----- per-step views -------------------------------------------------------------------
     @property

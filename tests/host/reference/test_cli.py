@@ -145,3 +145,63 @@ def test_a_file_where_a_checkpoint_directory_belongs_is_named(tiny_pair, capsys)
                          (["--model", str(target), "--draft", str(draft / "model.safetensors")], "--draft")):
         rc, _, err = run_cli(capsys, *argv, "--prompt-ids", "1,2", "--max-new-tokens", "2")
         assert rc == 2 and err.startswith(f"m3-eagle run: {option} ") and "not a checkpoint directory" in err
+
+
+def test_a_force_accepted_below_the_schedules_resolution_is_a_setup_error(tiny_pair, capsys):
+    target, draft = tiny_pair
+    rc, _, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--prompt-ids", "1,2,3",
+                         "--max-new-tokens", "4", "--force-accepted", "0.0000001")
+    assert rc == 2 and err.startswith("m3-eagle run: force_accepted") and "resolution" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def _args(*argv):
+    import argparse
+
+    from m3_eagle_plugin.host.reference.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--model", "x", *argv])
+
+
+def test_spaces_inside_a_token_id_are_refused_naming_the_item(tiny_pair, capsys):
+    """'1 2 3' is not the id 123: spaces around an id are fine, inside one they are an error."""
+    from m3_eagle_plugin.host.reference.cli import read_prompts
+
+    prompts, errors = read_prompts(_args("--prompt-ids", " 1, 2 ,3 ", "--prompt-ids", "1 2 3", "--prompt-ids", "4,5 6"))
+    assert prompts[0] == [1, 2, 3] and errors[0] is None
+    assert prompts[1] is None and "--prompt-ids #1" in errors[1] and "'1 2 3'" in errors[1]
+    assert prompts[2] is None and "got '5 6'" in errors[2]
+    rc, _, err = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                         "--eos-ids", "4 5")
+    assert rc == 2 and err.startswith("m3-eagle run: --eos-ids: ") and "got '4 5'" in err and err.count("\n") == 1
+
+
+def test_prompts_file_errors_name_the_files_line_counting_blank_lines(tmp_path):
+    from m3_eagle_plugin.host.reference.cli import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("[1, 2, 3]\n\n\n{not json}\n   \n7\n[4]\n")  # bad prompts on lines 4 and 6
+    prompts, errors = read_prompts(_args("--prompts", str(path)))
+    assert prompts == [[1, 2, 3], None, 7, [4]]
+    assert errors[0] is None and errors[3] is None
+    assert errors[1].startswith(f"{path}:4: not JSON") and errors[2] == f"{path}:6: expected a JSON list of token ids"
+
+
+def test_step_buffers_past_free_memory_are_refused_naming_the_options(tiny_pair, capsys, monkeypatch):
+    """The step metadata holds 10 int32 per token of --max-tokens-per-step (3 staged twice, 4 derived):
+    a million tokens is 40 MB, past a free memory of 16 MiB; the tiny cache and the default sizes fit."""
+    from m3_eagle_plugin.host.reference import build
+
+    target, draft = tiny_pair
+    monkeypatch.setattr(build, "_free_bytes", lambda device: 16 * 2**20)
+    argv = ("--model", str(target), "--draft", str(draft), "--prompt-ids", "1,2,3", "--max-new-tokens", "2")
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    rc, _, err = run_cli(capsys, *argv, "--max-tokens-per-step", "1000000")
+    assert rc == 2 and err.startswith("m3-eagle run: the step buffers") and err.count("\n") == 1
+    assert "lower --max-batch-size or --max-tokens-per-step" in err
+    # a million requests: at least 5 int32 per request staged twice (lengths, offsets), 40 MB
+    rc, _, err = run_cli(capsys, *argv, "--max-batch-size", "1000000")
+    assert rc == 2 and err.startswith("m3-eagle run: the step buffers for --max-batch-size 1000000")

@@ -169,6 +169,29 @@ def test_fractional_forced_acceptance_restarts_its_schedule_every_generate_call(
         assert stats.accepted_tokens == 2
 
 
+def test_a_force_accepted_below_the_schedules_resolution_is_refused_by_the_config():
+    """1e-7 would round to "never force a draft" (the schedule counts in millionths): refused when
+    configured, not at the first verify step; a millionth itself is 1/10**6 and runs."""
+    with pytest.raises(ValueError, match="force_accepted.*resolution"):
+        EngineConfig(draft_len=3, force_accepted=1e-7)
+    engine, target, cache = build(draft_len=3, force_accepted=1e-6)
+    stats = engine.generate(PROMPTS[:1], max_new_tokens=4).stats
+    assert stats.accepted_tokens == 0  # floor(n / 10**6) = 0 for the first n < 10**6 verify steps
+
+
+def test_step_metadata_bytes_is_what_the_runner_allocates():
+    """The up-front memory estimate against the metadata a runner actually holds (step + draft steps)."""
+    from m3_eagle_plugin.host.reference.runner import step_metadata_bytes
+
+    for head in (True, False):
+        engine, target, cache = build(draft_len=3, head=head)
+        metas = [engine.runner.meta, *engine.runner.draft_metas]
+        assert len(metas) == (3 if head else 1)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for meta in metas for t in vars(meta).values() if isinstance(t, torch.Tensor)}
+        assert step_metadata_bytes(engine.runner.config, has_head=head) == sum(storages.values())
+
+
 @pytest.mark.parametrize("field,value", [
     ("draft_len", True), ("draft_len", 2.0), ("draft_len", "3"), ("draft_len", -1),
     ("max_seq_len", 64.0), ("max_seq_len", True), ("max_seq_len", "64"),

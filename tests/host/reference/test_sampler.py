@@ -30,6 +30,17 @@ def test_a_tiny_temperature_tends_to_greedy_without_nans():
         torch.testing.assert_close(probs, torch.tensor([[0.0, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]]))
 
 
+def test_a_top_p_that_rounds_to_zero_in_fp32_keeps_only_the_most_probable_token():
+    """top_p keeps at least one token by definition: a top_p below fp32's smallest subnormal
+    (1e-300, 1e-46) filters like greedy, one-hot on each row's argmax, not NaN."""
+    logits = torch.tensor([[3.0, 1.0, 0.5], [0.2, 2.0, -1.0]])
+    for top_p in (1e-300, 1e-46):
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        torch.testing.assert_close(filtered_probs(logits, params), torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]))
+        tokens, _ = choose_tokens(logits, params, [torch.Generator().manual_seed(s) for s in range(2)])
+        assert tokens.tolist() == [0, 1]
+
+
 def test_bad_parameters_name_the_cause():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1.0, top_p=0.0)

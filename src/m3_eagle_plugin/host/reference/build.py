@@ -3,7 +3,8 @@
 Loads the MiniMax-M3 target and (optionally) the Eagle3 head, sizes a paged cache with the draft
 layer appended to the target's layers (shared pool, like the TensorRT-LLM unified manager), and
 wires the aux capture the head reads. Both configs, the draft's tensor names and shapes, the
-shared cache's geometry and its size against free memory are checked before any weight is read.
+shared cache's geometry, and its size plus the step buffers' against free memory are checked
+before any weight is read.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Sequence
 import torch
 
 from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
+from m3_eagle_plugin.host.reference.runner import RunnerConfig, step_metadata_bytes
 from m3_eagle_plugin.host.reference.scheduler import kv_budget_tokens
 
 __all__ = ["DTYPES", "blocks_for_prompts", "build_engine"]
@@ -68,7 +70,16 @@ def build_engine(
             f"differs from the target's {tc.num_kv_heads}; the draft layer lives in the target's K/V pages, so "
             f"use a head exported with the target's KV heads (for MiniMax-M3: the GQA export, not the MHA one) "
             f"({error})") from None
-    _check_cache_fits(num_blocks * sum(pool.slot_bytes for pool in geometry.pools), num_blocks, device)
+    # The step metadata too: sized by --max-batch-size / --max-tokens-per-step, not by the cache.
+    max_blocks = num_blocks if config.max_seq_len is None else min(-(-config.max_seq_len // tc.block_size), num_blocks)
+    step_bytes = step_metadata_bytes(
+        RunnerConfig(draft_len=config.draft_len, max_batch_size=config.max_batch_size,
+                     max_tokens_per_step=config.max_tokens_per_step, max_blocks_per_seq=max_blocks,
+                     block_size=tc.block_size, device=device, num_index_heads=max(tc.index_heads, 1)),
+        has_head=plan is not None,
+    )
+    _check_memory_fits(num_blocks * sum(pool.slot_bytes for pool in geometry.pools), step_bytes, num_blocks, config,
+                       device)
 
     target = load_target(model_dir, dtype=dtype, device=device)
     if config.cuda_graphs:
@@ -84,13 +95,22 @@ def build_engine(
     )
 
 
-def _check_cache_fits(cache_bytes: int, num_blocks: int, device: torch.device) -> None:
-    """Refuse a KV cache larger than the device's free memory up front, naming the option (a CPU
-    allocation past it is not an error but the kernel's OOM killer)."""
+def _check_memory_fits(cache_bytes: int, step_bytes: int, num_blocks: int, config: EngineConfig,
+                       device: torch.device) -> None:
+    """Refuse a KV cache plus step buffers larger than the device's free memory up front, naming the
+    options (a CPU allocation past it is not an error but the kernel's OOM killer)."""
     free = _free_bytes(device)
-    if free is not None and cache_bytes > free:
+    if free is None or cache_bytes + step_bytes <= free:
+        return
+    if cache_bytes > free:
         raise ValueError(f"a KV cache of {num_blocks} blocks needs {cache_bytes / 2**30:.2f} GiB but {device} has "
                          f"{free / 2**30:.2f} GiB free: lower --kv-blocks (or the prompts, --max-new-tokens)")
+    raise ValueError(
+        f"the step buffers for --max-batch-size {config.max_batch_size} and --max-tokens-per-step "
+        f"{config.max_tokens_per_step} need {step_bytes / 2**30:.2f} GiB beside a KV cache of {num_blocks} blocks "
+        f"({cache_bytes / 2**30:.2f} GiB) but {device} has {free / 2**30:.2f} GiB free: lower --max-batch-size or "
+        f"--max-tokens-per-step (or --kv-blocks)"
+    )
 
 
 def _free_bytes(device: torch.device) -> int | None:

@@ -65,10 +65,17 @@ def _forced_count(text: str) -> int | float:
 
 
 def _parse_ids(text: str, where: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise ValueError(f"{where}: token ids must be comma-separated integers, got {text!r}") from None
+    """'1, 2,3' -> [1, 2, 3]; spaces around an id are fine, inside one ('1 2') are an error."""
+    ids = []
+    for item in (t.strip() for t in text.split(",")):
+        if item == "":
+            continue
+        try:
+            ids.append(int(item))
+        except ValueError:
+            raise ValueError(f"{where}: token ids must be comma-separated integers, got {item!r} "
+                             f"in {text!r}") from None
+    return ids
 
 
 def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]:
@@ -88,8 +95,9 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
         print(f"m3-eagle run: no --prompt-ids or --prompts: generating from the prompt "
               f"{','.join(map(str, DEFAULT_PROMPT))}", file=sys.stderr)
         return [list(DEFAULT_PROMPT)], [None]
-    lines = [line for line in args.prompts.read_text().splitlines() if line.strip()]
-    for n, line in enumerate(lines, start=1):
+    for n, line in enumerate(args.prompts.read_text().splitlines(), start=1):  # FILE:N counts blank lines too
+        if not line.strip():
+            continue
         try:
             value = json.loads(line)
             errors.append(None if isinstance(value, list) else f"{args.prompts}:{n}: expected a JSON list of token ids")

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from m3_eagle_plugin.eagle3.accept import forced_ratio
 from m3_eagle_plugin.host.reference.request import Request, RequestError, RequestState
 from m3_eagle_plugin.host.reference.runner import RunnerConfig, StepOutput, StepRunner
 from m3_eagle_plugin.host.reference.sampler import SamplingParams, request_generator
@@ -54,6 +55,11 @@ class EngineConfig:
         object.__setattr__(self, "eos_ids", tuple(self.eos_ids))  # stays hashable, like the default
         if self.force_accepted is not None and not self.force_accepted >= 0:
             raise ValueError(f"force_accepted must be >= 0, got {self.force_accepted}")
+        if self.force_accepted is not None and not float(self.force_accepted).is_integer():
+            try:  # the schedule's own rule, so a mean it cannot schedule fails here, not mid-run
+                forced_ratio(self.force_accepted)
+            except ValueError as error:
+                raise ValueError(f"force_accepted: {error}") from None
 
 
 def _check_int(name: str, value, minimum: int, error: type[Exception] = ValueError) -> None:

@@ -20,7 +20,7 @@ from m3_eagle_plugin.eagle3.draft_loop import run_draft_loop
 from m3_eagle_plugin.host.reference.sampler import SamplingParams, choose_tokens, filtered_probs
 from m3_eagle_plugin.host.reference.scheduler import RowKind, ScheduledRow
 
-__all__ = ["RunnerConfig", "StepOutput", "StepRunner"]
+__all__ = ["RunnerConfig", "StepOutput", "StepRunner", "step_metadata_bytes"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,26 @@ class StepOutput:
 MetadataFactory = Callable[..., object]
 
 
+def _metadata_args(config: RunnerConfig, has_head: bool) -> list[tuple[tuple, dict]]:
+    """Constructor arguments of the step metadata a runner allocates: the step's own, then one per
+    draft step after the first (the head's)."""
+    k = config.draft_len
+    common = (config.max_blocks_per_seq, config.block_size, config.device)
+    step = ((config.max_batch_size, config.max_tokens_per_step, *common),
+            dict(max_draft_len=k, num_index_heads=config.num_index_heads))
+    draft = ((config.max_batch_size, config.max_batch_size, *common),
+             dict(max_draft_len=0, num_index_heads=config.num_index_heads))
+    return [step] + [draft] * (max(k - 1, 0) if has_head else 0)
+
+
+def step_metadata_bytes(config: RunnerConfig, has_head: bool) -> int:
+    """Bytes of the `MsaDecodeMetadata` buffers a `StepRunner` with this config allocates (sized by
+    max_batch_size, max_tokens_per_step and max_blocks_per_seq), computed without allocating them."""
+    from m3_eagle_plugin.msa import MsaDecodeMetadata
+
+    return sum(MsaDecodeMetadata.buffer_bytes(*args, **kwargs) for args, kwargs in _metadata_args(config, has_head))
+
+
 class StepRunner:
     def __init__(
         self,
@@ -87,19 +107,9 @@ class StepRunner:
         self.config = config
         self.head = head
         self.capture = capture
-        k = config.draft_len
-        self.meta = metadata_factory(
-            config.max_batch_size, config.max_tokens_per_step, config.max_blocks_per_seq, config.block_size,
-            config.device, max_draft_len=k, num_index_heads=config.num_index_heads,
-        )
-        num_draft_metas = max(k - 1, 0) if head is not None else 0
-        self.draft_metas = [
-            metadata_factory(
-                config.max_batch_size, config.max_batch_size, config.max_blocks_per_seq, config.block_size,
-                config.device, max_draft_len=0, num_index_heads=config.num_index_heads,
-            )
-            for _ in range(num_draft_metas)
-        ]
+        (args, kwargs), *drafts = _metadata_args(config, head is not None)
+        self.meta = metadata_factory(*args, **kwargs)
+        self.draft_metas = [metadata_factory(*a, **kw) for a, kw in drafts]
         fractional = config.force_accepted is not None and not float(config.force_accepted).is_integer()
         self.forced_step = torch.zeros((), dtype=torch.long, device=config.device) if fractional else None
         self.graphs = None
