@@ -113,7 +113,7 @@ def check_unhinted_grids_reach_a_request_holding_every_token(device, *, seed=0):
     handoff.reset_board(device)
     sel = select_blocks_verify(index_q, index_k, meta, topk=2, handoff=True)
     assert torch.equal(sel.cpu(), ref.select_blocks(index_q, index_k, meta, topk=2).cpu())
-    board = handoff._BOARDS[torch.device(device)]
+    board = handoff._BOARDS[index_q.device]  # keyed by the indexed device (cuda:0, not cuda)
     assert (board == handoff.SENTINEL).all(), "score-board entries left without the sentinel"
     out = sparse_verify_attention(q, k_cache, v_cache, meta, sel, scale=0.25, splits=1, layout="token")
     assert torch.allclose(out, ref.sparse_attention(q, k_cache, v_cache, meta, sel, scale=0.25), atol=1e-5)
