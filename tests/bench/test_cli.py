@@ -271,3 +271,22 @@ def test_the_smoke_table_names_the_kernels_it_does_not_time(capsys):
     captured = capsys.readouterr()
     assert "does not time sparse_step" in captured.err
     assert [line.split()[1] for line in captured.out.splitlines()[2:]] == ["dense_attn"]
+
+
+def test_the_measured_gpu_is_made_current_before_anything_is_timed(monkeypatch, capsys):
+    """CUDA events and graph captures run on the current device: `--device cuda:1` timed cuda:0's
+    stream while the kernels ran on cuda:1. The bench makes its device current first (faked here:
+    no GPU needed)."""
+    from m3_eagle_plugin.msa import kernels
+
+    calls = []
+    rows = [{"section": "kernels", "kernel": "kv_lens_update", "batch": 1, "context": 4096, "qo_len": 4,
+             "graph_us": 2.5}]
+    monkeypatch.setattr(kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli.torch.cuda, "set_device", lambda device: calls.append(("current", str(device))))
+    monkeypatch.setattr(cli, "_gpu_rows", lambda args, device, log: (calls.append(("timed", str(device))), (
+        rows, {"device_name": "Fake GPU"}))[1])
+    assert m3_main(["bench", "--device", "cuda:1", "--configs", "1x4K", "--qo-lens", "4",
+                    "--kernels", "kv_lens_update"]) == 0
+    assert calls == [("current", "cuda:1"), ("timed", "cuda:1")]

@@ -2,12 +2,14 @@
 against a per-request, per-block tally on random steps."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from m3_eagle_plugin.bench.inputs import Geometry, selected_tokens, union_blocks
-from m3_eagle_plugin.bench.kernel_suite import byte_floor
+from m3_eagle_plugin.bench.kernel_suite import byte_floor, relative_error
 from m3_eagle_plugin.bench.step_meta import build_step_meta
 
 # block 4, head dim 4, 2 q heads / 1 KV head, index dim 3; q fp32 (4 bytes), index bf16 (2), K/V fp16 (2)
@@ -120,3 +122,13 @@ def test_byte_floor_equals_a_per_request_per_block_tally(data):
         expect = tally_bytes(name, qo_lens, kv_lens, selection, geo, q_elem=ELEM[q_dtype], kv_elem=ELEM[kv_dtype],
                              index_elem=ELEM[index_dtype])
         assert got == expect, name
+
+
+def test_relative_error_is_infinite_where_either_side_is_not_finite():
+    """NaN compares false with every tolerance, so a NaN error would pass `error < tol` checks
+    written as `not error >= tol`, and reads as "unverified" in the table: inf names the failure."""
+    good = torch.ones(4)
+    bad = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    assert relative_error(bad, good) == math.inf
+    assert relative_error(good, bad) == math.inf
+    assert relative_error(good * 1.5, good) == pytest.approx(0.5)

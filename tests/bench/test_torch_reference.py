@@ -62,3 +62,17 @@ def test_property_agrees_with_package_references(batch, context, qo, seed):
                                sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ref.dense_attention(q, cache.k, cache.v, sm, scale=scale),
                                dense_attention(q, cache.k, cache.v, meta, scale=scale), rtol=1e-5, atol=1e-5)
+
+
+def test_a_token_that_sees_no_key_gets_zeros_as_the_package_reference_gives():
+    """An all -1 selection row is valid ("none"): `msa.sparse_attention` and the kernels give zeros
+    there; the bench reference gave NaN, so every kernel row's error read NaN."""
+    step = _step(1, 23, 3, 2)
+    sm, cache, q = step["meta"], step["cache"], step["q"]
+    meta = MsaDecodeMetadata(1, 3, sm.block_tables.shape[1], GEO.block, "cpu", max_draft_len=3)
+    meta.prepare(sm.qo_lens.tolist(), sm.kv_lens.tolist(), sm.block_tables)
+    sel = ref.select_blocks(step["index_q"], cache.index_k, sm, topk=GEO.topk)
+    sel[:, 1] = -1  # token 1 attends nothing
+    out = ref.sparse_attention(q, cache.k, cache.v, sm, sel, scale=0.3)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out, sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.3))

@@ -248,6 +248,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"m3-eagle bench: {error}", file=sys.stderr)
         return 2
+    if device.type == "cuda" and device.index is not None:  # events, graph captures and the e2e engine
+        torch.cuda.set_device(device)                          # use the current device
     if measures_kernels(device):
         rows, context = _gpu_rows(args, device, log)
     else:

@@ -110,7 +110,7 @@ def byte_floor(name: str, meta, geo: Geometry, *, q: torch.Tensor, index_q: torc
 
 def relative_error(out: torch.Tensor, expect: torch.Tensor) -> float:
     out, expect = out.double().cpu(), expect.double().cpu()
-    if not torch.isfinite(out).all():
+    if not (torch.isfinite(out).all() and torch.isfinite(expect).all()):  # NaN would pass every "error < tol"
         return math.inf
     return float((out - expect).norm() / expect.norm().clamp_min(1e-30))
 

@@ -55,10 +55,13 @@ def select_blocks(index_q: torch.Tensor, index_k_cache: torch.Tensor, meta: Step
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[t, Hkv, G, D]`, k/v `[kv, Hkv, D]`, visible `[Hkv, t, kv]` -> `[t, Hkv, G, D]`."""
+    """q `[t, Hkv, G, D]`, k/v `[kv, Hkv, D]`, visible `[Hkv, t, kv]` -> `[t, Hkv, G, D]`; a token
+    that sees no key (an all -1 selection) gets zeros, as `msa.sparse_attention` and the kernels."""
     scores = torch.einsum("thgd,khd->htgk", q, k) * scale
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-    return torch.einsum("htgk,khd->thgd", scores.softmax(-1), v)
+    sees_a_key = visible.any(-1)[:, :, None, None]  # the softmax of an all -inf row is NaN
+    probs = torch.where(sees_a_key, scores.softmax(-1), 0.0)
+    return torch.einsum("htgk,khd->thgd", probs, v)
 
 
 def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMeta,
