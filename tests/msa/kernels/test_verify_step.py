@@ -1,7 +1,7 @@
 """The sparse layer's step in one call (`verify_step`): the attention launched early, each
-program waiting for its own token's ready flag, against two independent things: the selection
-of two plain launches (the top-k after the whole scoring grid) and the torch reference
-attention on that selection. The flags must be zero again after every step (the next step's
+program waiting for its own token's ready flag, against independent things: the selection
+against a float64 top-k oracle and equal to two plain launches' (the top-k after the whole
+scoring grid), and the torch reference attention on that selection. The flags must be zero again after every step (the next step's
 attention trusts any other value), including after graph replays, reshaped batches and a
 rejected call.
 
@@ -18,7 +18,8 @@ from m3_eagle_plugin.bench import torch_reference as ref
 from m3_eagle_plugin.bench.inputs import Geometry
 from tests._interpreter import check_module_cases, needs_interpreter
 
-from .kernel_case_helpers import assert_close_rel, capture_after_warmup, poison_allocator_like, random_step
+from .kernel_case_helpers import (assert_close_rel, assert_valid_selection, capture_after_warmup, exact_block_scores,
+                                  poison_allocator_like, random_step)
 
 GEO = Geometry(q_heads=16, kv_heads=2, head_dim=32, index_heads=2, index_dim=32, block=16, topk=4)
 SCALE = GEO.head_dim ** -0.5
@@ -55,8 +56,10 @@ def check_early_step_matches_plain_launches(device, *, qo_lens=(4, 1, 3), kv_len
     poison_allocator_like(q)
     sel, out = _step(meta, cache, q, index_q, max(qo_lens), early=True, splits=splits, local_blocks=local,
                      init_blocks=init)
-    assert torch.equal(sel.cpu(), want.cpu())
     live = sum(qo_lens)
+    assert_valid_selection(sel[:, :live], exact_block_scores(index_q, cache.index_k, meta), GEO.topk,
+                           local_blocks=local, init_blocks=init)
+    assert torch.equal(sel.cpu(), want.cpu())
     assert_close_rel(out[:live].float(), expect[:live].float(), 3e-3 if cache.k.element_size() > 1 else 2e-2)
     assert (out[live:] == 0).all(), "graph-padding rows must be zero"
     _flags_zero(device, GEO.kv_heads * q.shape[0])
@@ -69,6 +72,23 @@ def check_flags_reused_across_batches(device):
         check_early_step_matches_plain_launches(device, qo_lens=qo_lens, kv_lens=kv_lens, splits=splits, pad_tokens=0)
 
 
+def check_random_steps(device, *, seed, requests=(1, 6), max_kv=300):
+    """Seeded random steps: request count, verify lengths 1-4, contexts, splits, forced blocks and
+    fp16 or fp8 K/V drawn from `seed`; each checked as above."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=gen))
+
+    n = draw(*requests)
+    qo_lens = tuple(draw(1, 4) for _ in range(n))
+    kv_lens = tuple(q + draw(0, max_kv) for q in qo_lens)
+    local = draw(0, 2)
+    check_early_step_matches_plain_launches(device, qo_lens=qo_lens, kv_lens=kv_lens, splits=draw(1, 4),
+                                            pad_tokens=draw(0, 2), local=local, init=draw(0, GEO.topk - local),
+                                            seed=seed, kv_dtype=("float16", "float8_e4m3fn")[draw(0, 1)])
+
+
 #: The interpreter's share (small launches: CI has two cores).
 INTERPRETER_CASES = [
     (check_early_step_matches_plain_launches, dict()),
@@ -77,6 +97,7 @@ INTERPRETER_CASES = [
     (check_early_step_matches_plain_launches, dict(splits=2, seed=2, kv_dtype="float8_e4m3fn")),
     (check_early_step_matches_plain_launches, dict(splits=1, qo_lens=(4, 4), kv_lens=(90, 31), seed=3,
                                                    kv_dtype="float8_e4m3fn")),
+    (check_random_steps, dict(seed=11, requests=(2, 3), max_kv=120)),
 ]
 
 
@@ -91,7 +112,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
     # B64 q4 with fp8 K/V: 256 rows, past one a SM, one reader a row (the rule's largest early step).
     (check_early_step_matches_plain_launches, dict(qo_lens=(4,) * 64, kv_lens=tuple(1500 + 97 * i for i in range(64)),
                                                    splits=1, pad_tokens=3, seed=4, kv_dtype="float8_e4m3fn")),
-])
+] + [(check_random_steps, dict(seed=100 + i, requests=(1, 40), max_kv=3000)) for i in range(12)])
 def test_on_gpu(fn, kw):
     fn("cuda", **kw)
 
