@@ -176,3 +176,16 @@ def one_request_step(tokens, *, hint=True, q_heads=2, dim=16, block=16):
     sel = torch.full((1, tokens, 2), -1, dtype=torch.int32)
     sel[..., 0] = 0
     return q, kc, meta, sel
+
+
+def seeded_draws(seed: int):
+    """`draw(lo, hi)`: an int in [lo, hi] from a generator seeded with `seed`; the interpreter's
+    property cases draw their shapes with it (hypothesis would cost CI too much there)."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=gen))
+
+
+def seeded_requests(draw, *, max_requests: int, max_qo: int, max_extra: int) -> tuple[tuple, tuple]:
+    """(qo_lens, kv_lens) of 1..max_requests requests: 1..max_qo tokens at the end of 0..max_extra more."""
+    qo_lens = tuple(draw(1, max_qo) for _ in range(draw(1, max_requests)))
+    return qo_lens, tuple(q + draw(0, max_extra) for q in qo_lens)

@@ -17,7 +17,7 @@ from m3_eagle_plugin.bench import torch_reference as ref
 from tests._interpreter import check_module_cases, needs_interpreter
 
 from .kernel_case_helpers import (M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, one_request_step,
-                                  poison_allocator_like, random_step)
+                                  poison_allocator_like, random_step, seeded_draws, seeded_requests)
 
 
 def _run(q, cache, meta, **kw):
@@ -41,11 +41,21 @@ def check_matches_reference(device, *, splits=None, qo_lens=(4, 2, 1), kv_lens=(
 
 #: The interpreter's share (CI has two cores): several splits (more than some requests have pages)
 #: and one (the kernel zeroes the padding rows itself), fp8 K/V with scales and fp16 partials.
+def check_seeded_random_step(device, *, seed):
+    """`check_matches_reference` on a seeded random step: requests, lengths, splits, graph padding
+    and the q_len hint drawn from `seed` (the property test's, for CI)."""
+    draw = seeded_draws(seed)
+    qo_lens, kv_lens = seeded_requests(draw, max_requests=3, max_qo=6, max_extra=100)
+    check_matches_reference(device, splits=(None, 1, 2, 3)[draw(0, 3)], qo_lens=qo_lens, kv_lens=kv_lens,
+                            pad_tokens=draw(0, 2), max_qo_len=(None, max(qo_lens))[draw(0, 1)], seed=seed)
+
+
 INTERPRETER_CASES = [
     (check_matches_reference, dict(splits=3)),
     (check_matches_reference, dict(splits=1, pad_tokens=2, seed=1)),
     (check_matches_reference, dict(qo_lens=(3, 4), kv_lens=(40, 21), pad_tokens=1, kv_dtype=torch.float8_e4m3fn,
                                    q_dtype=torch.float16, max_qo_len=4, scale=2.0, seed=2)),
+    (check_seeded_random_step, dict(seed=41)),
 ]
 
 

@@ -20,6 +20,8 @@ from .kernel_case_helpers import (
     needs_gpu,
     one_request_step,
     random_step,
+    seeded_draws,
+    seeded_requests,
 )
 from m3_eagle_plugin.bench import torch_reference as ref
 from tests._interpreter import check_module_cases, needs_interpreter
@@ -46,12 +48,25 @@ def check_matches_reference(device, *, qo_lens=(4, 4, 1, 3), kv_lens=(100, 37, 1
     assert (sel[:, live:].cpu() == -1).all(), "graph-padding rows are not -1"
 
 
+def check_seeded_random_step(device, *, seed):
+    """`check_matches_reference` on a seeded random step: requests, lengths, top-k, forced local and
+    init blocks, graph padding and the q_len hint drawn from `seed` (the property test's, for CI)."""
+    draw = seeded_draws(seed)
+    qo_lens, kv_lens = seeded_requests(draw, max_requests=4, max_qo=6, max_extra=150)
+    topk = draw(1, 6)
+    local = draw(0, min(2, topk))
+    check_matches_reference(device, qo_lens=qo_lens, kv_lens=kv_lens, topk=topk, local_blocks=local,
+                            init_blocks=draw(0, topk - local), pad_tokens=draw(0, 2),
+                            max_qo_len=(None, max(qo_lens))[draw(0, 1)], seed=seed)
+
+
 #: The interpreter's share (CI has two cores): verify and decode rows, a top-k wider than some
 #: requests' visible blocks, forced local and init blocks with graph padding under a q_len hint.
 INTERPRETER_CASES = [
     (check_matches_reference, dict()),
     (check_matches_reference, dict(qo_lens=(2, 4, 1), kv_lens=(90, 20, 61), topk=4, local_blocks=1, init_blocks=1,
                                    pad_tokens=2, max_qo_len=4, seed=1)),
+    (check_seeded_random_step, dict(seed=21)),
 ]
 
 

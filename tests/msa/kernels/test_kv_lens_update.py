@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from m3_eagle_plugin.bench.inputs import shuffled_block_tables
 from tests._interpreter import check_module_cases, needs_interpreter
 
-from .kernel_case_helpers import needs_gpu
+from .kernel_case_helpers import needs_gpu, seeded_draws
 
 FIELDS = ("_kv_lens", "_qo_offsets", "_positions", "_token_kv_lens", "_valid_blocks", "_cache_slots")
 
@@ -107,11 +107,7 @@ def check_matches_metadata_and_is_idempotent(device, reqs, seed):
 def check_seeded_random_steps(device, *, seed, count=4):
     """`check_matches_metadata_and_is_idempotent` on `count` seeded random steps (the property
     test's shapes, for the interpreter, where hypothesis would cost too much)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def draw(lo, hi):
-        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
-
+    draw = seeded_draws(seed)
     for i in range(count):
         reqs = [(draw(0, 5), draw(0, 90), draw(0, 6)) for _ in range(draw(1, 6))]
         check_matches_metadata_and_is_idempotent(device, reqs, seed * 100 + i)

@@ -17,7 +17,7 @@ from m3_eagle_plugin.bench import torch_reference as ref
 from tests._interpreter import check_module_cases, needs_interpreter
 
 from .kernel_case_helpers import (M3, SMALL, assert_close_rel, msa_metadata, needs_gpu, one_request_step,
-                                  poison_allocator_like, random_step)
+                                  poison_allocator_like, random_step, seeded_draws, seeded_requests)
 
 
 def _run(q, cache, meta, sel, **kw):
@@ -75,6 +75,16 @@ def check_fused_union_matches_reference(device, *, splits=None, seed=2):
 
 #: The interpreter's share (CI has two cores): both layouts, several splits (the merge) and one
 #: (the kernel zeroes the padding rows itself), fp8 K/V with scales, decode rows beside verify rows.
+def check_seeded_random_step(device, *, seed):
+    """`check_matches_reference` on a seeded random step: requests, lengths, top-k, layout, splits,
+    graph padding and the q_len hint drawn from `seed` (the property test's, for CI)."""
+    draw = seeded_draws(seed)
+    qo_lens, kv_lens = seeded_requests(draw, max_requests=3, max_qo=5, max_extra=120)
+    check_matches_reference(device, layout=LAYOUTS[draw(0, 1)], splits=(None, 1, 2, 3)[draw(0, 3)], qo_lens=qo_lens,
+                            kv_lens=kv_lens, topk=draw(1, 5), pad_tokens=draw(0, 2),
+                            max_qo_len=(None, max(qo_lens))[draw(0, 1)], seed=seed)
+
+
 INTERPRETER_CASES = [
     (check_matches_reference, dict(layout="union", splits=2)),
     (check_matches_reference, dict(layout="token", splits=1, pad_tokens=2, seed=2)),
@@ -84,6 +94,7 @@ INTERPRETER_CASES = [
     (check_matches_reference, dict(layout="token", splits=2, qo_lens=(1, 3), kv_lens=(49, 30), topk=2,
                                    kv_dtype=torch.float8_e4m3fn, q_dtype=torch.float16, scale=2.0, seed=4)),
     (check_fused_union_matches_reference, dict(splits=2)),
+    (check_seeded_random_step, dict(seed=31)),
 ]
 
 
