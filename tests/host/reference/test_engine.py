@@ -63,6 +63,81 @@ def test_overlap_runs_ahead_and_matches_plain():
     assert a.stats.accepted_tokens == b.stats.accepted_tokens
 
 
+def _record_launch_commit_order(engine):
+    """Wrap the engine's launch and commit so each call is logged as ("launch"|"commit", step_id)."""
+    events = []
+    launch, commit = engine.launch, engine.commit
+
+    def logged_launch(rows, step_id):
+        events.append(("launch", step_id))
+        return launch(rows, step_id)
+
+    def logged_commit(out, requests, progress):
+        events.append(("commit", out.step_id))
+        return commit(out, requests, progress)
+
+    engine.launch, engine.commit = logged_launch, logged_commit
+    return events
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_launches_the_next_step_before_committing_this_one(overlap):
+    """Overlap means step N+1 is launched while step N is uncommitted; the plain loop commits N first."""
+    engine, target, cache = build(draft_len=3, overlap=overlap)
+    events = _record_launch_commit_order(engine)
+    result = engine.generate(PROMPTS, max_new_tokens=7)
+    assert result.outputs == [target.greedy(p, 7) for p in PROMPTS]
+    launched = [s for kind, s in events if kind == "launch"]
+    assert len(launched) >= 5 and launched == sorted(launched)
+    assert sorted(s for kind, s in events if kind == "commit") == launched  # each step committed once
+    where = {event: i for i, event in enumerate(events)}
+    for previous, following in zip(launched, launched[1:]):
+        if overlap:
+            assert where[("launch", following)] < where[("commit", previous)]
+        else:
+            assert where[("commit", previous)] < where[("launch", following)]
+
+
+def _accepted_per_verify_step(prompt, continuation, num_new, draft_len):
+    """[(outputs before the step, drafts accepted)] per verify step of one request, simulated from
+    FakeHead's known error pattern (the same walk as `_fakes.expected_accepted`)."""
+    seq = list(prompt) + list(continuation)
+    position, emitted, steps = len(prompt), 1, []
+    while emitted < num_new:
+        a = 0
+        while a < draft_len and _fakes.head_is_right(seq, position + a):
+            a += 1
+        steps.append((emitted, a))
+        emitted, position = emitted + a + 1, position + a + 1
+    return steps
+
+
+def test_overlap_corrects_the_optimistic_kv_lengths_on_the_device_and_matches_greedy():
+    """One request, so every verify step is launched while the previous one is in flight, staged as
+    if all K drafts were accepted. The device correction must run for each such step and bring the
+    row's kv length to prompt + outputs so far + K (its K + 1 inputs end there)."""
+    prompt, k, num_new = PROMPTS[1], 3, 12
+    engine, target, cache = build(draft_len=k, overlap=True)
+    corrections = []
+    update = engine.runner.meta.on_update_kv_lens
+
+    def spy(kv_lens=None):
+        corrections.append(None if kv_lens is None else kv_lens.tolist())
+        return update(kv_lens)
+
+    engine.runner.meta.on_update_kv_lens = spy
+    result = engine.generate([prompt], max_new_tokens=num_new)
+    assert result.outputs == [target.greedy(prompt, num_new)]
+    steps = _accepted_per_verify_step(prompt, target.greedy(prompt, num_new + k + 2), num_new, k)
+    assert steps[-1][0] + 1 >= num_new  # no void step runs ahead past the last one needed
+    assert any(a < k for _, a in steps[:-1])  # some correction really shrinks the optimistic length
+    # The first verify step follows a (committed-length) prompt chunk: nothing to correct there.
+    assert corrections == [[len(prompt) + emitted + k] for emitted, _ in steps[1:]]
+    assert result.stats.verify_steps == len(steps)
+    assert result.stats.accepted_tokens == sum(a for _, a in steps)
+    assert cache.num_free_blocks == cache.num_blocks
+
+
 def test_eos_stops_a_request_and_is_kept():
     ref = _fakes.FakeTarget().greedy(PROMPTS[1], 8)
     eos = ref[3]

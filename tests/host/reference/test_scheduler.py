@@ -80,6 +80,104 @@ def test_limits_hold_and_chunks_are_contiguous(specs, batch, draft_len, budget):
                 assert row.length == 1 + draft_len
 
 
+def _blocks(prompt_len, max_new, draft_len, block_size=4):
+    """The module docstring's worst case, written out: prompt + new tokens + 4K + 1, in whole blocks."""
+    return -(-(prompt_len + max_new + 4 * draft_len + 1) // block_size)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 20), st.sampled_from(["waiting", "decode", "finishing"])),
+                min_size=1, max_size=8),
+       st.integers(1, 5), st.integers(0, 3), st.integers(1, 6), st.integers(0, 3), st.integers(0, 8),
+       st.integers(-1, 1))
+def test_a_step_is_filled_as_far_as_the_limits_allow(specs, batch, draft_len, verify_rows, extra, fitting, slack):
+    """The documented policy, as lower bounds: verify rows first (all the same size, so one left out
+    means the batch or the budget holds no more verify rows, whatever the context rows take), then
+    prompt chunks in order up to the budget (only a step's last chunk may be cut, and only because
+    the budget is used up), and FIFO admission under the KV budget (stops at the first request
+    whose worst case does not fit next to those admitted)."""
+    verify_cost = 1 + draft_len
+    budget = verify_rows * verify_cost + extra  # extra 0: verify rows can fill the budget exactly
+    # A cache sized around the worst cases of the first `fitting` waiting requests, so exact fits
+    # (slack 0) and one-block misses (slack -1) come up, not only roomy or hopeless caches.
+    needs = [_blocks(n, 4, draft_len) for n, kind in specs if kind == "waiting"]
+    total_blocks = max(1, sum(needs[:fitting]) + slack)
+    sched = Scheduler(max_batch_size=batch, max_tokens_per_step=budget, draft_len=draft_len, block_size=4,
+                      total_blocks=total_blocks)
+    requests = []
+    for i, (n, kind) in enumerate(specs):
+        r = make(i, n, RequestState.WAITING if kind == "waiting" else RequestState.DECODE)
+        if kind == "finishing":  # its last token is in flight: nothing left to schedule
+            r.output, r.inflight_steps = [0] * (r.max_new_tokens - 1), 1
+        requests.append(r)
+    admitted, held = set(), 0
+    for _ in range(8):
+        waiting = [r for r in requests if r.state is RequestState.WAITING]
+        rows = sched.schedule(requests)
+        scheduled = {row.request.index for row in rows}
+        verify = [row for row in rows if row.kind is RowKind.VERIFY]
+        tokens = sum(row.length for row in rows)
+        full = len(rows) == batch or tokens == budget
+        newly = [r for r in waiting if r.state is not RequestState.WAITING]
+        assert newly == waiting[: len(newly)]  # FIFO, no overtaking
+        for r in newly:
+            assert r.state is RequestState.PREFILL and r.index in scheduled
+            admitted.add(r.index)
+            held += _blocks(len(r.prompt), r.max_new_tokens, draft_len)
+        assert held <= total_blocks
+        if len(newly) < len(waiting):  # the first one left waiting did not fit, or the step was full
+            first = waiting[len(newly)]
+            assert full or held + _blocks(len(first.prompt), first.max_new_tokens, draft_len) > total_blocks
+        for r in requests:
+            if r.index in scheduled:
+                continue
+            if r.state is RequestState.DECODE and len(r.output) + r.inflight_steps < r.max_new_tokens:
+                assert len(verify) == batch or (len(verify) + 1) * verify_cost > budget
+            if r.state is RequestState.PREFILL:
+                assert full
+        for row in rows:
+            if row.kind is RowKind.CONTEXT:
+                if not row.final:
+                    assert tokens == budget
+                row.request.num_prefilled += row.length
+                if row.final:
+                    row.request.state = RequestState.DECODE
+            else:
+                assert row.request.inflight_steps == 0
+                row.request.state = RequestState.FINISHED  # one verify step each, so blocks come back
+                sched.release(row.request)
+                if row.request.index in admitted:
+                    held -= _blocks(len(row.request.prompt), row.request.max_new_tokens, draft_len)
+
+
+@pytest.mark.parametrize("draft_len", [0, 2, 3])
+def test_verify_rows_that_exactly_fill_the_token_budget_are_all_scheduled(draft_len):
+    cost = 1 + draft_len
+    sched = Scheduler(max_batch_size=8, max_tokens_per_step=3 * cost, draft_len=draft_len, block_size=4,
+                      total_blocks=64)
+    decoding = [make(i, 3, RequestState.DECODE) for i in range(4)]
+    rows = sched.schedule(decoding)
+    assert [(r.request.index, r.kind, r.length) for r in rows] == [(i, RowKind.VERIFY, cost) for i in range(3)]
+    one_short = Scheduler(max_batch_size=8, max_tokens_per_step=3 * cost - 1, draft_len=draft_len, block_size=4,
+                          total_blocks=64)
+    assert [r.request.index for r in one_short.schedule(decoding)] == [0, 1]
+
+
+def test_admission_takes_a_request_whose_worst_case_exactly_fills_the_cache():
+    need = _blocks(4, 4, 1)  # 4 + 4 + 4 + 1 = 13 tokens: 4 blocks of 4
+    assert need == 4
+    alone = Scheduler(max_batch_size=8, max_tokens_per_step=64, draft_len=1, block_size=4, total_blocks=need)
+    a = make(0, 4)
+    assert [r.request.index for r in alone.schedule([a])] == [0] and a.state is RequestState.PREFILL
+    pair = Scheduler(max_batch_size=8, max_tokens_per_step=64, draft_len=1, block_size=4, total_blocks=2 * need)
+    b, c, d = make(1, 4), make(2, 4), make(3, 4)
+    assert [r.request.index for r in pair.schedule([b, c, d])] == [1, 2]
+    assert d.state is RequestState.WAITING
+    c.state = RequestState.FINISHED
+    pair.release(c)
+    assert [r.request.index for r in pair.schedule([b, c, d])] == [1, 3]
+
+
 def test_max_blocks_per_seq_bounds_one_request_and_names_max_seq_len():
     sched = Scheduler(max_batch_size=4, max_tokens_per_step=16, draft_len=1, block_size=4, total_blocks=64,
                       max_blocks_per_seq=3)
