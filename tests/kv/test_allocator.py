@@ -27,6 +27,25 @@ def test_reserve_rewind_free_cycle():
     assert alloc.reserve("c", 9) == [0, 1, 3]  # lowest free ids first
 
 
+def test_rewind_to_zero_tokens_frees_every_page_but_keeps_the_request():
+    """rewind accepts 0 <= num_tokens <= held: rewinding to 0 (every token rejected) drops all
+    pages, yet the request stays known (unlike free) and can grow again from nothing."""
+    alloc = BlockAllocator(num_blocks=5, block_size=4)
+    alloc.allocate("keep", 3)                        # page 0
+    alloc.allocate("a", 9)                           # pages 1, 2, 3
+    assert alloc.rewind("a", 0) == [1, 2, 3]
+    assert "a" in alloc and alloc.pages("a") == [] and alloc.num_tokens("a") == 0
+    assert alloc.num_free_blocks == 4 and alloc.pages("keep") == [0]
+    assert alloc.block_table(["a", "keep"]).tolist() == [[-1], [0]]
+    assert alloc.rewind("a", 0) == []                # already empty: still allowed, frees nothing
+    alloc.add_request("fresh")
+    assert alloc.rewind("fresh", 0) == [] and alloc.num_tokens("fresh") == 0
+    assert alloc.reserve("a", 5) == [1, 2]           # lowest free ids first, as for a new request
+    with pytest.raises(ValueError, match="cannot rewind request 'a' to -1 tokens"):
+        alloc.rewind("a", -1)
+    assert alloc.pages("a") == [1, 2] and alloc.num_tokens("a") == 5
+
+
 def test_block_table_pads_with_minus_one():
     alloc = BlockAllocator(8, 2)
     alloc.allocate(1, 5)

@@ -181,3 +181,50 @@ def test_an_fp8_cache_round_trips_every_byte():
         sent = src.storage(pool.pool_id).view(torch.uint8)[src.pages(0)]
         got = dst.storage(pool.pool_id).view(torch.uint8)[dst.pages("new")]
         assert torch.equal(got, sent)
+
+
+@pytest.mark.parametrize("fail_at", [0, 1])
+def test_a_copy_failing_partway_leaves_no_request_and_frees_its_blocks(monkeypatch, fail_at):
+    """All-or-nothing past the allocation too: when copying a pool's pages raises (here after
+    ``fail_at`` pools were written), the error propagates, the request is not registered and
+    every block it took is free again, so the cache's allocator state is the one before the call."""
+    gen = torch.Generator().manual_seed(fail_at)
+    src, dst, twin = _cache(heads=2), _cache(heads=2), _cache(heads=2)
+    assert len(dst.geometry.pools) == 2  # K/V and index-K pages differ: the copy is one call per pool
+    src.add_request(0)
+    src.reserve(0, 9)
+    _fill(src, 0, gen)
+    payload = export_request(src, 0)
+    for cache in (dst, twin):  # twin: the same history without the failed import
+        cache.add_request("other")
+        cache.reserve("other", 5)
+        _fill(cache, "other", torch.Generator().manual_seed(99))
+    before = (dst.allocator.request_ids, dst.pages("other"), dst.num_tokens("other"), dst.num_free_blocks)
+    other_kv = _per_token(dst, "other", 5)
+
+    copies = []
+    real_index_copy = torch.Tensor.index_copy_
+
+    def flaky_index_copy(self, *args, **kwargs):
+        if len(copies) == fail_at:
+            raise RuntimeError("device lost mid-transfer")
+        copies.append(args)
+        return real_index_copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", flaky_index_copy)
+    with pytest.raises(RuntimeError, match="device lost mid-transfer"):
+        import_request(dst, "new", payload)
+    monkeypatch.undo()
+    assert len(copies) == fail_at
+
+    assert "new" not in dst.allocator
+    assert (dst.allocator.request_ids, dst.pages("other"), dst.num_tokens("other"), dst.num_free_blocks) == before
+    assert dst.num_free_blocks == dst.num_blocks - 2
+    assert sorted(dst.allocator.used_blocks()) == sorted(twin.allocator.used_blocks())
+    for key, value in other_kv.items():  # the other request's pages were not written
+        assert torch.equal(_per_token(dst, "other", 5)[key], value), key
+    # the freed blocks are handed out again exactly as if the failed import had never happened
+    assert import_request(dst, "new", payload).tolist() == import_request(twin, "new", payload).tolist()
+    expected = _per_token(src, 0, 9)
+    for key, value in _per_token(dst, "new", 9).items():
+        assert torch.equal(value, expected[key]), key

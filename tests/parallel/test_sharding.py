@@ -33,6 +33,17 @@ def test_production_heads_per_rank(tp, q, kv, idx):
     assert list(shape.kv_head_range(tp - 1)) == list(range(4 - kv, 4))
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("method", ["q_head_range", "kv_head_range", "index_head_range"])
+def test_a_rank_outside_the_group_is_refused(tp, method):
+    """Ranks are 0 .. tp-1: rank tp (one past the last) and -1 name no rank and get no heads."""
+    shape = shard_heads(64, 4, 4, tp)
+    for rank in (tp, tp + 1, -1):
+        with pytest.raises(ValueError, match=f"rank {rank} is outside \\[0, {tp}\\)"):
+            getattr(shape, method)(rank)
+    assert len(getattr(shape, method)(tp - 1)) == getattr(shape, method.replace("_range", "s"))
+
+
 def test_production_rank_config_at_tp4():
     cfg = rank_config(production_config(), 4)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.index_heads) == (16, 1, 1)

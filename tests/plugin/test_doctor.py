@@ -110,15 +110,35 @@ def test_bad_mode_fails(clean_state, monkeypatch, capsys):
     assert "allowed values" in json.loads(capsys.readouterr().out)["reason"]
 
 
-def test_host_source_check(clean_state, tmp_path, monkeypatch):
-    calls = []
-    import m3_eagle_plugin.host.trtllm as adapter
+def _finding(contract, key, status):
+    return contract.Finding(key=key, attribute="attr", status=status, module="tensorrt_llm.mod", detail=status)
 
-    contract = pytest.importorskip("m3_eagle_plugin.host.trtllm.contract")
-    monkeypatch.setattr(contract, "check_source_tree", lambda d: calls.append(d) or {"missing": []}, raising=False)
+
+def test_host_source_check(clean_state, tmp_path, monkeypatch, capsys):
+    """The doctor passes the directory to the contract check, reports every finding as plain
+    data under the directory, and fails (exit 1) exactly when a finding is not ok."""
+    from m3_eagle_plugin.host.trtllm import contract
+
+    assert doctor.collect()["ok"] is True  # without a host-source check nothing fails
+    calls = []
+    findings = [_finding(contract, "a", "ok"), _finding(contract, "b", "skipped")]
+    monkeypatch.setattr(contract, "check_source_tree", lambda d: calls.append(d) or findings)
     data = doctor.collect(host_source=str(tmp_path))
-    assert calls == [str(tmp_path)] and data["host_source"]["findings"] == {"missing": []}
-    assert adapter is not None
+    assert calls == [str(tmp_path)]
+    assert data["host_source"] == {"dir": str(tmp_path), "findings": [
+        {"key": "a", "attribute": "attr", "status": "ok", "module": "tensorrt_llm.mod", "detail": "ok"},
+        {"key": "b", "attribute": "attr", "status": "skipped", "module": "tensorrt_llm.mod", "detail": "skipped"},
+    ]}
+    assert data["ok"] is True  # "ok" and "skipped" findings pass
+    assert cli.main(["doctor", "--host-source", str(tmp_path)]) == 0
+    assert "host source check" in capsys.readouterr().out
+
+    for status in ("missing", "missing-module", "signature", "unparsable"):
+        findings = [_finding(contract, "a", "ok"), _finding(contract, "b", status)]
+        data = doctor.collect(host_source=str(tmp_path))
+        assert data["ok"] is False and data["host_source"]["findings"][1]["status"] == status, status
+    assert cli.main(["doctor", "--json", "--host-source", str(tmp_path)]) == 1
+    assert json.loads(capsys.readouterr().out)["host_source"]["findings"][1]["key"] == "b"
 
 
 def test_host_source_check_unavailable(clean_state, tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Plugin manager: hermetic registration, safe entry points, conflicts, tracing, resolve()."""
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import textwrap
 
@@ -65,17 +66,20 @@ def test_builtin_reference_components(manager):
     assert manager.model_classes("some-other-host") == {}
 
 
-def test_builtin_reference_components_resolve_when_present(manager):
-    for reference in manager.model_classes("reference").values():
-        try:
-            obj = resolve(reference)
-        except ResolveError:
-            pytest.skip(f"{reference} not written yet")
-        assert isinstance(obj, type)
+def test_builtin_reference_components_resolve(manager):
+    """Every reference the builtin plugin registers names a class that exists: a dangling
+    reference (a renamed or removed export) fails here rather than at activation."""
+    references = [*manager.model_classes("reference").values(),
+                  manager.kv_cache_manager("reference", {"algorithm": "minimax_m3"}),
+                  manager.attention_metadata("reference")]
+    for reference in references:
+        obj = resolve(reference)
+        module_name, _, attr = reference.partition(":")
+        assert isinstance(obj, type) and obj is getattr(importlib.import_module(module_name), attr), reference
 
 
 def test_builtin_trtllm_patches_come_from_the_adapter(manager):
-    pytest.importorskip("m3_eagle_plugin.host.trtllm.patches")
+    importlib.import_module("m3_eagle_plugin.host.trtllm.patches")  # must exist: a failure, not a skip
     ids = {p.id for p in manager.host_patches("tensorrt_llm")}
     assert {"route-sparse-kv-cache-manager", "route-msa-backend"} <= ids
     assert manager.host_patches("reference") == []

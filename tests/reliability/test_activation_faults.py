@@ -25,8 +25,7 @@ PATCH_MARK = "__m3_eagle_patch__"
 
 
 def _load_fakehost():
-    if not _FAKEHOST.is_file():
-        pytest.skip("the TensorRT-LLM double (tests/host/trtllm/fakehost) is not there")
+    assert _FAKEHOST.is_file(), f"the TensorRT-LLM double {_FAKEHOST} is missing"
     spec = importlib.util.spec_from_file_location("m3rel_trtllm_double", _FAKEHOST)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -69,11 +68,12 @@ def _patch_targets(contract) -> set[str]:
 @pytest.fixture
 def trtllm(tmp_path, monkeypatch):
     fakehost = _load_fakehost()
-    activation = pytest.importorskip("m3_eagle_plugin.activation")
-    adapter = pytest.importorskip("m3_eagle_plugin.host.trtllm")
-    contract = pytest.importorskip("m3_eagle_plugin.host.trtllm.contract")
-    if not hasattr(adapter, "install"):
-        pytest.skip("the adapter has no install() yet")
+    # imported here, not at module level: the double purges the adapter's modules between tests.
+    # A missing module or install() is an ImportError/AttributeError: a failure, never a skip.
+    activation = importlib.import_module("m3_eagle_plugin.activation")
+    adapter = importlib.import_module("m3_eagle_plugin.host.trtllm")
+    contract = importlib.import_module("m3_eagle_plugin.host.trtllm.contract")
+    assert callable(adapter.install), "the adapter has no install()"
     root = fakehost.build_fake_host(tmp_path / "host", fakehost.CURRENT)
     monkeypatch.setenv("M3_EAGLE_PLUGIN", "off")  # activate(mode=...) exports the mode; restored at teardown
     monkeypatch.delenv("M3_EAGLE_PLUGIN_FORCE", raising=False)
@@ -144,7 +144,7 @@ def test_require_with_a_missing_symbol_raises_naming_it(trtllm):
 
 def test_model_registration_failing_after_the_patches_reverts_them(trtllm, monkeypatch):
     """The last install step (model registration) raises: the patches applied before it are undone."""
-    registration = pytest.importorskip("m3_eagle_plugin.host.trtllm.registration")
+    registration = importlib.import_module("m3_eagle_plugin.host.trtllm.registration")
 
     def explode(classes):
         raise RuntimeError("registry is read-only")

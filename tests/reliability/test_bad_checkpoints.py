@@ -12,6 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import m3_eagle_plugin.cli as cli_api
+import m3_eagle_plugin.host.reference.cli  # noqa: F401 - `m3-eagle run` goes through it
+import m3_eagle_plugin.models.loader as loader_api
+import m3_eagle_plugin.models.safetensors_source as source_api
+import m3_eagle_plugin.models.tiny as tiny_api
+from m3_eagle_plugin.eagle3 import checkpoint as checkpoint_api
+
 from ._counts import bump
 
 CLEAR_ERRORS = (ValueError, TypeError)
@@ -21,9 +28,8 @@ CLEAR_ERRORS = (ValueError, TypeError)
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
-    tiny = pytest.importorskip("m3_eagle_plugin.models.tiny")
     out = tmp_path_factory.mktemp("tiny")
-    target, draft = tiny.make_tiny(out, seed=0)
+    target, draft = tiny_api.make_tiny(out, seed=0)
     return Path(target), Path(draft)
 
 
@@ -42,16 +48,14 @@ def draft_copy(tiny_dirs, tmp_path):
 
 
 def _loader():
-    loader = pytest.importorskip("m3_eagle_plugin.models.loader")
-    if not hasattr(loader, "load_target"):
-        pytest.skip("load_target not written yet")
-    return loader
+    assert callable(loader_api.load_target)  # a missing loader fails, it is not skipped
+    return loader_api
 
 
 @pytest.fixture
 def no_weight_reads(monkeypatch):
     """Records every tensor read, so a test can show that a refused load read no weight."""
-    src = pytest.importorskip("m3_eagle_plugin.models.safetensors_source")
+    src = source_api
     reads: list[str] = []
     get, get_many = src.SafetensorsSource.get, src.SafetensorsSource.get_many
     monkeypatch.setattr(src.SafetensorsSource, "get", lambda self, n: reads.append(n) or get(self, n))
@@ -180,10 +184,8 @@ def tiny_target(tiny_dirs):
 
 
 def _draft_loader():
-    ckpt = pytest.importorskip("m3_eagle_plugin.eagle3.checkpoint")
-    if not hasattr(ckpt, "load_draft"):
-        pytest.skip("load_draft not written yet")
-    return ckpt
+    assert callable(checkpoint_api.load_draft)  # a missing draft loader fails, it is not skipped
+    return checkpoint_api
 
 
 def _edit_json(path: Path, edit) -> None:
@@ -262,10 +264,8 @@ def test_truncated_draft_safetensors(tiny_target, draft_copy):
 # ---- the same files through `m3-eagle run`: exit status 2 and one line naming the file, no traceback ----
 
 def _run_cli(capsys, *argv: str) -> tuple[int, str]:
-    cli = pytest.importorskip("m3_eagle_plugin.cli")
-    pytest.importorskip("m3_eagle_plugin.host.reference.cli")
     bump("faults.injected")
-    code = cli.main(["run", *argv, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json"])
+    code = cli_api.main(["run", *argv, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json"])
     captured = capsys.readouterr()
     assert captured.out == "", f"a failed setup printed a result: {captured.out!r}"
     return code, captured.err
