@@ -3,6 +3,7 @@ field, and the file when one is read; nothing else may escape.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 
 import pytest
@@ -18,7 +19,7 @@ else:  # pragma: no cover
 
 
 def _manifest_mod():
-    return pytest.importorskip("m3_eagle_plugin.manifest")
+    return importlib.import_module("m3_eagle_plugin.manifest")
 
 
 def _packaged_raw() -> dict:

@@ -13,13 +13,11 @@ import threading
 
 import pytest
 
+from m3_eagle_plugin.host.trtllm import contract, patching
 from tests._threads import race
 
 from ._counts import bump
 from ._fakehost import make_fake_host, host_patches
-
-patching = pytest.importorskip("m3_eagle_plugin.host.trtllm.patching")
-contract = pytest.importorskip("m3_eagle_plugin.host.trtllm.contract")
 
 
 @pytest.fixture

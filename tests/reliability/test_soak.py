@@ -8,6 +8,7 @@ MiniMax-M3 checkpoint from `make-tiny` with its Eagle3 head (fewer requests on C
 """
 from __future__ import annotations
 
+import importlib
 import gc
 import random
 
@@ -24,9 +25,9 @@ EOS = (5, 17)  # each generated token stops its request with probability ~1/24: 
 
 
 def _host():
-    engine = pytest.importorskip("m3_eagle_plugin.host.reference.engine")
-    kv = pytest.importorskip("m3_eagle_plugin.kv")
-    msa = pytest.importorskip("m3_eagle_plugin.msa")
+    engine = importlib.import_module("m3_eagle_plugin.host.reference.engine")
+    kv = importlib.import_module("m3_eagle_plugin.kv")
+    msa = importlib.import_module("m3_eagle_plugin.msa")
     return engine, kv, msa
 
 
@@ -106,7 +107,7 @@ TINY_EOS = (3, 9, 27)
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    tiny = pytest.importorskip("m3_eagle_plugin.models.tiny")
+    tiny = importlib.import_module("m3_eagle_plugin.models.tiny")
     return tiny.make_tiny(tmp_path_factory.mktemp("soak_tiny"), seed=1)
 
 
@@ -114,9 +115,9 @@ def _engine_factory(dirs, device: str, num_blocks: int, batch: int):
     """Engines over the tiny checkpoint, assembled as `m3-eagle run` does (host/reference/build.py),
     but loading the checkpoints once."""
     engine_mod, kv_mod, _ = _host()
-    loader = pytest.importorskip("m3_eagle_plugin.models.loader")
-    ckpt = pytest.importorskip("m3_eagle_plugin.eagle3.checkpoint")
-    capture_mod = pytest.importorskip("m3_eagle_plugin.eagle3.capture")
+    loader = importlib.import_module("m3_eagle_plugin.models.loader")
+    ckpt = importlib.import_module("m3_eagle_plugin.eagle3.checkpoint")
+    capture_mod = importlib.import_module("m3_eagle_plugin.eagle3.capture")
     target = loader.load_target(dirs[0], device=device)
     head = ckpt.load_draft(dirs[1], target, device=device)
     c = target.config
