@@ -219,3 +219,92 @@ def test_forced_schedule_refuses_a_positive_mean_it_would_round_to_zero():
     with pytest.raises(ValueError, match="resolution"):
         forced_count_at(1e-7, torch.tensor(0))
     assert forced_count_at(0.0, torch.arange(5)).tolist() == [0] * 5
+
+
+def _assert_distributed_as(samples: torch.Tensor, probs: torch.Tensor, what: str) -> None:
+    """Pearson chi-square goodness of fit of `samples` to `probs`, refused below p-value 1e-4.
+
+    The p-value is the chi-square survival function, Q(df / 2, x / 2) (regularized upper incomplete
+    gamma); cells of probability zero must stay empty and do not count towards the degrees of freedom.
+    """
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, f"{what}: sampled a token of target probability zero"
+    assert expected[keep].min() >= 20, f"{what}: too few samples for a chi-square test"
+    statistic = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    df = torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64)
+    p_value = float(torch.special.gammaincc(df, statistic / 2))
+    assert p_value > 1e-4, f"{what}: chi-square {float(statistic):.1f} (p = {p_value:.2e}), counts {counts.tolist()}"
+
+
+def _assert_rate(hits: torch.Tensor, prob: float, what: str) -> None:
+    """A binomial frequency within 5 standard deviations of `prob` (false failure ~ 6e-7)."""
+    n = hits.numel()
+    sd = (prob * (1 - prob) / n) ** 0.5
+    rate = hits.double().mean().item()
+    assert abs(rate - prob) <= 5 * sd + 1e-12, f"{what}: rate {rate:.4f}, expected {prob:.4f} (n = {n})"
+
+
+def test_rejection_sampling_is_lossless_for_rows_with_fewer_drafts():
+    """Per-row draft_lens < K: every emitted position j <= draft_len is distributed as the target's p_j.
+
+    Each target position here is independent of the prefix, so speculative sampling's guarantee reads:
+    the first token ~ p_0 whatever the draft; among rows that got past j drafts, token j ~ p_j; in
+    particular the token after a row's last accepted draft (the bonus, drawn at j = draft_len < K) is
+    p_j and NOT the rejection residual norm(max(p_j - q_j, 0)). Acceptance of draft j has probability
+    sum_x min(p_j(x), q_j(x)) (derived by hand from the rule), so a row reaches j with the product."""
+    gen = torch.Generator().manual_seed(20240611)
+    k, vocab, per_len = 3, 5, 12000
+    p = torch.tensor([[0.40, 0.30, 0.15, 0.10, 0.05],
+                      [0.05, 0.15, 0.30, 0.10, 0.40],
+                      [0.25, 0.00, 0.25, 0.25, 0.25],
+                      [0.10, 0.20, 0.30, 0.40, 0.00]])
+    q = torch.tensor([[0.10, 0.60, 0.10, 0.10, 0.10],
+                      [0.50, 0.20, 0.10, 0.10, 0.10],
+                      [0.20, 0.20, 0.20, 0.20, 0.20]])
+    lens = torch.arange(k + 1).repeat_interleave(per_len)  # per_len rows of each draft_len 0..K
+    rows = lens.numel()
+    drafts = torch.stack([torch.multinomial(q[j], rows, replacement=True, generator=gen) for j in range(k)], dim=1)
+    result = rejection_accept(drafts, q.expand(rows, k, vocab), p.expand(rows, k + 1, vocab), gen, lens)
+    accept_prob = [float(torch.minimum(p[j], q[j]).sum()) for j in range(k)]  # 0.55, 0.55, 0.8
+    for length in range(k + 1):
+        in_group = lens == length
+        tokens, accepted = result.tokens[in_group], result.num_accepted[in_group]
+        assert int(accepted.max()) <= length
+        reach = 1.0
+        for j in range(length + 1):
+            got_here = accepted >= j
+            if j > 0:
+                reach *= accept_prob[j - 1]
+                _assert_rate(got_here, reach, f"draft_len {length}: reached position {j}")
+            _assert_distributed_as(tokens[got_here, j], p[j], f"draft_len {length}, position {j}")
+        # The bonus alone (every draft of the row accepted, drawn at position draft_len).
+        _assert_distributed_as(tokens[accepted == length, length], p[length], f"draft_len {length}, bonus")
+
+
+def test_deterministic_proposals_are_lossless_against_a_soft_target():
+    """draft_probs=None: q is one-hot on the draft, so draft d is accepted with probability p(d) and a
+    rejection draws from p with d removed (renormalized). Whatever d is (every id, the last one
+    included), the emitted token is ~ p; with draft_len < K the bonus after acceptance is ~ p too."""
+    gen = torch.Generator().manual_seed(777)
+    k, vocab, per_len = 2, 4, 12000
+    p = torch.tensor([[0.10, 0.20, 0.30, 0.40],
+                      [0.35, 0.05, 0.25, 0.35],
+                      [0.25, 0.25, 0.10, 0.40]])
+    lens = torch.arange(k + 1).repeat_interleave(per_len)
+    rows = lens.numel()
+    drafts = torch.randint(0, vocab, (rows, k), generator=gen)
+    result = rejection_accept(drafts, None, p.expand(rows, k + 1, vocab), gen, lens)
+    tokens, accepted = result.tokens, result.num_accepted
+    assert torch.equal(tokens[:, 0][accepted >= 1], drafts[:, 0][accepted >= 1])
+    for d in range(vocab):  # the first token ~ p_0 whatever the draft; draft d accepted with p_0(d)
+        with_d = drafts[:, 0] == d
+        _assert_distributed_as(tokens[with_d, 0], p[0], f"first token after draft {d}")
+        _assert_rate(accepted[with_d & (lens >= 1)] >= 1, float(p[0, d]), f"acceptance of draft {d}")
+        _assert_distributed_as(tokens[with_d & (lens == 0), 0], p[0], f"bonus at 0, draft {d} not offered")
+    for length in (1, 2):
+        reached = (lens == length) & (accepted >= 1)
+        _assert_distributed_as(tokens[reached, 1], p[1], f"draft_len {length}, position 1")
+    bonus = (lens == 1) & (accepted == 1)  # every draft of the row accepted, bonus drawn at 1 < K
+    _assert_distributed_as(tokens[bonus, 1], p[1], "draft_len 1, bonus")

@@ -45,8 +45,10 @@ def naive(prior, ids, features, gather, num_drafts):
     return drafts
 
 
-def run_case(prior, ids, features, accepted, num_drafts):
-    """One row of len(ids) tokens after `prior` committed ones; the head continues from token `accepted`."""
+def run_case(prior, ids, features, accepted, num_drafts, num_step_metas=None):
+    """One row of len(ids) tokens after `prior` committed ones; the head continues from token `accepted`.
+
+    `num_step_metas` (default num_drafts - 1) is how many prepared step metadata objects are passed."""
     cache = PagedKVCache.for_minimax_m3(1, [], 1, 4, 4, BLOCK, 32, num_draft_layers=1, dtype=torch.float32)
     cache.add_request(0)
     start, length = len(prior), len(ids)
@@ -66,7 +68,8 @@ def run_case(prior, ids, features, accepted, num_drafts):
     feats = torch.tensor(features, dtype=torch.float32).view(-1, 1)
     result = run_draft_loop(
         SumHead(), cache, first_meta=meta, first_input_ids=torch.tensor(ids), first_features=feats,
-        gather_index=torch.tensor([accepted]), step_metas=step_metas,
+        gather_index=torch.tensor([accepted]),
+        step_metas=step_metas[:num_drafts - 1 if num_step_metas is None else num_step_metas],
         gathered_kv_lens=torch.tensor([start + accepted + 1], dtype=torch.int32), num_drafts=num_drafts,
         choose=lambda logits: (torch.argmax(logits, -1), None),
     )
@@ -104,3 +107,15 @@ def test_bad_arguments_are_rejected():
                        first_features=torch.zeros(1, 1), gather_index=torch.zeros(1, dtype=torch.long),
                        step_metas=[], gathered_kv_lens=torch.ones(1, dtype=torch.int32), num_drafts=3,
                        choose=lambda x: (x.argmax(-1), None))
+
+
+@pytest.mark.parametrize("num_drafts", [2, 3, 4])
+def test_exactly_num_drafts_minus_one_step_metas_suffice_and_one_fewer_is_refused(num_drafts):
+    """Steps 1..K-1 each need their own prepared metadata: K - 1 objects run the whole loop (and match
+    the sequential reference); K - 2 are refused with the documented error."""
+    prior, ids, features = [3, 1, 4], [9, 2, 6], [2, 7, 1]
+    result = run_case(prior, ids, features, 1, num_drafts, num_step_metas=num_drafts - 1)
+    assert result.tokens.tolist() == [naive(prior, ids, features, 1, num_drafts)]
+    with pytest.raises(ValueError, match=rf"^need {num_drafts - 1} prepared step metadata objects, "
+                                         rf"got {num_drafts - 2}$"):
+        run_case(prior, ids, features, 1, num_drafts, num_step_metas=num_drafts - 2)

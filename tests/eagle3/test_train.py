@@ -290,3 +290,50 @@ def test_a_reduced_draft_vocabulary_is_distilled_on_the_ids_it_can_propose(pair,
     assert hard_loss - soft_loss == pytest.approx(nll / labelled, rel=1e-4)
     history = train_head(head, data, steps=6, batch_size=4, seed=0)
     assert all(torch.isfinite(torch.tensor(history))) and history[-1] < history[0]
+
+
+def test_two_pass_loss_is_the_mean_of_per_pass_kl_and_cross_entropy_from_the_paged_chains(pair, data):
+    """distill_loss(ttt_steps=2) against a per-position loop over the PAGED head (not dense_head_step).
+
+    The docstring's definition: pass s's term is the KL(target || head) averaged over the positions
+    it reaches, plus `hard_weight` times the mean cross-entropy against the target's greedy token;
+    the loss is the mean of the two passes' terms. Pass 0 at p (p + 1 < row length) is draft step 0
+    over 0..p; pass 1 at q (1 <= q, q + 1 < row length) is draft step 1 of the chain from p = q - 1.
+    Both predict the token after the one they consume, whose target distribution is
+    `target_logprobs[q + 1]` and greedy label `target_next[q + 1]`. A short row checks the masking."""
+    _, _, target, head = pair
+    assert head.target_ids is None or torch.unique(head.target_ids).numel() == data.target_logprobs.shape[-1]
+    rows = torch.tensor([11, 6])
+    picked = data.select(rows)
+    batch = DistillData(picked.tokens, picked.aux, picked.target_next, torch.tensor([20, 9]), picked.target_logprobs)
+
+    def kl_and_nll(logits, row, q):
+        log_t = batch.target_logprobs[row, q + 1].double()
+        log_q = logits.double().log_softmax(-1)
+        return float((log_t.exp() * (log_t - log_q)).sum()), -float(log_q[batch.target_next[row, q + 1]])
+
+    terms = {0: [], 1: []}  # pass -> [(kl, nll)] over the positions it reaches
+    with torch.no_grad():
+        for row, length in enumerate(batch.lengths.tolist()):
+            tokens, aux = batch.tokens[row], batch.aux[row]
+            cache, meta = _paged(target, head)
+            cache.reserve("r", length - 1)
+            meta.prepare([length - 1], [length - 1], cache.block_table(["r"]), num_context_requests=1)
+            logits, _ = head(tokens[1:length], aux[:length - 1], meta, cache)  # step 0 at p = 0..length-2
+            terms[0] += [kl_and_nll(logits[p], row, p) for p in range(length - 1)]
+            for p in range(length - 2):  # chain from p: step 1 sits at q = p + 1 <= length - 2
+                cache, meta = _paged(target, head)
+                cache.reserve("r", p + 2)
+                meta.prepare([p + 1], [p + 1], cache.block_table(["r"]), num_context_requests=1)
+                _, out = head(tokens[1:p + 2], aux[:p + 1], meta, cache)
+                meta.prepare([1], [p + 2], cache.block_table(["r"]))
+                logits, _ = head(tokens[p + 2:p + 3], out[-1:], meta, cache)
+                terms[1].append(kl_and_nll(logits[0], row, p + 1))
+        soft = float(distill_loss(head, batch, 2))
+        hard = float(distill_loss(head, batch, 2, hard_weight=0.5))
+    assert [len(terms[0]), len(terms[1])] == [19 + 8, 18 + 7]
+    mean_kl = [sum(kl for kl, _ in terms[s]) / len(terms[s]) for s in (0, 1)]
+    mean_nll = [sum(nll for _, nll in terms[s]) / len(terms[s]) for s in (0, 1)]
+    assert mean_kl[0] > 0 and mean_kl[1] > 0 and abs(mean_kl[0] - mean_kl[1]) > 1e-3  # passes distinguishable
+    assert soft == pytest.approx((mean_kl[0] + mean_kl[1]) / 2, rel=1e-4)
+    assert hard - soft == pytest.approx(0.5 * (mean_nll[0] + mean_nll[1]) / 2, rel=1e-4)
