@@ -49,6 +49,7 @@ def test_both_or_neither_still_write(monkeypatch):
     ("index_k rows", r"slots must be \[T=2\]"),        # 2 index-K rows for 3 slots
     ("index_k dim", r"index_k must be \[T, Di=16\]"),
     ("index cache pages", "slot 17 is past the cache's 16 slots"),  # fits K/V (3 pages), not index-K (2 pages)
+    ("index block size", "index-K block size 4 differs from the K/V block size 8"),  # slot 17: page 2 or page 4?
 ])
 def test_a_bad_index_k_is_refused_before_k_and_v_are_written(monkeypatch, bad, match):
     """All or nothing, as `msa.cache_write` and the fused writer: the torch path used to write K/V,
@@ -61,9 +62,11 @@ def test_a_bad_index_k_is_refused_before_k_and_v_are_written(monkeypatch, bad, m
         index_k = index_k[:2]
     elif bad == "index_k dim":
         index_k = torch.ones(3, 8)
-    else:
+    elif bad == "index cache pages":
         index_k_cache = index_k_cache[:2]
         slots = torch.tensor([0, 9, 17])  # page 2 exists in K/V only
+    else:
+        index_k_cache = torch.randn(6, 4, 16)  # as many slots, pages of 4
     before = [t.clone() for t in (k_cache, v_cache, index_k_cache)]
     with pytest.raises(MsaInputError, match=match):
         write_step_kv(k_cache, v_cache, slots, k, v, index_k_cache, index_k)
