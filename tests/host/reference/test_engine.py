@@ -277,6 +277,14 @@ def test_engine_config_refuses_a_mistyped_field_naming_it(field, value):
         EngineConfig(**{field: value})
 
 
+def test_an_eos_id_outside_the_vocabulary_is_refused_naming_it():
+    """It could never match a generated token, so the requests it was meant to end would run to
+    max_new_tokens with no word why."""
+    with pytest.raises(ValueError, match=rf"eos_ids \[{_fakes.VOCAB}\] are outside the vocabulary \[0, {_fakes.VOCAB}\)"):
+        build(eos_ids=(3, _fakes.VOCAB))
+    build(eos_ids=(_fakes.VOCAB - 1,))  # the last id is a token
+
+
 def test_engine_config_takes_eos_ids_as_a_list_and_stays_hashable():
     ref = _fakes.FakeTarget().greedy(PROMPTS[0], 6)
     assert ref[2] not in ref[:2]

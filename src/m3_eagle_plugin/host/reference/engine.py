@@ -110,6 +110,10 @@ class Engine:
             raise ValueError("--cuda-graphs needs a CUDA device (got device %r)" % str(self.device))
         self.target, self.cache, self.config = target, cache, config
         self.vocab_size = int(vocab_size)
+        outside = sorted(t for t in config.eos_ids if t >= self.vocab_size)
+        if outside:
+            raise ValueError(f"eos_ids {outside} are outside the vocabulary [0, {self.vocab_size}): no generated token "
+                             "could ever end a request with them")
         self.head = head
         self.proposer = proposer
         self.plugin_manager = plugin_manager
