@@ -17,7 +17,7 @@ import torch
 
 from .blocks import MsaInputError
 
-__all__ = ["write_kv", "write_index_k"]
+__all__ = ["write_kv", "write_index_k", "check_index_k"]
 
 
 def _redirect_skipped(
@@ -85,14 +85,21 @@ def write_kv(
         cache.index_put_((pages, heads, offsets), safe_values)
 
 
-def write_index_k(index_k_cache: torch.Tensor, slots: torch.Tensor, ik: torch.Tensor) -> None:
-    """Write index keys ``ik`` ``[T, Di]`` into the index-K cache ``[P, B, Di]`` at ``slots``."""
+def check_index_k(index_k_cache: torch.Tensor, slots: torch.Tensor, ik: torch.Tensor, name: str = "ik") -> torch.Tensor:
+    """`write_index_k`'s checks without its write (a caller writing K/V first checks these before
+    anything is written); returns the slots as int64. `name` is how errors call `ik`."""
     if index_k_cache.dim() != 3:
         raise MsaInputError(f"index_k_cache must be [P, B, Di], got {tuple(index_k_cache.shape)}")
     num_pages, block_size, dim = index_k_cache.shape
     if ik.dim() != 2 or ik.shape[1] != dim:
-        raise MsaInputError(f"ik must be [T, Di={dim}], got {tuple(ik.shape)}")
-    slots = _check_slots(slots, ik.shape[0], num_pages * block_size)
+        raise MsaInputError(f"{name} must be [T, Di={dim}], got {tuple(ik.shape)}")
+    return _check_slots(slots, ik.shape[0], num_pages * block_size)
+
+
+def write_index_k(index_k_cache: torch.Tensor, slots: torch.Tensor, ik: torch.Tensor) -> None:
+    """Write index keys ``ik`` ``[T, Di]`` into the index-K cache ``[P, B, Di]`` at ``slots``."""
+    slots = check_index_k(index_k_cache, slots, ik)
+    num_pages, block_size, _ = index_k_cache.shape
     if ik.shape[0] == 0 or num_pages == 0:
         return
 

@@ -422,26 +422,21 @@ def write_step_kv(k_cache, v_cache, slots, k, v, index_k_cache=None, index_k=Non
 
         write_step_kv_fused(k_cache, v_cache, slots, k, v, index_k_cache, index_k)
         return
-    if index_k_cache is not None:
-        _check_index_k(k_cache, index_k_cache, slots, index_k)  # K/V not written yet: all or nothing, as fused
+    if index_k_cache is not None:  # checked before K/V are written: all or nothing, as the fused writer
+        _check_index_k(k_cache, index_k_cache, slots, index_k)
     _reference("write_kv")(k_cache, v_cache, slots, k, v)
     if index_k_cache is not None:
         _reference("write_index_k")(index_k_cache, slots, index_k)
 
 
 def _check_index_k(k_cache, index_k_cache, slots, index_k) -> None:
-    """`msa.write_index_k`'s checks, without its write: `msa.write_kv` checks its own arguments
-    before it writes, but the index-K ones only after it, so a bad index-K (rows, a slot past a
-    smaller index cache) would fail the call with K/V already written. The block sizes must agree,
-    as the fused writer requires: one slot names one token in both caches."""
+    """`msa.write_index_k`'s own checks (`msa.write_kv` checks its arguments before it writes, but
+    the index-K ones would only fail after it), and that the block sizes agree, as the fused writer
+    requires: one slot names one token in both caches."""
     from m3_eagle_plugin.msa.blocks import MsaInputError
-    from m3_eagle_plugin.msa.cache_write import _check_slots
+    from m3_eagle_plugin.msa.cache_write import check_index_k
 
-    if index_k_cache.dim() != 3:
-        raise MsaInputError(f"index_k_cache must be [P, B, Di], got {tuple(index_k_cache.shape)}")
-    num_pages, block_size, dim = index_k_cache.shape
-    if k_cache.dim() == 4 and block_size != k_cache.shape[2]:
-        raise MsaInputError(f"index-K block size {block_size} differs from the K/V block size {k_cache.shape[2]}")
-    if index_k.dim() != 2 or index_k.shape[1] != dim:
-        raise MsaInputError(f"index_k must be [T, Di={dim}], got {tuple(index_k.shape)}")
-    _check_slots(slots, index_k.shape[0], num_pages * block_size)
+    check_index_k(index_k_cache, slots, index_k, name="index_k")
+    if k_cache.dim() == 4 and index_k_cache.shape[1] != k_cache.shape[2]:
+        raise MsaInputError(f"index-K block size {index_k_cache.shape[1]} differs from the K/V block size "
+                            f"{k_cache.shape[2]}")
