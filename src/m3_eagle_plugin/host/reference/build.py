@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
-from m3_eagle_plugin.host.reference.runner import RunnerConfig, step_metadata_bytes
+from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig, runner_config
+from m3_eagle_plugin.host.reference.runner import step_metadata_bytes
 from m3_eagle_plugin.host.reference.scheduler import kv_budget_tokens
 
 __all__ = ["DTYPES", "blocks_for_prompts", "build_engine"]
@@ -70,14 +70,11 @@ def build_engine(
             f"differs from the target's {tc.num_kv_heads}; the draft layer lives in the target's K/V pages, so "
             f"use a head exported with the target's KV heads (for MiniMax-M3: the GQA export, not the MHA one) "
             f"({error})") from None
-    # The step metadata too: sized by --max-batch-size / --max-tokens-per-step, not by the cache.
-    max_blocks = num_blocks if config.max_seq_len is None else min(-(-config.max_seq_len // tc.block_size), num_blocks)
-    step_bytes = step_metadata_bytes(
-        RunnerConfig(draft_len=config.draft_len, max_batch_size=config.max_batch_size,
-                     max_tokens_per_step=config.max_tokens_per_step, max_blocks_per_seq=max_blocks,
-                     block_size=tc.block_size, device=device, num_index_heads=max(tc.index_heads, 1)),
-        has_head=plan is not None,
-    )
+    # The step metadata too: sized by --max-batch-size / --max-tokens-per-step, not by the cache
+    # (at the configured draft length: the engine drops it to 0 only where nothing drafts).
+    run = runner_config(config, draft_len=config.draft_len, block_size=tc.block_size, total_blocks=num_blocks,
+                        device=device, num_index_heads=max(tc.index_heads, 1))
+    step_bytes = step_metadata_bytes(run, has_head=plan is not None)
     _check_memory_fits(num_blocks * sum(pool.slot_bytes for pool in geometry.pools), step_bytes, num_blocks, config,
                        device)
 

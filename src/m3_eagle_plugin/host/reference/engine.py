@@ -62,6 +62,19 @@ class EngineConfig:
                 raise ValueError(f"force_accepted: {error}") from None
 
 
+def runner_config(config: EngineConfig, *, draft_len: int, block_size: int, total_blocks: int, device,
+                  num_index_heads: int) -> RunnerConfig:
+    """What an `Engine` with `config` gives its runner (and, as `max_blocks_per_seq`, its scheduler):
+    `build_engine` sizes the step buffers from it before any weight is read."""
+    seq_blocks = total_blocks if config.max_seq_len is None else min(-(-config.max_seq_len // block_size),
+                                                                     total_blocks)
+    return RunnerConfig(
+        draft_len=draft_len, max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
+        max_blocks_per_seq=seq_blocks, block_size=block_size, device=device, sampling=config.sampling,
+        force_accepted=config.force_accepted, num_index_heads=num_index_heads, cuda_graphs=config.cuda_graphs,
+    )
+
+
 def _check_int(name: str, value, minimum: int, error: type[Exception] = ValueError) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise error(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -123,22 +136,14 @@ class Engine:
         if config.force_accepted is not None and config.force_accepted > self.k:
             raise ValueError(f"force_accepted ({config.force_accepted}) exceeds the draft length ({self.k})")
         block_size = int(cache.block_size)
+        run = runner_config(config, draft_len=self.k, block_size=block_size, total_blocks=int(cache.num_blocks),
+                            device=self.device, num_index_heads=num_index_heads)
         self.scheduler = Scheduler(
             max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
             draft_len=self.k, block_size=block_size, total_blocks=int(cache.num_blocks),
-            max_blocks_per_seq=None if config.max_seq_len is None else -(-config.max_seq_len // block_size),
+            max_blocks_per_seq=run.max_blocks_per_seq,
         )
-        self.runner = StepRunner(
-            target, cache,
-            RunnerConfig(
-                draft_len=self.k, max_batch_size=config.max_batch_size,
-                max_tokens_per_step=config.max_tokens_per_step, max_blocks_per_seq=self.scheduler.max_blocks_per_seq,
-                block_size=block_size, device=self.device, sampling=config.sampling,
-                force_accepted=config.force_accepted, num_index_heads=num_index_heads,
-                cuda_graphs=config.cuda_graphs,
-            ),
-            head=head, capture=capture, metadata_factory=metadata_factory,
-        )
+        self.runner = StepRunner(target, cache, run, head=head, capture=capture, metadata_factory=metadata_factory)
         self.overlap = config.overlap and not self._hook_drafts
         self.stats = SpecStats(draft_len=self.k)
 
