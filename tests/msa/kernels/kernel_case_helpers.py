@@ -185,7 +185,9 @@ def seeded_draws(seed: int):
     return lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=gen))
 
 
-def seeded_requests(draw, *, max_requests: int, max_qo: int, max_extra: int) -> tuple[tuple, tuple]:
-    """(qo_lens, kv_lens) of 1..max_requests requests: 1..max_qo tokens at the end of 0..max_extra more."""
-    qo_lens = tuple(draw(1, max_qo) for _ in range(draw(1, max_requests)))
+def seeded_requests(draw, *, max_requests: int, max_qo: int, max_extra: int,
+                    min_requests: int = 1) -> tuple[tuple, tuple]:
+    """(qo_lens, kv_lens) of min_requests..max_requests requests: 1..max_qo tokens at the end of
+    0..max_extra more."""
+    qo_lens = tuple(draw(1, max_qo) for _ in range(draw(min_requests, max_requests)))
     return qo_lens, tuple(q + draw(0, max_extra) for q in qo_lens)

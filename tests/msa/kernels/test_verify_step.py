@@ -19,7 +19,7 @@ from m3_eagle_plugin.bench.inputs import Geometry
 from tests._interpreter import check_module_cases, needs_interpreter
 
 from .kernel_case_helpers import (assert_close_rel, assert_valid_selection, capture_after_warmup, exact_block_scores,
-                                  poison_allocator_like, random_step, seeded_draws)
+                                  poison_allocator_like, random_step, seeded_draws, seeded_requests)
 
 GEO = Geometry(q_heads=16, kv_heads=2, head_dim=32, index_heads=2, index_dim=32, block=16, topk=4)
 SCALE = GEO.head_dim ** -0.5
@@ -76,8 +76,8 @@ def check_random_steps(device, *, seed, requests=(1, 6), max_kv=300):
     """Seeded random steps: request count, verify lengths 1-4, contexts, splits, forced blocks and
     fp16 or fp8 K/V drawn from `seed`; each checked as above."""
     draw = seeded_draws(seed)
-    qo_lens = tuple(draw(1, 4) for _ in range(draw(*requests)))
-    kv_lens = tuple(q + draw(0, max_kv) for q in qo_lens)
+    qo_lens, kv_lens = seeded_requests(draw, min_requests=requests[0], max_requests=requests[1], max_qo=4,
+                                       max_extra=max_kv)
     local = draw(0, 2)
     check_early_step_matches_plain_launches(device, qo_lens=qo_lens, kv_lens=kv_lens, splits=draw(1, 4),
                                             pad_tokens=draw(0, 2), local=local, init=draw(0, GEO.topk - local),
