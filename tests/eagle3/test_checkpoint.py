@@ -264,3 +264,25 @@ def test_non_integer_d2t_is_refused(tiny, tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.safetensors: d2t must hold integer id offsets, got dtype "
                                               r"torch\.float32"):
         load_draft(path, target)
+
+
+def test_d2t_mapping_two_draft_ids_to_one_target_id_is_refused(tiny, tmp_path):
+    """Both rows would land on one target logit (which one wins is unspecified); the other id is lost."""
+    target, draft_dir = tiny
+    d2t = torch.tensor([0, 1, 0, 10, 10, 10, 10, 10])  # draft 1 -> target 2, draft 2 -> target 2
+
+    def add(t):
+        t["d2t"] = d2t
+    path = _variant(draft_dir, tmp_path / "d", add, lambda c: c.update(draft_vocab_size=8))
+    with pytest.raises(CheckpointError, match=r"d2t maps draft ids \[1, 2\] to the same target id 2"):
+        load_draft(path, target)
+
+
+def test_draft_weight_stored_as_integers_is_refused_by_name(tiny, tmp_path):
+    target, draft_dir = tiny
+
+    def edit(t):
+        t["fc.weight"] = (t["fc.weight"] * 100).to(torch.int16)
+    path = _variant(draft_dir, tmp_path / "d", edit)
+    with pytest.raises(CheckpointError, match=r"tensor 'fc.weight' is stored as I16; weights must be one of"):
+        load_draft(path, target)

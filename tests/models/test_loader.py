@@ -117,3 +117,23 @@ def test_bf16_load_keeps_router_bias_fp32(tiny_dir):
     model = load_target(tiny_dir / "target", dtype=torch.bfloat16)
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.layers[3].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype,stored", [(torch.int32, "I32"), (torch.float8_e4m3fn, "F8_E4M3"), (torch.bool, "BOOL")])
+def test_weight_stored_as_a_non_float_dtype_is_refused_by_name(tiny_dir, tmp_path, dtype, stored):
+    """Casting integer or float8 data to the model dtype gives numbers that are not the weights."""
+    name = "language_model.model.layers.4.block_sparse_moe.experts.1.w2.weight"
+
+    def edit(t):
+        t[name] = t[name].to(dtype)
+    path = _rewrite(tiny_dir / "target", tmp_path / "ckpt", edit)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' is stored as {stored}; weights must be one of"):
+        load_target(path)
+
+
+def test_bf16_and_fp16_weights_still_load(tiny_dir, tmp_path):
+    def edit(t):
+        for i, name in enumerate(sorted(t)):
+            t[name] = t[name].to(torch.bfloat16 if i % 2 else torch.float16)
+    model = load_target(_rewrite(tiny_dir / "target", tmp_path / "ckpt", edit))
+    assert model.embed_tokens.weight.dtype == torch.float32

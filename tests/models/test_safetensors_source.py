@@ -93,3 +93,32 @@ def test_any_truncation_is_refused_naming_the_file(good_file, tmp_path_factory, 
     bad = _truncated(good_file, folder, int(size * fraction))
     with pytest.raises(CheckpointError, match=rf"^{bad}: not a readable safetensors file"):
         SafetensorsSource(folder)
+
+
+def _two_shards(directory: Path, weight_map: dict[str, str]) -> Path:
+    save_file({"a.weight": torch.zeros(2)}, str(directory / "s1.safetensors"))
+    save_file({"b.weight": torch.zeros(3)}, str(directory / "s2.safetensors"))
+    index = directory / SafetensorsSource.INDEX
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("weight_map,what", [
+    ({"a.weight": "s1.safetensors", "b.weight": "s1.safetensors"},
+     r"1 tensor\(s\) not in the shard the index names: b.weight \(s1.safetensors\)"),
+    ({"a.weight": "s1.safetensors", "b.weight": "s2.safetensors", "c.weight": "s2.safetensors"},
+     r"1 tensor\(s\) not in the shard the index names: c.weight \(s2.safetensors\)"),
+    ({"a.weight": "s1.safetensors", "x.weight": "s2.safetensors"},
+     r"x.weight \(s2.safetensors\); 1 tensor\(s\) in a shard but not in the index: b.weight \(s2.safetensors\)"),
+])
+def test_index_that_disagrees_with_its_shards_names_the_tensors(tmp_path, weight_map, what):
+    """A stale index or a shard from another download: the tensors it moved or lost are named."""
+    index = _two_shards(tmp_path, weight_map)
+    with pytest.raises(CheckpointError, match=rf"^{index}: index and shard files disagree: .*{what}"):
+        SafetensorsSource(tmp_path)
+
+
+def test_index_that_matches_its_shards_loads(tmp_path):
+    _two_shards(tmp_path, {"a.weight": "s1.safetensors", "b.weight": "s2.safetensors"})
+    source = SafetensorsSource(tmp_path)
+    assert source.names() == {"a.weight", "b.weight"} and source.dtype("b.weight") == "F32"

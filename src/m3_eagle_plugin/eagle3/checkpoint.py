@@ -28,7 +28,8 @@ from m3_eagle_plugin.eagle3.head import Eagle3Config, Eagle3Head
 from m3_eagle_plugin.models.config import ConfigError, ConfigFields, read_json_object, rope_section
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.models.rope import RotaryEmbedding
-from m3_eagle_plugin.models.safetensors_source import CheckpointError, SafetensorsSource, check_names, check_shape
+from m3_eagle_plugin.models.safetensors_source import (CheckpointError, SafetensorsSource, check_names, check_shape,
+                                                       check_weight_dtype)
 from m3_eagle_plugin.msa.blocks import is_integer_dtype
 
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.|^t2d$")
@@ -155,6 +156,8 @@ def inspect_draft(path: str | Path, target_config) -> DraftPlan:
     check_names(source.where, missing, unknown)
     for canon in present & set(expected):
         check_shape(source.where, by_canon[canon], source.shape(by_canon[canon]), expected[canon])
+        if canon != "d2t":
+            check_weight_dtype(source.where, by_canon[canon], source.dtype(by_canon[canon]))
     if config.draft_vocab_size != config.vocab_size and "d2t" not in present:
         raise CheckpointError(f"{source.where}: draft_vocab_size {config.draft_vocab_size} < vocab_size "
                               f"{config.vocab_size} but the checkpoint has no 'd2t' mapping")
@@ -182,6 +185,7 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
         target_ids = torch.arange(d2t.shape[0], device=device) + d2t
         if int(target_ids.min()) < 0 or int(target_ids.max()) >= config.vocab_size:
             raise CheckpointError(f"{source.where}: d2t maps draft ids outside the target vocabulary")
+        _check_one_to_one(source.where, target_ids)
     # The target's lm_head rows are in target-id order; a draft row d must score target id d + d2t[d],
     # so any non-zero d2t (a smaller draft vocabulary, or a full-size one in another order) needs them gathered.
     remapped = d2t is not None and bool((d2t != 0).any())
@@ -203,6 +207,17 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
     head.d2t = d2t
     head.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
     return head.eval().requires_grad_(False)
+
+
+def _check_one_to_one(where: str, target_ids: torch.Tensor) -> None:
+    """Two draft ids scoring one target id would leave that id with either row's logit, unspecified which."""
+    values, counts = torch.unique(target_ids, return_counts=True)
+    if bool((counts == 1).all()):
+        return
+    repeated = int(values[counts > 1][0])
+    draft_ids = (target_ids == repeated).nonzero().flatten().tolist()
+    raise CheckpointError(f"{where}: d2t maps draft ids {draft_ids} to the same target id {repeated}; "
+                          "each draft id must name its own target id")
 
 
 __all__ = ["CheckpointError", "DraftPlan", "canonical_name", "inspect_draft", "load_draft", "parse_draft_config"]

@@ -21,7 +21,8 @@ import torch
 from m3_eagle_plugin.models.config import M3Config
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.models.rope import RotaryEmbedding
-from m3_eagle_plugin.models.safetensors_source import CheckpointError, SafetensorsSource, check_names, check_shape
+from m3_eagle_plugin.models.safetensors_source import (CheckpointError, SafetensorsSource, check_names, check_shape,
+                                                       check_weight_dtype)
 
 _IGNORED = re.compile(r"(^|\.)mtp\.|^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.|rotary_emb\.")
 _FP32_PARAMS = ("e_score_correction_bias",)
@@ -180,6 +181,7 @@ def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> 
     for key, recipe in recipes.items():
         for src, want in zip(recipe.sources, _source_shapes(recipe, expected[key])):
             check_shape(source.where, src, source.shape(src), want)
+            check_weight_dtype(source.where, src, source.dtype(src))
     return recipes
 
 

@@ -23,13 +23,17 @@ class SafetensorsSource:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         self.root = path if path.is_dir() else path.parent
+        self._weight_map: dict[str, str] | None = None  # the shard index's tensor -> file, when there is one
         self.files = self._find_files(path)
         self._file_of: dict[str, Path] = {}
         self._shape: dict[str, tuple[int, ...]] = {}
+        self._dtype: dict[str, str] = {}  # safetensors' dtype names: "F32", "BF16", "I64", "F8_E4M3", ...
         for file in self.files:
             try:
                 with safe_open(str(file), framework="pt") as f:
-                    shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+                    slices = {name: f.get_slice(name) for name in f.keys()}
+                    shapes = {name: tuple(part.get_shape()) for name, part in slices.items()}
+                    dtypes = {name: part.get_dtype() for name, part in slices.items()}
             except (SafetensorError, OSError) as error:
                 raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(error)})") from None
             for name, shape in shapes.items():
@@ -37,6 +41,9 @@ class SafetensorsSource:
                     raise CheckpointError(f"{file}: tensor {name!r} also appears in {self._file_of[name]}")
                 self._file_of[name] = file
                 self._shape[name] = shape
+                self._dtype[name] = dtypes[name]
+        if self._weight_map is not None:
+            self._check_index_matches_shards()
 
     def _find_files(self, path: Path) -> list[Path]:
         if path.is_file():
@@ -45,7 +52,7 @@ class SafetensorsSource:
             raise CheckpointError(f"checkpoint path {path} does not exist")
         index = path / self.INDEX
         if index.is_file():
-            weight_map = _read_weight_map(index)
+            weight_map = self._weight_map = _read_weight_map(index)
             files = sorted({path / name for name in weight_map.values()})
             missing = [str(p) for p in files if not p.is_file()]
             if missing:
@@ -60,6 +67,24 @@ class SafetensorsSource:
         raise CheckpointError(f"{path}: expected model.safetensors, {self.INDEX} or exactly one *.safetensors file, "
                               f"found {[p.name for p in found]}")
 
+    def _check_index_matches_shards(self) -> None:
+        """The index must list exactly the tensors its shards hold, each in its own shard: anything else
+        is a stale index or a shard from another download, whose weights cannot be trusted."""
+        index = self.root / self.INDEX
+        listed = {name: self.root / shard for name, shard in self._weight_map.items()}
+        absent = sorted(name for name, file in listed.items() if self._file_of.get(name) != file)
+        unlisted = sorted(set(self._file_of) - set(listed))
+        if not absent and not unlisted:
+            return
+        parts = []
+        if absent:
+            parts.append(f"{len(absent)} tensor(s) not in the shard the index names: "
+                         + _preview([f"{n} ({listed[n].name})" for n in absent]))
+        if unlisted:
+            parts.append(f"{len(unlisted)} tensor(s) in a shard but not in the index: "
+                         + _preview([f"{n} ({self._file_of[n].name})" for n in unlisted]))
+        raise CheckpointError(f"{index}: index and shard files disagree: " + "; ".join(parts))
+
     @property
     def where(self) -> str:
         return str(self.files[0]) if len(self.files) == 1 else str(self.root / self.INDEX)
@@ -69,6 +94,10 @@ class SafetensorsSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shape[name]
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors names it ("F32", "BF16", "I64", ...), read from the header."""
+        return self._dtype[name]
 
     def get(self, name: str) -> torch.Tensor:
         return _read(self._file_of[name], [name])[name]
@@ -132,6 +161,17 @@ def check_names(where: str, missing: list[str], unknown: list[str]) -> None:
     if unknown:
         parts.append(f"{len(unknown)} unknown tensor(s): {_preview(sorted(unknown))}")
     raise CheckpointError(f"{where}: checkpoint does not match the model: " + "; ".join(parts))
+
+
+#: stored dtypes a weight can be read from as it is; anything else (integers, bool, float8 data whose
+#: scales live in other tensors) would be cast to numbers that are not the weights
+WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def check_weight_dtype(where: str, name: str, dtype: str) -> None:
+    if dtype not in WEIGHT_DTYPES:
+        raise CheckpointError(f"{where}: tensor {name!r} is stored as {dtype}; weights must be one of "
+                              f"{', '.join(WEIGHT_DTYPES)} (quantized checkpoints are not supported)")
 
 
 def check_shape(where: str, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
