@@ -308,3 +308,17 @@ def test_deterministic_proposals_are_lossless_against_a_soft_target():
         _assert_distributed_as(tokens[reached, 1], p[1], f"draft_len {length}, position 1")
     bonus = (lens == 1) & (accepted == 1)  # every draft of the row accepted, bonus drawn at 1 < K
     _assert_distributed_as(tokens[bonus, 1], p[1], "draft_len 1, bonus")
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_draft_ids_outside_the_vocabulary_are_always_rejected(with_draft_probs):
+    """The target gives an id outside [0, V) probability 0, so it is never accepted (nor emitted), and
+    it takes no mass from the residual: here the target is one-hot on V - 1, the id it must emit."""
+    vocab, rows = 4, 64
+    target = torch.zeros(rows, 2, vocab)
+    target[:, :, vocab - 1] = 1.0
+    drafts = torch.tensor([[vocab + 5], [-1]]).repeat(rows // 2, 1)
+    draft_probs = torch.full((rows, 1, vocab), 1.0 / vocab) if with_draft_probs else None
+    result = rejection_accept(drafts, draft_probs, target, torch.Generator().manual_seed(0))
+    assert result.num_accepted.tolist() == [0] * rows
+    assert result.tokens[:, 0].tolist() == [vocab - 1] * rows

@@ -175,8 +175,11 @@ def rejection_accept(
         raise ValueError(f"target_probs must be [R, K + 1, V], got shape {tuple(target_probs.shape)}")
     draft_tokens = draft_tokens.to(torch.long)
     target_probs = target_probs.to(torch.float32)
+    # An id outside the vocabulary has target probability 0: never accepted, and it takes no residual mass.
+    in_vocab = (draft_tokens >= 0) & (draft_tokens < vocab)
+    index = draft_tokens.clamp(0, vocab - 1).unsqueeze(-1)
     if draft_probs is None:
-        draft_probs = torch.nn.functional.one_hot(draft_tokens.clamp(0, vocab - 1), vocab).to(torch.float32)
+        draft_probs = torch.nn.functional.one_hot(index.squeeze(-1), vocab) * in_vocab.unsqueeze(-1)
     elif draft_probs.shape != (num_rows, num_drafts, vocab):
         raise ValueError(
             f"draft_probs must be [R, K, V] = [{num_rows}, {num_drafts}, {vocab}], got {tuple(draft_probs.shape)}"
@@ -184,8 +187,7 @@ def rejection_accept(
     draft_probs = draft_probs.to(torch.float32)
     generators = _row_generators(generator, num_rows)
 
-    index = draft_tokens.clamp(0, vocab - 1).unsqueeze(-1)
-    p_of_draft = target_probs[:, :num_drafts].gather(2, index).squeeze(-1)
+    p_of_draft = target_probs[:, :num_drafts].gather(2, index).squeeze(-1) * in_vocab
     q_of_draft = draft_probs.gather(2, index).squeeze(-1)
     uniform = _uniform(num_rows, num_drafts, target_probs.device, generator, generators)
     accepted = uniform * q_of_draft < p_of_draft
