@@ -110,3 +110,18 @@ def test_preallocated_buffer_refuses_layers_of_different_lengths():
     capture.record(0, torch.ones(3, 3))
     with pytest.raises(ValueError, match="layer 2 recorded 2 tokens"):
         capture.record(2, torch.ones(2, 3))
+
+
+def test_preallocated_buffer_refuses_a_state_of_another_width():
+    """A [T, 4] state in a buffer allocated for hidden size 8 would leave zero columns in `stacked()`
+    and misplace the later chunks."""
+    capture = AuxCapture([0, 1]).allocate(4, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="layer 0 state is 4 wide.*hidden size 8"):
+        capture.record(0, torch.ones(2, 4))
+
+
+def test_default_mode_refuses_layers_of_different_lengths():
+    capture = AuxCapture([0, 2])
+    capture.record(0, torch.ones(3, 3))
+    with pytest.raises(ValueError, match="layer 2 recorded 2 tokens, earlier layers of this step 3"):
+        capture.record(2, torch.ones(2, 3))

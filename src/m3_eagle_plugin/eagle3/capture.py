@@ -58,10 +58,18 @@ class AuxCapture:
         if slot is None:
             return
         if self._buffer is None:
+            earlier = next(iter(self._records.values()), None)
+            if earlier is not None and hidden.shape[0] != earlier.shape[0]:
+                raise ValueError(f"layer {layer_id} recorded {hidden.shape[0]} tokens, earlier layers of this step "
+                                 f"{earlier.shape[0]}")
             self._records[layer_id] = hidden
             return
         t, h = hidden.shape
-        if t > self._buffer.shape[0] or (slot + 1) * h > self._buffer.shape[1]:
+        width = self._buffer.shape[1] // len(self.layer_ids)  # the hidden size given to `allocate`
+        if h != width:
+            raise ValueError(f"layer {layer_id} state is {h} wide, the capture buffer was allocated for "
+                             f"hidden size {width}")
+        if t > self._buffer.shape[0]:
             raise ValueError(f"capture buffer {tuple(self._buffer.shape)} too small for [{t}, {h}] at layer {layer_id}")
         if self._recorded and t != self._num_tokens:
             raise ValueError(f"layer {layer_id} recorded {t} tokens, earlier layers of this step {self._num_tokens}")
