@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from m3_eagle_plugin.cli import main as cli_main
@@ -109,3 +112,26 @@ def test_an_interrupted_run_leaves_the_earlier_pair_and_no_scratch(tmp_path, mon
     assert all((before[k] == after[k]).all() for k in before)  # the seed-1 pair, untouched
     tiny.make_tiny(out, seed=2)  # a complete run replaces it
     assert any(not (before[k] == _read(out / "draft")[1][k]).all() for k in before)
+
+
+def test_an_interrupt_while_swapping_the_pair_in_keeps_the_earlier_pair(tmp_path, monkeypatch):
+    """Interrupted after the new target is in place but before the new draft is: the output must
+    still be the earlier (seed 1) pair, not a lone target or a new target beside an old draft."""
+    out = tmp_path / "out"
+    tiny.make_tiny(out, seed=1)
+    before = {name: _read(out / name)[1] for name in ("target", "draft")}
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(dst) == out / "draft" and Path(src).parent.name.startswith(".make-tiny-"):
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(tiny.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.make_tiny(out, seed=2)
+    monkeypatch.setattr(tiny.os, "replace", real_replace)
+    assert sorted(p.name for p in out.iterdir()) == ["draft", "target"]
+    for name, tensors in before.items():
+        after = _read(out / name)[1]
+        assert after.keys() == tensors.keys() and all(torch.equal(tensors[k], after[k]) for k in tensors), name

@@ -176,13 +176,33 @@ def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple
             from m3_eagle_plugin.eagle3.train import DistillPlan, distill_checkpoint
 
             distill_checkpoint(staging / "target", staging / "draft", plan=DistillPlan(steps=train_steps), seed=seed)
-        for path in (target, draft):
-            if path.is_dir():
-                shutil.rmtree(path)
-            os.replace(staging / path.name, path)
+        _swap_in(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target, draft
+
+
+_PAIR = ("target", "draft")
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Move the new pair from `staging` into `out`; the earlier pair is parked in `staging` first and
+    put back if that fails part way, so `out` never keeps one new and one old (or a lone) directory."""
+    parked = staging / "previous"
+    parked.mkdir()
+    try:
+        for name in _PAIR:
+            if (out / name).is_dir():
+                os.replace(out / name, parked / name)
+        for name in _PAIR:
+            os.replace(staging / name, out / name)
+    except BaseException:
+        for name in _PAIR:
+            if not (staging / name).exists() and (out / name).is_dir():  # already swapped in: take it out
+                shutil.rmtree(out / name)
+            if (parked / name).is_dir():
+                os.replace(parked / name, out / name)
+        raise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
