@@ -52,6 +52,16 @@ def test_bad_parameters_name_the_cause():
         choose_tokens(torch.zeros(2, 3), SamplingParams(temperature=1.0), [torch.Generator()])
 
 
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 2.5), ("top_k", True), ("seed", 1.5), ("seed", "1"), ("temperature", True), ("temperature", "1"),
+    ("top_p", "0.9"), ("top_p", None),
+])
+def test_a_mistyped_parameter_is_refused_naming_it(field, value):
+    """Not only ranges: a float top_k or seed failed inside the first step, a bool temperature ran as 1."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{"temperature": 1.0, field: value})
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(st.integers(2, 8), st.floats(0.3, 2.0), st.integers(0, 8), st.floats(0.05, 1.0), st.integers(0, 1000))
 def test_filtered_distribution_properties(vocab, temperature, top_k, top_p, seed):

@@ -7,6 +7,7 @@ how requests happen to be batched.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,6 +26,13 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # Types first: a float top_k or seed would fail inside the first step, a bool run as 0 or 1.
+        for name, kind in (("temperature", numbers.Real), ("top_p", numbers.Real), ("top_k", numbers.Integral),
+                           ("seed", numbers.Integral)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                what = "a number" if kind is numbers.Real else "an int"
+                raise ValueError(f"{name} must be {what}, got {value!r}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
