@@ -13,7 +13,7 @@ from . import _fakes
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4], [7], [2, 2, 2, 2, 2, 2]]
 
 
-def build(draft_len=3, head=True, overlap=False, num_blocks=64, **config):
+def build(draft_len=3, head=True, overlap=False, num_blocks=64, proposer=None, **config):
     target = _fakes.FakeTarget()
     cache = _fakes.make_cache(num_blocks)
     kwargs = dict(draft_len=draft_len, max_batch_size=3, max_tokens_per_step=7, overlap=overlap)
@@ -21,7 +21,7 @@ def build(draft_len=3, head=True, overlap=False, num_blocks=64, **config):
     engine = Engine(
         target, cache, EngineConfig(**kwargs), vocab_size=_fakes.VOCAB,
         head=_fakes.FakeHead(target.table) if head else None,
-        capture=_fakes.fake_capture() if head else None,
+        capture=_fakes.fake_capture() if head else None, proposer=proposer,
     )
     return engine, target, cache
 
@@ -271,10 +271,32 @@ def test_step_metadata_bytes_is_what_the_runner_allocates():
     ("draft_len", True), ("draft_len", 2.0), ("draft_len", "3"), ("draft_len", -1),
     ("max_seq_len", 64.0), ("max_seq_len", True), ("max_seq_len", "64"),
     ("eos_ids", 5), ("eos_ids", "5"), ("eos_ids", (5.0,)), ("eos_ids", (True,)), ("eos_ids", (-1,)),
+    ("max_batch_size", 2.5), ("max_batch_size", True), ("max_batch_size", 0),
+    ("max_tokens_per_step", "8"), ("max_tokens_per_step", 7.5),
+    ("force_accepted", True), ("force_accepted", "2"), ("force_accepted", -1), ("force_accepted", float("nan")),
+    ("overlap", "yes"), ("cuda_graphs", 1), ("sampling", None),
 ])
 def test_engine_config_refuses_a_mistyped_field_naming_it(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_steps_count_the_steps_run(overlap):
+    """Target only, one prompt that fits one step: each step emits exactly one token, so 5 new
+    tokens take 5 steps, overlapped or not (the overlapped loop's last pass launches nothing)."""
+    engine, target, cache = build(head=False, overlap=overlap)
+    result = engine.generate([PROMPTS[0]], max_new_tokens=5)
+    assert result.outputs == [target.greedy(PROMPTS[0], 5)]
+    assert result.stats.engine_steps == 5
+
+
+@pytest.mark.parametrize("answer", [None, 5])
+def test_a_proposal_that_is_not_a_list_of_ids_is_refused_naming_the_request(answer):
+    engine, target, cache = build(head=False, proposer=lambda context: [answer for _ in context.tokens])
+    with pytest.raises(ValueError, match="drafts for request 0: expected a list of token ids"):
+        engine.generate(PROMPTS[:1], max_new_tokens=4)
+    assert cache.num_free_blocks == cache.num_blocks
 
 
 def test_an_eos_id_outside_the_vocabulary_is_refused_naming_it():

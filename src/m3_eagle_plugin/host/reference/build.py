@@ -14,7 +14,9 @@ from typing import Sequence
 
 import torch
 
-from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig, runner_config
+from m3_eagle_plugin.host.reference.engine import (
+    Engine, EngineConfig, check_engine_settings, check_int, effective_draft_len, has_drafter_hook, runner_config,
+)
 from m3_eagle_plugin.host.reference.runner import step_metadata_bytes
 from m3_eagle_plugin.host.reference.scheduler import kv_budget_tokens
 
@@ -49,8 +51,12 @@ def build_engine(
 
     device = torch.device(device)
     # Everything a config and the tensor names can refuse is refused before any weight is read.
+    check_int("num_blocks", num_blocks, 1)
     tc = M3Config.from_file(model_dir)
     plan = inspect_draft(draft_dir, tc) if draft_dir is not None else None
+    hook_drafts = proposer is not None or has_drafter_hook(plugin_manager)
+    check_engine_settings(config, vocab_size=tc.vocab_size, device=device,
+                          draft_len=effective_draft_len(config, has_head=plan is not None, hook_drafts=hook_drafts))
     if plan is not None and plan.config.head_dim != tc.head_dim:
         raise ValueError(
             f"{Path(draft_dir) / 'config.json'}: head_dim: the draft head's {plan.config.head_dim} differs from "

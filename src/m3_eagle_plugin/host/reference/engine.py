@@ -45,21 +45,53 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # Types too, not only ranges: a bool draft_len runs as 0 or 1, a float max_seq_len or an
         # int eos_ids fails deep inside the first step, with no word of which field was wrong.
-        _check_int("draft_len", self.draft_len, 0)
+        check_int("draft_len", self.draft_len, 0)
+        check_int("max_batch_size", self.max_batch_size, 1)
+        check_int("max_tokens_per_step", self.max_tokens_per_step, 1)
+        for name in ("overlap", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {self.sampling!r}")
         if self.max_seq_len is not None:
-            _check_int("max_seq_len", self.max_seq_len, 1)
+            check_int("max_seq_len", self.max_seq_len, 1)
         if isinstance(self.eos_ids, (str, bytes)) or not isinstance(self.eos_ids, (tuple, list, set, frozenset)):
             raise ValueError(f"eos_ids must be a tuple of token ids, got {self.eos_ids!r}")
         for token in self.eos_ids:
-            _check_int("eos_ids", token, 0)
+            check_int("eos_ids", token, 0)
         object.__setattr__(self, "eos_ids", tuple(self.eos_ids))  # stays hashable, like the default
-        if self.force_accepted is not None and not self.force_accepted >= 0:
-            raise ValueError(f"force_accepted must be >= 0, got {self.force_accepted}")
-        if self.force_accepted is not None and not float(self.force_accepted).is_integer():
+        if self.force_accepted is not None:
             try:  # the schedule's own rule, so a mean it cannot schedule fails here, not mid-run
                 forced_ratio(self.force_accepted)
             except ValueError as error:
                 raise ValueError(f"force_accepted: {error}") from None
+
+
+def has_drafter_hook(plugin_manager) -> bool:
+    """Whether a plugin implements `m3_eagle_propose_drafts`."""
+    if plugin_manager is None:
+        return False
+    return bool(plugin_manager.hook.m3_eagle_propose_drafts.get_hookimpls())
+
+
+def effective_draft_len(config: EngineConfig, *, has_head: bool, hook_drafts: bool) -> int:
+    """Drafts per verify step: the configured length, or 0 where nothing drafts."""
+    return config.draft_len if has_head or hook_drafts else 0
+
+
+def check_engine_settings(config: EngineConfig, *, vocab_size: int, draft_len: int, device: torch.device) -> None:
+    """Everything an `Engine` refuses of its config, given the vocabulary, the draft length it runs
+    with and its device (`build_engine` runs this before reading any weight)."""
+    if config.cuda_graphs and device.type != "cuda":
+        raise ValueError("--cuda-graphs needs a CUDA device (got device %r)" % str(device))
+    outside = sorted(t for t in config.eos_ids if t >= vocab_size)
+    if outside:
+        raise ValueError(f"eos_ids {outside} are outside the vocabulary [0, {vocab_size}): no generated token "
+                         "could ever end a request with them")
+    if config.force_accepted is not None and forced_ratio(config.force_accepted) > draft_len:
+        raise ValueError(f"force_accepted ({config.force_accepted}) exceeds the draft length ({draft_len})")
+    Scheduler.check_limits(max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
+                           draft_len=draft_len)
 
 
 def runner_config(config: EngineConfig, *, draft_len: int, block_size: int, total_blocks: int, device,
@@ -75,7 +107,7 @@ def runner_config(config: EngineConfig, *, draft_len: int, block_size: int, tota
     )
 
 
-def _check_int(name: str, value, minimum: int, error: type[Exception] = ValueError) -> None:
+def check_int(name: str, value, minimum: int, error: type[Exception] = ValueError) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise error(f"{name} must be an int >= {minimum}, got {value!r}")
 
@@ -119,22 +151,14 @@ class Engine:
         num_index_heads: int = 1,
     ) -> None:
         self.device = torch.device(device)
-        if config.cuda_graphs and self.device.type != "cuda":
-            raise ValueError("--cuda-graphs needs a CUDA device (got device %r)" % str(self.device))
         self.target, self.cache, self.config = target, cache, config
         self.vocab_size = int(vocab_size)
-        outside = sorted(t for t in config.eos_ids if t >= self.vocab_size)
-        if outside:
-            raise ValueError(f"eos_ids {outside} are outside the vocabulary [0, {self.vocab_size}): no generated token "
-                             "could ever end a request with them")
         self.head = head
         self.proposer = proposer
         self.plugin_manager = plugin_manager
-        self._hook_drafts = proposer is not None or self._plugin_has_drafter()
-        has_drafter = head is not None or self._hook_drafts
-        self.k = config.draft_len if has_drafter else 0
-        if config.force_accepted is not None and config.force_accepted > self.k:
-            raise ValueError(f"force_accepted ({config.force_accepted}) exceeds the draft length ({self.k})")
+        self._hook_drafts = proposer is not None or has_drafter_hook(plugin_manager)
+        self.k = effective_draft_len(config, has_head=head is not None, hook_drafts=self._hook_drafts)
+        check_engine_settings(config, vocab_size=self.vocab_size, draft_len=self.k, device=self.device)
         block_size = int(cache.block_size)
         run = runner_config(config, draft_len=self.k, block_size=block_size, total_blocks=int(cache.num_blocks),
                             device=self.device, num_index_heads=num_index_heads)
@@ -146,11 +170,6 @@ class Engine:
         self.runner = StepRunner(target, cache, run, head=head, capture=capture, metadata_factory=metadata_factory)
         self.overlap = config.overlap and not self._hook_drafts
         self.stats = SpecStats(draft_len=self.k)
-
-    def _plugin_has_drafter(self) -> bool:
-        if self.plugin_manager is None:
-            return False
-        return bool(self.plugin_manager.hook.m3_eagle_propose_drafts.get_hookimpls())
 
     @property
     def draft_source(self) -> str:
@@ -180,7 +199,7 @@ class Engine:
                 )
             # Not only >= 1: a float or bool would run (2.5 -> 3 tokens) and a str or None would raise
             # past this request, so every bad count fails the request here.
-            _check_int(f"request {index}: max_new_tokens", max_new_tokens, 1, RequestError)
+            check_int(f"request {index}: max_new_tokens", max_new_tokens, 1, RequestError)
             request.prompt = ids
             self.scheduler.check_fits(request)
         except RequestError as error:
@@ -213,8 +232,10 @@ class Engine:
                 rows = self.scheduler.schedule(requests)
                 if not rows and inflight is None:
                     break
-                launched = self.launch(rows, step_id) if rows else None
-                step_id += 1
+                launched = None
+                if rows:
+                    launched = self.launch(rows, step_id)
+                    step_id += 1
                 if inflight is not None:
                     self.commit(inflight, requests, progress)
                 inflight = launched
@@ -311,17 +332,24 @@ class Engine:
         if len(drafts) != len(ready):
             raise ValueError(f"proposer returned drafts for {len(drafts)} requests, expected {len(ready)}")
         for request, proposal in zip(ready, drafts):
-            proposal = list(proposal)[: self.k]
-            ids = [_token_id(t, self.vocab_size) for t in proposal]
-            if None in ids:
-                bad = [t for t, i in zip(proposal, ids) if i is None]
-                raise ValueError(f"{self.draft_source} drafts for request {request.index}: token ids must be ints "
-                                 f"in [0, {self.vocab_size}), got {bad[:5]}")
-            proposal = ids
+            proposal = self._proposal_ids(request, proposal)
             padded = [request.output[-1]] + proposal + [0] * (self.k - len(proposal))
             request.pending_inputs = torch.tensor(padded, dtype=torch.long, device=self.device)
             request.pending_draft_len = len(proposal)
             request.pending_draft_probs = None
+
+    def _proposal_ids(self, request: Request, proposal) -> list[int]:
+        """A proposer's drafts for ``request`` as vocabulary ids (at most K), else ValueError naming it."""
+        where = f"{self.draft_source} drafts for request {request.index}"
+        try:
+            proposal = list(proposal)[: self.k]
+        except TypeError:
+            raise ValueError(f"{where}: expected a list of token ids, got {proposal!r}") from None
+        ids = [_token_id(t, self.vocab_size) for t in proposal]
+        if None in ids:
+            bad = [t for t, i in zip(proposal, ids) if i is None]
+            raise ValueError(f"{where}: token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}")
+        return ids
 
 
 def _token_id(token, vocab_size: int) -> int | None:

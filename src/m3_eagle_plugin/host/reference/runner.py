@@ -15,7 +15,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from m3_eagle_plugin.eagle3.accept import AcceptResult, forced_accept, forced_count_at, greedy_accept, rejection_accept
+from m3_eagle_plugin.eagle3.accept import (
+    AcceptResult, forced_accept, forced_count_at, forced_ratio, greedy_accept, rejection_accept,
+)
 from m3_eagle_plugin.eagle3.draft_loop import run_draft_loop
 from m3_eagle_plugin.host.reference.sampler import SamplingParams, choose_tokens, filtered_probs
 from m3_eagle_plugin.host.reference.scheduler import RowKind, ScheduledRow
@@ -110,7 +112,9 @@ class StepRunner:
         (args, kwargs), *drafts = _metadata_args(config, head is not None)
         self.meta = metadata_factory(*args, **kwargs)
         self.draft_metas = [metadata_factory(*a, **kw) for a, kw in drafts]
-        fractional = config.force_accepted is not None and not float(config.force_accepted).is_integer()
+        # `forced_ratio` decides what the configured mean is; a whole one needs no step counter.
+        self.forced_mean = None if config.force_accepted is None else forced_ratio(config.force_accepted)
+        fractional = self.forced_mean is not None and self.forced_mean.denominator != 1
         self.forced_step = torch.zeros((), dtype=torch.long, device=config.device) if fractional else None
         self.graphs = None
         if config.cuda_graphs:
@@ -122,7 +126,7 @@ class StepRunner:
         """Drafts to force in this verify step: the configured int, or for a fractional mean the next
         count of `forced_count_at`'s schedule, read from a device step counter that this advances."""
         if self.forced_step is None:
-            return int(self.config.force_accepted)
+            return int(self.forced_mean)
         count = forced_count_at(float(self.config.force_accepted), self.forced_step)
         self.forced_step.add_(1)
         return count

@@ -44,13 +44,7 @@ class Scheduler:
         self, *, max_batch_size: int, max_tokens_per_step: int, draft_len: int, block_size: int, total_blocks: int,
         max_blocks_per_seq: int | None = None,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_tokens_per_step < 1 + draft_len:
-            raise ValueError(
-                f"max_tokens_per_step ({max_tokens_per_step}) must hold one verify row of 1 + draft_len "
-                f"= {1 + draft_len} tokens"
-            )
+        self.check_limits(max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step, draft_len=draft_len)
         self.max_batch_size = max_batch_size
         self.max_tokens_per_step = max_tokens_per_step
         self.draft_len = draft_len
@@ -58,6 +52,17 @@ class Scheduler:
         self.total_blocks = total_blocks
         self.max_blocks_per_seq = total_blocks if max_blocks_per_seq is None else min(max_blocks_per_seq, total_blocks)
         self.admitted_blocks = 0
+
+    @staticmethod
+    def check_limits(*, max_batch_size: int, max_tokens_per_step: int, draft_len: int) -> None:
+        """Refuse step limits that could never schedule a verify row."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_tokens_per_step < 1 + draft_len:
+            raise ValueError(
+                f"max_tokens_per_step ({max_tokens_per_step}) must hold one verify row of 1 + draft_len "
+                f"= {1 + draft_len} tokens"
+            )
 
     def blocks_needed(self, request: Request) -> int:
         return math.ceil(kv_budget_tokens(len(request.prompt), request.max_new_tokens, self.draft_len) / self.block_size)
