@@ -186,6 +186,19 @@ def test_bad_configurations_are_rejected():
         PagedKVCache.for_minimax_m3(2, [1], 1, D, DI, B, 2, dtype=torch.int32)
 
 
+
+@pytest.mark.parametrize("name, value", [("num_blocks", 7.5), ("block_size", 4.5), ("head_dim", 8.9),
+                                         ("index_dim", 8.2), ("kv_heads", {0: 1.5})])
+def test_a_non_integer_size_is_refused_naming_it_not_truncated(name, value):
+    """block_size=4.5 used to build a 4-token cache (its geometry matched 4), num_blocks=7.5 a 7-block one."""
+    from m3_eagle_plugin.kv.geometry import minimax_m3_geometry
+
+    geometry = minimax_m3_geometry(1, [0], 1, D, DI, B, kv_bytes_per_elem=4, index_bytes_per_elem=4)
+    sizes = dict(block_size=B, num_blocks=8, kv_heads={0: 1}, head_dim=D, index_dim=DI, dtype=torch.float32)
+    PagedKVCache(geometry, **sizes)  # the same cache with int sizes is fine
+    with pytest.raises(TypeError, match=rf"{name}.* must be an int, got float"):
+        PagedKVCache(geometry, **{**sizes, name: value})
+
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(
     num_layers=st.integers(1, 5),
