@@ -524,3 +524,98 @@ def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: st
     g = groups["pages that cannot be staged"]
     seen["good"] = _digest(good)
     case("pages that cannot be staged", lambda: _digest(t.recv_payload(0, g)))
+
+
+# ----- bytes damaged on the wire (rank 0 sends through a link that corrupts one message) ---------
+def _through_corrupting_link(transfer, damaged_what: str, damage, call):
+    """``call()`` with rank 0's `parallel.transfer` sending the message named ``damaged_what``
+    through ``damage`` (a copy is changed, as a faulty link would): a test-side stand-in for
+    corruption in transit."""
+    send = transfer._send_tensor
+
+    def send_through_link(tensor, dst, group, what):
+        if what == damaged_what:
+            tensor = tensor.clone()
+            damage(tensor)
+        send(tensor, dst, group, what)
+
+    transfer._send_tensor = send_through_link
+    try:
+        return call()
+    finally:
+        transfer._send_tensor = send
+
+
+def integrity_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out_dir: str) -> None:
+    """Each case on its own group with a 10 s timeout: how long the sender took and what each side
+    raised when a header's body or one page arrives damaged; then a good payload on the same
+    group (the stream's state afterwards)."""
+    import datetime
+    import json as json_
+    import time
+
+    from m3_eagle_plugin.host.reference.build import blocks_for_prompts, build_engine
+    from m3_eagle_plugin.host.reference.engine import EngineConfig
+    from m3_eagle_plugin.kv.transfer import KVTransferPayload
+    from m3_eagle_plugin.parallel import transfer as t
+    from m3_eagle_plugin.parallel.disagg import export_handoff, recv_handoff, run_context_phase, send_handoff
+
+    names = ("header body", "payload page", "handoff page")
+    groups = {name: dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10)) for name in names}
+    gen = torch.Generator().manual_seed(5)
+    good = KVTransferPayload("fp", 5, (torch.randint(0, 256, (2, 3, 8), generator=gen, dtype=torch.uint8),
+                                       torch.randint(0, 256, (2, 1, 16), generator=gen, dtype=torch.uint8)))
+    seen: dict = {"good": _digest(good)}
+    out = Path(out_dir) / f"integrity_rank{rank}.json"
+
+    def case(name, call, follow_up):
+        start = time.monotonic()
+        seen[name] = _outcome(call)
+        seen[f"{name} seconds"] = time.monotonic() - start
+        seen[f"{name}, then"] = _outcome(follow_up) if rank == 0 else _digest_or_error(follow_up)
+        out.write_text(json_.dumps(seen))
+        dist.barrier()
+
+    def flip_bit(tensor):  # page 1, sub-page 0, byte 3 of a [2, 1, 16] pool
+        tensor[1, 0, 3] ^= 0x04
+
+    if rank == 0:
+        def bump_trailer(tensor):
+            tensor[-1] += 1
+
+        g = groups["header body"]
+        case("header body", lambda: _through_corrupting_link(t, "a KV payload header", bump_trailer,
+                                                             lambda: t.send_payload(good, 1, g)),
+             lambda: t.send_payload(good, 1, g))
+        g = groups["payload page"]
+        case("payload page", lambda: _through_corrupting_link(t, "pool 1 of the KV payload", flip_bit,
+                                                              lambda: t.send_payload(good, 1, g)),
+             lambda: t.send_payload(good, 1, g))
+        config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
+        engine = build_engine(target_dir, draft_dir, config, device=torch.device("cpu"),
+                              num_blocks=blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+        h = [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)][1]
+        pool = len(h.payload.pool_pages) - 1
+
+        def flip_page_0(tensor):
+            tensor[0, 0, 0] ^= 0x80
+
+        g = groups["handoff page"]
+        seen["handoff pool"] = pool
+        case("handoff page", lambda: _through_corrupting_link(t, f"pool {pool} of the handoff of request {h.index}",
+                                                              flip_page_0, lambda: send_handoff(h, 1, g)),
+             lambda: t.send_payload(good, 1, g))
+        return
+    g = groups["header body"]
+    case("header body", lambda: t.recv_payload(0, g), lambda: t.recv_payload(0, g))
+    g = groups["payload page"]
+    case("payload page", lambda: t.recv_payload(0, g), lambda: t.recv_payload(0, g))
+    g = groups["handoff page"]
+    case("handoff page", lambda: recv_handoff(0, g), lambda: t.recv_payload(0, g))
+
+
+def _digest_or_error(call):
+    try:
+        return _digest(call())
+    except Exception as error:  # noqa: BLE001 - what happened is the observation
+        return f"{type(error).__name__}: {error}"

@@ -22,8 +22,10 @@ def wire(tiny_pair, tmp_path_factory):
     return {**rank0, **json.loads((out / "wire_rank1.json").read_text())}
 
 
+from m3_eagle_plugin.parallel.transfer import VERSION
+
 PAYLOAD_CAUSES = {
-    "version": "TransferError: rank 0 speaks transfer protocol version 2, this side speaks 1",
+    "version": f"TransferError: rank 0 speaks transfer protocol version {VERSION + 1}, this side speaks {VERSION}",
     "negative num_tokens": "TransferError: KV payload from rank 0: num_tokens -4 is negative",
     "negative page size": r"TransferError: KV payload from rank 0: pool 0 pages have shape \(\d+, -1, \d+\)",
     "absurd page count": "TransferError: KV payload from rank 0: the pages would take .* bytes",

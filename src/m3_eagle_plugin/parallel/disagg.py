@@ -16,10 +16,11 @@ On the wire (`send_handoff` / `recv_handoff`) a handoff is one header frame of k
      prompt (n_prompt ints), output (n_output ints), pending_inputs (n_pending ints),
      the KV payload header body (kind 2)]
 
-then, once the receiver accepted it, the payload's pages. The receiver checks the header (and,
-given its engine, everything `import_handoff` would check) before answering, so a malformed or
-unfitting handoff is refused by name on both sides, its pages never move, and the receiving
-engine is untouched.
+then, once the receiver accepted it, the payload's pages and their checksums. The receiver
+checks the header (and, given its engine, everything `import_handoff` would check) before
+answering, so a malformed or unfitting handoff is refused by name on both sides, its pages never
+move, and the receiving engine is untouched. A page damaged in transit is refused by the receiver
+naming the request, pool and page.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from m3_eagle_plugin.host.reference.scheduler import RowKind
 from m3_eagle_plugin.kv.transfer import KVTransferPayload, export_request, import_request
 from m3_eagle_plugin.parallel.process_group import comm_device
 from m3_eagle_plugin.parallel.transfer import (KIND_HANDOFF, PayloadHeader, TransferError, as_ints, check_sendable,
-                                               recv_header, recv_pages, send_header, send_pages, stage_pages)
+                                               page_checksums, recv_header, recv_pages, send_header, send_pages,
+                                               stage_pages)
 
 __all__ = ["ContextHandoff", "HandoffError", "run_context_phase", "export_handoff", "import_handoff",
            "continue_generation", "send_handoff", "recv_handoff"]
@@ -252,8 +254,9 @@ def send_handoff(handoff: ContextHandoff, dst: int, group: dist.ProcessGroup | N
                      *(len(x) for x in lists)])
     header = [*state, *(t for x in lists for t in x), *PayloadHeader.of(handoff.payload).to_ints()]
     staged = stage_pages(handoff.payload.pool_pages, group)
+    checksums = page_checksums(handoff.payload.pool_pages)
     send_header(KIND_HANDOFF, header, dst, group, f"handoff of request {handoff.index}", error=HandoffError)
-    send_pages(staged, dst, group, f"handoff of request {handoff.index}")
+    send_pages(staged, checksums, dst, group, f"handoff of request {handoff.index}")
 
 
 def _parse_handoff(values: list[int], where: str) -> tuple[ContextHandoff, PayloadHeader]:

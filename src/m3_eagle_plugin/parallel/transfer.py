@@ -5,7 +5,7 @@ carries every pool's slots of the request, so the target layers' K/V, the index-
 shared draft layer travel together. Tensors only (no pickles), through ``comm_device`` so the
 same calls work over gloo (CPU) and NCCL (GPU).
 
-Wire format, version 1 (every message int64 unless said otherwise)
+Wire format, version 2 (every message int64 unless said otherwise)
 -------------------------------------------------------------------
 A *frame* is two messages::
 
@@ -13,12 +13,18 @@ A *frame* is two messages::
     body      [v_0, ..., v_{N-1}, TRAILER]   TRAILER = -MAGIC, so a short body is caught
 
 KIND: 1 a list of ints (`send_ints`), 2 a KV payload header, 3 a handoff header
-(`parallel.disagg`), 4 a verdict. A KV payload (`send_payload`) is::
+(`parallel.disagg`), 4 a verdict, 5 page checksums, 6 a framing abort. A KV payload
+(`send_payload`) is::
 
     sender -> receiver  frame 2: [num_tokens, num_pools, (pages, sub_pages, page_bytes) per pool,
                                   fingerprint length, the fingerprint's UTF-8 bytes, one per int]
     receiver -> sender  frame 4: empty = accepted, else the refusal's reason in UTF-8 bytes
-    sender -> receiver  accepted only: each pool's uint8 pages (a pool with no bytes is skipped)
+    sender -> receiver  accepted only: each pool's uint8 pages (a pool with no bytes is skipped),
+                        then frame 5: the zlib CRC-32 of every page, pool by pool, page by page
+
+A page whose CRC-32 differs on arrival is refused by the receiver, naming the pool and page
+(the framing is intact, so the stream stays in step; the sender is not told). CRC-32 runs at
+about memory-copy speed on the host, where both ends hold the pages anyway.
 
 A handoff is the same with frame 3, whose body is the request's state followed by the body of
 frame 2 (see `parallel.disagg`). The receiver checks the whole header (sizes, counts, and, when
@@ -31,12 +37,16 @@ A frame that is not ours (wrong magic), announces an absurd length or arrives sh
 position in the stream unknown: the receiver raises `TransferError`, and every later message
 to or from that peer in that process group is refused at once (start a new group) rather than
 payload bytes being read as a header. So is a stream that broke in the middle of the pages.
+When the broken frame was a header, whose sender waits for a verdict, the receiver answers
+with frame 6 (the cause in UTF-8 bytes) instead: the sender raises at once and marks the stream
+out of sync too, rather than waiting for its timeout.
 """
 from __future__ import annotations
 
 import json
 import operator
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -49,14 +59,14 @@ from m3_eagle_plugin.parallel.process_group import comm_device
 
 __all__ = ["send_payload", "recv_payload", "send_ints", "recv_ints", "check_sendable", "as_ints",
            "TransferError", "PayloadHeader", "MAGIC", "VERSION", "TRAILER", "KIND_INTS", "KIND_PAYLOAD",
-           "KIND_HANDOFF", "KIND_VERDICT"]
+           "KIND_HANDOFF", "KIND_VERDICT", "KIND_CHECKSUMS", "KIND_ABORT", "page_checksums"]
 
 MAGIC = int.from_bytes(b"M3EAGLE", "big")
-VERSION = 1
+VERSION = 2
 TRAILER = -MAGIC
-KIND_INTS, KIND_PAYLOAD, KIND_HANDOFF, KIND_VERDICT = 1, 2, 3, 4
+KIND_INTS, KIND_PAYLOAD, KIND_HANDOFF, KIND_VERDICT, KIND_CHECKSUMS, KIND_ABORT = 1, 2, 3, 4, 5, 6
 _KIND_NAMES = {KIND_INTS: "int list", KIND_PAYLOAD: "KV payload header", KIND_HANDOFF: "handoff header",
-               KIND_VERDICT: "verdict"}
+               KIND_VERDICT: "verdict", KIND_CHECKSUMS: "page checksums", KIND_ABORT: "framing abort"}
 _WAITS_FOR_VERDICT = (KIND_PAYLOAD, KIND_HANDOFF)
 
 # Limits past which a size is refused as absurd (not a plausible request), before any allocation.
@@ -140,9 +150,20 @@ def _recv_frame(src: int, group) -> tuple[int, int, list[int]]:
     _recv_tensor(body, src, group, f"a frame of {n} ints")
     values = body.cpu().tolist()
     if values[-1] != TRAILER:
-        raise _lose_sync(group, src, f"the frame of {n} ints from rank {src} arrived truncated or corrupt "
-                                     f"(its trailer is {values[-1]:#x}, expected {TRAILER:#x})")
+        cause = (f"the frame of {n} ints from rank {src} arrived truncated or corrupt "
+                 f"(its trailer is {values[-1]:#x}, expected {TRAILER:#x})")
+        if kind in _WAITS_FOR_VERDICT:  # its sender waits for an answer: tell it, or it waits for its timeout
+            _abort(cause, src, group)
+        raise _lose_sync(group, src, cause)
     return kind, version, values[:-1]
+
+
+def _abort(cause: str, peer: int, group) -> None:
+    """Tell ``peer``, which waits for a verdict, that its frame lost the framing (best effort)."""
+    try:
+        _send_frame(KIND_ABORT, _utf8(cause, _MAX_REASON_BYTES), peer, group)
+    except TransferError:
+        pass  # the peer is gone (the stream is marked): the framing error is still the news here
 
 
 def _check_frame(kind: int, version: int, expected: int, peer: int) -> None:
@@ -168,12 +189,21 @@ def _decode_utf8(values: list[int], what: str) -> str:
         raise TransferError(f"{what} is not valid UTF-8: {error}") from None
 
 
+def _reason_text(values: list[int]) -> str:
+    try:
+        return _decode_utf8(values, "the reason")
+    except TransferError as error:
+        return str(error)
+
+
 def send_header(kind: int, values: list[int], dst: int, group, what: str,
                 error: type[Exception] = TransferError) -> None:
     """Send a header frame and wait for the receiver's verdict; a refusal raises ``error`` with the
     receiver's reason (nothing else was sent, so the stream is still in step)."""
     _send_frame(kind, values, dst, group)
     got, version, reason = _recv_frame(dst, group)
+    if got == KIND_ABORT:
+        raise _lose_sync(group, dst, f"rank {dst} lost the framing of the {what}: {_reason_text(reason)}")
     try:
         _check_frame(got, version, KIND_VERDICT, dst)
     except TransferError as mismatch:  # the peer is not answering this header: position unknown
@@ -333,18 +363,49 @@ def stage_pages(pool_pages, group) -> list[torch.Tensor]:
     return [pages.contiguous().to(device) for pages in pool_pages]
 
 
-def send_pages(staged: list[torch.Tensor], dst: int, group, what: str) -> None:
-    """Send what `stage_pages` made, after the receiver accepted the header."""
+def page_checksums(pool_pages) -> list[int]:
+    """zlib CRC-32 of every page (uint8 ``[pages, sub_pages, page_bytes]`` per pool), pool by pool."""
+    sums = []
+    for pages in pool_pages:
+        host = pages.detach().contiguous().cpu().numpy()
+        sums.extend(zlib.crc32(page) for page in host)
+    return sums
+
+
+def send_pages(staged: list[torch.Tensor], checksums: list[int], dst: int, group, what: str) -> None:
+    """Send what `stage_pages` made and its `page_checksums`, after the receiver accepted the header."""
     for i, pages in enumerate(staged):
         if pages.numel():
             _send_tensor(pages, dst, group, f"pool {i} of the {what}")
+    _send_frame(KIND_CHECKSUMS, checksums, dst, group)
 
 
 def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str) -> tuple[torch.Tensor, ...]:
+    """Receive the pages `send_pages` sent into ``buffers``; a page whose checksum differs raises
+    `TransferError` naming it (the stream stays in step)."""
     for i, pages in enumerate(buffers):
         if pages.numel():
             _recv_tensor(pages, src, group, f"pool {i} of {len(buffers)} of the {what}")
-    return tuple(pages.cpu() for pages in buffers)
+    kind, version, expected = _recv_frame(src, group)
+    try:
+        _check_frame(kind, version, KIND_CHECKSUMS, src)
+    except TransferError as mismatch:  # whatever came instead, its sender is not where we are
+        raise _lose_sync(group, src, f"after the pages of the {what}: {mismatch}") from None
+    received = tuple(pages.cpu() for pages in buffers)
+    _check_checksums(received, expected, what)
+    return received
+
+
+def _check_checksums(pool_pages: tuple[torch.Tensor, ...], expected: list[int], what: str) -> None:
+    got = page_checksums(pool_pages)
+    if len(expected) != len(got):
+        raise TransferError(f"the {what} carries {len(expected)} page checksums for its {len(got)} pages")
+    num_pages = int(pool_pages[0].shape[0]) if pool_pages else 0
+    for at, (want, have) in enumerate(zip(expected, got)):
+        if want != have:
+            pool, page = divmod(at, num_pages)
+            raise TransferError(f"the {what}: page {page} of pool {pool} arrived corrupt (CRC-32 "
+                                f"{have:#010x}, the sender's {want:#010x})")
 
 
 # ----- KV payloads ----------------------------------------------------------------------------
@@ -377,11 +438,13 @@ def check_sendable(payload: KVTransferPayload) -> None:
 
 def send_payload(payload: KVTransferPayload, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send ``payload`` to rank ``dst``; raises `TransferError` with the receiver's reason when it
-    refuses the header (then no page was sent)."""
+    refuses the header (then no page was sent). A page damaged in transit raises on the receiver
+    only."""
     check_sendable(payload)
     staged = stage_pages(payload.pool_pages, group)
+    checksums = page_checksums(payload.pool_pages)
     send_header(KIND_PAYLOAD, PayloadHeader.of(payload).to_ints(), dst, group, "KV payload")
-    send_pages(staged, dst, group, "KV payload")
+    send_pages(staged, checksums, dst, group, "KV payload")
 
 
 def recv_payload(src: int, group: dist.ProcessGroup | None = None, *,
