@@ -132,3 +132,58 @@ def test_relative_error_is_infinite_where_either_side_is_not_finite():
     assert relative_error(bad, good) == math.inf
     assert relative_error(good, bad) == math.inf
     assert relative_error(good * 1.5, good) == pytest.approx(0.5)
+
+
+# kv_lens_update rows: B2, context 10, q_len 3, block 4; the row corrects every kv_len 10 -> 9
+KV_GEO = Geometry(q_heads=2, kv_heads=1, head_dim=8, index_heads=1, index_dim=8, block=4, topk=2)
+
+
+def _kv_update_step():
+    from m3_eagle_plugin.bench.kernel_suite import StepSet
+
+    steps = StepSet(2, 10, KV_GEO, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
+                    device=torch.device("cpu"), num_sets=1)
+    return steps, steps.step(0, 3)
+
+
+def test_kv_lens_update_reference_runs_the_torch_ops_not_the_fused_kernel(monkeypatch):
+    """On CUDA with Triton, `MsaDecodeMetadata.on_update_kv_lens` dispatches to the fused kernel:
+    the row's reference must not, else it checks and times the kernel against itself."""
+    from m3_eagle_plugin.bench.kernel_suite import _kernel_thunks
+    from m3_eagle_plugin.msa import MsaDecodeMetadata
+
+    dispatched = []
+    monkeypatch.setattr(MsaDecodeMetadata, "_fused_kv_lens_update",
+                        lambda self: lambda meta, kv: dispatched.append(kv))  # as on a CUDA device
+    _, step = _kv_update_step()
+    _, reference = _kernel_thunks("kv_lens_update", step, KV_GEO)
+    reference()
+    meta, table = step["msa_meta"], step["meta"].block_tables
+    assert dispatched == []
+    assert meta.kv_lens.tolist() == [9, 9] and meta.qo_offsets.tolist() == [6, 6]
+    assert meta.positions.tolist() == [6, 7, 8] * 2 and meta.token_kv_lens.tolist() == [7, 8, 9] * 2
+    assert meta.valid_blocks.tolist() == [2, 2, 3] * 2
+    slots = [int(table[r, p // 4]) * 4 + p % 4 for r in range(2) for p in (6, 7, 8)]
+    assert meta.cache_slots.tolist() == slots
+
+
+@pytest.mark.parametrize("field", ["kv_lens", "qo_offsets", "positions", "token_kv_lens", "valid_blocks",
+                                   "cache_slots"])
+def test_kv_lens_update_check_catches_a_kernel_that_skips_any_field(monkeypatch, field):
+    """The reference writes the same buffers first: a field the kernel leaves alone must still count."""
+    from m3_eagle_plugin.bench import kernel_suite as ks
+    from m3_eagle_plugin.msa.kernels import kv_lens_update
+
+    def fused_skipping_field(meta, kv):
+        kept = getattr(meta, "_" + field).clone()
+        n = meta.num_requests
+        meta._kv_lens[:n].copy_(torch.minimum(kv, meta._kv_lens_staged[:n]).clamp(min=0))
+        meta._derive_token_fields()
+        getattr(meta, "_" + field).copy_(kept)
+
+    monkeypatch.setattr(kv_lens_update, "on_update_kv_lens_fused", fused_skipping_field)
+    monkeypatch.setattr(ks, "time_eager_us", lambda thunks, **kw: 1.0)
+    monkeypatch.setattr(ks, "time_graph_us", lambda thunks, **kw: 1.0)
+    steps, _ = _kv_update_step()
+    row = ks.run_case("kv_lens_update", steps, 3, ceiling_gbps=1.0, time_reference=False)
+    assert row["error"] == 1.0
