@@ -219,10 +219,12 @@ class M3PluginManager(pluggy.PluginManager):
         drafts = self.hook.m3_eagle_propose_drafts(context=context)
         if drafts is None:
             return None
-        if len(drafts) != len(context.request_ids) or any(len(d) != context.draft_len for d in drafts):
+        lengths = _lengths(drafts)
+        if lengths is None or len(lengths) != len(context.request_ids) or any(n != context.draft_len for n in lengths):
+            got = f"{lengths} tokens" if lengths is not None else repr(drafts)
             raise PluginError(
-                f"m3_eagle_propose_drafts returned {[len(d) for d in drafts]} tokens for "
-                f"{len(context.request_ids)} requests; expected {context.draft_len} each"
+                f"m3_eagle_propose_drafts returned {got} for {len(context.request_ids)} requests; expected a list "
+                f"of {context.draft_len} token ids each"
             )
         return [[_token_id(t, rid) for t in d] for rid, d in zip(context.request_ids, drafts)]
 
@@ -254,6 +256,23 @@ def exact_index(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def _lengths(drafts: Any) -> list[int] | None:
+    """Each request's draft count of a drafter's answer, or None when it is not a list of lists."""
+    if isinstance(drafts, (str, bytes)) or any(isinstance(d, (str, bytes)) for d in _iterable(drafts)):
+        return None
+    try:
+        return [len(d) for d in drafts]
+    except TypeError:
+        return None
+
+
+def _iterable(value: Any) -> Any:
+    try:
+        return iter(value)
+    except TypeError:
+        return ()
 
 
 def _token_id(token: Any, rid: Any) -> int:

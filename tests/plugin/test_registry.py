@@ -99,7 +99,19 @@ def test_drafter_with_wrong_shape_is_rejected(manager):
             return [[1]]
 
     manager.register(Bad(), name="bad")
-    with pytest.raises(PluginError, match="expected 2 each"):
+    with pytest.raises(PluginError, match=r"returned \[1\] tokens for 2 requests; expected a list of 2 token ids each"):
+        manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
+
+
+@pytest.mark.parametrize("answer", [5, [None, None], [[1, 1], 7], "ab", ["ab", "cd"]])
+def test_drafter_answer_that_is_not_a_list_of_id_lists_is_refused_naming_it(manager, answer):
+    class Odd:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            return answer
+
+    manager.register(Odd(), name="odd")
+    with pytest.raises(PluginError, match="m3_eagle_propose_drafts returned .* expected a list of 2 token ids each"):
         manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
 
 
