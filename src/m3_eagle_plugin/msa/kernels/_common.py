@@ -218,16 +218,35 @@ def check_cache_view(name: str, cache: torch.Tensor, ndim: int) -> None:
     require(cache.stride(-1) == 1, f"{name} must be contiguous in its last dim (stride {cache.stride()})")
 
 
-def check_meta(meta: Any) -> None:
-    for field in ("block_tables", "kv_lens", "cu_qo_lens", "positions"):
+#: The metadata's 1-D fields the kernels read as `ptr + i`.
+DENSE_META_FIELDS = ("kv_lens", "cu_qo_lens", "positions")
+
+
+def check_meta(meta: Any, device: torch.device, dense_fields: tuple[str, ...] = DENSE_META_FIELDS) -> None:
+    """The metadata fields the kernels read: present, on `device` (the operands'), the block table
+    int32 with unit column stride, and `dense_fields` 1-D with unit stride."""
+    for field in ("block_tables",) + dense_fields:
         require(hasattr(meta, field), f"metadata object lacks field {field!r}")
     require(meta.block_tables.dtype == torch.int32, "meta.block_tables must be int32")
     require(meta.block_tables.dim() == 2 and (meta.block_tables.stride(1) == 1 or meta.block_tables.shape[1] <= 1),
             f"meta.block_tables must be 2-D with unit column stride, got strides {tuple(meta.block_tables.stride())}")
-    require(
-        meta.cu_qo_lens.shape[0] == meta.kv_lens.shape[0] + 1,
-        "meta.cu_qo_lens must have num_requests + 1 entries",
-    )
+    for field in dense_fields:
+        value = getattr(meta, field)
+        require(value.dim() == 1 and (value.stride(0) == 1 or value.shape[0] <= 1),
+                f"meta.{field} must be 1-D with unit stride (the kernels read it densely), got shape "
+                f"{tuple(value.shape)} and strides {tuple(value.stride())}")
+    check_same_device(device, **{f"meta.{field}": getattr(meta, field) for field in ("block_tables",) + dense_fields})
+    if "cu_qo_lens" in dense_fields:
+        require(meta.cu_qo_lens.shape[0] == meta.kv_lens.shape[0] + 1,
+                "meta.cu_qo_lens must have num_requests + 1 entries")
+
+
+def check_same_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
+    """Every tensor given (None: skipped) lives on `device`: a kernel launched there would read
+    another device's address as its own."""
+    for name, tensor in tensors.items():
+        require(tensor is None or tensor.device == device,
+                f"{name} is on {None if tensor is None else tensor.device}, the kernel's other operands on {device}")
 
 
 def check_step_rows(name: str, rows: torch.Tensor, meta: Any) -> None:
@@ -245,8 +264,12 @@ def check_cache_block(name: str, block: int, meta: Any) -> None:
             f"{name} has {block}-token pages but the metadata's block_size is {meta_block}")
 
 
+#: Query (and index query) dtypes the kernels compute in.
+QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def compute_dtype_of(q: torch.Tensor) -> torch.dtype:
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if q.dtype not in QUERY_DTYPES:
         raise KernelInputError(f"queries must be float32/float16/bfloat16, got {q.dtype}")
     return q.dtype
 

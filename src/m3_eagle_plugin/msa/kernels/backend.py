@@ -35,8 +35,8 @@ from . import flashinfer_msa as fim
 from . import kernel_table
 from m3_eagle_plugin.log import get_logger
 
-from ._common import (MAX_TILE_ROWS, KernelInputError, KernelTooLargeError, check_switches, env_value, is_pow2,
-                      triton_available, triton_importable)
+from ._common import (MAX_TILE_ROWS, QUERY_DTYPES, KernelInputError, KernelTooLargeError, check_switches, env_value,
+                      is_pow2, triton_available, triton_importable)
 
 ENV_VAR = "M3_EAGLE_KERNELS"
 MODES = ("auto", "triton", "torch", "flashinfer")
@@ -203,6 +203,9 @@ def _tile_refusal(x: torch.Tensor, k_cache: torch.Tensor | None, block_size: int
     the torch references: the heads of a tile must be a power of two, or at most `padded_rows` (the
     per-token sparse layout pads its rows)."""
     dim, block = int(x.shape[-1]), int(block_size)
+    if x.dtype not in QUERY_DTYPES:
+        kind = "queries" if k_cache is not None else "index queries"
+        return f"{kind} in {x.dtype}: the kernels take float32, float16 or bfloat16"
     if not all(n >= MIN_KERNEL_DIM and is_pow2(n) for n in (dim, block)):
         return f"head dim {dim} and block {block} must be powers of two >= {MIN_KERNEL_DIM}"
     if k_cache is None:

@@ -21,6 +21,7 @@ from .launch import launch
 from .pdl import pdl_args, release_dependents, wait_for_prior_grid, wait_then_release
 from ._common import (
     MAX_GRID_YZ,
+    QUERY_DTYPES,
     check_grid,
     qo_len_hint,
     FP8_DTYPES,
@@ -28,6 +29,7 @@ from ._common import (
     check_cache_block,
     check_cache_view,
     check_meta,
+    check_same_device,
     check_step_rows,
     device_capability,
     device_sm_count,
@@ -270,11 +272,14 @@ def index_block_scores(
     which stays correct, only slower, for a request with more tokens. `release_dependents` lets a
     top-k that polls a `handoff.score_board` (`out`) launch (PDL) once every scoring program has started.
     """
-    check_meta(meta)
+    check_meta(meta, index_q.device)
     check_cache_view("index_k_cache", index_k_cache, 3)
+    check_same_device(index_q.device, index_k_cache=index_k_cache, out=out)
     max_qo_len = qo_len_hint(meta, max_qo_len)
     require(index_q.dim() == 3, f"index_q must be [T, Hi, Di], got {tuple(index_q.shape)}")
     require(index_q.stride(-1) == 1, "index_q must be contiguous in its last dim")
+    # The keys are cast to the queries' dtype for the dot: an fp8 query would round them to fp8.
+    require(index_q.dtype in QUERY_DTYPES, f"index_q must be float32, float16 or bfloat16, got {index_q.dtype}")
     num_tokens, num_heads, dim = index_q.shape
     _, block, kdim = index_k_cache.shape
     require(kdim == dim, f"index dims differ: index_q {dim} vs index_k_cache {kdim}")
@@ -381,7 +386,8 @@ def topk_from_block_scores(
     require(local_blocks >= 0 and init_blocks >= 0, "local_blocks and init_blocks must be >= 0")
     require(local_blocks + init_blocks <= topk, f"local_blocks {local_blocks} + init_blocks {init_blocks} exceed topk "
             f"{topk}: the forced blocks would not all be selected")
-    require(hasattr(meta, "valid_blocks"), "metadata object lacks field 'valid_blocks'")
+    check_meta(meta, block_scores.device, dense_fields=("kv_lens", "cu_qo_lens", "valid_blocks"))
+    check_same_device(block_scores.device, ready=ready)
     num_heads, num_tokens, width = block_scores.shape
     num_requests = meta.kv_lens.shape[0]
     max_qo_len = qo_len_hint(meta, max_qo_len)

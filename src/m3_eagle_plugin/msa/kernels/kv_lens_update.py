@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import require
+from ._common import check_same_device, require
 from .launch import launch
 
 ELEMS_PER_PROGRAM = 1024
@@ -130,6 +130,7 @@ def on_update_kv_lens_fused(meta: Any, kv_lens: torch.Tensor | None = None) -> N
         require(not kv_lens.dtype.is_floating_point and kv_lens.dtype != torch.bool, "kv_lens must be integer")
         require(kv_lens.stride(0) == 1 or kv_lens.shape[0] <= 1,
                 f"kv_lens must be contiguous (the kernel reads it densely), got stride {kv_lens.stride(0)}")
+        check_same_device(meta._kv_lens.device, kv_lens=kv_lens)
     derive_token_fields(
         kv_lens=meta._kv_lens, kv_lens_staged=meta._kv_lens_staged, qo_lens=meta._qo_lens,
         qo_offsets=meta._qo_offsets, token_request=meta._token_request, token_intra=meta._token_intra,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_cache_view, next_pow2, require
+from ._common import check_cache_view, check_same_device, next_pow2, require
 from .launch import launch
 
 
@@ -63,6 +63,7 @@ def write_step_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tor
     check_cache_view("k_cache", k_cache, 4)
     check_cache_view("v_cache", v_cache, 4)
     require(k_cache.shape == v_cache.shape, f"k/v cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+    check_same_device(k_cache.device, v_cache=v_cache, slots=slots, index_k_cache=index_k_cache)
     _, hkv, block, dim = k_cache.shape
     require(slots.dim() == 1 and not slots.dtype.is_floating_point and slots.dtype != torch.bool,
             f"slots must be a 1-d integer tensor, got {slots.dtype} {tuple(slots.shape)}")

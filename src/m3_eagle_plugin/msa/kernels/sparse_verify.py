@@ -23,6 +23,7 @@ from ._common import (
     MAX_TILE_ROWS,
     byte_aligned,
     check_grid,
+    check_same_device,
     qo_len_hint,
     device_sm_count,
     is_pow2,
@@ -381,6 +382,7 @@ def sparse_verify_attention(
     max_qo_len = qo_len_hint(meta, max_qo_len)
     require(selection.dim() == 3 and selection.dtype == torch.int32 and selection.stride(-1) == 1,
             f"selection must be int32 [Hkv, T, topk] with unit last stride, got {selection.dtype} {tuple(selection.shape)}")
+    check_same_device(q.device, selection=selection, ready=ready)
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
     require(selection.shape[0] == hkv and selection.shape[1] == num_tokens,

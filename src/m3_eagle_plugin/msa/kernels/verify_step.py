@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ._common import device_sm_count, qo_len_hint, require
+from ._common import check_same_device, device_sm_count, qo_len_hint, require
 from .attention_io import check_attention_inputs
 from .block_union import chunk_count
 from .handoff import handoff_enabled
@@ -140,6 +140,7 @@ def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, loc
     num_tokens, num_heads, _ = q.shape
     hkv = k_cache.shape[1]
     require(index_q.shape[0] == num_tokens, f"index_q has {index_q.shape[0]} tokens, q has {num_tokens}")
+    check_same_device(q.device, index_q=index_q, index_k_cache=index_k_cache)
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len, checked=True)
     kv_bytes = k_cache.element_size()

@@ -1,0 +1,136 @@
+"""The kernel launchers refuse, before any launch, operands their kernels would misread: metadata
+fields read densely but given as strided views, operands on another device than the rest, index
+queries in a dtype the scoring does not compute in; and `auto` sends a query dtype the kernels
+refuse to the torch reference. Host checks only: `launch` is stubbed to fail the test if reached."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import m3_eagle_plugin.msa as msa  # noqa: E402
+from m3_eagle_plugin.msa import MsaDecodeMetadata  # noqa: E402
+from m3_eagle_plugin.msa.kernels import (KernelInputError, backend, dense_verify, index_select,  # noqa: E402
+                                         kv_lens_update, kv_write, sparse_verify, verify_step)
+
+BLOCK, DIM, KV_HEADS, GROUP, TOPK = 16, 32, 2, 2, 3
+QO_LENS, KV_LENS = [4, 1], [37, 66]
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    def launched(*args, **kwargs):
+        pytest.fail("launched: the input should have been refused on the host")
+
+    for module in (dense_verify, index_select, sparse_verify, kv_write, kv_lens_update):
+        monkeypatch.setattr(module, "launch", launched)
+
+
+def _step():
+    """(meta, k_cache, v_cache, index_k_cache, q, index_q) on the CPU, every request's pages in order."""
+    width = max(-(-kv // BLOCK) for kv in KV_LENS)
+    tables = torch.full((len(KV_LENS), width), -1, dtype=torch.int32)
+    first = 0
+    for r, kv in enumerate(KV_LENS):
+        pages = -(-kv // BLOCK)
+        tables[r, :pages] = torch.arange(first, first + pages, dtype=torch.int32)
+        first += pages
+    meta = MsaDecodeMetadata(2, 8, width, BLOCK, "cpu", max_draft_len=3, num_index_heads=KV_HEADS)
+    meta.prepare(QO_LENS, KV_LENS, tables)
+    gen = torch.Generator().manual_seed(0)
+    tokens = sum(QO_LENS)
+    k_cache, v_cache = (torch.randn(first, KV_HEADS, BLOCK, DIM, generator=gen) for _ in range(2))
+    index_k_cache = torch.randn(first, BLOCK, DIM, generator=gen)
+    q = torch.randn(tokens, KV_HEADS * GROUP, DIM, generator=gen)
+    index_q = torch.randn(tokens, KV_HEADS, DIM, generator=gen)
+    return meta, k_cache, v_cache, index_k_cache, q, index_q
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values in a view of stride 2 (a field of a wider record)."""
+    wide = torch.full((t.shape[0], 2), 7, dtype=t.dtype)
+    wide[:, 0] = t
+    return wide[:, 0]
+
+
+def _meta_with_strided(meta, field: str):
+    names = ("block_tables", "kv_lens", "cu_qo_lens", "positions", "valid_blocks", "block_size", "max_qo_len")
+    fields = {name: getattr(meta, name) for name in names}
+    fields[field] = _strided(fields[field])
+    return types.SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize("field", ["kv_lens", "cu_qo_lens", "positions"])
+def test_attention_and_scoring_refuse_a_strided_metadata_field(field):
+    meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
+    strided = _meta_with_strided(meta, field)
+    with pytest.raises(KernelInputError, match=f"meta.{field} must be 1-D with unit stride"):
+        dense_verify.dense_verify_attention(q, k_cache, v_cache, strided, scale=0.25)
+    selection = msa.select_blocks_paged(index_q, index_k_cache, meta, topk=TOPK)
+    with pytest.raises(KernelInputError, match=f"meta.{field} must be 1-D with unit stride"):
+        sparse_verify.sparse_verify_attention(q, k_cache, v_cache, strided, selection, scale=0.25)
+    with pytest.raises(KernelInputError, match=f"meta.{field} must be 1-D with unit stride"):
+        index_select.index_block_scores(index_q, index_k_cache, strided)
+
+
+@pytest.mark.parametrize("field", ["kv_lens", "cu_qo_lens", "valid_blocks"])
+def test_top_k_refuses_a_strided_metadata_field(field):
+    meta = _step()[0]
+    scores = torch.zeros(KV_HEADS, meta.num_tokens, meta.block_tables.shape[1])
+    with pytest.raises(KernelInputError, match=f"meta.{field} must be 1-D with unit stride"):
+        index_select.topk_from_block_scores(scores, _meta_with_strided(meta, field), topk=TOPK)
+
+
+def _elsewhere(t: torch.Tensor) -> torch.Tensor:
+    """`t` on another device than the CPU operands (torch's `meta` device: no data, no GPU needed)."""
+    return t.to("meta")
+
+
+def test_operands_on_another_device_are_refused_naming_them():
+    meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
+    selection = msa.select_blocks_paged(index_q, index_k_cache, meta, topk=TOPK)
+    calls = {
+        "k_cache": lambda: dense_verify.dense_verify_attention(q, _elsewhere(k_cache), v_cache, meta, scale=0.25),
+        "v_cache": lambda: dense_verify.dense_verify_attention(q, k_cache, _elsewhere(v_cache), meta, scale=0.25),
+        "selection": lambda: sparse_verify.sparse_verify_attention(q, k_cache, v_cache, meta, _elsewhere(selection),
+                                                                   scale=0.25),
+        "index_k_cache": lambda: index_select.index_block_scores(index_q, _elsewhere(index_k_cache), meta),
+        "index_q": lambda: verify_step._step(_elsewhere(index_q), index_k_cache, q, k_cache, v_cache, meta, topk=TOPK,
+                                             scale=0.25, local_blocks=1, init_blocks=0, k_scale=None, v_scale=None,
+                                             max_qo_len=None, early=None, splits=None),
+        "slots": lambda: kv_write.write_step_kv_fused(k_cache, v_cache, _elsewhere(meta.cache_slots),
+                                                      q[:, :KV_HEADS], q[:, :KV_HEADS]),
+        "kv_lens": lambda: kv_lens_update.on_update_kv_lens_fused(meta, _elsewhere(meta.kv_lens)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(KernelInputError, match=f"{name} is on meta, the kernel's other operands on cpu"):
+            call()
+
+
+def test_metadata_on_another_device_than_the_queries_is_refused():
+    meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
+    with pytest.raises(KernelInputError, match="meta.block_tables is on cpu, the kernel's other operands on meta"):
+        dense_verify.dense_verify_attention(_elsewhere(q), _elsewhere(k_cache), _elsewhere(v_cache), meta, scale=0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int32, torch.float64])
+def test_index_queries_the_scoring_does_not_compute_in_are_refused(dtype):
+    """fp8 queries would round the keys to fp8 (they are cast to the query dtype), integers fail in Triton."""
+    meta, _, _, index_k_cache, _, index_q = _step()
+    with pytest.raises(KernelInputError, match=f"index_q must be float32, float16 or bfloat16, got {dtype}"):
+        index_select.index_block_scores(index_q.to(dtype), index_k_cache, meta)
+
+
+def test_auto_runs_the_reference_for_query_dtypes_the_kernels_refuse(monkeypatch):
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
+    fp8_index_q = index_q.to(torch.float8_e4m3fn)
+    expect = msa.select_blocks_paged(fp8_index_q, index_k_cache, meta, topk=TOPK)
+    assert torch.equal(backend.select_blocks_paged(fp8_index_q, index_k_cache, meta, topk=TOPK), expect)
+    q64, k64, v64 = q.double(), k_cache.double(), v_cache.double()
+    assert torch.equal(backend.dense_attention(q64, k64, v64, meta, scale=0.25),
+                       msa.dense_attention(q64, k64, v64, meta, scale=0.25))
