@@ -113,6 +113,18 @@ def test_prepare_rejects_bad_steps(qo, kv, table, match) -> None:
         meta.prepare(qo, kv, torch.tensor(table, dtype=torch.int32))
 
 
+def test_page_ids_past_the_cache_are_refused_naming_the_entry() -> None:
+    meta = MsaDecodeMetadata(2, 8, 4, 4, "cpu", num_pages=6)
+    # request 1's second page is 6, one past the cache; entries past a request's pages are never read
+    tables = torch.tensor([[5, 0, 99, 99], [1, 6, 99, 99]], dtype=torch.int32)
+    with pytest.raises(MsaInputError, match=r"request 1: block_tables\[1, 1\] is page 6, past the cache's 6 pages"):
+        meta.prepare([1, 1], [8, 5], tables)
+    meta.prepare([1, 1], [8, 4], tables)  # request 1 now needs only its first page
+    assert meta.cache_slots.tolist() == [0 * 4 + 3, 1 * 4 + 3]  # position 7 -> column 1 (page 0); 3 -> column 0 (page 1)
+    with pytest.raises(MsaInputError, match="num_pages must be"):
+        MsaDecodeMetadata(2, 8, 4, 4, "cpu", num_pages=0)
+
+
 def test_values_past_int32_are_refused_or_clamped_not_wrapped() -> None:
     meta = MsaDecodeMetadata(2, 8, 8, 4, "cpu", max_draft_len=3)
     with pytest.raises(MsaInputError, match="kv_len 2147483648 does not fit"):

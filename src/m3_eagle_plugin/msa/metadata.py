@@ -55,6 +55,8 @@ class MsaDecodeMetadata:
     ``block_tables`` ``[R, max_blocks_per_seq]``: the caller's columns as given (a request's
     entries past its ``ceil(kv_len / B)`` pages are whatever the host padded with, often 0, and
     nothing reads them), ``-1`` past the caller's width. All int32 on ``device``.
+    With ``num_pages`` (the cache's page count) ``prepare`` refuses a host block table whose
+    request pages point past the cache; a device table is not checked (that would cost a sync).
     ``proxy_scores`` is fp32 scratch ``[num_index_heads, scratch_decode_tokens, max_blocks_per_seq]``
     for decode-step block scores, sized by the worst-case decode-token count.
     """
@@ -69,6 +71,7 @@ class MsaDecodeMetadata:
         *,
         max_draft_len: int = 0,
         num_index_heads: int = 1,
+        num_pages: int | None = None,
     ) -> None:
         self.max_num_requests = checked_int("max_num_requests", max_num_requests)
         self.max_num_tokens = checked_int("max_num_tokens", max_num_tokens)
@@ -76,6 +79,8 @@ class MsaDecodeMetadata:
         self.block_size = validate_block_size(block_size)
         # The last page whose every slot (page * B + offset) fits the int32 cache_slots: a larger id would wrap.
         self._max_page = (INT32_MAX + 1) // self.block_size - 1
+        #: Pages in the cache the block tables index, when known: `prepare` refuses a host table's id past it.
+        self.num_pages = None if num_pages is None else checked_int("num_pages", num_pages)
         self.max_draft_len = checked_int("max_draft_len", max_draft_len, minimum=0)
         self.num_index_heads = checked_int("num_index_heads", num_index_heads)
         self.device = torch.device(device)
@@ -138,10 +143,11 @@ class MsaDecodeMetadata:
         *,
         max_draft_len: int = 0,
         num_index_heads: int = 1,
+        num_pages: int | None = None,
     ) -> int:
         """Bytes ``__init__`` allocates for these constructor arguments, without allocating: the int32
         fields twice (host staging and device), the four per-token int32 buffers and the fp32 proxy
-        scratch. ``block_size`` and ``device`` do not change the size."""
+        scratch. ``block_size``, ``device`` and ``num_pages`` do not change the size."""
         r, t, m = max_num_requests, max_num_tokens, max_blocks_per_seq
         staged = sum(_staged_sections(r, t, m).values())
         return 4 * (2 * staged + _PER_TOKEN_FIELDS * t) + 4 * num_index_heads * r * (1 + max_draft_len) * m
@@ -255,6 +261,14 @@ class MsaDecodeMetadata:
                     f"request {r}: block_tables has a page id past int32 cache slots (page * {self.block_size} "
                     f"+ offset must fit int32: page <= {self._max_page}) among its first {pages}"
                 )
+            if self.num_pages is not None and host_table is not None and pages:
+                past = host_table[r, :pages] >= self.num_pages
+                if bool(past.any()):
+                    column = int(past.nonzero()[0, 0])
+                    raise MsaInputError(
+                        f"request {r}: block_tables[{r}, {column}] is page {int(host_table[r, column])}, past the "
+                        f"cache's {self.num_pages} pages"
+                    )
         num_tokens = sum(qo)
         if num_tokens > self.max_num_tokens:
             raise MsaInputError(f"step has {num_tokens} tokens, max_num_tokens is {self.max_num_tokens}")

@@ -267,6 +267,17 @@ def test_step_metadata_bytes_is_what_the_runner_allocates():
         assert step_metadata_bytes(engine.runner.config, has_head=head) == sum(storages.values())
 
 
+def test_the_step_metadata_knows_the_cache_size():
+    """The runner's metadata refuses a block table pointing past the cache (its pages come from the cache)."""
+    from m3_eagle_plugin.msa import MsaInputError
+
+    engine, target, cache = build(draft_len=2, head=True)
+    for meta in (engine.runner.meta, *engine.runner.draft_metas):
+        assert meta.num_pages == cache.num_blocks
+        with pytest.raises(MsaInputError, match=f"past the cache's {cache.num_blocks} pages"):
+            meta.prepare([1], [1], torch.tensor([[cache.num_blocks]], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("field,value", [
     ("draft_len", True), ("draft_len", 2.0), ("draft_len", "3"), ("draft_len", -1),
     ("max_seq_len", 64.0), ("max_seq_len", True), ("max_seq_len", "64"),

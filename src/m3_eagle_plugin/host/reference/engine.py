@@ -104,6 +104,7 @@ def runner_config(config: EngineConfig, *, draft_len: int, block_size: int, tota
         draft_len=draft_len, max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
         max_blocks_per_seq=seq_blocks, block_size=block_size, device=device, sampling=config.sampling,
         force_accepted=config.force_accepted, num_index_heads=num_index_heads, cuda_graphs=config.cuda_graphs,
+        num_pages=total_blocks,
     )
 
 

@@ -37,6 +37,7 @@ class RunnerConfig:
     force_accepted: float | None = None  # int: that many per step; fractional: that mean (see forced_count)
     num_index_heads: int = 1
     cuda_graphs: bool = False
+    num_pages: int | None = None  # the cache's pages: the step metadata refuses block-table ids past them
 
 
 @dataclass
@@ -75,9 +76,9 @@ def _metadata_args(config: RunnerConfig, has_head: bool) -> list[tuple[tuple, di
     k = config.draft_len
     common = (config.max_blocks_per_seq, config.block_size, config.device)
     step = ((config.max_batch_size, config.max_tokens_per_step, *common),
-            dict(max_draft_len=k, num_index_heads=config.num_index_heads))
+            dict(max_draft_len=k, num_index_heads=config.num_index_heads, num_pages=config.num_pages))
     draft = ((config.max_batch_size, config.max_batch_size, *common),
-             dict(max_draft_len=0, num_index_heads=config.num_index_heads))
+             dict(max_draft_len=0, num_index_heads=config.num_index_heads, num_pages=config.num_pages))
     return [step] + [draft] * (max(k - 1, 0) if has_head else 0)
 
 
