@@ -100,13 +100,19 @@ class HostImportHook:
         return spec
 
     def on_host_imported(self, module) -> None:
-        self.fired = True
-        remove_hook()
         if self.deferred and not wants_activation(os.environ, ()):
+            self._retire()
             return
         from m3_eagle_plugin.activation import on_host_imported
 
+        # Retired only once activation returns: when it raises (require), the host import fails and
+        # a retried `import tensorrt_llm` must be refused again, not load the host unpatched.
         on_host_imported(module)
+        self._retire()
+
+    def _retire(self) -> None:
+        self.fired = True
+        remove_hook()
 
 
 def installed_hook():

@@ -150,6 +150,22 @@ def test_require_failure_surfaces_at_host_import(fake_host, hermetic_manager, fa
     assert fake_install == []
 
 
+def test_a_host_import_refused_under_require_is_refused_again_when_retried(fake_host, hermetic_manager,
+                                                                           fake_install, monkeypatch):
+    """require: any mismatch raises. A caller that catches the failed import and imports the host
+    again must meet the same refusal, not a host loaded without the plugin."""
+    fake_host("1.2.0")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "require")
+    _bootstrap.main()
+    from m3_eagle_plugin.activation import ActivationError
+
+    for _attempt in range(2):
+        with pytest.raises(ActivationError, match="outside the supported range"):
+            import tensorrt_llm  # noqa: F401
+        assert "tensorrt_llm" not in sys.modules
+    assert fake_install == []
+
+
 def test_hook_runs_at_once_when_host_already_imported(fake_host, hermetic_manager, fake_install, monkeypatch):
     fake_host("1.3.0rc24")
     import tensorrt_llm  # noqa: F401
