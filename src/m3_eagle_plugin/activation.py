@@ -39,6 +39,11 @@ class ActivationError(RuntimeError):
     """`require` mode could not activate the plugin; the message names the cause."""
 
 
+class IncompleteRollbackError(ActivationError):
+    """Activation failed after the host was patched, and taking the patches out failed too: the
+    message names both failures and what stays patched."""
+
+
 @dataclass
 class ActivationReport(Mapping):
     """What activation decided and did; reads like a dict (`report["verdict"]`, `dict(report)`)."""
@@ -234,15 +239,34 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
         history = getattr(host_ready, "_call_history", None)
         recorded = len(history) if history is not None else 0
         host_ready.call_historic(kwargs={"host": manifest.host.package, "report": report})
-    except BaseException:  # e.g. another plugin's host_ready hook: leave the host as it was found
+    except BaseException as exc:  # e.g. another plugin's host_ready hook: leave the host as it was found
+        try:
+            _undo_install(adapter, report, history, recorded)
+        except Exception as undo_exc:  # noqa: BLE001 - named together with the failure that caused the undo
+            raise IncompleteRollbackError(
+                f"{type(exc).__name__}: {exc}; undoing the install failed: {undo_exc}") from exc
+        raise
+
+
+def _undo_install(adapter: Any, report: ActivationReport, history: Any, recorded: int) -> None:
+    """Take the install out again. The report and pluggy's historic `host_ready` record are reset
+    even when undoing fails: the activation failed either way."""
+    try:
         adapter.uninstall()
+    finally:
         report.patches, report.fingerprint, report.host_report = [], "", {}
         report.components.pop("registered_models", None)
         # pluggy records a historic call before running it and replays it to every plugin
         # registered later: the host is not ready after all, so that call must not stay recorded.
         if history is not None:
             del history[recorded:]
-        raise
+
+
+def _export_mode(mode: str | None, resolved: str) -> None:
+    """An explicit `activate(mode)` is exported: spawned workers, and the bootstrap when this process
+    imports `tensorrt_llm` later, must make the same decision (`off` included)."""
+    if mode is not None:
+        os.environ[MODE_ENV] = resolved
 
 
 def activate(mode: str | None = None) -> ActivationReport:
@@ -256,6 +280,7 @@ def activate(mode: str | None = None) -> ActivationReport:
         if _in_progress is not None:  # same thread, from inside install(): the outer call decides
             return _in_progress
         if resolved == "off":
+            _export_mode(mode, resolved)
             return _last.setdefault(key, ActivationReport(mode="off", reason=f"{MODE_ENV} is off"))
         if key in _last:
             return _last[key]
@@ -271,13 +296,13 @@ def activate(mode: str | None = None) -> ActivationReport:
                 if isinstance(exc, ActivationError):
                     raise
                 raise ActivationError(f"activation failed: {report.reason}") from exc
-            _log_once(f"not activated (auto): {report.reason}; TensorRT-LLM left untouched", warning=True)
+            host_state = "still partly patched" if isinstance(exc, IncompleteRollbackError) else "left untouched"
+            _log_once(f"not activated (auto): {report.reason}; TensorRT-LLM {host_state}", warning=True)
             _last[key] = report
             return report
         finally:
             _in_progress = None
-        if mode is not None:
-            os.environ[MODE_ENV] = resolved  # spawned workers must make the same decision
+        _export_mode(mode, resolved)
         if report.activated:
             from m3_eagle_plugin.manifest import UNTESTED  # loaded by _evaluate already
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import pytest
@@ -52,6 +53,17 @@ def test_off_touches_nothing(active_env, log_lines):
     report = m3_eagle_plugin.activate()
     assert (report.mode, report.ok, report.activated) == ("off", True, False)
     assert installs == [] and log_lines == []
+
+
+def test_an_explicit_off_is_exported_like_any_other_mode(active_env, monkeypatch):
+    """README: `activate(mode)` exports the mode for the workers. An inherited M3_EAGLE_PLUGIN=auto must
+    not make workers (or this process's later host import) activate after the caller chose off."""
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    assert m3_eagle_plugin.activate("off").mode == "off"
+    assert os.environ["M3_EAGLE_PLUGIN"] == "off"
+    assert resolve_mode() == "off" and installs == []
 
 
 def test_auto_on_tested_host_activates_once(active_env, log_lines, monkeypatch):
@@ -171,6 +183,42 @@ def test_a_failed_host_ready_is_not_replayed_to_later_plugins(active_env, hermet
     assert not m3_eagle_plugin.activate("auto").activated
     hermetic_manager.register(Late(), name="late")
     assert installs == [1, -1] and seen == []
+
+
+@pytest.mark.parametrize("mode", ["auto", "require"])
+def test_a_rollback_that_fails_still_tells_no_later_plugin_the_host_is_ready(active_env, hermetic_manager,
+                                                                            monkeypatch, log_lines, mode):
+    """A host_ready hook raises after the install, and undoing the install raises too. Activation has
+    failed: no plugin registered later may hear the host is ready, the report lists nothing of the
+    install, and the error names both failures (the host is not "left untouched")."""
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    import m3_eagle_plugin.host.trtllm as adapter
+    from m3_eagle_plugin.host.trtllm.patching import HostPatchError
+    from m3_eagle_plugin.hooks import hookimpl
+
+    def uninstall():
+        raise HostPatchError("reverting the patches was incomplete: fake-a is still patched")
+
+    monkeypatch.setattr(adapter, "uninstall", uninstall)
+    seen = []
+
+    class Late:
+        @hookimpl
+        def m3_eagle_host_ready(self, host, report):
+            seen.append(host)
+
+    hermetic_manager.register(_broken_host_ready_plugin(), name="broken")
+    if mode == "require":
+        with pytest.raises(ActivationError, match="third-party hook failed.*fake-a is still patched"):
+            m3_eagle_plugin.activate(mode)
+    else:
+        report = m3_eagle_plugin.activate(mode)
+        assert not report.activated and (report.patches, report.fingerprint) == ([], "")
+        assert "third-party hook failed" in report.reason and "fake-a is still patched" in report.reason
+        assert "left untouched" not in log_lines[0]
+    hermetic_manager.register(Late(), name="late")
+    assert seen == []
 
 
 def test_require_on_untested_host_raises_unless_forced(active_env, monkeypatch):
