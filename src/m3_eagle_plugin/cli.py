@@ -1,13 +1,19 @@
 """The `m3-eagle` command line: one sub-command per job, each owned by its own module.
 
 Every sub-command module exposes `add_arguments(parser)` and `main(args) -> int`; this file only
-wires them, so `m3-eagle --help` stays cheap (the modules are imported on use).
+wires them, so `m3-eagle --help` stays cheap (the modules are imported on use). An interrupt (Ctrl-C,
+SIGTERM) ends a sub-command with one line on stderr and exit status 130 / 143, after its `finally`
+blocks ran (make-tiny removes its scratch folder there), not with a traceback.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
+import threading
+from typing import Iterator
 
 COMMANDS = {
     "doctor": ("m3_eagle_plugin.doctor", "report plugin, host, manifest and patch state"),
@@ -15,6 +21,46 @@ COMMANDS = {
     "run": ("m3_eagle_plugin.host.reference.cli", "greedy generation with one-model Eagle3 on the reference host"),
     "bench": ("m3_eagle_plugin.bench.cli", "kernel and end-to-end performance suite"),
 }
+
+
+class Terminated(BaseException):
+    """SIGTERM raised as an exception, so that `finally` blocks run as they do for Ctrl-C (the default
+    action kills the process on the spot and leaves scratch output behind)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises `Terminated` inside the block; a handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    """Import sub-command `name`, parse `argv` with its arguments and run it. An interrupt, during the
+    (slow) import included, is one line on stderr and the shell's 128 + signal number."""
+    try:
+        with _sigterm_raises():
+            module = importlib.import_module(COMMANDS[name][0])
+            parser = argparse.ArgumentParser(prog=f"m3-eagle {name}", description=COMMANDS[name][1])
+            module.add_arguments(parser)
+            return int(module.main(parser.parse_args(argv)) or 0)
+    except KeyboardInterrupt:
+        print(f"m3-eagle {name}: interrupted (Ctrl-C / SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Terminated:
+        print(f"m3-eagle {name}: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Two-pass: find the sub-command first, then let its module add its own arguments.
     if argv and argv[0] in COMMANDS:
-        module = importlib.import_module(COMMANDS[argv[0]][0])
-        sub = argparse.ArgumentParser(prog=f"m3-eagle {argv[0]}", description=COMMANDS[argv[0]][1])
-        module.add_arguments(sub)
-        args = sub.parse_args(argv[1:])
-        return int(module.main(args) or 0)
+        return run_command(argv[0], argv[1:])
     args = parser.parse_args(argv)
     parser.print_help()
     return 0 if args.command is None else 2

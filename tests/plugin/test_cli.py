@@ -1,0 +1,60 @@
+"""The `m3-eagle` dispatcher (`m3_eagle_plugin.cli`): what an interrupted sub-command leaves."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from m3_eagle_plugin import cli
+
+SCRIPT = "import sys; from m3_eagle_plugin.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _default_sigint() -> None:  # a background job starts with SIGINT ignored; Ctrl-C reaches a shell's own
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("sig, status, word", [(signal.SIGINT, 130, "interrupted"),
+                                               (signal.SIGTERM, 143, "terminated")])
+def test_an_interrupted_make_tiny_is_one_line_and_leaves_no_scratch(tmp_path, sig, status, word):
+    """Ctrl-C printed a KeyboardInterrupt traceback; SIGTERM (its default action) killed the process
+    before make-tiny's `finally` removed OUT_DIR/.make-tiny-* (2 MB of partial checkpoint)."""
+    out = tmp_path / "tiny"
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "make-tiny", str(out), "--train-steps", "1000000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    deadline = time.monotonic() + 60
+    while not list(out.glob(".make-tiny-*/draft/model.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.1)  # interrupt once the scratch pair is written (training under way)
+    time.sleep(0.5)
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == status, err
+    assert err == f"m3-eagle make-tiny: {word} ({'Ctrl-C / SIGINT' if word == 'interrupted' else 'SIGTERM'})\n"
+    assert list(out.iterdir()) == []
+
+
+def test_a_sigterm_handler_installed_by_someone_else_is_kept(monkeypatch, capsys):
+    """The dispatcher turns SIGTERM into an exception only where nobody handles it already, and puts the
+    default back afterwards."""
+    seen = []
+    monkeypatch.setattr(cli, "COMMANDS", {"probe": ("m3_eagle_plugin.tests_probe", "probe")})
+    module = type(sys)("m3_eagle_plugin.tests_probe")
+    module.add_arguments = lambda parser: None
+    module.main = lambda args: seen.append(signal.getsignal(signal.SIGTERM)) or 0
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert cli.main(["probe"]) == 0
+    assert seen == [cli._raise_terminated] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    mine = lambda signum, frame: None  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert cli.main(["probe"]) == 0
+        assert seen[-1] is mine and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    module.main = lambda args: (_ for _ in ()).throw(KeyboardInterrupt)
+    assert cli.main(["probe"]) == 130 and capsys.readouterr().err == "m3-eagle probe: interrupted (Ctrl-C / SIGINT)\n"
+
