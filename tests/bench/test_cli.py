@@ -290,3 +290,107 @@ def test_the_measured_gpu_is_made_current_before_anything_is_timed(monkeypatch, 
     assert m3_main(["bench", "--device", "cuda:1", "--configs", "1x4K", "--qo-lens", "4",
                     "--kernels", "kv_lens_update"]) == 0
     assert calls == [("current", "cuda:1"), ("timed", "cuda:1")]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--json", ""], '--json "": an empty path (give a file name, or no value for stdout)'),  # wrote nothing, exit 0
+    (["--write-table", ""], '--write-table "": an empty path'),
+    (["--device", ""], "--device: expected cuda, cuda:N or cpu, got ''"),  # ran on the default device
+])
+def test_empty_option_values_are_refused_not_taken_as_absent(argv, match, capsys, monkeypatch):
+    measured = []
+    monkeypatch.setattr(cli, "_cpu_smoke_rows", lambda args: measured.append(1) or ([], {}))
+    assert m3_main(["bench", "--configs", "2x64", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"m3-eagle bench: {match}") and err.count("\n") == 1 and measured == []
+
+
+@pytest.mark.parametrize("configs", ["", ",", " , "])
+def test_configs_without_a_shape_are_refused_not_replaced_by_the_defaults(configs, capsys):
+    """`--configs ""` ran the default shapes (on a GPU the whole default suite, minutes)."""
+    with pytest.raises(SystemExit) as exit_info:
+        m3_main(["bench", "--device", "cpu", "--configs", configs])
+    assert exit_info.value.code == 2
+    assert f"argument --configs: no BATCHxCONTEXT in {configs!r}" in capsys.readouterr().err
+
+
+def test_a_shape_past_int32_is_refused_by_the_parser():
+    """Past 2**63 torch raised an OverflowError traceback while building the inputs."""
+    for text in ("1x9999999999999999999999", "9999999999999999999999x2", "1x2147483648"):
+        with pytest.raises(argparse.ArgumentTypeError, match="batch and context must be <= 2147483647"):
+            cli.parse_configs(text)
+    assert cli.parse_configs("1x2147483647") == [(1, 2**31 - 1)]
+
+
+def test_a_shape_past_memory_is_one_line_naming_the_configs(capsys):
+    """The CPU allocator refuses the 800 GB of K/V at once (no memory is touched); it raised a
+    RuntimeError traceback."""
+    assert m3_main(["bench", "--device", "cpu", "--configs", "1x2147483647", "--qo-lens", "1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("m3-eagle bench: not enough memory for --configs 1x2147483647 (")
+    assert err[-1].endswith("lower a batch or context") and not any("Traceback" in line for line in err)
+
+
+def test_an_e2e_section_past_memory_is_one_line_and_other_errors_still_raise(monkeypatch, capsys):
+    def oom(args):
+        raise cli.torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(cli, "run_end_to_end", oom)
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--e2e"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "m3-eagle bench: not enough memory for the --e2e section (CUDA out of memory. Tried to allocate 2.00 GiB); "
+        "lower --e2e-hidden, --e2e-context or --e2e-batches")
+    monkeypatch.setattr(cli, "run_end_to_end", lambda args: (_ for _ in ()).throw(RuntimeError("a real bug")))
+    with pytest.raises(RuntimeError, match="a real bug"):
+        m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--e2e"])
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux /proc")
+@pytest.mark.parametrize("option", ["--json", "--write-table"])
+def test_a_folder_that_refuses_new_files_is_refused_before_anything_is_measured(option, capsys, monkeypatch):
+    """/proc passes `os.access(W_OK)` as root but takes no file: `open` raised FileNotFoundError, a
+    traceback after the whole run."""
+    measured = []
+    monkeypatch.setattr(cli, "_cpu_smoke_rows", lambda args: measured.append(1) or ([], {}))
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x64", option, "/proc/m3-eagle-bench.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"m3-eagle bench: {option} /proc/m3-eagle-bench.json: ") and measured == []
+
+
+@pytest.mark.parametrize("failure, status", [(OSError(28, "No space left on device"), 1), (KeyboardInterrupt(), 130)])
+def test_a_json_write_that_fails_midway_leaves_the_earlier_file_whole(failure, status, tmp_path, monkeypatch, capsys):
+    """`--json PATH` was written in place: a full disk or Ctrl-C midway left truncated JSON (and a
+    traceback). Now it is written beside PATH and renamed over it."""
+    out = tmp_path / "bench.json"
+    out.write_text('{"earlier": true}\n')
+
+    def dump_then_fail(document, fh, **options):
+        fh.write('{"context": ')
+        raise failure
+
+    monkeypatch.setattr(cli.json, "dump", dump_then_fail)
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--json", str(out)]) == status
+    monkeypatch.undo()
+    assert json.loads(out.read_text()) == {"earlier": True} and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (f"m3-eagle bench: --json {out}: not written (No space left on device)" if status == 1 else
+                       "m3-eagle bench: interrupted (Ctrl-C / SIGINT)")
+
+
+def test_a_written_json_has_the_mode_open_gives_a_new_file(tmp_path):
+    import os
+
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--json", str(out)]) == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+def test_kernels_help_names_every_kernel(capsys):
+    """`--kernels` said "comma list of kernels" without naming one."""
+    with pytest.raises(SystemExit):
+        m3_main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(name in help_text for name in cli.KERNELS) and "--sets SETS input sets rotated while timing (default 3)" \
+        in help_text

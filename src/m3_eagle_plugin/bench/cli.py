@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from .table import format_table
 
 DEFAULT_CONFIGS = "1x8192,16x32768,64x32768,64x131072"
 SMOKE_CONFIGS = [(2, 256)]  # the CPU smoke table's default
+MAX_CONFIG = 2**31 - 1  # the metadata holds positions and lengths as int32
 SMOKE_KERNELS = ("index_select", "sparse_attn", "dense_attn")  # what the CPU smoke table times
 DTYPES = {"fp8": getattr(torch, "float8_e4m3fn", None), "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp32": torch.float32}
@@ -44,8 +46,14 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"bad config {item!r}: expected BATCHxCONTEXT, e.g. 16x32K") from exc
         if out[-1][0] < 1 or out[-1][1] < 1:
             raise argparse.ArgumentTypeError(f"bad config {item!r}: batch and context must be >= 1")
+        if max(out[-1]) > MAX_CONFIG:  # past it torch refused the shape with an OverflowError traceback
+            raise argparse.ArgumentTypeError(f"bad config {item!r}: batch and context must be <= {MAX_CONFIG} "
+                                             "(int32 positions and lengths)")
         if out[-1] in out[:-1]:  # the kernel table keeps one row a shape (`kernel_table`)
             raise argparse.ArgumentTypeError(f"config {item!r} repeats {out[-1][0]}x{out[-1][1]}")
+    if not out:  # else the default shapes ran in their place (on a GPU: the whole default suite)
+        raise argparse.ArgumentTypeError(f"no BATCHxCONTEXT in {text!r}: expected e.g. 16x32K (omit --configs "
+                                         "for the default shapes)")
     return out
 
 
@@ -63,10 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", type=parse_configs, default=None,
                         help=f"BATCHxCONTEXT list (GPU default {DEFAULT_CONFIGS})")
     parser.add_argument("--qo-lens", default="4,1", help="query tokens per request to time (default 4,1)")
-    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma list of kernels")
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help=f"comma list of kernels (default all: {', '.join(KERNELS)}; the CPU smoke table times "
+                             f"{', '.join(SMOKE_KERNELS)} only)")
     parser.add_argument("--kv-dtype", choices=sorted(DTYPES), default="fp8", help="sparse-layer K/V dtype")
     parser.add_argument("--dense-kv-dtype", choices=sorted(DTYPES), default="bf16", help="dense-layer K/V dtype")
-    parser.add_argument("--sets", type=_positive_int, default=3, help="input sets rotated while timing")
+    parser.add_argument("--sets", type=_positive_int, default=3, help="input sets rotated while timing (default 3)")
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with the torch reference")
     parser.add_argument("--no-reference-timing", action="store_true", help="do not time the torch reference")
     parser.add_argument("--flashinfer", choices=("auto", "off"), default="auto",
@@ -202,10 +212,14 @@ def _check_something_runs(args: argparse.Namespace, device: torch.device) -> Non
 
 
 def _check_output_path(option: str, path: str | None) -> None:
-    """`path` can be opened for writing: its folder is a writable directory and the path itself is
-    not a directory or a read-only file (else `open` raised a traceback after the whole run)."""
-    if not path or path == "-":  # "-": stdout
+    """`path` can be written: its folder is a writable directory that takes a new file (the output is
+    written next to it and renamed over it) and the path itself is not a directory or a read-only file
+    (else `open` raised a traceback after the whole run)."""
+    if path is None or path == "-":  # "-": stdout
         return
+    if not path:  # `--json ""` wrote nothing anywhere
+        stdout = ", or no value for stdout" if option == "--json" else ""
+        raise ValueError(f'{option} "": an empty path (give a file name{stdout})')
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{option} {path}: is a directory, not a file")
@@ -214,12 +228,47 @@ def _check_output_path(option: str, path: str | None) -> None:
         raise ValueError(f"{option} {path}: {folder} is not a writable directory")
     if target.exists() and not os.access(target, os.W_OK):
         raise ValueError(f"{option} {path}: the file is not writable")
+    try:  # os.access passes folders that refuse new files (/proc, read-only mounts, full quotas)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".probe")
+    except OSError as error:
+        raise ValueError(f"{option} {path}: cannot create a file in {folder} ({error.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _write_json(option: str, path: str, document: Any, **dump_options: Any) -> bool:
+    """`document` as JSON at `path`, whole or not at all: written to a scratch file beside it and renamed
+    over it, so a failure (disk full, an interrupt) leaves no truncated file and an earlier one intact.
+    False, with one line on stderr naming the option, when it could not be written."""
+    target, scratch = Path(path), None
+    try:
+        fd, scratch = tempfile.mkstemp(dir=target.resolve().parent, prefix=f".{target.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(document, fh, **dump_options)
+            fh.write("\n")
+        os.chmod(scratch, _new_file_mode())  # mkstemp's 0600 otherwise
+        os.replace(scratch, target)
+        scratch = None
+    except OSError as error:
+        print(f"m3-eagle bench: {option} {path}: not written ({error.strerror or error})", file=sys.stderr)
+        return False
+    finally:
+        if scratch is not None and os.path.exists(scratch):
+            os.unlink(scratch)
+    return True
+
+
+def _new_file_mode() -> int:
+    """The mode `open(path, "w")` gives a new file: 0666 less the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def checked_device(args: argparse.Namespace) -> torch.device:
     """The device to measure on, every option checked first (a ValueError naming it), so a bad one
     fails before anything is measured rather than after."""
-    want = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    want = args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(want)
     except RuntimeError:
@@ -250,32 +299,54 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if device.type == "cuda" and device.index is not None:  # events, graph captures and the e2e engine
         torch.cuda.set_device(device)                          # use the current device
-    if measures_kernels(device):
-        rows, context = _gpu_rows(args, device, log)
-    else:
-        if device.type == "cuda":
-            log(f"no Triton kernels on {device}: the torch reference smoke table only")
-        skipped = [k for k in kernels_of(args) if k not in SMOKE_KERNELS]
-        if skipped:
-            log(f"the smoke table does not time {', '.join(skipped)} (CUDA with Triton only)")
-        rows, context = _cpu_smoke_rows(args)
+    try:
+        rows, context = _kernel_section(args, device, log)
+    except (MemoryError, RuntimeError) as error:
+        configs = ",".join(f"{b}x{c}" for b, c in configs_of(args, measures_kernels(device)))
+        return _out_of_memory(error, f"--configs {configs}", "lower a batch or context")
     if args.e2e:
         try:
             rows += run_end_to_end(args)
         except e2e.NoDecodeWindowError as error:  # an option error the run itself found: no traceback
             print(f"m3-eagle bench: --e2e: {error}", file=sys.stderr)
             return 2
+        except (MemoryError, RuntimeError) as error:
+            return _out_of_memory(error, "the --e2e section", "lower --e2e-hidden, --e2e-context or --e2e-batches")
     document = _standard_json({"context": context, "rows": rows}) if args.json else None
+    written = True
     if args.json and args.json != "-":
-        with open(args.json, "w") as fh:
-            json.dump(document, fh, indent=1, default=str)
-    written = _write_table(args, rows, context) if args.write_table else True
+        written = _write_json("--json", args.json, document, indent=1, default=str)
+    if args.write_table:
+        written = _write_table(args, rows, context) and written
     if args.json == "-":  # stdout holds the one JSON object; the table is for the reader
         print(format_table(rows), file=sys.stderr)
         print(json.dumps(document, default=str))
     else:
         print(format_table(rows))
     return 0 if written else 1
+
+
+def _kernel_section(args: argparse.Namespace, device: torch.device,
+                    log) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The kernel suite's rows on CUDA with Triton, else the reference smoke table's."""
+    if measures_kernels(device):
+        return _gpu_rows(args, device, log)
+    if device.type == "cuda":
+        log(f"no Triton kernels on {device}: the torch reference smoke table only")
+    skipped = [k for k in kernels_of(args) if k not in SMOKE_KERNELS]
+    if skipped:
+        log(f"the smoke table does not time {', '.join(skipped)} (CUDA with Triton only)")
+    return _cpu_smoke_rows(args)
+
+
+def _out_of_memory(error: BaseException, what: str, advice: str) -> int:
+    """Exit status 2 and one line naming the options when `error` is an allocation failure (torch's CPU
+    allocator raises a plain RuntimeError, CUDA's an OutOfMemoryError); any other error is re-raised."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if not isinstance(error, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in text:
+        raise error
+    print(f"m3-eagle bench: not enough memory for {what} ({text}); {advice}", file=sys.stderr)
+    return 2
 
 
 def _standard_json(value: Any) -> Any:
@@ -308,9 +379,8 @@ def _write_table(args: argparse.Namespace, rows: list[dict[str, Any]], context: 
                + (f" --rounds {args.rounds}" if args.rounds > 1 else ""))
     table = table_from_bench_rows(kernel_rows, device=context["device_name"], command=command,
                                   date=datetime.date.today().isoformat(), flashinfer=context.get("flashinfer"))
-    with open(args.write_table, "w") as fh:
-        json.dump(table, fh, indent=1)
-        fh.write("\n")
+    if not _write_json("--write-table", args.write_table, table, indent=1):
+        return False
     print(f"kernel table ({len(table['rows'])} rows) written to {args.write_table}; use it with "
           f"M3_EAGLE_KERNEL_TABLE={args.write_table}", file=sys.stderr)
     return True
