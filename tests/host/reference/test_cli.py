@@ -205,3 +205,60 @@ def test_step_buffers_past_free_memory_are_refused_naming_the_options(tiny_pair,
     # a million requests: at least 5 int32 per request staged twice (lengths, offsets), 40 MB
     rc, _, err = run_cli(capsys, *argv, "--max-batch-size", "1000000")
     assert rc == 2 and err.startswith("m3-eagle run: the step buffers for --max-batch-size 1000000")
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n\n"])
+def test_a_prompts_file_without_a_prompt_is_a_setup_error_naming_it(tiny_pair, tmp_path, capsys, text):
+    """It loaded the model, printed a zero stats line and exited 1 without a word about the cause."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(text)
+    rc, out, err = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompts", str(path), "--max-new-tokens", "2")
+    assert rc == 2 and out == ""
+    assert err == f"m3-eagle run: --prompts {path}: no prompts (expected one JSON list of token ids per line)\n"
+
+
+def test_an_unreadable_prompts_file_is_named_with_its_option(tiny_pair, tmp_path, capsys):
+    """"[Errno 2] No such file or directory: 'x'" named no option, and a non-UTF-8 file's
+    "'utf-8' codec can't decode byte 0xff ..." named neither the option nor the file."""
+    binary = tmp_path / "prompts.bin"
+    binary.write_bytes(b"[1, 2]\n\xff\xfe\n")
+    cases = ((tmp_path / "missing.jsonl", "cannot read it (No such file or directory)"),
+             (tmp_path, "cannot read it (Is a directory)"),
+             (binary, "not UTF-8 text (invalid start byte at byte 7)"))
+    for path, why in cases:
+        rc, _, err = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompts", str(path), "--max-new-tokens", "2")
+        assert rc == 2 and err == f"m3-eagle run: --prompts {path}: {why}\n"
+
+
+def test_swapped_target_and_draft_directories_are_named_as_such(tiny_pair, capsys, monkeypatch):
+    """A draft passed as --model failed on "moe_layer_freq: required field is missing", a target as
+    --draft on "hidden_size: required field is missing"; neither said the directories were swapped."""
+    from m3_eagle_plugin.models.safetensors_source import SafetensorsSource
+
+    target, draft = tiny_pair
+    reads = []
+    monkeypatch.setattr(SafetensorsSource, "get_many", lambda self, names: reads.append(names))
+    rc, _, err = run_cli(capsys, "--model", str(draft), "--draft", str(target), "--prompt-ids", "1,2")
+    assert rc == 2 and err == (f"m3-eagle run: --model {draft}: config.json describes an Eagle3 draft head, not a "
+                               "MiniMax-M3 target (pass it as --draft, the target as --model)\n")
+    rc, _, err = run_cli(capsys, "--model", str(target), "--draft", str(target), "--prompt-ids", "1,2")
+    assert rc == 2 and err == (f"m3-eagle run: --draft {target}: config.json describes a MiniMax-M3 target, not an "
+                               "Eagle3 draft head (the target goes to --model)\n")
+    assert reads == []
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--max-batch-size", "0", "--max-batch-size must be >= 1, got 0"),
+    ("--max-tokens-per-step", "0", "--max-tokens-per-step must be >= 1, got 0"),
+    ("--kv-blocks", "-1", "--kv-blocks must be >= 1, got -1"),
+    ("--top-k", "-1", "--top-k must be >= 0, got -1"),
+    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1, got 0"),  # was one message for two options
+    ("--draft-len", "-1", "--draft-len must be >= 0, got -1"),
+    ("--temperature", "inf", "--temperature must be a finite number >= 0, got inf"),  # was accepted
+    ("--temperature", "nan", "--temperature must be a finite number >= 0, got nan"),
+    ("--top-p", "0", "--top-p must be in (0, 1], got 0.0"),
+])
+def test_out_of_range_numbers_are_refused_naming_the_option(tiny_pair, capsys, option, value, message):
+    rc, out, err = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                           option, value)
+    assert (rc, out, err) == (2, "", f"m3-eagle run: {message}\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -79,7 +80,8 @@ def _parse_ids(text: str, where: str) -> list[int]:
 
 
 def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]:
-    """Prompts and, per prompt, a parse error (such a prompt is passed on as-is and fails alone)."""
+    """Prompts and, per prompt, a parse error (such a prompt is passed on as-is and fails alone). A
+    `--prompts` file that cannot be read or holds no prompt is a ValueError naming it."""
     prompts: list[Any] = []
     errors: list[str | None] = []
     if args.prompt_ids:
@@ -95,7 +97,7 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
         print(f"m3-eagle run: no --prompt-ids or --prompts: generating from the prompt "
               f"{','.join(map(str, DEFAULT_PROMPT))}", file=sys.stderr)
         return [list(DEFAULT_PROMPT)], [None]
-    for n, line in enumerate(args.prompts.read_text().splitlines(), start=1):  # FILE:N counts blank lines too
+    for n, line in enumerate(_read_prompts_file(args.prompts).splitlines(), start=1):  # FILE:N counts blank lines
         if not line.strip():
             continue
         try:
@@ -105,7 +107,19 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
         except json.JSONDecodeError as error:
             prompts.append(None)
             errors.append(f"{args.prompts}:{n}: not JSON ({error.msg})")
+    if not prompts:  # else the model loaded, nothing ran and the run exited 1 without a word
+        raise ValueError(f"--prompts {args.prompts}: no prompts (expected one JSON list of token ids per line)")
     return prompts, errors
+
+
+def _read_prompts_file(path: Path) -> str:
+    """The text of `--prompts FILE`; a ValueError naming the option and the file when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--prompts {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise ValueError(f"--prompts {path}: cannot read it ({error.strerror or error})") from None
 
 
 class ProgressBar:
@@ -144,6 +158,51 @@ def _report_text(report: dict, out: TextIO) -> None:
         out.write("per_position_acceptance=" + ",".join(f"{p:.3f}" for p in per_position) + "\n")
 
 
+def _config_kind(path: Path) -> str | None:
+    """"target" (a MiniMax-M3 config), "draft" (an Eagle3 head's) or None (unknown or unreadable: the
+    loader then names what is wrong) for the checkpoint directory `path`."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    architectures = " ".join(map(str, config.get("architectures") or []))
+    if "text_config" in config or "MiniMaxM3" in architectures or str(config.get("model_type", "")).startswith(
+            "minimax_m3"):
+        return "target"
+    if "eagle" in architectures.lower() or "eagle_config" in config:
+        return "draft"
+    return None
+
+
+def _check_checkpoint_kind(option: str, path: Path) -> None:
+    """--model must not be an Eagle3 head, nor --draft a MiniMax-M3 target (else a missing-field error
+    such as "moe_layer_freq: required field is missing" was all the user saw)."""
+    kind = _config_kind(path)
+    if option == "--model" and kind == "draft":
+        raise ValueError(f"--model {path}: config.json describes an Eagle3 draft head, not a MiniMax-M3 target "
+                         "(pass it as --draft, the target as --model)")
+    if option == "--draft" and kind == "target":
+        raise ValueError(f"--draft {path}: config.json describes a MiniMax-M3 target, not an Eagle3 draft head "
+                         "(the target goes to --model)")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Counts and sampling values in range, each error naming its option (the engine's own checks name
+    its fields: "max_batch_size must be >= 1")."""
+    minimums = (("--draft-len", args.draft_len, 0), ("--max-new-tokens", args.max_new_tokens, 1),
+                ("--max-batch-size", args.max_batch_size, 1), ("--max-tokens-per-step", args.max_tokens_per_step, 1),
+                ("--kv-blocks", args.kv_blocks, 1), ("--top-k", args.top_k, 0))
+    for option, value, least in minimums:
+        if value is not None and value < least:
+            raise ValueError(f"{option} must be >= {least}, got {value}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -158,11 +217,12 @@ def main(args: argparse.Namespace) -> int:
         for option, path in (("--model", args.model), ("--draft", args.draft)):
             if path is not None and not Path(path).is_dir():
                 raise ValueError(f"{option} {path}: not a checkpoint directory (config.json + safetensors)")
+            if path is not None:
+                _check_checkpoint_kind(option, Path(path))
         check_backend(torch.device(args.device))  # M3_EAGLE_KERNELS, before any weight is read
         if args.cuda_graphs and args.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda (CUDA graphs do not exist on CPU)")
-        if args.draft_len < 0 or args.max_new_tokens < 1:
-            raise ValueError("--draft-len must be >= 0 and --max-new-tokens >= 1")
+        _check_numbers(args)
         prompts, parse_errors = read_prompts(args)
         eos_ids = tuple(_parse_ids(args.eos_ids, "--eos-ids"))
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
