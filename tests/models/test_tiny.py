@@ -135,3 +135,28 @@ def test_an_interrupt_while_swapping_the_pair_in_keeps_the_earlier_pair(tmp_path
     for name, tensors in before.items():
         after = _read(out / name)[1]
         assert after.keys() == tensors.keys() and all(torch.equal(tensors[k], after[k]) for k in tensors), name
+
+
+def test_a_directory_that_is_not_make_tiny_output_is_never_replaced(tmp_path, capsys):
+    """OUT_DIR/target holding someone's checkpoint (or any file) must survive, and nothing be written."""
+    out = tmp_path / "out"
+    (out / "target").mkdir(parents=True)
+    (out / "target" / "config.json").write_text('{"model_type": "minimax_m3_vl"}')
+    (out / "target" / "model.safetensors").write_bytes(b"precious")
+    assert cli_main(["make-tiny", str(out), "--train-steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "target exists and is not make-tiny output" in err and "Traceback" not in err
+    assert (out / "target" / "model.safetensors").read_bytes() == b"precious"
+    assert sorted(p.name for p in out.iterdir()) == ["target"]  # no draft, no scratch folder
+    (out / "target" / "config.json").unlink()
+    (out / "target" / "model.safetensors").unlink()
+    tiny.make_tiny(out)  # an empty directory is taken
+    tiny.make_tiny(out, seed=3)  # and so is an earlier make-tiny pair
+    assert sorted(p.name for p in out.iterdir()) == ["draft", "target"]
+
+
+def test_an_empty_out_dir_is_refused_not_taken_as_the_current_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["make-tiny", "", "--train-steps", "0"]) == 2
+    assert "OUT_DIR is empty" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

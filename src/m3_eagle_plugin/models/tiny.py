@@ -162,11 +162,16 @@ def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple
         raise ValueError(f"train_steps must be a non-negative int, got {train_steps!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63 - 1:
         raise ValueError(f"seed must be an int in [0, 2**63 - 1), got {seed!r}")
+    if not str(out_dir).strip():  # Path("") is the current directory
+        raise ValueError("OUT_DIR is empty: give the directory to write target/ and draft/ in")
     out = Path(out_dir)
     target, draft = out / "target", out / "draft"
-    for path in (target, draft):
+    for path, config in ((target, target_config()), (draft, draft_config())):
         if path.exists() and not path.is_dir():
             raise ValueError(f"{path} exists and is not a directory")
+        if path.is_dir() and not _replaceable(path, config):
+            raise ValueError(f"{path} exists and is not make-tiny output: refusing to replace it (choose another "
+                             "OUT_DIR, or remove it yourself)")
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".make-tiny-", dir=out))
     try:
@@ -183,6 +188,17 @@ def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple
 
 
 _PAIR = ("target", "draft")
+
+
+def _replaceable(path: Path, config: dict[str, Any]) -> bool:
+    """Whether make-tiny may replace directory `path`: empty, or an earlier make-tiny's output (its
+    config.json is exactly the one make-tiny writes there); anything else may be someone's checkpoint."""
+    if not any(path.iterdir()):
+        return True
+    try:
+        return json.loads((path / "config.json").read_text()) == json.loads(json.dumps(config))
+    except (OSError, ValueError):
+        return False
 
 
 def _swap_in(staging: Path, out: Path) -> None:
