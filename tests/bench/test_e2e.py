@@ -145,6 +145,9 @@ def test_shape_and_argument_errors_name_the_cause():
         replace(e2e.CPU_SHAPE, batches=(0,))
     with pytest.raises(ValueError, match="--e2e-batches"):
         e2e.shape_from_args(argparse.Namespace(e2e_batches="1,x"), torch.device("cpu"))
+    for empty in ("", ",", " "):  # given but naming no batch: refused, not replaced by the defaults
+        with pytest.raises(ValueError, match="--e2e-batches: no batch size"):
+            e2e.shape_from_args(argparse.Namespace(e2e_batches=empty), torch.device("cpu"))
     shape = e2e.shape_from_args(argparse.Namespace(e2e_batches="2", e2e_tokens=6, e2e_hidden=None),
                                 torch.device("cpu"))
     assert shape.batches == (2,) and shape.new_tokens == 6 and shape.hidden == e2e.CPU_SHAPE.hidden

@@ -387,11 +387,13 @@ def shape_from_args(args: argparse.Namespace, device: torch.device) -> E2EShape:
         if value is not None:
             overrides[name] = value
     batches = getattr(args, "e2e_batches", None)
-    if batches:
+    if batches is not None:
         try:
             overrides["batches"] = tuple(int(b) for b in batches.split(",") if b.strip())
         except ValueError:
             raise ValueError(f"--e2e-batches: expected a comma list of integers, got {batches!r}") from None
+        if not overrides["batches"]:  # else the default batches ran in their place
+            raise ValueError(f"--e2e-batches: no batch size in {batches!r} (omit the option for the defaults)")
     return replace(shape, **overrides)
 
 
