@@ -987,6 +987,13 @@ def do_graph(ctx):
             skipped.append(f"{name}:{type(exc).__name__}")
         finally:
             knobs.runtime.launch_enter_hook.remove(hook)
+    # sparse_layer_attention is select_blocks_paged then sparse_attention: where either half ran the
+    # torch reference (or was refused), its launches come from the other half only, and the graph
+    # would replay that half's captured lengths
+    off = {x.split(":")[0] for x in skipped} & {"select_blocks_paged", "sparse_attention"}
+    if off and any(n == "sparse_layer_attention" for n, _ in live):
+        live = [(n, fn) for n, fn in live if n != "sparse_layer_attention"]
+        skipped.append(f"sparse_layer_attention:{'+'.join(sorted(off))}-not-live")
     if not any(n != "on_update_kv_lens" for n, _ in live):
         raise K.KernelInputError("graph: every dispatcher refused this case eagerly")
     side = torch.cuda.Stream()
