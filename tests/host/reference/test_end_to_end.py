@@ -71,6 +71,20 @@ def test_gpu_eager_and_cuda_graphs_equal_target_only(tiny_pair, prompts, target_
         assert engine.runner.graphs.buckets
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_cuda_graphs_on_the_torch_references_equal_target_only(tiny_pair, prompts, target_only, monkeypatch):
+    """The graphs stage lengths at capacity so the torch references (which loop over host lengths)
+    replay correctly at every step: the path `auto` takes for shapes the kernels refuse."""
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "torch")
+    target_dir, draft_dir = tiny_pair
+    cfg = EngineConfig(draft_len=3, max_batch_size=2, max_tokens_per_step=16, cuda_graphs=True)
+    engine = build_engine(target_dir, draft_dir, cfg, num_blocks=blocks_for_prompts(prompts, NEW, 3, 4),
+                          device="cuda")
+    result = engine.generate(prompts, NEW)
+    assert result.outputs == target_only
+    assert engine.runner.graphs.buckets and all(b.graph is not None for b in engine.runner.graphs.buckets.values())
+
+
 def proposals_per_request(pair, prompts, **config):
     """Every draft proposal the engine makes, per request, in order (spying on launched steps)."""
     target_dir, draft_dir = pair
