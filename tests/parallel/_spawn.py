@@ -1,6 +1,7 @@
 """Run a function on N local ranks (spawned processes rendezvousing on 127.0.0.1) with a hard deadline."""
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -40,3 +41,15 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: str
             if process.is_alive():
                 process.terminate()
                 process.join(5)
+
+
+def ranks_evidence(worker, tiny_pair, tmp_path_factory, stem: str, *, timeout_s: float = 180.0) -> list[dict]:
+    """Run `worker` on two gloo ranks with the tiny pair; what each rank wrote to `<stem>_rank<r>.json`
+    up to a crash (an empty dict where a rank wrote nothing) is the evidence the tests read."""
+    out = tmp_path_factory.mktemp(stem)
+    try:
+        run_ranks(worker, 2, str(tiny_pair[0]), str(tiny_pair[1]), str(out), timeout_s=timeout_s)
+    finally:
+        seen = [json.loads(p.read_text()) if p.exists() else {} for p in (out / f"{stem}_rank0.json",
+                                                                          out / f"{stem}_rank1.json")]
+    return seen

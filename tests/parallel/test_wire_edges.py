@@ -1,23 +1,15 @@
 """Wire paths where one side used to wait for a message the other never sends, or read the next
 frame as pages (`_workers.wire_edges_worker`): each must raise on both sides, naming the cause,
 and the good payload sent next must arrive intact."""
-import json
-
 import pytest
 
 
 @pytest.fixture(scope="module")
 def edges(tiny_pair, tmp_path_factory):
-    from ._spawn import run_ranks
+    from ._spawn import ranks_evidence
     from ._workers import wire_edges_worker
 
-    out = tmp_path_factory.mktemp("wire_edges")
-    try:
-        run_ranks(wire_edges_worker, 2, str(tiny_pair[0]), str(tiny_pair[1]), str(out), timeout_s=180)
-    finally:  # what each rank saw up to a crash is the evidence
-        seen = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "edges_rank0.json",
-                                                                          out / "edges_rank1.json")]
-    return seen
+    return ranks_evidence(wire_edges_worker, tiny_pair, tmp_path_factory, "edges")
 
 
 def test_a_header_where_an_int_list_belongs_is_refused_to_its_sender(edges):

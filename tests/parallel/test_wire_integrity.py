@@ -5,8 +5,6 @@ used to wait for its timeout), and both sides must refuse the stream from then o
 bytes changed in transit must be refused by the receiver naming its pool and page (it used to be
 returned, and imported, without a word), and the stream must stay in step for the next payload.
 """
-import json
-
 import pytest
 
 GROUP_TIMEOUT_S = 10
@@ -14,16 +12,10 @@ GROUP_TIMEOUT_S = 10
 
 @pytest.fixture(scope="module")
 def integrity(tiny_pair, tmp_path_factory):
-    from ._spawn import run_ranks
+    from ._spawn import ranks_evidence
     from ._workers import integrity_worker
 
-    out = tmp_path_factory.mktemp("wire_integrity")
-    try:
-        run_ranks(integrity_worker, 2, str(tiny_pair[0]), str(tiny_pair[1]), str(out), timeout_s=180)
-    finally:  # what each rank saw up to a crash is the evidence
-        seen = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "integrity_rank0.json",
-                                                                          out / "integrity_rank1.json")]
-    return seen
+    return ranks_evidence(integrity_worker, tiny_pair, tmp_path_factory, "integrity")
 
 
 def test_a_header_body_damaged_in_transit_fails_the_sender_at_once_and_both_sides_stop(integrity):

@@ -116,6 +116,18 @@ def test_auto_on_untested_host_activates_with_verdict_and_a_warning(active_env):
     assert [level for level, message in levels if "activated" in message] == [logging.WARNING]
 
 
+def _host_ready_listener(seen: list):
+    """A plugin registered late that notes every host it hears is ready."""
+    from m3_eagle_plugin.hooks import hookimpl
+
+    class Late:
+        @hookimpl
+        def m3_eagle_host_ready(self, host, report):
+            seen.append(host)
+
+    return Late()
+
+
 def _broken_host_ready_plugin():
     """A third-party plugin whose host_ready hook raises."""
     from m3_eagle_plugin.hooks import hookimpl
@@ -170,18 +182,11 @@ def test_a_failed_host_ready_is_not_replayed_to_later_plugins(active_env, hermet
     later; after the failure above the host is left untouched, so no late plugin may hear it is ready."""
     make_host, installs = active_env
     make_host("1.3.0rc24")
-    from m3_eagle_plugin.hooks import hookimpl
 
     seen = []
-
-    class Late:
-        @hookimpl
-        def m3_eagle_host_ready(self, host, report):
-            seen.append(host)
-
     hermetic_manager.register(_broken_host_ready_plugin(), name="broken")
     assert not m3_eagle_plugin.activate("auto").activated
-    hermetic_manager.register(Late(), name="late")
+    hermetic_manager.register(_host_ready_listener(seen), name="late")
     assert installs == [1, -1] and seen == []
 
 
@@ -195,19 +200,12 @@ def test_a_rollback_that_fails_still_tells_no_later_plugin_the_host_is_ready(act
     make_host("1.3.0rc24")
     import m3_eagle_plugin.host.trtllm as adapter
     from m3_eagle_plugin.host.trtllm.patching import HostPatchError
-    from m3_eagle_plugin.hooks import hookimpl
 
     def uninstall():
         raise HostPatchError("reverting the patches was incomplete: fake-a is still patched")
 
     monkeypatch.setattr(adapter, "uninstall", uninstall)
     seen = []
-
-    class Late:
-        @hookimpl
-        def m3_eagle_host_ready(self, host, report):
-            seen.append(host)
-
     hermetic_manager.register(_broken_host_ready_plugin(), name="broken")
     if mode == "require":
         with pytest.raises(ActivationError, match="third-party hook failed.*fake-a is still patched"):
@@ -217,7 +215,7 @@ def test_a_rollback_that_fails_still_tells_no_later_plugin_the_host_is_ready(act
         assert not report.activated and (report.patches, report.fingerprint) == ([], "")
         assert "third-party hook failed" in report.reason and "fake-a is still patched" in report.reason
         assert "left untouched" not in log_lines[0]
-    hermetic_manager.register(Late(), name="late")
+    hermetic_manager.register(_host_ready_listener(seen), name="late")
     assert seen == []
 
 
