@@ -18,7 +18,7 @@ from m3_eagle_plugin.msa import (
 )
 
 from ._hf_oracle import BLOCK_SIZE, TOPK, OracleRun, SparseLayerOracle
-from ._paged import PooledCache, naive_attention, padded_table, random_page_tables
+from ._paged import PooledCache, naive_attention, naive_selection, padded_table, random_page_tables
 
 PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -307,3 +307,31 @@ def test_sparse_attention_matches_a_dense_masked_reference(rows, log_block, head
         torch.testing.assert_close(out[rows_r].double(), exp, **TOL)
         exp_dense = masked_reference(q[rows_r], keys, values, positions, everything[:, rows_r], block, 0.6)
         torch.testing.assert_close(dense[rows_r].double(), exp_dense, **TOL)
+
+
+def test_tied_index_scores_give_the_naive_loops_output_in_any_batch() -> None:
+    """Every index query zero: all visible blocks tie. Which tied blocks win changes the attention
+    output, so it must not depend on the step's other requests: a 20-token request's verify rows,
+    alone and beside a long request, equal float64 attention over the python loop's selection (the
+    lower block id wins ties). The reference used torch.topk's tie order, which follows the score
+    row's width (the step's widest request), and gave other blocks (other outputs) alone."""
+    block, topk, heads_kv, group, dim, scale = 2, 3, 2, 2, 4, 0.5
+    for other in (None, 44, 9):
+        staged = [20] if other is None else [20, other]
+        rows = [(3, staged[0])] + ([(1, other)] if other else [])
+        meta, cache, seqs, q, corrected, gen = _random_step(rows, block, heads_kv * group, heads_kv, dim, 5, [0, 0])
+        index_keys = [torch.randn(k, 4, generator=gen) for k in staged]
+        table = meta.block_tables[: len(staged)].clone()
+        for r, k in enumerate(staged):
+            meta.prepare([k], [k], table[r : r + 1])
+            write_index_k(cache.index_k, meta.cache_slots, index_keys[r])
+        meta.prepare([n for n, _ in rows], staged, table)
+        iq = torch.zeros(meta.num_tokens, heads_kv, 4)
+        sel = select_blocks_paged(iq, cache.index_k, meta, topk=topk)
+        out = sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale)
+        keys, values = seqs[0]
+        for t in range(rows[0][0]):
+            p = staged[0] - rows[0][0] + t
+            chosen = naive_selection(iq[t], index_keys[0], p, block, topk, 1, 0)
+            allowed = [[j for j in range(p + 1) if j // block in chosen[h]] for h in range(heads_kv)]
+            torch.testing.assert_close(out[t].double(), naive_attention(q[t], keys, values, allowed, scale), **TOL)

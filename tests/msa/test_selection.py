@@ -226,9 +226,9 @@ def test_select_from_block_scores_is_a_valid_top_k_even_with_ties(heads, num_blo
     """Scores drawn from {-1, 0, 1} (ties everywhere), own blocks before block 0 (none visible) or
     past the scored range (refused: the forced own block would be dropped).
 
-    Any tie-break is correct, so the reference checks the definition instead of one answer: the
-    forced visible blocks are all in, exactly min(topk, visible) blocks are kept, and no dropped
-    visible block beats a kept free one."""
+    The definition: the forced visible blocks are all in, exactly min(topk, visible) blocks are
+    kept, and no dropped visible block beats a kept free one; and among tied scores the lower block
+    id wins (the kernels' rule, which keeps a token's choice independent of the row width)."""
     if local + init > topk:
         local, init = min(local, topk), max(0, min(init, topk - min(local, topk)))
     values = data.draw(st.lists(st.sampled_from([-1.0, 0.0, 1.0]), min_size=heads * len(own) * num_blocks,
@@ -252,6 +252,9 @@ def test_select_from_block_scores_is_a_valid_top_k_even_with_ties(heads, num_blo
             free_kept = [float(scores[h, t, b]) for b in kept - forced]
             dropped = [float(scores[h, t, b]) for b in visible - kept]
             assert not free_kept or not dropped or min(free_kept) >= max(dropped)
+            # and the tie-break is the lower block id (the kernels' rule), whatever the row width
+            ranked = sorted(visible, key=lambda b: (b not in forced, -float(scores[h, t, b]), b))
+            assert kept == set(ranked[:topk]), (h, t, o)
 
 
 @PROPERTY
@@ -286,3 +289,30 @@ def test_select_blocks_paged_with_forced_blocks_matches_naive(rows, log_block, t
                 expected = naive_selection(iq[t], seqs[r], p, block, topk, local, init)
                 assert [head[t] for head in got] == expected, (r, i, p)
             t += 1
+
+
+@pytest.mark.parametrize("chunk_elems", [None, 7], ids=["one-chunk", "token-chunks"])
+@pytest.mark.parametrize("topk, local, init", [(3, 1, 0), (5, 2, 1), (3, 0, 0)])
+def test_tied_scores_go_to_the_lower_block_id_whatever_the_step_holds(topk, local, init, chunk_elems,
+                                                                      monkeypatch) -> None:
+    """Zero index queries tie every visible block at 0 (head 0); head 1 is random. The reference
+    took torch.topk's tie order, which changes with the score row's width, i.e. with the longest
+    request of the step: the same token got other blocks (so another attention output) alone than
+    beside a long request. Each token must get the python loop's choice (lower id wins), the
+    kernels' rule, in every batch composition (transformers' own pick is arbitrary: its full
+    forward and its cached decode disagree under such ties)."""
+    if chunk_elems is not None:  # scoring and selection one token at a time
+        monkeypatch.setattr("m3_eagle_plugin.msa.selection._SCORE_CHUNK_ELEMS", chunk_elems)
+    block = 2
+    for companions in ([], [(1, 400)], [(2, 61)], [(1, 7)]):
+        rows = [(4, 20)] + companions
+        meta, cache, seqs, iq = _paged_batch(rows, block, heads=2, dim=8, seed=7)
+        iq[:, 0] = 0.0
+        sel = select_blocks_paged(iq, cache.index_k, meta, topk=topk, local_blocks=local, init_blocks=init)
+        got = selection_sets(sel)
+        t = 0
+        for r, (q, k) in enumerate(rows):
+            for i in range(q):
+                expected = naive_selection(iq[t], seqs[r], k - q + i, block, topk, local, init)
+                assert [head[t] for head in got] == expected, (companions, r, i)
+                t += 1

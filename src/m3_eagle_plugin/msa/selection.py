@@ -49,9 +49,10 @@ def select_from_block_scores(
 
     Blocks after a token's own block are invisible whatever their score. Forced blocks (the
     ``local_blocks`` blocks ending at the token's block, and blocks ``0..init_blocks-1``) win over
-    any real score. Returns int32 ``[H, T, topk]``: ascending block ids, ``-1`` padded. A token's
-    own block must be among the ``N`` scored ones (its local block is forced); checking that reads
-    ``query_blocks`` back once.
+    any real score; among equal scores the lower block id wins, so a token's selection never
+    depends on ``N`` (the step's widest request). Returns int32 ``[H, T, topk]``: ascending block
+    ids, ``-1`` padded. A token's own block must be among the ``N`` scored ones (its local block is
+    forced); checking that reads ``query_blocks`` back once.
     """
     _validate_selection_args(topk, local_blocks, init_blocks)
     if block_scores.dim() != 3:
@@ -75,15 +76,20 @@ def _select_from_scores(block_scores, query_blocks, topk: int, local_blocks: int
     if num_blocks == 0 or num_tokens == 0:
         return out
     block_ids = torch.arange(num_blocks, device=block_scores.device)
-    own_block = query_blocks.to(torch.int64)[:, None]
-    visible = block_ids[None, :] <= own_block
-    forced = visible & ((block_ids[None, :] > own_block - local_blocks) | (block_ids[None, :] < init_blocks))
-    scores = block_scores.float().masked_fill(~visible, float("-inf")).masked_fill(forced, float("inf"))
     kept = min(topk, num_blocks)
-    top_scores, top_ids = scores.topk(kept, dim=-1)
-    top_ids = top_ids.masked_fill(top_scores == float("-inf"), num_blocks)
-    top_ids = top_ids.sort(dim=-1).values
-    out[..., :kept] = top_ids.masked_fill(top_ids == num_blocks, -1).to(torch.int32)
+    # Ties go to the lower block id (the kernels' rule). A stable descending sort, not topk: topk
+    # breaks ties by its internal order, which changes with the row width N, so a token's blocks
+    # depended on the longest request of its step (and transformers' own choice is just as arbitrary).
+    # Token chunks bound the sort's [H, Tc, N] copies on long prompts.
+    for chunk in _token_chunks(num_tokens, num_heads * num_blocks):
+        own_block = query_blocks[chunk].to(torch.int64)[:, None]
+        visible = block_ids[None, :] <= own_block
+        forced = visible & ((block_ids[None, :] > own_block - local_blocks) | (block_ids[None, :] < init_blocks))
+        scores = block_scores[:, chunk].float().masked_fill(~visible, float("-inf")).masked_fill(forced, float("inf"))
+        top_scores, top_ids = scores.sort(dim=-1, descending=True, stable=True)
+        top_scores, top_ids = top_scores[..., :kept], top_ids[..., :kept]
+        top_ids = top_ids.masked_fill(top_scores == float("-inf"), num_blocks).sort(dim=-1).values
+        out[:, chunk, :kept] = top_ids.masked_fill(top_ids == num_blocks, -1).to(torch.int32)
     return out
 
 
