@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from ._oracle import MiniMaxM3VLForCausalLM, PagedRunner, load_oracle, randomize_, tiny_text_config
@@ -94,3 +95,19 @@ def test_tied_checkpoint_holding_only_lm_head_loads_like_transformers(tmp_path):
     names = set(load_file(str(path / "model.safetensors")))
     assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
     _assert_matches_transformers(path)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(index_local_blocks=2, index_topk_blocks=4, index_block_size=2),  # two forced blocks, 2 free
+    dict(index_local_blocks=0),  # nothing forced: the own block competes on its score
+    dict(index_topk_blocks=10),  # more than the 8 blocks of 30 tokens: dense causal everywhere
+    dict(index_block_size=64),  # every token inside one partial block
+    dict(num_attention_heads=8, num_key_value_heads=4, index_n_heads=4),  # four selections, group 2
+    dict(num_attention_heads=8, num_key_value_heads=4, index_n_heads=2),  # each index head for 2 KV heads
+    dict(index_head_dim=32),  # index width twice the head width (RoPE still over the first 8)
+], ids=["local2-top4-block2", "local0", "topk-past-visible", "block-past-context", "idx4-kv4", "idx2-kv4",
+        "index-dim-32"])
+def test_selection_geometry_edges_match_transformers(tmp_path, overrides):
+    """Selection geometries the other checkpoints leave out, prefill (21 tokens over several
+    blocks), a verify chunk and a single step against transformers' full forward."""
+    _assert_matches_transformers(_hf_checkpoint(tmp_path / "ckpt", **overrides))

@@ -146,3 +146,43 @@ def test_skipped_tokens_need_no_page_of_an_empty_cache() -> None:
     write_index_k(ik_cache, torch.tensor([-1, -1]), torch.randn(2, 5))
     with pytest.raises(MsaInputError, match="past the cache"):
         write_index_k(ik_cache, torch.tensor([-1, 0]), torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_round_trips_through_the_attention_references(dtype) -> None:
+    """fp8 K/V pages (scale 1: the writers only cast, a dequantisation scale is the kernels' read
+    side) written by a mixed step with skipped rows, read by the CPU attention references: each
+    token equals float64 attention over its keys rounded through the cache dtype, and skipped rows
+    leave their slots as they were."""
+    from m3_eagle_plugin.msa import MsaDecodeMetadata, dense_attention, sparse_attention
+
+    from ._paged import naive_attention
+
+    block, heads_kv, dim, pages = 4, 2, 8, 6
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.zeros(pages, heads_kv, block, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    meta = MsaDecodeMetadata(2, 32, 3, block, "cpu", max_draft_len=3, num_pages=pages)
+    table = torch.tensor([[4, 0, 2], [5, 1, -1]], dtype=torch.int32)
+    kv = [11, 6]
+    keys = [torch.randn(n, heads_kv, dim, generator=gen) * 3 for n in kv]
+    values = [torch.randn(n, heads_kv, dim, generator=gen) * 3 for n in kv]
+    meta.prepare(kv, kv, table)
+    slots = meta.cache_slots.clone()
+    slots[3] = -1  # request 0's token 3 is skipped: its slot keeps the zeros
+    write_kv(k_cache, v_cache, slots, torch.cat(keys), torch.cat(values))
+    assert not k_cache[4, :, 3].float().any()
+    keys[0][3], values[0][3] = 0.0, 0.0
+    meta.prepare([3, 1], kv, table)  # a verify chunk of request 0, a decode row of request 1
+    q = torch.randn(4, heads_kv * 2, dim, generator=gen)
+    sel = torch.tensor([[0, 2, -1]] * 3 + [[1, -1, -1]], dtype=torch.int32)[None].expand(heads_kv, -1, -1)
+    sparse = sparse_attention(q, k_cache, v_cache, meta, sel.contiguous(), scale=0.3)
+    dense = dense_attention(q, k_cache, v_cache, meta, scale=0.3)
+    rounded = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in zip(keys, values)]
+    for t, (r, p) in enumerate([(0, 8), (0, 9), (0, 10), (1, 5)]):
+        blocks = sel[0, t].tolist()
+        allowed = [j for j in range(p + 1) if j // block in blocks]
+        exp = naive_attention(q[t], *rounded[r], [allowed] * heads_kv, 0.3)
+        torch.testing.assert_close(sparse[t].double(), exp, atol=1e-5, rtol=1e-5)
+        exp = naive_attention(q[t], *rounded[r], [list(range(p + 1))] * heads_kv, 0.3)
+        torch.testing.assert_close(dense[t].double(), exp, atol=1e-5, rtol=1e-5)
