@@ -240,3 +240,20 @@ def test_a_d2t_that_is_not_one_to_one_keeps_the_scatter(tiny):
     logits = torch.randn(2, 8)
     out = head.to_target_logits(logits)
     assert torch.equal(out, _old_to_target_logits(d2t, head.config.vocab_size, logits))
+
+
+def test_loading_a_state_dict_re_derives_the_vocabulary_maps(tiny):
+    """`load_state_dict` copies a new d2t into the existing buffer in place (no `__setattr__`): logits
+    must still land on `draft_to_target`'s ids, not on the ones of the d2t the head had before."""
+    target = load_target(tiny[0])
+    head, other = load_draft(tiny[1], target), load_draft(tiny[1], target)
+    vd = 16
+    head.d2t = torch.zeros(vd, dtype=torch.long)  # draft d -> target d
+    other.d2t = torch.arange(vd) + 1  # draft d -> target 2d + 1
+    head.load_state_dict(other.state_dict())
+    assert torch.equal(head.target_ids, other.target_ids)
+    assert torch.equal(head.draft_index, other.draft_index)
+    logits = torch.randn(3, vd)
+    want = _old_to_target_logits(other.d2t, head.config.vocab_size, logits)
+    assert torch.equal(head.to_target_logits(logits), want)
+    assert torch.equal(head.to_target_logits(logits).argmax(-1), head.draft_to_target(logits.argmax(-1)))

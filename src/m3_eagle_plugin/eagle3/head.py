@@ -118,6 +118,10 @@ class Eagle3DecoderLayer(nn.Module):
         return y, self.mlp(normed)
 
 
+def _reindex_vocabulary_after_load(head: "Eagle3Head", _incompatible_keys: Any) -> None:
+    head._index_vocabulary()
+
+
 class Eagle3Head(nn.Module):
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
@@ -138,6 +142,8 @@ class Eagle3Head(nn.Module):
         self.register_buffer("target_ids", None, persistent=False)
         self.register_buffer("draft_index", None, persistent=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # `load_state_dict` copies into an existing d2t in place, past `__setattr__`.
+        self.register_load_state_dict_post_hook(_reindex_vocabulary_after_load)
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
