@@ -376,3 +376,17 @@ def test_legacy_type_key_in_rope_parameters_is_not_ignored():
     assert _as_transformers_sees_it(json.loads(json.dumps(raw))).rope_parameters["rope_type"] == "linear"
     with pytest.raises(ConfigError, match=r"rope_parameters\.rope_type: 'linear' is not supported"):
         M3Config.from_dict(raw)
+
+
+@pytest.mark.parametrize("keys", [{"num_experts": 4}, {"num_experts": 4, "num_local_experts": 6},
+                                  {"num_local_experts": 6, "num_experts": 4}, {"num_local_experts": 6}])
+def test_expert_count_key_resolves_like_transformers(keys):
+    """transformers sets `num_experts` (an attribute_map alias) after the fields, so it wins over
+    `num_local_experts` whatever the order in the file."""
+    raw = target_config()
+    raw["text_config"].pop("num_local_experts", None)
+    raw["text_config"].update(keys)
+    hf = _as_transformers_sees_it(json.loads(json.dumps(raw)))
+    cfg = M3Config.from_dict(raw)
+    assert cfg.num_experts == hf.num_local_experts
+    _assert_same(cfg, hf)

@@ -60,3 +60,26 @@ def test_moe_matches_transformers_block():
         torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=0)
         ours.graph_safe = True
         torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=0)
+
+
+def test_graph_safe_moe_ignores_an_overflowing_unchosen_expert():
+    """The graph-safe path runs every expert; one never chosen whose gate overflows to -inf
+    (-inf * sigmoid(-inf) = NaN) must leave the output as transformers' block computes it."""
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLSparseMoeBlock
+
+    from ._oracle import randomize_, tiny_text_config
+
+    hf = MiniMaxM3VLSparseMoeBlock(tiny_text_config())
+    randomize_(hf, seed=9)
+    with torch.no_grad():
+        hf.gate.e_score_correction_bias.copy_(torch.tensor([-10.0, 0, 0, 0, 0, 0]))  # expert 0: never chosen
+        hf.experts.gate_up_proj[0, :32] = -1e38  # its gate half: -inf for positive inputs
+    ours = M3SparseMoE(64, 6, 2, 32, 24, 2.0, 1.702, 7.0)
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).abs()
+    with torch.no_grad():
+        want = hf(x[None])[0]
+        assert torch.isfinite(want).all()
+        for graph_safe in (False, True):
+            ours.graph_safe = graph_safe
+            torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=0)

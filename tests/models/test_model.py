@@ -189,3 +189,49 @@ def test_zero_width_shared_expert_checkpoint_matches_transformers(tmp_path):
     model = load_target(tmp_path)
     assert all(layer.mlp.shared_experts is None for layer in model.layers[1:])
     torch.testing.assert_close(_prefill_logits(model, ids), want, atol=TOL, rtol=0)
+
+
+def test_config_with_both_expert_count_keys_loads_like_transformers(tmp_path):
+    """config.json holding `num_local_experts` and `num_experts`: transformers builds `num_experts`
+    experts (its alias is set last), and so must the loader to load the same checkpoint."""
+    import json
+
+    from ._oracle import MiniMaxM3VLForCausalLM, randomize_, tiny_text_config
+
+    torch.manual_seed(0)
+    hf = MiniMaxM3VLForCausalLM(tiny_text_config(num_local_experts=4))
+    randomize_(hf, seed=4)
+    hf.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["num_local_experts"], raw["num_experts"] = 6, 4
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(12))
+    oracle = load_oracle(tmp_path)
+    assert oracle.config.num_local_experts == 4
+    with torch.no_grad():
+        want = oracle(input_ids=ids[None]).logits[0].float()
+    torch.testing.assert_close(_prefill_logits(load_target(tmp_path), ids), want, atol=TOL, rtol=0)
+
+
+def test_cpu_bf16_rounds_no_more_than_transformers_bf16(hf_text_checkpoint):
+    """bf16 on the torch path (prefill, verify chunk, single steps) against transformers' fp32 logits:
+    no further off than transformers' own bf16 forward is. The router (fp32 logits, fp32 correction
+    bias), the fp32 expert accumulation and the fp32 RoPE tables only ever round less than it does."""
+    ids = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        want = load_oracle(hf_text_checkpoint)(input_ids=ids[None]).logits[0].float()
+        hf_bf16 = type(load_oracle(hf_text_checkpoint)).from_pretrained(
+            hf_text_checkpoint, dtype=torch.bfloat16, attn_implementation="eager").eval()
+        hf_err = (hf_bf16(input_ids=ids[None]).logits[0].float() - want).abs()
+    model = load_target(hf_text_checkpoint, dtype=torch.bfloat16)
+    runner = PagedRunner(model.config, dtype=torch.bfloat16)
+    start, rows = 0, []
+    with torch.no_grad():
+        for n in (17, 4, 1, 4, 1, 3):
+            runner.prepare([("a", n)])
+            rows.append(model.compute_logits(model(ids[start:start + n], runner.meta, runner.cache)))
+            start += n
+    got = torch.cat(rows)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    err = (got - want).abs()
+    assert err.mean() <= hf_err.mean(), (err.mean(), hf_err.mean())  # max: a rare routing flip either way

@@ -121,7 +121,9 @@ def _common(t: ConfigFields) -> dict[str, Any]:
     hidden = t.get_int("hidden_size", minimum=1)
     heads = t.get_int("num_attention_heads", minimum=1)
     head_dim = t.get_int("head_dim", 128, minimum=1)  # transformers' default, not hidden // heads
-    num_experts_key = "num_local_experts" if t.has("num_local_experts") else "num_experts"
+    # transformers maps `num_experts` onto `num_local_experts` (attribute_map) after setting the fields,
+    # so with both keys present `num_experts` is the one its model is built with
+    num_experts_key = "num_experts" if t.has("num_experts") else "num_local_experts"
     return dict(
         vocab_size=t.get_int("vocab_size", minimum=1),
         hidden_size=hidden,

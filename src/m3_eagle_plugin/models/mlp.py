@@ -85,11 +85,16 @@ class RoutedExperts(nn.Module):
 
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, no host sync (CUDA-graph safe; for small models)."""
-        dense_w = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=torch.float32, device=x.device)
+        num_experts = self.gate_up_proj.shape[0]
+        dense_w = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device)
         dense_w.scatter_(1, expert_ids, weights)
+        chosen = torch.zeros(x.shape[0], num_experts, dtype=torch.bool, device=x.device)
+        chosen.scatter_(1, expert_ids, True)
         h = swiglu_oai(torch.einsum("th,eih->tei", x, self.gate_up_proj), self.alpha, self.limit)
         y = torch.einsum("tei,ehi->teh", h, self.down_proj)
-        return (y.float() * dense_w[..., None]).sum(dim=1)
+        # drop the unchosen experts by selection, not by weight 0: an overflow in one of them
+        # (-inf * 0 = NaN) must not reach the token, as it cannot where only chosen experts run
+        return torch.where(chosen[..., None], y.float() * dense_w[..., None], 0.0).sum(dim=1)
 
 
 class M3SparseMoE(nn.Module):
