@@ -8,6 +8,7 @@ host sync, so the host can keep preparing the next step while these run.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
@@ -28,9 +29,18 @@ class AcceptResult:
 def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft_lens: torch.Tensor | None) -> torch.Tensor:
     """Checks shapes; returns ``draft_lens`` as int64, clamped to ``[0, K]`` on the device (a row
     cannot carry more drafts than it has columns; checking instead would read them to the host)."""
+    for name, value in (("draft_tokens", draft_tokens), ("target", target), ("draft_lens", draft_lens)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    for name, value in (("draft_tokens", draft_tokens), ("draft_lens", draft_lens)):
+        # token ids and lengths: a float 1.4 would be truncated to 1 and accepted as token 1
+        if value is not None and not _is_integer(value.dtype):
+            raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must be [R, K], got shape {tuple(draft_tokens.shape)}")
     num_rows, num_drafts = draft_tokens.shape
+    if target.dim() < 2:
+        raise ValueError(f"target must be [R, K + 1, ...], got shape {tuple(target.shape)}")
     if target.shape[0] != num_rows or target.shape[1] != num_drafts + 1:
         raise ValueError(
             f"target must be [R, K + 1] = [{num_rows}, {num_drafts + 1}], got {tuple(target.shape[:2])}"
@@ -40,6 +50,10 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft_lens: 
     if draft_lens.shape != (num_rows,):
         raise ValueError(f"draft_lens must be [R] = [{num_rows}], got {tuple(draft_lens.shape)}")
     return draft_lens.to(device=draft_tokens.device, dtype=torch.long).clamp(0, num_drafts)
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _prefix_length(ok: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
@@ -66,6 +80,9 @@ def greedy_accept(
     ``draft_lens [R]`` (drafts past a row's length never count as accepted; clamped to ``[0, K]``).
     """
     draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
+    if target_tokens.dim() != 2 or not _is_integer(target_tokens.dtype):
+        raise ValueError(f"target_tokens must be an integer [R, K + 1] tensor of argmax ids, "
+                         f"got {target_tokens.dtype} {tuple(target_tokens.shape)}")
     target_tokens = target_tokens.to(torch.long)
     num_accepted = _prefix_length(draft_tokens.to(torch.long) == target_tokens[:, :-1], draft_lens)
     bonus = target_tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
@@ -82,16 +99,26 @@ def forced_accept(
     a tensor is clamped on the device, not checked (that would read it back to the host).
     """
     draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
+    if target_tokens.dim() != 2 or not _is_integer(target_tokens.dtype):
+        raise ValueError(f"target_tokens must be an integer [R, K + 1] tensor of argmax ids, "
+                         f"got {target_tokens.dtype} {tuple(target_tokens.shape)}")
     if isinstance(num_forced, torch.Tensor):
+        if not _is_integer(num_forced.dtype):
+            raise TypeError(f"num_forced must be an integer tensor, got {num_forced.dtype}")
         if num_forced.dim() > 1 or (num_forced.dim() == 1 and num_forced.shape[0] != draft_lens.shape[0]):
             raise ValueError(f"num_forced must be an int, a 0-d tensor or [R] = [{draft_lens.shape[0]}], "
                              f"got shape {tuple(num_forced.shape)}")
         num_forced = num_forced.to(device=draft_lens.device, dtype=torch.long).clamp_min(0)
         num_accepted = torch.minimum(draft_lens, num_forced)
     else:
+        if isinstance(num_forced, bool) or not isinstance(num_forced, numbers.Integral):
+            # a float 1.5 / nan / inf failed deep inside gather, True counted as 1
+            raise TypeError(f"num_forced must be an int or an integer tensor, got {num_forced!r}")
+        num_forced = int(num_forced)
         if num_forced < 0:
             raise ValueError(f"num_forced must be >= 0, got {num_forced}")
-        num_accepted = torch.clamp(draft_lens, max=num_forced)
+        # drafts are capped by the K columns anyway; capping keeps 2**63 out of int64 overflow
+        num_accepted = torch.clamp(draft_lens, max=min(num_forced, draft_tokens.shape[1]))
     bonus = target_tokens.to(torch.long).gather(1, num_accepted.unsqueeze(1)).squeeze(1)
     return AcceptResult(_emit(draft_tokens.to(torch.long), num_accepted, bonus), num_accepted)
 
@@ -102,8 +129,10 @@ _FORCED_DENOMINATOR = 10**6
 def forced_ratio(mean: float) -> Fraction:
     """``mean`` as the fraction `forced_count_at` schedules; refuses what it cannot schedule (so a
     caller can check a configured mean up front, before the first verify step)."""
-    if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 <= mean < float("inf"):
+    if isinstance(mean, bool) or not isinstance(mean, numbers.Real) or not 0 <= mean < float("inf"):
         raise ValueError(f"mean forced acceptance must be a finite number >= 0, got {mean!r}")
+    if not isinstance(mean, (int, float)):  # numpy scalars: np.int64(2) is a finite number too
+        mean = int(mean) if isinstance(mean, numbers.Integral) else float(mean)
     ratio = Fraction(mean).limit_denominator(_FORCED_DENOMINATOR)
     if mean > 0 and ratio == 0:
         raise ValueError(f"mean forced acceptance {mean!r} is below the schedule's resolution "

@@ -64,8 +64,20 @@ def run_draft_loop(
     with one token per drafting row at the optimistic position and gets ``gathered_kv_lens + i``.
     ``choose(logits [Rd, V]) -> (tokens [Rd], probs [Rd, V] | None)`` picks each draft.
     """
+    # Everything is checked before the head runs: step 0 writes the draft layer's KV.
+    if isinstance(num_drafts, bool) or not isinstance(num_drafts, int):
+        raise TypeError(f"num_drafts must be an int, got {num_drafts!r}")
     if num_drafts < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    for name, value in (("first_input_ids", first_input_ids), ("gather_index", gather_index),
+                        ("gathered_kv_lens", gathered_kv_lens)):
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point \
+                or value.dtype.is_complex or value.dtype == torch.bool:
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"{name} must be a 1-D integer tensor, got {got}")
+    if gathered_kv_lens.shape != gather_index.shape:
+        raise ValueError(f"gathered_kv_lens must be [Rd] = [{gather_index.shape[0]}] like gather_index, "
+                         f"got {tuple(gathered_kv_lens.shape)}")
     if len(step_metas) < num_drafts - 1:
         raise ValueError(f"need {num_drafts - 1} prepared step metadata objects, got {len(step_metas)}")
     if first_input_ids.shape[0] != first_features.shape[0]:

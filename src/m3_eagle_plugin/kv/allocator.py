@@ -57,7 +57,10 @@ class BlockAllocator:
         return rid in self._pages
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-_count("num_tokens", num_tokens) // self.block_size)
+        num_tokens = _count("num_tokens", num_tokens)
+        if num_tokens < 0:  # -5 tokens gave -1 blocks
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.block_size)
 
     def add_request(self, rid: Hashable) -> None:
         if rid in self._pages:

@@ -7,7 +7,18 @@ already includes the draft tail; these helpers resolve that the same way the hos
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Sequence, Union
+
+
+def _count(name: str, value: object) -> int:
+    """``value`` as an int; a bool, float (2.5 layers), string or None is refused, not truncated."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
 def derive_shared_draft_layout(
@@ -22,22 +33,27 @@ def derive_shared_draft_layout(
       (a larger ``num_layers`` means it was already extended, and wins);
     - ``num_layers=None`` with scalar heads pins nothing: ``([], None)``.
     """
-    if isinstance(num_draft_layers, bool) or int(num_draft_layers) != num_draft_layers:
-        raise TypeError(f"num_draft_layers must be an int, got {num_draft_layers!r}")
-    num_draft = int(num_draft_layers)
+    num_draft = _count("num_draft_layers", num_draft_layers)
     if num_draft < 0:
         raise ValueError(f"num_draft_layers must be >= 0, got {num_draft}")
-    if num_layers is not None and int(num_layers) < 0:
-        raise ValueError(f"num_layers must be >= 0, got {num_layers}")
+    if num_layers is not None:
+        num_layers = _count("num_layers", num_layers)
+        if num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {num_layers}")
 
-    if isinstance(num_kv_heads, (list, tuple)):
+    if isinstance(num_kv_heads, (str, bytes)):
+        raise TypeError(f"num_kv_heads must be an int or a list of per-layer ints, got {num_kv_heads!r}")
+    if isinstance(num_kv_heads, Sequence):
         total = len(num_kv_heads)
         if num_layers is not None:
-            total = max(total, int(num_layers))
-    elif num_layers is None:
-        return [], None
+            total = max(total, num_layers)
     else:
-        total = int(num_layers) + num_draft
+        # A numpy array or a tensor of per-layer heads must not pass for a scalar: read as
+        # "append the draft tail" it gave a layout shifted by the extra entries.
+        _count("num_kv_heads", num_kv_heads)
+        if num_layers is None:
+            return [], None
+        total = num_layers + num_draft
 
     num_target = total - num_draft
     if num_target < 0:

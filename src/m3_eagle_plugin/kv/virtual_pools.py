@@ -13,7 +13,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import operator
+
 import torch
+
+_INT32_MAX = (1 << 31) - 1
+_INT64_MAX = (1 << 63) - 1
+
+
+def _int(name: str, value: object) -> int:
+    """``value`` as an int: a float (layer 1.7 is not layer 1), a bool or a string is refused."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _integer_table(name: str, table: torch.Tensor) -> None:
+    if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {table.dtype}")
+    if table.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: its entries cannot be read")
+
 
 DraftLayer = tuple[int, int, int]  # (local layer, K page base address, sub-pages per slot)
 
@@ -75,7 +98,10 @@ def extend_attention_op_pools(
         )
     if pool_mapping.dim() != 2 or pool_mapping.shape[1] != 2:
         raise ValueError(f"pool_mapping must be [layers, 2], got {tuple(pool_mapping.shape)}")
-    base_pools = int(pool_pointers.shape[0]) if num_pools is None else int(num_pools)
+    if pool_pointers.dtype != torch.int64:  # a float32 row rounds 2**40 + 1 to 2**40
+        raise TypeError(f"pool_pointers must be int64 addresses, got {pool_pointers.dtype}")
+    _integer_table("pool_mapping", pool_mapping)
+    base_pools = int(pool_pointers.shape[0]) if num_pools is None else _int("num_pools", num_pools)
     if not 0 < base_pools <= pool_pointers.shape[0]:
         raise ValueError(
             f"num_pools={num_pools} does not match {pool_pointers.shape[0]} pointer rows")
@@ -87,10 +113,12 @@ def extend_attention_op_pools(
     scales: list[int] = []
     op_pools: list[tuple[int, int]] = []
     for entry in draft_layers:
-        if len(entry) != 3:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 3:
             raise ValueError(
                 f"draft layer entries are (layer, k_base_address, sub_pages), got {entry!r}")
-        layer, address, sub_pages = (int(x) for x in entry)
+        layer = _int("draft layer", entry[0])
+        address = _int(f"draft layer {layer} K base address", entry[1])
+        sub_pages = _int(f"draft layer {layer} sub_pages_per_slot", entry[2])
         if not 0 <= layer < mapping.shape[0]:
             raise ValueError(
                 f"draft layer {layer} is outside the {mapping.shape[0]}-row pool mapping")
@@ -99,8 +127,10 @@ def extend_attention_op_pools(
         if sub_pages < 2:
             raise ValueError(f"draft layer {layer}: a slot must hold its K and V pages, "
                              f"got sub_pages_per_slot={sub_pages}")
-        if address <= 0:
-            raise ValueError(f"draft layer {layer}: K base address must be > 0, got {address}")
+        if sub_pages > _INT32_MAX:  # index_scales are int32
+            raise ValueError(f"draft layer {layer}: sub_pages_per_slot={sub_pages} does not fit int32")
+        if not 0 < address <= _INT64_MAX:
+            raise ValueError(f"draft layer {layer}: K base address must be in (0, 2**63), got {address}")
         source = int(pool_mapping[layer, 0])
         if not 0 <= source < base_pools:
             raise ValueError(f"draft layer {layer} maps to pool {source}, not a storage pool")
@@ -138,17 +168,38 @@ def copy_pool_block_offsets(
     if (dst.dim(), host_offsets.dim(), dst.shape[1], host_offsets.shape[1]) != (3, 3, 2, 2):
         raise ValueError(f"block-offset tables must be [rows, 2, blocks], got dst "
                          f"{tuple(dst.shape)} and host {tuple(host_offsets.shape)}")
+    if not isinstance(copy_index, torch.Tensor) or copy_index.dim() != 1:
+        raise TypeError(f"copy_index must be a 1-D integer tensor, got "
+                        f"{tuple(copy_index.shape) if isinstance(copy_index, torch.Tensor) else type(copy_index).__name__}")
+    for name, table in (("copy_index", copy_index), ("host_offsets", host_offsets), ("dst", dst)):
+        # a float slot -0.5 would truncate to the valid slot 0, a float row 1.7 to row 1
+        _integer_table(name, table)
+    index_scale = _int("index_scale", index_scale)
+    kv_offset = _int("kv_offset", kv_offset)
+    if index_scale < 1 or kv_offset < 0:
+        raise ValueError(f"index_scale must be >= 1 and kv_offset >= 0, got {index_scale}, {kv_offset}")
     rows = int(copy_index.numel())
     if rows > dst.shape[0]:
         raise ValueError(f"{rows} rows to copy but dst holds {dst.shape[0]}")
     width = min(dst.shape[2], host_offsets.shape[2])
     if max_blocks is not None:
-        width = min(width, int(max_blocks))
+        max_blocks = _int("max_blocks", max_blocks)
+        if max_blocks < 0:  # a slice end of -1 would silently drop the last column
+            raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
+        width = min(width, max_blocks)
     idx = copy_index.to(device=host_offsets.device, dtype=torch.long)
+    if idx.device.type == "cpu" and rows and not (0 <= int(idx.min()) and int(idx.max()) < host_offsets.shape[0]):
+        # a negative row would silently read from the end of the host table
+        raise IndexError(f"copy_index entries must lie in [0, {host_offsets.shape[0]}), "
+                         f"got {idx.tolist()}")
     slots = host_offsets[idx, 0, :width].to(torch.int64)
     valid = slots >= 0
-    k = torch.where(valid, slots * int(index_scale), torch.full_like(slots, -1))
-    v = torch.where(valid, k + int(kv_offset), k)
+    k = torch.where(valid, slots * index_scale, torch.full_like(slots, -1))
+    v = torch.where(valid, k + kv_offset, k)
+    if v.device.type == "cpu" and v.numel() and dst.dtype != torch.int64:
+        limit = torch.iinfo(dst.dtype).max
+        if int(v.max()) > limit:  # would wrap in dst: slot 2**30 * 4 became page 0
+            raise ValueError(f"page index {int(v.max())} does not fit dst's {dst.dtype}")
     dst[:rows, 0, :width] = k.to(device=dst.device, dtype=dst.dtype)
     dst[:rows, 1, :width] = v.to(device=dst.device, dtype=dst.dtype)
 
@@ -180,9 +231,10 @@ def copy_block_offsets(
         raise ValueError(f"dst has {dst.shape[0]} pool rows, need {pools.num_op_pools}")
     if len(base_index_scales) != num_pools or len(base_kv_offsets) != num_pools:
         raise ValueError(f"need one base index scale and kv offset per storage pool ({num_pools})")
+    base_scales = [_int(f"base_index_scales[{p}]", base_index_scales[p]) for p in range(num_pools)]
+    base_offsets = [_int(f"base_kv_offsets[{p}]", base_kv_offsets[p]) for p in range(num_pools)]
     for p in range(num_pools):
-        copy_fn(dst[p], host_offsets[p], copy_index, int(base_index_scales[p]),
-                int(base_kv_offsets[p]), max_blocks)
+        copy_fn(dst[p], host_offsets[p], copy_index, base_scales[p], base_offsets[p], max_blocks)
     for i, (op_pool, source) in enumerate(pools.op_pools):
         copy_fn(dst[op_pool], host_offsets[source], copy_index, int(pools.index_scales[i]),
                 int(pools.kv_offsets[i]), max_blocks)

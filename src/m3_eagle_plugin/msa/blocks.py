@@ -53,11 +53,25 @@ def validate_block_size(block_size: object) -> int:
 
 
 def valid_blocks_from_positions(positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Visible-block count of tokens at ``positions``: ``ceil((p + 1) / B)``, 0 for ``p < 0``."""
+    """Visible-block count of tokens at ``positions``: ``ceil((p + 1) / B)``, 0 for ``p < 0``.
+
+    ``positions`` must be an integer tensor (a float position 2.5 is not a token). The counts are
+    int32: host (CPU) positions whose count would not fit are refused; device positions are not
+    read back (that would sync), so callers keep them inside the int32 range of the metadata.
+    """
     block_size = validate_block_size(block_size)
-    seen = (positions + 1).clamp(min=0)
-    # (n - 1) // B + 1, not (n + B - 1) // B: the latter overflows int32 positions near 2**31.
-    return (torch.div(seen - 1, block_size, rounding_mode="floor") + 1).to(torch.int32)
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a tensor, got {type(positions).__name__}")
+    if not is_integer_dtype(positions.dtype):
+        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
+    # In int64: int32 p + 1 wraps to -2**31 at p = INT32_MAX (0 blocks instead of 2**31 / B).
+    seen = (positions.to(torch.int64) + 1).clamp(min=0)
+    # (n - 1) // B + 1, not (n + B - 1) // B: the latter overflows positions near 2**63.
+    counts = torch.div(seen - 1, block_size, rounding_mode="floor") + 1
+    if counts.device.type == "cpu" and counts.numel() and int(counts.max()) > INT32_MAX:
+        raise MsaInputError(
+            f"positions up to {int(positions.max())} give block counts past int32 (block_size {block_size})")
+    return counts.to(torch.int32)
 
 
 def request_pages(meta: Any) -> Iterator[tuple[int, slice, torch.Tensor]]:
@@ -87,10 +101,14 @@ def _as_length_tensor(name: str, values: torch.Tensor | Sequence[int], device: t
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
             raise MsaInputError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
-        if values.dtype.is_floating_point or values.dtype == torch.bool:
+        if not is_integer_dtype(values.dtype):  # float, complex (imag dropped) and bool refused
             raise TypeError(f"{name} must be an integer tensor, got {values.dtype}")
         return values.to(torch.int64)
-    return torch.as_tensor(int_entries(name, values), dtype=torch.int64, device=device)
+    entries = int_entries(name, values)
+    for r, x in enumerate(entries):
+        if not -(1 << 63) <= x < (1 << 63):
+            raise MsaInputError(f"request {r}: {name} entry {x} does not fit int64")
+    return torch.as_tensor(entries, dtype=torch.int64, device=device)
 
 
 def per_token_valid_blocks(
@@ -110,6 +128,8 @@ def per_token_valid_blocks(
     correction) leaves the early tokens 0 blocks.
     """
     block_size = validate_block_size(block_size)
+    if num_tokens is not None:
+        num_tokens = checked_int("num_tokens", num_tokens, minimum=0)
     device = qo_lens.device if isinstance(qo_lens, torch.Tensor) else None
     if device is None and isinstance(kv_lens, torch.Tensor):
         device = kv_lens.device

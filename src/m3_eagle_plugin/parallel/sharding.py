@@ -45,6 +45,8 @@ class RankShape:
 
 
 def _slice(rank: int, tp_size: int, per_rank: int) -> range:
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank must be an int, got {rank!r}")
     if not 0 <= rank < tp_size:
         raise ValueError(f"rank {rank} is outside [0, {tp_size})")
     return range(rank * per_rank, (rank + 1) * per_rank)
@@ -61,6 +63,11 @@ def _check_tp(tp_size: int) -> int:
 def shard_width(name: str, total: int, tp_size: int) -> int:
     """``total / tp_size``, or ShardingError naming ``name`` when it does not divide."""
     _check_tp(tp_size)
+    if isinstance(total, bool) or not isinstance(total, int):
+        # a float 10.0 came back as 5.0 heads, None failed on `%`
+        raise TypeError(f"{name} must be an int, got {total!r}")
+    if total < 0:
+        raise ShardingError(f"{name} must be >= 0, got {total}")
     if total % tp_size:
         raise ShardingError(f"{name} = {total} does not split over {tp_size} tensor-parallel ranks")
     return total // tp_size
@@ -70,6 +77,9 @@ def shard_heads(num_heads: int, num_kv_heads: int, index_heads: int, tp_size: in
     """Heads per rank. KV heads are never replicated here, so ``tp_size`` must divide them; the
     index heads follow the KV heads (index head ``i`` selects blocks for KV head ``i``)."""
     _check_tp(tp_size)
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("index_heads", index_heads)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
     if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
         raise ShardingError(f"{num_heads} query heads do not form groups over {num_kv_heads} KV heads")
     if index_heads and index_heads != num_kv_heads:
@@ -123,7 +133,7 @@ def rank_pool_geometry(
                         config.index_heads if any(config.sparse_layers) else 0, tp_size)
     draft_heads = None
     if draft_num_kv_heads is not None:
-        draft_heads = shard_width("draft num_key_value_heads", int(draft_num_kv_heads), tp_size)
+        draft_heads = shard_width("draft num_key_value_heads", draft_num_kv_heads, tp_size)
     return minimax_m3_geometry(
         config.num_layers, config.sparse_layer_ids, shape.kv_heads, config.head_dim,
         config.index_dim or config.head_dim, config.block_size,
