@@ -226,6 +226,8 @@ def test_passes_past_the_rows_end_leave_the_loss_finite(pair):
 def test_a_failed_write_leaves_the_draft_checkpoint_intact(tmp_path, monkeypatch):
     import safetensors.torch
 
+    from m3_eagle_plugin.models.tiny import MARKER
+
     target_dir, draft_dir = make_tiny(tmp_path, seed=2)
     weights = draft_dir / "model.safetensors"
     before = weights.read_bytes()
@@ -240,7 +242,7 @@ def test_a_failed_write_leaves_the_draft_checkpoint_intact(tmp_path, monkeypatch
         distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=1, num_sequences=2, seq_len=16, iterations=1,
                                                                    batch_size=2))
     assert weights.read_bytes() == before
-    assert sorted(p.name for p in draft_dir.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in draft_dir.iterdir()) == sorted([MARKER, "config.json", "model.safetensors"])
 
 
 def _reduced_vocabulary_draft(draft_dir, out_dir, draft_vocab: int):

@@ -153,6 +153,15 @@ def test_a_directory_that_is_not_make_tiny_output_is_never_replaced(tmp_path, ca
     tiny.make_tiny(out)  # an empty directory is taken
     tiny.make_tiny(out, seed=3)  # and so is an earlier make-tiny pair
     assert sorted(p.name for p in out.iterdir()) == ["draft", "target"]
+    for name in ("target", "draft"):  # a pair from a version whose config differs: known by its marker
+        config = out / name / "config.json"
+        config.write_text(config.read_text().replace('"vocab_size"', '"an_older_field": 1, "vocab_size"'))
+    tiny.make_tiny(out, seed=4)
+    (out / "draft" / tiny.MARKER).unlink()  # no marker and not today's config: someone's directory
+    config = out / "draft" / "config.json"
+    config.write_text(config.read_text().replace('"vocab_size"', '"an_older_field": 1, "vocab_size"'))
+    with pytest.raises(ValueError, match="draft exists and is not make-tiny output"):
+        tiny.make_tiny(out, seed=5)
 
 
 def test_an_empty_out_dir_is_refused_not_taken_as_the_current_directory(tmp_path, monkeypatch, capsys):

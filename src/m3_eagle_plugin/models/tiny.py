@@ -145,10 +145,15 @@ def _random_tensors(shapes: dict[str, tuple[int, ...]], seed: int, llama_norms: 
     return out
 
 
+#: Left in each directory make-tiny writes, so a later run (of any version) knows it may replace it.
+MARKER = ".m3-eagle-make-tiny"
+
+
 def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / MARKER).write_text("written by m3-eagle make-tiny; it may replace this directory\n")
 
 
 def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple[Path, Path]:
@@ -192,8 +197,9 @@ _PAIR = ("target", "draft")
 
 def _replaceable(path: Path, config: dict[str, Any]) -> bool:
     """Whether make-tiny may replace directory `path`: empty, or an earlier make-tiny's output (its
-    config.json is exactly the one make-tiny writes there); anything else may be someone's checkpoint."""
-    if not any(path.iterdir()):
+    marker, or, from versions before the marker, exactly the config.json make-tiny writes there);
+    anything else may be someone's checkpoint."""
+    if not any(path.iterdir()) or (path / MARKER).is_file():
         return True
     try:
         return json.loads((path / "config.json").read_text()) == json.loads(json.dumps(config))
