@@ -9,9 +9,11 @@ host-side proposers need committed tokens, so they turn overlap off.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -171,6 +173,11 @@ class Engine:
         self.runner = StepRunner(target, cache, run, head=head, capture=capture, metadata_factory=metadata_factory)
         self.overlap = config.overlap and not self._hook_drafts
         self.stats = SpecStats(draft_len=self.k)
+        # One generate call at a time: the scheduler, the cache's request ids (the request index)
+        # and the step metadata are the engine's own. Other threads wait; the running thread
+        # calling back in (a progress callback, a proposer) is refused, since waiting would hang.
+        self._generate_lock = threading.Lock()
+        self._generating_thread: int | None = None
 
     @property
     def draft_source(self) -> str:
@@ -217,31 +224,61 @@ class Engine:
         self.scheduler.release(request)
 
     # ----- the step loop -------------------------------------------------------------------
-    @torch.no_grad()
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
+        """Run ``prompts`` to completion. A bad request fails alone (its ``errors`` entry says why);
+        an exception from a step (the model, the head, a proposer, ``progress``) reaches the caller
+        with a note naming the step and its requests, after every request's KV pages and admission
+        budget went back, so the engine runs the next call as a fresh one would. Calls from other
+        threads wait for the running one; a call from inside the running one is refused."""
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress must be a callable (done, total) or None, got {progress!r}")
+        if self._generating_thread == threading.get_ident():
+            raise RuntimeError("Engine.generate is already running on this thread (called again from a progress "
+                               "callback or a proposer?): an engine runs one generate call at a time")
+        with self._generate_lock:
+            self._generating_thread = threading.get_ident()
+            try:
+                return self._generate(prompts, max_new_tokens, progress)
+            finally:
+                self._generating_thread = None
+
+    @torch.no_grad()
+    def _generate(self, prompts, max_new_tokens: int, progress) -> GenerationResult:
         self.stats = SpecStats(draft_len=self.k)  # per call
         self.runner.restart_forced_schedule()  # so is a fractional forced mean's 2, 3, 2, ... schedule
-        requests = [self.make_request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
-        started = time.perf_counter()
+        requests: list[Request] = []
         inflight: StepOutput | None = None
         step_id = 0
+        started = time.perf_counter()
         try:
+            # Inside the try: a prompt source that raises part-way (a generator, an interrupt) must
+            # not leave the requests built before it registered in the cache.
+            try:
+                prompt_iter = enumerate(prompts)
+            except TypeError:
+                raise TypeError(f"prompts must be a list of prompts (lists of token ids), got {prompts!r}") from None
+            for i, prompt in prompt_iter:
+                requests.append(self.make_request(i, prompt, max_new_tokens))
+            started = time.perf_counter()
             while True:
                 rows = self.scheduler.schedule(requests)
                 if not rows and inflight is None:
                     break
                 launched = None
                 if rows:
-                    launched = self.launch(rows, step_id)
+                    with _step_context(f"in engine step {step_id}", rows):
+                        launched = self.launch(rows, step_id)
                     step_id += 1
                 if inflight is not None:
-                    self.commit(inflight, requests, progress)
+                    with _step_context(f"while committing engine step {inflight.step_id}", inflight.rows):
+                        self.commit(inflight, requests, progress)
                 inflight = launched
                 if inflight is not None and not self.overlap:
-                    self.commit(inflight, requests, progress)
+                    with _step_context(f"while committing engine step {inflight.step_id}", inflight.rows):
+                        self.commit(inflight, requests, progress)
                     inflight = None
         finally:
             for request in requests:
@@ -351,6 +388,29 @@ class Engine:
             bad = [t for t, i in zip(proposal, ids) if i is None]
             raise ValueError(f"{where}: token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}")
         return ids
+
+
+@contextlib.contextmanager
+def _step_context(where: str, rows) -> Iterator[None]:
+    """Adds a note naming the step and its requests to an exception raised inside (Python 3.11+:
+    the exception itself, its type and message reach the caller unchanged)."""
+    try:
+        yield
+    except BaseException as error:
+        if hasattr(error, "add_note"):
+            error.add_note(f"{where}: {describe_rows(rows)}")
+        raise
+
+
+def describe_rows(rows) -> str:
+    """A step's rows in words: ``prefill of request 1 (prompt tokens 0..6), verify of request 0``."""
+    parts = []
+    for row in rows:
+        if row.kind is RowKind.CONTEXT:
+            parts.append(f"prefill of request {row.request.index} (prompt tokens {row.start}..{row.start + row.length - 1})")
+        else:
+            parts.append(f"verify of request {row.request.index}")
+    return ", ".join(parts) or "no rows"
 
 
 def _token_id(token, vocab_size: int) -> int | None:

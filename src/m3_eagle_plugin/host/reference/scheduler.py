@@ -71,11 +71,16 @@ class Scheduler:
         """Raise `RequestError` when the request could never fit the cache, even alone."""
         need = self.blocks_needed(request)
         if need > self.max_blocks_per_seq:
+            # Every term in tokens: the headroom alone (4 x draft_len + 1) can be what does not fit.
             where = ("the cache has only" if self.max_blocks_per_seq == self.total_blocks
                      else "max_seq_len allows one request only")
+            headroom = kv_budget_tokens(0, 0, self.draft_len)
+            total = kv_budget_tokens(len(request.prompt), request.max_new_tokens, self.draft_len)
             raise RequestError(
-                f"request {request.index} needs {need} KV blocks (prompt {len(request.prompt)} + max_new_tokens "
-                f"{request.max_new_tokens} + draft headroom) but {where} {self.max_blocks_per_seq}"
+                f"request {request.index} needs {need} KV blocks of {self.block_size} tokens (prompt "
+                f"{len(request.prompt)} + max_new_tokens {request.max_new_tokens} + draft headroom {headroom} "
+                f"= {total} tokens) but {where} {self.max_blocks_per_seq} "
+                f"blocks ({self.max_blocks_per_seq * self.block_size} tokens)"
             )
 
     def release(self, request: Request) -> None:
