@@ -7,10 +7,11 @@ rejection. Every change is all-or-nothing: when blocks run out nothing is modifi
 from __future__ import annotations
 
 import heapq
-import operator
 from typing import Hashable, Iterable, Optional, Sequence
 
 import torch
+
+from m3_eagle_plugin.kv._ints import as_int
 
 
 class OutOfBlocksError(RuntimeError):
@@ -21,22 +22,12 @@ class UnknownRequestError(KeyError, ValueError):
     """The request id is not (or no longer) known to the allocator."""
 
 
-def _count(name: str, value: object) -> int:
-    """``value`` as an int: a float (5.5 tokens), a string or a bool is refused, not truncated."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-
-
 class BlockAllocator:
     """Hands out block ids ``0 .. num_blocks-1``, lowest free id first."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = _count("num_blocks", num_blocks)
-        self.block_size = _count("block_size", block_size)
+        self.num_blocks = as_int("num_blocks", num_blocks)
+        self.block_size = as_int("block_size", block_size)
         if self.num_blocks <= 0 or self.block_size <= 0:
             raise ValueError(
                 f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
@@ -57,7 +48,7 @@ class BlockAllocator:
         return rid in self._pages
 
     def blocks_for(self, num_tokens: int) -> int:
-        num_tokens = _count("num_tokens", num_tokens)
+        num_tokens = as_int("num_tokens", num_tokens)
         if num_tokens < 0:  # -5 tokens gave -1 blocks
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return -(-num_tokens // self.block_size)
@@ -84,7 +75,7 @@ class BlockAllocator:
     def reserve(self, rid: Hashable, num_tokens: int) -> list[int]:
         """Make ``rid`` hold at least ``num_tokens`` tokens; returns the newly added pages."""
         pages = self._require(rid)
-        num_tokens = _count("num_tokens", num_tokens)
+        num_tokens = as_int("num_tokens", num_tokens)
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         need = self.blocks_for(num_tokens) - len(pages)
@@ -102,7 +93,7 @@ class BlockAllocator:
         """Add ``rid`` holding ``num_tokens`` tokens in one step (all-or-nothing)."""
         if rid in self._pages:
             raise ValueError(f"request {rid!r} already exists")
-        num_tokens = _count("num_tokens", num_tokens)
+        num_tokens = as_int("num_tokens", num_tokens)
         if num_tokens < 0:  # before anything is registered
             raise ValueError(f"request {rid!r}: num_tokens must be >= 0, got {num_tokens}")
         if self.blocks_for(num_tokens) > len(self._free):
@@ -117,7 +108,7 @@ class BlockAllocator:
     def rewind(self, rid: Hashable, num_tokens: int) -> list[int]:
         """Shrink ``rid`` to ``num_tokens`` tokens; returns the freed pages."""
         pages = self._require(rid)
-        num_tokens = _count("num_tokens", num_tokens)
+        num_tokens = as_int("num_tokens", num_tokens)
         if not 0 <= num_tokens <= self._tokens[rid]:
             raise ValueError(
                 f"cannot rewind request {rid!r} to {num_tokens} tokens: "
@@ -145,7 +136,7 @@ class BlockAllocator:
         longest = max((len(r) for r in rows), default=0)
         if width is None:
             width = max(longest, 1)
-        elif _count("width", width) < longest:
+        elif as_int("width", width) < longest:
             raise ValueError(f"block table width {width} < {longest} pages held by a request")
         table = torch.full((len(rows), int(width)), -1, dtype=torch.int32)
         for i, row in enumerate(rows):

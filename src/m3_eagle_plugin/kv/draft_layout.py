@@ -7,18 +7,9 @@ already includes the draft tail; these helpers resolve that the same way the hos
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional, Sequence, Union
 
-
-def _count(name: str, value: object) -> int:
-    """``value`` as an int; a bool, float (2.5 layers), string or None is refused, not truncated."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+from m3_eagle_plugin.kv._ints import as_int
 
 
 def derive_shared_draft_layout(
@@ -33,11 +24,11 @@ def derive_shared_draft_layout(
       (a larger ``num_layers`` means it was already extended, and wins);
     - ``num_layers=None`` with scalar heads pins nothing: ``([], None)``.
     """
-    num_draft = _count("num_draft_layers", num_draft_layers)
+    num_draft = as_int("num_draft_layers", num_draft_layers)
     if num_draft < 0:
         raise ValueError(f"num_draft_layers must be >= 0, got {num_draft}")
     if num_layers is not None:
-        num_layers = _count("num_layers", num_layers)
+        num_layers = as_int("num_layers", num_layers)
         if num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {num_layers}")
 
@@ -50,7 +41,7 @@ def derive_shared_draft_layout(
     else:
         # A numpy array or a tensor of per-layer heads must not pass for a scalar: read as
         # "append the draft tail" it gave a layout shifted by the extra entries.
-        _count("num_kv_heads", num_kv_heads)
+        as_int("num_kv_heads", num_kv_heads)
         if num_layers is None:
             return [], None
         total = num_layers + num_draft

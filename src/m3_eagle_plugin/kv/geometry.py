@@ -13,22 +13,12 @@ always adjacent (V = K + 1), which is what the attention-op addressing ("kv offs
 from __future__ import annotations
 
 import json
-import operator
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+from m3_eagle_plugin.kv._ints import as_int
+
 ROLES: tuple[str, ...] = ("k", "v", "index_k")
-
-
-def _int(name: str, value: object) -> int:
-    """``value`` as an int: a float (1.5 heads, layer 2.7), a bool or a string ("2" bytes became
-    the page size "2222...") is refused, not truncated or repeated."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
 class UnknownBufferError(KeyError, ValueError):
@@ -50,8 +40,8 @@ class BufferSpec:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"buffer role must be one of {ROLES}, got {self.role!r}")
-        _int("buffer layer", self.layer)
-        _int("page_bytes", self.page_bytes)
+        as_int("buffer layer", self.layer)
+        as_int("page_bytes", self.page_bytes)
         if int(self.layer) < 0:
             raise ValueError(f"buffer layer id must be >= 0, got {self.layer}")
         if int(self.page_bytes) <= 0:
@@ -90,16 +80,16 @@ class PoolGeometry:
 
     def locate(self, layer: int, role: str) -> SubPage:
         try:
-            return self.placements[(_int("layer", layer), role)]
+            return self.placements[(as_int("layer", layer), role)]
         except KeyError:
             raise UnknownBufferError(
                 f"no {role!r} buffer for layer {layer} in this cache geometry") from None
 
     def has(self, layer: int, role: str) -> bool:
-        return (_int("layer", layer), role) in self.placements
+        return (as_int("layer", layer), role) in self.placements
 
     def pool(self, pool_id: int) -> PoolSpec:
-        pool_id = _int("pool_id", pool_id)
+        pool_id = as_int("pool_id", pool_id)
         if not 0 <= pool_id < len(self.pools):  # -1 silently named the last pool
             raise IndexError(f"pool {pool_id} is outside [0, {len(self.pools)})")
         return self.pools[pool_id]
@@ -174,7 +164,7 @@ def build_pool_geometry(
         elif role == "v" and (layer, "k") not in placements:
             raise ValueError(f"layer {layer} has a V buffer but no K buffer")
 
-    drafts = tuple(_int("draft layer id", d) for d in draft_layer_ids)
+    drafts = tuple(as_int("draft layer id", d) for d in draft_layer_ids)
     _check_draft_hosting(placements, pool_sizes, drafts)
     pools = tuple(PoolSpec(i, pool_sizes[i], pool_sub_pages[i]) for i in range(len(pool_sizes)))
     return PoolGeometry(pools=pools, placements=dict(placements), draft_layer_ids=drafts)
@@ -229,16 +219,16 @@ def minimax_m3_buffers(
                         ("head_dim", head_dim), ("index_dim", index_dim),
                         ("block_size", block_size), ("kv_bytes_per_elem", kv_bytes_per_elem),
                         ("index_bytes_per_elem", index_bytes_per_elem)):
-        if _int(name, value) <= 0:
+        if as_int(name, value) <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
-    if _int("num_draft_layers", num_draft_layers) < 0:
+    if as_int("num_draft_layers", num_draft_layers) < 0:
         raise ValueError(f"num_draft_layers must be >= 0, got {num_draft_layers}")
     if sparse_layer_ids is None or isinstance(sparse_layer_ids, (str, bytes)):
         raise TypeError(f"sparse_layer_ids must be an iterable of layer ids, got {sparse_layer_ids!r}")
-    sparse = sorted({_int("sparse layer id", i) for i in sparse_layer_ids})
+    sparse = sorted({as_int("sparse layer id", i) for i in sparse_layer_ids})
     if sparse and (sparse[0] < 0 or sparse[-1] >= num_layers):
         raise ValueError(f"sparse_layer_ids must lie in [0, {num_layers}), got {sparse}")
-    draft_heads = num_kv_heads if draft_num_kv_heads is None else _int("draft_num_kv_heads", draft_num_kv_heads)
+    draft_heads = num_kv_heads if draft_num_kv_heads is None else as_int("draft_num_kv_heads", draft_num_kv_heads)
     if draft_heads <= 0:
         raise ValueError(f"draft_num_kv_heads must be > 0, got {draft_num_kv_heads}")
     kv_page = num_kv_heads * block_size * head_dim * kv_bytes_per_elem

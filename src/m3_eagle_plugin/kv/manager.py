@@ -12,7 +12,8 @@ from typing import Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from m3_eagle_plugin.kv.allocator import BlockAllocator, _count
+from m3_eagle_plugin.kv._ints import as_int
+from m3_eagle_plugin.kv.allocator import BlockAllocator
 from m3_eagle_plugin.kv.draft_layout import derive_shared_draft_layout
 from m3_eagle_plugin.kv.geometry import PoolGeometry, minimax_m3_geometry
 from m3_eagle_plugin.kv.virtual_pools import (
@@ -43,13 +44,13 @@ class PagedKVCache:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.geometry = geometry
         # sizes as ints: a float is refused, not truncated (block_size=4.5 would build a 4-token cache)
-        self.block_size = _count("block_size", block_size)
-        self.num_blocks = _count("num_blocks", num_blocks)
-        self.head_dim = _count("head_dim", head_dim)
-        self.index_dim = _count("index_dim", index_dim)
+        self.block_size = as_int("block_size", block_size)
+        self.num_blocks = as_int("num_blocks", num_blocks)
+        self.head_dim = as_int("head_dim", head_dim)
+        self.index_dim = as_int("index_dim", index_dim)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.kv_heads = {_count("kv_heads layer", k): _count(f"kv_heads[{k}]", v) for k, v in kv_heads.items()}
+        self.kv_heads = {as_int("kv_heads layer", k): as_int(f"kv_heads[{k}]", v) for k, v in kv_heads.items()}
         self.draft_layer_ids: list[int] = list(geometry.draft_layer_ids)
         self.num_target_layers = len(geometry.target_layer_ids)
         self.sparse_layer_ids: list[int] = sorted(

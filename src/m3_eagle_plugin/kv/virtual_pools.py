@@ -13,22 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-import operator
-
 import torch
+
+from m3_eagle_plugin.kv._ints import as_int
 
 _INT32_MAX = (1 << 31) - 1
 _INT64_MAX = (1 << 63) - 1
-
-
-def _int(name: str, value: object) -> int:
-    """``value`` as an int: a float (layer 1.7 is not layer 1), a bool or a string is refused."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
 def _integer_table(name: str, table: torch.Tensor) -> None:
@@ -101,7 +91,7 @@ def extend_attention_op_pools(
     if pool_pointers.dtype != torch.int64:  # a float32 row rounds 2**40 + 1 to 2**40
         raise TypeError(f"pool_pointers must be int64 addresses, got {pool_pointers.dtype}")
     _integer_table("pool_mapping", pool_mapping)
-    base_pools = int(pool_pointers.shape[0]) if num_pools is None else _int("num_pools", num_pools)
+    base_pools = int(pool_pointers.shape[0]) if num_pools is None else as_int("num_pools", num_pools)
     if not 0 < base_pools <= pool_pointers.shape[0]:
         raise ValueError(
             f"num_pools={num_pools} does not match {pool_pointers.shape[0]} pointer rows")
@@ -116,9 +106,9 @@ def extend_attention_op_pools(
         if not isinstance(entry, (tuple, list)) or len(entry) != 3:
             raise ValueError(
                 f"draft layer entries are (layer, k_base_address, sub_pages), got {entry!r}")
-        layer = _int("draft layer", entry[0])
-        address = _int(f"draft layer {layer} K base address", entry[1])
-        sub_pages = _int(f"draft layer {layer} sub_pages_per_slot", entry[2])
+        layer = as_int("draft layer", entry[0])
+        address = as_int(f"draft layer {layer} K base address", entry[1])
+        sub_pages = as_int(f"draft layer {layer} sub_pages_per_slot", entry[2])
         if not 0 <= layer < mapping.shape[0]:
             raise ValueError(
                 f"draft layer {layer} is outside the {mapping.shape[0]}-row pool mapping")
@@ -174,8 +164,8 @@ def copy_pool_block_offsets(
     for name, table in (("copy_index", copy_index), ("host_offsets", host_offsets), ("dst", dst)):
         # a float slot -0.5 would truncate to the valid slot 0, a float row 1.7 to row 1
         _integer_table(name, table)
-    index_scale = _int("index_scale", index_scale)
-    kv_offset = _int("kv_offset", kv_offset)
+    index_scale = as_int("index_scale", index_scale)
+    kv_offset = as_int("kv_offset", kv_offset)
     if index_scale < 1 or kv_offset < 0:
         raise ValueError(f"index_scale must be >= 1 and kv_offset >= 0, got {index_scale}, {kv_offset}")
     rows = int(copy_index.numel())
@@ -183,7 +173,7 @@ def copy_pool_block_offsets(
         raise ValueError(f"{rows} rows to copy but dst holds {dst.shape[0]}")
     width = min(dst.shape[2], host_offsets.shape[2])
     if max_blocks is not None:
-        max_blocks = _int("max_blocks", max_blocks)
+        max_blocks = as_int("max_blocks", max_blocks)
         if max_blocks < 0:  # a slice end of -1 would silently drop the last column
             raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
         width = min(width, max_blocks)
@@ -231,8 +221,8 @@ def copy_block_offsets(
         raise ValueError(f"dst has {dst.shape[0]} pool rows, need {pools.num_op_pools}")
     if len(base_index_scales) != num_pools or len(base_kv_offsets) != num_pools:
         raise ValueError(f"need one base index scale and kv offset per storage pool ({num_pools})")
-    base_scales = [_int(f"base_index_scales[{p}]", base_index_scales[p]) for p in range(num_pools)]
-    base_offsets = [_int(f"base_kv_offsets[{p}]", base_kv_offsets[p]) for p in range(num_pools)]
+    base_scales = [as_int(f"base_index_scales[{p}]", base_index_scales[p]) for p in range(num_pools)]
+    base_offsets = [as_int(f"base_kv_offsets[{p}]", base_kv_offsets[p]) for p in range(num_pools)]
     for p in range(num_pools):
         copy_fn(dst[p], host_offsets[p], copy_index, base_scales[p], base_offsets[p], max_blocks)
     for i, (op_pool, source) in enumerate(pools.op_pools):
