@@ -54,6 +54,17 @@ def test_forced_accept_ignores_the_target():
         forced_accept(drafts, targets, -1)
 
 
+
+@pytest.mark.parametrize("num_forced", [3, 4, 2**62, 2**63, 2**80])
+def test_forced_accept_with_a_count_past_int64_accepts_every_draft(num_forced):
+    """"Force everything" may be spelled with any large int: each row accepts its draft_len drafts
+    (a count past int64 must not overflow the device clamp), then the target's token at that index."""
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    targets = torch.tensor([[0, 0, 0, 9], [0, 7, 8, 9]])
+    result = forced_accept(drafts, targets, num_forced, torch.tensor([3, 1]))
+    assert result.num_accepted.tolist() == [3, 1]
+    assert result.tokens.tolist() == [[1, 2, 3, 9], [4, 7, 7, 7]]
+
 def test_forced_accept_takes_a_device_count():
     drafts = torch.tensor([[1, 2, 3], [4, 5, 6]])
     targets = torch.tensor([[0, 0, 0, 9], [0, 7, 8, 9]])

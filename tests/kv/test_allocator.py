@@ -74,6 +74,32 @@ def test_out_of_blocks_changes_nothing():
     assert issubclass(OutOfBlocksError, RuntimeError)
 
 
+
+def test_reserve_one_block_short_is_refused_and_changes_nothing():
+    """The boundary of the out-of-blocks check: one block free, two needed. The reserve must fail as
+    OutOfBlocksError before it pops any page (not lose the one free page halfway)."""
+    alloc = BlockAllocator(4, 4)
+    alloc.allocate("x", 9)                           # pages 0, 1, 2; page 3 free
+    alloc.add_request("y")
+    with pytest.raises(OutOfBlocksError, match="needs 2 more blocks"):
+        alloc.reserve("y", 5)                        # ceil(5 / 4) = 2 pages
+    assert alloc.pages("y") == [] and alloc.num_tokens("y") == 0
+    assert alloc.num_free_blocks == 1 and alloc.pages("x") == [0, 1, 2]
+    assert alloc.reserve("y", 4) == [3]              # exactly the free block: granted
+    assert alloc.num_free_blocks == 0
+
+
+def test_reserving_fewer_tokens_than_held_keeps_them():
+    """reserve makes a request hold *at least* num_tokens: a smaller count (a shorter verify row
+    after a longer one) neither frees pages nor forgets tokens; only rewind shrinks."""
+    alloc = BlockAllocator(6, 4)
+    alloc.allocate("a", 10)                          # pages 0, 1, 2
+    assert alloc.reserve("a", 3) == []
+    assert alloc.num_tokens("a") == 10 and alloc.pages("a") == [0, 1, 2] and alloc.num_free_blocks == 3
+    with pytest.raises(ValueError, match="rewind"):  # 10 tokens are still held: rewinding past 3 is fine, to 11 not
+        alloc.rewind("a", 11)
+    assert alloc.rewind("a", 9) == [] and alloc.num_tokens("a") == 9
+
 def test_bad_calls_are_rejected():
     alloc = BlockAllocator(4, 4)
     alloc.allocate("x", 3)

@@ -335,3 +335,29 @@ def test_tied_index_scores_give_the_naive_loops_output_in_any_batch() -> None:
             chosen = naive_selection(iq[t], index_keys[0], p, block, topk, 1, 0)
             allowed = [[j for j in range(p + 1) if j // block in chosen[h]] for h in range(heads_kv)]
             torch.testing.assert_close(out[t].double(), naive_attention(q[t], keys, values, allowed, scale), **TOL)
+
+
+def test_keys_on_an_unmapped_page_are_invisible() -> None:
+    """A block-table entry ``-1`` (unmapped page; `prepare` does not check a device table) holds no
+    keys: sparse attention that lists the block and dense attention both skip its tokens, instead
+    of reading page 0. One request of 12 tokens, block 4, block 1 unmapped, tokens at 8..11; float64
+    attention over keys j <= p outside block 1 is the reference."""
+    block, heads_kv, group, dim, scale = 4, 2, 2, 4, 0.5
+    meta, cache, seqs, q, corrected, gen = _random_step([(4, 12)], block, heads_kv * group, heads_kv, dim, 3, [0])
+    meta.block_tables[0, 1] = -1
+    cache.k[0].fill_(5.0)  # page 0, were it read for block 1, would dominate
+    cache.v[0].fill_(100.0)
+    sel = torch.tensor([0, 1, 2], dtype=torch.int32).expand(heads_kv, meta.num_tokens, 3).contiguous()
+    sparse = sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale)
+    dense = dense_attention(q, cache.k, cache.v, meta, scale=scale)
+    keys, values = seqs[0]
+    pages = meta.block_tables[0, :3].tolist()
+    for t in range(4):
+        p = 8 + t
+        allowed = [j for j in range(p + 1) if j // block != 1]
+        # the mapped pages still hold the sequence (page 0 may be one of them: then it was overwritten above)
+        kk = torch.stack([cache.k[pages[j // block], :, j % block] for j in allowed])
+        vv = torch.stack([cache.v[pages[j // block], :, j % block] for j in allowed])
+        expected = naive_attention(q[t], kk, vv, [list(range(len(allowed)))] * heads_kv, scale)
+        torch.testing.assert_close(sparse[t].double(), expected, **TOL)
+        torch.testing.assert_close(dense[t].double(), expected, **TOL)

@@ -489,3 +489,24 @@ def test_buffer_bytes_worked_example() -> None:
     """2 requests, 8 tokens, 3 blocks, 1 draft: int32 fields 4*2 + 3 + 3*8 + 2*3 = 41, staged twice
     (host, device); 4 per-token int32 buffers of 8; fp32 scores 1 head x 2*(1+1) tokens x 3 blocks."""
     assert MsaDecodeMetadata.buffer_bytes(2, 8, 3, 2, "cpu", max_draft_len=1) == 4 * (2 * 41 + 4 * 8) + 4 * 12
+
+
+def test_in_place_length_corrections_are_clamped_to_the_staged_lengths() -> None:
+    """`on_update_kv_lens()` without arguments re-derives from the lengths written into `meta.kv_lens`
+    in place; corrections only shrink: a length above the staged one counts as the staged one, a
+    negative one as 0. Hand-computed on the worked example (block 4, pages 0..7 and 25..32)."""
+    meta = MsaDecodeMetadata(4, 8, 8, 4, "cpu", max_draft_len=2)
+    meta.prepare([2, 3], [9, 12], worked_example_tables())
+    meta.kv_lens.copy_(torch.tensor([20, 11], dtype=torch.int32))  # 20 > staged 9; 11 < staged 12
+    meta.on_update_kv_lens()
+    assert meta.kv_lens.tolist() == [9, 11]
+    assert meta.positions.tolist() == [7, 8, 8, 9, 10]
+    assert meta.cache_slots.tolist() == [7, 8, 108, 109, 110]
+    assert meta.token_kv_lens.tolist() == [8, 9, 9, 10, 11]
+    meta.kv_lens.copy_(torch.tensor([-3, 12], dtype=torch.int32))
+    meta.on_update_kv_lens()
+    assert meta.kv_lens.tolist() == [0, 12]
+    # request 0 now sits at positions -2, -1: nothing written, nothing visible
+    assert meta.positions.tolist() == [-2, -1, 9, 10, 11]
+    assert meta.cache_slots.tolist() == [-1, -1, 109, 110, 111]
+    assert meta.token_kv_lens.tolist() == [0, 0, 10, 11, 12]

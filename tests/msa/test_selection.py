@@ -316,3 +316,18 @@ def test_tied_scores_go_to_the_lower_block_id_whatever_the_step_holds(topk, loca
                 expected = naive_selection(iq[t], seqs[r], k - q + i, block, topk, local, init)
                 assert [head[t] for head in got] == expected, (companions, r, i)
                 t += 1
+
+
+@pytest.mark.parametrize("topk", [2, 3])
+def test_a_block_on_an_unmapped_page_has_no_keys_to_score(topk) -> None:
+    """`request_pages`: a block-table entry ``-1`` is an unmapped page (a device table is not checked
+    by `prepare`). Its keys do not exist: the block scores nothing and is never picked freely. Request
+    of 12 tokens, block 4, page of block 1 unmapped, tokens at 8..11: block 2 is forced (own), block 0
+    the only other block with keys, so every head keeps exactly {0, 2} whatever topk >= 2 (the
+    unmapped page's table entry must not be read as page 0)."""
+    meta, cache, seqs, iq = _paged_batch([(4, 12)], 4, heads=2, dim=8, seed=11)
+    meta.block_tables[0, 1] = -1
+    cache.index_k[0] = 1e3 * iq[0, 0]  # page 0, if read for block 1, would outscore everything
+    sel = select_blocks_paged(iq, cache.index_k, meta, topk=topk)
+    assert_well_formed(sel, topk)
+    assert selection_sets(sel) == [[frozenset({0, 2})] * 4] * 2

@@ -89,3 +89,17 @@ def test_request_generators_are_reproducible_per_request():
     b = torch.rand(4, generator=request_generator(7, 3, "cpu"))
     c = torch.rand(4, generator=request_generator(7, 4, "cpu"))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_it():
+    """Nucleus = the fewest most-probable tokens whose mass is at least top_p: with four equal
+    logits (each exactly 0.25 in fp32) top_p 0.5 keeps exactly two tokens at 0.5 each (a third would
+    start at mass 0.5, already enough), top_p 0.5 + 2**-20 keeps three at 1/3 each."""
+    logits = torch.zeros(1, 4)
+    two = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert sorted(two[0].tolist()) == [0.0, 0.0, 0.5, 0.5]
+    three = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.5 + 2**-20))
+    torch.testing.assert_close(three[0].sort().values, torch.tensor([0.0, 1 / 3, 1 / 3, 1 / 3]))
+    exact = filtered_probs(torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]])),
+                           SamplingParams(temperature=1.0, top_p=0.75))
+    torch.testing.assert_close(exact, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))

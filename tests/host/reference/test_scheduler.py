@@ -184,3 +184,40 @@ def test_max_blocks_per_seq_bounds_one_request_and_names_max_seq_len():
     sched.check_fits(make(0, 4, max_new=3))  # 4 + 3 + 4 + 1 = 12 tokens: 3 blocks
     with pytest.raises(RequestError, match="max_seq_len allows one request only 3"):
         sched.check_fits(make(1, 4, max_new=4))  # 13 tokens: 4 blocks
+
+
+def test_a_waiting_request_that_does_not_fit_blocks_the_ones_behind_it():
+    """FIFO admission, no overtaking: a small request behind a big one that does not fit yet waits
+    too, even though its own worst case would fit (hand sizes: 4 + 4 + 4 + 1 = 13 tokens is 4 blocks,
+    20 + 4 + 4 + 1 = 29 tokens is 8 blocks; the cache holds 6)."""
+    sched = Scheduler(max_batch_size=8, max_tokens_per_step=64, draft_len=1, block_size=4, total_blocks=6)
+    big, small = make(0, 20), make(1, 4)
+    assert _blocks(20, 4, 1) == 8 and _blocks(4, 4, 1) == 4
+    assert sched.schedule([big, small]) == []
+    assert big.state is RequestState.WAITING and small.state is RequestState.WAITING
+    assert sched.admitted_blocks == 0
+
+
+def test_release_is_idempotent():
+    """Releasing an ended request twice gives its blocks back once: the second call must not let
+    two more requests in than the cache holds (hand size: 13 tokens = 4 blocks, cache of 4)."""
+    sched = Scheduler(max_batch_size=8, max_tokens_per_step=64, draft_len=1, block_size=4, total_blocks=4)
+    a, b, c = make(0, 4), make(1, 4), make(2, 4)
+    assert [r.request.index for r in sched.schedule([a])] == [0] and sched.admitted_blocks == 4
+    a.state = RequestState.FINISHED
+    sched.release(a)
+    sched.release(a)
+    assert sched.admitted_blocks == 0 and a.kv_budget_tokens == 0
+    assert [r.request.index for r in sched.schedule([b, c])] == [1]
+    assert c.state is RequestState.WAITING and sched.admitted_blocks == 4
+
+
+def test_a_max_blocks_per_seq_above_the_cache_is_bounded_by_the_cache():
+    """max_blocks_per_seq larger than the cache does not let a request through `check_fits` that
+    the cache could never hold (it would wait forever): 4 + 4 + 4 + 1 = 13 tokens need 4 blocks."""
+    sched = Scheduler(max_batch_size=4, max_tokens_per_step=16, draft_len=1, block_size=4, total_blocks=3,
+                      max_blocks_per_seq=100)
+    assert sched.max_blocks_per_seq == 3
+    sched.check_fits(make(0, 4, max_new=3))  # 12 tokens: 3 blocks, exactly the cache
+    with pytest.raises(RequestError, match="the cache has only 3 blocks"):
+        sched.check_fits(make(1, 4, max_new=4))
