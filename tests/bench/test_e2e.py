@@ -195,3 +195,58 @@ def test_a_run_too_short_to_time_is_an_option_error_not_a_traceback(tmp_path, ca
     err = capsys.readouterr().err
     assert rc == 2 and "m3-eagle bench: --e2e: no full-batch decode window" in err and "--e2e-tokens" in err
     assert not out.exists()
+
+
+def test_decode_measurement_rates_by_hand():
+    m = e2e.DecodeMeasurement(tokens=30, verify_steps=10, accepted=20, seconds=2.0, generated_total=99,
+                              engine_steps=12)
+    assert m.tokens_per_s == 15.0  # window tokens over window seconds
+    assert m.mean_acceptance_length == 3.0  # (20 accepted + 10 bonus) / 10 verify steps
+    assert e2e.DecodeMeasurement(0, 0, 0, 0.0, 0, 0).tokens_per_s == 0.0
+
+
+def test_rows_take_the_median_of_the_repeats_and_the_goal_is_inclusive(monkeypatch):
+    """run_e2e's arithmetic on scripted measurements: the median tokens/s of the repeats (not the
+    best), speed-up = Eagle3 median / no-spec median, decode_steps per request, the batch-1 goal met
+    at exactly 2.5x."""
+    rates = {(1, False): [100.0, 10.0, 40.0], (1, True): [100.0, 30.0, 400.0],
+             (2, False): [50.0, 60.0, 70.0], (2, True): [70.0, 80.0, 90.0]}
+    calls = {key: 0 for key in rates}
+
+    monkeypatch.setattr(e2e, "build_random_models",
+                        lambda shape, device, dtype, seed=0: (argparse.Namespace(set_graph_safe_moe=lambda on: None),
+                                                              None))
+    monkeypatch.setattr(e2e, "_engine", lambda target, head, shape, *, speculate, batch, **kw: (batch, speculate))
+
+    def measure(engine, prompts, max_new_tokens):
+        batch, spec = engine
+        i = calls[engine]
+        calls[engine] += 1
+        rate = 1.0 if i == 0 else rates[engine][i - 1]  # call 0: the warm-up
+        return e2e.DecodeMeasurement(tokens=int(rate), verify_steps=6 * batch, accepted=12 * batch if spec else 0,
+                                     seconds=1.0, generated_total=8 * batch, engine_steps=9)
+
+    monkeypatch.setattr(e2e, "measure_decode", measure)
+    shape = replace(e2e.CPU_SHAPE, batches=(1, 2), repeats=3)
+    rows = e2e.run_e2e(shape, "cpu", graphs=True)
+    by = {(r["batch"], r["mode"]): r for r in rows}
+    assert by[(1, "no_spec")]["tokens_per_s"] == 40.0 and by[(1, "eagle3")]["tokens_per_s"] == 100.0
+    assert by[(1, "eagle3")]["speedup"] == 2.5 and by[(1, "no_spec")]["speedup"] == 1.0
+    assert by[(1, "eagle3")]["note"] == "goal >= 2.5x at batch 1: met"
+    assert by[(2, "eagle3")]["speedup"] == 80.0 / 60.0
+    assert by[(2, "eagle3")]["decode_steps"] == 6 and by[(2, "no_spec")]["decode_steps"] == 6
+    assert by[(2, "eagle3")]["mean_acceptance_length"] == 3.0 and by[(2, "no_spec")]["mean_acceptance_length"] == 1.0
+    assert all(n == 4 for n in calls.values())  # one warm-up + three timed runs per mode and batch
+
+
+def test_forced_mean_may_equal_the_draft_length():
+    assert replace(e2e.CPU_SHAPE, forced_mean=3.0).forced_mean == 3.0
+    with pytest.raises(ValueError, match="forced_mean"):
+        replace(e2e.CPU_SHAPE, forced_mean=-0.5)
+
+
+def test_options_given_lists_only_the_options_set():
+    ns = argparse.Namespace(device="cpu", e2e_hidden=None, e2e_tokens=8, e2e_batches=None, e2e_overlap=False)
+    assert e2e.options_given(ns) == ["--e2e-tokens"]
+    ns.e2e_overlap = True
+    assert e2e.options_given(ns) == ["--e2e-tokens", "--e2e-overlap"]

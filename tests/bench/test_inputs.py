@@ -38,3 +38,24 @@ def test_property_shared_selection_is_valid_and_mostly_shared(batch, context, qo
         assert ids == sorted(set(ids)) and p // GEO.block in ids and all(b <= p // GEO.block for b in ids)
     # every token adds at most its local block and one swapped block to the request's union
     assert union_blocks(sel, meta) <= batch * (GEO.topk + 2 * (qo - 1))
+
+
+def test_tables_refuse_a_pool_one_page_too_small():
+    import pytest
+
+    with pytest.raises(ValueError, match="3 pages needed, pool has 2"):
+        shuffled_block_tables([9, 1], 8, 2, torch.Generator().manual_seed(0))
+    assert shuffled_block_tables([9, 1], 8, 3, torch.Generator().manual_seed(0)).shape == (2, 2)
+
+
+def test_correlated_queries_keep_unit_variance_and_share_the_base():
+    """q = c * base + sqrt(1 - c^2) * noise: unit variance, and two tokens of one request correlate c^2."""
+    from m3_eagle_plugin.bench.inputs import verify_queries
+
+    c = 0.9
+    q = verify_queries(4000, 2, 1, 8, torch.float64, "cpu", torch.Generator().manual_seed(0), correlation=c)
+    pairs = q.view(4000, 2, 8)
+    assert abs(float(q.std()) - 1.0) < 0.02
+    first, second = pairs[:, 0].flatten(), pairs[:, 1].flatten()
+    corr = float(torch.corrcoef(torch.stack([first, second]))[0, 1])
+    assert abs(corr - c * c) < 0.02

@@ -34,3 +34,21 @@ def test_property_matches_design_formula_and_msa_metadata(reqs, block, seed):
     msa.prepare(qo, kv, tables)
     for field in ("positions", "valid_blocks", "token_kv_lens", "cache_slots", "token_request", "cu_qo_lens"):
         assert getattr(meta, field).tolist() == getattr(msa, field).tolist(), field
+
+
+def test_padding_tokens_belong_to_request_zero_with_no_kv():
+    tables = torch.tensor([[5, 2, -1], [7, 1, 3]], dtype=torch.int32)
+    meta = build_step_meta([4, 1], [18, 33], tables, 16, pad_tokens=2)
+    assert meta.token_request.tolist() == [0, 0, 0, 0, 1, 0, 0]
+    assert meta.token_kv_lens.tolist() == [15, 16, 17, 18, 33, 0, 0]
+    assert meta.cache_slots.tolist()[-2:] == [-1, -1]
+
+
+def test_a_block_table_for_other_requests_is_refused():
+    import pytest
+
+    tables = torch.tensor([[5, 2, -1]], dtype=torch.int32)  # one row for two requests
+    with pytest.raises(ValueError, match="same requests"):
+        build_step_meta([4, 1], [18, 33], tables, 16)
+    with pytest.raises(ValueError, match=r"request 1: need 1 <= qo_len <= kv_len"):
+        build_step_meta([1, 4], [3, 3], torch.tensor([[0], [1]], dtype=torch.int32), 16)

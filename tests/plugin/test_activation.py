@@ -373,3 +373,19 @@ def test_a_bad_force_value_is_an_error_naming_it_not_quietly_unforced(active_env
 def test_force_values_the_readme_and_the_config_key_write_are_read(monkeypatch, value, forced):
     monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", value)  # the config key exports 1 / 0
     assert activation.force_requested() is forced
+
+
+def test_status_reports_a_failed_activation_that_the_verdict_does_not_explain(active_env, monkeypatch):
+    """A supported host whose install() failed under auto: status() must not read "ok" afterwards."""
+    make_host, _ = active_env
+    make_host("1.3.0rc24")
+    import m3_eagle_plugin.host.trtllm as adapter
+
+    def broken():
+        raise RuntimeError("host symbol tensorrt_llm.x:y missing")
+
+    monkeypatch.setattr(adapter, "install", broken, raising=False)
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    assert not m3_eagle_plugin.activate().ok
+    report = m3_eagle_plugin.status()
+    assert report.verdict == "supported" and not report.ok and "symbol" in report.reason

@@ -193,3 +193,17 @@ def test_bootstrap_imports_nothing_heavy():
     assert not {m for m in with_bootstrap if m.startswith(("torch", "tensorrt_llm", "pluggy", "packaging"))}
     extra = with_bootstrap - baseline
     assert extra <= {"m3_eagle_plugin", "m3_eagle_plugin._version", "m3_eagle_plugin._bootstrap"}, extra
+
+
+def test_a_deferred_install_on_an_imported_host_follows_the_environment(fake_host, hermetic_manager, fake_install,
+                                                                       monkeypatch):
+    """install_hook(deferred=True): activate only if the environment asks for it, also when the host
+    is already imported (then at once)."""
+    fake_host("1.3.0rc24")
+    import tensorrt_llm  # noqa: F401
+
+    _bootstrap.install_hook(deferred=True)  # M3_EAGLE_PLUGIN unset: nothing
+    assert fake_install == [] and installed_hook() is None
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    _bootstrap.install_hook(deferred=True)
+    assert fake_install == [1]

@@ -167,3 +167,21 @@ def test_install_does_not_load_lazily_imported_modules(fake_host, hermetic_manag
 
     uninstall_host_hook()
     assert "M3_LAZY_PROBE_RAN" not in os.environ
+
+
+def test_settings_env_writes_false_switches_as_zero():
+    assert settings_env(ConfigKeySettings("auto", force=False, trace=True)) == {
+        "M3_EAGLE_PLUGIN": "auto", "M3_EAGLE_PLUGIN_FORCE": "0", "M3_EAGLE_PLUGIN_TRACE": "1"}
+    assert settings_env(ConfigKeySettings("off")) == {"M3_EAGLE_PLUGIN": "off"}
+
+
+def test_a_blank_exported_variable_counts_as_unset():
+    environ = {"M3_EAGLE_PLUGIN": "  ", "M3_EAGLE_PLUGIN_FORCE": ""}
+    applied = apply_settings(ConfigKeySettings("require", force=True), environ)
+    assert environ == applied == {"M3_EAGLE_PLUGIN": "require", "M3_EAGLE_PLUGIN_FORCE": "1"}
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "true"])
+def test_trace_must_be_a_yaml_boolean(value):
+    with pytest.raises(ConfigKeyError, match="trace' must be true or false"):
+        parse_config_value({"trace": value})

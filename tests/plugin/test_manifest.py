@@ -210,3 +210,71 @@ def _to_toml(raw: dict) -> str:
 
 def test_toml_writer_round_trips_the_shipped_manifest():
     assert tomllib.loads(_to_toml(raw_manifest())) == raw_manifest()
+
+
+def _with_host(**host) -> "object":
+    raw = copy.deepcopy(raw_manifest())
+    raw["host"].pop("defer_from", None)
+    raw["host"].update(host)
+    return parse_manifest(raw)
+
+
+def test_prereleases_count_as_inside_ranges_that_name_none():
+    """Docstring: prereleases count as inside a range, also where the specifier names no prerelease
+    (PEP 440's default would leave 1.3.0rc1 outside >=1.2,<2 and 1.5.1rc2 outside >=1.5)."""
+    manifest = _with_host(requires=">=1.2,<2", tested=["1.4.0"], defer_from=">=1.5")
+    assert host_verdict("1.3.0rc1", manifest).status == UNTESTED
+    assert host_verdict("1.5.1rc2", manifest).status == DEFER
+    assert host_verdict("1.5.1rc2", manifest, force=True).status == UNTESTED
+    assert host_verdict("1.4.0", manifest).status == SUPPORTED
+
+
+def test_a_tested_final_release_does_not_cover_its_prereleases_or_post_releases():
+    manifest = _with_host(requires=">=1.2,<2", tested=["1.4.0"])
+    assert host_verdict("1.4.0+cu130", manifest).status == SUPPORTED  # local label: the same release
+    for other in ("1.4.0rc3", "1.4.0.post1", "1.4.0.dev1"):
+        assert host_verdict(other, manifest).status == UNTESTED, other
+
+
+@pytest.mark.parametrize("status, allowed", [(SUPPORTED, True), (UNTESTED, True), (DEFER, False), (UNSUPPORTED, False)])
+def test_only_supported_and_untested_verdicts_allow_activation(status, allowed):
+    from m3_eagle_plugin.manifest import Verdict
+
+    assert Verdict(status, "why", "1.0").allows_activation is allowed
+
+
+def test_verdicts_of_the_shipped_manifest_allow_activation_as_documented():
+    assert host_verdict("1.3.0rc24").allows_activation
+    assert not host_verdict("1.4.2").allows_activation  # defer
+    assert host_verdict("1.4.2", force=True).allows_activation
+    assert not host_verdict("1.2.0").allows_activation
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda m: m["patches"][0].__setitem__("id", ""), "patches[0].id"),
+        (lambda m: m["patches"][1].__setitem__("target", ":qualname"), "patches[1].target"),
+        (lambda m: m["patches"][1].__setitem__("target", "module:"), "patches[1].target"),
+        (lambda m: m["activation"].__setitem__("bootstrap", "m3_eagle_plugin._bootstrap"), "activation.bootstrap"),
+    ],
+)
+def test_more_bad_fields_are_named(mutate, field):
+    raw = copy.deepcopy(raw_manifest())
+    mutate(raw)
+    with pytest.raises(ManifestError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        parse_manifest(raw)
+
+
+def test_display_name_defaults_to_the_name():
+    raw = copy.deepcopy(raw_manifest())
+    raw.pop("display_name", None)
+    assert parse_manifest(raw).display_name == "m3-eagle-plugin"
+
+
+def test_patch_lookup_is_by_exact_id():
+    manifest = load_manifest()
+    assert manifest.patch("route-msa-backend").id == "route-msa-backend"
+    for partial in ("route", "route-msa", "route-msa-backend-x"):
+        with pytest.raises(KeyError, match=partial):
+            manifest.patch(partial)

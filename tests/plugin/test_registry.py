@@ -370,3 +370,20 @@ def test_every_hookspec_documents_an_example():
     assert opts["m3_eagle_kv_cache_manager"]["firstresult"] and opts["m3_eagle_propose_drafts"]["firstresult"]
     assert opts["m3_eagle_attention_metadata"]["firstresult"] and opts["m3_eagle_host_ready"]["historic"]
     assert not opts["m3_eagle_model_classes"]["firstresult"] and not opts["m3_eagle_host_patches"]["firstresult"]
+
+
+def test_allow_list_names_are_comma_separated_with_spaces_ignored(manager, monkeypatch):
+    monkeypatch.setenv(registry.LOAD_ENV, " other , drafter ")
+    eps = [_FakeEntryPoint("drafter", "ok:Drafter", Drafter), _FakeEntryPoint("model", "ok:OtherModel", OtherModel)]
+    assert manager.load_entrypoints(entry_points=eps) == ["drafter"]
+
+
+def test_drafter_answer_of_the_wrong_length_for_one_request_is_rejected(manager):
+    class Short:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            return [[1, 2], [3]]
+
+    manager.register(Short(), name="short")
+    with pytest.raises(PluginError, match=r"returned \[2, 1\] tokens for 2 requests"):
+        manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))

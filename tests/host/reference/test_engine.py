@@ -346,3 +346,38 @@ def test_readback_event_follows_the_copy_on_another_device():
     readback = _start_readback(out)
     assert not readback[1].query()  # recorded on idle cuda:0 it would read done at once
     assert _finish_readback(readback, 2) == ([[5, 6]], [2], [1])
+
+
+def test_an_eos_as_the_first_generated_token_ends_the_request_there():
+    prompt = PROMPTS[0]
+    first = _fakes.FakeTarget().greedy(prompt, 1)[0]
+    for head in (False, True):
+        engine, target, cache = build(draft_len=2, head=head, eos_ids=(first,))
+        result = engine.generate([prompt], max_new_tokens=8)
+        assert result.outputs == [[first]] and result.stop_reasons == ["eos"]
+        assert result.stats.generated_tokens == 1
+        assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_token_ids_equal_to_the_vocabulary_size_are_outside_it():
+    """Ids must lie in [0, vocab): the id vocab itself fails its request (prompt) or the step (draft)."""
+    engine, target, cache = build(draft_len=2)
+    result = engine.generate([[1, _fakes.VOCAB], [1, _fakes.VOCAB - 1]], max_new_tokens=3)
+    assert result.outputs[0] == [] and f"[0, {_fakes.VOCAB})" in result.errors[0]
+    assert result.outputs[1] == target.greedy([1, _fakes.VOCAB - 1], 3) and result.errors[1] is None
+    outside = lambda ctx: [[_fakes.VOCAB] * 2 for _ in ctx.tokens]  # noqa: E731
+    engine, target, cache = build(draft_len=2, head=False, proposer=outside)
+    with pytest.raises(ValueError, match=rf"request 0: token ids must be ints in \[0, {_fakes.VOCAB}\)"):
+        engine.generate([[1, 2]], max_new_tokens=4)
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_force_accepted_may_equal_the_draft_length():
+    """Forcing every draft (mean == K) is within the schedule: each verify step accepts all 3."""
+    engine, target, cache = build(draft_len=3, force_accepted=3)
+    result = engine.generate(PROMPTS[:1], max_new_tokens=9)
+    # 1 first token, then 4 per verify step: 1 + 4 + 4 = 9 -> 2 verify steps, 6 accepted
+    assert (result.stats.verify_steps, result.stats.accepted_tokens) == (2, 6)
+    assert len(result.outputs[0]) == 9
+    with pytest.raises(ValueError, match="exceeds the draft length"):
+        build(draft_len=2, force_accepted=3)

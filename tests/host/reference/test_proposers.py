@@ -117,3 +117,37 @@ def test_integer_draft_tokens_of_other_types_are_taken():
     replay = ReplayProposer.with_error_rate(references(), _fakes.VOCAB, 0.3, seed=5)
     result = run(lambda ctx: [list(torch.tensor(p, dtype=torch.long)) for p in replay(ctx)])
     assert result.stats.accepted_tokens == replay.expected_accepted > 0
+
+
+def test_prompt_lookup_copies_the_latest_earlier_occurrence():
+    """Docstring: what followed the *latest* earlier occurrence. [1] occurs at 0 and 2 before the
+    suffix: the latest (2) is followed by [3, 1]; the earliest would give [2, 1]."""
+    assert PromptLookupProposer(max_ngram=1).propose_one([1, 2, 1, 3, 1], 2) == [3, 1]
+
+
+def test_prompt_lookup_prefers_the_longest_matching_suffix():
+    """The 2-gram [1, 2] matched at 0 (followed by 9) wins over the later 1-gram [2] at 3 (followed by 5)."""
+    tokens = [1, 2, 9, 2, 5, 1, 2]
+    assert PromptLookupProposer(max_ngram=2).propose_one(tokens, 1) == [9]
+    assert PromptLookupProposer(max_ngram=1).propose_one(tokens, 1) == [5]
+
+
+def test_prompt_lookup_takes_equal_min_and_max_ngram():
+    lookup = PromptLookupProposer(max_ngram=2, min_ngram=2)
+    assert lookup.propose_one([7, 8, 3, 7, 8], 2) == [3, 7]
+    assert lookup.propose_one([7, 8, 3, 8], 2) == []  # a 1-gram match does not count
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupProposer(max_ngram=1, min_ngram=2)
+
+
+def test_replay_proposes_up_to_the_end_of_the_reference():
+    """reference[len(tokens):][:K]: the reference's last tokens are proposed too."""
+    proposer = ReplayProposer({0: [1, 2, 3, 4]}, 11)
+    assert proposer(DraftContext.build([0], [[1, 2]], 3)) == [[3, 4]]
+    assert proposer.proposed == 2 and proposer.expected_accepted == 2
+    assert proposer(DraftContext.build([0], [[1, 2, 3]], 3)) == [[4]]
+
+
+def test_drafter_plugin_pads_with_the_last_proposed_token():
+    context = DraftContext.build([0], [[1, 2]], 4)
+    assert DrafterPlugin(lambda ctx: [[5, 6]]).m3_eagle_propose_drafts(context) == [[5, 6, 6, 6]]

@@ -54,3 +54,29 @@ def test_a_request_stopping_inside_an_accepted_run(stop):
     assert (stats.verify_steps, stats.draft_tokens, stats.accepted_tokens) == (1, 3, 3)
     assert stats.mean_acceptance_length == 4.0 and stats.acceptance_rate == 1.0
     assert stats.generated_tokens == 3  # the first token + the 2 kept of that step's 4
+
+
+def test_tokens_per_s_is_generated_tokens_over_elapsed_seconds():
+    """Throughput by hand: kept (generated) tokens per elapsed second; no time measured -> 0."""
+    assert SpecStats(generated_tokens=30, elapsed_s=2.0).tokens_per_s == 15.0
+    assert SpecStats(generated_tokens=7, elapsed_s=0.5).as_dict()["tokens_per_s"] == 14.0
+    assert SpecStats(generated_tokens=30, elapsed_s=0.0).tokens_per_s == 0.0
+
+
+def test_short_proposals_count_only_the_drafts_proposed():
+    """A proposer that drafts 1 correct token per step at K = 3: each verify step proposed one draft
+    (position 0 only) and the verifier accepts it, so every step emits 2 tokens. Counted by hand:
+    1 first token + 2 per verify step up to 9 new tokens -> 4 verify steps, 4 drafts, 4 accepted."""
+    prompt = [4, 5, 6, 7]
+    target = _fakes.FakeTarget()
+    ref = target.greedy(prompt, 20)
+    full = prompt + ref
+    proposer = lambda ctx: [[full[len(tokens)]] for tokens in ctx.tokens]  # noqa: E731
+    engine = Engine(target, _fakes.make_cache(), EngineConfig(draft_len=3, max_batch_size=1, max_tokens_per_step=8),
+                    vocab_size=_fakes.VOCAB, proposer=proposer)
+    result = engine.generate([prompt], max_new_tokens=9)
+    assert result.outputs == [ref[:9]]
+    stats = result.stats
+    assert (stats.verify_steps, stats.draft_tokens, stats.accepted_tokens) == (4, 4, 4)
+    assert stats.proposed_at == [4, 0, 0] and stats.accepted_at == [4, 0, 0]
+    assert stats.acceptance_rate == 1.0 and stats.mean_acceptance_length == 2.0

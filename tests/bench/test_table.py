@@ -1,0 +1,47 @@
+"""bench.table: cells and columns written out by hand."""
+from __future__ import annotations
+
+from m3_eagle_plugin.bench.table import format_table
+
+
+def cell(value, column="graph_us"):
+    """The one cell of a one-row, one-column section."""
+    lines = format_table([{column: value}]).splitlines()
+    return lines[2].strip()
+
+
+def test_float_cells_two_decimals_between_one_hundredth_and_a_hundred_thousand():
+    assert cell(12.5) == "12.50"
+    assert cell(0.01) == "0.01"
+    assert cell(99999.0) == "99999.00"
+    assert cell(100000.0) == "1e+05"  # 1e5 itself switches to 3 significant digits
+    assert cell(123456.0) == "1.23e+05"
+    assert cell(0.005) == "0.005"
+    assert cell(0.0) == "0" and cell(-0.0) == "0"
+    assert cell(float("nan")) == "nan" and cell(float("inf")) == "inf"
+    assert cell(7) == "7" and cell("x") == "x"
+
+
+def test_a_long_error_is_cut_to_its_limit_with_an_ellipsis():
+    text = "e" * 100
+    got = cell(text, "flashinfer_error")
+    assert got == "e" * 57 + "..." and len(got) == 60
+    assert cell("e" * 60, "flashinfer_error") == "e" * 60  # at the limit: kept whole
+    assert cell(text, "note") == text  # no limit on other columns
+
+
+def test_columns_are_right_aligned_under_a_dashed_rule():
+    table = format_table([{"kernel": "abcdefgh", "section": "s"}, {"section": "s", "batch": 16}])
+    assert table.splitlines() == [
+        "section    kernel  batch",
+        "-------  --------  -----",
+        "      s  abcdefgh       ",
+        "      s               16",
+    ]
+
+
+def test_one_table_per_section_in_first_seen_order():
+    table = format_table([{"section": "b", "batch": 1}, {"section": "a", "context": 2}, {"section": "b", "batch": 3}])
+    blocks = table.split("\n\n")
+    assert [b.splitlines()[0].split() for b in blocks] == [["section", "batch"], ["section", "context"]]
+    assert [line.split() for line in blocks[0].splitlines()[2:]] == [["b", "1"], ["b", "3"]]
