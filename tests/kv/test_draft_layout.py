@@ -71,3 +71,10 @@ def test_shared_draft_layer_count_other_modes():
     assert shared_draft_layer_count(two_model, None) == 0
     with pytest.raises(TypeError, match="spec_dec_mode"):
         shared_draft_layer_count(object(), None)
+
+
+def test_a_num_layers_above_the_head_list_length_wins():
+    """Docstring rule: a per-layer head list pins the total unless ``num_layers`` is larger (then it
+    was already extended and wins). 61 layers, a 60-entry list, one draft: the draft is layer 60."""
+    assert derive_shared_draft_layout(61, [4] * 60, 1) == ([60], 60)
+    assert derive_shared_draft_layout(10, [4] * 3, 2) == ([8, 9], 8)

@@ -242,3 +242,28 @@ def test_fingerprints_agree_exactly_when_slot_layouts_do(spec, draft, edit, data
     same = (ga.pools == gb.pools and dict(ga.placements) == dict(gb.placements)
             and ga.draft_layer_ids == gb.draft_layer_ids)
     assert (ga.fingerprint() == gb.fingerprint()) == same
+
+
+def test_a_negative_pool_id_is_refused_not_read_as_the_last_pool():
+    geo = minimax_m3_geometry(6, [3, 4, 5], 4, D, DI, B)  # two pools: K/V, index-K
+    assert len(geo.pools) == 2
+    assert geo.pool(1).page_bytes == B * DI * 2
+    for bad in (-1, -2, 2):
+        with pytest.raises(IndexError, match="outside"):
+            geo.pool(bad)
+
+
+def test_a_draft_layer_listed_twice_is_refused():
+    buffers = [BufferSpec(0, "k", 8), BufferSpec(0, "v", 8), BufferSpec(1, "k", 8), BufferSpec(1, "v", 8)]
+    assert build_pool_geometry(buffers, draft_layer_ids=[1]).draft_layer_ids == (1,)
+    with pytest.raises(ValueError, match="duplicate draft layer"):
+        build_pool_geometry(buffers, draft_layer_ids=[1, 1])
+
+
+def test_a_draft_layer_with_an_index_k_page_is_refused():
+    """The Eagle3 draft layer is dense: an index-K page on it means the layer list is wrong."""
+    buffers = [BufferSpec(0, "k", 8), BufferSpec(0, "v", 8),
+               BufferSpec(1, "k", 8), BufferSpec(1, "v", 8), BufferSpec(1, "index_k", 8)]
+    build_pool_geometry(buffers)  # fine as a sparse target layer
+    with pytest.raises(DraftLayerPlacementError, match="draft layer 1 is dense"):
+        build_pool_geometry(buffers, draft_layer_ids=[1])

@@ -366,3 +366,39 @@ def test_block_offsets_address_every_layers_pages_at_their_naive_bytes(num_layer
                     address = int(tables.pool_pointers[op_pool].reshape(-1)[0]) + (got + layer_offset) * sizes[pool]
                     naive = cache.storage(pool).data_ptr() + (pages[b] * counts[pool] + sub_page) * sizes[pool]
                     assert address == naive, (layer, role, rid, b)
+
+
+def test_num_layers_counts_target_and_draft_layers():
+    assert _coalesced().num_layers == 4 + 1
+    assert PagedKVCache.for_minimax_m3(3, [1], 1, D, DI, B, 2, dtype=torch.float32).num_layers == 3
+
+
+def test_a_v_page_one_past_the_storage_is_refused_naming_the_tables():
+    """The draft's V is the last sub-page of the mega-slot (12 of 13). A kv offset of 2 puts the V
+    page of the last block exactly at the storage end: refused by the bounds check, not by torch."""
+    cache = _coalesced()
+    assert cache.geometry.locate(4, "v").offset == cache.geometry.pool(0).sub_pages - 1
+    cache.op_tables = dataclasses.replace(cache.op_tables, kv_offsets=torch.tensor([2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="does not address whole pages"):
+        cache.v(4)
+
+
+def test_a_virtual_pool_fed_from_a_pool_of_another_page_size_is_refused_naming_the_heads():
+    # split geometry: pool 0 holds 4-head K/V pages (4*B*D), pool 1 the index-K pages (B*16)
+    cache = PagedKVCache.for_minimax_m3(3, [1, 2], 4, D, 16, B, 5, num_draft_layers=1,
+                                        dtype=torch.float32)
+    assert [p.page_bytes for p in cache.geometry.pools] == [4 * B * D * 4, B * 16 * 4]
+    op_pool, source = cache.op_tables.op_pools[0]
+    assert source == 0
+    cache.op_tables.op_pools[0] = (op_pool, 1)
+    with pytest.raises(ValueError, match="4 heads do not fill"):
+        cache.k(3)
+
+
+def test_a_page_size_that_is_not_whole_elements_is_refused_naming_that():
+    from m3_eagle_plugin.kv import BufferSpec, build_pool_geometry
+
+    geometry = build_pool_geometry([BufferSpec(0, "k", 6), BufferSpec(0, "v", 6)])
+    with pytest.raises(ValueError, match="not a whole number of torch.float32 elements"):
+        PagedKVCache(geometry, block_size=1, num_blocks=2, kv_heads={0: 1}, head_dim=1, index_dim=1,
+                     dtype=torch.float32)

@@ -237,3 +237,28 @@ def test_pool_block_offset_copy_matches_a_naive_loop(host_rows, host_width, dst_
             else:
                 k = v = -7
             assert dst[i, :, b].tolist() == [k, v], (i, b)
+
+
+def test_a_page_index_one_past_int32_is_refused_not_wrapped():
+    """Slot 2**30 at scale 2 is page 2**31: one past int32's max, it would wrap to -2**31 in dst."""
+    host = torch.tensor([[[1 << 30], [1 << 30]]], dtype=torch.int64)
+    dst = torch.full((1, 2, 1), -7, dtype=torch.int32)
+    with pytest.raises(ValueError, match="does not fit"):
+        copy_pool_block_offsets(dst, host, torch.tensor([0]), 2, 0)
+    assert dst.eq(-7).all()
+    # one page lower (2**31 - 1) fits exactly
+    host = torch.tensor([[[(1 << 31) - 1], [0]]], dtype=torch.int64)
+    copy_pool_block_offsets(dst, host, torch.tensor([0]), 1, 0)
+    assert dst[0, :, 0].tolist() == [(1 << 31) - 1, (1 << 31) - 1]
+
+
+def test_a_draft_layer_mapped_past_the_storage_pools_is_refused():
+    """With ``num_pools=2`` of 3 pointer rows, row 2 is an op pool already, not storage a virtual
+    pool could be fed from."""
+    pointers = torch.tensor([[0x1000, 0], [0x2000, 0], [0x3000, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, 0], [2, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="not a storage pool"):
+        extend_attention_op_pools(pointers, mapping, [(1, 0x3000, 4)], num_pools=2)
+    mapping[1, 0] = 1
+    pools = extend_attention_op_pools(pointers, mapping, [(1, 0x2000, 4)], num_pools=2)
+    assert pools.op_pools == [(2, 1)]

@@ -160,3 +160,63 @@ def test_padded_handoff_cannot_take_the_pages_of_an_admitted_request(tiny_pair, 
     assert _is_clean(engine)
     request = import_handoff(engine, b)  # gets every page it was promised
     assert engine.cache.num_tokens(request.rid) == b.kv_len
+
+
+def test_refusals_name_the_field_that_does_not_fit(tiny_pair, handoffs):
+    """Each handoff here passes every other check (kv_len = prompt + output - 1 = transferred tokens,
+    first pending input = last emitted token), so only the named check can refuse it."""
+    import dataclasses
+
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    h = handoffs[0]
+    assert len(h.prompt) >= 2 and len(h.pending_inputs) == 1 + DISAGG_K
+    # one pending input too many: this engine verifies DISAGG_K drafts
+    extra = dataclasses.replace(h, pending_inputs=h.pending_inputs + [h.pending_inputs[-1]])
+    with pytest.raises(HandoffError, match=f"{DISAGG_K + 1} pending drafts, this engine verifies {DISAGG_K}"):
+        import_handoff(engine, extra)
+    assert _is_clean(engine)
+    # the last prompt token counted as emitted: max_new_tokens tokens emitted, nothing left to generate
+    output = [h.prompt[-1], *h.output]
+    done = dataclasses.replace(h, prompt=h.prompt[:-1], output=output, max_new_tokens=len(output))
+    assert len(done.prompt) + len(done.output) - 1 == h.kv_len
+    with pytest.raises(HandoffError, match="1 to max_new_tokens - 1"):
+        import_handoff(engine, done)
+    assert _is_clean(engine)
+
+
+def test_an_import_that_fails_after_admission_gives_the_budget_back(tiny_pair, handoffs):
+    """The payload's geometry is only checked by the page import, after the scheduler admitted
+    the request: its admission must be released when the import refuses."""
+    import dataclasses
+
+    from m3_eagle_plugin.kv.transfer import GeometryMismatchError
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    h = handoffs[0]
+    assert '"block_size":4' in h.payload.fingerprint
+    foreign = dataclasses.replace(h.payload, fingerprint=h.payload.fingerprint.replace('"block_size":4',
+                                                                                          '"block_size":8'))
+    with pytest.raises(GeometryMismatchError):
+        import_handoff(engine, dataclasses.replace(h, payload=foreign))
+    assert _is_clean(engine)
+    assert engine.cache.num_tokens(import_handoff(engine, h).rid) == h.kv_len
+
+
+def test_a_handoff_header_is_read_in_its_documented_layout():
+    """`parallel.disagg`'s docstring: [index, max_new_tokens, kv_len, pending_draft_len, n_prompt,
+    n_output, n_pending, prompt, output, pending_inputs, KV payload header body]."""
+    from m3_eagle_plugin.parallel.disagg import _parse_handoff
+
+    fingerprint = list(b'{"x":1}')
+    payload_header = [6, 1, 2, 3, 8, len(fingerprint), *fingerprint]  # 6 tokens, 1 pool of [2, 3, 8]
+    values = [9, 5, 6, 2, 4, 3, 3, 11, 12, 13, 14, 21, 22, 23, 23, 31, 32, *payload_header]
+    handoff, header = _parse_handoff(values, "here")
+    assert (handoff.index, handoff.max_new_tokens, handoff.kv_len, handoff.pending_draft_len) == (9, 5, 6, 2)
+    assert handoff.prompt == [11, 12, 13, 14]
+    assert handoff.output == [21, 22, 23]
+    assert handoff.pending_inputs == [23, 31, 32]
+    assert handoff.payload.num_tokens == header.num_tokens == 6 and handoff.payload.fingerprint == '{"x":1}'
+    assert [tuple(p.shape) for p in handoff.payload.pool_pages] == [(2, 3, 8)]

@@ -120,3 +120,48 @@ def test_sharding_partitions_heads_and_coalesces_exactly_when_pages_match(kv, gr
     geometry = rank_pool_geometry(cfg, tp)
     assert index_k_coalesced(geometry) == (kv // tp * head_dim == index_dim)
     assert len(geometry.pools) == (1 if kv // tp * head_dim == index_dim else 2)
+
+
+def _dense_config(**kw) -> M3Config:
+    """4 dense (no MSA) layers with a dense MLP; the index fields are left at the production values."""
+    base = production_config()
+    return base.__class__(**{**base.__dict__, "num_layers": 4, "sparse_layers": (False,) * 4,
+                             "moe_layers": (False,) * 4, **kw})
+
+
+def test_query_heads_that_do_not_form_gqa_groups_are_refused():
+    """6 query heads over 4 KV heads: no integer group size, so no rank split is meaningful."""
+    with pytest.raises(ShardingError, match="do not form groups"):
+        shard_heads(6, 4, 4, 2)
+    shape = shard_heads(8, 4, 4, 2)
+    assert (shape.q_heads, shape.kv_heads) == (4, 2)
+
+
+def test_a_negative_width_is_refused():
+    from m3_eagle_plugin.parallel.sharding import shard_width
+
+    assert shard_width("w", 0, 1) == 0
+    for total in (-1, -2):
+        with pytest.raises(ShardingError, match=f"w must be >= 0, got {total}"):
+            shard_width("w", total, 1)
+
+
+def test_the_index_k_element_size_defaults_to_the_kv_one():
+    # fp8 everywhere at TP4: K page 1 x 128 x 128 x 1 B = 16384 = index-K page 128 x 128 x 1 B
+    geometry = rank_pool_geometry(production_config(), 4, bytes_per_elem=1)
+    assert [(p.page_bytes, p.sub_pages) for p in geometry.pools] == [(16384, 120 + 57)]
+    assert index_k_coalesced(geometry)
+
+
+def test_a_cache_without_index_k_pages_is_not_coalesced():
+    """No sparse layer, no index-K page: there is no mega-slot to speak of."""
+    geometry = rank_pool_geometry(_dense_config(), 4)
+    assert [(p.page_bytes, p.sub_pages) for p in geometry.pools] == [(32768, 8)]
+    assert not index_k_coalesced(geometry)
+
+
+def test_a_dense_only_config_keeps_its_index_heads_unsharded():
+    """Without sparse layers the index heads are not split (nothing uses them): rank_config leaves them."""
+    cfg = rank_config(_dense_config(), 4)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.index_heads) == (16, 1, 4)
+    assert cfg.dense_intermediate_size == 12288 // 4

@@ -167,3 +167,53 @@ def test_a_cut_that_does_not_partition_the_tensor_is_refused_on_every_rank(rows,
     for rank in range(tp):
         with pytest.raises(ShardingError, match="q_proj"):
             shard_state_dict(full, shapes, rank, tp)
+
+
+def test_shard_keeps_the_sources_graph_safe_moe_setting(full_model):
+    moe = [i for i, layer in enumerate(full_model.layers) if hasattr(layer.mlp, "graph_safe")]
+    assert moe, "the tiny model has MoE layers"
+    full_model.set_graph_safe_moe(True)
+    try:
+        shard = shard_target(full_model, 0, 1)
+        assert [shard.layers[i].mlp.graph_safe for i in moe] == [True] * len(moe)
+    finally:
+        full_model.set_graph_safe_moe(False)
+    assert not any(shard_target(full_model, 0, 1).layers[i].mlp.graph_safe for i in moe)
+
+
+def _fake_group(monkeypatch, world_size, rank):
+    """A process group of ``world_size`` in which this process is ``rank``, without a rendezvous:
+    sharding only asks the group its size and rank (the all-reduce runs at forward time)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+
+
+def test_a_rank_that_is_not_this_processes_rank_in_the_group_is_refused(full_model, monkeypatch):
+    _fake_group(monkeypatch, TP, 1)
+    with pytest.raises(ShardingError, match="process group rank 1 of 2 does not match rank 0"):
+        shard_target(full_model, 0, TP)
+    _fake_group(monkeypatch, 4, 0)
+    with pytest.raises(ShardingError, match="process group rank 0 of 4 does not match rank 2 of tp_size 4"):
+        shard_target(full_model, 2, 4)
+
+
+def test_draft_head_shard_cuts_its_mlp_by_rank(full_model, tiny_pair, monkeypatch):
+    """Rank 1 of 2 holds the second half of the draft MLP's intermediate dim (rows of gate/up,
+    columns of down), checked against slices of the unsharded head."""
+    from m3_eagle_plugin.eagle3.checkpoint import load_draft
+    from m3_eagle_plugin.parallel.tp_model import shard_draft_head
+
+    head = load_draft(tiny_pair[1], full_model, dtype=torch.float32)
+    inter = head.config.intermediate_size
+    _fake_group(monkeypatch, TP, 1)
+    shard = shard_draft_head(head, 1, TP)
+    mlp, full_mlp = shard.layers[0].mlp, head.layers[0].mlp
+    half = inter // TP
+    assert tuple(mlp.gate_proj.weight.shape) == (half, head.config.hidden_size)
+    assert torch.equal(mlp.gate_proj.weight, full_mlp.gate_proj.weight[half:])
+    assert torch.equal(mlp.up_proj.weight, full_mlp.up_proj.weight[half:])
+    assert torch.equal(mlp.down_proj.weight, full_mlp.down_proj.weight[:, half:])
+    assert len(shard.layers[0].mlp._forward_hooks) == 1 and len(shard.layers[0].self_attn._forward_hooks) == 1

@@ -112,3 +112,80 @@ def test_a_fingerprint_with_the_same_fields_written_another_way_is_refused_namin
         PayloadHeader(spaced, 0, shapes).check_fits(cache, "here")
     assert not str(info.value).endswith(" in "), str(info.value)
     assert "the same fields" in str(info.value), str(info.value)
+
+
+def test_page_checksums_are_the_crc32_of_every_page_pool_by_pool():
+    """Reference: zlib.crc32 of each page's bytes, taken from a plain Python bytes copy."""
+    import zlib
+
+    from m3_eagle_plugin.parallel.transfer import page_checksums
+
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 256, (3, 2, 5), dtype=torch.uint8, generator=gen)
+    b = torch.randint(0, 256, (3, 1, 7), dtype=torch.uint8, generator=gen)
+    expected = [zlib.crc32(bytes(p.flatten().tolist())) for pages in (a, b) for p in pages]
+    assert page_checksums([a, b]) == expected and len(set(expected)) == 6
+    # a non-contiguous view is summed over its logical bytes, page by page
+    t = torch.randint(0, 256, (5, 2, 3), dtype=torch.uint8, generator=gen).transpose(0, 2)  # [3, 2, 5]
+    assert not t.is_contiguous()
+    assert page_checksums([t]) == [zlib.crc32(bytes(p.flatten().tolist())) for p in t]
+
+
+def test_a_corrupt_page_is_named_by_its_pool_and_page():
+    from m3_eagle_plugin.parallel.transfer import TransferError, _check_checksums, page_checksums
+
+    pools = (torch.zeros(3, 1, 4, dtype=torch.uint8), torch.ones(3, 1, 4, dtype=torch.uint8))
+    sums = page_checksums(pools)
+    _check_checksums(pools, sums, "payload")
+    bad = list(sums)
+    bad[5] ^= 1  # pool 1 (the second), page 2 (its third)
+    with pytest.raises(TransferError, match="page 2 of pool 1 arrived corrupt"):
+        _check_checksums(pools, bad, "payload")
+    with pytest.raises(TransferError, match="carries 5 page checksums for its 6 pages"):
+        _check_checksums(pools, sums[:5], "payload")
+    with pytest.raises(TransferError, match="carries 7 page checksums for its 6 pages"):
+        _check_checksums(pools, sums + [0], "payload")
+
+
+@pytest.mark.parametrize("values, cause", [
+    (_header()[:8], "ends before"),  # 2 pools: the 6 shape ints, then no fingerprint length
+    (_header(shapes=((1 << 39, 1, 3),)), "the pages would take 1649267441664 bytes"),  # 1.5 TiB
+    (_header(fingerprint="a" * ((1 << 16) + 1)), "fingerprint length 65537"),
+    (_header()[:-1] + [255], "not valid UTF-8"),  # 0xFF is a byte, but never UTF-8
+])
+def test_payload_header_parse_refuses_sizes_at_the_limits(values, cause):
+    from m3_eagle_plugin.parallel.transfer import PayloadHeader, TransferError
+
+    with pytest.raises(TransferError, match=cause):
+        PayloadHeader.parse(values, "here")
+
+
+def test_a_header_using_every_block_of_the_cache_fits():
+    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.kv.transfer import cache_fingerprint
+    from m3_eagle_plugin.parallel.transfer import PayloadHeader, TransferError
+
+    cache = PagedKVCache.for_minimax_m3(2, [1], 2, 8, 4, 4, 8, dtype=torch.float32)  # 8 blocks of 4
+    def header(num_tokens, pages):
+        return PayloadHeader(cache_fingerprint(cache), num_tokens,
+                             tuple((pages, p.sub_pages, p.page_bytes) for p in cache.geometry.pools))
+    header(32, 8).check_fits(cache, "here")  # all 8 blocks
+    with pytest.raises(TransferError, match="9 pages, this cache has 8"):
+        header(33, 9).check_fits(cache, "here")
+
+
+def test_a_refusal_reason_is_cut_at_a_character_boundary():
+    from m3_eagle_plugin.parallel.transfer import _utf8
+
+    assert _utf8("é" * 3, 5) == list("éé".encode("utf-8"))  # 2-byte chars: 5 bytes hold two
+    assert bytes(_utf8("aé€", 5)).decode("utf-8") == "aé"
+    assert _utf8("abc", 5) == [97, 98, 99]
+
+
+def test_more_pools_than_travel_are_refused_before_sending():
+    from m3_eagle_plugin.parallel.transfer import MAX_POOLS, check_sendable
+
+    pages = (torch.zeros(0, 1, 1, dtype=torch.uint8),)
+    check_sendable(KVTransferPayload("fp", 0, pages * MAX_POOLS))
+    with pytest.raises(ValueError, match=f"{MAX_POOLS + 1} pools, at most {MAX_POOLS} travel"):
+        check_sendable(KVTransferPayload("fp", 0, pages * (MAX_POOLS + 1)))
