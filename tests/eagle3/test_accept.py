@@ -333,3 +333,28 @@ def test_draft_ids_outside_the_vocabulary_are_always_rejected(with_draft_probs):
     result = rejection_accept(drafts, draft_probs, target, torch.Generator().manual_seed(0))
     assert result.num_accepted.tolist() == [0] * rows
     assert result.tokens[:, 0].tolist() == [vocab - 1] * rows
+
+
+def test_out_of_vocabulary_deterministic_drafts_leave_the_whole_target_distribution():
+    """draft_probs=None with ids outside [0, V): q is the one-hot of a token the target can never give,
+    so the draft is rejected and the residual max(p - q, 0) is p itself. The clamped index must not put
+    q's mass on a real id (V - 1 here, which the target gives 3/4): emitted tokens are ~ p."""
+    vocab, rows = 4, 4000
+    p = torch.tensor([0.25, 0.0, 0.0, 0.75])
+    drafts = torch.tensor([[vocab], [vocab + 7]]).repeat(rows // 2, 1)
+    result = rejection_accept(drafts, None, p.expand(rows, 2, vocab), torch.Generator().manual_seed(5))
+    assert result.num_accepted.tolist() == [0] * rows
+    _assert_distributed_as(result.tokens[:, 0], p, "after an out-of-vocabulary deterministic draft")
+
+
+def test_a_rejection_with_no_residual_mass_samples_the_target():
+    """q == p exactly and a draft both give probability 0 (q need not be the draft's sampler here): the
+    rule rejects it (u * 0 < 0 is false) and max(p - q, 0) is all zero, so the documented fallback
+    draws from p. Hand-computed: num_accepted 0 and the emitted token ~ p_0, never a NaN draw."""
+    vocab, rows = 3, 3000
+    p = torch.tensor([[0.0, 0.3, 0.7], [0.5, 0.25, 0.25]])
+    drafts = torch.zeros(rows, 1, dtype=torch.long)  # p_0(0) = q_0(0) = 0
+    result = rejection_accept(drafts, p[:1].expand(rows, 1, vocab), p.expand(rows, 2, vocab),
+                              torch.Generator().manual_seed(6))
+    assert result.num_accepted.tolist() == [0] * rows
+    _assert_distributed_as(result.tokens[:, 0], p[0], "fallback after a rejection without residual mass")

@@ -286,3 +286,61 @@ def test_draft_weight_stored_as_integers_is_refused_by_name(tiny, tmp_path):
     path = _variant(draft_dir, tmp_path / "d", edit)
     with pytest.raises(CheckpointError, match=r"tensor 'fc.weight' is stored as I16; weights must be one of"):
         load_draft(path, target)
+
+
+def test_missing_llama_fields_take_transformers_llama_defaults():
+    """A draft config may leave out what `LlamaConfig` defaults (SafeAILab / SpecForge exports often
+    do): rms_norm_eps, num_key_value_heads (= heads, MHA), head_dim (= hidden // heads) and the RoPE
+    theta. The oracle is transformers' own `LlamaConfig` built from the same dict."""
+    from transformers import LlamaConfig
+
+    raw = draft_config()
+    for key in ("rms_norm_eps", "num_key_value_heads", "head_dim", "rope_theta"):
+        raw.pop(key)
+    raw["num_attention_heads"] = 8  # head_dim then differs from the tiny draft's 16
+    hf = LlamaConfig(**{k: v for k, v in raw.items() if k != "eagle_config"})
+    config = _parse(raw)
+    assert config.rms_norm_eps == hf.rms_norm_eps
+    assert config.num_kv_heads == hf.num_key_value_heads == 8
+    assert config.head_dim == hf.head_dim == HIDDEN // 8
+    assert config.rope_theta == hf.rope_parameters["rope_theta"]
+
+
+def test_rope_theta_is_read_from_rope_parameters_as_transformers_does():
+    from transformers import LlamaConfig
+
+    raw = draft_config()
+    raw.pop("rope_theta")
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 123456.0}
+    hf = LlamaConfig(**{k: v for k, v in raw.items() if k != "eagle_config"})
+    assert _parse(raw).rope_theta == hf.rope_parameters["rope_theta"] == 123456.0
+
+
+def test_a_flat_key_wins_over_the_same_key_in_eagle_config():
+    """The module docstring: each flag may sit at the top level or in eagle_config, and the flat one
+    wins; checked both ways round for each boolean flag and for the aux ids."""
+    for key in ("norm_output", "norm_before_residual", "norm_before_fc"):
+        for flat in (False, True):
+            raw = draft_config()
+            raw[key] = flat
+            raw["eagle_config"][key] = not flat
+            assert getattr(_parse(raw), key) is flat, (key, flat)
+    raw = draft_config()
+    raw["eagle_aux_hidden_state_layer_ids"] = [1, 3, 6]
+    assert _parse(raw).aux_layer_ids == (1, 3, 6)
+
+
+def test_d2t_pointing_one_past_the_target_vocabulary_is_refused(tiny, tmp_path):
+    """Target ids run 0..V-1: a draft id mapped to V (an off-by-one at the top) is outside."""
+    target, draft_dir = tiny
+    d2t = torch.zeros(8, dtype=torch.long)
+    d2t[7] = VOCAB - 7  # draft 7 -> target id VOCAB
+
+    def add(t):
+        t["d2t"] = d2t
+    path = _variant(draft_dir, tmp_path / "d", add, lambda c: c.update(draft_vocab_size=8))
+    with pytest.raises(CheckpointError, match="d2t maps draft ids outside the target vocabulary"):
+        load_draft(path, target)
+    d2t[7] = VOCAB - 8  # draft 7 -> target id VOCAB - 1: the last valid id loads
+    path = _variant(draft_dir, tmp_path / "ok", add, lambda c: c.update(draft_vocab_size=8))
+    assert int(load_draft(path, target).draft_to_target(torch.tensor([7]))) == VOCAB - 1

@@ -12,7 +12,8 @@ The checkpoints here are built by hand from the public definitions, not from `mo
 The reference below is written from those definitions alone (float64, whole history, no cache):
   g  = fc(fc_norm_i(aux chunk i) ...)       (first step; later steps feed the head's own hidden)
   x  = cat(input_layernorm(embed(ids)), hidden_norm(g))           q/k/v: 2H -> heads
-  y  = g + o_proj(causal GQA attention with NeoX RoPE over the full head)
+  y  = r + o_proj(causal GQA attention with NeoX RoPE over the full head)
+       r  = hidden_norm(g) with `norm_before_residual` (vLLM's `_residual_norm`), else g
   z  = y + down(silu(gate(m)) * up(m)),  m = post_attention_layernorm(y)
   logits[d + d2t[d]] = lm_head(norm(z))[d], -inf elsewhere; next hidden = norm(z) if norm_output else z
 """
@@ -109,6 +110,8 @@ def public_reference(t, config, target, ids, rows):
     eps, theta = config["rms_norm_eps"], config["rope_theta"]
     eagle = config.get("eagle_config") or {}
     norm_output = config.get("norm_output", False) or eagle.get("return_hidden_post_norm", False)
+    # vLLM's `_residual_norm`: with norm_before_residual the residual is hidden_norm(g), else g itself
+    norm_before_residual = config.get("norm_before_residual", eagle.get("norm_before_residual", False))
     p = "midlayer." if any(k.startswith("midlayer.") for k in t) else "layers.0."
     g = []
     for r in rows:
@@ -122,7 +125,8 @@ def public_reference(t, config, target, ids, rows):
         g.append(r)
     g = torch.stack(g)
     emb = target.embed_tokens.weight.double()[ids]
-    x = torch.cat([_rms(emb, t[p + "input_layernorm.weight"], eps), _rms(g, t[p + "hidden_norm.weight"], eps)], -1)
+    hn = _rms(g, t[p + "hidden_norm.weight"], eps)
+    x = torch.cat([_rms(emb, t[p + "input_layernorm.weight"], eps), hn], -1)
     T, pos = len(ids), torch.arange(len(ids))
     q = _rope((x @ t[p + "self_attn.q_proj.weight"].T).view(T, HEADS, D), pos, theta)
     k = _rope((x @ t[p + "self_attn.k_proj.weight"].T).view(T, KV_HEADS, D), pos, theta)
@@ -131,7 +135,7 @@ def public_reference(t, config, target, ids, rows):
     out = torch.stack([torch.softmax(((q[:, h] @ k[:, h // (HEADS // KV_HEADS)].T) / D ** 0.5)
                                      .masked_fill(~causal, float("-inf")), -1) @ v[:, h // (HEADS // KV_HEADS)]
                        for h in range(HEADS)], 1)
-    y = g + out.reshape(T, -1) @ t[p + "self_attn.o_proj.weight"].T
+    y = (hn if norm_before_residual else g) + out.reshape(T, -1) @ t[p + "self_attn.o_proj.weight"].T
     m = _rms(y, t[p + "post_attention_layernorm.weight"], eps)
     z = y + (F.silu(m @ t[p + "mlp.gate_proj.weight"].T) * (m @ t[p + "mlp.up_proj.weight"].T)) \
         @ t[p + "mlp.down_proj.weight"].T
@@ -226,3 +230,38 @@ def test_fc_norm_tensors_that_the_config_switches_off_are_refused(target, tmp_pa
     write_public_head(tmp_path / "d", prefix="midlayer.", fc_norm=True, config_extra={"fc_norm": False})
     with pytest.raises(CheckpointError, match=r"unknown tensor\(s\): fc_norm\.0\.weight"):
         load_draft(tmp_path / "d", target)
+
+
+def test_norm_before_residual_adds_the_attention_to_the_normed_hidden(target, tmp_path):
+    """`norm_before_residual` (vLLM / SpecForge): the residual around attention is hidden_norm(g),
+    not g. The flag may sit in eagle_config; a flat one is read too."""
+    for where, extra in (("eagle", {"eagle_config": {"norm_before_residual": True}}),
+                         ("flat", {"norm_before_residual": True, "norm_output": True})):
+        t, config = write_public_head(tmp_path / where, prefix="midlayer.", config_extra=extra)
+        head = load_draft(tmp_path / where, target)
+        assert head.config.norm_before_residual
+        run_two_steps(head, target, t, config)
+
+
+def test_a_large_rms_norm_eps_reaches_every_norm(target, tmp_path):
+    """Every RMSNorm of the head (input_norm, fc_norm.i, input_layernorm, hidden_norm,
+    post_attention_layernorm, norm) must use the config's `rms_norm_eps`. With eps = 1.0 (inputs
+    of mean square ~0.1 to 20) a norm falling back to a default 1e-6 / 1e-5 moves the outputs far past
+    the tolerance."""
+    extra = {"rms_norm_eps": 1.0, "fc_norm": True, "norm_output": True,
+             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "norm_before_fc": True}}
+    t, config = write_public_head(tmp_path / "d", prefix="midlayer.", fc_norm=True, input_norm=True,
+                                  config_extra=extra)
+    head = load_draft(tmp_path / "d", target)
+    assert head.config.rms_norm_eps == 1.0
+    run_two_steps(head, target, t, config)
+
+
+def test_fc_norm_tensors_switch_the_norms_on_when_the_config_says_nothing(target, tmp_path):
+    """Without an `fc_norm` key the tensors decide: a checkpoint holding fc_norm.{0,1,2} runs them
+    (the reference is told so explicitly)."""
+    t, config = write_public_head(tmp_path / "d", prefix="layers.0.", fc_norm=True, config_extra={"norm_output": True})
+    assert "fc_norm" not in config
+    head = load_draft(tmp_path / "d", target)
+    assert head.fc_norm is not None
+    run_two_steps(head, target, t, dict(config, fc_norm=True))

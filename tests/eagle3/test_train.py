@@ -339,3 +339,74 @@ def test_two_pass_loss_is_the_mean_of_per_pass_kl_and_cross_entropy_from_the_pag
     assert mean_kl[0] > 0 and mean_kl[1] > 0 and abs(mean_kl[0] - mean_kl[1]) > 1e-3  # passes distinguishable
     assert soft == pytest.approx((mean_kl[0] + mean_kl[1]) / 2, rel=1e-4)
     assert hard - soft == pytest.approx(0.5 * (mean_nll[0] + mean_nll[1]) / 2, rel=1e-4)
+
+
+def test_dense_step_follows_norm_before_residual(pair, data, tmp_path):
+    """With `norm_before_residual` the residual around attention is hidden_norm(g) (vLLM's
+    `_residual_norm`); the dense training step must run the head the paged forward runs (itself
+    checked against the public formulas in test_public_layout.py)."""
+    import json
+    import shutil
+
+    _, draft_dir, target, _ = pair
+    variant = tmp_path / "nbr"
+    shutil.copytree(draft_dir, variant)
+    config = json.loads((variant / "config.json").read_text())
+    config["norm_before_residual"] = True
+    (variant / "config.json").write_text(json.dumps(config))
+    head = load_draft(variant, target)
+    assert head.config.norm_before_residual
+    tokens, aux = data.tokens[-1], data.aux[-1]
+    cache, meta = _paged(target, head)
+    s = tokens.shape[0] - 1
+    cache.reserve("r", s)
+    meta.prepare([s], [s], cache.block_table(["r"]), num_context_requests=1)
+    with torch.no_grad():
+        want_logits, want_hidden = head(tokens[1:], aux[:s], meta, cache)
+        logits, hidden, _ = dense_head_step(head, tokens[None, 1:], aux[None, :s])
+    torch.testing.assert_close(logits[0], want_logits, atol=TOL, rtol=0)
+    torch.testing.assert_close(hidden[0], want_hidden, atol=TOL, rtol=0)
+
+
+def test_first_optimizer_step_is_adam_without_weight_decay_at_the_warmup_rate(pair, data):
+    """By hand: AdamW's first step moves each parameter by lr_0 * g / (|g| + eps) <= lr_0, i.e. by lr_0
+    where the gradient is not tiny, plus lr_0 * weight_decay * |p| with decay. The documented schedule
+    warms up over 20 steps, so lr_0 = lr * 1/20 * (1 - 0/steps); weight decay is 0. So no parameter
+    moves by more than lr_0, and most move by lr_0 itself. Shared weights stay."""
+    _, draft_dir, target, _ = pair
+    head = load_draft(draft_dir, target)
+    shared = {id(p) for m in (head.embed_tokens, head.lm_head) for p in m.parameters()}
+    before = {n: p.detach().clone() for n, p in head.named_parameters()}
+    lr = 1e-2
+    train_head(head, data, steps=1, batch_size=4, lr=lr, seed=0)
+    lr0 = lr * (1 / 20) * (1 - 0 / 1)
+    for name, p in head.named_parameters():
+        delta = (p.detach() - before[name]).double().abs()
+        if id(p) in shared:
+            assert torch.equal(delta, torch.zeros_like(delta)), name
+            continue
+        assert float(delta.max()) <= lr0 + 5e-7, (name, float(delta.max()))
+        # an fp32 parameter near 1 rounds its step to ~1e-7
+        assert float((delta - lr0).abs().le(5e-7).double().mean()) > 0.5, name
+
+
+def test_distilled_checkpoint_keeps_the_file_mode_and_the_stored_dtypes(tmp_path):
+    """Weights are written back as they were stored (a bf16 checkpoint stays bf16, whatever dtype the
+    head trained in), and the replaced file keeps its permissions (not the temp file's 0600)."""
+    import os
+    import stat
+
+    from safetensors.torch import save_file
+
+    target_dir, draft_dir = make_tiny(tmp_path, seed=2)
+    weights = draft_dir / "model.safetensors"
+    stored = {k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}
+    save_file(stored, str(weights), metadata={"format": "pt"})
+    os.chmod(weights, 0o640)
+    distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=2, num_sequences=2, seq_len=16, iterations=1,
+                                                               batch_size=2))
+    assert stat.S_IMODE(os.stat(weights).st_mode) == 0o640
+    after = load_file(str(weights))
+    assert after.keys() == stored.keys()
+    assert all(after[k].dtype == torch.bfloat16 for k in after)
+    assert any(not torch.equal(after[k], stored[k]) for k in after)

@@ -390,3 +390,49 @@ def test_expert_count_key_resolves_like_transformers(keys):
     cfg = M3Config.from_dict(raw)
     assert cfg.num_experts == hf.num_local_experts
     _assert_same(cfg, hf)
+
+
+@pytest.mark.parametrize("layout", ["production", "text"])
+def test_missing_optional_fields_default_like_transformers(layout):
+    """Every field transformers' `MiniMaxM3VLTextConfig` defaults must take its default here too: the
+    MoE and SwiGLU constants change the model's output, not just its shape."""
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    optional = ("shared_intermediate_size", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit", "rms_norm_eps",
+                "num_experts_per_tok", "dense_intermediate_size")
+    if layout == "production":
+        raw = target_config()
+        text = raw["text_config"]
+        text["sparse_attention_config"].pop("sparse_local_block")
+    else:
+        raw = text = tiny_text_config().to_dict()
+        text.pop("index_local_blocks")
+    for key in optional:
+        text.pop(key)
+    hf = (_as_transformers_sees_it(json.loads(json.dumps(raw))) if layout == "production"
+          else MiniMaxM3VLTextConfig(**json.loads(json.dumps(raw))))
+    cfg = M3Config.from_dict(raw)
+    assert cfg.layout == layout
+    _assert_same(cfg, hf)
+    assert (cfg.routed_scaling_factor, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.rms_norm_eps, cfg.num_experts_per_tok,
+            cfg.local_blocks) == (hf.routed_scaling_factor, hf.swiglu_alpha, hf.swiglu_limit, hf.rms_norm_eps,
+                                  hf.num_experts_per_tok, hf.index_local_blocks)
+
+
+def test_booleans_accept_json_zero_and_one_and_positive_floats_refuse_zero():
+    """`ConfigFields`' documented reads: a boolean is true/false or the integers 1/0 (some exporters
+    write those), nothing else; a positive float such as rms_norm_eps refuses 0 (x / sqrt(0) is a NaN
+    for an all-zero row)."""
+    from m3_eagle_plugin.models.config_fields import ConfigFields
+
+    fields = ConfigFields({"a": 1, "b": 0, "c": 2, "eps": 0, "small": 1e-12}, "x.json")
+    assert fields.get_bool("a", False) is True and fields.get_bool("b", True) is False
+    with pytest.raises(ConfigError, match="^x.json: c: expected true or false, got int 2$"):
+        fields.get_bool("c", False)
+    with pytest.raises(ConfigError, match="^x.json: eps: must be > 0, got 0$"):
+        fields.get_float("eps", positive=True)
+    assert fields.get_float("small", positive=True) == 1e-12
+    raw = target_config()
+    raw["text_config"]["rms_norm_eps"] = 0
+    with pytest.raises(ConfigError, match=r"text_config\.rms_norm_eps: must be > 0, got 0$"):
+        M3Config.from_dict(raw, "x.json")

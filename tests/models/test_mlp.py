@@ -83,3 +83,20 @@ def test_graph_safe_moe_ignores_an_overflowing_unchosen_expert():
         for graph_safe in (False, True):
             ours.graph_safe = graph_safe
             torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=0)
+
+
+def test_bf16_router_logits_are_computed_in_fp32():
+    """The documented rule: router logits in fp32 whatever the model dtype. From the same bf16 weights
+    and inputs, the combine weights equal a float64 computation to fp32 accuracy (bf16 logits would
+    be off by ~1e-3)."""
+    gen = torch.Generator().manual_seed(7)
+    router = SigmoidRouter(64, 8, 3).to(torch.bfloat16)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(8, 64, generator=gen))
+    x = torch.randn(16, 64, generator=gen).to(torch.bfloat16)
+    weights, ids = router(x)
+    scores = torch.sigmoid(x.double() @ router.weight.double().T)
+    for t in range(16):
+        assert sorted(ids[t].tolist()) == sorted(torch.argsort(scores[t], descending=True)[:3].tolist())
+        want = scores[t, ids[t]] / scores[t, ids[t]].sum()
+        torch.testing.assert_close(weights[t].double(), want, atol=2e-6, rtol=0)

@@ -121,6 +121,20 @@ def test_forward_rejects_batched_input(hf_text_checkpoint):
         model(torch.zeros(1, 2, dtype=torch.long), runner.meta, runner.cache)
 
 
+
+def test_capture_of_a_layer_past_the_last_is_refused_before_the_forward(hf_text_checkpoint):
+    """Layers run 0..L-1 (transformers' hidden_states[L] is the final norm's input, not a layer input):
+    an aux id L would never be recorded, so the forward refuses it up front, naming the id."""
+    model = load_target(hf_text_checkpoint)
+    layers = model.config.num_layers
+    runner = PagedRunner(model.config)
+    runner.prepare([("a", 2)])
+    with pytest.raises(ValueError, match=rf"aux layer ids \[{layers}\] out of range for {layers} layers"):
+        model(torch.zeros(2, dtype=torch.long), runner.meta, runner.cache, capture=AuxCapture([0, layers]))
+    capture = AuxCapture([0, layers - 1])  # the last layer's input is capturable
+    model(torch.zeros(2, dtype=torch.long), runner.meta, runner.cache, capture=capture)
+    assert capture.stacked().shape == (2, 2 * model.config.hidden_size)
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_fp32_and_bf16_match_transformers(tiny_dir):

@@ -40,3 +40,20 @@ def test_match_transformers_modules_in_bf16_and_fp32():
             got = ours(x)
             assert got.dtype == dtype
             torch.testing.assert_close(got, theirs(x))
+
+
+def test_a_large_eps_matches_transformers_modules():
+    """eps comparable to mean(x^2): a norm that ignored its eps (a fixed 1e-6) is far off here."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm as HFLlama
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm as HFGemma
+
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(16, generator=gen), torch.randn(4, 16, generator=gen) * 0.1
+    for eps in (1e-2, 0.5):
+        for ours, theirs in ((GemmaRMSNorm(16, eps), HFGemma(16, eps)), (LlamaRMSNorm(16, eps), HFLlama(16, eps))):
+            with torch.no_grad():
+                ours.weight.copy_(w)
+                theirs.weight.copy_(w)
+                torch.testing.assert_close(ours(x), theirs(x))
+                _, normed = ours.add_then_norm(x, x)
+                torch.testing.assert_close(normed, theirs(2 * x))
