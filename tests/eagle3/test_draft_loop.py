@@ -45,7 +45,11 @@ def naive(prior, ids, features, gather, num_drafts):
     return drafts
 
 
-def run_case(prior, ids, features, accepted, num_drafts, num_step_metas=None):
+def greedy_choice(logits):
+    return torch.argmax(logits, -1), None
+
+
+def run_case(prior, ids, features, accepted, num_drafts, num_step_metas=None, choose=greedy_choice):
     """One row of len(ids) tokens after `prior` committed ones; the head continues from token `accepted`.
 
     `num_step_metas` (default num_drafts - 1) is how many prepared step metadata objects are passed."""
@@ -71,7 +75,7 @@ def run_case(prior, ids, features, accepted, num_drafts, num_step_metas=None):
         gather_index=torch.tensor([accepted]),
         step_metas=step_metas[:num_drafts - 1 if num_step_metas is None else num_step_metas],
         gathered_kv_lens=torch.tensor([start + accepted + 1], dtype=torch.int32), num_drafts=num_drafts,
-        choose=lambda logits: (torch.argmax(logits, -1), None),
+        choose=choose,
     )
     return result
 
@@ -128,28 +132,8 @@ def test_sampled_drafts_come_back_as_int64_rows_with_their_distributions_per_ste
     of the sequential reference's draft, so each step's distribution is softmax(one_hot(draft))."""
     prior, ids, features = [3, 1, 4, 1, 5], [9, 2, 6, 5], [2, 7, 1, 8]
     num_drafts = 3
-    cache = PagedKVCache.for_minimax_m3(1, [], 1, 4, 4, BLOCK, 32, num_draft_layers=1, dtype=torch.float32)
-    cache.add_request(0)
-    staged = len(prior) + len(ids)
-    cache.reserve(0, staged + num_drafts)
-    table = cache.block_table([0], width=32)
-    k = cache.k(DRAFT_LAYER)
-    for p, token in enumerate(prior):
-        k[int(table[0, p // BLOCK]), 0, p % BLOCK, 0] = float(token)
-    meta = MsaDecodeMetadata(2, 16, 32, BLOCK, "cpu", max_draft_len=num_drafts)
-    meta.prepare([len(ids)], [staged], table)
-    step_metas = []
-    for step in range(1, num_drafts):
-        m = MsaDecodeMetadata(2, 2, 32, BLOCK, "cpu")
-        m.prepare([1], [staged + step], table)
-        step_metas.append(m)
-    result = run_draft_loop(
-        SumHead(), cache, first_meta=meta, first_input_ids=torch.tensor(ids),
-        first_features=torch.tensor(features, dtype=torch.float32).view(-1, 1),
-        gather_index=torch.tensor([1]), step_metas=step_metas,
-        gathered_kv_lens=torch.tensor([len(prior) + 2], dtype=torch.int32), num_drafts=num_drafts,
-        choose=lambda logits: (logits.argmax(-1).to(torch.int32), torch.softmax(logits, -1)),
-    )
+    result = run_case(prior, ids, features, accepted=1, num_drafts=num_drafts,
+                      choose=lambda logits: (logits.argmax(-1).to(torch.int32), torch.softmax(logits, -1)))
     want = naive(prior, ids, features, 1, num_drafts)
     assert result.tokens.dtype == torch.int64 and result.tokens.tolist() == [want]
     assert result.probs is not None and result.probs.shape == (1, num_drafts, VOCAB)

@@ -74,8 +74,8 @@ def test_jacobi_rounds_converge_to_the_greedy_continuation(data):
             assert data.tokens[last, t] == data.target_next[last, t - 1]
 
 
-def test_dense_step_equals_the_paged_head(pair, data):
-    _, _, target, head = pair
+def _assert_dense_step_equals_paged_head(target, head, data) -> None:
+    """The training step's dense head on the last sequence against the paged head the engine runs."""
     tokens, aux = data.tokens[-1], data.aux[-1]
     cache, meta = _paged(target, head)
     s = tokens.shape[0] - 1
@@ -86,6 +86,11 @@ def test_dense_step_equals_the_paged_head(pair, data):
         logits, hidden, _ = dense_head_step(head, tokens[None, 1:], aux[None, :s])
     torch.testing.assert_close(logits[0], want_logits, atol=TOL, rtol=0)
     torch.testing.assert_close(hidden[0], want_hidden, atol=TOL, rtol=0)
+
+
+def test_dense_step_equals_the_paged_head(pair, data):
+    _, _, target, head = pair
+    _assert_dense_step_equals_paged_head(target, head, data)
 
 
 @pytest.mark.parametrize("chain_start", [0, 5, 11])
@@ -356,16 +361,7 @@ def test_dense_step_follows_norm_before_residual(pair, data, tmp_path):
     (variant / "config.json").write_text(json.dumps(config))
     head = load_draft(variant, target)
     assert head.config.norm_before_residual
-    tokens, aux = data.tokens[-1], data.aux[-1]
-    cache, meta = _paged(target, head)
-    s = tokens.shape[0] - 1
-    cache.reserve("r", s)
-    meta.prepare([s], [s], cache.block_table(["r"]), num_context_requests=1)
-    with torch.no_grad():
-        want_logits, want_hidden = head(tokens[1:], aux[:s], meta, cache)
-        logits, hidden, _ = dense_head_step(head, tokens[None, 1:], aux[None, :s])
-    torch.testing.assert_close(logits[0], want_logits, atol=TOL, rtol=0)
-    torch.testing.assert_close(hidden[0], want_hidden, atol=TOL, rtol=0)
+    _assert_dense_step_equals_paged_head(target, head, data)
 
 
 def test_first_optimizer_step_is_adam_without_weight_decay_at_the_warmup_rate(pair, data):

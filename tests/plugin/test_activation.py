@@ -282,7 +282,7 @@ def test_missing_host(hermetic_manager, fake_install, monkeypatch):
         m3_eagle_plugin.activate("require")
 
 
-def test_install_failure(active_env, monkeypatch):
+def _supported_host_whose_install_fails(active_env, monkeypatch) -> None:
     make_host, _ = active_env
     make_host("1.3.0rc24")
     import m3_eagle_plugin.host.trtllm as adapter
@@ -291,6 +291,10 @@ def test_install_failure(active_env, monkeypatch):
         raise RuntimeError("host symbol tensorrt_llm.x:y missing")
 
     monkeypatch.setattr(adapter, "install", broken, raising=False)
+
+
+def test_install_failure(active_env, monkeypatch):
+    _supported_host_whose_install_fails(active_env, monkeypatch)
     report = m3_eagle_plugin.activate("auto")
     assert not report.ok and not report.activated and "symbol" in report.reason
     with pytest.raises(ActivationError, match="symbol"):
@@ -377,14 +381,7 @@ def test_force_values_the_readme_and_the_config_key_write_are_read(monkeypatch, 
 
 def test_status_reports_a_failed_activation_that_the_verdict_does_not_explain(active_env, monkeypatch):
     """A supported host whose install() failed under auto: status() must not read "ok" afterwards."""
-    make_host, _ = active_env
-    make_host("1.3.0rc24")
-    import m3_eagle_plugin.host.trtllm as adapter
-
-    def broken():
-        raise RuntimeError("host symbol tensorrt_llm.x:y missing")
-
-    monkeypatch.setattr(adapter, "install", broken, raising=False)
+    _supported_host_whose_install_fails(active_env, monkeypatch)
     monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
     assert not m3_eagle_plugin.activate().ok
     report = m3_eagle_plugin.status()
