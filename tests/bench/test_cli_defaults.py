@@ -1,0 +1,121 @@
+"""`m3-eagle bench`: documented defaults, edge values of the option checks and exit statuses
+(2: option/setup errors, 1: a failure after the run), checked against hand-written values."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from m3_eagle_plugin.bench import cli, e2e
+from m3_eagle_plugin.cli import main as m3_main
+
+
+def _fake_gpu(monkeypatch, seen=None):
+    from m3_eagle_plugin.msa import kernels
+
+    rows = [{"section": "kernels", "kernel": "sparse_attn", "batch": 16, "context": 32768, "qo_len": 4,
+             "graph_us": 18.0, "flashinfer_us": 15.0}]
+    monkeypatch.setattr(kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)  # a GPU faked end to end
+
+    def gpu_rows(args, device, log):
+        if seen is not None:
+            seen.append(cli.configs_of(args, gpu=True))
+        return rows, {"device_name": "Fake GPU", "flashinfer": "0.7.4-fake"}
+
+    monkeypatch.setattr(cli, "_gpu_rows", gpu_rows)
+
+
+@pytest.mark.parametrize("text", ["0x64", "2x0", "0x0"])
+def test_a_zero_batch_or_context_is_refused_by_the_parser(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="batch and context must be >= 1"):
+        cli.parse_configs(text)
+
+
+def test_the_defaults_the_help_names():
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args([])
+    # help: --qo-lens "(default 4,1)", --sets "(default 3)", --rounds "(default 1)", --flashinfer "auto, the default"
+    assert (args.qo_lens, args.sets, args.rounds, args.flashinfer) == ("4,1", 3, 1, "auto")
+    assert args.json is None and parser.parse_args(["--json"]).json == "-"  # bare --json: stdout
+
+
+def test_without_qo_lens_the_smoke_table_times_4_and_1(tmp_path):
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--kernels", "dense_attn", "--json",
+                    str(out)]) == 0
+    assert sorted(r["qo_len"] for r in json.loads(out.read_text())["rows"]) == [1, 4]
+
+
+def test_a_context_exactly_the_longest_q_len_is_accepted(tmp_path):
+    """Every context must hold the longest q_len's tokens: 4 tokens hold a q_len of 4."""
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x4", "--qo-lens", "4", "--kernels", "dense_attn",
+                    "--json", str(out)]) == 0
+    assert [(r["batch"], r["context"], r["qo_len"]) for r in json.loads(out.read_text())["rows"]] == [(2, 4, 4)]
+
+
+def test_a_read_only_output_file_is_refused_before_anything_is_measured(tmp_path, monkeypatch, capsys):
+    """Root passes os.access on any file, so the read-only case is simulated for that one file."""
+    out = tmp_path / "bench.json"
+    out.write_text("{}\n")
+    real_access = os.access
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: False if (str(path) == str(out) and mode == os.W_OK)
+                        else real_access(path, mode))
+    measured = []
+    monkeypatch.setattr(cli, "_cpu_smoke_rows", lambda args: measured.append(1) or ([], {}))
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--json", str(out)]) == 2
+    assert capsys.readouterr().err == f"m3-eagle bench: --json {out}: the file is not writable\n"
+    assert measured == []
+
+
+def test_the_written_command_is_the_run_with_its_defaults_spelled_out(tmp_path, monkeypatch, capsys):
+    """No --configs on a GPU: the help's GPU default shapes; the table's command spells out the default
+    dtypes and FlashInfer policy, and no --rounds when it is the default 1."""
+    seen = []
+    _fake_gpu(monkeypatch, seen)
+    path = tmp_path / "table.json"
+    assert m3_main(["bench", "--device", "cuda", "--qo-lens", "4", "--kernels", "sparse_attn",
+                    "--write-table", str(path)]) == 0
+    assert seen == [[(1, 8192), (16, 32768), (64, 32768), (64, 131072)]]
+    assert json.loads(path.read_text())["command"] == (
+        "m3-eagle bench --configs 1x8192,16x32768,64x32768,64x131072 --qo-lens 4 --kernels sparse_attn "
+        "--kv-dtype fp8 --dense-kv-dtype bf16 --flashinfer auto")
+
+
+def test_a_failed_json_write_fails_the_run_even_when_the_table_is_written(tmp_path, monkeypatch, capsys):
+    _fake_gpu(monkeypatch)
+    out, table = tmp_path / "bench.json", tmp_path / "table.json"
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if str(dst) == str(out):
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(cli.os, "replace", replace)
+    assert m3_main(["bench", "--device", "cuda", "--configs", "16x32K", "--qo-lens", "4", "--kernels", "sparse_attn",
+                    "--json", str(out), "--write-table", str(table)]) == 1
+    assert table.exists() and not out.exists()
+    assert f"m3-eagle bench: --json {out}: not written (No space left on device)" in capsys.readouterr().err
+
+
+def test_a_run_without_a_decode_window_is_an_option_error(monkeypatch, capsys):
+    def no_window(args):
+        raise e2e.NoDecodeWindowError("too short to time")
+
+    monkeypatch.setattr(cli, "run_end_to_end", no_window)
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--e2e"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "m3-eagle bench: --e2e: too short to time"
+
+
+def test_an_empty_kernel_list_with_e2e_runs_the_end_to_end_section_alone(monkeypatch, capsys):
+    """README: `m3-eagle bench --kernels "" --e2e ...` runs the end-to-end section only."""
+    row = {"section": "e2e", "kernel": "decode", "batch": 1}
+    calls = []
+    monkeypatch.setattr(cli, "run_end_to_end", lambda args: calls.append(1) or [dict(row)])
+    assert m3_main(["bench", "--device", "cpu", "--kernels", "", "--e2e", "--json"]) == 0
+    assert calls == [1] and json.loads(capsys.readouterr().out)["rows"] == [row]
