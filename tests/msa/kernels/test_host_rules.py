@@ -247,14 +247,19 @@ def test_call_signature_holds_the_metadata_fields_layout_and_host_values():
     assert call_signature((x,), meta, ()) != first
 
 
-def test_a_signature_refused_max_refusals_times_is_not_recorded_again(monkeypatch):
+def _recording_replayer(monkeypatch):
+    """(the replay module, a Replayer that records on CPU: recording allowed, direct launches possible)."""
     pytest.importorskip("triton")
     from m3_eagle_plugin.msa.kernels import launch as launch_mod, replay
 
     monkeypatch.setattr(replay, "_recording_allowed", lambda meta: True)
     monkeypatch.setattr(launch_mod, "direct_launch_possible", lambda: True)
     monkeypatch.delenv("M3_EAGLE_REPLAY", raising=False)
-    replayer = replay.Replayer()
+    return replay, replay.Replayer()
+
+
+def test_a_signature_refused_max_refusals_times_is_not_recorded_again(monkeypatch):
+    replay, replayer = _recording_replayer(monkeypatch)
     meta = types.SimpleNamespace()
     for _ in range(replay.MAX_REFUSALS + 3):
         replayer.call(("sig",), (torch.zeros(2),), meta, lambda: torch.zeros(3))  # a fill: refused
@@ -303,13 +308,7 @@ def test_union_splits_bound_work_by_about_twice_topk():
 
 
 def test_recordings_per_entry_point_stay_at_most_max_recordings(monkeypatch):
-    pytest.importorskip("triton")
-    from m3_eagle_plugin.msa.kernels import launch as launch_mod, replay
-
-    monkeypatch.setattr(replay, "_recording_allowed", lambda meta: True)
-    monkeypatch.setattr(launch_mod, "direct_launch_possible", lambda: True)
-    monkeypatch.delenv("M3_EAGLE_REPLAY", raising=False)
-    replayer = replay.Replayer()
+    replay, replayer = _recording_replayer(monkeypatch)
     meta = _Meta()  # weakly referenced by a recording
     sizes = []
     for i in range(replay.MAX_RECORDINGS + 1):
