@@ -252,7 +252,6 @@ class Engine:
         requests: list[Request] = []
         inflight: StepOutput | None = None
         step_id = 0
-        started = time.perf_counter()
         try:
             # Inside the try: a prompt source that raises part-way (a generator, an interrupt) must
             # not leave the requests built before it registered in the cache.
@@ -273,12 +272,10 @@ class Engine:
                         launched = self.launch(rows, step_id)
                     step_id += 1
                 if inflight is not None:
-                    with _step_context(f"while committing engine step {inflight.step_id}", inflight.rows):
-                        self.commit(inflight, requests, progress)
+                    self._commit_noted(inflight, requests, progress)
                 inflight = launched
                 if inflight is not None and not self.overlap:
-                    with _step_context(f"while committing engine step {inflight.step_id}", inflight.rows):
-                        self.commit(inflight, requests, progress)
+                    self._commit_noted(inflight, requests, progress)
                     inflight = None
         finally:
             for request in requests:
@@ -296,6 +293,11 @@ class Engine:
             stats=self.stats, overlap=self.overlap, forced_acceptance=self.config.force_accepted,
             draft_source=self.draft_source,
         )
+
+    def _commit_noted(self, out: StepOutput, requests: list[Request], progress) -> None:
+        """`commit`, with a step's exception noted by the step and its requests."""
+        with _step_context(f"while committing engine step {out.step_id}", out.rows):
+            self.commit(out, requests, progress)
 
     def launch(self, rows, step_id: int) -> StepOutput:
         """Run one step's rows and stage lengths as if every draft were accepted (corrected on commit)."""
