@@ -254,26 +254,31 @@ class MsaDecodeMetadata:
                 )
             if pages > width:
                 raise MsaInputError(f"request {r}: kv_len {k} needs {pages} pages, block_tables has {width} columns")
-            if host_table is not None and pages and bool((host_table[r, :pages] < 0).any()):
-                raise MsaInputError(f"request {r}: block_tables has an unmapped page (< 0) among its first {pages}")
-            if host_table is not None and pages and bool((host_table[r, :pages] > self._max_page).any()):
-                raise MsaInputError(
-                    f"request {r}: block_tables has a page id past int32 cache slots (page * {self.block_size} "
-                    f"+ offset must fit int32: page <= {self._max_page}) among its first {pages}"
-                )
-            if self.num_pages is not None and host_table is not None and pages:
-                past = host_table[r, :pages] >= self.num_pages
-                if bool(past.any()):
-                    column = int(past.nonzero()[0, 0])
-                    raise MsaInputError(
-                        f"request {r}: block_tables[{r}, {column}] is page {int(host_table[r, column])}, past the "
-                        f"cache's {self.num_pages} pages"
-                    )
+            if host_table is not None and pages:
+                self._check_pages(r, host_table[r, :pages])
         num_tokens = sum(qo)
         if num_tokens > self.max_num_tokens:
             raise MsaInputError(f"step has {num_tokens} tokens, max_num_tokens is {self.max_num_tokens}")
         if num_context_requests is not None and not 0 <= num_context_requests <= num_requests:
             raise MsaInputError(f"num_context_requests {num_context_requests} not in [0, {num_requests}]")
+
+    def _check_pages(self, r: int, pages: torch.Tensor) -> None:
+        """Request ``r``'s page ids in a host table (one min and one max a request, per step):
+        mapped, within int32 cache slots and, when known, within the cache."""
+        lowest, highest = int(pages.min()), int(pages.max())
+        if lowest < 0:
+            raise MsaInputError(f"request {r}: block_tables has an unmapped page (< 0) among its first {len(pages)}")
+        if highest > self._max_page:
+            raise MsaInputError(
+                f"request {r}: block_tables has a page id past int32 cache slots (page * {self.block_size} "
+                f"+ offset must fit int32: page <= {self._max_page}) among its first {len(pages)}"
+            )
+        if self.num_pages is not None and highest >= self.num_pages:
+            column = int((pages >= self.num_pages).nonzero()[0, 0])
+            raise MsaInputError(
+                f"request {r}: block_tables[{r}, {column}] is page {int(pages[column])}, past the "
+                f"cache's {self.num_pages} pages"
+            )
 
     def prepare(
         self,
