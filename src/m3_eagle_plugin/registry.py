@@ -260,19 +260,17 @@ def exact_index(value: Any) -> int | None:
 
 def _lengths(drafts: Any) -> list[int] | None:
     """Each request's draft count of a drafter's answer, or None when it is not a list of lists."""
-    if isinstance(drafts, (str, bytes)) or any(isinstance(d, (str, bytes)) for d in _iterable(drafts)):
+    if isinstance(drafts, (str, bytes)):
         return None
+    lengths = []
     try:
-        return [len(d) for d in drafts]
+        for row in drafts:
+            if isinstance(row, (str, bytes)):
+                return None
+            lengths.append(len(row))
     except TypeError:
         return None
-
-
-def _iterable(value: Any) -> Any:
-    try:
-        return iter(value)
-    except TypeError:
-        return ()
+    return lengths
 
 
 def _token_id(token: Any, rid: Any) -> int:

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from m3_eagle_plugin.msa.blocks import is_integer_dtype
+
 __all__ = ["AcceptResult", "greedy_accept", "rejection_accept", "forced_accept", "forced_count_at", "forced_ratio"]
 
 
@@ -34,7 +36,7 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft_lens: 
             raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
     for name, value in (("draft_tokens", draft_tokens), ("draft_lens", draft_lens)):
         # token ids and lengths: a float 1.4 would be truncated to 1 and accepted as token 1
-        if value is not None and not _is_integer(value.dtype):
+        if value is not None and not is_integer_dtype(value.dtype):
             raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must be [R, K], got shape {tuple(draft_tokens.shape)}")
@@ -50,10 +52,6 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft_lens: 
     if draft_lens.shape != (num_rows,):
         raise ValueError(f"draft_lens must be [R] = [{num_rows}], got {tuple(draft_lens.shape)}")
     return draft_lens.to(device=draft_tokens.device, dtype=torch.long).clamp(0, num_drafts)
-
-
-def _is_integer(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _prefix_length(ok: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
@@ -80,7 +78,7 @@ def greedy_accept(
     ``draft_lens [R]`` (drafts past a row's length never count as accepted; clamped to ``[0, K]``).
     """
     draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
-    if target_tokens.dim() != 2 or not _is_integer(target_tokens.dtype):
+    if target_tokens.dim() != 2 or not is_integer_dtype(target_tokens.dtype):
         raise ValueError(f"target_tokens must be an integer [R, K + 1] tensor of argmax ids, "
                          f"got {target_tokens.dtype} {tuple(target_tokens.shape)}")
     target_tokens = target_tokens.to(torch.long)
@@ -99,11 +97,11 @@ def forced_accept(
     a tensor is clamped on the device, not checked (that would read it back to the host).
     """
     draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
-    if target_tokens.dim() != 2 or not _is_integer(target_tokens.dtype):
+    if target_tokens.dim() != 2 or not is_integer_dtype(target_tokens.dtype):
         raise ValueError(f"target_tokens must be an integer [R, K + 1] tensor of argmax ids, "
                          f"got {target_tokens.dtype} {tuple(target_tokens.shape)}")
     if isinstance(num_forced, torch.Tensor):
-        if not _is_integer(num_forced.dtype):
+        if not is_integer_dtype(num_forced.dtype):
             raise TypeError(f"num_forced must be an integer tensor, got {num_forced.dtype}")
         if num_forced.dim() > 1 or (num_forced.dim() == 1 and num_forced.shape[0] != draft_lens.shape[0]):
             raise ValueError(f"num_forced must be an int, a 0-d tensor or [R] = [{draft_lens.shape[0]}], "

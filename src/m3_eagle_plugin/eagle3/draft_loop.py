@@ -19,6 +19,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from m3_eagle_plugin.msa.blocks import is_integer_dtype
+
 __all__ = ["DraftResult", "DraftHead", "run_draft_loop"]
 
 
@@ -71,8 +73,7 @@ def run_draft_loop(
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
     for name, value in (("first_input_ids", first_input_ids), ("gather_index", gather_index),
                         ("gathered_kv_lens", gathered_kv_lens)):
-        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point \
-                or value.dtype.is_complex or value.dtype == torch.bool:
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or not is_integer_dtype(value.dtype):
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(f"{name} must be a 1-D integer tensor, got {got}")
     if gathered_kv_lens.shape != gather_index.shape:

@@ -76,9 +76,7 @@ class BlockAllocator:
         """Make ``rid`` hold at least ``num_tokens`` tokens; returns the newly added pages."""
         pages = self._require(rid)
         num_tokens = as_int("num_tokens", num_tokens)
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        need = self.blocks_for(num_tokens) - len(pages)
+        need = self.blocks_for(num_tokens) - len(pages)  # refuses num_tokens < 0
         if need > len(self._free):
             raise OutOfBlocksError(
                 f"request {rid!r} needs {need} more blocks for {num_tokens} tokens, "

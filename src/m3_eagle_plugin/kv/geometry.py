@@ -40,11 +40,9 @@ class BufferSpec:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"buffer role must be one of {ROLES}, got {self.role!r}")
-        as_int("buffer layer", self.layer)
-        as_int("page_bytes", self.page_bytes)
-        if int(self.layer) < 0:
+        if as_int("buffer layer", self.layer) < 0:
             raise ValueError(f"buffer layer id must be >= 0, got {self.layer}")
-        if int(self.page_bytes) <= 0:
+        if as_int("page_bytes", self.page_bytes) <= 0:
             raise ValueError(f"page size of layer {self.layer} role {self.role!r} must be > 0, "
                              f"got {self.page_bytes}")
 
