@@ -20,7 +20,11 @@ import sys
 
 ENV_VAR = "M3_EAGLE_PLUGIN"
 HOST_MODULE = "tensorrt_llm"
+#: The host's flags for the YAML that may hold the config key. trtllm-serve / trtllm-bench parse them
+#: with click, which takes `--flag VALUE` or `--flag=VALUE` and no abbreviations, so only those two
+#: spellings count: `--config-settings` (pip), `--configure` or `--configs` are other flags.
 CONFIG_FLAGS = ("--extra_llm_api_options", "--config")
+_CONFIG_FLAGS_WITH_VALUE = tuple(flag + "=" for flag in CONFIG_FLAGS)
 #: Set by the MPI runtimes (Open MPI, MPICH / Intel MPI, PMIx) in every process they launch or spawn.
 MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 _OFF_VALUES = ("", "off")
@@ -30,10 +34,12 @@ def wants_activation(environ, argv) -> bool:
     """True when the plugin is not off, or the command line may carry the YAML config key."""
     if environ.get(ENV_VAR, "").strip().lower() not in _OFF_VALUES:
         return True
-    for arg in argv:
-        if arg.startswith(CONFIG_FLAGS):
-            return True
-    return False
+    return any(is_config_flag(arg) for arg in argv)
+
+
+def is_config_flag(arg) -> bool:
+    """`--config` / `--extra_llm_api_options`, alone or as `flag=value`; nothing that merely starts alike."""
+    return arg in CONFIG_FLAGS or arg.startswith(_CONFIG_FLAGS_WITH_VALUE)
 
 
 def is_mpi_process(environ) -> bool:

@@ -6,8 +6,11 @@ removed before the host validates the dict. It is sugar for the environment vari
 one starts afterwards inherit, and under `mpirun` every rank reads `--config` itself.
 TensorRT-LLM's own MPI pool starts its workers from the environment the driver had when MPI
 started (the first `tensorrt_llm` import, before this key is read), so the activated driver
-forwards them through the pool's `env` (`host/trtllm/patches/forward_env_to_mpi_pool.py`). An
-explicitly exported `M3_EAGLE_PLUGIN` wins over the key.
+forwards them through the pool's `env` (`host/trtllm/patches/forward_env_to_mpi_pool.py`).
+
+Precedence: the environment wins. A variable already exported (non-blank) in the process, any of
+`M3_EAGLE_PLUGIN`, `M3_EAGLE_PLUGIN_FORCE`, `M3_EAGLE_PLUGIN_TRACE`, is kept over the key's value;
+when the two mean different things, one warning names the variable, both values and the winner.
 
 Accepted values::
 
@@ -27,7 +30,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, MutableMapping
 
-from m3_eagle_plugin.switches import FORCE_ENV, MODE_ENV, MODES, TRACE_ENV
+from m3_eagle_plugin.log import get_logger
+from m3_eagle_plugin.switches import FALSE, FORCE_ENV, MODE_ENV, MODES, TRACE_ENV, TRUE
 
 CONFIG_KEY = "m3_eagle_plugin"
 HOST_FUNCTION = "update_llm_args_with_extra_dict"
@@ -95,14 +99,26 @@ def settings_env(settings: ConfigKeySettings) -> dict[str, str]:
     return env
 
 
+def _meaning(name: str, value: str) -> str:
+    """A variable's value as the key would write it (`AUTO` -> `auto`, `yes` -> `1`), else as given."""
+    value = value.strip().lower()
+    if name != MODE_ENV and (value in TRUE or value in FALSE):
+        return "1" if value in TRUE else "0"
+    return value
+
+
 def apply_settings(settings: ConfigKeySettings, environ: MutableMapping[str, str]) -> dict[str, str]:
-    """Export the settings into `environ`, except variables the user already exported; returns what was set."""
+    """Export the settings into `environ`, except variables the user already exported (the environment
+    wins, with a warning when the values differ); returns what was set."""
     applied: dict[str, str] = {}
     for name, value in settings_env(settings).items():
-        if environ.get(name, "").strip():
-            continue
-        environ[name] = value
-        applied[name] = value
+        exported = environ.get(name, "")
+        if not exported.strip():
+            environ[name] = value
+            applied[name] = value
+        elif _meaning(name, exported) != value:
+            get_logger().warning(f"config key {CONFIG_KEY}: {name} is exported as {exported!r} and wins over "
+                                 f"{value!r} from the key")
     return applied
 
 
@@ -111,15 +127,7 @@ def consume_config_key(config: Any, environ: MutableMapping[str, str] | None = N
     stripped, settings = split_config_key(config)
     if settings is None:
         return config
-    environ = os.environ if environ is None else environ
-    explicit = environ.get(MODE_ENV, "").strip()
-    apply_settings(settings, environ)
-    from m3_eagle_plugin.log import get_logger
-
-    if explicit and explicit.lower() != settings.mode:
-        get_logger().warning(
-            f"config key {CONFIG_KEY}: {settings.mode!r} ignored, {MODE_ENV}={explicit!r} is exported and wins"
-        )
+    apply_settings(settings, os.environ if environ is None else environ)
     from m3_eagle_plugin.activation import activate
 
     activate()

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from m3_eagle_plugin import _bootstrap
 from m3_eagle_plugin._bootstrap import installed_hook, wants_bootstrap
 
-REPO_SRC = Path(__file__).resolve().parents[2] / "src"
-PTH_FILE = REPO_SRC / "m3_eagle_plugin.pth"
-START_FILE = REPO_SRC / "m3_eagle_plugin.start"
+# The startup files sit beside the package under test: src/ here, site-packages once installed.
+PACKAGE_ROOT = Path(_bootstrap.__file__).resolve().parents[1]
+PTH_FILE = PACKAGE_ROOT / "m3_eagle_plugin.pth"
+START_FILE = PACKAGE_ROOT / "m3_eagle_plugin.start"
 
 
 def _pth_gate():
@@ -62,14 +63,45 @@ def test_gate_examples(environ, argv, expected):
     assert _pth_gate()(environ, argv) is expected
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["trtllm-serve", "m", "--config"], True),
+        (["trtllm-serve", "m", "--config=a.yaml"], True),
+        (["trtllm-serve", "m", "--config="], True),  # click's empty value: still the flag
+        (["trtllm-serve", "m", "--extra_llm_api_options"], True),
+        (["trtllm-serve", "m", "--extra_llm_api_options=a.yml"], True),
+        (["pip", "install", "--config-settings=x", "."], False),
+        (["pip", "install", "--config-settings", "x", "."], False),
+        (["./configure.py", "--configure"], False),
+        (["tool", "--config_file", "a.yaml"], False),
+        (["tool", "--configs", "a.yaml"], False),
+        (["tool", "--extra_llm_api_options_file=a.yml"], False),
+        (["tool", "--conf", "a.yaml"], False),  # click takes no abbreviations
+        (["tool", "-config", "a.yaml"], False),
+        (["tool", "a.yaml", "--config"], True),
+    ],
+)
+@pytest.mark.parametrize("environ", [{}, {"M3_EAGLE_PLUGIN": "off"}])
+def test_only_the_exact_config_flags_ask_for_the_bootstrap(environ, argv, expected):
+    """A flag that merely starts like `--config` (pip's `--config-settings`, `--configure`, ...) must
+    not install the host-import finder; `--config` / `--extra_llm_api_options` alone or `=value` must."""
+    assert _bootstrap.wants_activation(environ, argv) is expected
+    assert wants_bootstrap(environ, argv) is expected
+    assert _pth_gate()(environ, argv) is expected
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     st.one_of(st.none(), st.sampled_from(["", "off", "OFF", " off", "auto", "require", "x", "0"])),
-    st.lists(st.sampled_from(["-c", "m", "--config", "--config=a", "--extra_llm_api_options", "--conf", "-x"]),
+    st.lists(st.sampled_from(["-c", "m", "--config", "--config=a", "--config=a.yaml", "--extra_llm_api_options",
+                              "--extra_llm_api_options=a.yml", "--conf", "-x", "--config-settings=x",
+                              "--configs", "--configure", "--config_file"]),
              max_size=4),
+    st.sampled_from([{}, {"PMI_SIZE": "2"}]),
 )
-def test_pth_gate_matches_bootstrap(mode, argv):
-    environ = {} if mode is None else {"M3_EAGLE_PLUGIN": mode}
+def test_pth_gate_matches_bootstrap(mode, argv, mpi):
+    environ = dict(mpi) if mode is None else {**mpi, "M3_EAGLE_PLUGIN": mode}
     assert _pth_gate()(environ, argv) == wants_bootstrap(environ, argv)
 
 

@@ -185,3 +185,62 @@ def test_a_blank_exported_variable_counts_as_unset():
 def test_trace_must_be_a_yaml_boolean(value):
     with pytest.raises(ConfigKeyError, match="trace' must be true or false"):
         parse_config_value({"trace": value})
+
+
+def _warnings(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "WARNING config key m3_eagle_plugin:" in line]
+
+
+@pytest.mark.parametrize(
+    "name, exported, settings, keyed",
+    [
+        ("M3_EAGLE_PLUGIN", "off", ConfigKeySettings("require"), "require"),
+        ("M3_EAGLE_PLUGIN", "require", ConfigKeySettings("off"), "off"),
+        ("M3_EAGLE_PLUGIN_FORCE", "0", ConfigKeySettings("auto", force=True), "1"),
+        ("M3_EAGLE_PLUGIN_FORCE", "yes", ConfigKeySettings("auto", force=False), "0"),
+        ("M3_EAGLE_PLUGIN_TRACE", "1", ConfigKeySettings("auto", trace=False), "0"),
+        ("M3_EAGLE_PLUGIN_TRACE", "off", ConfigKeySettings("auto", trace=True), "1"),
+        ("M3_EAGLE_PLUGIN_TRACE", "maybe", ConfigKeySettings("auto", trace=True), "1"),  # not a switch: differs
+    ],
+)
+def test_an_exported_variable_wins_over_the_key_and_says_so(name, exported, settings, keyed, capsys):
+    """The environment wins for all three variables; the key's losing value is named, not dropped silently."""
+    environ = {name: exported}
+    applied = apply_settings(settings, environ)
+    assert environ[name] == exported and name not in applied
+    (line,) = _warnings(capsys.readouterr().err)
+    assert f"{name} is exported as {exported!r} and wins over {keyed!r} from the key" in line
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{}, {"M3_EAGLE_PLUGIN": " "}, {"M3_EAGLE_PLUGIN": "AUTO", "M3_EAGLE_PLUGIN_FORCE": "true",
+                                    "M3_EAGLE_PLUGIN_TRACE": "no"}],
+)
+def test_the_key_applies_or_agrees_without_a_warning(environ, capsys):
+    """Unset (or blank) variables take the key's values; exported ones that mean the same need no warning."""
+    before = {name: value for name, value in environ.items() if value.strip()}
+    apply_settings(ConfigKeySettings("auto", force=True, trace=False), environ)
+    assert environ == {"M3_EAGLE_PLUGIN": "auto", "M3_EAGLE_PLUGIN_FORCE": "1", "M3_EAGLE_PLUGIN_TRACE": "0",
+                       **before}
+    assert _warnings(capsys.readouterr().err) == []
+
+
+def test_exported_force_and_trace_beat_the_hosts_yaml_with_one_warning_each(fake_host, hermetic_manager,
+                                                                              fake_install, tmp_path, monkeypatch,
+                                                                              capsys):
+    fake_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "0")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_TRACE", "1")
+    import tensorrt_llm.commands.serve as serve
+
+    install_host_hook()
+    config = tmp_path / "extra.yaml"
+    config.write_text("max_batch_size: 8\nm3_eagle_plugin: {mode: auto, force: true, trace: false}\n")
+    assert serve.load_args(config) == {"model": "m", "max_batch_size": 8}
+    assert os.environ["M3_EAGLE_PLUGIN"] == "auto"  # unset before: the key's value
+    assert (os.environ["M3_EAGLE_PLUGIN_FORCE"], os.environ["M3_EAGLE_PLUGIN_TRACE"]) == ("0", "1")
+    lines = _warnings(capsys.readouterr().err)
+    assert len(lines) == 2
+    assert "M3_EAGLE_PLUGIN_FORCE is exported as '0' and wins over '1' from the key" in lines[0]
+    assert "M3_EAGLE_PLUGIN_TRACE is exported as '1' and wins over '0' from the key" in lines[1]
