@@ -5,6 +5,7 @@ up as a test failure, not as a hung peer.
 """
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -143,6 +144,8 @@ def tp_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out_d
 # ----- disaggregated serving: context engine on rank 0, generation engine on rank 1 -------------
 DISAGG_PROMPTS = [[11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13], [7, 200, 7, 201, 7, 200, 7, 201, 9]]
 DISAGG_NEW, DISAGG_K = 12, 3
+#: How long the receiver of a deliberately short frame waits for the ints never sent (the group default: 60 s).
+SHORT_FRAME_TIMEOUT = datetime.timedelta(seconds=5)
 
 
 def _stats(result) -> dict:
@@ -411,8 +414,9 @@ def wire_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out
         for name, bad in api_handoff_cases.items():
             sender[f"handoff {name}"] = _outcome(lambda: send_handoff(bad, 1))
             send_handoff(h, 1)
-        # breaking the stream: a short frame (default group), a foreign one, pages cut off midway
-        _raw_frame(t.KIND_HANDOFF, hints, body=hints[:-3] + [t.TRAILER])
+        # breaking the stream: a short frame, a foreign one, pages cut off midway
+        g1 = dist.new_group([0, 1], timeout=SHORT_FRAME_TIMEOUT)
+        _raw_frame(t.KIND_HANDOFF, hints, group=g1, body=hints[:-3] + [t.TRAILER])
         g2 = dist.new_group([0, 1])
         dist.send(torch.tensor([0x1234, 1, t.KIND_HANDOFF, 5], dtype=torch.int64), 1, group=g2)
         g3 = dist.new_group([0, 1])
@@ -443,8 +447,9 @@ def wire_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out
         outcomes[f"handoff {name}"] = _outcome(lambda: recv_handoff(0, engine=engine))
         clean[f"handoff {name}"] = is_clean()
         follow_up_handoff(f"handoff {name}")
-    outcomes["short frame"] = _outcome(lambda: recv_handoff(0, engine=engine))
-    outcomes["after the short frame"] = _outcome(lambda: recv_handoff(0, engine=engine))
+    g1 = dist.new_group([0, 1], timeout=SHORT_FRAME_TIMEOUT)  # a short frame is noticed only at the timeout
+    outcomes["short frame"] = _outcome(lambda: recv_handoff(0, g1, engine=engine))
+    outcomes["after the short frame"] = _outcome(lambda: recv_handoff(0, g1, engine=engine))
     g2 = dist.new_group([0, 1])
     outcomes["foreign frame"] = _outcome(lambda: recv_handoff(0, g2, engine=engine))
     outcomes["after the foreign frame"] = _outcome(lambda: t.recv_ints(0, g2))
