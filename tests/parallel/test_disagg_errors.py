@@ -205,6 +205,34 @@ def test_an_import_that_fails_after_admission_gives_the_budget_back(tiny_pair, h
     assert engine.cache.num_tokens(import_handoff(engine, h).rid) == h.kv_len
 
 
+def test_a_failed_continue_generation_keeps_the_outputs_of_the_requests_that_had_finished(tiny_pair, handoffs,
+                                                                                            monkeypatch):
+    """One batch slot: request 0 verifies to its end before request 1 starts, and request 1's first
+    step fails. Request 0's output, the aggregated run's, rides on the exception; nothing is held."""
+    from m3_eagle_plugin.parallel.disagg import continue_generation, import_handoff
+
+    blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    aggregated = _engine(tiny_pair, blocks).generate(DISAGG_PROMPTS, DISAGG_NEW)
+    config = EngineConfig(draft_len=DISAGG_K, max_batch_size=1, max_tokens_per_step=64)
+    engine = build_engine(tiny_pair[0], tiny_pair[1], config, num_blocks=blocks)
+    requests = [import_handoff(engine, h) for h in handoffs]
+    launch = engine.launch
+
+    def launch_until_request_0_is_done(rows, step_id):
+        if requests[0].done:
+            raise RuntimeError("injected launch fault")
+        return launch(rows, step_id)
+
+    monkeypatch.setattr(engine, "launch", launch_until_request_0_is_done)
+    with pytest.raises(RuntimeError, match="injected launch fault") as caught:
+        continue_generation(engine, requests)
+    partial = caught.value.partial_result
+    assert partial.outputs == [aggregated.outputs[0], []]
+    assert partial.errors == [None, "engine stopped before the request finished"]
+    assert partial.stop_reasons == ["length", None]
+    assert _is_clean(engine)
+
+
 def test_a_handoff_header_is_read_in_its_documented_layout():
     """`parallel.disagg`'s docstring: [index, max_new_tokens, kv_len, pending_draft_len, n_prompt,
     n_output, n_pending, prompt, output, pending_inputs, KV payload header body]."""

@@ -7,7 +7,9 @@ pending verify inputs = last token + drafts, the committed KV length). The gener
 imports both and continues with verify steps exactly where an aggregated engine would be.
 
 It drives the engine one step at a time through the engine's own launch/commit, so the steps
-are the ones `Engine.generate` runs; overlap is refused (a handoff needs committed state).
+are the ones `Engine.generate` runs; overlap is refused (a handoff needs committed state). Each
+helper that steps an engine or changes its requests holds it (`Engine.exclusive`) like
+`Engine.generate`: a call from another thread waits, one from inside a running call is refused.
 
 On the wire (`send_handoff` / `recv_handoff`) a handoff is one header frame of kind 3 (see
 `parallel.transfer` for frames, verdicts and the page messages) whose body is::
@@ -31,7 +33,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from m3_eagle_plugin.host.reference.engine import Engine, GenerationResult
+from m3_eagle_plugin.host.reference.engine import Engine, GenerationResult, attach_partial_result
 from m3_eagle_plugin.host.reference.request import Request, RequestError, RequestState
 from m3_eagle_plugin.host.reference.scheduler import RowKind
 from m3_eagle_plugin.kv.transfer import KVTransferPayload, export_request, import_request
@@ -94,6 +96,11 @@ def run_context_phase(engine: Engine, prompts: Sequence[Sequence[int]], max_new_
     _check_engine(engine)
     if isinstance(first_index, bool) or not isinstance(first_index, int) or first_index < 0:
         raise ValueError(f"first_index must be an int >= 0, got {first_index!r}")
+    with engine.exclusive("run_context_phase"):
+        return _context_phase(engine, prompts, max_new_tokens, first_index)
+
+
+def _context_phase(engine: Engine, prompts, max_new_tokens: int, first_index: int) -> list[Request]:
     requests: list[Request] = []
     step_id = 0
     try:
@@ -112,25 +119,22 @@ def run_context_phase(engine: Engine, prompts: Sequence[Sequence[int]], max_new_
         if stuck:
             raise HandoffError(f"requests {stuck} could not be prefilled (KV budget)")
     except BaseException:
-        _release_unfinished(engine, requests)
+        # the caller never sees these requests after an error, so nothing else could release them
+        # (and their ids would collide with the next batch's)
+        engine.stop_unfinished(requests, "the context phase stopped before every request was prefilled")
         raise
     finally:
         engine.stats.engine_steps += step_id
     return requests
 
 
-def _release_unfinished(engine: Engine, requests: list[Request]) -> None:
-    """Give back the pages and budget of every request still held: the caller never sees these
-    requests after an error, so nothing else could release them (and their ids would collide
-    with the next batch's)."""
-    for request in requests:
-        if not request.done:
-            request.fail("the context phase stopped before every request was prefilled")
-            engine.finish(request)
-
-
 def export_handoff(engine: Engine, request: Request) -> ContextHandoff:
     """Copy a decoding request out of ``engine`` and release it there."""
+    with engine.exclusive("export_handoff"):
+        return _export(engine, request)
+
+
+def _export(engine: Engine, request: Request) -> ContextHandoff:
     if request.state is not RequestState.DECODE or request.pending_inputs is None or request.inflight_steps:
         raise HandoffError(f"request {request.index} is {request.state.value} with "
                            f"{request.inflight_steps} steps in flight; only a committed decoding request "
@@ -196,7 +200,12 @@ def _request(handoff: ContextHandoff, eos_ids=frozenset()) -> Request:
 def import_handoff(engine: Engine, handoff: ContextHandoff) -> Request:
     """Admit ``handoff`` into ``engine``: import its pages and resume it in the decode state."""
     _check_engine(engine)
-    _check_handoff(engine, handoff)
+    with engine.exclusive("import_handoff"):
+        _check_handoff(engine, handoff)  # under the lock: the index must still be free when the pages land
+        return _import(engine, handoff)
+
+
+def _import(engine: Engine, handoff: ContextHandoff) -> Request:
     request = _request(handoff, engine.config.eos_ids)
     if not engine.scheduler.admit(request):
         raise HandoffError(f"request {handoff.index}: no KV budget left on the generation engine")
@@ -216,27 +225,26 @@ def import_handoff(engine: Engine, handoff: ContextHandoff) -> Request:
 
 @torch.no_grad()
 def continue_generation(engine: Engine, requests: list[Request]) -> GenerationResult:
-    """Run imported requests to the end (verify steps only), as `Engine.generate` would."""
+    """Run imported requests to the end (verify steps only), as `Engine.generate` would; an
+    exception carries what was done as ``partial_result``, as `Engine.generate`'s does."""
     _check_engine(engine)
-    step_id = 0
-    try:
-        while True:
-            rows = engine.scheduler.schedule(requests)
-            if not rows:
-                break
-            _step(engine, rows, requests, step_id)
-            step_id += 1
-    finally:
-        for request in requests:
-            if not request.done:
-                request.fail("engine stopped before the request finished")
-                engine.finish(request)
-    engine.stats.engine_steps += step_id
-    return GenerationResult(
-        outputs=[list(r.output) if r.state is RequestState.FINISHED else [] for r in requests],
-        errors=[r.error for r in requests], stop_reasons=[r.stop_reason for r in requests],
-        stats=engine.stats, draft_source=engine.draft_source,
-    )
+    with engine.exclusive("continue_generation"):
+        step_id = 0
+        try:
+            while True:
+                rows = engine.scheduler.schedule(requests)
+                if not rows:
+                    break
+                _step(engine, rows, requests, step_id)
+                step_id += 1
+        except BaseException as error:
+            engine.stop_unfinished(requests)
+            attach_partial_result(error, engine.result(requests))
+            raise
+        finally:
+            engine.stats.engine_steps += step_id
+        engine.stop_unfinished(requests)  # none left once the loop ran dry; a guard against leaking pages
+        return engine.result(requests)
 
 
 _STATE_INTS = 7  # index, max_new_tokens, kv_len, pending_draft_len, n_prompt, n_output, n_pending

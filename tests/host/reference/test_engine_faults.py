@@ -1,10 +1,12 @@
 """Faults injected into `Engine.generate` at every stage, with and without overlap.
 
 After each: the exception reaches the caller unchanged with a note naming the engine step and its
-requests, every KV block is back in the allocator, no request id is left registered, the scheduler's
-admission budget is zero, and the same engine's next call gives target-only greedy output (the
-fake's naive loop, an independent oracle). Also: prompt sources that fail part-way, calls from
-another thread (serialized) or from inside a running call (refused), and odd but valid inputs.
+requests and with what the call had done (`partial_result`: each request finished, with its whole
+output, or stopped, with none), every KV block is back in the allocator, no request id is left
+registered, the scheduler's admission budget is zero, and the same engine's next call gives
+target-only greedy output (the fake's naive loop, an independent oracle). Also: prompt sources
+that fail part-way, calls from another thread (serialized) or from inside a running call
+(refused), and odd but valid inputs.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from . import _fakes
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4], [7], [2, 2, 2, 2, 2, 2]]
 NEW = 6
 HAS_NOTES = sys.version_info >= (3, 11)
+STOPPED = "engine stopped before the request finished"
 
 
 class Injected(RuntimeError):
@@ -50,6 +53,21 @@ def fail_on_call(function, n: int, error=Injected):
             raise error(f"injected fault at call {n}")
         return function(*args, **kwargs)
     return wrapped
+
+
+def assert_partial_result(error, target, prompts=PROMPTS) -> list[int]:
+    """Every request of a failed call's ``partial_result`` finished (its whole greedy output, from
+    the fake's naive loop) or stopped (no output, an error saying so); returns the finished ones."""
+    partial = error.partial_result
+    assert len(partial.outputs) == len(partial.errors) == len(partial.stop_reasons) == len(prompts)
+    finished = []
+    for i, prompt in enumerate(prompts):
+        if partial.stop_reasons[i] is None:
+            assert (partial.outputs[i], partial.errors[i]) == ([], STOPPED), i
+        else:
+            assert (partial.outputs[i], partial.errors[i]) == (target.greedy(prompt, NEW), None), i
+            finished.append(i)
+    return finished
 
 
 def assert_clean_and_reusable(engine, target, cache):
@@ -108,6 +126,7 @@ def test_a_fault_in_any_step_stage_loses_nothing_and_names_the_step(site, n, ove
     if HAS_NOTES:
         notes = getattr(caught.value, "__notes__", [])
         assert any(note.startswith("in engine step ") and "request " in note for note in notes), notes
+    assert_partial_result(caught.value, target)
     monkeypatch.undo()
     assert_clean_and_reusable(engine, target, cache)
 
@@ -137,8 +156,9 @@ def test_a_keyboard_interrupt_between_steps_frees_everything(where, overlap, mon
         monkeypatch.setattr(engine, "commit", fail_on_call(engine.commit, 2, KeyboardInterrupt))
     else:
         progress = fail_on_call(lambda done, total: None, 3, KeyboardInterrupt)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as caught:
         engine.generate(PROMPTS, max_new_tokens=NEW, progress=progress)
+    assert_partial_result(caught.value, target)
     monkeypatch.undo()
     assert_clean_and_reusable(engine, target, cache)
 
@@ -159,6 +179,33 @@ def test_a_failing_proposer_loses_nothing_and_names_the_step(n):
     if HAS_NOTES:
         assert any(note.startswith("while committing engine step ") for note in caught.value.__notes__)
     calls[0] = -10**9
+    assert_clean_and_reusable(engine, target, cache)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_failed_call_keeps_the_outputs_of_the_requests_that_had_finished(overlap):
+    """Three batch slots for four prompts: the progress callback raises once some request finished,
+    while the fourth still waits; the finished ones' outputs are those of the same call without it."""
+    without_fault = build(overlap=overlap)[0].generate(PROMPTS, max_new_tokens=NEW)
+    engine, target, cache = build(overlap=overlap)
+    finished_when_raised = []
+
+    def progress(done, total):
+        if done:
+            finished_when_raised.append(done)
+            raise Injected(f"progress fault with {done} of {total} requests finished")
+
+    with pytest.raises(Injected, match="progress fault") as caught:
+        engine.generate(PROMPTS, max_new_tokens=NEW, progress=progress)
+    finished = assert_partial_result(caught.value, target)
+    assert len(finished) == finished_when_raised[0] and 0 < len(finished) < len(PROMPTS)
+    partial = caught.value.partial_result
+    for i in finished:
+        assert partial.outputs[i] == without_fault.outputs[i]
+        assert partial.stop_reasons[i] == without_fault.stop_reasons[i] == "length"
+    assert partial.stats.generated_tokens >= NEW * len(finished)
+    if HAS_NOTES:
+        assert any("partial_result" in note and f"positions {finished}" in note for note in caught.value.__notes__)
     assert_clean_and_reusable(engine, target, cache)
 
 

@@ -173,11 +173,25 @@ class Engine:
         self.runner = StepRunner(target, cache, run, head=head, capture=capture, metadata_factory=metadata_factory)
         self.overlap = config.overlap and not self._hook_drafts
         self.stats = SpecStats(draft_len=self.k)
-        # One generate call at a time: the scheduler, the cache's request ids (the request index)
-        # and the step metadata are the engine's own. Other threads wait; the running thread
-        # calling back in (a progress callback, a proposer) is refused, since waiting would hang.
-        self._generate_lock = threading.Lock()
-        self._generating_thread: int | None = None
+        self._lock = threading.Lock()  # see `exclusive`
+        self._holder: tuple[int, str] | None = None  # (thread id, what it runs) while held
+
+    @contextlib.contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """Hold the engine for one call that steps it or changes its requests (``generate``, the
+        disaggregation helpers): the scheduler, the cache's request ids (the request index) and the
+        step metadata are the engine's own. Calls from other threads wait; a call from the thread
+        holding it (a progress callback, a proposer) is refused, since waiting would hang."""
+        holder = self._holder  # one read: another thread may release it meanwhile
+        if holder is not None and holder[0] == threading.get_ident():
+            raise RuntimeError(f"{what} cannot run while {holder[1]} is already running on this thread "
+                               "(called from its progress callback or proposer?): an engine runs one call at a time")
+        with self._lock:
+            self._holder = (threading.get_ident(), what)
+            try:
+                yield
+            finally:
+                self._holder = None
 
     @property
     def draft_source(self) -> str:
@@ -223,6 +237,25 @@ class Engine:
         self.cache.free(request.rid)
         self.scheduler.release(request)
 
+    def stop_unfinished(self, requests: Sequence[Request], reason: str = "engine stopped before the request finished"
+                        ) -> None:
+        """Fail every request not done yet with ``reason`` and return its pages and scheduler slot."""
+        for request in requests:
+            if not request.done:
+                request.fail(reason)
+                self.finish(request)
+
+    def result(self, requests: Sequence[Request]) -> GenerationResult:
+        """``requests`` with this engine's statistics: the tokens of each FINISHED request; [] for the
+        others, whose ``errors`` entry says why."""
+        return GenerationResult(
+            outputs=[list(r.output) if r.state is RequestState.FINISHED else [] for r in requests],
+            errors=[r.error for r in requests],
+            stop_reasons=[r.stop_reason for r in requests],
+            stats=self.stats, overlap=self.overlap, forced_acceptance=self.config.force_accepted,
+            draft_source=self.draft_source,
+        )
+
     # ----- the step loop -------------------------------------------------------------------
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -231,19 +264,15 @@ class Engine:
         """Run ``prompts`` to completion. A bad request fails alone (its ``errors`` entry says why);
         an exception from a step (the model, the head, a proposer, ``progress``) reaches the caller
         with a note naming the step and its requests, after every request's KV pages and admission
-        budget went back, so the engine runs the next call as a fresh one would. Calls from other
-        threads wait for the running one; a call from inside the running one is refused."""
+        budget went back, so the engine runs the next call as a fresh one would. That exception's
+        ``partial_result`` is what the call had done: a `GenerationResult` with the output of every
+        request that finished before it, the others failed ("engine stopped before the request
+        finished"). Calls from other threads wait for the running one; a call from inside the
+        running one is refused (`exclusive`)."""
         if progress is not None and not callable(progress):
             raise TypeError(f"progress must be a callable (done, total) or None, got {progress!r}")
-        if self._generating_thread == threading.get_ident():
-            raise RuntimeError("Engine.generate is already running on this thread (called again from a progress "
-                               "callback or a proposer?): an engine runs one generate call at a time")
-        with self._generate_lock:
-            self._generating_thread = threading.get_ident()
-            try:
-                return self._generate(prompts, max_new_tokens, progress)
-            finally:
-                self._generating_thread = None
+        with self.exclusive("Engine.generate"):
+            return self._generate(prompts, max_new_tokens, progress)
 
     @torch.no_grad()
     def _generate(self, prompts, max_new_tokens: int, progress) -> GenerationResult:
@@ -251,7 +280,7 @@ class Engine:
         self.runner.restart_forced_schedule()  # so is a fractional forced mean's 2, 3, 2, ... schedule
         requests: list[Request] = []
         inflight: StepOutput | None = None
-        step_id = 0
+        started = time.perf_counter()  # restarted once the requests are built; read if building fails
         try:
             # Inside the try: a prompt source that raises part-way (a generator, an interrupt) must
             # not leave the requests built before it registered in the cache.
@@ -268,31 +297,26 @@ class Engine:
                     break
                 launched = None
                 if rows:
+                    step_id = self.stats.engine_steps
                     with _step_context(f"in engine step {step_id}", rows):
                         launched = self.launch(rows, step_id)
-                    step_id += 1
+                    self.stats.engine_steps += 1
                 if inflight is not None:
                     self._commit_noted(inflight, requests, progress)
                 inflight = launched
                 if inflight is not None and not self.overlap:
                     self._commit_noted(inflight, requests, progress)
                     inflight = None
-        finally:
-            for request in requests:
-                if not request.done:
-                    request.fail("engine stopped before the request finished")
-                    self.finish(request)
+        except BaseException as error:
+            self.stop_unfinished(requests)
+            self.stats.elapsed_s = time.perf_counter() - started
+            attach_partial_result(error, self.result(requests))
+            raise
+        self.stop_unfinished(requests)  # none left once the loop ran dry; a guard against leaking pages
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.elapsed_s = time.perf_counter() - started
-        self.stats.engine_steps = step_id
-        return GenerationResult(
-            outputs=[list(r.output) if r.state is RequestState.FINISHED else [] for r in requests],
-            errors=[r.error for r in requests],
-            stop_reasons=[r.stop_reason for r in requests],
-            stats=self.stats, overlap=self.overlap, forced_acceptance=self.config.force_accepted,
-            draft_source=self.draft_source,
-        )
+        return self.result(requests)
 
     def _commit_noted(self, out: StepOutput, requests: list[Request], progress) -> None:
         """`commit`, with a step's exception noted by the step and its requests."""
@@ -390,6 +414,16 @@ class Engine:
             bad = [t for t, i in zip(proposal, ids) if i is None]
             raise ValueError(f"{where}: token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}")
         return ids
+
+
+def attach_partial_result(error: BaseException, result: GenerationResult) -> None:
+    """Keep what a failed call had done on its exception, as ``error.partial_result``; where some
+    request had finished, a note (Python 3.11+) says which."""
+    error.partial_result = result
+    finished = [i for i, reason in enumerate(result.stop_reasons) if reason is not None]
+    if finished and hasattr(error, "add_note"):
+        error.add_note(f"partial_result on this exception holds the outputs of the requests that finished "
+                       f"before it (positions {finished} of its lists)")
 
 
 @contextlib.contextmanager
