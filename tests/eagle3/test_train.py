@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from m3_eagle_plugin.eagle3.checkpoint import load_draft
 from m3_eagle_plugin.eagle3.train import (
@@ -367,15 +368,15 @@ def test_dense_step_follows_norm_before_residual(pair, data, tmp_path):
 def test_first_optimizer_step_is_adam_without_weight_decay_at_the_warmup_rate(pair, data):
     """By hand: AdamW's first step moves each parameter by lr_0 * g / (|g| + eps) <= lr_0, i.e. by lr_0
     where the gradient is not tiny, plus lr_0 * weight_decay * |p| with decay. The documented schedule
-    warms up over 20 steps, so lr_0 = lr * 1/20 * (1 - 0/steps); weight decay is 0. So no parameter
-    moves by more than lr_0, and most move by lr_0 itself. Shared weights stay."""
+    warms up over min(20, max(1, steps // 10)) = 1 step when steps = 1, so lr_0 = lr * 1/1; weight
+    decay is 0. So no parameter moves by more than lr_0, and most move by lr_0 itself. Shared weights stay."""
     _, draft_dir, target, _ = pair
     head = load_draft(draft_dir, target)
     shared = {id(p) for m in (head.embed_tokens, head.lm_head) for p in m.parameters()}
     before = {n: p.detach().clone() for n, p in head.named_parameters()}
     lr = 1e-2
     train_head(head, data, steps=1, batch_size=4, lr=lr, seed=0)
-    lr0 = lr * (1 / 20) * (1 - 0 / 1)
+    lr0 = lr
     for name, p in head.named_parameters():
         delta = (p.detach() - before[name]).double().abs()
         if id(p) in shared:
@@ -406,3 +407,43 @@ def test_distilled_checkpoint_keeps_the_file_mode_and_the_stored_dtypes(tmp_path
     assert after.keys() == stored.keys()
     assert all(after[k].dtype == torch.bfloat16 for k in after)
     assert any(not torch.equal(after[k], stored[k]) for k in after)
+
+
+def test_lr_factor_warms_up_then_decays_linearly_from_the_peak():
+    """By hand from the documented rule: w = min(20, max(1, steps // 10)) warm-up steps at (i + 1) / w,
+    then (steps - i) / (steps - w + 1), i.e. 1 at step w - 1 falling to 0 at step `steps`."""
+    from m3_eagle_plugin.eagle3.train import lr_factor
+
+    assert [lr_factor(i, 1) for i in range(1)] == [1.0]
+    assert [lr_factor(i, 5) for i in range(5)] == pytest.approx([1, 4 / 5, 3 / 5, 2 / 5, 1 / 5])
+    assert [lr_factor(i, 30) for i in range(4)] == pytest.approx([1 / 3, 2 / 3, 1, 27 / 28])
+    assert lr_factor(29, 30) == pytest.approx(1 / 28)
+    # the default plan (300 steps) and a long run: 20 warm-up steps
+    for steps in (300, 1000):
+        assert lr_factor(0, steps) == pytest.approx(1 / 20)
+        assert lr_factor(18, steps) == pytest.approx(19 / 20)
+        assert lr_factor(19, steps) == 1.0
+        assert lr_factor(20, steps) == pytest.approx((steps - 20) / (steps - 19))
+        assert lr_factor(steps - 1, steps) == pytest.approx(1 / (steps - 19))
+
+
+@pytest.mark.parametrize("steps, factors", [
+    (1, [1.0]),
+    (5, [1, 4 / 5, 3 / 5, 2 / 5, 1 / 5]),
+    (20, [1 / 2, 1] + [(20 - i) / 19 for i in range(2, 20)]),
+])
+def test_train_head_steps_at_the_documented_rates_and_reaches_lr(pair, data, steps, factors):
+    """The rate each optimizer step actually uses (read off the optimizer just before it steps) is
+    lr times the hand-computed schedule; in particular the peak is lr itself."""
+    _, draft_dir, target, _ = pair
+    head = load_draft(draft_dir, target)
+    lr = 1e-2
+    seen = []
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: seen.append(optimizer.param_groups[0]["lr"]))
+    try:
+        train_head(head, data, steps=steps, batch_size=2, lr=lr, seed=0)
+    finally:
+        hook.remove()
+    assert seen == pytest.approx([lr * f for f in factors], rel=1e-9)
+    assert max(seen) == pytest.approx(lr, rel=1e-12)

@@ -262,3 +262,26 @@ def test_a_draft_layer_mapped_past_the_storage_pools_is_refused():
     mapping[1, 0] = 1
     pools = extend_attention_op_pools(pointers, mapping, [(1, 0x2000, 4)], num_pools=2)
     assert pools.op_pools == [(2, 1)]
+
+
+@pytest.mark.parametrize("case", ["virtual pool", "last storage pool"])
+def test_a_refused_copy_leaves_every_pool_of_dst_as_it_was(case):
+    """Slot 2**12 gives page 2**13 in pool 0 (fits int32), but in the refusing pool K = 2**12 * 2**20
+    = 2**32 (virtual pool) or 2**12 * 2**21 = 2**33 (storage pool 1), and V one more: neither fits.
+    The copy is refused before it writes pool 0, so dst keeps its sentinel -7 everywhere."""
+    if case == "virtual pool":
+        pointers = torch.tensor([[0x1000, 0]], dtype=torch.int64)
+        mapping = torch.tensor([[0, 0], [0, 2]], dtype=torch.int32)
+        pools = extend_attention_op_pools(pointers, mapping, [(1, 0x2000, 1 << 20)])
+        scales, refused_v = [2], (1 << 32) + 1
+    else:
+        pointers = torch.tensor([[0x1000, 0], [0x2000, 0]], dtype=torch.int64)
+        mapping = torch.tensor([[0, 0], [1, 0]], dtype=torch.int32)
+        pools = extend_attention_op_pools(pointers, mapping, [])
+        scales, refused_v = [2, 1 << 21], (1 << 33) + 1
+    host = torch.tensor([[[1 << 12, -1], [1 << 12, -1]]], dtype=torch.int64).repeat(pools.num_pools, 1, 1, 1)
+    dst = torch.full((pools.num_op_pools, 1, 2, 2), -7, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"page index {refused_v} does not fit dst's torch.int32"):
+        copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=scales,
+                           base_kv_offsets=[1] * len(scales))
+    assert torch.equal(dst, torch.full_like(dst, -7))

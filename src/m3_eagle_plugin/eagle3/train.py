@@ -27,7 +27,7 @@ from m3_eagle_plugin.models.rope import apply_rope
 
 __all__ = [
     "DistillData", "DistillPlan", "collect_distill_data", "concat_data", "dense_head_step", "distill_checkpoint",
-    "distill_loss", "train_head",
+    "distill_loss", "lr_factor", "train_head",
 ]
 
 
@@ -235,12 +235,23 @@ def _on_draft_vocabulary(draft_ids: torch.Tensor | None, logits: torch.Tensor, t
     return logits[:, draft_ids.to(logits.device)], target_logprobs, labels
 
 
+def lr_factor(step: int, steps: int) -> float:
+    """The learning-rate multiplier of 0-based optimizer step `step` out of `steps`.
+
+    Warm-up over w = min(20, max(1, steps // 10)) steps: (step + 1) / w, reaching 1 at step w - 1;
+    then a linear decay from 1 there to 0 at step `steps`: (steps - step) / (steps - w + 1). Step
+    `steps` is one past the last, so every step trains at a positive rate.
+    """
+    warmup = min(20, max(1, steps // 10))
+    return min((step + 1) / warmup, (steps - step) / (steps - warmup + 1))
+
+
 def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: int = 16, lr: float = 1e-2,
                ttt_steps: int = 1, hard_weight: float = 0.0, seed: int = 0) -> list[float]:
     """AdamW on the head's own weights (not the shared embedding / lm_head); returns the loss per step.
 
-    Each step draws `batch_size` rows of `data`; the learning rate warms up over 20 steps, then decays
-    linearly to 0. The head is left in eval mode with gradients off.
+    Each step draws `batch_size` rows of `data`; step i runs at `lr * lr_factor(i, steps)` (a linear
+    warm-up to `lr`, then a linear decay toward 0). The head is left in eval mode with gradients off.
     """
     _check_positive(steps=steps, batch_size=batch_size, ttt_steps=ttt_steps)
     if not lr > 0 or not hard_weight >= 0:
@@ -250,7 +261,7 @@ def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: i
     for p in head.parameters():
         p.requires_grad_(id(p) not in shared)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 20) * (1 - i / steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(i, steps))
     gen = torch.Generator().manual_seed(seed)
     n = data.tokens.shape[0]
     history = []

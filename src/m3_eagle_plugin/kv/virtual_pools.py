@@ -155,6 +155,18 @@ def copy_pool_block_offsets(
     unused). Row ``i`` of ``dst`` ``[R', 2, W']`` receives host row ``copy_index[i]``:
     K = slot * index_scale, V = K + kv_offset; unused entries stay -1 in both fields.
     """
+    _write_pages(dst, *_pool_pages(dst, host_offsets, copy_index, index_scale, kv_offset, max_blocks))
+
+
+def _pool_pages(
+    dst: torch.Tensor,
+    host_offsets: torch.Tensor,
+    copy_index: torch.Tensor,
+    index_scale: int,
+    kv_offset: int,
+    max_blocks: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks and the K/V page indices ``[rows, width]`` of `copy_pool_block_offsets`; writes nothing."""
     if (dst.dim(), host_offsets.dim(), dst.shape[1], host_offsets.shape[1]) != (3, 3, 2, 2):
         raise ValueError(f"block-offset tables must be [rows, 2, blocks], got dst "
                          f"{tuple(dst.shape)} and host {tuple(host_offsets.shape)}")
@@ -190,6 +202,11 @@ def copy_pool_block_offsets(
         limit = torch.iinfo(dst.dtype).max
         if int(v.max()) > limit:  # would wrap in dst: slot 2**30 * 4 became page 0
             raise ValueError(f"page index {int(v.max())} does not fit dst's {dst.dtype}")
+    return k, v
+
+
+def _write_pages(dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    rows, width = k.shape
     dst[:rows, 0, :width] = k.to(device=dst.device, dtype=dst.dtype)
     dst[:rows, 1, :width] = v.to(device=dst.device, dtype=dst.dtype)
 
@@ -213,6 +230,11 @@ def copy_block_offsets(
     The base copy runs first (storage pool ``p`` with its own scale and kv offset), then one
     copy per virtual pool from its *source* pool's host row with the draft scale and offset.
     ``copy_fn`` is the per-pool device copy (replaceable, e.g. by a fused kernel).
+
+    With the default ``copy_fn`` the call is all-or-nothing: every pool's pages are checked and
+    computed before any is written, so a refused input leaves ``dst`` as it was. A replaced
+    ``copy_fn`` runs pool by pool on views of ``dst`` (its checks are its own); if it raises for
+    one pool, the pools copied before it stay written.
     """
     num_pools = pools.num_pools
     if host_offsets.shape[0] != num_pools:
@@ -223,8 +245,14 @@ def copy_block_offsets(
         raise ValueError(f"need one base index scale and kv offset per storage pool ({num_pools})")
     base_scales = [as_int(f"base_index_scales[{p}]", base_index_scales[p]) for p in range(num_pools)]
     base_offsets = [as_int(f"base_kv_offsets[{p}]", base_kv_offsets[p]) for p in range(num_pools)]
-    for p in range(num_pools):
-        copy_fn(dst[p], host_offsets[p], copy_index, base_scales[p], base_offsets[p], max_blocks)
-    for i, (op_pool, source) in enumerate(pools.op_pools):
-        copy_fn(dst[op_pool], host_offsets[source], copy_index, int(pools.index_scales[i]),
-                int(pools.kv_offsets[i]), max_blocks)
+    copies = [(p, p, base_scales[p], base_offsets[p]) for p in range(num_pools)]
+    copies += [(op_pool, source, int(pools.index_scales[i]), int(pools.kv_offsets[i]))
+               for i, (op_pool, source) in enumerate(pools.op_pools)]
+    if copy_fn is not copy_pool_block_offsets:
+        for op_pool, source, scale, kv_offset in copies:
+            copy_fn(dst[op_pool], host_offsets[source], copy_index, scale, kv_offset, max_blocks)
+        return
+    pages = [(op_pool, _pool_pages(dst[op_pool], host_offsets[source], copy_index, scale, kv_offset, max_blocks))
+             for op_pool, source, scale, kv_offset in copies]
+    for op_pool, (k, v) in pages:
+        _write_pages(dst[op_pool], k, v)

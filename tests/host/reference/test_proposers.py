@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from m3_eagle_plugin.hooks import DraftContext
 from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
 from m3_eagle_plugin.host.reference.proposers import DrafterPlugin, PromptLookupProposer, ReplayProposer
-from m3_eagle_plugin.registry import make_plugin_manager
+from m3_eagle_plugin.registry import PluginError, make_plugin_manager
 
 from . import _fakes
 
@@ -151,3 +151,33 @@ def test_replay_proposes_up_to_the_end_of_the_reference():
 def test_drafter_plugin_pads_with_the_last_proposed_token():
     context = DraftContext.build([0], [[1, 2]], 4)
     assert DrafterPlugin(lambda ctx: [[5, 6]]).m3_eagle_propose_drafts(context) == [[5, 6, 6, 6]]
+
+
+def test_drafter_plugin_refuses_to_pad_from_nothing_naming_the_request():
+    """Padding repeats the proposal's last token, else the request's; when both are empty the
+    contract's draft_len ids cannot be made up, so it is an error that names the request (id 7)."""
+    context = DraftContext.build([3, 7], [[1], []], 2)
+    plugin = DrafterPlugin(lambda ctx: [[5], []])
+    with pytest.raises(ValueError, match=r"request 7\b.*nothing to pad with"):
+        plugin.m3_eagle_propose_drafts(context)
+    # nothing to pad: an empty request with a full proposal, or draft_len 0, is fine
+    assert DrafterPlugin(lambda ctx: [[5, 6], [8, 9]]).m3_eagle_propose_drafts(context) == [[5, 6], [8, 9]]
+    empty = DraftContext.build([4], [[]], 0)
+    assert DrafterPlugin(lambda ctx: [[]]).m3_eagle_propose_drafts(empty) == [[]]
+
+
+@pytest.mark.parametrize("proposal", [6, None])
+def test_drafter_plugin_refuses_a_proposal_that_is_not_a_list_naming_the_request(proposal):
+    context = DraftContext.build([3, 7], [[1], [2]], 2)
+    plugin = DrafterPlugin(lambda ctx: [[5], proposal])
+    with pytest.raises(ValueError, match=rf"request 7\b.*expected a list of token ids, got {proposal!r}"):
+        plugin.m3_eagle_propose_drafts(context)
+
+
+def test_non_integer_ids_of_a_drafter_plugin_are_refused_naming_the_request():
+    """DrafterPlugin pads (repeating 2.5) and leaves ids to the plugin manager, which refuses them
+    naming the request id (7), not its position."""
+    manager = make_plugin_manager(register_builtin=False)
+    manager.register(DrafterPlugin(lambda ctx: [[5], [2.5]]), name="floats")
+    with pytest.raises(PluginError, match=r"2\.5 for request 7\b"):
+        manager.propose_drafts(DraftContext.build([3, 7], [[1], [2]], 2))

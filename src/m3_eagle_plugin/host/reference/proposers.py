@@ -91,7 +91,8 @@ class PromptLookupProposer:
 
 class DrafterPlugin:
     """Registers a proposer under the `m3_eagle_propose_drafts` hook (pads short proposals by
-    repeating their last token, since the hook contract asks for exactly ``draft_len`` ids)."""
+    repeating their last token, else the request's last token, since the hook contract asks for
+    exactly ``draft_len`` ids; with neither there is nothing to repeat and it raises ValueError)."""
 
     def __init__(self, proposer: Callable[[DraftContext], list[list[int]] | None]) -> None:
         self.proposer = proposer
@@ -105,8 +106,18 @@ class DrafterPlugin:
         if len(drafts) != len(context.tokens):  # zip below would silently drop the extra proposals
             raise ValueError(f"proposer returned drafts for {len(drafts)} requests, expected {len(context.tokens)}")
         padded = []
-        for proposal, tokens in zip(drafts, context.tokens):
-            proposal = list(proposal)[: context.draft_len]
-            filler = proposal[-1] if proposal else tokens[-1]
-            padded.append(proposal + [filler] * (context.draft_len - len(proposal)))
+        for rid, proposal, tokens in zip(context.request_ids, drafts, context.tokens):
+            try:
+                proposal = list(proposal)[: context.draft_len]
+            except TypeError:
+                raise ValueError(f"proposer's drafts for request {rid}: expected a list of token ids, "
+                                 f"got {proposal!r}") from None
+            missing = context.draft_len - len(proposal)
+            if missing:
+                repeat = proposal or tokens
+                if not repeat:
+                    raise ValueError(f"proposer's drafts for request {rid}: {context.draft_len} ids needed, but the "
+                                     f"proposal and the request's tokens are both empty (nothing to pad with)")
+                proposal += [repeat[-1]] * missing
+            padded.append(proposal)
         return padded
