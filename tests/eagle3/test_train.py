@@ -447,3 +447,31 @@ def test_train_head_steps_at_the_documented_rates_and_reaches_lr(pair, data, ste
         hook.remove()
     assert seen == pytest.approx([lr * f for f in factors], rel=1e-9)
     assert max(seen) == pytest.approx(lr, rel=1e-12)
+
+
+def test_an_lm_head_the_checkpoint_ships_trains_and_is_written_back(tmp_path):
+    """An own lm_head is the draft's weight like any other (the next load reads it from this file);
+    an embedding taken from the target stays the target's, and the target itself is untouched."""
+    from safetensors.torch import save_file
+
+    target_dir, draft_dir = make_tiny(tmp_path, seed=5)
+    target = load_target(target_dir)
+    weights = draft_dir / "model.safetensors"
+    tensors = load_file(str(weights))
+    dtype = next(iter(tensors.values())).dtype
+    own = (target.lm_head.weight.detach() + 0.01 * torch.randn_like(target.lm_head.weight)).to(dtype)
+    save_file({**tensors, "lm_head.weight": own}, str(weights), metadata={"format": "pt"})
+    target_weights = load_file(str(target_dir / "model.safetensors"))
+
+    distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=4, num_sequences=4, seq_len=16, iterations=2,
+                                                               batch_size=4))
+    after = load_file(str(weights))
+    assert set(after) == set(tensors) | {"lm_head.weight"}  # nothing of the target's added
+    moved = (after["lm_head.weight"].float() - own.float()).abs()
+    assert bool(torch.isfinite(moved).all()) and float(moved.max()) > 0
+    assert all(torch.equal(v, target_weights[k]) for k, v in load_file(str(target_dir / "model.safetensors")).items())
+
+
+def test_from_target_names_what_the_loader_took_from_the_target(pair):
+    _, draft_dir, target, _ = pair
+    assert load_draft(draft_dir, target).from_target == ("embed_tokens", "lm_head")

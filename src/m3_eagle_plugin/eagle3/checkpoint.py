@@ -177,6 +177,7 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
 
     tensors = source.get_many([by_canon[c] for c in present & set(expected)])
     state = {c: tensors[by_canon[c]] for c in present & set(expected)}
+    own = set(state)  # what the checkpoint ships, before the target fills in the rest
     d2t = state.pop("d2t", None)
     if d2t is not None:
         if not is_integer_dtype(d2t.dtype):
@@ -204,6 +205,9 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
     head.load_state_dict(state, strict=True, assign=True)
     for name, module in shared.items():
         setattr(head, name, module)
+    # What the loader built from the target (shared, or its lm_head rows gathered): training keeps it
+    # as the target has it, since the next load rebuilds it from the target, not from this checkpoint.
+    head.from_target = tuple(name for name in ("embed_tokens", "lm_head") if f"{name}.weight" not in own)
     head.d2t = d2t
     head.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
     return head.eval().requires_grad_(False)

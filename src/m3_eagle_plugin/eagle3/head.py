@@ -135,6 +135,8 @@ class Eagle3Head(nn.Module):
         self.norm = LlamaRMSNorm(h, config.rms_norm_eps)
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        # Taken from the target, so frozen in training (`load_draft` says which; built here, both).
+        self.from_target: tuple[str, ...] = ("embed_tokens", "lm_head")
         self.register_buffer("d2t", None)
         # Derived from d2t whenever it is assigned (see __setattr__), so no step recomputes them:
         # draft id -> target id `[Vd]`, and target id -> draft id or -1 `[V]` (int32; None unless

@@ -11,7 +11,8 @@ Training runs a DENSE forward of the head's own submodules (`dense_head_step`: f
 over each sequence, no paged cache) with autograd. Test-time training (TTT) pass s >= 1 feeds the
 pass s - 1 output hidden from position q - 1 and attends exactly what draft step s of the chain
 started at p = q - s sees at inference: pass-0 keys at positions <= p and pass-r keys at p + r.
-Only the head's own weights train; the embedding and lm_head it shares with the target stay frozen.
+Only the head's own weights train, an embedding or lm_head its checkpoint ships included; what the
+loader took from the target (shared, or the lm_head's rows gathered) stays frozen.
 """
 from __future__ import annotations
 
@@ -248,7 +249,8 @@ def lr_factor(step: int, steps: int) -> float:
 
 def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: int = 16, lr: float = 1e-2,
                ttt_steps: int = 1, hard_weight: float = 0.0, seed: int = 0) -> list[float]:
-    """AdamW on the head's own weights (not the shared embedding / lm_head); returns the loss per step.
+    """AdamW on the head's own weights, those its checkpoint ships (not the embedding or lm_head taken
+    from the target, `head.from_target`); returns the loss per step.
 
     Each step draws `batch_size` rows of `data`; step i runs at `lr * lr_factor(i, steps)` (a linear
     warm-up to `lr`, then a linear decay toward 0). The head is left in eval mode with gradients off.
@@ -256,7 +258,7 @@ def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: i
     _check_positive(steps=steps, batch_size=batch_size, ttt_steps=ttt_steps)
     if not lr > 0 or not hard_weight >= 0:
         raise ValueError(f"lr must be > 0 and hard_weight >= 0, got lr={lr!r}, hard_weight={hard_weight!r}")
-    shared = {id(p) for module in (head.embed_tokens, head.lm_head) for p in module.parameters()}
+    shared = {id(p) for name in head.from_target for p in getattr(head, name).parameters()}
     params = [p for p in head.parameters() if id(p) not in shared]
     for p in head.parameters():
         p.requires_grad_(id(p) not in shared)
