@@ -106,14 +106,20 @@ def force_requested(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def host_version(package: str = HOST_PACKAGE) -> tuple[bool, str | None]:
-    """(installed?, version) of the host without importing it (unless it is already imported)."""
+    """(installed?, version) of the host without importing it (unless it is already imported).
+
+    An imported host's own `__version__` wins over the installed metadata: a source checkout on
+    `PYTHONPATH` can shadow an installed wheel, and the code that runs is the one to judge."""
+    module = sys.modules.get(package)
+    imported = getattr(module, "__version__", None) if module is not None else None
+    if isinstance(imported, str) and imported.strip():
+        return True, imported.strip()
     try:
         return True, importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         pass
-    module = sys.modules.get(package)
     if module is not None:
-        return True, getattr(module, "__version__", None)
+        return True, None
     try:
         found = importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):

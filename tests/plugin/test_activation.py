@@ -386,3 +386,20 @@ def test_status_reports_a_failed_activation_that_the_verdict_does_not_explain(ac
     assert not m3_eagle_plugin.activate().ok
     report = m3_eagle_plugin.status()
     assert report.verdict == "supported" and not report.ok and "symbol" in report.reason
+
+
+def test_an_imported_host_is_judged_by_its_own_version(monkeypatch):
+    """A source checkout on PYTHONPATH shadowing an installed wheel: the imported module runs, so its
+    `__version__` decides; the installed metadata only where the module is absent or has none."""
+    import importlib.metadata
+    import sys
+    import types
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda package: "1.2.0")
+    host = types.ModuleType("fake_host_pkg")
+    monkeypatch.setitem(sys.modules, "fake_host_pkg", host)
+    assert activation.host_version("fake_host_pkg") == (True, "1.2.0")  # no __version__: the metadata
+    host.__version__ = "1.3.0rc24"
+    assert activation.host_version("fake_host_pkg") == (True, "1.3.0rc24")
+    monkeypatch.delitem(sys.modules, "fake_host_pkg")
+    assert activation.host_version("fake_host_pkg") == (True, "1.2.0")  # not imported: the metadata
