@@ -66,6 +66,27 @@ def test_own_embed_and_lm_head_are_used_when_present(tiny, tmp_path):
     assert torch.equal(head.embed_tokens.weight, own) and torch.equal(head.lm_head.weight, own * 2)
 
 
+@pytest.mark.parametrize(
+    "ships, taken",
+    [
+        ((), ("embed_tokens", "lm_head")),
+        (("embed_tokens",), ("lm_head",)),
+        (("lm_head",), ("embed_tokens",)),
+        (("embed_tokens", "lm_head"), ()),
+    ],
+)
+def test_from_target_names_each_module_the_checkpoint_does_not_ship(tiny, tmp_path, ships, taken):
+    target, draft_dir = tiny
+
+    def add(t):
+        for name in ships:
+            t[f"{name}.weight"] = torch.randn(VOCAB, HIDDEN)
+    head = load_draft(_variant(draft_dir, tmp_path / "d", add), target)
+    assert head.from_target == taken
+    for name in ("embed_tokens", "lm_head"):
+        assert (getattr(head, name) is getattr(target, name)) == (name in taken), name
+
+
 def test_d2t_places_draft_logits_at_target_ids(tiny, tmp_path):
     target, draft_dir = tiny
     vd = 32

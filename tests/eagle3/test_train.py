@@ -475,3 +475,38 @@ def test_an_lm_head_the_checkpoint_ships_trains_and_is_written_back(tmp_path):
 def test_from_target_names_what_the_loader_took_from_the_target(pair):
     _, draft_dir, target, _ = pair
     assert load_draft(draft_dir, target).from_target == ("embed_tokens", "lm_head")
+
+
+def test_training_keeps_what_came_from_the_target_and_trains_the_lm_head_the_checkpoint_ships(pair, data, tmp_path):
+    """In memory: the embedding the loader took from the target stays the target's, unchanged."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    _, draft_dir, target, _ = pair
+    variant = tmp_path / "draft"
+    shutil.copytree(draft_dir, variant)
+    tensors = load_file(str(variant / "model.safetensors"))
+    own = target.lm_head.weight.detach() + 0.01 * torch.randn_like(target.lm_head.weight)
+    save_file({**tensors, "lm_head.weight": own}, str(variant / "model.safetensors"), metadata={"format": "pt"})
+    head = load_draft(variant, target)
+    embed, target_lm_head = target.embed_tokens.weight.clone(), target.lm_head.weight.clone()
+    train_head(head, data, steps=2, batch_size=4, seed=0)
+    assert head.embed_tokens is target.embed_tokens and torch.equal(target.embed_tokens.weight, embed)
+    assert torch.equal(target.lm_head.weight, target_lm_head)
+    assert not torch.equal(head.lm_head.weight, own.to(head.lm_head.weight.dtype))
+
+
+def test_a_head_built_directly_trains_without_the_target_modules_it_is_given(pair, data):
+    """`Eagle3Head` built by hand (as the e2e bench does) with the target's embedding and lm_head
+    attached: both count as taken from the target, so training leaves them as they were."""
+    from m3_eagle_plugin.eagle3.head import Eagle3Head
+
+    _, _, target, loaded = pair
+    head = Eagle3Head(loaded.config)
+    head.load_state_dict(loaded.state_dict())
+    head.embed_tokens, head.lm_head = target.embed_tokens, target.lm_head
+    embed, lm_head, fc = target.embed_tokens.weight.clone(), target.lm_head.weight.clone(), head.fc.weight.clone()
+    train_head(head, data, steps=2, batch_size=4, seed=0)
+    assert torch.equal(target.embed_tokens.weight, embed) and torch.equal(target.lm_head.weight, lm_head)
+    assert not torch.equal(head.fc.weight, fc)

@@ -285,3 +285,45 @@ def test_a_refused_copy_leaves_every_pool_of_dst_as_it_was(case):
         copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=scales,
                            base_kv_offsets=[1] * len(scales))
     assert torch.equal(dst, torch.full_like(dst, -7))
+
+
+def test_the_default_copy_keeps_max_blocks_in_every_pool():
+    """Storage pool 0 at scale 3 and a virtual pool at scale 4 (both kv offset 1), host slots [2, 5, -1]:
+    with max_blocks=1 only column 0 is written, K = 2 * scale and V = K + 1; the rest keeps -7."""
+    pools = extend_attention_op_pools(torch.tensor([[0x1000, 0]], dtype=torch.int64),
+                                      torch.tensor([[0, 0], [0, 2]], dtype=torch.int32), [(1, 0x2000, 4)])
+    host = torch.tensor([[[[2, 5, -1], [2, 5, -1]]]], dtype=torch.int32)
+    dst = torch.full((2, 1, 2, 3), -7, dtype=torch.int32)
+    copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[3], base_kv_offsets=[1], max_blocks=1)
+    assert dst[0, 0].tolist() == [[6, -7, -7], [7, -7, -7]]
+    assert dst[1, 0].tolist() == [[8, -7, -7], [9, -7, -7]]
+
+
+def test_a_replaced_copy_fn_is_the_whole_copy_with_its_own_checks():
+    """Inputs the default copy refuses (page 2**32 does not fit int32) go to the replacement alone: dst
+    holds what it wrote and nothing else; when it raises for the second pool the first stays written."""
+    pools = extend_attention_op_pools(torch.tensor([[0x1000, 0]], dtype=torch.int64),
+                                      torch.tensor([[0, 0], [0, 2]], dtype=torch.int32), [(1, 0x2000, 1 << 20)])
+    host = torch.tensor([[[[1 << 12, -1], [1 << 12, -1]]]], dtype=torch.int64)
+    calls = []
+
+    def marking_copy(dst, host_offsets, copy_index, scale, kv_offset, max_blocks):
+        calls.append(scale)
+        if fail_on == len(calls):
+            raise RuntimeError("kernel launch failed")
+        dst[0, 0, 0] = 40 + len(calls)
+
+    fail_on = None
+    dst = torch.full((2, 1, 2, 2), -7, dtype=torch.int32)
+    copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[2], base_kv_offsets=[1],
+                       copy_fn=marking_copy)
+    assert calls == [2, 1 << 20]
+    assert dst.flatten().tolist() == [41, -7, -7, -7, 42, -7, -7, -7]
+
+    calls.clear()
+    fail_on = 2
+    dst = torch.full((2, 1, 2, 2), -7, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="kernel launch failed"):
+        copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[2], base_kv_offsets=[1],
+                           copy_fn=marking_copy)
+    assert dst.flatten().tolist() == [41, -7, -7, -7, -7, -7, -7, -7]  # pool 1 never written

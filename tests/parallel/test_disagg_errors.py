@@ -217,19 +217,23 @@ def test_a_failed_continue_generation_keeps_the_outputs_of_the_requests_that_had
     engine = build_engine(tiny_pair[0], tiny_pair[1], config, num_blocks=blocks)
     requests = [import_handoff(engine, h) for h in handoffs]
     launch = engine.launch
+    launched = []
 
     def launch_until_request_0_is_done(rows, step_id):
         if requests[0].done:
             raise RuntimeError("injected launch fault")
+        launched.append(step_id)
         return launch(rows, step_id)
 
     monkeypatch.setattr(engine, "launch", launch_until_request_0_is_done)
+    steps_before = engine.stats.engine_steps
     with pytest.raises(RuntimeError, match="injected launch fault") as caught:
         continue_generation(engine, requests)
     partial = caught.value.partial_result
     assert partial.outputs == [aggregated.outputs[0], []]
     assert partial.errors == [None, "engine stopped before the request finished"]
     assert partial.stop_reasons == ["length", None]
+    assert partial.stats.engine_steps == steps_before + len(launched) > steps_before  # the steps that ran count
     assert _is_clean(engine)
 
 

@@ -104,3 +104,36 @@ def test_a_helper_called_from_inside_generate_is_refused_clearly(tiny_pair, alon
     assert result.outputs == alone["generate"]
     assert _run(pipeline[stage:], before).outputs == alone["disagg"]  # the refused call changed nothing
     _assert_clean(engine)
+
+
+def test_an_import_waiting_for_generate_checks_the_handoff_once_it_holds_the_engine(tiny_pair, alone):
+    """The handoffs are numbered from 0, like generate's own requests: while generate runs, request 0
+    is live, so the import must wait (checking the index only once it holds the engine) and then
+    succeed, not be refused for an index that is free by the time its pages land."""
+    engine = _engine(tiny_pair, GENERATE_PROMPTS + DISAGG_PROMPTS)
+    handoffs = [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)]
+    assert handoffs[0].index == 0
+    other: dict = {}
+
+    def run_other():
+        try:
+            other["value"] = [import_handoff(engine, h) for h in handoffs]
+        except BaseException as error:  # noqa: BLE001 - reported below
+            other["error"] = error
+
+    thread = threading.Thread(target=run_other)
+
+    def progress(done, total):
+        if "waited" not in other:
+            assert 0 in engine.cache.allocator  # generate's request 0 holds the index
+            thread.start()
+            thread.join(0.5)
+            other["waited"] = thread.is_alive()
+
+    result = engine.generate(GENERATE_PROMPTS, DISAGG_NEW, progress=progress)
+    thread.join(60)
+    assert "error" not in other, f"import_handoff failed: {other['error']!r}"
+    assert other["waited"]
+    assert result.outputs == alone["generate"]
+    assert continue_generation(engine, other["value"]).outputs == alone["disagg"]
+    _assert_clean(engine)

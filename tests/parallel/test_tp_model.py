@@ -217,3 +217,13 @@ def test_draft_head_shard_cuts_its_mlp_by_rank(full_model, tiny_pair, monkeypatc
     assert torch.equal(mlp.up_proj.weight, full_mlp.up_proj.weight[half:])
     assert torch.equal(mlp.down_proj.weight, full_mlp.down_proj.weight[:, half:])
     assert len(shard.layers[0].mlp._forward_hooks) == 1 and len(shard.layers[0].self_attn._forward_hooks) == 1
+
+
+def test_a_draft_shard_keeps_what_came_from_the_target(full_model, tiny_pair):
+    """`from_target` says which vocabulary modules training must leave alone; a shard's say the same."""
+    from m3_eagle_plugin.eagle3.checkpoint import load_draft
+    from m3_eagle_plugin.parallel.tp_model import shard_draft_head
+
+    head = load_draft(tiny_pair[1], full_model, dtype=torch.float32)
+    head.from_target = ("embed_tokens",)  # as for a checkpoint that ships its own lm_head
+    assert shard_draft_head(head, 0, 1).from_target == ("embed_tokens",)

@@ -403,3 +403,32 @@ def test_an_imported_host_is_judged_by_its_own_version(monkeypatch):
     assert activation.host_version("fake_host_pkg") == (True, "1.3.0rc24")
     monkeypatch.delitem(sys.modules, "fake_host_pkg")
     assert activation.host_version("fake_host_pkg") == (True, "1.2.0")  # not imported: the metadata
+
+
+def test_an_imported_host_version_that_is_not_a_version_string_is_not_taken(monkeypatch):
+    """host_version gives a version string or None: a `__version__` that is no string, or blank, is
+    not one, so the installed metadata decides; without metadata the imported host is installed,
+    version unknown. A padded version string is taken without its whitespace."""
+    import importlib.metadata
+    import sys
+    import types
+
+    installed = {"fake_host_pkg": "1.2.0"}
+
+    def version(package):
+        if package not in installed:
+            raise importlib.metadata.PackageNotFoundError(package)
+        return installed[package]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    host = types.ModuleType("fake_host_pkg")
+    monkeypatch.setitem(sys.modules, "fake_host_pkg", host)
+    host.__version__ = " 1.3.0rc24\n"
+    assert activation.host_version("fake_host_pkg") == (True, "1.3.0rc24")
+    for unusable in [(1, 3, 0), 13, "  "]:
+        host.__version__ = unusable
+        assert activation.host_version("fake_host_pkg") == (True, "1.2.0"), unusable
+    installed.clear()
+    for unusable in [(1, 3, 0), "  ", None]:
+        host.__version__ = unusable
+        assert activation.host_version("fake_host_pkg") == (True, None), unusable

@@ -226,6 +226,38 @@ def test_the_key_applies_or_agrees_without_a_warning(environ, capsys):
     assert _warnings(capsys.readouterr().err) == []
 
 
+@pytest.mark.parametrize(
+    "name, exported, settings",
+    [
+        ("M3_EAGLE_PLUGIN", "off", ConfigKeySettings("off")),  # a mode is a word, not the switch value 0
+        ("M3_EAGLE_PLUGIN", " Off\n", ConfigKeySettings("off")),
+        ("M3_EAGLE_PLUGIN", " require ", ConfigKeySettings("require")),
+        ("M3_EAGLE_PLUGIN_FORCE", " yes ", ConfigKeySettings("auto", force=True)),
+        ("M3_EAGLE_PLUGIN_TRACE", "\tOFF ", ConfigKeySettings("auto", trace=False)),
+    ],
+)
+def test_an_exported_value_that_reads_as_the_keys_is_kept_without_a_warning(name, exported, settings, capsys):
+    """Read the way the plugin reads it (stripped, case-folded), the exported value means what the key says."""
+    environ = {name: exported}
+    apply_settings(settings, environ)
+    assert environ[name] == exported
+    assert _warnings(capsys.readouterr().err) == []
+
+
+def test_consume_config_key_exports_into_the_environ_it_is_given(clean_state, monkeypatch):
+    from m3_eagle_plugin import activation
+    from m3_eagle_plugin.config_key import consume_config_key
+
+    activated = []
+    monkeypatch.setattr(activation, "activate", lambda *args, **kwargs: activated.append(args))
+    environ: dict[str, str] = {}
+    config = {"max_batch_size": 8, CONFIG_KEY: {"mode": "require", "force": True}}
+    assert consume_config_key(config, environ) == {"max_batch_size": 8}
+    assert environ == {"M3_EAGLE_PLUGIN": "require", "M3_EAGLE_PLUGIN_FORCE": "1"}
+    assert "M3_EAGLE_PLUGIN" not in os.environ and "M3_EAGLE_PLUGIN_FORCE" not in os.environ
+    assert activated == [()]
+
+
 def test_exported_force_and_trace_beat_the_hosts_yaml_with_one_warning_each(fake_host, hermetic_manager,
                                                                               fake_install, tmp_path, monkeypatch,
                                                                               capsys):

@@ -178,6 +178,7 @@ def shard_draft_head(head: Eagle3Head, rank: int, tp_size: int, *,
         intermediate_size=shard_width("draft intermediate_size", cfg.intermediate_size, tp_size),
     )
     shard = _cut_copy(head, lambda: Eagle3Head(config), rank, tp_size)
+    shard.from_target = head.from_target  # what came from the target still does (`train_head` keeps it)
     if tp_size > 1:
         attach_all_reduce(shard, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
     return shard

@@ -204,6 +204,7 @@ def test_a_failed_call_keeps_the_outputs_of_the_requests_that_had_finished(overl
         assert partial.outputs[i] == without_fault.outputs[i]
         assert partial.stop_reasons[i] == without_fault.stop_reasons[i] == "length"
     assert partial.stats.generated_tokens >= NEW * len(finished)
+    assert partial.stats.elapsed_s > 0 and partial.stats.tokens_per_s > 0  # the call's time up to the fault
     if HAS_NOTES:
         assert any("partial_result" in note and f"positions {finished}" in note for note in caught.value.__notes__)
     assert_clean_and_reusable(engine, target, cache)
@@ -282,6 +283,44 @@ def test_a_call_from_inside_a_running_call_is_refused_clearly():
     result = engine.generate([[1, 2, 3]], max_new_tokens=4, progress=progress)
     assert refused
     assert result.outputs == [target.greedy([1, 2, 3], 4)]
+    assert_clean_and_reusable(engine, target, cache)
+
+
+def test_a_call_from_inside_is_refused_while_another_thread_waits_for_the_engine():
+    """A thread waiting for the engine does not pass for the one holding it: the running call's callback
+    is still refused (not left waiting for itself), and so is the waiting call's once it runs.
+    Both calls run on daemon threads so that a hang fails the test instead of stalling it."""
+    engine, target, cache = build(head=False, draft_len=0)
+    seen: dict = {}
+
+    def progress_of(name, waiter=None):
+        def progress(done, total):
+            if name in seen:
+                return
+            if waiter is not None:
+                waiter.start()
+                waiter.join(0.5)  # now blocked on the engine
+            try:
+                engine.generate([[1]], max_new_tokens=2)
+            except RuntimeError as error:
+                seen[name] = error
+            else:
+                seen[name] = None
+        return progress
+
+    def call(name, prompt, waiter=None):
+        seen[f"{name} result"] = engine.generate([prompt], max_new_tokens=4, progress=progress_of(name, waiter))
+
+    waiter = threading.Thread(target=call, args=("second", [4, 5]), daemon=True)
+    runner = threading.Thread(target=call, args=("first", [1, 2, 3], waiter), daemon=True)
+    runner.start()
+    runner.join(20)
+    waiter.join(20)
+    assert not runner.is_alive() and not waiter.is_alive(), f"a call hung (seen so far: {seen})"
+    for name in ("first", "second"):
+        assert "already running on this thread" in str(seen[name]), name
+    assert seen["first result"].outputs == [target.greedy([1, 2, 3], 4)]
+    assert seen["second result"].outputs == [target.greedy([4, 5], 4)]
     assert_clean_and_reusable(engine, target, cache)
 
 

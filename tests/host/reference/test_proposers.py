@@ -153,6 +153,16 @@ def test_drafter_plugin_pads_with_the_last_proposed_token():
     assert DrafterPlugin(lambda ctx: [[5, 6]]).m3_eagle_propose_drafts(context) == [[5, 6, 6, 6]]
 
 
+def test_drafter_plugin_pads_an_empty_proposal_with_the_requests_last_token():
+    context = DraftContext.build([0], [[1, 2, 3]], 2)
+    assert DrafterPlugin(lambda ctx: [[]]).m3_eagle_propose_drafts(context) == [[3, 3]]
+
+
+def test_drafter_plugin_cuts_a_long_proposal_to_draft_len():
+    context = DraftContext.build([0, 1], [[1, 2], [3]], 2)
+    assert DrafterPlugin(lambda ctx: [[5, 6, 7, 8], [9, 9, 9]]).m3_eagle_propose_drafts(context) == [[5, 6], [9, 9]]
+
+
 def test_drafter_plugin_refuses_to_pad_from_nothing_naming_the_request():
     """Padding repeats the proposal's last token, else the request's; when both are empty the
     contract's draft_len ids cannot be made up, so it is an error that names the request (id 7)."""
