@@ -262,3 +262,37 @@ def test_out_of_range_numbers_are_refused_naming_the_option(tiny_pair, capsys, o
     rc, out, err = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", "1,2", "--max-new-tokens", "2",
                            option, value)
     assert (rc, out, err) == (2, "", f"m3-eagle run: {message}\n")
+
+
+@pytest.mark.parametrize("fault, code", [(RuntimeError, None), (KeyboardInterrupt, 130)], ids=["error", "ctrl-c"])
+def test_a_run_stopped_part_way_still_prints_the_requests_that_had_finished(tiny_pair, capsys, monkeypatch,
+                                                                            fault, code):
+    """One request at a time, the progress callback fails once the first has finished: its output (as a
+    run without the fault prints it) is on stdout, the second is failed by name, then the error stands."""
+    from m3_eagle_plugin.host.reference import cli
+
+    target, draft = tiny_pair
+    argv = ["--model", str(target), "--draft", str(draft), "--prompt-ids", "1,2,3", "--prompt-ids", "7,8,9,10",
+            "--max-new-tokens", "4", "--max-batch-size", "1", "--json"]
+    rc, out, _ = run_cli(capsys, *argv)
+    assert rc == 0
+    whole = json.loads(out)
+
+    def failing(self, done, total):
+        if done >= 1:
+            raise fault("stopped on purpose")
+
+    monkeypatch.setattr(cli.ProgressBar, "__call__", failing)
+    if code is None:
+        with pytest.raises(RuntimeError, match="stopped on purpose"):
+            main(["run", *argv])
+        captured = capsys.readouterr()
+        out, err = captured.out, captured.err
+    else:
+        rc, out, err = run_cli(capsys, *argv)
+        assert rc == code
+    report = json.loads(out)
+    assert report["outputs"] == [whole["outputs"][0], []]
+    assert report["errors"] == [None, "engine stopped before the request finished"]
+    assert report["kv_blocks_free_after"] == report["kv_blocks"]
+    assert "the outputs above are the requests that had finished" in err

@@ -261,9 +261,23 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
     bar = ProgressBar()
-    result = engine.generate([p if e is None else None for p, e in zip(prompts, parse_errors)],
-                             args.max_new_tokens, progress=bar)
+    try:
+        result = engine.generate([p if e is None else None for p, e in zip(prompts, parse_errors)],
+                                 args.max_new_tokens, progress=bar)
+    except BaseException as error:  # a failed step or Ctrl-C: what had finished is still printed
+        bar.close()
+        partial = getattr(error, "partial_result", None)
+        if partial is not None and any(partial.outputs):
+            _write_report(partial, parse_errors, num_blocks, engine, args)
+            print("m3-eagle run: stopped before every request finished; the outputs above are the requests that "
+                  "had finished", file=sys.stderr)
+        raise
     bar.close()
+    _write_report(result, parse_errors, num_blocks, engine, args)
+    return 0 if any(e is None for e in result.errors) else 1
+
+
+def _write_report(result, parse_errors: list, num_blocks: int, engine, args) -> None:
     for n, error in enumerate(parse_errors):
         if error is not None:
             result.errors[n] = error
@@ -275,4 +289,4 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         _report_text(report, sys.stdout)
-    return 0 if any(e is None for e in result.errors) else 1
+    sys.stdout.flush()
