@@ -69,6 +69,13 @@ def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last: torch.Te
     return torch.where(index < num_accepted.unsqueeze(1), padded, last.unsqueeze(1))
 
 
+def _check_target_ids(target_tokens: torch.Tensor) -> None:
+    """The greedy and forced rules take the target's argmax ids, not its logits or probabilities."""
+    if target_tokens.dim() != 2 or not is_integer_dtype(target_tokens.dtype):
+        raise ValueError(f"target_tokens must be an integer [R, K + 1] tensor of argmax ids, "
+                         f"got {target_tokens.dtype} {tuple(target_tokens.shape)}")
+
+
 def greedy_accept(
     draft_tokens: torch.Tensor, target_tokens: torch.Tensor, draft_lens: torch.Tensor | None = None
 ) -> AcceptResult:
@@ -78,9 +85,7 @@ def greedy_accept(
     ``draft_lens [R]`` (drafts past a row's length never count as accepted; clamped to ``[0, K]``).
     """
     draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
-    if target_tokens.dim() != 2 or not is_integer_dtype(target_tokens.dtype):
-        raise ValueError(f"target_tokens must be an integer [R, K + 1] tensor of argmax ids, "
-                         f"got {target_tokens.dtype} {tuple(target_tokens.shape)}")
+    _check_target_ids(target_tokens)
     target_tokens = target_tokens.to(torch.long)
     num_accepted = _prefix_length(draft_tokens.to(torch.long) == target_tokens[:, :-1], draft_lens)
     bonus = target_tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
@@ -97,9 +102,7 @@ def forced_accept(
     a tensor is clamped on the device, not checked (that would read it back to the host).
     """
     draft_lens = _check_shapes(draft_tokens, target_tokens, draft_lens)
-    if target_tokens.dim() != 2 or not is_integer_dtype(target_tokens.dtype):
-        raise ValueError(f"target_tokens must be an integer [R, K + 1] tensor of argmax ids, "
-                         f"got {target_tokens.dtype} {tuple(target_tokens.shape)}")
+    _check_target_ids(target_tokens)
     if isinstance(num_forced, torch.Tensor):
         if not is_integer_dtype(num_forced.dtype):
             raise TypeError(f"num_forced must be an integer tensor, got {num_forced.dtype}")

@@ -243,9 +243,8 @@ def copy_block_offsets(
         raise ValueError(f"dst has {dst.shape[0]} pool rows, need {pools.num_op_pools}")
     if len(base_index_scales) != num_pools or len(base_kv_offsets) != num_pools:
         raise ValueError(f"need one base index scale and kv offset per storage pool ({num_pools})")
-    base_scales = [as_int(f"base_index_scales[{p}]", base_index_scales[p]) for p in range(num_pools)]
-    base_offsets = [as_int(f"base_kv_offsets[{p}]", base_kv_offsets[p]) for p in range(num_pools)]
-    copies = [(p, p, base_scales[p], base_offsets[p]) for p in range(num_pools)]
+    copies = [(p, p, as_int(f"base_index_scales[{p}]", base_index_scales[p]),
+               as_int(f"base_kv_offsets[{p}]", base_kv_offsets[p])) for p in range(num_pools)]
     copies += [(op_pool, source, int(pools.index_scales[i]), int(pools.kv_offsets[i]))
                for i, (op_pool, source) in enumerate(pools.op_pools)]
     if copy_fn is not copy_pool_block_offsets:

@@ -44,18 +44,22 @@ class RankShape:
         return _slice(rank, self.tp_size, self.index_heads)
 
 
+def _int(name: str, value: object) -> int:
+    """``value`` if it is an int; a bool, a float (10.0 heads came back as 5.0) or None is refused by name."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return value
+
+
 def _slice(rank: int, tp_size: int, per_rank: int) -> range:
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"rank must be an int, got {rank!r}")
+    _int("rank", rank)
     if not 0 <= rank < tp_size:
         raise ValueError(f"rank {rank} is outside [0, {tp_size})")
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
 def _check_tp(tp_size: int) -> int:
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int):
-        raise TypeError(f"tp_size must be an int, got {tp_size!r}")
-    if tp_size < 1:
+    if _int("tp_size", tp_size) < 1:
         raise ShardingError(f"tp_size must be >= 1, got {tp_size}")
     return tp_size
 
@@ -63,10 +67,7 @@ def _check_tp(tp_size: int) -> int:
 def shard_width(name: str, total: int, tp_size: int) -> int:
     """``total / tp_size``, or ShardingError naming ``name`` when it does not divide."""
     _check_tp(tp_size)
-    if isinstance(total, bool) or not isinstance(total, int):
-        # a float 10.0 came back as 5.0 heads, None failed on `%`
-        raise TypeError(f"{name} must be an int, got {total!r}")
-    if total < 0:
+    if _int(name, total) < 0:
         raise ShardingError(f"{name} must be >= 0, got {total}")
     if total % tp_size:
         raise ShardingError(f"{name} = {total} does not split over {tp_size} tensor-parallel ranks")
@@ -78,8 +79,7 @@ def shard_heads(num_heads: int, num_kv_heads: int, index_heads: int, tp_size: in
     index heads follow the KV heads (index head ``i`` selects blocks for KV head ``i``)."""
     _check_tp(tp_size)
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("index_heads", index_heads)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}")
+        _int(name, value)
     if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
         raise ShardingError(f"{num_heads} query heads do not form groups over {num_kv_heads} KV heads")
     if index_heads and index_heads != num_kv_heads:
