@@ -172,6 +172,7 @@ def test_training_lowers_the_loss_and_keeps_the_shared_weights(pair, data, tmp_p
         after = float(distill_loss(head, data, 2))
     assert len(history) == 30 and after < 0.8 * before
     assert torch.equal(target.embed_tokens.weight, embed) and torch.equal(target.lm_head.weight, lm_head)
+    assert target.embed_tokens.weight.grad is None and target.lm_head.weight.grad is None  # no gradient taken
     assert not torch.equal(head.fc.weight, fc_before)
     assert not head.training and not any(p.requires_grad for p in head.parameters())
 
