@@ -402,3 +402,28 @@ def test_a_page_size_that_is_not_whole_elements_is_refused_naming_that():
     with pytest.raises(ValueError, match="not a whole number of torch.float32 elements"):
         PagedKVCache(geometry, block_size=1, num_blocks=2, kv_heads={0: 1}, head_dim=1, index_dim=1,
                      dtype=torch.float32)
+
+
+@pytest.mark.parametrize("view", ["k", "v"])
+@pytest.mark.parametrize("layer", [2.7, 4.0, True])
+def test_a_non_integer_layer_is_refused_not_read_as_another_layer(view, layer):
+    """k(2.7) returned layer 2's pages and v(True) layer 1's (index_k already refused them)."""
+    cache = _coalesced()
+    with pytest.raises(TypeError, match="layer must be an int"):
+        getattr(cache, view)(layer)
+
+
+@pytest.mark.parametrize("pool_id", [-1, 1])
+def test_a_pool_id_outside_the_geometry_is_refused_naming_it(pool_id):
+    """storage(-1) returned the last pool's storage; storage(1) of a one-pool cache was a bare IndexError."""
+    cache = _coalesced()
+    with pytest.raises(IndexError, match=rf"pool {pool_id} is outside \[0, 1\)"):
+        cache.storage(pool_id)
+
+
+@pytest.mark.parametrize("heads", [2.5, "2"])
+def test_a_non_integer_draft_head_count_is_refused_not_truncated(heads):
+    """draft_num_kv_heads=2.5 built a cache with 2-head draft pages."""
+    with pytest.raises(TypeError, match="draft_num_kv_heads must be an int"):
+        PagedKVCache.for_minimax_m3(4, [1], 2, D, DI, B, 6, num_draft_layers=1, draft_num_kv_heads=heads,
+                                    dtype=torch.float32)

@@ -264,6 +264,18 @@ def test_a_draft_layer_mapped_past_the_storage_pools_is_refused():
     assert pools.op_pools == [(2, 1)]
 
 
+def test_a_layer_left_on_a_dropped_op_pool_is_refused_not_readdressed():
+    """``num_pools=2`` of 3 pointer rows drops row 2 (an earlier op pool at 0x3000); layer 1 still
+    mapped to it would address the new draft pool that takes id 2 (layer 2's K at 0x2400)."""
+    pointers = torch.tensor([[0x1000, 0], [0x2000, 0], [0x3000, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, 0], [2, 0], [1, 4]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="layer 1 maps to op pool 2, which num_pools=2 drops"):
+        extend_attention_op_pools(pointers, mapping, [(2, 0x2400, 6)], num_pools=2)
+    mapping[1, 0] = 1
+    pools = extend_attention_op_pools(pointers, mapping, [(2, 0x2400, 6)], num_pools=2)
+    assert pools.pool_mapping.tolist() == [[0, 0], [1, 0], [2, 0]]
+
+
 @pytest.mark.parametrize("case", ["virtual pool", "last storage pool"])
 def test_a_refused_copy_leaves_every_pool_of_dst_as_it_was(case):
     """Slot 2**12 gives page 2**13 in pool 0 (fits int32), but in the refusing pool K = 2**12 * 2**20
@@ -299,12 +311,56 @@ def test_the_default_copy_keeps_max_blocks_in_every_pool():
     assert dst[1, 0].tolist() == [[8, -7, -7], [9, -7, -7]]
 
 
-def test_a_replaced_copy_fn_is_the_whole_copy_with_its_own_checks():
-    """Inputs the default copy refuses (page 2**32 does not fit int32) go to the replacement alone: dst
-    holds what it wrote and nothing else; when it raises for the second pool the first stays written."""
+def _overflowing_virtual_pool():
+    """Storage pool 0 at scale 2 fits int32 (page 2**13); the virtual pool at scale 2**20 gives page 2**32."""
     pools = extend_attention_op_pools(torch.tensor([[0x1000, 0]], dtype=torch.int64),
                                       torch.tensor([[0, 0], [0, 2]], dtype=torch.int32), [(1, 0x2000, 1 << 20)])
     host = torch.tensor([[[[1 << 12, -1], [1 << 12, -1]]]], dtype=torch.int64)
+    return pools, host
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("virtual pool page too large", ValueError, r"page index 4294967297 does not fit dst's torch.int32"),
+    ("negative copy index", IndexError, r"copy_index entries must lie in \[0, 1\)"),
+    ("negative base kv offset", ValueError, "kv_offset >= 0"),
+    ("float copy index", TypeError, "copy_index must be an integer tensor"),
+])
+def test_a_replaced_copy_fn_sees_no_call_when_any_pool_would_be_refused(case, error, match):
+    """The checks run for every pool before the first copy, whatever copy_fn is: a refusal in the
+    last (virtual) pool leaves pool 0 unwritten too, and the replacement is never called."""
+    pools, host = _overflowing_virtual_pool()
+    scale, kv_offsets, index = 2, [1], torch.tensor([0])
+    if case == "virtual pool page too large":
+        pass
+    elif case == "negative copy index":
+        host = host.clone()
+        host[..., 0] = 1  # pages fit: only the index is wrong
+        index = torch.tensor([-1])
+    elif case == "negative base kv offset":
+        host = torch.tensor([[[[1, -1], [1, -1]]]], dtype=torch.int64)
+        kv_offsets = [-1]
+    else:
+        index = torch.tensor([0.0])
+    calls = []
+
+    def recording_copy(dst, host_offsets, copy_index, scale, kv_offset, max_blocks):
+        calls.append(scale)
+        dst.fill_(40 + len(calls))
+
+    dst = torch.full((2, 1, 2, 2), -7, dtype=torch.int32)
+    with pytest.raises(error, match=match):
+        copy_block_offsets(dst, host, index, pools, base_index_scales=[scale], base_kv_offsets=kv_offsets,
+                           copy_fn=recording_copy)
+    assert calls == []
+    assert torch.equal(dst, torch.full_like(dst, -7))
+
+
+def test_a_replaced_copy_fn_gets_every_pool_once_the_checks_pass_and_its_own_failure_is_not_undone():
+    """Checked inputs go to the replacement pool by pool; when it fails on its own for the second
+    pool (a launch error, not a refusal) the first stays written."""
+    pools, host = _overflowing_virtual_pool()
+    host = host.clone()
+    host[..., 0] = 3  # virtual pool page 3 * 2**20 + 1 fits int32
     calls = []
 
     def marking_copy(dst, host_offsets, copy_index, scale, kv_offset, max_blocks):
@@ -327,3 +383,23 @@ def test_a_replaced_copy_fn_is_the_whole_copy_with_its_own_checks():
         copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[2], base_kv_offsets=[1],
                            copy_fn=marking_copy)
     assert dst.flatten().tolist() == [41, -7, -7, -7, -7, -7, -7, -7]  # pool 1 never written
+
+
+def test_a_page_index_past_int64_is_refused_not_wrapped():
+    """Slot 2**30 at scale 2**34 is page 2**64: computed in int64 it wrapped to page 0 in an int64 dst."""
+    host = torch.tensor([[[1 << 30], [0]]], dtype=torch.int64)
+    dst = torch.full((1, 2, 1), -7, dtype=torch.int64)
+    with pytest.raises(ValueError, match=f"page index {1 << 64} does not fit dst's torch.int64"):
+        copy_pool_block_offsets(dst, host, torch.tensor([0]), 1 << 34, 0)
+    assert dst.eq(-7).all()
+    copy_pool_block_offsets(dst, host, torch.tensor([0]), 1 << 32, 0)  # page 2**62 fits
+    assert dst[0, :, 0].tolist() == [1 << 62, 1 << 62]
+
+
+def test_an_unsigned_dst_is_refused_it_cannot_hold_the_unused_minus_one():
+    """uint8 stored an unused entry's -1 as 255, a page index like any other."""
+    host = torch.tensor([[[2, -1], [0, 0]]], dtype=torch.int32)
+    dst = torch.full((1, 2, 2), 7, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="dst must be a signed integer tensor, got torch.uint8"):
+        copy_pool_block_offsets(dst, host, torch.tensor([0]), 3, 1)
+    assert dst.eq(7).all()

@@ -161,7 +161,7 @@ class PagedKVCache:
     # ---- views ----------------------------------------------------------------------------
     def storage(self, pool_id: int) -> torch.Tensor:
         """The real storage ``[num_blocks, sub_pages, page_elems]`` of one pool."""
-        return self._storage[pool_id]
+        return self._storage[self.geometry.pool(pool_id).pool_id]  # refuses -1 (the last pool) by name
 
     def k(self, layer: int) -> torch.Tensor:
         """``[P, Hkv, B, D]`` view of layer ``layer``'s K pages."""
@@ -178,7 +178,7 @@ class PagedKVCache:
             self.num_blocks, self.block_size, self.index_dim)
 
     def _kv_view(self, layer: int, role: str) -> torch.Tensor:
-        layer = int(layer)
+        layer = as_int("layer", layer)  # int(2.7) read layer 2
         if layer in self.draft_layer_ids:
             return self._op_pool_view(layer, role)
         sp = self.geometry.locate(layer, role)
@@ -250,7 +250,7 @@ def minimax_m3_cache_layout(
 ):
     """(pool geometry, KV heads per layer) of `PagedKVCache.for_minimax_m3`, nothing allocated: a
     draft layer the target's pages cannot host is refused here, before any weight is read."""
-    draft_heads = num_kv_heads if draft_num_kv_heads is None else int(draft_num_kv_heads)
+    draft_heads = num_kv_heads if draft_num_kv_heads is None else as_int("draft_num_kv_heads", draft_num_kv_heads)
     heads = [int(num_kv_heads)] * int(num_layers) + [draft_heads] * int(num_draft_layers)
     draft_ids, num_target = derive_shared_draft_layout(num_layers, heads, num_draft_layers)
     itemsize = torch.empty((), dtype=dtype).element_size()

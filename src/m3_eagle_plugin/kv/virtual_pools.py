@@ -77,6 +77,8 @@ def extend_attention_op_pools(
     pointer row is ``[k_base_address, 0]`` (NVFP4 3-D rows: data pointer set, the rest 0), the
     layer's mapping row becomes ``[new_pool, 0]``, index scale ``sub_pages_per_slot`` and kv
     offset 1 (V page right after K). The source pool is the one the layer was mapped to.
+    ``num_pools``: the storage pools among the pointer rows (default all); the rows past it
+    (op pools of an earlier extension) are dropped, and a layer still mapped to one is refused.
     """
     if not isinstance(pool_pointers, torch.Tensor) or not isinstance(pool_mapping, torch.Tensor):
         raise TypeError("pool_pointers and pool_mapping must be tensors")
@@ -134,6 +136,12 @@ def extend_attention_op_pools(
         scales.append(sub_pages)
         op_pools.append((op_pool, source))
 
+    # rows past num_pools are dropped and their ids handed to the new pools: a layer still
+    # mapped there would silently address another layer's draft pool
+    for layer, op_pool in enumerate(pool_mapping[:, 0].tolist()):
+        if layer not in seen and base_pools <= op_pool < pool_pointers.shape[0]:
+            raise ValueError(f"layer {layer} maps to op pool {op_pool}, which num_pools={base_pools} drops")
+
     if new_rows:
         pointers = torch.cat([pointers, torch.stack(new_rows)], dim=0)
     index_scales = torch.tensor(scales, dtype=torch.int32)
@@ -154,59 +162,81 @@ def copy_pool_block_offsets(
     ``host_offsets`` ``[rows, 2, W]`` holds slot ids in its K field (``[:, 0]``; negative =
     unused). Row ``i`` of ``dst`` ``[R', 2, W']`` receives host row ``copy_index[i]``:
     K = slot * index_scale, V = K + kv_offset; unused entries stay -1 in both fields.
+    A refused input leaves ``dst`` as it was.
     """
-    _write_pages(dst, *_pool_pages(dst, host_offsets, copy_index, index_scale, kv_offset, max_blocks))
+    _check_tables(dst, host_offsets)  # before the index check reads their row counts
+    idx = _check_index(copy_index, host_offsets, dst)
+    _write_pool(dst, host_offsets, idx, _check_pool(dst, host_offsets, idx, index_scale, kv_offset, max_blocks))
 
 
-def _pool_pages(
-    dst: torch.Tensor,
-    host_offsets: torch.Tensor,
-    copy_index: torch.Tensor,
-    index_scale: int,
-    kv_offset: int,
-    max_blocks: Optional[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checks and the K/V page indices ``[rows, width]`` of `copy_pool_block_offsets`; writes nothing."""
+def _check_tables(dst: torch.Tensor, host_offsets: torch.Tensor) -> None:
+    """One pool's ``dst`` ``[R', 2, W']`` and ``host_offsets`` ``[rows, 2, W]``: shapes and dtypes."""
     if (dst.dim(), host_offsets.dim(), dst.shape[1], host_offsets.shape[1]) != (3, 3, 2, 2):
         raise ValueError(f"block-offset tables must be [rows, 2, blocks], got dst "
                          f"{tuple(dst.shape)} and host {tuple(host_offsets.shape)}")
+    # a float slot -0.5 would truncate to the valid slot 0
+    _integer_table("host_offsets", host_offsets)
+    _integer_table("dst", dst)
+    if not dst.dtype.is_signed:  # uint8 stored an unused entry's -1 as page 255
+        raise TypeError(f"dst must be a signed integer tensor, got {dst.dtype}")
+
+
+def _check_index(copy_index: torch.Tensor, host_offsets: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``copy_index`` as long row ids on the host table's device; ``host_offsets`` and ``dst`` are
+    one pool's tables or the stacked ones (rows on dim -3)."""
     if not isinstance(copy_index, torch.Tensor) or copy_index.dim() != 1:
         raise TypeError(f"copy_index must be a 1-D integer tensor, got "
                         f"{tuple(copy_index.shape) if isinstance(copy_index, torch.Tensor) else type(copy_index).__name__}")
-    for name, table in (("copy_index", copy_index), ("host_offsets", host_offsets), ("dst", dst)):
-        # a float slot -0.5 would truncate to the valid slot 0, a float row 1.7 to row 1
-        _integer_table(name, table)
+    _integer_table("copy_index", copy_index)  # a float row 1.7 would truncate to row 1
+    rows, host_rows = int(copy_index.numel()), host_offsets.shape[-3]
+    if rows > dst.shape[-3]:
+        raise ValueError(f"{rows} rows to copy but dst holds {dst.shape[-3]}")
+    idx = copy_index.to(device=host_offsets.device, dtype=torch.long)
+    if idx.device.type == "cpu" and rows and not (0 <= int(idx.min()) and int(idx.max()) < host_rows):
+        # a negative row would silently read from the end of the host table
+        raise IndexError(f"copy_index entries must lie in [0, {host_rows}), got {idx.tolist()}")
+    return idx
+
+
+_PoolCopy = tuple[int, int, int]  # (index scale, kv offset, width): checked, ready to write
+
+
+def _check_pool(
+    dst: torch.Tensor,
+    host_offsets: torch.Tensor,
+    idx: torch.Tensor,
+    index_scale: int,
+    kv_offset: int,
+    max_blocks: Optional[int],
+) -> _PoolCopy:
+    """Every refusal of one pool's copy (tables, index already checked); writes nothing."""
+    _check_tables(dst, host_offsets)
     index_scale = as_int("index_scale", index_scale)
     kv_offset = as_int("kv_offset", kv_offset)
     if index_scale < 1 or kv_offset < 0:
         raise ValueError(f"index_scale must be >= 1 and kv_offset >= 0, got {index_scale}, {kv_offset}")
-    rows = int(copy_index.numel())
-    if rows > dst.shape[0]:
-        raise ValueError(f"{rows} rows to copy but dst holds {dst.shape[0]}")
     width = min(dst.shape[2], host_offsets.shape[2])
     if max_blocks is not None:
         max_blocks = as_int("max_blocks", max_blocks)
         if max_blocks < 0:  # a slice end of -1 would silently drop the last column
             raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
         width = min(width, max_blocks)
-    idx = copy_index.to(device=host_offsets.device, dtype=torch.long)
-    if idx.device.type == "cpu" and rows and not (0 <= int(idx.min()) and int(idx.max()) < host_offsets.shape[0]):
-        # a negative row would silently read from the end of the host table
-        raise IndexError(f"copy_index entries must lie in [0, {host_offsets.shape[0]}), "
-                         f"got {idx.tolist()}")
+    if idx.device.type == "cpu" and idx.numel() and width:
+        # in Python ints: an int64 product would wrap (slot 2**30 * 2**34 became page 0)
+        slot = int(host_offsets[idx, 0, :width].max())
+        page = slot * index_scale + kv_offset if slot >= 0 else -1
+        if page > torch.iinfo(dst.dtype).max:  # would wrap in dst: slot 2**30 * 4 became page 0
+            raise ValueError(f"page index {page} does not fit dst's {dst.dtype}")
+    return index_scale, kv_offset, width
+
+
+def _write_pool(dst: torch.Tensor, host_offsets: torch.Tensor, idx: torch.Tensor, copy: _PoolCopy) -> None:
+    index_scale, kv_offset, width = copy
     slots = host_offsets[idx, 0, :width].to(torch.int64)
     valid = slots >= 0
     k = torch.where(valid, slots * index_scale, torch.full_like(slots, -1))
     v = torch.where(valid, k + kv_offset, k)
-    if v.device.type == "cpu" and v.numel() and dst.dtype != torch.int64:
-        limit = torch.iinfo(dst.dtype).max
-        if int(v.max()) > limit:  # would wrap in dst: slot 2**30 * 4 became page 0
-            raise ValueError(f"page index {int(v.max())} does not fit dst's {dst.dtype}")
-    return k, v
-
-
-def _write_pages(dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    rows, width = k.shape
+    rows = k.shape[0]
     dst[:rows, 0, :width] = k.to(device=dst.device, dtype=dst.dtype)
     dst[:rows, 1, :width] = v.to(device=dst.device, dtype=dst.dtype)
 
@@ -229,13 +259,17 @@ def copy_block_offsets(
 
     The base copy runs first (storage pool ``p`` with its own scale and kv offset), then one
     copy per virtual pool from its *source* pool's host row with the draft scale and offset.
-    ``copy_fn`` is the per-pool device copy (replaceable, e.g. by a fused kernel).
+    ``copy_fn`` is the per-pool device copy (replaceable, e.g. by a fused kernel); it gets views
+    ``dst[op_pool]``, ``host_offsets[source]`` and ``copy_index`` as given.
 
-    With the default ``copy_fn`` the call is all-or-nothing: every pool's pages are checked and
-    computed before any is written, so a refused input leaves ``dst`` as it was. A replaced
-    ``copy_fn`` runs pool by pool on views of ``dst`` (its checks are its own); if it raises for
-    one pool, the pools copied before it stay written.
+    All-or-nothing whatever ``copy_fn`` is: ``copy_index`` (once) and every pool are checked, as
+    `copy_pool_block_offsets` checks them, before ``copy_fn`` runs for any pool, so a refused
+    input leaves ``dst`` as it was. Only a ``copy_fn`` failing on its own after the checks passed
+    (a launch error) leaves the pools copied before it written.
     """
+    if (dst.dim(), host_offsets.dim()) != (4, 4):
+        raise ValueError(f"block-offset tables must be [pools, rows, 2, blocks], got dst "
+                         f"{tuple(dst.shape)} and host {tuple(host_offsets.shape)}")
     num_pools = pools.num_pools
     if host_offsets.shape[0] != num_pools:
         raise ValueError(f"host table has {host_offsets.shape[0]} pools, the op tables {num_pools}")
@@ -247,11 +281,13 @@ def copy_block_offsets(
                as_int(f"base_kv_offsets[{p}]", base_kv_offsets[p])) for p in range(num_pools)]
     copies += [(op_pool, source, int(pools.index_scales[i]), int(pools.kv_offsets[i]))
                for i, (op_pool, source) in enumerate(pools.op_pools)]
-    if copy_fn is not copy_pool_block_offsets:
-        for op_pool, source, scale, kv_offset in copies:
-            copy_fn(dst[op_pool], host_offsets[source], copy_index, scale, kv_offset, max_blocks)
-        return
-    pages = [(op_pool, _pool_pages(dst[op_pool], host_offsets[source], copy_index, scale, kv_offset, max_blocks))
-             for op_pool, source, scale, kv_offset in copies]
-    for op_pool, (k, v) in pages:
-        _write_pages(dst[op_pool], k, v)
+    # check phase: every refusal is raised here, before any pool is written
+    idx = _check_index(copy_index, host_offsets, dst)
+    checked = [(op_pool, source, _check_pool(dst[op_pool], host_offsets[source], idx, scale, kv_offset, max_blocks))
+               for op_pool, source, scale, kv_offset in copies]
+    # write phase
+    for op_pool, source, copy in checked:
+        if copy_fn is copy_pool_block_offsets:  # already checked: write without checking the index again
+            _write_pool(dst[op_pool], host_offsets[source], idx, copy)
+        else:
+            copy_fn(dst[op_pool], host_offsets[source], copy_index, copy[0], copy[1], max_blocks)
