@@ -115,3 +115,19 @@ def test_components_are_named_for_the_registry():
     assert pm.kv_cache_manager("tensorrt_llm", {"algorithm": "minimax_m3"}) == adapter.COMPONENTS["kv_cache_manager"]
     assert pm.model_classes("tensorrt_llm")["MiniMaxM3SparseForCausalLM"] == adapter.COMPONENTS["model"]
     assert {p.id for p in pm.host_patches("tensorrt_llm")} == set(PATCH_IDS)
+
+
+def test_a_failure_while_collecting_patches_is_reported(host, monkeypatch):
+    """A plugin's m3_eagle_host_patches hook that raises: install() refuses with nothing patched,
+    and report() (what `m3-eagle doctor` prints) says why instead of `error: None`."""
+    before = snapshot()
+
+    def exploding_hook():
+        raise RuntimeError("hook exploded")
+
+    monkeypatch.setattr(adapter, "_host_patches", exploding_hook)
+    with pytest.raises(adapter.HostPatchError, match="hook exploded"):
+        adapter.install()
+    assert all(snapshot()[k] is before[k] for k in before)
+    report = adapter.report()
+    assert report["installed"] is False and "hook exploded" in (report["error"] or "")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from m3_eagle_plugin.host.trtllm.contract import CONTRACT, HostSymbol, resolve_owner, symbol
+from m3_eagle_plugin.host.trtllm.contract import CONTRACT, HostSymbol, import_first, resolve_owner, symbol
 from m3_eagle_plugin.host.trtllm.patches import builtin_patches
 from m3_eagle_plugin.host.trtllm.patching import PATCH_MARK, HostPatchError, Patch, PatchEngine
 from tests._threads import race
@@ -338,3 +338,30 @@ def test_two_engines_racing_bind_exactly_once(current_host):
     assert getattr(interface.should_use_separate_draft_kv_cache, PATCH_MARK) == getattr(wrapped, PATCH_MARK)
     fast_engine.revert()
     assert all(snapshot()[k] is before[k] for k in before)
+
+
+# ---- a PEP 562 package re-export reads through to the definer ----
+
+def test_a_lazy_package_re_export_needs_no_rebind(host):
+    """Some hosts' `sparse/__init__.py` binds no `get_sparse_attn_kv_cache_manager`: a module
+    `__getattr__` forwards the name to the definer on each access (`from . import utils;
+    return getattr(utils, name)`). Patching the definer already covers that name; the engine must
+    not refuse the host for a binding that does not exist, nor leave one behind after revert."""
+    sparse_pkg = import_first(symbol("sparse_pkg_kv_manager_binding").modules)
+    definer = import_first(symbol("sparse_kv_manager_dispatch").modules)
+    name = "get_sparse_attn_kv_cache_manager"
+    original = vars(sparse_pkg).pop(name)
+    assert original is vars(definer)[name]
+
+    def __getattr__(attr):
+        if attr == name:
+            return getattr(definer, attr)
+        raise AttributeError(attr)
+
+    sparse_pkg.__getattr__ = __getattr__
+    engine = PatchEngine()
+    engine.apply(builtin_patches())
+    assert getattr(sparse_pkg.get_sparse_attn_kv_cache_manager, PATCH_MARK) == "route-sparse-kv-cache-manager"
+    assert name not in vars(sparse_pkg)
+    engine.revert()
+    assert sparse_pkg.get_sparse_attn_kv_cache_manager is original and name not in vars(sparse_pkg)

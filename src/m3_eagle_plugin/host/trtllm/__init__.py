@@ -112,7 +112,9 @@ def install(force: bool = False) -> dict:
             _engine.record_error(str(exc))
             raise
         except Exception as exc:
-            raise HostPatchError(f"collecting host patches failed: {type(exc).__name__}: {exc}") from exc
+            error = HostPatchError(f"collecting host patches failed: {type(exc).__name__}: {exc}")
+            _engine.record_error(str(error))
+            raise error from exc
         from m3_eagle_plugin.host.trtllm.patches.forward_env_to_mpi_pool import forward_env_to_mpi_pool
 
         _engine.apply(patches, steps=[_register_models, forward_env_to_mpi_pool])

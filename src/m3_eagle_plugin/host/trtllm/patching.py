@@ -42,7 +42,8 @@ class Patch:
     """Wrap `target` with `factory(original)` and rebind the result wherever `rebinds` copied it.
 
     `rebinds` are the namespaces (package `__init__`s, `pyexecutor._util`, ...) that bound the
-    target's name at import time; each must currently hold the very same original object.
+    target's name at import time; each must currently hold the very same original object (a
+    package that serves the name lazily through a module `__getattr__` holds none and needs none).
     """
 
     id: str
@@ -91,6 +92,18 @@ def _owner_value(owner: Any, name: str) -> tuple[Any, bool]:
     if name in own:
         return own[name], True
     return getattr(owner, name), False
+
+
+def _reads_through(owner: Any, name: str, original: Any) -> bool:
+    """True when `owner` binds no `name` of its own but a module `__getattr__` (PEP 562) serves the
+    original on access: it forwards to the definer each time, so it needs no rebind."""
+    own = vars(owner) if hasattr(owner, "__dict__") else {}
+    if name in own or not callable(own.get("__getattr__")):
+        return False
+    try:
+        return getattr(owner, name) is original
+    except AttributeError:
+        return False
 
 
 def _restore(binding: _Binding, notes: list[str]) -> None:
@@ -296,6 +309,8 @@ class PatchEngine:
                     raise HostPatchError(f"patch {patch.id!r}: {exc}") from None
                 if (id(rowner), rebind.name) in seen:
                     continue
+                if _reads_through(rowner, rebind.name, original):
+                    continue  # a PEP 562 re-export: patching the definer covers it
                 bound = vars(rowner).get(rebind.name)
                 if bound is not original:
                     raise HostPatchError(

@@ -8,7 +8,8 @@ How: wrap the dispatch function; for `algorithm == "minimax_m3"` return
 `M3EagleKVCacheManagerV2` (a subclass of the host's M3 manager), for anything else return the
 host's answer untouched. The definer (`sparse/utils.py` or `sparse/registry.py`) and every
 namespace that re-bound the name at import time (`sparse/__init__`, the attention package,
-`pyexecutor/_util.py`) are rebound.
+`pyexecutor/_util.py`) are rebound; a `sparse/__init__` that serves the name lazily through a
+module `__getattr__` (some hosts) binds nothing and reads the wrapped definer.
 Upstream: NVIDIA/TensorRT-LLM#18872 (the in-tree M3 manager gains the same features).
 Remove when: the supported host range starts at tensorrt_llm 1.4.0rc1.
 """
