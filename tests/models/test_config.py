@@ -105,6 +105,22 @@ def test_bad_values_are_rejected(patch, match):
         M3Config.from_dict(raw)
 
 
+@pytest.mark.parametrize("patch,match", [
+    ({"swiglu_beta": 0.5}, r"text_config\.swiglu_beta: 0\.5 is not supported \(only 1\.0\)"),
+    ({"use_qk_norm": False}, r"text_config\.use_qk_norm: false is not supported"),
+    ({"use_routing_bias": False}, r"text_config\.use_routing_bias: false is not supported"),
+])
+def test_vllm_switches_that_change_the_model_are_refused_by_name(patch, match):
+    """MiniMax-M3 configs carry these (vLLM, SGLang and TensorRT-LLM honour them: `(up + beta)`, no q/k
+    norm, no selection bias); transformers and this model compute only the shipped values."""
+    raw = target_config()
+    raw["text_config"].update({"swiglu_beta": 1.0, "use_qk_norm": True, "use_routing_bias": True})
+    M3Config.from_dict(raw)  # the released checkpoint's values load
+    raw["text_config"].update(patch)
+    with pytest.raises(ConfigError, match=match):
+        M3Config.from_dict(raw)
+
+
 def test_forced_blocks_past_the_top_k_are_refused_at_load():
     raw = target_config()
     sparse = raw["text_config"]["sparse_attention_config"]
