@@ -284,6 +284,7 @@ def test_the_measured_gpu_is_made_current_before_anything_is_timed(monkeypatch, 
              "graph_us": 2.5}]
     monkeypatch.setattr(kernels, "triton_available", lambda device: True)
     monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 2)  # a two-GPU host
     monkeypatch.setattr(cli.torch.cuda, "set_device", lambda device: calls.append(("current", str(device))))
     monkeypatch.setattr(cli, "_gpu_rows", lambda args, device, log: (calls.append(("timed", str(device))), (
         rows, {"device_name": "Fake GPU"}))[1])

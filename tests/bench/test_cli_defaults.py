@@ -119,3 +119,75 @@ def test_an_empty_kernel_list_with_e2e_runs_the_end_to_end_section_alone(monkeyp
     monkeypatch.setattr(cli, "run_end_to_end", lambda args: calls.append(1) or [dict(row)])
     assert m3_main(["bench", "--device", "cpu", "--kernels", "", "--e2e", "--json"]) == 0
     assert calls == [1] and json.loads(capsys.readouterr().out)["rows"] == [row]
+
+
+def test_a_cuda_index_past_the_visible_devices_is_an_option_error(monkeypatch, capsys):
+    """`--device cuda:3` on a one-GPU host passed the checks; `torch.cuda.set_device` then raised
+    "invalid device ordinal", a traceback, instead of one line naming the option."""
+    seen = []
+    _fake_gpu(monkeypatch, seen)
+    chosen = []
+    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cli.torch.cuda, "set_device", chosen.append)
+    argv = ["bench", "--configs", "16x32K", "--qo-lens", "4", "--kernels", "sparse_attn"]
+    assert m3_main([*argv, "--device", "cuda:3"]) == 2
+    assert capsys.readouterr().err == "m3-eagle bench: --device cuda:3: no such CUDA device (1 visible: cuda:0)\n"
+    assert seen == [] and chosen == []
+    assert m3_main([*argv, "--device", "cuda:0"]) == 0 and chosen == [cli.torch.device("cuda:0")]
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("M3_EAGLE_KERNELS", "bogus", "M3_EAGLE_KERNELS must be auto, triton, torch or flashinfer, got 'bogus'"),
+    ("M3_EAGLE_KERNELS", "triton", "M3_EAGLE_KERNELS=triton but Triton kernels cannot run on cpu"),
+    ("M3_EAGLE_PDL", "2", "M3_EAGLE_PDL='2': expected one of 0, 1, all"),
+    ("M3_EAGLE_KERNEL_TABLE", "/nonexistent/table.json", "/nonexistent/table.json"),
+])
+def test_a_kernel_setting_the_e2e_engine_cannot_run_is_an_option_error(name, value, match, monkeypatch, capsys):
+    """The end-to-end engine calls the kernel dispatchers, which refuse these settings: the run died
+    with a traceback in its first engine step (exit 1) instead of refusing them up front, as
+    `m3-eagle run` does."""
+    from m3_eagle_plugin.msa.kernels import kernel_table
+
+    kernel_table.clear_caches()
+    monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(cli, "run_end_to_end", lambda args: calls.append(1) or [])
+    assert m3_main(["bench", "--device", "cpu", "--kernels", "", "--e2e"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("m3-eagle bench: ") and match in err and err.count("\n") == 1 and calls == []
+    kernel_table.clear_caches()
+
+
+def test_a_malformed_kernel_switch_is_refused_before_the_gpu_kernel_suite(monkeypatch, capsys):
+    """On a GPU the suite's `backend_report` (after the copy ceiling's 4 GB copy) raised the switch's
+    KernelInputError as a traceback; the CPU smoke table reads no switch."""
+    seen = []
+    _fake_gpu(monkeypatch, seen)
+    monkeypatch.setenv("M3_EAGLE_HANDOFF", "off")
+    assert m3_main(["bench", "--device", "cuda", "--configs", "16x32K", "--qo-lens", "4"]) == 2
+    assert capsys.readouterr().err == "m3-eagle bench: M3_EAGLE_HANDOFF='off': expected one of 0, 1\n"
+    assert seen == []
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--kernels", "dense_attn"]) == 0
+
+
+@pytest.mark.parametrize("failure, status, last", [
+    (e2e.NoDecodeWindowError("too short to time"), 2, "m3-eagle bench: --e2e: too short to time"),
+    (MemoryError(), 2, "m3-eagle bench: not enough memory for the --e2e section (MemoryError); lower --e2e-hidden, "
+                       "--e2e-context or --e2e-batches"),
+])
+def test_a_failed_e2e_section_keeps_the_kernel_rows_already_measured(failure, status, last, tmp_path, monkeypatch,
+                                                                      capsys):
+    """The kernel section runs first (on a GPU, minutes to hours); an end-to-end failure after it
+    returned before any output: no table, and `--json PATH` was never written."""
+    def fail(args):
+        raise failure
+
+    monkeypatch.setattr(cli, "run_end_to_end", fail)
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--kernels", "dense_attn",
+                    "--e2e", "--json", str(out)]) == status
+    captured = capsys.readouterr()
+    assert [(r["kernel"], r["batch"], r["context"]) for r in json.loads(out.read_text())["rows"]] == [
+        ("dense_attn", 2, 32)]
+    assert captured.out.splitlines()[-1].split()[:2] == ["reference_smoke", "dense_attn"]
+    assert captured.err.splitlines()[-1] == last

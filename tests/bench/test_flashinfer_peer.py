@@ -176,6 +176,30 @@ def test_nvp_probe_child_runs_as_a_module_and_reports_per_case():
     assert all("flashinfer_nvp_error" in f and "not run" not in f["flashinfer_nvp_error"] for f in got.values()), got
 
 
+def test_nvp_probe_child_measures_on_the_bench_device(monkeypatch):
+    """`--device cuda:1`: the bench timed on cuda:1, but the num_valid_pages child, a fresh process,
+    built its inputs and timed on its default cuda:0 (another GPU, perhaps busy or too small)."""
+    import subprocess
+
+    from m3_eagle_plugin.bench import kernel_suite
+
+    commands = []
+    monkeypatch.setattr(fp.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or subprocess.CompletedProcess(
+        cmd, 0, "", ""))
+    fp.nvp_probe([(1, 256)], [1], device=torch.device("cuda:1"))
+    assert commands[0][-3:] == ["1x256", "1", "cuda:1"]
+    made, current = [], []
+
+    def step_set(*args, **kwargs):
+        made.append(kwargs["device"])
+        raise RuntimeError("inputs stop here")
+
+    monkeypatch.setattr(kernel_suite, "StepSet", step_set)
+    monkeypatch.setattr(fp.torch.cuda, "set_device", current.append)  # events and captures use the current one
+    fp._probe_child([(1, 256)], [1], "cuda:1")
+    assert made == [torch.device("cuda:1")] and current == [torch.device("cuda:1")]
+
+
 # --- availability and the CPU path ---------------------------------------------------------------
 
 def test_unavailable_flashinfer_is_reported_not_raised(monkeypatch, fresh_import_status):
@@ -487,7 +511,7 @@ def test_run_kernel_suite_wires_flashinfer_into_rows(monkeypatch, fresh_import_s
     monkeypatch.setattr(ks, "DENSE_PEER", {**ks.DENSE_PEER, "batch": 2, "context": 9, "qo_len": 2,
                                            "geo": Geometry(q_heads=4, kv_heads=2, head_dim=8, block=4)})
     probed = []
-    monkeypatch.setattr(fp, "nvp_probe", lambda configs, qo_lens: probed.append((configs, qo_lens)) or {
+    monkeypatch.setattr(fp, "nvp_probe", lambda configs, qo_lens, device: probed.append((configs, qo_lens, device)) or {
         (2, 16, 3): {"flashinfer_nvp_us": 1.5}})
     kernels = ["index_select", "sparse_attn", "sparse_step", "dense_attn", "dense_peer"]
     rows = run_kernel_suite([(2, 16)], [3, 1], kernels, GEO, kv_dtype=torch.float32, index_dtype=torch.float32,
@@ -502,7 +526,7 @@ def test_run_kernel_suite_wires_flashinfer_into_rows(monkeypatch, fresh_import_s
             assert (row["flashinfer_eager_us"], row["vs_flashinfer_eager"]) == (4.0, 1.0)  # ours eager 4.0 too
             assert row["flashinfer_check"] < 1e-5 or name == "index_select"
     assert by[("index_select", 3)]["flashinfer_check"] == 0.0  # forced local block == our rule here
-    assert by[("index_select", 3)]["flashinfer_nvp_us"] == 1.5 and probed == [([(2, 16)], [3, 1])]
+    assert by[("index_select", 3)]["flashinfer_nvp_us"] == 1.5 and probed == [([(2, 16)], [3, 1], torch.device("cpu"))]
     peer_row = by[("dense_attn_peer", 2)]
     assert peer_row["goal"] == "vs_flashinfer >= 5" and isinstance(peer_row["meets_goal"], bool)
     assert peer_row["vs_flashinfer_eager"] == 1.0

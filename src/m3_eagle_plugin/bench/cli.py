@@ -211,6 +211,23 @@ def _check_something_runs(args: argparse.Namespace, device: torch.device) -> Non
                          f"only {', '.join(SMOKE_KERNELS)}")
 
 
+def _check_kernel_settings(args: argparse.Namespace, device: torch.device) -> None:
+    """The kernels' environment settings, where this run reads them (else a traceback mid-run): the
+    end-to-end engine goes through the dispatchers (`check_backend`, as `m3-eagle run` checks them:
+    switches, backend, kernel table), the GPU suite reads the switches and the backend; the CPU smoke
+    table reads none."""
+    from m3_eagle_plugin.msa.kernels.backend import KernelBackendError, check_backend, check_switches, requested_backend
+
+    if args.e2e:
+        try:
+            check_backend(device)
+        except KernelBackendError as error:  # a RuntimeError: the backend asked for cannot run here
+            raise ValueError(str(error)) from None
+    elif measures_kernels(device):
+        requested_backend()
+        check_switches()
+
+
 def _check_output_path(option: str, path: str | None) -> None:
     """`path` can be written: its folder is a writable directory that takes a new file (the output is
     written next to it and renamed over it) and the path itself is not a directory or a read-only file
@@ -277,8 +294,13 @@ def checked_device(args: argparse.Namespace) -> torch.device:
         raise ValueError(f"--device: expected cuda, cuda:N or cpu, got {want!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {want}: no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()  # else torch.cuda.set_device raised "invalid device ordinal"
+        raise ValueError(f"--device {want}: no such CUDA device ({count} visible: "
+                         f"{'cuda:0' if count == 1 else f'cuda:0..cuda:{count - 1}'})")
     qo_lens_of(args)
     _check_something_runs(args, device)
+    _check_kernel_settings(args, device)
     _check_configs(args, device)
     for option in ("json", "write_table"):
         _check_output_path(f"--{option.replace('_', '-')}", getattr(args, option, None))
@@ -304,14 +326,14 @@ def main(args: argparse.Namespace) -> int:
     except (MemoryError, RuntimeError) as error:
         configs = ",".join(f"{b}x{c}" for b, c in configs_of(args, measures_kernels(device)))
         return _out_of_memory(error, f"--configs {configs}", "lower a batch or context")
+    e2e_error = None
     if args.e2e:
         try:
             rows += run_end_to_end(args)
-        except e2e.NoDecodeWindowError as error:  # an option error the run itself found: no traceback
-            print(f"m3-eagle bench: --e2e: {error}", file=sys.stderr)
-            return 2
-        except (MemoryError, RuntimeError) as error:
-            return _out_of_memory(error, "the --e2e section", "lower --e2e-hidden, --e2e-context or --e2e-batches")
+        except (e2e.NoDecodeWindowError, MemoryError, RuntimeError) as error:  # reported after the kernel rows
+            e2e_error = error
+    if e2e_error is not None and not rows:
+        return _e2e_failed(e2e_error)
     document = _standard_json({"context": context, "rows": rows}) if args.json else None
     written = True
     if args.json and args.json != "-":
@@ -323,7 +345,18 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(document, default=str))
     else:
         print(format_table(rows))
+    if e2e_error is not None:  # the kernel rows measured before it are printed and written all the same
+        return _e2e_failed(e2e_error)
     return 0 if written else 1
+
+
+def _e2e_failed(error: BaseException) -> int:
+    """Exit status 2 and one line for an end-to-end section too short to time or past memory; any
+    other error is re-raised."""
+    if isinstance(error, e2e.NoDecodeWindowError):  # an option error the run itself found: no traceback
+        print(f"m3-eagle bench: --e2e: {error}", file=sys.stderr)
+        return 2
+    return _out_of_memory(error, "the --e2e section", "lower --e2e-hidden, --e2e-context or --e2e-batches")
 
 
 def _kernel_section(args: argparse.Namespace, device: torch.device,

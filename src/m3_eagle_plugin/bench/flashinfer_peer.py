@@ -367,16 +367,17 @@ def _masked_topk_safe(heads: int, tiles: int, tokens: int, device: torch.device)
 
 # --- the num_valid_pages form, isolated in a child process ----------------------------------------
 
-def nvp_probe(configs: list[tuple[int, int]], qo_lens: list[int], *, timeout_s: int = 600
-              ) -> dict[tuple[int, int, int], dict[str, Any]]:
+def nvp_probe(configs: list[tuple[int, int]], qo_lens: list[int], *, device: torch.device | str | None = None,
+              timeout_s: int = 600) -> dict[tuple[int, int, int], dict[str, Any]]:
     """`msa_topk_select` with per-token `num_valid_pages` and `force_end_blocks=1` (exactly our
-    selection rule) on the bench's index inputs, run in a child process: on SM90 it hit an illegal
-    memory access, which would poison every later CUDA call of this process. Returns row fields per
-    (batch, context, q_len): `flashinfer_nvp_us` + `flashinfer_nvp_check`, or `flashinfer_nvp_error`."""
+    selection rule) on the bench's index inputs, run in a child process on `device` (default: cuda):
+    on SM90 it hit an illegal memory access, which would poison every later CUDA call of this
+    process. Returns row fields per (batch, context, q_len): `flashinfer_nvp_us` +
+    `flashinfer_nvp_check`, or `flashinfer_nvp_error`."""
     src = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "m3_eagle_plugin.bench.flashinfer_peer", "--nvp-probe",
-           ",".join(f"{b}x{c}" for b, c in configs), ",".join(map(str, qo_lens))]
+           ",".join(f"{b}x{c}" for b, c in configs), ",".join(map(str, qo_lens)), str(device or "cuda")]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         stdout, ended = proc.stdout, f"exit code {proc.returncode}: {proc.stderr.strip()[-300:]}"
@@ -407,12 +408,14 @@ def parse_probe_output(stdout: str, ended: str, cases: list[tuple[int, int, int]
     return results
 
 
-def _probe_child(configs: list[tuple[int, int]], qo_lens: list[int]) -> None:
+def _probe_child(configs: list[tuple[int, int]], qo_lens: list[int], device: str = "cuda") -> None:
     from . import torch_reference as ref
     from .inputs import Geometry
     from .kernel_suite import StepSet, selection_mismatch
 
-    geo, device = Geometry(), torch.device("cuda")
+    geo, device = Geometry(), torch.device(device)
+    if device.index is not None:  # CUDA events and graph captures use the current device (as `m3-eagle bench`)
+        torch.cuda.set_device(device)
     for batch, context in configs:
         steps = None
         for qo in qo_lens:
@@ -447,8 +450,9 @@ def _probe_child(configs: list[tuple[int, int]], qo_lens: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--nvp-probe":
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--nvp-probe":
         _probe_child([tuple(int(x) for x in c.split("x")) for c in sys.argv[2].split(",")],
-                     [int(q) for q in sys.argv[3].split(",")])
+                     [int(q) for q in sys.argv[3].split(",")], *sys.argv[4:])
     else:
-        sys.exit(f"usage: python -m {__spec__.name if __spec__ else 'flashinfer_peer'} --nvp-probe BxC,... Q,...")
+        sys.exit(f"usage: python -m {__spec__.name if __spec__ else 'flashinfer_peer'} --nvp-probe BxC,... Q,... "
+                 "[DEVICE]")

@@ -529,7 +529,7 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
                                    time_reference=time_reference, peer=peer, log=log, rounds=rounds))
     if peer is not None and flashinfer_available() and "index_select" in kernels and configs:
         log("  flashinfer top-k with num_valid_pages, in a child process")
-        probe = nvp_probe(configs, qo_lens)
+        probe = nvp_probe(configs, qo_lens, device=device)
         for row in rows:
             if row["kernel"] == "index_select":
                 row.update(probe.get((row["batch"], row["context"], row["qo_len"]), {}))
