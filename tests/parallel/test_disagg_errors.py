@@ -252,3 +252,27 @@ def test_a_handoff_header_is_read_in_its_documented_layout():
     assert handoff.pending_inputs == [23, 31, 32]
     assert handoff.payload.num_tokens == header.num_tokens == 6 and handoff.payload.fingerprint == '{"x":1}'
     assert [tuple(p.shape) for p in handoff.payload.pool_pages] == [(2, 3, 8)]
+
+
+def test_another_engines_request_is_refused_before_it_touches_this_engines_pages(tiny_pair, handoffs):
+    """Both engines number from 0: exporting, continuing or freeing another engine's request 0 here
+    would take (and free) the pages of this engine's own request 0."""
+    from m3_eagle_plugin.parallel.disagg import continue_generation, import_handoff
+
+    blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    context, generation = _engine(tiny_pair, blocks), _engine(tiny_pair, blocks)
+    foreign = run_context_phase(context, DISAGG_PROMPTS[:1], DISAGG_NEW)[0]
+    own = import_handoff(generation, handoffs[0])
+    assert foreign.rid == own.rid
+    held = (generation.cache.num_free_blocks, generation.scheduler.admitted_blocks,
+            generation.cache.num_tokens(own.rid))
+    with pytest.raises(HandoffError, match=r"export_handoff: requests \[0\] are not this engine's"):
+        export_handoff(generation, foreign)
+    with pytest.raises(HandoffError, match=r"continue_generation: requests \[0\] are not this engine's"):
+        continue_generation(generation, [own, foreign])
+    assert (generation.cache.num_free_blocks, generation.scheduler.admitted_blocks,
+            generation.cache.num_tokens(own.rid)) == held
+    assert foreign.state.value == "decode" and own.state.value == "decode"
+    # each engine still serves its own request
+    assert continue_generation(generation, [own]).outputs[0][:1] == handoffs[0].output[:1]
+    assert export_handoff(context, foreign).kv_len == handoffs[0].kv_len and _is_clean(context)

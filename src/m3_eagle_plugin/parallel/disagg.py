@@ -134,7 +134,17 @@ def export_handoff(engine: Engine, request: Request) -> ContextHandoff:
         return _export(engine, request)
 
 
+def _check_owned(engine: Engine, requests: Sequence[Request], what: str) -> None:
+    """Refuse another engine's requests: their ids would name (export, step, free) pages of this
+    engine's own requests."""
+    foreign = [getattr(r, "index", r) for r in requests if not engine.owns(r)]
+    if foreign:
+        raise HandoffError(f"{what}: requests {foreign} are not this engine's (made by run_context_phase "
+                           f"or import_handoff on another engine)")
+
+
 def _export(engine: Engine, request: Request) -> ContextHandoff:
+    _check_owned(engine, [request], "export_handoff")
     if request.state is not RequestState.DECODE or request.pending_inputs is None or request.inflight_steps:
         raise HandoffError(f"request {request.index} is {request.state.value} with "
                            f"{request.inflight_steps} steps in flight; only a committed decoding request "
@@ -206,7 +216,7 @@ def import_handoff(engine: Engine, handoff: ContextHandoff) -> Request:
 
 
 def _import(engine: Engine, handoff: ContextHandoff) -> Request:
-    request = _request(handoff, engine.config.eos_ids)
+    request = engine.adopt(_request(handoff, engine.config.eos_ids))
     if not engine.scheduler.admit(request):
         raise HandoffError(f"request {handoff.index}: no KV budget left on the generation engine")
     try:
@@ -229,6 +239,7 @@ def continue_generation(engine: Engine, requests: list[Request]) -> GenerationRe
     exception carries what was done as ``partial_result``, as `Engine.generate`'s does."""
     _check_engine(engine)
     with engine.exclusive("continue_generation"):
+        _check_owned(engine, requests, "continue_generation")
         step_id = 0
         try:
             while True:

@@ -235,6 +235,15 @@ def test_a_non_integer_max_new_tokens_fails_the_requests_instead_of_running(max_
     assert engine.generate(PROMPTS[:2], max_new_tokens=3).outputs == [target.greedy(p, 3) for p in PROMPTS[:2]]
 
 
+def test_a_numpy_max_new_tokens_counts_as_the_int_it_is():
+    """Token ids from an array are taken (numpy ints), and so is a count read from one."""
+    import numpy as np
+
+    engine, target, _ = build(draft_len=2)
+    result = engine.generate(PROMPTS[:2], max_new_tokens=np.int64(3))
+    assert result.errors == [None, None] and result.outputs == [target.greedy(p, 3) for p in PROMPTS[:2]]
+
+
 def test_fractional_forced_acceptance_restarts_its_schedule_every_generate_call():
     """2.5 forces 2, 3, 2, ... from the first verify step of each call: n steps accept floor(2.5 n)."""
     engine, target, cache = build(draft_len=3, force_accepted=2.5)

@@ -138,6 +138,9 @@ def test_prompt_lookup_takes_equal_min_and_max_ngram():
     assert lookup.propose_one([7, 8, 3, 8], 2) == []  # a 1-gram match does not count
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookupProposer(max_ngram=1, min_ngram=2)
+    for sizes in ({"max_ngram": 2.5}, {"min_ngram": True}, {"max_ngram": "3"}):  # would fail later, in range()
+        with pytest.raises(ValueError, match="min_ngram"):
+            PromptLookupProposer(**sizes)
 
 
 def test_replay_proposes_up_to_the_end_of_the_reference():

@@ -26,6 +26,23 @@ def test_definitions_by_hand():
     assert SpecStats(draft_len=3).as_dict()["mean_acceptance_length"] == 0.0
 
 
+def test_a_position_no_step_proposed_has_no_acceptance_rather_than_a_measured_zero():
+    """Prompt lookup drafts fewer than draft_len where its n-gram runs out: position 2 was never
+    proposed, position 1 was proposed and never accepted."""
+    from m3_eagle_plugin.host.reference.cli import _report_text
+    import io
+
+    stats = SpecStats(draft_len=3)
+    stats.record_verify(2, 1)
+    stats.record_verify(1, 0)
+    assert stats.per_position_acceptance == [1 / 2, 0.0, None]
+    out = io.StringIO()
+    report = {"outputs": [], "errors": [], "draft_len": 3, "draft_source": "proposer", "overlap": False,
+              "forced_acceptance": None, **stats.as_dict()}
+    _report_text(report, out)
+    assert "per_position_acceptance=0.500,0.000,-\n" in out.getvalue()
+
+
 @pytest.mark.parametrize("drafts,accepted,draft_len", [(1, 0, 0), (4, 4, 3), (2, 3, 3), (-1, 0, 3), (2, -1, 3)])
 def test_an_impossible_verify_step_is_refused_and_not_counted(drafts, accepted, draft_len):
     stats = SpecStats(draft_len=draft_len)

@@ -55,7 +55,7 @@ def build_engine(
     tc = M3Config.from_file(model_dir)
     plan = inspect_draft(draft_dir, tc) if draft_dir is not None else None
     hook_drafts = proposer is not None or has_drafter_hook(plugin_manager)
-    check_engine_settings(config, vocab_size=tc.vocab_size, device=device,
+    check_engine_settings(config, vocab_size=tc.vocab_size, device=device, has_head=plan is not None,
                           draft_len=effective_draft_len(config, has_head=plan is not None, hook_drafts=hook_drafts))
     if plan is not None and plan.config.head_dim != tc.head_dim:
         raise ValueError(

@@ -155,7 +155,7 @@ def _report_text(report: dict, out: TextIO) -> None:
     )
     per_position = report.get("per_position_acceptance") or []
     if per_position:
-        out.write("per_position_acceptance=" + ",".join(f"{p:.3f}" for p in per_position) + "\n")
+        out.write("per_position_acceptance=" + ",".join("-" if p is None else f"{p:.3f}" for p in per_position) + "\n")
 
 
 def _config_kind(path: Path) -> str | None:

@@ -81,11 +81,16 @@ def effective_draft_len(config: EngineConfig, *, has_head: bool, hook_drafts: bo
     return config.draft_len if has_head or hook_drafts else 0
 
 
-def check_engine_settings(config: EngineConfig, *, vocab_size: int, draft_len: int, device: torch.device) -> None:
+def check_engine_settings(config: EngineConfig, *, vocab_size: int, draft_len: int, device: torch.device,
+                          has_head: bool) -> None:
     """Everything an `Engine` refuses of its config, given the vocabulary, the draft length it runs
-    with and its device (`build_engine` runs this before reading any weight)."""
+    with, its device and whether it has an Eagle3 head (`build_engine` runs this before reading any weight)."""
     if config.cuda_graphs and device.type != "cuda":
         raise ValueError("--cuda-graphs needs a CUDA device (got device %r)" % str(device))
+    if config.cuda_graphs and (not has_head or draft_len < 1):  # what `GenerationGraphs` refuses
+        raise ValueError("CUDA graphs capture the Eagle3 generation step: they need a draft head and K >= 1")
+    if config.cuda_graphs and not config.sampling.greedy:
+        raise ValueError("CUDA graphs support greedy decoding only (sampling uses host-held generators)")
     outside = sorted(t for t in config.eos_ids if t >= vocab_size)
     if outside:
         raise ValueError(f"eos_ids {outside} are outside the vocabulary [0, {vocab_size}): no generated token "
@@ -161,7 +166,8 @@ class Engine:
         self.plugin_manager = plugin_manager
         self._hook_drafts = proposer is not None or has_drafter_hook(plugin_manager)
         self.k = effective_draft_len(config, has_head=head is not None, hook_drafts=self._hook_drafts)
-        check_engine_settings(config, vocab_size=self.vocab_size, draft_len=self.k, device=self.device)
+        check_engine_settings(config, vocab_size=self.vocab_size, draft_len=self.k, device=self.device,
+                              has_head=head is not None)
         block_size = int(cache.block_size)
         run = runner_config(config, draft_len=self.k, block_size=block_size, total_blocks=int(cache.num_blocks),
                             device=self.device, num_index_heads=num_index_heads)
@@ -174,6 +180,7 @@ class Engine:
         self.overlap = config.overlap and not self._hook_drafts
         self.stats = SpecStats(draft_len=self.k)
         self._lock = threading.Lock()  # see `exclusive`
+        self._mark = object()  # on every request this engine made or adopted (`owns`)
         self._holder: tuple[int, str] | None = None  # (thread id, what it runs) while held
 
     @contextlib.contextmanager
@@ -205,7 +212,7 @@ class Engine:
     def make_request(self, index: int, prompt, max_new_tokens: int) -> Request:
         """Validate a prompt and register its KV; a bad prompt yields a FAILED request, not an exception."""
         request = Request(index=index, prompt=[], max_new_tokens=max_new_tokens,
-                          eos_ids=frozenset(self.config.eos_ids))
+                          eos_ids=frozenset(self.config.eos_ids), owner=self._mark)
         try:
             if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):  # a 1-D tensor or array
                 prompt = prompt.tolist()
@@ -220,9 +227,10 @@ class Engine:
                     f"request {index}: token ids must be ints in [0, {self.vocab_size}), got {bad[:5]}"
                 )
             # Not only >= 1: a float or bool would run (2.5 -> 3 tokens) and a str or None would raise
-            # past this request, so every bad count fails the request here.
-            check_int(f"request {index}: max_new_tokens", max_new_tokens, 1, RequestError)
-            request.prompt = ids
+            # past this request, so every bad count fails the request here (a numpy int is an int).
+            count = exact_index(max_new_tokens)
+            check_int(f"request {index}: max_new_tokens", max_new_tokens if count is None else count, 1, RequestError)
+            request.prompt, request.max_new_tokens = ids, count
             self.scheduler.check_fits(request)
         except RequestError as error:
             request.fail(str(error))
@@ -231,6 +239,16 @@ class Engine:
             request.generator = request_generator(self.config.sampling.seed, index, self.device)
         self.cache.add_request(request.rid)
         return request
+
+    def adopt(self, request: Request) -> Request:
+        """Mark ``request`` (built outside `make_request`: an imported handoff) as this engine's."""
+        request.owner = self._mark
+        return request
+
+    def owns(self, request: Request) -> bool:
+        """Whether ``request`` was made or adopted here: its id names pages in this cache only (a
+        request of another engine can share the id with one of ours)."""
+        return isinstance(request, Request) and request.owner is self._mark
 
     def finish(self, request: Request) -> None:
         """Return a finished (or failed) request's pages and its scheduler slot."""

@@ -70,8 +70,9 @@ class PromptLookupProposer:
     occurred earlier and propose the tokens that followed it; nothing when no n-gram matches."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (min_ngram, max_ngram)) \
+                or not 1 <= min_ngram <= max_ngram:  # a float 1.5 would fail later inside range()
+            raise ValueError(f"need ints 1 <= min_ngram <= max_ngram, got {min_ngram!r}, {max_ngram!r}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose_one(self, tokens: Sequence[int], draft_len: int) -> list[int]:

@@ -47,6 +47,7 @@ class Request:
     pending_step: int = -1  # id of the step that produced the pending inputs
     generator: torch.Generator | None = None
     stop_reason: str | None = None
+    owner: object | None = field(default=None, repr=False)  # the engine's mark (`Engine.owns`)
 
     @property
     def rid(self) -> int:

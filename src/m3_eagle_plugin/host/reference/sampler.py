@@ -1,6 +1,6 @@
 """Token choice for the reference host: greedy argmax, or sampling with temperature / top-k / top-p.
 
-One `SamplingParams` per run. `probs()` turns logits into the filtered distribution that both the
+One `SamplingParams` per run. `filtered_probs` turns logits into the filtered distribution that both the
 target (for acceptance) and the drafter (for proposing) use, so rejection sampling sees exactly the
 distribution each token was drawn from. Per-request generators keep sampled outputs independent of
 how requests happen to be batched.

@@ -2,7 +2,8 @@
 
 Definitions follow the usual Eagle reporting: ``acceptance_rate = accepted_tokens / draft_tokens``;
 ``mean_acceptance_length`` = accepted drafts + 1 (the bonus token) per verify step;
-``per_position_acceptance[i]`` = accepted / proposed among the verify steps that proposed a draft ``i``.
+``per_position_acceptance[i]`` = accepted / proposed among the verify steps that proposed a draft ``i``;
+None where none did (a proposer that drafts fewer than ``draft_len``): not a measured 0.
 
 They measure the drafter as the verifier judged it: a verify step's accepted drafts all count even
 where the request then stopped inside them (an eos among them, or ``max_new_tokens`` reached), so
@@ -54,8 +55,8 @@ class SpecStats:
         return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
     @property
-    def per_position_acceptance(self) -> list[float]:
-        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+    def per_position_acceptance(self) -> list[float | None]:
+        return [a / p if p else None for a, p in zip(self.accepted_at, self.proposed_at)]
 
     @property
     def tokens_per_s(self) -> float:
