@@ -144,7 +144,9 @@ def tp_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out_d
 # ----- disaggregated serving: context engine on rank 0, generation engine on rank 1 -------------
 DISAGG_PROMPTS = [[11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13], [7, 200, 7, 201, 7, 200, 7, 201, 9]]
 DISAGG_NEW, DISAGG_K = 12, 3
-#: How long the receiver of a deliberately short frame waits for the ints never sent (the group default: 60 s).
+#: The group timeout of the short-frame case: a bound, not a wait. Gloo delivers a short message
+#: into the longer receive buffer at once (the zeroed trailer slot gives it away) and the sender,
+#: waiting for its verdict, reads the framing abort at once; a regression shows as a timeout here.
 SHORT_FRAME_TIMEOUT = datetime.timedelta(seconds=5)
 
 
@@ -322,15 +324,18 @@ def _raw_frame(kind, values, group=None, *, magic=None, version=None, body=None)
 
 
 def _raw_verdict(group=None) -> str:
+    """The answer to a header sent raw: a verdict ("accepted" / "refused: ...") or a framing abort."""
     from m3_eagle_plugin.parallel import transfer as t
 
     preamble = torch.zeros(4, dtype=torch.int64)
     dist.recv(preamble, 1, group=group)
     magic, version, kind, n = preamble.tolist()
-    assert (magic, version, kind) == (t.MAGIC, t.VERSION, t.KIND_VERDICT), preamble
+    assert (magic, version) == (t.MAGIC, t.VERSION) and kind in (t.KIND_VERDICT, t.KIND_ABORT), preamble
     body = torch.zeros(n + 1, dtype=torch.int64)
     dist.recv(body, 1, group=group)
     assert body[-1] == t.TRAILER
+    if kind == t.KIND_ABORT:
+        return "aborted: " + bytes(body[:-1].tolist()).decode()
     return "refused: " + bytes(body[:-1].tolist()).decode() if n else "accepted"
 
 
@@ -351,6 +356,7 @@ def wire_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out
     must arrive intact (the stream stayed in step); the last ones break the stream on purpose."""
     import dataclasses
     import json as json_
+    import time
 
     from m3_eagle_plugin.host.reference.build import blocks_for_prompts, build_engine
     from m3_eagle_plugin.host.reference.engine import EngineConfig
@@ -417,6 +423,10 @@ def wire_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out
         # breaking the stream: a short frame, a foreign one, pages cut off midway
         g1 = dist.new_group([0, 1], timeout=SHORT_FRAME_TIMEOUT)
         _raw_frame(t.KIND_HANDOFF, hints, group=g1, body=hints[:-3] + [t.TRAILER])
+        try:  # it waits for a verdict, as `send_header` does
+            sender["short frame"] = _raw_verdict(g1)
+        except RuntimeError as error:  # no answer: the group's timeout (the stream is broken from here on)
+            sender["short frame"] = f"{type(error).__name__}: {error}"
         g2 = dist.new_group([0, 1])
         dist.send(torch.tensor([0x1234, 1, t.KIND_HANDOFF, 5], dtype=torch.int64), 1, group=g2)
         g3 = dist.new_group([0, 1])
@@ -447,8 +457,10 @@ def wire_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out
         outcomes[f"handoff {name}"] = _outcome(lambda: recv_handoff(0, engine=engine))
         clean[f"handoff {name}"] = is_clean()
         follow_up_handoff(f"handoff {name}")
-    g1 = dist.new_group([0, 1], timeout=SHORT_FRAME_TIMEOUT)  # a short frame is noticed only at the timeout
+    g1 = dist.new_group([0, 1], timeout=SHORT_FRAME_TIMEOUT)
+    start = time.monotonic()
     outcomes["short frame"] = _outcome(lambda: recv_handoff(0, g1, engine=engine))
+    seconds = {"short frame": time.monotonic() - start}
     outcomes["after the short frame"] = _outcome(lambda: recv_handoff(0, g1, engine=engine))
     g2 = dist.new_group([0, 1])
     outcomes["foreign frame"] = _outcome(lambda: recv_handoff(0, g2, engine=engine))
@@ -457,7 +469,8 @@ def wire_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out
     outcomes["cut"] = _outcome(lambda: recv_handoff(0, g3, engine=engine))
     outcomes["after the cut"] = _outcome(lambda: t.recv_ints(0, g3))
     clean["cut"] = is_clean()
-    (out / "wire_rank1.json").write_text(json_.dumps({"outcomes": outcomes, "clean": clean, "followups": followups}))
+    (out / "wire_rank1.json").write_text(json_.dumps({"outcomes": outcomes, "clean": clean, "followups": followups,
+                                                      "seconds": seconds}))
 
 
 # ----- paths where one side waited for a message the other never sends (rank 0 sends) ----------

@@ -74,8 +74,14 @@ def test_refused_handoff_leaves_the_engine_clean_and_the_next_handoff_imports(wi
 
 
 def test_short_or_foreign_frames_put_the_stream_out_of_sync_instead_of_being_read(wire):
+    from ._workers import SHORT_FRAME_TIMEOUT
+
     outcomes = wire["outcomes"]
     assert outcomes["short frame"].startswith("TransferError: the frame of") and "truncated" in outcomes["short frame"]
+    # a short header body is caught on arrival, and its sender (waiting for a verdict) is told so:
+    # neither side waits for the group's timeout
+    assert wire["sender"]["short frame"] == "aborted: " + outcomes["short frame"].split(": ", 1)[1]
+    assert wire["seconds"]["short frame"] < SHORT_FRAME_TIMEOUT.total_seconds() / 2, wire["seconds"]
     assert "not speaking the m3-eagle transfer protocol" in outcomes["foreign frame"]
     for after in ("after the short frame", "after the foreign frame"):
         assert outcomes[after].startswith("TransferError: the stream with rank 0 is out of sync"), outcomes[after]
