@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from m3_eagle_plugin.eagle3.checkpoint import CheckpointError, canonical_name, load_draft, parse_draft_config
+from m3_eagle_plugin.eagle3.checkpoint import (CheckpointError, canonical_name, inspect_draft, load_draft,
+                                               parse_draft_config)
 from m3_eagle_plugin.models.config import ConfigError
 from m3_eagle_plugin.models.loader import load_target
 from m3_eagle_plugin.models.tiny import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, VOCAB, draft_config, make_tiny
@@ -279,12 +280,15 @@ def test_all_zero_d2t_keeps_sharing_the_target_lm_head(tiny, tmp_path):
     assert load_draft(path, target).lm_head is target.lm_head
 
 
-def test_non_integer_d2t_is_refused(tiny, tmp_path):
+def test_non_integer_d2t_is_refused_by_inspect_draft_before_the_target_is_read(tiny, tmp_path):
+    """The reference host inspects the draft before it reads the target's weights; the d2t dtype is in
+    the safetensors header, so a float d2t is refused there (it was refused only by `load_draft`)."""
     target, draft_dir = tiny
     path = _variant(draft_dir, tmp_path / "d", lambda t: t.update(d2t=torch.full((VOCAB,), 0.5)))
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: d2t must hold integer id offsets, got dtype "
-                                              r"torch\.float32"):
-        load_draft(path, target)
+    for load in (lambda: inspect_draft(path, target.config), lambda: load_draft(path, target)):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'd2t' is stored as F32; d2t must hold "
+                                                  r"integer id offsets$"):
+            load()
 
 
 def test_d2t_mapping_two_draft_ids_to_one_target_id_is_refused(tiny, tmp_path):

@@ -257,3 +257,19 @@ def test_loading_a_state_dict_re_derives_the_vocabulary_maps(tiny):
     want = _old_to_target_logits(other.d2t, head.config.vocab_size, logits)
     assert torch.equal(head.to_target_logits(logits), want)
     assert torch.equal(head.to_target_logits(logits).argmax(-1), head.draft_to_target(logits.argmax(-1)))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(8), torch.zeros(2, 4, dtype=torch.long), torch.zeros(8, dtype=torch.bool)])
+def test_a_d2t_that_is_not_1d_integer_offsets_is_refused_and_the_head_keeps_its_maps(tiny, bad):
+    """A float d2t used to be stored first and then fail deep inside the index build (a bare
+    IndexError), leaving d2t and target_ids changed and every later forward failing the same way."""
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    d2t = torch.arange(8)  # draft d -> target 2d
+    head.d2t = d2t
+    before = (head.d2t, head.target_ids, head.draft_index)
+    with pytest.raises(TypeError, match=r"^d2t must be a 1-D integer tensor of id offsets, got "):
+        head.d2t = bad
+    assert all(now is then for now, then in zip((head.d2t, head.target_ids, head.draft_index), before))
+    logits = torch.randn(2, 8)
+    assert torch.equal(head.to_target_logits(logits)[:, 2 * torch.arange(8)], logits)

@@ -8,7 +8,8 @@ the "input of layer i" convention as vLLM reads them, default (2, L//2, L-3); fe
 ascending layer order), `num_aux_hidden_states` (checked against them), `draft_vocab_size`,
 `target_hidden_size`, `norm_output` (or TensorRT-LLM's `eagle_config.return_hidden_post_norm`),
 `norm_before_residual`, `fc_norm` (the per-chunk norms; when absent, their tensors decide) and
-`norm_before_fc`; each may sit at the top level or in `eagle_config`. A missing embedding or
+`norm_before_fc`; the aux ids and the four flags may sit at the top level or in `eagle_config`,
+the three sizes at the top level only (as every exporter writes them). A missing embedding or
 lm_head is taken from the target (the lm_head's
 rows gathered into draft-id order through `d2t` whenever that is not all zeros: a smaller draft
 vocabulary, or a full one in another order). Names and shapes are all validated before anything
@@ -158,6 +159,9 @@ def inspect_draft(path: str | Path, target_config) -> DraftPlan:
         check_shape(source.where, by_canon[canon], source.shape(by_canon[canon]), expected[canon])
         if canon != "d2t":
             check_weight_dtype(source.where, by_canon[canon], source.dtype(by_canon[canon]))
+        elif not source.dtype(by_canon[canon]).startswith(("I", "U")):  # I8..I64, U8..U64; not F*, BOOL
+            raise CheckpointError(f"{source.where}: tensor {by_canon[canon]!r} is stored as "
+                                  f"{source.dtype(by_canon[canon])}; d2t must hold integer id offsets")
     if config.draft_vocab_size != config.vocab_size and "d2t" not in present:
         raise CheckpointError(f"{source.where}: draft_vocab_size {config.draft_vocab_size} < vocab_size "
                               f"{config.vocab_size} but the checkpoint has no 'd2t' mapping")

@@ -30,6 +30,7 @@ from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.models import fused_ops
 from m3_eagle_plugin.models.norms import LlamaRMSNorm
 from m3_eagle_plugin.models.rope import RopeAt, RotaryEmbedding
+from m3_eagle_plugin.msa.blocks import is_integer_dtype
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,11 @@ class Eagle3Head(nn.Module):
         self.register_load_state_dict_post_hook(_reindex_vocabulary_after_load)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "d2t" and value is not None and not (
+                isinstance(value, torch.Tensor) and value.dim() == 1 and is_integer_dtype(value.dtype)):
+            # refused before it is stored: a float d2t failed only inside the index build, half assigned
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"d2t must be a 1-D integer tensor of id offsets, got {got}")
         super().__setattr__(name, value)
         if name == "d2t":
             self._index_vocabulary()
