@@ -191,15 +191,17 @@ def _verdict_refusal(mode: str, verdict: Any, manifest: Any, force: bool) -> str
     return None
 
 
-def _judge_host(report: ActivationReport) -> tuple[Any, bool, str | None, bool, Any]:
+def _judge_host(report: ActivationReport, force: bool | None = None) -> tuple[Any, bool, str | None, bool, Any]:
     """(manifest, installed, version, force, verdict) of the manifest's host; fills `report`'s host,
-    host_version, verdict and reason (what activate and status both report first)."""
+    host_version, verdict and reason (what activate and status both report first). `force` defaults to
+    the switch, a malformed value raising (`force_requested`)."""
     from m3_eagle_plugin.manifest import host_verdict, load_manifest
 
     manifest = load_manifest()
     installed, version = host_version(manifest.host.package)
     report.host, report.host_version = manifest.host.package, version
-    force = force_requested()
+    if force is None:
+        force = force_requested()
     verdict = host_verdict(version, manifest, force=force)
     report.verdict, report.reason = verdict.status, verdict.reason
     return manifest, installed, version, force, verdict
@@ -336,8 +338,11 @@ def status() -> ActivationReport:
     except InvalidModeError as exc:
         return ActivationReport(mode=os.environ.get(MODE_ENV, ""), ok=False, reason=str(exc))
     report = ActivationReport(mode=mode)
+    # a malformed force switch: activating refuses it (below), but the verdict (judged with it unset),
+    # the components and the plugin errors do not depend on it, so they are still reported
+    force, force_problem = read_switch(FORCE_ENV)
     try:
-        manifest, installed, version, force, verdict = _judge_host(report)
+        manifest, installed, version, force, verdict = _judge_host(report, force)
         if not installed:
             report.reason = f"{manifest.host.package} is not installed"
             report.ok = mode != "require"  # activating would raise (`activate`)
@@ -358,6 +363,9 @@ def status() -> ActivationReport:
     except Exception as exc:  # noqa: BLE001 - status reports, it does not fail
         report.ok = False
         report.reason = f"{report.reason}; {type(exc).__name__}: {exc}" if report.reason else f"{type(exc).__name__}: {exc}"
+    if force_problem is not None:
+        report.ok = False
+        report.reason = f"{force_problem}; activating (auto or require) refuses it; with it unset: {report.reason}"
     last = _last.get(_decision_key(mode))
     if last is not None and not last.ok:
         report.ok, report.reason = False, last.reason

@@ -1,11 +1,11 @@
 """`m3-eagle doctor`: what is installed, what the manifest says about it, and what is active.
 
 The one command an operator runs when something looks wrong: plugin version, mode, host found and
-version, manifest verdict, registered plugins and components, patches applied (or why not), the kernel
-backend choice (FlashInfer's status, the measured table in force and its verdict per shape), and
-optionally a static check of a TensorRT-LLM source tree (no import) against every host symbol the
-adapter touches. `--json` prints the same as one JSON object. It exits 1 when anything would fail or
-run otherwise than asked, a malformed setting included.
+version, manifest verdict, registered plugins and components (and the plugins left out, with why),
+patches applied (or why not), the kernel backend choice (FlashInfer's status, the measured table in
+force and its verdict per shape), and optionally a static check of a TensorRT-LLM source tree (no
+import) against every host symbol the adapter touches. `--json` prints the same as one JSON object.
+It exits 1 when anything would fail or run otherwise than asked, a malformed setting included.
 """
 from __future__ import annotations
 
@@ -123,9 +123,12 @@ def collect(host_source: str | None = None) -> dict[str, Any]:
     try:
         from m3_eagle_plugin.registry import get_plugin_manager
 
-        data["plugins"] = get_plugin_manager().plugin_summary()
+        manager = get_plugin_manager()
+        data["plugins"] = manager.plugin_summary()
+        data["plugins_skipped"] = [str(skip) for skip in manager.skipped]  # left out on purpose, with why
     except Exception as exc:  # noqa: BLE001
         data["plugins"] = [{"error": f"{type(exc).__name__}: {exc}"}]
+        data["plugins_skipped"] = []
     adapter, why = _optional_call("m3_eagle_plugin.host.trtllm", "report")
     data["adapter"] = adapter if why is None else {"unavailable": why}
     backend, why = _optional_call("m3_eagle_plugin.msa.kernels", "backend_report")
@@ -184,6 +187,7 @@ def render_table(data: dict[str, Any]) -> str:
         ("attention metadata", data["components"].get("attention_metadata")),
         ("reference host", data["components"].get("reference")),
         ("plugins", [f"{p.get('name')} ({p.get('distribution') or p.get('module')})" for p in data["plugins"]]),
+        ("plugins skipped", data["plugins_skipped"] or None),
         ("plugin errors", data["plugin_errors"] or None),
         ("host adapter", data["adapter"]),
         *_kernel_rows(data["kernel_backend"]),

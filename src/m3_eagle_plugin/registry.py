@@ -4,8 +4,14 @@
 from the entry-point group `m3_eagle_plugin`, one at a time: a broken plugin is recorded in
 `load_errors` (and logged) instead of aborting the others; callers that must not run degraded
 (`M3_EAGLE_PLUGIN=require`) turn those errors into a failure. `M3_EAGLE_PLUGIN_LOAD` is an allow-list
-of entry-point names ("" = third-party plugins off), `M3_EAGLE_PLUGIN_TRACE=1` logs every hook call
-(another value than a switch logs a warning and leaves tracing off; `m3-eagle doctor` fails on it).
+of entry-point names ("" = third-party plugins off). Nothing is left out without a line naming the
+entry point and its distribution: a name the allow-list asks for that no distribution declares, and an
+entry point whose name another plugin already holds (a third-party `builtin` included), are load
+errors (the user would otherwise run without a plugin they installed or asked for); one the
+allow-list leaves out, a blocked name, or a second name for a plugin already registered is recorded
+in `skipped`. The package's own `builtin` entry point names the plugin registered first: not a clash.
+`M3_EAGLE_PLUGIN_TRACE=1` logs every hook call (another value than a switch logs a warning and leaves
+tracing off; `m3-eagle doctor` fails on it).
 `get_plugin_manager()` is the per-process singleton; `make_plugin_manager()` builds hermetic ones.
 """
 from __future__ import annotations
@@ -51,7 +57,22 @@ class PluginLoadError:
 
     def __str__(self) -> str:
         dist = f" from {self.distribution}" if self.distribution else ""
-        return f"plugin {self.name!r} ({self.value}{dist}) failed to load: {self.error}"
+        where = f" ({self.value}{dist})" if self.value else ""
+        return f"plugin {self.name!r}{where} failed to load: {self.error}"
+
+
+@dataclass(frozen=True)
+class PluginSkip:
+    """An entry point deliberately not loaded (allow-list, blocked name, plugin already registered)."""
+
+    name: str
+    value: str
+    distribution: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        dist = f" from {self.distribution}" if self.distribution else ""
+        return f"plugin {self.name!r} ({self.value}{dist}) not loaded: {self.reason}"
 
 
 def resolve(reference: str) -> Any:
@@ -80,6 +101,11 @@ def trace_from_env(environ: Mapping[str, str] | None = None) -> tuple[bool, str 
     return on, None if problem is None else f"{problem}; tracing stays off"
 
 
+def _same_value(a: str, b: str) -> bool:
+    """Two entry-point values name the same object ("pkg.mod:obj", spaces aside)."""
+    return "".join(a.split()) == "".join(b.split())
+
+
 def _allow_list(environ: Mapping[str, str]) -> set[str] | None:
     raw = environ.get(LOAD_ENV)
     if raw is None:
@@ -94,7 +120,9 @@ class M3PluginManager(pluggy.PluginManager):
         super().__init__(PROJECT_NAME)
         self.add_hookspecs(M3EagleSpecs)
         self.load_errors: list[PluginLoadError] = []
+        self.skipped: list[PluginSkip] = []
         self.distributions: dict[str, str] = {}  # plugin name -> "dist-name version" (entry points)
+        self._entry_values: dict[str, str] = {}  # plugin name -> entry-point value it was loaded from
         self._undo_trace: Callable[[], None] | None = None
         if register_builtin:
             from m3_eagle_plugin import builtin
@@ -112,42 +140,83 @@ class M3PluginManager(pluggy.PluginManager):
                          entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> list[str]:
         """Load and register every entry point of `group`; returns the names registered.
 
-        A failing plugin is recorded in `load_errors` and logged; with `strict` it raises `PluginError`.
+        A failing plugin (one that raises, implements an unknown hook, takes a name another plugin holds,
+        or is named in `M3_EAGLE_PLUGIN_LOAD` but not installed) is recorded in `load_errors` and logged;
+        with `strict` it raises `PluginError`. One left out on purpose is recorded in `skipped`, logged.
         """
         if entry_points is None:
             entry_points = importlib.metadata.entry_points(group=group)
         allowed = _allow_list(os.environ)
         loaded: list[str] = []
+        seen: set[str] = set()
+
+        def fail(failure: PluginLoadError, exc: BaseException | None = None) -> None:
+            self.load_errors.append(failure)
+            get_logger().warning(str(failure))
+            if strict:
+                raise PluginError(str(failure)) from exc
+
         for ep in entry_points:
-            if self.get_plugin(ep.name) is not None or self.is_blocked(ep.name):
-                continue
-            if allowed is not None and ep.name not in allowed:
-                continue
+            seen.add(ep.name)
             ep_dist = getattr(ep, "dist", None)
             dist = getattr(ep_dist, "name", None)
+            registered = self.get_plugin(ep.name)
+            if registered is not None and _same_value(ep.value, self._source_of(ep.name)):
+                continue  # this entry point is what holds the name (the package's own `builtin`, a second load)
+            if allowed is not None and ep.name not in allowed:
+                self._skip(PluginSkip(ep.name, ep.value, dist, f"not in {LOAD_ENV}={os.environ[LOAD_ENV]!r}"))
+                continue
+            if self.is_blocked(ep.name):
+                self._skip(PluginSkip(ep.name, ep.value, dist, "the name is blocked in this plugin manager"))
+                continue
+            if registered is not None:
+                fail(PluginLoadError(ep.name, ep.value, dist, f"the name {ep.name!r} is already taken by "
+                                     f"{self._describe(ep.name)}; entry-point names in group {group!r} must be unique"))
+                continue
             try:
                 plugin = ep.load()
                 if self.is_registered(plugin):
+                    self._skip(PluginSkip(ep.name, ep.value, dist,
+                                          f"the same plugin is already registered as {self.get_name(plugin)!r}"))
                     continue
                 self.register(plugin, name=ep.name)
                 unknown = self._unknown_hooks(plugin)
                 if unknown:  # check_pending() below would otherwise fail the whole manager
                     self.unregister(plugin)
                     raise pluggy.PluginValidationError(plugin, f"implements unknown hook(s) {unknown}")
+                self._entry_values[ep.name] = ep.value
                 if dist is not None:
                     self.distributions[ep.name] = f"{dist} {ep_dist.version}"
             except Exception as exc:  # a broken plugin must not take the others down
                 if self.get_plugin(ep.name) is not None:  # pluggy < 1.7 keeps the hookimpls it took before failing
                     self.unregister(name=ep.name)
-                failure = PluginLoadError(ep.name, ep.value, dist, f"{type(exc).__name__}: {exc}")
-                self.load_errors.append(failure)
-                get_logger().warning(str(failure))
-                if strict:
-                    raise PluginError(str(failure)) from exc
+                fail(PluginLoadError(ep.name, ep.value, dist, f"{type(exc).__name__}: {exc}"), exc)
                 continue
             loaded.append(ep.name)
+        for name in sorted((allowed or set()) - seen):
+            if self.get_plugin(name) is None:  # asked for by name: running without it is not what was asked
+                fail(PluginLoadError(name, "", None, f"{LOAD_ENV} names it, but it is not installed (no "
+                                     f"distribution declares an entry point {name!r} in group {group!r})"))
         self.check_pending()
         return loaded
+
+    def _skip(self, skip: PluginSkip) -> None:
+        self.skipped.append(skip)
+        get_logger().info(str(skip))
+
+    def _source_of(self, name: str) -> str:
+        """What holds `name`: the entry-point value it was loaded from, else "module" or "module:Class"."""
+        if name in self._entry_values:
+            return self._entry_values[name]
+        plugin = self.get_plugin(name)
+        if isinstance(plugin, ModuleType):
+            return plugin.__name__
+        cls = plugin if isinstance(plugin, type) else type(plugin)
+        return f"{cls.__module__}:{cls.__qualname__}"
+
+    def _describe(self, name: str) -> str:
+        dist = self.distributions.get(name)
+        return f"plugin {name!r} ({self._source_of(name)}{f' from {dist}' if dist else ''})"
 
     def _unknown_hooks(self, plugin: object) -> list[str]:
         """Hooks `plugin` implements that no spec declares (and are not marked optional)."""

@@ -75,8 +75,13 @@ def test_cpu_smoke_bytes_count_q_the_output_and_a_partial_last_page_by_its_token
     (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: /nonexistent/dir is not a writable"),
     (["--write-table", "/nonexistent/t.json"], "--write-table /nonexistent/t.json: /nonexistent is not"),
     (["--e2e", "--e2e-batches", "x"], "--e2e-batches: expected a comma list of integers"),
-    (["--e2e", "--e2e-tokens", "2"], "new_tokens must be >= 4"),
-    (["--e2e", "--e2e-hidden", "0"], "hidden must be >= 1, got 0"),
+    (["--e2e", "--e2e-tokens", "2"], "--e2e-tokens 2: must be >= 4"),
+    (["--e2e", "--e2e-hidden", "0"], "--e2e-hidden 0: must be >= 1"),
+    (["--e2e", "--e2e-repeats", "0"], "--e2e-repeats 0: must be >= 1"),
+    (["--e2e", "--e2e-context", "0"], "--e2e-context 0: must be >= 1"),
+    (["--e2e", "--e2e-context", "-3"], "--e2e-context -3: must be >= 1"),
+    (["--e2e", "--e2e-batches", "1,0"], "--e2e-batches 1,0: batch sizes must be >= 1"),
+    (["--e2e", "--e2e-batches", "1,16,1"], "--e2e-batches 1,16,1: batch 1 given twice"),  # ran batch 1 twice
     (["--kernels", "sparse_attn,bogus"], "--kernels: unknown kernel(s) bogus"),
     (["--kernels", "sparse_attn,dense_attn,sparse_attn"], "--kernels sparse_attn,dense_attn,sparse_attn: "
                                                          "sparse_attn given twice"),
@@ -98,6 +103,8 @@ def test_bad_options_are_refused_before_anything_is_measured(argv, match, capsys
     assert m3_main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("m3-eagle bench: ") and match in err and measured == []
+    # the option typed, not the internal field it sets
+    assert not any(field in err for field in ("new_tokens", "prompt_len", "repeats >=", "hidden must", "batches must"))
 
 
 def test_every_e2e_option_defaults_to_none_or_false():

@@ -313,6 +313,18 @@ def test_broken_third_party_plugin(active_env):
     assert report.activated and report.plugin_errors
 
 
+def test_require_refuses_an_allow_listed_plugin_that_is_not_installed(fake_install, fake_host, monkeypatch):
+    """`M3_EAGLE_PLUGIN_LOAD=ghost` without a `ghost` entry point: `require` must not run without the plugin
+    asked for (the real manager, entry points loaded); `auto` activates and reports it."""
+    fake_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_LOAD", "ghost")
+    with pytest.raises(ActivationError, match="'ghost'.*M3_EAGLE_PLUGIN_LOAD"):
+        m3_eagle_plugin.activate("require")
+    assert fake_install == []
+    report = m3_eagle_plugin.activate("auto")
+    assert report.activated and any("'ghost'" in error for error in report.plugin_errors)
+
+
 def test_host_ready_hook_sees_the_report(active_env, hermetic_manager):
     make_host, _ = active_env
     make_host("1.3.0rc24")

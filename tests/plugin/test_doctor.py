@@ -193,14 +193,21 @@ def test_a_bad_kernel_table_is_reported_beside_a_bad_switch(clean_state, capsys,
         assert "M3_EAGLE_PDL='off'" in out and f"kernel table {tmp_path / 'nowhere.json'}: cannot read" in out
 
 
-def test_a_bad_force_switch_fails_the_doctor(fake_host, hermetic_manager, capsys, monkeypatch):
-    fake_host("1.3.0rc24")
+@pytest.mark.parametrize("version, verdict", [("1.3.0rc24", "supported"), ("1.4.0rc1", "defer")])
+def test_a_bad_force_switch_fails_the_doctor(fake_host, hermetic_manager, capsys, monkeypatch, version, verdict):
+    """The switch fails the doctor, and the rest of the report is still there: the verdict as with the switch
+    unset (what activating would judge, had it not refused the value) and the components, which do not
+    depend on it (they read `verdict: null` and nothing)."""
+    fake_host(version)
     monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
     monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "yes please")
     assert cli.main(["doctor", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is False and "M3_EAGLE_PLUGIN_FORCE='yes please'" in data["reason"]
     assert [e for e in data["setting_errors"] if "M3_EAGLE_PLUGIN_FORCE='yes please'" in e]
+    assert data["verdict"] == verdict and data["host_version"] == version
+    assert data["components"]["kv_cache_manager"] == "fake.kv:Manager"
+    assert data["components"]["reference"]["attention_metadata"] == "fake.msa:Metadata"
 
 
 @pytest.mark.parametrize("name, value", [("M3_EAGLE_PLUGIN_LOG_LEVEL", "LOUD"), ("M3_EAGLE_PLUGIN_LOG_LEVEL", "10"),
@@ -224,3 +231,55 @@ def test_the_documented_log_levels_and_trace_switches_pass_the_doctor(clean_stat
     monkeypatch.setenv(name, value)
     assert cli.main(["doctor", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["setting_errors"] == []
+
+
+def _plugin_distribution(site, entry_points: str) -> None:
+    """A dist-info `extra-m3-plugin 1.0` on sys.path declaring `entry_points` in the plugin group."""
+    (site / "extra_m3_plugin").mkdir(parents=True)
+    (site / "extra_m3_plugin" / "__init__.py").write_text("")
+    dist = site / "extra_m3_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: extra-m3-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[m3_eagle_plugin]\n{entry_points}\n")
+
+
+@pytest.mark.parametrize("mode, ok", [("require", False), ("auto", True)])
+def test_an_allow_listed_plugin_that_is_not_installed_is_named_and_fatal_under_require(
+        fake_host, capsys, monkeypatch, mode, ok):
+    """`M3_EAGLE_PLUGIN_LOAD=ghost` without a `ghost` plugin was ignored; activating under require now
+    refuses naming it (as for a plugin that fails to load), and the doctor says so."""
+    fake_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", mode)
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_LOAD", "ghost")
+    assert cli.main(["doctor", "--json"]) == (0 if ok else 1)
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is ok
+    assert [e for e in data["plugin_errors"] if "'ghost'" in e and "M3_EAGLE_PLUGIN_LOAD" in e], data["plugin_errors"]
+    if not ok:
+        assert "'ghost'" in data["reason"]
+
+
+def test_a_third_party_builtin_entry_point_is_named_and_fatal_under_require(fake_host, tmp_path, capsys,
+                                                                             monkeypatch):
+    fake_host("1.3.0rc24")
+    _plugin_distribution(tmp_path / "site", "builtin = extra_m3_plugin")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "require")
+    assert cli.main(["doctor", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    [error] = data["plugin_errors"]
+    assert "extra_m3_plugin" in error and "extra-m3-plugin" in error and "m3_eagle_plugin.builtin" in error, error
+    assert error in data["reason"]
+
+
+@pytest.mark.parametrize("json_out", [True, False])
+def test_plugins_left_out_by_the_allow_list_are_listed_with_the_reason(clean_state, tmp_path, capsys, monkeypatch,
+                                                                        json_out):
+    _plugin_distribution(tmp_path / "site", "extra = extra_m3_plugin")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_LOAD", "")
+    assert cli.main(["doctor"] + (["--json"] if json_out else [])) == 0
+    out = capsys.readouterr().out
+    skipped = json.loads(out)["plugins_skipped"] if json_out else out
+    assert "plugin 'extra' (extra_m3_plugin from extra-m3-plugin) not loaded: not in M3_EAGLE_PLUGIN_LOAD=''" in (
+        skipped if json_out else out)

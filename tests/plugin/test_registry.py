@@ -169,9 +169,14 @@ def test_misspelled_hook_fails_check_pending(manager):
         manager.check_pending()
 
 
+class _FakeDist:
+    def __init__(self, name, version="1.0"):
+        self.name, self.version = name, version
+
+
 class _FakeEntryPoint:
-    def __init__(self, name, value, loader):
-        self.name, self.value, self._loader, self.dist = name, value, loader, None
+    def __init__(self, name, value, loader, dist=None):
+        self.name, self.value, self._loader, self.dist = name, value, loader, dist
 
     def load(self):
         return self._loader()
@@ -387,3 +392,81 @@ def test_drafter_answer_of_the_wrong_length_for_one_request_is_rejected(manager)
     manager.register(Short(), name="short")
     with pytest.raises(PluginError, match=r"returned \[2, 1\] tokens for 2 requests"):
         manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
+
+
+def _never_loaded():
+    raise AssertionError("an entry point that is not loaded must not be imported")
+
+
+def test_a_third_party_entry_point_named_builtin_is_a_load_error_naming_both(manager, monkeypatch, capsys):
+    """A distribution declaring an entry point `builtin` (or any name already registered) was skipped
+    without a word, under `require` too: it is a load error naming both plugins, logged, fatal when strict."""
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    ep = _FakeEntryPoint("builtin", "evil_pkg:plugin", _never_loaded, _FakeDist("evil-pkg", "2.0"))
+    assert manager.load_entrypoints(entry_points=[ep]) == []
+    assert manager.get_plugin("builtin") is builtin
+    [error] = manager.load_errors
+    assert error.name == "builtin" and error.distribution == "evil-pkg"
+    text = str(error)
+    assert "evil_pkg:plugin" in text and "evil-pkg" in text and "m3_eagle_plugin.builtin" in text, text
+    assert text in capsys.readouterr().err  # one warning line naming both
+    with pytest.raises(PluginError, match="evil-pkg"):
+        manager.load_entrypoints(entry_points=[ep], strict=True)
+
+
+def test_two_distributions_declaring_one_entry_point_name_are_named_both(manager, monkeypatch):
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    eps = [_FakeEntryPoint("drafter", "ok:Drafter", Drafter, _FakeDist("dist-a")),
+           _FakeEntryPoint("drafter", "other:Drafter", _never_loaded, _FakeDist("dist-b"))]
+    assert manager.load_entrypoints(entry_points=eps) == ["drafter"]
+    [error] = manager.load_errors
+    assert "other:Drafter" in str(error) and "dist-b" in str(error)
+    assert "ok:Drafter" in str(error) and "dist-a" in str(error), str(error)
+
+
+def test_the_projects_own_builtin_entry_point_and_a_second_load_are_quiet(manager, monkeypatch, capsys):
+    """The package declares `builtin` itself (the manager registered it already): not a clash; loading
+    the same entry points twice is not one either."""
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    eps = [_FakeEntryPoint("builtin", "m3_eagle_plugin.builtin", _never_loaded, _FakeDist("m3-eagle-plugin")),
+           _FakeEntryPoint("drafter", "ok:Drafter", Drafter, _FakeDist("dist-a"))]
+    assert manager.load_entrypoints(entry_points=eps) == ["drafter"]
+    assert manager.load_entrypoints(entry_points=eps) == []
+    assert manager.load_errors == [] and manager.skipped == []
+    assert "builtin" not in capsys.readouterr().err
+
+
+def test_an_allow_listed_plugin_that_is_not_installed_is_a_load_error_naming_it(manager, monkeypatch):
+    """`M3_EAGLE_PLUGIN_LOAD=drafter,ghost` without a `ghost` entry point was ignored without a word;
+    under `require` (which fails on load errors) a plugin asked for by name must be there."""
+    monkeypatch.setenv(registry.LOAD_ENV, "drafter,ghost")
+    eps = [_FakeEntryPoint("drafter", "ok:Drafter", Drafter)]
+    assert manager.load_entrypoints(entry_points=eps) == ["drafter"]
+    [error] = manager.load_errors
+    assert error.name == "ghost" and "M3_EAGLE_PLUGIN_LOAD" in str(error) and "not installed" in str(error)
+    with pytest.raises(PluginError, match="ghost"):
+        make_plugin_manager().load_entrypoints(entry_points=eps, strict=True)
+
+
+def test_entry_points_left_out_by_the_allow_list_are_logged_and_listed(manager, monkeypatch, capsys):
+    monkeypatch.setenv(registry.LOAD_ENV, "")
+    ep = _FakeEntryPoint("drafter", "ok:Drafter", _never_loaded, _FakeDist("dist-a"))
+    assert manager.load_entrypoints(entry_points=[ep]) == []
+    assert manager.load_errors == []
+    [skip] = manager.skipped
+    assert skip.name == "drafter" and skip.distribution == "dist-a" and "M3_EAGLE_PLUGIN_LOAD" in skip.reason
+    line = str(skip)
+    assert "'drafter'" in line and "ok:Drafter" in line and "dist-a" in line
+    assert line in capsys.readouterr().err
+
+
+def test_one_plugin_object_under_two_entry_points_is_registered_once_and_the_skip_logged(manager, monkeypatch,
+                                                                                          capsys):
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    drafter = Drafter()
+    eps = [_FakeEntryPoint("drafter", "ok:drafter", lambda: drafter, _FakeDist("dist-a")),
+           _FakeEntryPoint("alias", "ok:drafter", lambda: drafter, _FakeDist("dist-a"))]
+    assert manager.load_entrypoints(entry_points=eps) == ["drafter"]
+    [skip] = manager.skipped
+    assert skip.name == "alias" and "'drafter'" in skip.reason
+    assert str(skip) in capsys.readouterr().err

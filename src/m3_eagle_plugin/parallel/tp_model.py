@@ -72,7 +72,8 @@ def _cut(name: str, full: torch.Tensor, rule: str, rank: int, tp_size: int) -> t
 def shard_state_dict(full: dict[str, torch.Tensor], shard_shapes: dict[str, torch.Size], rank: int,
                      tp_size: int) -> dict[str, torch.Tensor]:
     """Cut ``full`` to ``shard_shapes`` (a rank model's state-dict shapes). A cut tensor owns its
-    memory (just this rank's slice); an unsplit one is passed through (shares ``full``'s storage)."""
+    memory (just this rank's slice); an unsplit one is passed through (shares ``full``'s storage,
+    or is a contiguous copy of a non-contiguous one)."""
     if not 0 <= rank < tp_size:
         raise ValueError(f"rank {rank} is outside [0, {tp_size})")
     missing = sorted(set(shard_shapes) - set(full))

@@ -131,3 +131,23 @@ def test_a_failure_while_collecting_patches_is_reported(host, monkeypatch):
     assert all(snapshot()[k] is before[k] for k in before)
     report = adapter.report()
     assert report["installed"] is False and "hook exploded" in (report["error"] or "")
+
+
+def test_uninstall_clears_the_unified_draft_kv_marks_even_when_reverting_fails(monkeypatch):
+    """A failed revert used to skip clearing the marks (they keep the marked spec configs alive, and a
+    later install would answer "unified" for them); the revert's error still reaches the caller."""
+    from m3_eagle_plugin.host.trtllm import scope
+
+    spec_config = object()
+    scope.mark_unified_draft_kv(spec_config)
+
+    def failing_revert():
+        raise adapter.HostPatchError("reverting the patches was incomplete: boom")
+
+    monkeypatch.setattr(adapter._engine, "revert", failing_revert)
+    try:
+        with pytest.raises(adapter.HostPatchError, match="boom"):
+            adapter.uninstall()
+        assert not scope.wants_unified_draft_kv(spec_config)
+    finally:
+        scope.clear_unified_marks()

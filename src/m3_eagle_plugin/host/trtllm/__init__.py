@@ -122,12 +122,17 @@ def install(force: bool = False) -> dict:
 
 
 def uninstall() -> dict:
-    """Revert every patch and registration `install()` made (no-op when nothing is installed)."""
+    """Revert every patch and registration `install()` made (no-op when nothing is installed).
+
+    The unified-draft-KV marks are the plugin's own state: they are cleared even when reverting fails
+    (`HostPatchError` naming what stays patched, raised to the caller)."""
     from m3_eagle_plugin.host.trtllm.scope import clear_unified_marks
 
     with _lock:
-        _engine.revert()
-        clear_unified_marks()
+        try:
+            _engine.revert()
+        finally:
+            clear_unified_marks()
         return report()
 
 
