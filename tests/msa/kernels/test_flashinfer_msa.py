@@ -227,6 +227,19 @@ def test_forced_sparse_attention_applies_fp8_scales(fake_fi, monkeypatch):
     torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("kw", [{"scale": float("nan")}, {"scale": 0.0}, {"scale": torch.tensor(0.09)},
+                                {"scale": 0.09, "k_scale": float("inf")}, {"scale": 0.09, "v_scale": -0.5}], ids=repr)
+def test_routed_sparse_attention_refuses_scales_the_kernels_refuse(fake_fi, monkeypatch, kw):
+    """FlashInfer's route takes the scales the Triton kernels and the reference take, no others: a NaN,
+    zero or negative scale is an error, not a NaN or sign-flipped output; a tensor would sync."""
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    st = _step([2, 2], [500, 300], seed=7)
+    meta, sel = st["meta"], _selection(st["meta"], 1, seed=8)
+    with pytest.raises(ValueError, match="scale"):
+        sparse_attention(st["q"], st["k"], st["v"], meta, sel, **kw)
+    assert fake_fi.calls == []
+
+
 @pytest.mark.parametrize("local_blocks, init_blocks", [(1, 0), (2, 1)])
 def test_forced_selection_equals_the_reference(fake_fi, monkeypatch, local_blocks, init_blocks):
     monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
@@ -311,6 +324,22 @@ def test_layer_follows_the_whole_step_row(fake_fi, monkeypatch, tmp_path, step_r
     assert (ran == [16]) is whole
     assert ({"msa_sparse_decode_attention", "msa_proxy_score", "msa_topk_select"} <= set(fake_fi.calls)) is not whole
     torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_layer_refuses_a_bad_scale_before_flashinfers_whole_step_selects(fake_fi, monkeypatch, tmp_path):
+    """Where the whole-step row sends the layer to FlashInfer, a scale the attention refuses is refused
+    before the scoring and top-k run, not after."""
+    from m3_eagle_plugin.msa.kernels import backend, sparse_layer_attention
+
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", _write_table(tmp_path / "t.json", "Fake H200", [
+        _row("sparse_attn", 2, 512, 2, 10.0, 5.0), _row("index_select", 2, 512, 2, 10.0, 5.0),
+        _row("sparse_step", 2, 512, 2, 12.0, 9.0)]))
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    st = _step([2, 2], [500, 300], seed=3)
+    with pytest.raises(ValueError, match="scale"):
+        sparse_layer_attention(st["q"], st["k"], st["v"], st["index_q"], st["index_k"], st["meta"], topk=16,
+                               scale=float("nan"))
+    assert fake_fi.calls == []
 
 
 @pytest.mark.parametrize("index_flashinfer_us, attn_flashinfer_us", [(12.0, 5.0), (12.0, 12.0)],

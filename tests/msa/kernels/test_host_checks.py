@@ -134,3 +134,52 @@ def test_auto_runs_the_reference_for_query_dtypes_the_kernels_refuse(monkeypatch
     q64, k64, v64 = q.double(), k_cache.double(), v_cache.double()
     assert torch.equal(backend.dense_attention(q64, k64, v64, meta, scale=0.25),
                        msa.dense_attention(q64, k64, v64, meta, scale=0.25))
+
+
+# --- scalars: refused as the torch references refuse them, before anything is launched ----------------
+
+BAD_SCALES = [float("nan"), float("inf"), 0.0, -0.25, True, torch.tensor(0.25)]
+
+
+@pytest.mark.parametrize("scale", BAD_SCALES, ids=repr)
+def test_attention_refuses_a_softmax_scale_the_reference_refuses(scale):
+    """`msa`'s references refuse a non-finite, non-positive, boolean or tensor scale (reading a device
+    tensor would sync inside a graph capture); the kernels must not launch with it."""
+    meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
+    with pytest.raises((TypeError, ValueError)):
+        msa.dense_attention(q, k_cache, v_cache, meta, scale=scale)
+    selection = msa.select_blocks_paged(index_q, index_k_cache, meta, topk=TOPK)
+    calls = {
+        "dense": lambda: dense_verify.dense_verify_attention(q, k_cache, v_cache, meta, scale=scale),
+        "sparse": lambda: sparse_verify.sparse_verify_attention(q, k_cache, v_cache, meta, selection, scale=scale),
+        "step": lambda: verify_step._step(index_q, index_k_cache, q, k_cache, v_cache, meta, topk=TOPK, scale=scale,
+                                          local_blocks=1, init_blocks=0, k_scale=None, v_scale=None,
+                                          max_qo_len=None, early=None, splits=None),
+    }
+    for name, call in calls.items():
+        with pytest.raises(KernelInputError, match="scale"):
+            call()
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("value", [float("nan"), float("-inf"), 0.0, -1.0, False], ids=repr)
+def test_attention_refuses_an_fp8_scale_that_is_not_a_positive_finite_number(name, value):
+    meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
+    selection = msa.select_blocks_paged(index_q, index_k_cache, meta, topk=TOPK)
+    with pytest.raises(KernelInputError, match=name.replace("_", ".")):
+        dense_verify.dense_verify_attention(q, k_cache, v_cache, meta, scale=0.25, **{name: value})
+    with pytest.raises(KernelInputError, match=name.replace("_", ".")):
+        sparse_verify.sparse_verify_attention(q, k_cache, v_cache, meta, selection, scale=0.25, **{name: value})
+
+
+def test_step_refuses_index_heads_other_than_kv_heads_before_the_selection_launches():
+    """The step's attention reads one selection row per KV head (`[Hkv, T, topk]`); index queries with
+    another head count are refused before the scoring and the top-k run, as the reference refuses them."""
+    meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
+    one_head = index_q[:, :1].contiguous()
+    with pytest.raises(ValueError):
+        msa.sparse_attention(q, k_cache, v_cache, meta, msa.select_blocks_paged(one_head, index_k_cache, meta,
+                                                                                topk=TOPK), scale=0.25)
+    with pytest.raises(KernelInputError, match="index_q has 1 heads, k_cache 2 KV heads"):
+        verify_step._step(one_head, index_k_cache, q, k_cache, v_cache, meta, topk=TOPK, scale=0.25, local_blocks=1,
+                          init_blocks=0, k_scale=None, v_scale=None, max_qo_len=None, early=None, splits=None)

@@ -71,6 +71,14 @@ def test_check_meta_refuses_cu_qo_lens_not_one_longer_than_kv_lens():
     check_meta(_meta(), CPU, dense_fields=("kv_lens",))  # not asked for: not checked
 
 
+def test_check_meta_refuses_a_block_table_with_fewer_rows_than_requests():
+    """The kernels read row r of the block table for every request r < len(kv_lens): a shorter table
+    would be read past its end."""
+    with pytest.raises(KernelInputError, match="block_tables has 1 rows? for 2 requests"):
+        check_meta(_meta(block_tables=torch.zeros(1, 3, dtype=torch.int32)), CPU)
+    check_meta(_meta(block_tables=torch.zeros(3, 3, dtype=torch.int32)), CPU)  # graph capacity rows: taken
+
+
 def test_check_same_device_compares_the_device_index_too():
     """cuda:1 is not cuda:0 (a kernel there would read another device's address as its own)."""
     here = torch.device("cuda", 0)
@@ -78,6 +86,15 @@ def test_check_same_device_compares_the_device_index_too():
     with pytest.raises(KernelInputError, match="b is on cuda:1"):
         check_same_device(here, a=types.SimpleNamespace(device=torch.device("cuda", 0)),
                           b=types.SimpleNamespace(device=torch.device("cuda", 1)))
+
+
+@pytest.mark.parametrize("value", ["1", "0", "y", "Y", "yes", "ON", " 1", "1 ", "t", "2", ""])
+def test_interpreter_switch_reads_as_triton_reads_it(monkeypatch, value):
+    """`triton_interpreting` (inline PTX off, TMA descriptors off the GPU) must agree with whether
+    Triton itself interprets: `y` interprets, ` 1` does not."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert _common.triton_interpreting() == bool(triton.knobs.runtime.interpret)
 
 
 # --- _common: step buffers --------------------------------------------------------------------------------

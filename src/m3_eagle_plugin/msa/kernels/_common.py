@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
+import numbers
 import os
 from typing import Any
 
@@ -96,8 +98,14 @@ def check_switches() -> None:
 
 
 def triton_interpreting() -> bool:
-    """True under Triton's CPU interpreter (TRITON_INTERPRET=1), which runs no inline PTX."""
-    return (env_value("TRITON_INTERPRET") or "").strip().lower() in ("1", "true", "on", "yes")
+    """True under Triton's CPU interpreter, which runs no inline PTX: `TRITON_INTERPRET` read by
+    Triton itself (its knob: `y` and `yes` interpret, a padded ` 1` does not), never a second parse
+    that could disagree with it."""
+    if not triton_importable():
+        return False
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
 
 
 def byte_aligned(t: torch.Tensor, nbytes: int) -> bool:
@@ -239,6 +247,10 @@ def check_meta(meta: Any, device: torch.device, dense_fields: tuple[str, ...] = 
     if "cu_qo_lens" in dense_fields:
         require(meta.cu_qo_lens.shape[0] == meta.kv_lens.shape[0] + 1,
                 "meta.cu_qo_lens must have num_requests + 1 entries")
+    if "kv_lens" in dense_fields:  # the kernels read row r of the table for every request r
+        require(meta.block_tables.shape[0] >= meta.kv_lens.shape[0],
+                f"meta.block_tables has {meta.block_tables.shape[0]} rows for {meta.kv_lens.shape[0]} requests "
+                "(meta.kv_lens): the kernels would read past its end")
 
 
 def check_same_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
@@ -274,10 +286,30 @@ def compute_dtype_of(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
-def scale_value(scale: float | torch.Tensor | None) -> float:
-    """Per-tensor dequant scale as a Python float (a 0-dim tensor is read once, on the host)."""
+def _positive_finite(name: str, value: Any) -> float:
+    """`value` as a Python float where it is a real, finite, positive number (a Python or NumPy
+    scalar); a bool, a tensor or anything else is refused naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise KernelInputError(f"{name} must be a real number (a Python or NumPy scalar), got "
+                               f"{type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise KernelInputError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def attention_scale(scale: Any) -> float:
+    """The softmax scale as a Python float, refused where `msa`'s references refuse it (not a
+    positive finite real number; a tensor, whose read would sync the device inside a graph capture)."""
+    if isinstance(scale, torch.Tensor):
+        raise KernelInputError("pass the softmax scale as a Python float so graph capture needs no host sync")
+    return _positive_finite("scale", scale)
+
+
+def scale_value(scale: float | torch.Tensor | None, name: str = "fp8 scale") -> float:
+    """Per-tensor dequant scale as a Python float (None: 1.0); a tensor (its read would sync the
+    device) and a value that is not a positive finite number are refused, naming `name`."""
     if scale is None:
         return 1.0
     if isinstance(scale, torch.Tensor):
         raise KernelInputError("pass fp8 scales as Python floats so graph capture needs no host sync")
-    return float(scale)
+    return _positive_finite(name, scale)

@@ -358,6 +358,7 @@ def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *,
             except KernelTooLargeError as error:  # each half then by its own dispatcher
                 _reference_instead(error, k_scale, v_scale)
         if whole == "flashinfer":  # both halves, as that row measured them (not one of each)
+            fim.decode_scales(scale, k_scale, v_scale)  # refused before the selection runs, not after
             q_len, _ = fim.host_q_len(meta, q.shape[0], max_qo_len)
             selection = fim.select_blocks(index_q, index_k_cache, meta, topk=topk, q_len=q_len,
                                           local_blocks=local_blocks, init_blocks=init_blocks)

@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_grid, device_sm_count, fits_one_tile, is_pow2, qo_len_hint, require, scale_value,
-                      tokens_per_tile)
-from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
+from ._common import check_grid, device_sm_count, fits_one_tile, is_pow2, qo_len_hint, require, tokens_per_tile
+from .attention_io import (attention_scales, check_attention_inputs, check_splits, max_partial_splits, merge_outputs,
+                           split_outputs)
 from .attention_tiles import LOG2E, online_softmax_step, store_rows, zero_graph_padding
 from .launch import launch
 from .replay import Replayer, call_signature
@@ -163,6 +163,8 @@ _REPLAYER = Replayer()
 def _dense(q, k_cache, v_cache, meta, *, scale, k_scale, v_scale, max_qo_len, splits, num_warps, num_stages,
            key_tile) -> torch.Tensor:
     check_attention_inputs(q, k_cache, v_cache, meta)
+    qk_scale, vs = attention_scales(scale, k_scale, v_scale)
+    qk_scale *= LOG2E
     max_qo_len = qo_len_hint(meta, max_qo_len)
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
@@ -183,8 +185,6 @@ def _dense(q, k_cache, v_cache, meta, *, scale, k_scale, v_scale, max_qo_len, sp
         return out.zero_()
     if key_tile is None:  # H200 at B64/32K: 64 for 16-bit KV (2026-11-29 sweep: 311 vs 445 us with 128), 32 for fp8
         key_tile = 64 if k_cache.element_size() >= 2 else 32
-    qk_scale = float(scale) * scale_value(k_scale) * LOG2E
-    vs = scale_value(v_scale)
     launch(_dense_verify_kernel, (num_requests, hkv, splits),
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..blocks import is_integer_dtype
+from ._common import attention_scale, scale_value
 from ._common import device_capability, require  # device_capability: tests patch it here; the bench imports it here
 
 SPARSE = "sparse_attention"
@@ -278,11 +279,19 @@ def _tiles(meta: Any) -> int:
     return int(tiles) if isinstance(tiles, int) and tiles > 0 else int(meta.block_tables.shape[1])
 
 
+def decode_scales(scale: float, k_scale: float | None = None, v_scale: float | None = None
+                  ) -> tuple[float, float | None]:
+    """(`softmax_scale`, the K scale folded in; `v_global_scale`, None for 1.0) of
+    `msa_sparse_decode_attention`; a scale our kernels refuse (not a positive finite number, a
+    tensor) is refused here too (`KernelInputError`), before anything runs."""
+    v_global = scale_value(v_scale, "v_scale")
+    return attention_scale(scale) * scale_value(k_scale, "k_scale"), None if v_global == 1.0 else v_global
+
+
 def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale: float, q_len: int,
                      k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
     """`[T, Hq, D]` in `q.dtype`, as `msa.sparse_attention` (inputs passed `sparse_eligibility`)."""
-    softmax_scale = float(scale) * (1.0 if k_scale is None else float(k_scale))
-    v_global = None if v_scale is None or float(v_scale) == 1.0 else float(v_scale)
+    softmax_scale, v_global = decode_scales(scale, k_scale, v_scale)
     return _msa().msa_sparse_decode_attention(
         q.contiguous(), k_cache, v_cache, q2k_indices(selection, k_cache.shape[1]), page_table=page_table(meta),
         seqused_k=meta.kv_lens.to(torch.int32).contiguous(), seqlen_q=int(q_len), causal=True,

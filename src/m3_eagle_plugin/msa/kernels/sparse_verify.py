@@ -33,7 +33,8 @@ from ._common import (
     tokens_per_tile,
     triton_interpreting,
 )
-from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
+from .attention_io import (attention_scales, check_attention_inputs, check_splits, max_partial_splits, merge_outputs,
+                           split_outputs)
 from .attention_tiles import LOG2E, attend_page_tile, attend_two_pages, join_dim_halves, store_rows, zero_graph_padding
 from .block_union import BlockUnion, chunk_count, union_from_selection
 from .launch import launch
@@ -379,6 +380,7 @@ def sparse_verify_attention(
     """
     if not checked:
         check_attention_inputs(q, k_cache, v_cache, meta)
+    attention_scales(scale, k_scale, v_scale)  # refused by name before any launch
     max_qo_len = qo_len_hint(meta, max_qo_len)
     require(selection.dim() == 3 and selection.dtype == torch.int32 and selection.stride(-1) == 1,
             f"selection must be int32 [Hkv, T, topk] with unit last stride, got {selection.dtype} {tuple(selection.shape)}")

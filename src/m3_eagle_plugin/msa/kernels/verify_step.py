@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ._common import check_same_device, device_sm_count, qo_len_hint, require
-from .attention_io import check_attention_inputs
+from .attention_io import attention_scales, check_attention_inputs
 from .block_union import chunk_count
 from .handoff import handoff_enabled
 from .index_select import select_announcing, select_blocks_verify
@@ -136,10 +136,14 @@ _REPLAYER = Replayer()
 def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, local_blocks, init_blocks, k_scale,
           v_scale, max_qo_len, early, splits) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(q, k_cache, v_cache, meta)  # before anything is launched or armed
+    attention_scales(scale, k_scale, v_scale)
     max_qo_len = qo_len_hint(meta, max_qo_len)
     num_tokens, num_heads, _ = q.shape
     hkv = k_cache.shape[1]
+    require(index_q.dim() == 3, f"index_q must be [T, Hi, Di], got {tuple(index_q.shape)}")
     require(index_q.shape[0] == num_tokens, f"index_q has {index_q.shape[0]} tokens, q has {num_tokens}")
+    require(index_q.shape[1] == hkv, f"index_q has {index_q.shape[1]} heads, k_cache {hkv} KV heads: the attention "
+            "reads one selection row per KV head")
     check_same_device(q.device, index_q=index_q, index_k_cache=index_k_cache)
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len, checked=True)
