@@ -92,6 +92,7 @@ def test_cpu_smoke_bytes_count_q_the_output_and_a_partial_last_page_by_its_token
     (["--e2e-batches", ""], "--e2e-batches: needs --e2e"),
     (["--e2e-tokens", "8", "--e2e-batches", "1"], "--e2e-tokens, --e2e-batches: need --e2e"),
     (["--kernels", ""], '--kernels "": no kernel to measure'),  # printed an empty table, exit 0
+    (["--json", "same.json", "--write-table", "./same.json"], "--json and --write-table both name ./same.json"),
     (["--device", "cpu", "--kernels", "sparse_step,kv_lens_update"],
      "--kernels sparse_step,kv_lens_update: the cpu smoke table (no CUDA/Triton kernels) times only"),
 ])

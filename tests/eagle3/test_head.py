@@ -228,7 +228,11 @@ def test_vocabulary_maps_follow_d2t(tiny):
     assert torch.equal(head.draft_to_target(ids), ids + head.d2t[ids])
     head.d2t = None
     assert head.target_ids is None and head.draft_index is None
-    assert torch.equal(head.to_target_logits(logits), logits)
+    full = torch.randn(3, vocab)
+    assert torch.equal(head.to_target_logits(full), full)
+    # draft-vocabulary logits without a d2t: their ids would be read as target ids, the shape [T, Vd]
+    with pytest.raises(ValueError, match=f"draft_vocab_size {vd} < vocab_size {vocab} needs a d2t"):
+        head.to_target_logits(logits)
 
 
 def test_a_d2t_that_is_not_one_to_one_keeps_the_scatter(tiny):

@@ -327,6 +327,9 @@ def checked_device(args: argparse.Namespace) -> torch.device:
     _check_configs(args, device)
     for option in ("json", "write_table"):
         _check_output_path(f"--{option.replace('_', '-')}", getattr(args, option, None))
+    json_path, table_path = getattr(args, "json", None), getattr(args, "write_table", None)
+    if json_path not in (None, "-") and table_path and os.path.realpath(json_path) == os.path.realpath(table_path):
+        raise ValueError(f"--json and --write-table both name {table_path}: the table would overwrite the rows")
     if args.e2e:
         _check_e2e_options(args)
         e2e.shape_from_args(args, device)

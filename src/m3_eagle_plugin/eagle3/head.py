@@ -201,6 +201,9 @@ class Eagle3Head(nn.Module):
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """`[T, Vd]` draft logits -> `[T, V]` (same dtype), `-inf` at target ids outside the draft vocabulary."""
         if self.d2t is None:
+            if logits.shape[-1] != self.config.vocab_size:  # the draft ids would be read as target ids
+                raise ValueError(f"draft_vocab_size {logits.shape[-1]} < vocab_size {self.config.vocab_size} needs "
+                                 f"a d2t mapping draft ids to target ids; this head has none")
             return logits
         if logits.dtype == torch.float32 and self.draft_index is not None:
             fused = fused_ops.gather_logits(logits, self.draft_index)

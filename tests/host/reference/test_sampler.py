@@ -44,8 +44,9 @@ def test_a_top_p_that_rounds_to_zero_in_fp32_keeps_only_the_most_probable_token(
 def test_bad_parameters_name_the_cause():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1.0, top_p=0.0)
-    with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1.0)
+    for temperature in (-1.0, math.inf, math.nan):  # the CLI refuses the same ones
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            SamplingParams(temperature=temperature)
     with pytest.raises(ValueError, match="greedy"):
         filtered_probs(torch.zeros(1, 3), SamplingParams())
     with pytest.raises(ValueError, match="generator per row"):

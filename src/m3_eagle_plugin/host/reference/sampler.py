@@ -7,6 +7,7 @@ how requests happen to be batched.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,8 +34,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, kind):
                 what = "a number" if kind is numbers.Real else "an int"
                 raise ValueError(f"{name} must be {what}, got {value!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # inf: logits / inf is 0 or NaN (a masked -inf logit)
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
