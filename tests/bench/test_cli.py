@@ -96,7 +96,8 @@ def test_cpu_smoke_bytes_count_q_the_output_and_a_partial_last_page_by_its_token
     (["--device", "cpu", "--kernels", "sparse_step,kv_lens_update"],
      "--kernels sparse_step,kv_lens_update: the cpu smoke table (no CUDA/Triton kernels) times only"),
 ])
-def test_bad_options_are_refused_before_anything_is_measured(argv, match, capsys, monkeypatch):
+def test_bad_options_are_refused_before_anything_is_measured(argv, match, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # relative output paths land here should a refusal ever be missed
     measured = []
     monkeypatch.setattr(cli, "_cpu_smoke_rows", lambda args: measured.append(1) or ([], {}))
     monkeypatch.setattr(cli, "run_end_to_end", lambda args: measured.append(2) or [])
