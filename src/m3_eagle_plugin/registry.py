@@ -48,6 +48,12 @@ class ResolveError(ImportError):
     """A "module:qualname" reference does not resolve to an object."""
 
 
+def _entry_point(name: str, value: str, distribution: str | None) -> str:
+    """'plugin NAME (VALUE from DIST)', the parts known."""
+    dist = f" from {distribution}" if distribution else ""
+    return f"plugin {name!r}" + (f" ({value}{dist})" if value else "")
+
+
 @dataclass(frozen=True)
 class PluginLoadError:
     name: str
@@ -56,9 +62,7 @@ class PluginLoadError:
     error: str
 
     def __str__(self) -> str:
-        dist = f" from {self.distribution}" if self.distribution else ""
-        where = f" ({self.value}{dist})" if self.value else ""
-        return f"plugin {self.name!r}{where} failed to load: {self.error}"
+        return f"{_entry_point(self.name, self.value, self.distribution)} failed to load: {self.error}"
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,7 @@ class PluginSkip:
     reason: str
 
     def __str__(self) -> str:
-        dist = f" from {self.distribution}" if self.distribution else ""
-        return f"plugin {self.name!r} ({self.value}{dist}) not loaded: {self.reason}"
+        return f"{_entry_point(self.name, self.value, self.distribution)} not loaded: {self.reason}"
 
 
 def resolve(reference: str) -> Any:
