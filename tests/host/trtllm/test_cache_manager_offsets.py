@@ -133,3 +133,19 @@ def test_older_v2_storage_without_page_index_modes(current_host, monkeypatch):
     monkeypatch.setattr(storage, "get_mem_pool_base_address", two_arguments)
     manager = _make(plugin)
     assert manager.kv_cache_pool_pointers[1].tolist() == [kv_module.POOL_BASE_ADDRESS + 177 * kv_module.PAGE_BYTES, 0]
+
+
+def test_draft_pool_root_is_the_default_shared_address_not_the_per_layer_base(current_host):
+    """The host's two-argument call (index_mode None, as its own `_kv_slot_geometry` makes it)
+    means SHARED: the layer's K page in slot 0. The virtual pool's offsets carry no layer offset,
+    so that is its root; PER_LAYER (the pool-group base) would root it at the first layer's pages."""
+    plugin, _ = _classes()
+    kv_module = _kv_module()
+    manager = _make(plugin)
+    default = manager.impl.get_mem_pool_base_address(60, kv_module.Role.KEY)
+    shared = manager.impl.get_mem_pool_base_address(60, kv_module.Role.KEY,
+                                                    kv_module.PageIndexMode.SHARED)
+    per_layer = manager.impl.get_mem_pool_base_address(60, kv_module.Role.KEY,
+                                                       kv_module.PageIndexMode.PER_LAYER)
+    assert default == shared != per_layer
+    assert manager.kv_cache_pool_pointers[1].tolist() == [shared, 0]

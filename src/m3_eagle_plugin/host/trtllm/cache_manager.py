@@ -131,7 +131,18 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
             self.trtllm_gen_extra_tokens_per_block = frozenset({TRTLLM_GEN_OPT_IN_PAGE_SIZE})
 
     def _draft_layer_entry(self, global_layer: int) -> tuple[int, int, int]:
-        """(local layer, K page base address, sub-pages per slot) of a draft layer."""
+        """(local layer, K page base address, sub-pages per slot) of a draft layer.
+
+        The address must be this layer's own K page in slot 0 (pool base plus the layer's offset
+        in the mega-slot): the virtual pool's block offsets are `slot * sub_pages` (+1 for V) and
+        carry no layer offset. In the host's V2 storage that is `PageIndexMode.SHARED`, and the
+        two-argument call (`index_mode=None`, as upstream's own `_kv_slot_geometry` makes it)
+        means SHARED too; it only differs by raising when SWA scratch reuse is on, which
+        `_add_virtual_draft_pools` refuses before this runs. `PER_LAYER` would be wrong here: it
+        returns the pool-group base without the layer offset (for page tables whose indices add
+        the offset), i.e. the first layer's pages. Storage that predates `PageIndexMode` takes
+        (layer, role) and already returns the per-layer address.
+        """
         layer_offsets = getattr(self, "layer_offsets", None)
         local = layer_offsets[global_layer] if layer_offsets is not None else global_layer
         role = _host_name("Role")

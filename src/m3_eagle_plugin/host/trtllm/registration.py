@@ -7,6 +7,22 @@ checked afterwards and set explicitly if the host kept another class. The undo r
 previous mapping entries and, on a lazy zoo, also removes what `register_auto_model` recorded
 besides the mapping (the per-module `_MODULE_REGISTRATIONS` entries the host rebuilds its
 registries from when a #18284 declaration arrives, and the class's `_registered_architectures`).
+
+Only the model-class slot is taken; the VL architecture's sibling slots are left alone, and
+text-only serving with the plugin's VL class is unaffected by them:
+- Vision encoder (`MODEL_CLASS_VISION_ENCODER_MAPPING`): the host's MiniMax-M3 VL class is not
+  decorated with `register_vision_encoder`; it builds its `vision_tower` in its own `__init__`.
+  So the slot stays empty (`get_registered_vision_encoder` returns None after importing the
+  provider), and the plugin class, which does not derive from the host VL class, builds no tower.
+  At the supported commits the host reads that mapping only in an `mm_encoder_only`
+  (encoder-only, E/P-disaggregated) process, where it builds the encoder instead of any LLM class.
+- Input processor: `register_input_processor` keys `INPUT_PROCESSOR_REGISTRY` by the host VL
+  *class*, and `create_input_processor` looks it up with the class the registry resolves, i.e.
+  the plugin's: no entry, so prompts get the `DefaultInputProcessor` (tokenization only, no
+  image handling). The placeholder metadata it records under model type `minimax_m3_vl` only
+  matters for requests that carry multimodal data, which the text-only class does not serve.
+- KV profiling builds text-only dummy requests for the LLM (multimodal dummies only for a
+  `MultimodalModelMixin` model), so no vision input reaches the plugin class.
 """
 from __future__ import annotations
 

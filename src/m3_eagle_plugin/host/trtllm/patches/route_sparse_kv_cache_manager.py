@@ -10,6 +10,13 @@ host's answer untouched. The definer (`sparse/utils.py` or `sparse/registry.py`)
 namespace that re-bound the name at import time (`sparse/__init__`, the attention package,
 `pyexecutor/_util.py`) are rebound; a `sparse/__init__` that serves the name lazily through a
 module `__getattr__` (some hosts) binds nothing and reads the wrapped definer.
+Not rebound on purpose: the post-move compatibility shim `tensorrt_llm._torch.attention_backend`
+(`from ...attention.backends import get_sparse_attn_kv_cache_manager`, re-exported only). No
+host runtime code calls the dispatch through it; the one caller, `pyexecutor/_util.py`
+(`get_kv_cache_manager_cls`), reads its own module binding, which is rebound whichever package
+it imported from (the shim re-exports the very same function object). The shim is slated for
+removal upstream, so a required rebind there would fail activation once it goes. (Before the
+move `attention_backend` is the real package, and the package rebind above resolves to it.)
 Upstream: NVIDIA/TensorRT-LLM#18872 (the in-tree M3 manager gains the same features).
 Remove when: the supported host range starts at tensorrt_llm 1.4.0rc1.
 """

@@ -40,6 +40,10 @@ class _Storage:
         self.scale = sum(sub_pages_per_layer)
 
     def get_mem_pool_base_address(self, layer: int, role, index_mode=None) -> int:
+        """As the host's V2 storage: SHARED (and None, its default) is the layer's own page in
+        slot 0; PER_LAYER is the pool-group base, for indices that add the layer offset."""
+        if index_mode is PageIndexMode.PER_LAYER:
+            return POOL_BASE_ADDRESS
         assert index_mode in (None, PageIndexMode.SHARED)
         return POOL_BASE_ADDRESS + (self.offsets[layer] + (role == Role.VALUE)) * PAGE_BYTES
 
