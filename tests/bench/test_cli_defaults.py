@@ -191,3 +191,39 @@ def test_a_failed_e2e_section_keeps_the_kernel_rows_already_measured(failure, st
         ("dense_attn", 2, 32)]
     assert captured.out.splitlines()[-1].split()[:2] == ["reference_smoke", "dense_attn"]
     assert captured.err.splitlines()[-1] == last
+
+
+@pytest.mark.parametrize("json_to", ["path", "stdout"])
+def test_a_kernel_section_out_of_memory_part_way_keeps_the_rows_finished_before_it(json_to, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """A large shape running out of memory used to lose every row measured before it (no table, no
+    JSON); they are printed and written, `--write-table` is not (a partial table), exit 2."""
+    import torch
+
+    from m3_eagle_plugin.bench import timing
+    from m3_eagle_plugin.msa import kernels
+
+    monkeypatch.setattr(kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli.torch.cuda, "get_device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(timing, "copy_ceiling_gbps", lambda device: 4000.0)
+    monkeypatch.setattr(kernels, "backend_report", lambda device: {"mode": "auto"})
+    finished = {"kernel": "sparse_step", "batch": 16, "context": 32768, "qo_len": 4, "graph_us": 50.0}
+
+    def suite(configs, *args, **kwargs):
+        assert configs == [(16, 32768), (64, 131072)]
+        error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        error.kernel_rows = [finished]
+        raise error
+
+    monkeypatch.setattr(cli, "run_kernel_suite", suite)
+    out, table = tmp_path / "bench.json", tmp_path / "table.json"
+    argv = ["bench", "--device", "cuda", "--configs", "16x32K,64x128K", "--qo-lens", "4", "--kernels", "sparse_step",
+            "--flashinfer", "off", "--write-table", str(table), "--json", *([str(out)] if json_to == "path" else [])]
+    assert m3_main(argv) == 2
+    captured = capsys.readouterr()
+    document = json.loads(out.read_text() if json_to == "path" else captured.out)
+    assert document["rows"] == [{"section": "kernels", **finished}]
+    assert document["context"]["device_name"] == "Fake GPU" and not table.exists()
+    assert captured.err.splitlines()[-1] == ("m3-eagle bench: not enough memory for --configs 16x32768,64x131072 "
+                                             "(CUDA out of memory. Tried to allocate 9.00 GiB); lower a batch or context")

@@ -187,3 +187,29 @@ def test_kv_lens_update_check_catches_a_kernel_that_skips_any_field(monkeypatch,
     steps, _ = _kv_update_step()
     row = ks.run_case("kv_lens_update", steps, 3, ceiling_gbps=1.0, time_reference=False)
     assert row["error"] == 1.0
+
+
+def test_a_suite_failing_part_way_carries_the_rows_it_finished(monkeypatch):
+    """The rows measured before an error (out of memory at the next, larger shape) ride on it as
+    `kernel_rows`; the CLI prints and writes them."""
+    from m3_eagle_plugin.bench import kernel_suite
+
+    class Steps:
+        def __init__(self, batch, context, *args, **kwargs):
+            self.batch, self.context = batch, context
+
+    def run_case(name, steps, qo_len, **kwargs):
+        if steps.batch == 64:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"kernel": name, "batch": steps.batch, "context": steps.context, "qo_len": qo_len, "graph_us": 1.0,
+                "eager_us": 2.0}
+
+    monkeypatch.setattr(kernel_suite, "StepSet", Steps)
+    monkeypatch.setattr(kernel_suite, "run_case", run_case)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        kernel_suite.run_kernel_suite([(16, 4096), (64, 4096)], [4, 1], ["sparse_step", "dense_attn"], Geometry(),
+                                      kv_dtype=torch.bfloat16, index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
+                                      device=torch.device("cpu"), ceiling_gbps=1.0, log=lambda msg: None)
+    assert [(r["kernel"], r["batch"], r["qo_len"]) for r in caught.value.kernel_rows] == [
+        ("sparse_step", 16, 4), ("sparse_step", 16, 1), ("dense_attn", 16, 4), ("dense_attn", 16, 1)]
+    assert all(r["vs_q1"] == 1.0 for r in caught.value.kernel_rows)

@@ -114,12 +114,16 @@ def _gpu_rows(args: argparse.Namespace, device: torch.device, log) -> tuple[list
         log(f"flashinfer: {context['flashinfer']}")
     if not kernels:  # `--kernels ""`: the end-to-end section alone
         return [], context
-    rows = run_kernel_suite(configs_of(args, gpu=True), qo_lens, kernels, Geometry(),
-                            kv_dtype=DTYPES[args.kv_dtype], index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
-                            device=device, ceiling_gbps=ceiling, num_sets=args.sets,
-                            dense_kv_dtype=DTYPES[args.dense_kv_dtype], check=not args.no_check,
-                            time_reference=not args.no_reference_timing, flashinfer=args.flashinfer,
-                            rounds=args.rounds, log=log)
+    try:
+        rows = run_kernel_suite(configs_of(args, gpu=True), qo_lens, kernels, Geometry(),
+                                kv_dtype=DTYPES[args.kv_dtype], index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
+                                device=device, ceiling_gbps=ceiling, num_sets=args.sets,
+                                dense_kv_dtype=DTYPES[args.dense_kv_dtype], check=not args.no_check,
+                                time_reference=not args.no_reference_timing, flashinfer=args.flashinfer,
+                                rounds=args.rounds, log=log)
+    except BaseException as error:  # the rows finished before it, for `main` to print and write
+        error.partial_section = ([{"section": "kernels", **r} for r in getattr(error, "kernel_rows", [])], context)
+        raise
     return [{"section": "kernels", **r} for r in rows], context
 
 
@@ -348,33 +352,42 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if device.type == "cuda" and device.index is not None:  # events, graph captures and the e2e engine
         torch.cuda.set_device(device)                          # use the current device
+    kernel_error = e2e_error = None
     try:
         rows, context = _kernel_section(args, device, log)
-    except (MemoryError, RuntimeError) as error:
-        configs = ",".join(f"{b}x{c}" for b, c in configs_of(args, measures_kernels(device)))
-        return _out_of_memory(error, f"--configs {configs}", "lower a batch or context")
-    e2e_error = None
-    if args.e2e:
+    except (MemoryError, RuntimeError) as error:  # reported after the rows finished before it
+        kernel_error = error
+        rows, context = getattr(error, "partial_section", ([], {}))
+    if args.e2e and kernel_error is None:
         try:
             rows += run_end_to_end(args)
         except (e2e.NoDecodeWindowError, MemoryError, RuntimeError) as error:  # reported after the kernel rows
             e2e_error = error
-    if e2e_error is not None and not rows:
+    if rows or (kernel_error is None and e2e_error is None):
+        written = _output(args, rows, context, table=kernel_error is None)  # a partial table: not written
+    if kernel_error is not None:
+        configs = ",".join(f"{b}x{c}" for b, c in configs_of(args, measures_kernels(device)))
+        return _out_of_memory(kernel_error, f"--configs {configs}", "lower a batch or context")
+    if e2e_error is not None:  # the kernel rows measured before it are printed and written all the same
         return _e2e_failed(e2e_error)
+    return 0 if written else 1
+
+
+def _output(args: argparse.Namespace, rows: list[dict[str, Any]], context: dict[str, Any], *, table: bool) -> bool:
+    """Print the rows (and the JSON: stdout or `--json PATH`; with `table`, `--write-table`); False
+    when a file could not be written."""
     document = _standard_json({"context": context, "rows": rows}) if args.json else None
     written = True
     if args.json and args.json != "-":
         written = _write_json("--json", args.json, document, indent=1, default=str)
-    if args.write_table:
+    if args.write_table and table:
         written = _write_table(args, rows, context) and written
     if args.json == "-":  # stdout holds the one JSON object; the table is for the reader
         print(format_table(rows), file=sys.stderr)
         print(json.dumps(document, default=str))
     else:
         print(format_table(rows))
-    if e2e_error is not None:  # the kernel rows measured before it are printed and written all the same
-        return _e2e_failed(e2e_error)
-    return 0 if written else 1
+    return written
 
 
 def _e2e_failed(error: BaseException) -> int:

@@ -475,7 +475,10 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
     """Our rows per (config, kernel, q_len); with `flashinfer="auto"` and FlashInfer importable,
     its fields join the rows of FLASHINFER_KERNELS (timed after ours; an op FlashInfer lacks, e.g.
     msa_ops failing to import, becomes that row's `flashinfer_error`), with `rounds` > 1 as the
-    medians of that many alternating (ours, FlashInfer) timings (`flashinfer_fields`)."""
+    medians of that many alternating (ours, FlashInfer) timings (`flashinfer_fields`).
+
+    A run that fails part-way (out of memory at a large shape, most often) raises with the rows
+    finished before it as the error's `kernel_rows`, so hours of measurement are not lost with it."""
     from .flashinfer_peer import FlashInferPeer, flashinfer_available, flashinfer_importable, nvp_probe
 
     unknown = set(kernels) - set(KERNELS)
@@ -485,52 +488,56 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     peer = FlashInferPeer() if flashinfer == "auto" and flashinfer_importable() else None
     rows: list[dict[str, Any]] = []
-    for batch, context in configs:
-        steps = StepSet(batch, context, geo, kv_dtype=kv_dtype, index_dtype=index_dtype, q_dtype=q_dtype,
-                        device=device, num_sets=num_sets)
-        dense_steps = None
-        expects: dict = {}
-        ours: dict[tuple[str, int], tuple[dict[str, Any], StepSet]] = {}
-        for name in (k for k in kernels if k != "dense_peer"):
-            use = steps
-            if name == "dense_attn" and dense_kv_dtype is not None and dense_kv_dtype != kv_dtype:
-                dense_steps = dense_steps or StepSet(batch, context, geo, kv_dtype=dense_kv_dtype,
-                                                     index_dtype=index_dtype, q_dtype=q_dtype, device=device,
-                                                     num_sets=num_sets)
-                use = dense_steps
-            by_q = {}
-            for qo_len in qo_lens:
-                row = run_case(name, use, qo_len, ceiling_gbps=ceiling_gbps, check=check,
-                               time_reference=time_reference, expects=expects if peer else None)
-                by_q[qo_len] = row
-                ours[(name, qo_len)] = (row, use)
-                rows.append(row)
-                log(f"  {name} B{batch} ctx{context} q{qo_len}: graph {row['graph_us']:.1f} us "
-                    f"eager {row['eager_us']:.1f} us err {row.get('error', float('nan')):.2e}")
-            _set_vs_q1(by_q)
-        if peer is not None:
-            for name in (k for k in FLASHINFER_KERNELS if k in kernels):
+    try:
+        for batch, context in configs:
+            steps = StepSet(batch, context, geo, kv_dtype=kv_dtype, index_dtype=index_dtype, q_dtype=q_dtype,
+                            device=device, num_sets=num_sets)
+            dense_steps = None
+            expects: dict = {}
+            ours: dict[tuple[str, int], tuple[dict[str, Any], StepSet]] = {}
+            for name in (k for k in kernels if k != "dense_peer"):
+                use = steps
+                if name == "dense_attn" and dense_kv_dtype is not None and dense_kv_dtype != kv_dtype:
+                    dense_steps = dense_steps or StepSet(batch, context, geo, kv_dtype=dense_kv_dtype,
+                                                         index_dtype=index_dtype, q_dtype=q_dtype, device=device,
+                                                         num_sets=num_sets)
+                    use = dense_steps
+                by_q = {}
                 for qo_len in qo_lens:
-                    row, use = ours[(name, qo_len)]
-                    row.update(flashinfer_fields(name, use, qo_len, peer, graph_us=row["graph_us"], expects=expects,
-                                                 check=check, rounds=rounds,
-                                                 ours_eager=lambda n=name, u=use, q=qo_len: _time_ours(n, u, q,
-                                                                                                       eager=True),
-                                                 ours=lambda n=name, u=use, q=qo_len: _time_ours(n, u, q)))
-                    _derive(row)
-                    log(f"  flashinfer {name} B{batch} ctx{context} q{qo_len}: "
-                        f"{row.get('flashinfer_us', float('nan')):.1f} us {row.get('flashinfer_error', '')}")
-                _set_vs_q1({qo_len: ours[(name, qo_len)][0] for qo_len in qo_lens})  # after --rounds' medians
-            peer.clear()
-        del steps, dense_steps, expects, ours
-        torch.cuda.empty_cache()
-    if "dense_peer" in kernels:
-        rows.append(run_dense_peer(device=device, ceiling_gbps=ceiling_gbps, num_sets=num_sets, check=check,
-                                   time_reference=time_reference, peer=peer, log=log, rounds=rounds))
-    if peer is not None and flashinfer_available() and "index_select" in kernels and configs:
-        log("  flashinfer top-k with num_valid_pages, in a child process")
-        probe = nvp_probe(configs, qo_lens, device=device)
-        for row in rows:
-            if row["kernel"] == "index_select":
-                row.update(probe.get((row["batch"], row["context"], row["qo_len"]), {}))
+                    row = run_case(name, use, qo_len, ceiling_gbps=ceiling_gbps, check=check,
+                                   time_reference=time_reference, expects=expects if peer else None)
+                    by_q[qo_len] = row
+                    ours[(name, qo_len)] = (row, use)
+                    rows.append(row)
+                    log(f"  {name} B{batch} ctx{context} q{qo_len}: graph {row['graph_us']:.1f} us "
+                        f"eager {row['eager_us']:.1f} us err {row.get('error', float('nan')):.2e}")
+                _set_vs_q1(by_q)
+            if peer is not None:
+                for name in (k for k in FLASHINFER_KERNELS if k in kernels):
+                    for qo_len in qo_lens:
+                        row, use = ours[(name, qo_len)]
+                        row.update(flashinfer_fields(name, use, qo_len, peer, graph_us=row["graph_us"], expects=expects,
+                                                     check=check, rounds=rounds,
+                                                     ours_eager=lambda n=name, u=use, q=qo_len: _time_ours(n, u, q,
+                                                                                                           eager=True),
+                                                     ours=lambda n=name, u=use, q=qo_len: _time_ours(n, u, q)))
+                        _derive(row)
+                        log(f"  flashinfer {name} B{batch} ctx{context} q{qo_len}: "
+                            f"{row.get('flashinfer_us', float('nan')):.1f} us {row.get('flashinfer_error', '')}")
+                    _set_vs_q1({qo_len: ours[(name, qo_len)][0] for qo_len in qo_lens})  # after --rounds' medians
+                peer.clear()
+            del steps, dense_steps, expects, ours
+            torch.cuda.empty_cache()
+        if "dense_peer" in kernels:
+            rows.append(run_dense_peer(device=device, ceiling_gbps=ceiling_gbps, num_sets=num_sets, check=check,
+                                       time_reference=time_reference, peer=peer, log=log, rounds=rounds))
+        if peer is not None and flashinfer_available() and "index_select" in kernels and configs:
+            log("  flashinfer top-k with num_valid_pages, in a child process")
+            probe = nvp_probe(configs, qo_lens, device=device)
+            for row in rows:
+                if row["kernel"] == "index_select":
+                    row.update(probe.get((row["batch"], row["context"], row["qo_len"]), {}))
+    except BaseException as error:
+        error.kernel_rows = list(rows)
+        raise
     return rows
