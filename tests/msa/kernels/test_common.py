@@ -38,6 +38,9 @@ def test_qo_len_hint_prefers_caller_then_metadata():
     assert qo_len_hint(types.SimpleNamespace(max_qo_len=4), None) == 4
     assert qo_len_hint(types.SimpleNamespace(max_qo_len=4), 7) == 7
     assert qo_len_hint(types.SimpleNamespace(max_qo_len=0), None) is None
+    for bad in (2.9, True, "4", 0):  # 2.9 sized the grids for 2 tokens when no metadata value caught it
+        with pytest.raises(KernelInputError, match="max_qo_len must be an int >= 1"):
+            qo_len_hint(types.SimpleNamespace(), bad)
     assert qo_len_hint(object(), None) is None
     with pytest.raises(KernelInputError, match="max_qo_len"):
         qo_len_hint(object(), 0)
