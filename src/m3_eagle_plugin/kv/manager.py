@@ -129,9 +129,6 @@ class PagedKVCache:
         """Target plus draft layers."""
         return self.num_target_layers + len(self.draft_layer_ids)
 
-    def has_index_k(self, layer: int) -> bool:
-        return self.geometry.has(layer, "index_k")
-
     # ---- allocator ------------------------------------------------------------------------
     def add_request(self, rid: Hashable) -> None:
         self.allocator.add_request(rid)

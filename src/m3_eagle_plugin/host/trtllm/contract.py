@@ -145,10 +145,6 @@ CONTRACT: tuple[HostSymbol, ...] = (
 )
 
 
-def symbols_for(used_by: str) -> list[HostSymbol]:
-    return [s for s in CONTRACT if s.used_by == used_by]
-
-
 def symbol(key: str) -> HostSymbol:
     for s in CONTRACT:
         if s.key == key:

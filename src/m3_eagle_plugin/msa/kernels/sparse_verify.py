@@ -12,7 +12,6 @@ keep small batches busy. e4m3 V is read in 16-bit pairs of head dims where it ca
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -558,6 +557,3 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
 #: B16 q4 53.2 -> 53.1, B64 q1 140.5 -> 140.1; a session-8 run: 16 splits at B1/8K 10.4 vs 7.3).
 SELF_MERGE_SPLITS = 4
 
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
