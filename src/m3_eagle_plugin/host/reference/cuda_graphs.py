@@ -3,8 +3,9 @@
 A generation step has a fixed shape once its batch size ``R`` is fixed: ``R`` verify rows of
 ``1 + K`` tokens, then ``K`` draft steps. Everything that varies from step to step is a device
 buffer the graph reads: the input ids, the true kv lengths, the step metadata (whose buffers never
-move). Lengths are staged at a request's largest span (``max_blocks_per_seq`` blocks) on the host, so every host-side loop bound
-of the attention references is the same at capture and at replay, and the true lengths enter on
+move). Lengths are staged at a request's largest span (``max_blocks_per_seq`` blocks) on the
+host, so every host-side loop bound of the attention references is the same at capture and at
+replay, and the true lengths enter on
 the device through ``on_update_kv_lens`` (which may only shrink them), inside the graph.
 Greedy only: sampling draws from host-held generators.
 """
