@@ -5,8 +5,8 @@ A generation step has a fixed shape once its batch size ``R`` is fixed: ``R`` ve
 buffer the graph reads: the input ids, the true kv lengths, the step metadata (whose buffers never
 move). Lengths are staged at a request's largest span (``max_blocks_per_seq`` blocks) on the
 host, so every host-side loop bound of the attention references is the same at capture and at
-replay, and the true lengths enter on
-the device through ``on_update_kv_lens`` (which may only shrink them), inside the graph.
+replay, and the true lengths enter on the device through ``on_update_kv_lens`` (which may only
+shrink them), inside the graph.
 Greedy only: sampling draws from host-held generators.
 """
 from __future__ import annotations
