@@ -227,3 +227,65 @@ def test_a_kernel_section_out_of_memory_part_way_keeps_the_rows_finished_before_
     assert document["context"]["device_name"] == "Fake GPU" and not table.exists()
     assert captured.err.splitlines()[-1] == ("m3-eagle bench: not enough memory for --configs 16x32768,64x131072 "
                                              "(CUDA out of memory. Tried to allocate 9.00 GiB); lower a batch or context")
+
+
+def test_a_cuda_index_equal_to_the_device_count_is_past_the_last_one(monkeypatch, capsys):
+    """Two visible GPUs are cuda:0 and cuda:1: cuda:2 is refused, naming the range."""
+    seen = []
+    _fake_gpu(monkeypatch, seen)
+    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cli.torch.cuda, "set_device", lambda device: None)
+    argv = ["bench", "--configs", "16x32K", "--qo-lens", "4", "--kernels", "sparse_attn"]
+    assert m3_main([*argv, "--device", "cuda:2"]) == 2
+    assert capsys.readouterr().err == "m3-eagle bench: --device cuda:2: no such CUDA device (2 visible: cuda:0..cuda:1)\n"
+    assert seen == []
+    assert m3_main([*argv, "--device", "cuda:1"]) == 0 and len(seen) == 1
+
+
+def test_json_on_stdout_and_a_table_file_named_dash_do_not_collide(tmp_path, monkeypatch, capsys):
+    """`--json -` is stdout, not a file: `--write-table -` (a file named "-") is not the same path."""
+    _fake_gpu(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert m3_main(["bench", "--device", "cuda", "--configs", "16x32K", "--qo-lens", "4", "--kernels", "sparse_attn",
+                    "--json", "-", "--write-table", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [r["kernel"] for r in document["rows"]] == ["sparse_attn"]
+    assert (tmp_path / "-").is_file() and json.loads((tmp_path / "-").read_text())["rows"]
+
+
+def _failing_kernel_section(monkeypatch, finished_rows):
+    """The kernel section raising out of memory after `finished_rows` (carried as the CLI's partial section)."""
+    def section(args, device, log):
+        error = MemoryError()
+        if finished_rows is not None:
+            error.partial_section = (finished_rows, {"device_name": "cpu"})
+        raise error
+
+    monkeypatch.setattr(cli, "_kernel_section", section)
+
+
+def test_a_failed_kernel_section_skips_the_e2e_section(tmp_path, monkeypatch, capsys):
+    """After the kernel section failed, the end-to-end section is not started: its rows would join a
+    report whose kernel rows are partial, and the run ends with the kernel error (exit 2)."""
+    row = {"section": "kernels", "kernel": "dense_attn", "batch": 2, "context": 32, "qo_len": 1}
+    _failing_kernel_section(monkeypatch, [row])
+    calls = []
+    monkeypatch.setattr(cli, "run_end_to_end", lambda args: calls.append(1) or [])
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--kernels", "dense_attn",
+                    "--e2e", "--json", str(out)]) == 2
+    assert calls == []
+    assert json.loads(out.read_text())["rows"] == [row]
+    assert "not enough memory for --configs" in capsys.readouterr().err
+
+
+def test_a_kernel_section_failing_before_any_row_writes_nothing(tmp_path, monkeypatch, capsys):
+    """No row finished: no empty table on stdout and no `--json` file, only the error line (exit 2)."""
+    _failing_kernel_section(monkeypatch, None)
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--kernels", "dense_attn",
+                    "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert not out.exists() and captured.out == ""
+    assert captured.err.splitlines() == ["m3-eagle bench: not enough memory for --configs 2x32 (MemoryError); "
+                                         "lower a batch or context"]

@@ -213,3 +213,27 @@ def test_a_suite_failing_part_way_carries_the_rows_it_finished(monkeypatch):
     assert [(r["kernel"], r["batch"], r["qo_len"]) for r in caught.value.kernel_rows] == [
         ("sparse_step", 16, 4), ("sparse_step", 16, 1), ("dense_attn", 16, 4), ("dense_attn", 16, 1)]
     assert all(r["vs_q1"] == 1.0 for r in caught.value.kernel_rows)
+
+
+def test_a_host_memory_error_part_way_carries_the_rows_too(monkeypatch):
+    """`MemoryError` (host memory: building the next shape's inputs) is no RuntimeError; the CLI catches
+    it as out of memory, so the finished rows must ride on it as well."""
+    from m3_eagle_plugin.bench import kernel_suite
+
+    class Steps:
+        def __init__(self, batch, context, *args, **kwargs):
+            if batch == 64:
+                raise MemoryError()
+            self.batch, self.context = batch, context
+
+    def run_case(name, steps, qo_len, **kwargs):
+        return {"kernel": name, "batch": steps.batch, "context": steps.context, "qo_len": qo_len, "graph_us": 1.0,
+                "eager_us": 2.0}
+
+    monkeypatch.setattr(kernel_suite, "StepSet", Steps)
+    monkeypatch.setattr(kernel_suite, "run_case", run_case)
+    with pytest.raises(MemoryError) as caught:
+        kernel_suite.run_kernel_suite([(16, 4096), (64, 4096)], [4], ["sparse_step"], Geometry(),
+                                      kv_dtype=torch.bfloat16, index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
+                                      device=torch.device("cpu"), ceiling_gbps=1.0, log=lambda msg: None)
+    assert [(r["kernel"], r["batch"], r["qo_len"]) for r in caught.value.kernel_rows] == [("sparse_step", 16, 4)]

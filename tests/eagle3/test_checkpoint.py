@@ -291,6 +291,25 @@ def test_non_integer_d2t_is_refused_by_inspect_draft_before_the_target_is_read(t
             load()
 
 
+@pytest.mark.parametrize("dtype, stored", [(torch.int32, "I32"), (torch.uint8, "U8")])
+def test_an_integer_d2t_of_any_width_or_sign_is_taken(tiny, tmp_path, dtype, stored):
+    """Id offsets stored as any integer type (I8..I64, U8..U64) pass the header check: a draft with a
+    smaller vocabulary maps draft id i to target id i + d2t[i]."""
+    from safetensors import safe_open
+
+    target, draft_dir = tiny
+    d2t = torch.tensor([0, 1, 1, 2, 2, 2, 2, 2], dtype=dtype)  # draft ids 0..7 -> target 0, 2, 3, 5, ..., 9
+
+    def add(t):
+        t["d2t"] = d2t
+    path = _variant(draft_dir, tmp_path / "d", add, lambda c: c.update(draft_vocab_size=8))
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert f.get_slice("d2t").get_dtype() == stored
+    inspect_draft(path, target.config)
+    head = load_draft(path, target)
+    assert (torch.arange(8) + head.d2t.long()).tolist() == [0, 2, 3, 5, 6, 7, 8, 9]
+
+
 def test_d2t_mapping_two_draft_ids_to_one_target_id_is_refused(tiny, tmp_path):
     """Both rows would land on one target logit (which one wins is unspecified); the other id is lost."""
     target, draft_dir = tiny

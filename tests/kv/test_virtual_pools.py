@@ -403,3 +403,43 @@ def test_an_unsigned_dst_is_refused_it_cannot_hold_the_unused_minus_one():
     with pytest.raises(TypeError, match="dst must be a signed integer tensor, got torch.uint8"):
         copy_pool_block_offsets(dst, host, torch.tensor([0]), 3, 1)
     assert dst.eq(7).all()
+
+
+def test_a_copy_index_one_past_the_host_rows_is_refused_naming_the_range():
+    """Row 2 of a 2-row host table is past its end: refused by name, as row -1 is."""
+    host = torch.tensor([[[3, -1], [0, 0]], [[5, -1], [0, 0]]], dtype=torch.int32)
+    dst = torch.full((1, 2, 2), -7, dtype=torch.int32)
+    with pytest.raises(IndexError, match=r"copy_index entries must lie in \[0, 2\), got \[2\]"):
+        copy_pool_block_offsets(dst, host, torch.tensor([2]), 3, 1)
+    assert dst.eq(-7).all()
+    copy_pool_block_offsets(dst, host, torch.tensor([1]), 3, 1)  # the last row is in range
+    assert dst[0].tolist() == [[15, -1], [16, -1]]
+
+
+def test_tables_of_the_wrong_rank_are_refused_naming_the_layout():
+    """One pool's tables are [rows, 2, blocks], the stacked ones [pools, rows, 2, blocks]: another
+    rank is a ValueError naming that layout, not an index error from reading a missing dim."""
+    host3 = torch.zeros((1, 2, 4), dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"must be \[rows, 2, blocks\]"):
+        copy_pool_block_offsets(torch.zeros((2, 4), dtype=torch.int32), host3, torch.tensor([0]), 3, 1)
+    pools = extend_attention_op_pools(torch.tensor([[0x1000, 0]], dtype=torch.int64),
+                                      torch.zeros(2, 2, dtype=torch.int32), [])
+    with pytest.raises(ValueError, match=r"must be \[pools, rows, 2, blocks\]"):
+        copy_block_offsets(torch.zeros((1, 2, 4), dtype=torch.int32), host3, torch.tensor([0]), pools,
+                           base_index_scales=[3], base_kv_offsets=[1])
+
+
+@pytest.mark.parametrize("host_dtype, dst_dtype, error", [
+    (torch.float32, torch.int32, "host_offsets must be an integer tensor, got torch.float32"),
+    (torch.int32, torch.uint8, "dst must be a signed integer tensor, got torch.uint8"),
+])
+def test_the_stacked_copy_checks_each_pools_table_dtypes(host_dtype, dst_dtype, error):
+    """copy_block_offsets refuses what copy_pool_block_offsets refuses of one pool's tables (a float
+    slot, an unsigned dst), with the default copy, before any pool is written."""
+    pools = extend_attention_op_pools(torch.tensor([[0x1000, 0]], dtype=torch.int64),
+                                      torch.tensor([[0, 0], [0, 2]], dtype=torch.int32), [(1, 0x2000, 4)])
+    host = torch.tensor([[[[2, -1], [0, 0]]]], dtype=host_dtype)
+    dst = torch.full((2, 1, 2, 2), 7, dtype=dst_dtype)
+    with pytest.raises(TypeError, match=error):
+        copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[2], base_kv_offsets=[1])
+    assert dst.eq(7).all()

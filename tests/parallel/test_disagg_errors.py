@@ -276,3 +276,19 @@ def test_another_engines_request_is_refused_before_it_touches_this_engines_pages
     # each engine still serves its own request
     assert continue_generation(generation, [own]).outputs[0][:1] == handoffs[0].output[:1]
     assert export_handoff(context, foreign).kv_len == handoffs[0].kv_len and _is_clean(context)
+
+
+def test_a_numpy_max_new_tokens_survives_the_handoff(tiny_pair):
+    """A count read from an array is the int it is: the exported handoff carries it and another engine
+    imports it (its check takes only ints)."""
+    import numpy as np
+
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    context, generation = _engine(tiny_pair, blocks), _engine(tiny_pair, blocks)
+    request = run_context_phase(context, DISAGG_PROMPTS[:1], np.int64(DISAGG_NEW))[0]
+    handoff = export_handoff(context, request)
+    assert handoff.max_new_tokens == DISAGG_NEW
+    imported = import_handoff(generation, handoff)
+    assert imported.max_new_tokens == DISAGG_NEW and generation.owns(imported)

@@ -444,3 +444,27 @@ def test_an_imported_host_version_that_is_not_a_version_string_is_not_taken(monk
     for unusable in [(1, 3, 0), "  ", None]:
         host.__version__ = unusable
         assert activation.host_version("fake_host_pkg") == (True, None), unusable
+
+
+def test_status_with_a_bad_force_value_is_not_ok_but_still_judges_the_host(active_env, monkeypatch):
+    """status() names the malformed switch and is not ok (activating refuses it), yet still reports
+    the verdict as judged with the switch unset; nothing is installed."""
+    make_host, installs = active_env
+    make_host("1.3.0rc24")  # supported: only the switch makes the report not ok
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "maybe")
+    report = m3_eagle_plugin.status()
+    assert report.ok is False and report.verdict == "supported" and not report.activated
+    assert report.reason.startswith("M3_EAGLE_PLUGIN_FORCE='maybe'"), report.reason
+    assert installs == []
+
+
+def test_status_judges_the_host_with_a_valid_force_switch(active_env, monkeypatch):
+    """A deferring host with `M3_EAGLE_PLUGIN_FORCE=1`: status() reports what activating would do (the
+    defer overridden), not the verdict with the switch unset."""
+    make_host, installs = active_env
+    make_host("1.4.0rc1")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "1")
+    report = m3_eagle_plugin.status()
+    assert report.verdict != "defer" and "overridden" in report.reason and installs == []

@@ -283,3 +283,22 @@ def test_plugins_left_out_by_the_allow_list_are_listed_with_the_reason(clean_sta
     skipped = json.loads(out)["plugins_skipped"] if json_out else out
     assert "plugin 'extra' (extra_m3_plugin from extra-m3-plugin) not loaded: not in M3_EAGLE_PLUGIN_LOAD=''" in (
         skipped if json_out else out)
+
+
+@pytest.mark.parametrize("json_out", [True, False])
+def test_a_plugin_manager_that_cannot_be_built_is_reported_not_a_crash(clean_state, capsys, monkeypatch, json_out):
+    """The manager failing to build is shown in the plugins row; the skipped list is then empty, not missing."""
+    from m3_eagle_plugin import registry
+
+    def broken():
+        raise RuntimeError("manager exploded")
+
+    monkeypatch.setattr(registry, "get_plugin_manager", broken)
+    cli.main(["doctor"] + (["--json"] if json_out else []))
+    out = capsys.readouterr().out
+    if json_out:
+        data = json.loads(out)
+        assert data["plugins_skipped"] == []
+        assert data["plugins"] == [{"error": "RuntimeError: manager exploded"}]
+    else:
+        assert "manager exploded" in out

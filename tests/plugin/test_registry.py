@@ -470,3 +470,70 @@ def test_one_plugin_object_under_two_entry_points_is_registered_once_and_the_ski
     [skip] = manager.skipped
     assert skip.name == "alias" and "'drafter'" in skip.reason
     assert str(skip) in capsys.readouterr().err
+
+
+def test_a_blocked_name_is_skipped_with_a_line_not_loaded(manager, monkeypatch, capsys):
+    """`set_blocked` keeps a name out: its entry point is not imported, and the skip names it."""
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    manager.set_blocked("drafter")
+    ep = _FakeEntryPoint("drafter", "ok:Drafter", _never_loaded, _FakeDist("dist-a"))
+    try:
+        assert manager.load_entrypoints(entry_points=[ep]) == []
+    finally:  # the fixture unregisters every name it lists; a blocked one holds no plugin
+        manager._name2plugin.pop("drafter", None)
+    assert manager.load_errors == [] and manager.get_plugin("drafter") is None
+    [skip] = manager.skipped
+    assert skip.name == "drafter" and "blocked" in skip.reason
+    assert str(skip) in capsys.readouterr().err
+
+
+def test_an_entry_point_loaded_again_written_with_spaces_is_the_same_one(manager, monkeypatch):
+    """"ok:Drafter" and "ok : Drafter" name one object: a second load of it is quiet, not a clash."""
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    assert manager.load_entrypoints(entry_points=[_FakeEntryPoint("drafter", "ok:Drafter", Drafter)]) == ["drafter"]
+    again = _FakeEntryPoint("drafter", "ok : Drafter", _never_loaded)
+    assert manager.load_entrypoints(entry_points=[again]) == []
+    assert manager.load_errors == [] and manager.skipped == []
+
+
+def test_an_allow_listed_name_registered_without_an_entry_point_is_not_missing(manager, monkeypatch):
+    """The built-in plugin holds its name without any entry point being passed: asking for it by name
+    is satisfied, not a 'not installed' load error."""
+    monkeypatch.setenv(registry.LOAD_ENV, f"{registry.BUILTIN_NAME},drafter")
+    eps = [_FakeEntryPoint("drafter", "ok:Drafter", Drafter)]
+    assert manager.load_entrypoints(entry_points=eps) == ["drafter"]
+    assert manager.load_errors == []
+
+
+def test_a_not_installed_plugin_error_reads_without_an_empty_source(manager, monkeypatch):
+    """No entry point, so no value or distribution to name: the line is "plugin 'ghost' failed to load: ..."."""
+    monkeypatch.setenv(registry.LOAD_ENV, "ghost")
+    manager.load_entrypoints(entry_points=[])
+    [error] = manager.load_errors
+    assert str(error).startswith("plugin 'ghost' failed to load: M3_EAGLE_PLUGIN_LOAD names it"), str(error)
+
+
+def test_a_third_party_builtin_left_out_by_the_allow_list_is_a_skip_not_a_clash(manager, monkeypatch):
+    """`M3_EAGLE_PLUGIN_LOAD=""` turns third-party plugins off: one named like the built-in is not loaded,
+    so it clashes with nothing; it is listed as skipped."""
+    monkeypatch.setenv(registry.LOAD_ENV, "")
+    ep = _FakeEntryPoint("builtin", "evil_pkg:plugin", _never_loaded, _FakeDist("evil-pkg"))
+    assert manager.load_entrypoints(entry_points=[ep]) == []
+    assert manager.load_errors == []
+    [skip] = manager.skipped
+    assert skip.name == "builtin" and "M3_EAGLE_PLUGIN_LOAD" in skip.reason
+
+
+def test_a_name_held_by_a_directly_registered_object_is_described_by_its_class(manager, monkeypatch):
+    """A plugin registered in code (no entry point) is known by "module:Class": an entry point naming
+    that class is the same plugin (quiet); another one is a clash naming it."""
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    manager.register(Drafter(), name="drafter")
+    source = f"{Drafter.__module__}:Drafter"
+    same = _FakeEntryPoint("drafter", source, _never_loaded)
+    assert manager.load_entrypoints(entry_points=[same]) == []
+    assert manager.load_errors == []
+    other = _FakeEntryPoint("drafter", "other:Drafter", _never_loaded, _FakeDist("dist-b"))
+    assert manager.load_entrypoints(entry_points=[other]) == []
+    [error] = manager.load_errors
+    assert f"plugin 'drafter' ({source})" in str(error) and "other:Drafter" in str(error), str(error)

@@ -51,3 +51,18 @@ def test_cuda_graphs_the_engine_cannot_capture_are_refused_before_any_weight_is_
     monkeypatch.setattr(build, "_free_bytes", lambda device: None)
     with pytest.raises(ValueError, match=cause):
         build_engine(tiny_pair[0], tiny_pair[1] if with_draft else None, config, num_blocks=64, device="cuda")
+
+
+def test_cuda_graphs_with_a_proposer_but_no_head_are_refused_before_any_weight_is_read(tiny_pair, monkeypatch):
+    """A proposer drafts K tokens, but the graphs capture the Eagle3 head's step: no head is refused even
+    though K >= 1."""
+    from m3_eagle_plugin.host.reference.proposers import PromptLookupProposer
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("weights read before the settings were checked")
+
+    monkeypatch.setattr(loader, "load_target", read_weights)
+    monkeypatch.setattr(build, "_free_bytes", lambda device: None)
+    with pytest.raises(ValueError, match="need a draft head"):
+        build_engine(tiny_pair[0], None, EngineConfig(draft_len=2, cuda_graphs=True), num_blocks=64, device="cuda",
+                     proposer=PromptLookupProposer())

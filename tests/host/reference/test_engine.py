@@ -202,6 +202,16 @@ def test_cuda_graphs_refused_on_cpu():
         build(cuda_graphs=True)
 
 
+def test_cuda_graphs_with_a_proposer_but_no_head_are_refused_before_the_cache_is_read():
+    """The graphs capture the Eagle3 head's step: a proposer's K >= 1 does not stand in for the head.
+    The device is named only (nothing touches a GPU): the refusal comes before the cache is read."""
+    from m3_eagle_plugin.host.reference.proposers import PromptLookupProposer
+
+    with pytest.raises(ValueError, match="need a draft head"):
+        Engine(None, None, EngineConfig(draft_len=2, cuda_graphs=True), vocab_size=_fakes.VOCAB,
+               proposer=PromptLookupProposer(), device="cuda")
+
+
 def test_statistics_are_per_generate_call():
     engine, target, cache = build(draft_len=2)
     first = engine.generate(PROMPTS[:1], max_new_tokens=5).stats.as_dict()

@@ -365,3 +365,45 @@ def test_a_lazy_package_re_export_needs_no_rebind(host):
     assert name not in vars(sparse_pkg)
     engine.revert()
     assert sparse_pkg.get_sparse_attn_kv_cache_manager is original and name not in vars(sparse_pkg)
+
+
+def _lazy_sparse_package(serve):
+    """The host's sparse package with its eager `get_sparse_attn_kv_cache_manager` binding replaced by a
+    module `__getattr__` that answers `serve(definer, original)`."""
+    sparse_pkg = import_first(symbol("sparse_pkg_kv_manager_binding").modules)
+    definer = import_first(symbol("sparse_kv_manager_dispatch").modules)
+    name = "get_sparse_attn_kv_cache_manager"
+    original = vars(sparse_pkg).pop(name)
+
+    def __getattr__(attr):
+        if attr == name:
+            return serve(definer, original)
+        raise AttributeError(attr)
+
+    sparse_pkg.__getattr__ = __getattr__
+    return sparse_pkg, original
+
+
+def test_a_lazy_package_that_serves_another_object_is_refused(host):
+    """A module `__getattr__` needs no rebind only when it serves the very function being wrapped:
+    one serving another object (a stale copy) is a binding that differs, and the host is refused whole."""
+    sparse_pkg, original = _lazy_sparse_package(lambda definer, original: lambda *args, **kwargs: None)
+    before = snapshot()
+    engine = PatchEngine()
+    with pytest.raises(HostPatchError, match="get_sparse_attn_kv_cache_manager is not the original"):
+        engine.apply(builtin_patches())
+    assert engine.report()["applied"] is False
+    assert all(snapshot()[k] is before[k] for k in before)
+
+
+def test_a_package_binding_the_name_itself_is_rebound_even_with_a_module_getattr(host):
+    """A package with a module `__getattr__` that also binds the name eagerly holds its own copy:
+    that binding is rebound (and restored), not skipped as a read-through."""
+    sparse_pkg, original = _lazy_sparse_package(lambda definer, original: original)
+    name = "get_sparse_attn_kv_cache_manager"
+    setattr(sparse_pkg, name, original)  # the eager binding, next to the __getattr__
+    engine = PatchEngine()
+    engine.apply(builtin_patches())
+    assert getattr(vars(sparse_pkg)[name], PATCH_MARK) == "route-sparse-kv-cache-manager"
+    engine.revert()
+    assert vars(sparse_pkg)[name] is original

@@ -505,3 +505,12 @@ def test_gpu_routed_calls_match_the_references_and_capture(monkeypatch, q_len):
     torch.cuda.synchronize()
     assert torch.equal(captured[0], sel)
     torch.testing.assert_close(captured[1], out, atol=1e-3, rtol=1e-3)  # split-K order may differ
+
+
+@pytest.mark.parametrize("scales, expected", [
+    ((0.5, None, None), (0.5, None)),
+    ((0.5, 2.0, 1.0), (1.0, None)),  # a V scale of 1.0 is no V scale: FlashInfer's fast path
+    ((0.5, None, 0.25), (0.5, 0.25)),
+])
+def test_decode_scales_fold_k_into_the_softmax_scale_and_drop_a_unit_v_scale(scales, expected):
+    assert fim.decode_scales(*scales) == expected

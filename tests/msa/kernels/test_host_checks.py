@@ -183,3 +183,21 @@ def test_step_refuses_index_heads_other_than_kv_heads_before_the_selection_launc
     with pytest.raises(KernelInputError, match="index_q has 1 heads, k_cache 2 KV heads"):
         verify_step._step(one_head, index_k_cache, q, k_cache, v_cache, meta, topk=TOPK, scale=0.25, local_blocks=1,
                           init_blocks=0, k_scale=None, v_scale=None, max_qo_len=None, early=None, splits=None)
+
+
+def test_a_tensor_softmax_scale_is_refused_as_a_host_sync_not_only_as_a_non_number():
+    """The tensor is refused for what it would cost (a device read inside a graph capture), by name."""
+    meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
+    with pytest.raises(KernelInputError, match="softmax scale as a Python float"):
+        dense_verify.dense_verify_attention(q, k_cache, v_cache, meta, scale=torch.tensor(0.25))
+
+
+def test_step_refuses_index_queries_that_are_not_three_dimensional():
+    """`[T, Hkv * Di]` has the right token count and, at Di = 1, the right second dim: still refused by
+    shape before anything is selected."""
+    meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
+    flat = index_q[:, :, 0].contiguous()  # [T, Hkv]
+    assert flat.shape[1] == k_cache.shape[1]
+    with pytest.raises(KernelInputError, match=r"index_q must be \[T, Hi, Di\]"):
+        verify_step._step(flat, index_k_cache, q, k_cache, v_cache, meta, topk=TOPK, scale=0.25, local_blocks=1,
+                          init_blocks=0, k_scale=None, v_scale=None, max_qo_len=None, early=None, splits=None)
