@@ -163,3 +163,19 @@ def test_env_value_follows_a_replaced_environ(monkeypatch):
     monkeypatch.setattr(os, "environ", {"M3_EAGLE_TEST_ENV_VALUE": "swapped"})
     assert env_value("M3_EAGLE_TEST_ENV_VALUE") == "swapped"
     assert env_value("M3_EAGLE_TEST_ENV_UNSET", "d") == "d"
+
+
+def test_scales_past_the_float_range_are_refused_naming_them():
+    """An int too large for a float raised a bare OverflowError; two finite scales whose product is
+    past the float range reached the kernels as an infinite softmax scale (and FlashInfer's too)."""
+    from m3_eagle_plugin.msa.kernels import flashinfer_msa
+    from m3_eagle_plugin.msa.kernels._common import attention_scales
+
+    with pytest.raises(KernelInputError, match="scale must be a positive finite number"):
+        attention_scales(10**400)
+    with pytest.raises(KernelInputError, match="k_scale must be a positive finite number"):
+        attention_scales(0.5, k_scale=10**400)
+    for call in (attention_scales, flashinfer_msa.decode_scales):
+        with pytest.raises(KernelInputError, match=r"scale x k_scale \(1e\+300 x 1e\+300\) is past the float range"):
+            call(1e300, 1e300)
+    assert attention_scales(10**3, 2, 0.5) == (2000.0, 0.5)  # ints in range are numbers like any other

@@ -294,9 +294,13 @@ def _positive_finite(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise KernelInputError(f"{name} must be a real number (a Python or NumPy scalar), got "
                                f"{type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
+    try:
+        number = float(value)
+    except OverflowError:  # an int past the float range
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
         raise KernelInputError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
+    return number
 
 
 def attention_scale(scale: Any) -> float:
@@ -315,3 +319,13 @@ def scale_value(scale: float | torch.Tensor | None, name: str = "fp8 scale") -> 
     if isinstance(scale, torch.Tensor):
         raise KernelInputError("pass fp8 scales as Python floats so graph capture needs no host sync")
     return _positive_finite(name, scale)
+
+
+def attention_scales(scale: Any, k_scale: Any = None, v_scale: Any = None) -> tuple[float, float]:
+    """(softmax scale x K scale, V scale) as Python floats; a scale `msa`'s references refuse (not a
+    positive finite real number), a tensor (a host sync inside a graph capture) or a product past
+    the float range is refused by name."""
+    qk = attention_scale(scale) * scale_value(k_scale, "k_scale")
+    if not math.isfinite(qk):
+        raise KernelInputError(f"scale x k_scale ({scale!r} x {k_scale!r}) is past the float range")
+    return qk, scale_value(v_scale, "v_scale")

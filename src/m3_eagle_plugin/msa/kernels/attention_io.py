@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ._common import (FP8_DTYPES, attention_scale, check_cache_block, check_cache_view, check_meta, check_same_device,
-                      check_step_rows, compute_dtype_of, require, scale_value)
+from ._common import (FP8_DTYPES, check_cache_block, check_cache_view, check_meta, check_same_device, check_step_rows,
+                      compute_dtype_of, require)
 from .merge import merge_splits
 
 
@@ -33,12 +33,6 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     require(k_cache.dtype in allowed and v_cache.dtype in allowed, f"unsupported KV dtype {k_cache.dtype}")
     check_step_rows("q", q, meta)
     check_cache_block("k_cache", block, meta)
-
-
-def attention_scales(scale: Any, k_scale: Any = None, v_scale: Any = None) -> tuple[float, float]:
-    """(softmax scale x K scale, V scale) as Python floats; a scale `msa`'s references refuse (not a
-    positive finite real number) or a tensor (a host sync inside a graph capture) is refused by name."""
-    return attention_scale(scale) * scale_value(k_scale, "k_scale"), scale_value(v_scale, "v_scale")
 
 
 #: Most elements the split partials `[T, Hq, splits, D]` may take (512 MB in fp32).

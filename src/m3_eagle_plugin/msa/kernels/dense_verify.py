@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_grid, device_sm_count, fits_one_tile, is_pow2, qo_len_hint, require, tokens_per_tile
-from .attention_io import (attention_scales, check_attention_inputs, check_splits, max_partial_splits, merge_outputs,
-                           split_outputs)
+from ._common import (attention_scales, check_grid, device_sm_count, fits_one_tile, is_pow2, qo_len_hint, require,
+                      tokens_per_tile)
+from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
 from .attention_tiles import LOG2E, online_softmax_step, store_rows, zero_graph_padding
 from .launch import launch
 from .replay import Replayer, call_signature

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..blocks import is_integer_dtype
-from ._common import attention_scale, scale_value
+from ._common import attention_scales
 from ._common import device_capability, require  # device_capability: tests patch it here; the bench imports it here
 
 SPARSE = "sparse_attention"
@@ -284,8 +284,8 @@ def decode_scales(scale: float, k_scale: float | None = None, v_scale: float | N
     """(`softmax_scale`, the K scale folded in; `v_global_scale`, None for 1.0) of
     `msa_sparse_decode_attention`; a scale our kernels refuse (not a positive finite number, a
     tensor) is refused here too (`KernelInputError`), before anything runs."""
-    v_global = scale_value(v_scale, "v_scale")
-    return attention_scale(scale) * scale_value(k_scale, "k_scale"), None if v_global == 1.0 else v_global
+    softmax_scale, v_global = attention_scales(scale, k_scale, v_scale)
+    return softmax_scale, None if v_global == 1.0 else v_global
 
 
 def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale: float, q_len: int,

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ._common import (
     MAX_TILE_ROWS,
+    attention_scales,
     byte_aligned,
     check_grid,
     check_same_device,
@@ -32,8 +33,7 @@ from ._common import (
     tokens_per_tile,
     triton_interpreting,
 )
-from .attention_io import (attention_scales, check_attention_inputs, check_splits, max_partial_splits, merge_outputs,
-                           split_outputs)
+from .attention_io import check_attention_inputs, check_splits, max_partial_splits, merge_outputs, split_outputs
 from .attention_tiles import LOG2E, attend_page_tile, attend_two_pages, join_dim_halves, store_rows, zero_graph_padding
 from .block_union import BlockUnion, chunk_count, union_from_selection
 from .launch import launch

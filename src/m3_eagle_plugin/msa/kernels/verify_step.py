@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from ._common import check_same_device, device_sm_count, qo_len_hint, require
-from .attention_io import attention_scales, check_attention_inputs
+from ._common import attention_scales, check_same_device, device_sm_count, qo_len_hint, require
+from .attention_io import check_attention_inputs
 from .block_union import chunk_count
 from .handoff import handoff_enabled
 from .index_select import select_announcing, select_blocks_verify
