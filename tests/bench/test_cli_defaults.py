@@ -118,7 +118,9 @@ def test_an_empty_kernel_list_with_e2e_runs_the_end_to_end_section_alone(monkeyp
     calls = []
     monkeypatch.setattr(cli, "run_end_to_end", lambda args: calls.append(1) or [dict(row)])
     assert m3_main(["bench", "--device", "cpu", "--kernels", "", "--e2e", "--json"]) == 0
-    assert calls == [1] and json.loads(capsys.readouterr().out)["rows"] == [row]
+    document = json.loads(capsys.readouterr().out)
+    assert calls == [1] and document["rows"] == [row]
+    assert document["context"]["note"] == "no CUDA/Triton"  # no smoke table ran: not "smoke only"
 
 
 def test_a_cuda_index_past_the_visible_devices_is_an_option_error(monkeypatch, capsys):

@@ -153,7 +153,8 @@ def _cpu_smoke_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dic
                 rows.append({"section": "reference_smoke", "kernel": name, "batch": batch, "context": context,
                              "qo_len": qo_len, "kv_dtype": "float32", "torch_us": time_cpu_us([fn]),
                              "bytes": nbytes})
-    return rows, {"note": "no CUDA/Triton: torch reference smoke only"}
+    # the kernel rows' note; `--kernels ""` has none (the end-to-end rows are the whole run)
+    return rows, {"note": "no CUDA/Triton: torch reference smoke only" if rows else "no CUDA/Triton"}
 
 
 def qo_lens_of(args: argparse.Namespace) -> list[int]:
