@@ -36,7 +36,8 @@ class VirtualPools:
     """Attention-op tables after adding one virtual pool per shared draft layer.
 
     ``pool_pointers``: int64 ``[pools + drafts, 2]`` (or ``[.., 2, 2]`` NVFP4 data/scale pairs);
-    ``pool_mapping``: int32 ``[layers, 2]`` = (op pool, layer offset);
+    ``pool_mapping``: ``[layers, 2]`` = (op pool, layer offset), in the input's integer dtype (the
+    host's own, int32 in TensorRT-LLM: its kernels read the table they allocated);
     ``index_scales`` / ``kv_offsets``: int32 ``[drafts]``, one per virtual pool;
     ``op_pools``: ``[(op_pool_id, source_pool_id)]``.
     """
