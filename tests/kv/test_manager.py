@@ -427,3 +427,18 @@ def test_a_non_integer_draft_head_count_is_refused_not_truncated(heads):
     with pytest.raises(TypeError, match="draft_num_kv_heads must be an int"):
         PagedKVCache.for_minimax_m3(4, [1], 2, D, DI, B, 6, num_draft_layers=1, draft_num_kv_heads=heads,
                                     dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name, value, named", [("head_dim", -D, "head_dim"), ("kv_heads", {0: -1}, r"kv_heads\[0\]"),
+                                                 ("block_size", 0, "block_size"), ("index_dim", 0, "index_dim")])
+def test_a_size_below_one_is_refused_naming_it(name, value, named):
+    """The page-size check compares products: -1 head x -D dims passed it and built negative-stride views."""
+    from m3_eagle_plugin.kv.geometry import minimax_m3_geometry
+
+    geometry = minimax_m3_geometry(1, [0], 1, D, DI, B, kv_bytes_per_elem=4, index_bytes_per_elem=4)
+    sizes = dict(block_size=B, num_blocks=8, kv_heads={0: 1}, head_dim=D, index_dim=DI, dtype=torch.float32)
+    with pytest.raises(ValueError, match=rf"{named} must be >= 1"):
+        PagedKVCache(geometry, **{**sizes, name: value})
+    if name == "kv_heads":  # both factors of the page size negative: the product check alone took it
+        with pytest.raises(ValueError, match="head_dim must be >= 1"):
+            PagedKVCache(geometry, **{**sizes, "kv_heads": {0: -1}, "head_dim": -D})

@@ -51,6 +51,11 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.kv_heads = {as_int("kv_heads layer", k): as_int(f"kv_heads[{k}]", v) for k, v in kv_heads.items()}
+        # each on its own: the page-size check sees products, and -2 heads x -128 dims passed it
+        for name, value in (("block_size", self.block_size), ("head_dim", self.head_dim),
+                            ("index_dim", self.index_dim), *((f"kv_heads[{k}]", v) for k, v in self.kv_heads.items())):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.draft_layer_ids: list[int] = list(geometry.draft_layer_ids)
         self.num_target_layers = len(geometry.target_layer_ids)
         self.sparse_layer_ids: list[int] = sorted(
