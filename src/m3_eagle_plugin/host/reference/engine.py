@@ -294,6 +294,10 @@ class Engine:
 
     @torch.no_grad()
     def _generate(self, prompts, max_new_tokens: int, progress) -> GenerationResult:
+        try:  # refused before anything changes (the last call's stats stay readable)
+            prompt_iter = enumerate(prompts)
+        except TypeError:
+            raise TypeError(f"prompts must be a list of prompts (lists of token ids), got {prompts!r}") from None
         self.stats = SpecStats(draft_len=self.k)  # per call
         self.runner.restart_forced_schedule()  # so is a fractional forced mean's 2, 3, 2, ... schedule
         requests: list[Request] = []
@@ -302,10 +306,6 @@ class Engine:
         try:
             # Inside the try: a prompt source that raises part-way (a generator, an interrupt) must
             # not leave the requests built before it registered in the cache.
-            try:
-                prompt_iter = enumerate(prompts)
-            except TypeError:
-                raise TypeError(f"prompts must be a list of prompts (lists of token ids), got {prompts!r}") from None
             for i, prompt in prompt_iter:
                 requests.append(self.make_request(i, prompt, max_new_tokens))
             started = time.perf_counter()
