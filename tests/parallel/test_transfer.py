@@ -189,3 +189,56 @@ def test_more_pools_than_travel_are_refused_before_sending():
     check_sendable(KVTransferPayload("fp", 0, pages * MAX_POOLS))
     with pytest.raises(ValueError, match=f"{MAX_POOLS + 1} pools, at most {MAX_POOLS} travel"):
         check_sendable(KVTransferPayload("fp", 0, pages * (MAX_POOLS + 1)))
+
+
+class _Group:
+    """A stand-in process group: the stream bookkeeping keys on it (weakly); no message leaves."""
+
+
+def _one_sided_wire(monkeypatch, sends, recvs):
+    """`dist.send` / `dist.recv` replaced: each call takes the next of ``sends`` / ``recvs`` (a tensor
+    to copy in, or an exception to raise)."""
+    from m3_eagle_plugin.parallel import transfer as t
+
+    def step(queue, tensor):
+        item = queue.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        if item is not None:
+            tensor.copy_(item)
+
+    monkeypatch.setattr(t, "comm_device", lambda group: torch.device("cpu"))
+    monkeypatch.setattr(t.dist, "send", lambda tensor, dst, group=None: step(sends, tensor))
+    monkeypatch.setattr(t.dist, "recv", lambda tensor, src, group=None: step(recvs, tensor))
+
+
+def test_an_exchange_cut_off_between_its_messages_leaves_the_stream_out_of_sync(monkeypatch):
+    """Ctrl-C after a frame's preamble (or between pools of pages) leaves the peer's position
+    unknown: the next message with that peer is refused by name instead of reading the body
+    (or the next pool) as a preamble."""
+    from m3_eagle_plugin.parallel import transfer as t
+
+    group = _Group()
+    preamble = torch.tensor([t.MAGIC, t.VERSION, t.KIND_INTS, 3])
+    _one_sided_wire(monkeypatch, [], [preamble, KeyboardInterrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        t.recv_ints(0, group)
+    with pytest.raises(t.TransferError, match=r"out of sync \(earlier: receiving a frame was cut off part-way "
+                                              r"\(KeyboardInterrupt\)\)"):
+        t.recv_ints(0, group)
+
+    group = _Group()
+    pages = [torch.zeros(1, 2, 4, dtype=torch.uint8), torch.ones(1, 2, 4, dtype=torch.uint8)]
+    _one_sided_wire(monkeypatch, [None, KeyboardInterrupt()], [])
+    with pytest.raises(KeyboardInterrupt):
+        t.send_pages(pages, t.page_checksums(pages), 1, group, "KV payload")
+    with pytest.raises(t.TransferError, match="sending the pages of the KV payload was cut off part-way"):
+        t.send_ints([1, 2], 1, group)
+
+    group = _Group()  # another peer in the same group is not affected
+    _one_sided_wire(monkeypatch, [None, KeyboardInterrupt(), None, None], [])
+    with pytest.raises(KeyboardInterrupt):
+        t.send_ints([1, 2], 1, group)
+    t.send_ints([1, 2], 2, group)
+    with pytest.raises(t.TransferError, match="sending the int list was cut off part-way"):
+        t.send_ints([1, 2], 1, group)

@@ -36,13 +36,15 @@ are what every version keeps, so a peer speaking another version is refused by n
 A frame that is not ours (wrong magic), announces an absurd length or arrives short leaves the
 position in the stream unknown: the receiver raises `TransferError`, and every later message
 to or from that peer in that process group is refused at once (start a new group) rather than
-payload bytes being read as a header. So is a stream that broke in the middle of the pages.
+payload bytes being read as a header. So is a stream that broke in the middle of the pages, and
+one whose exchange was cut off part-way on this side (an interrupt between two messages).
 When the broken frame was a header, whose sender waits for a verdict, the receiver answers
 with frame 6 (the cause in UTF-8 bytes) instead: the sender raises at once and marks the stream
 out of sync too, rather than waiting for its timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import weakref
@@ -103,6 +105,19 @@ def _check_in_sync(group: dist.ProcessGroup | None, peer: int) -> None:
                             f"can be exchanged with it in this process group, start a new one")
 
 
+@contextlib.contextmanager
+def _whole(group: dist.ProcessGroup | None, peer: int, what: str):
+    """Messages that travel together: cut off between them (Ctrl-C, an error off the wire), the
+    peer's position in the stream is unknown, so the stream is marked out of sync."""
+    try:
+        yield
+    except TransferError:
+        raise
+    except BaseException as error:
+        _lose_sync(group, peer, f"{what} was cut off part-way ({type(error).__name__})")
+        raise
+
+
 def _send_tensor(tensor: torch.Tensor, dst: int, group, what: str) -> None:
     try:
         dist.send(tensor, dst, group=group)
@@ -129,8 +144,9 @@ def _send_frame(kind: int, values: list[int], dst: int, group) -> None:
         body = torch.tensor([*values, TRAILER], dtype=torch.int64, device=device)
     except (RuntimeError, OverflowError) as error:
         raise TransferError(f"a {name} holds a value that is not an int64: {error}") from None
-    _send_tensor(preamble, dst, group, f"a {name} preamble")
-    _send_tensor(body, dst, group, f"a {name}")
+    with _whole(group, dst, f"sending the {name}"):
+        _send_tensor(preamble, dst, group, f"a {name} preamble")
+        _send_tensor(body, dst, group, f"a {name}")
 
 
 def _recv_frame(src: int, group) -> tuple[int, int, list[int]]:
@@ -140,14 +156,15 @@ def _recv_frame(src: int, group) -> tuple[int, int, list[int]]:
     device = comm_device(group)
     preamble = torch.zeros(4, dtype=torch.int64, device=device)
     _recv_tensor(preamble, src, group, "a frame preamble")
-    magic, version, kind, n = preamble.cpu().tolist()
-    if magic != MAGIC:
-        raise _lose_sync(group, src, f"rank {src} is not speaking the m3-eagle transfer protocol: the frame "
-                                     f"starts with {magic:#x}, expected the magic {MAGIC:#x}")
-    if not 0 <= n <= MAX_FRAME_INTS:
-        raise _lose_sync(group, src, f"rank {src} announced a frame of {n} ints (allowed: 0 to {MAX_FRAME_INTS})")
-    body = torch.zeros(n + 1, dtype=torch.int64, device=device)
-    _recv_tensor(body, src, group, f"a frame of {n} ints")
+    with _whole(group, src, "receiving a frame"):
+        magic, version, kind, n = preamble.cpu().tolist()
+        if magic != MAGIC:
+            raise _lose_sync(group, src, f"rank {src} is not speaking the m3-eagle transfer protocol: the frame "
+                                         f"starts with {magic:#x}, expected the magic {MAGIC:#x}")
+        if not 0 <= n <= MAX_FRAME_INTS:
+            raise _lose_sync(group, src, f"rank {src} announced a frame of {n} ints (allowed: 0 to {MAX_FRAME_INTS})")
+        body = torch.zeros(n + 1, dtype=torch.int64, device=device)
+        _recv_tensor(body, src, group, f"a frame of {n} ints")
     values = body.cpu().tolist()
     if values[-1] != TRAILER:
         cause = (f"the frame of {n} ints from rank {src} arrived truncated or corrupt "
@@ -374,19 +391,21 @@ def page_checksums(pool_pages) -> list[int]:
 
 def send_pages(staged: list[torch.Tensor], checksums: list[int], dst: int, group, what: str) -> None:
     """Send what `stage_pages` made and its `page_checksums`, after the receiver accepted the header."""
-    for i, pages in enumerate(staged):
-        if pages.numel():
-            _send_tensor(pages, dst, group, f"pool {i} of the {what}")
-    _send_frame(KIND_CHECKSUMS, checksums, dst, group)
+    with _whole(group, dst, f"sending the pages of the {what}"):
+        for i, pages in enumerate(staged):
+            if pages.numel():
+                _send_tensor(pages, dst, group, f"pool {i} of the {what}")
+        _send_frame(KIND_CHECKSUMS, checksums, dst, group)
 
 
 def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str) -> tuple[torch.Tensor, ...]:
     """Receive the pages `send_pages` sent into ``buffers``; a page whose checksum differs raises
     `TransferError` naming it (the stream stays in step)."""
-    for i, pages in enumerate(buffers):
-        if pages.numel():
-            _recv_tensor(pages, src, group, f"pool {i} of {len(buffers)} of the {what}")
-    kind, version, expected = _recv_frame(src, group)
+    with _whole(group, src, f"receiving the pages of the {what}"):
+        for i, pages in enumerate(buffers):
+            if pages.numel():
+                _recv_tensor(pages, src, group, f"pool {i} of {len(buffers)} of the {what}")
+        kind, version, expected = _recv_frame(src, group)
     try:
         _check_frame(kind, version, KIND_CHECKSUMS, src)
     except TransferError as mismatch:  # whatever came instead, its sender is not where we are
