@@ -233,29 +233,6 @@ def _check_kernel_settings(args: argparse.Namespace, device: torch.device) -> No
         check_switches()
 
 
-E2E_MINIMUMS = (("e2e_hidden", 1), ("e2e_tokens", 4), ("e2e_context", 1), ("e2e_repeats", 1))  # E2EShape's
-
-
-def _check_e2e_options(args: argparse.Namespace) -> None:
-    """The `--e2e-*` values, refused naming the option typed: `E2EShape` refuses the same values naming
-    its fields (`new_tokens`, `prompt_len`), and took a batch size given twice, then ran it twice (as
-    `--configs` refuses a repeated shape, `--e2e-batches` refuses a repeated batch)."""
-    for dest, least in E2E_MINIMUMS:
-        value = getattr(args, dest, None)
-        if value is not None and value < least:
-            raise ValueError(f"--{dest.replace('_', '-')} {value}: must be >= {least}")
-    text = getattr(args, "e2e_batches", None)
-    try:
-        batches = [int(b) for b in (text or "").split(",") if b.strip()]
-    except ValueError:
-        return  # `e2e.shape_from_args` names it
-    if any(b < 1 for b in batches):
-        raise ValueError(f"--e2e-batches {text}: batch sizes must be >= 1")
-    repeated = sorted({b for b in batches if batches.count(b) > 1})
-    if repeated:
-        raise ValueError(f"--e2e-batches {text}: batch {', '.join(map(str, repeated))} given twice")
-
-
 def _check_output_path(option: str, path: str | None) -> None:
     """`path` can be written: its folder is a writable directory that takes a new file (the output is
     written next to it and renamed over it) and the path itself is not a directory or a read-only file
@@ -336,8 +313,7 @@ def checked_device(args: argparse.Namespace) -> torch.device:
     if json_path not in (None, "-") and table_path and os.path.realpath(json_path) == os.path.realpath(table_path):
         raise ValueError(f"--json and --write-table both name {table_path}: the table would overwrite the rows")
     if args.e2e:
-        _check_e2e_options(args)
-        e2e.shape_from_args(args, device)
+        e2e.shape_from_args(args, device)  # refuses a bad --e2e-* value naming the option
     elif stray := e2e.options_given(args):
         raise ValueError(f"{', '.join(stray)}: {'needs' if len(stray) == 1 else 'need'} --e2e "
                          "(without it the end-to-end section does not run)")

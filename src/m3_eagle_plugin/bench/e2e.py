@@ -36,6 +36,10 @@ __all__ = ["E2EShape", "GPU_SHAPE", "CPU_SHAPE", "SPEEDUP_GOAL_BATCH1", "TargetO
            "options_given", "shape_from_args"]
 
 
+#: The least each workload size may be: `E2EShape` checks its fields, `shape_from_args` the options.
+MINIMUMS = {"hidden": 1, "new_tokens": 4, "prompt_len": 1, "repeats": 1}
+
+
 @dataclass(frozen=True)
 class E2EShape(Geometry):
     """Model geometry and workload of one end-to-end run (attention geometry: `Geometry`'s per-rank M3)."""
@@ -65,9 +69,9 @@ class E2EShape(Geometry):
                              f"got {self.num_layers}/{self.dense_layers}")
         if not 0 <= self.forced_mean <= self.draft_len:
             raise ValueError(f"forced_mean {self.forced_mean} must lie in [0, draft_len={self.draft_len}]")
-        if self.new_tokens < 4 or self.repeats < 1 or self.prompt_len < 1:
-            raise ValueError("new_tokens must be >= 4, prompt_len and repeats >= 1")
-        if self.hidden < 1:  # else the model's config refuses it, after the kernel section has run
+        if any(getattr(self, name) < MINIMUMS[name] for name in ("new_tokens", "repeats", "prompt_len")):
+            raise ValueError(f"new_tokens must be >= {MINIMUMS['new_tokens']}, prompt_len and repeats >= 1")
+        if self.hidden < MINIMUMS["hidden"]:  # else the model's config refuses it, after the kernel section has run
             raise ValueError(f"hidden must be >= 1, got {self.hidden}")
         if not self.batches or min(self.batches) < 1:
             raise ValueError(f"batches must be non-empty and >= 1, got {self.batches}")
@@ -379,12 +383,16 @@ def options_given(args: argparse.Namespace) -> list[str]:
 
 
 def shape_from_args(args: argparse.Namespace, device: torch.device) -> E2EShape:
+    """The shape the `--e2e-*` options ask for; a bad value is refused naming the option typed
+    (`E2EShape` would name its field), a batch size given twice too (it would run twice)."""
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
     overrides: dict[str, Any] = {}
     for option, name in (("e2e_hidden", "hidden"), ("e2e_tokens", "new_tokens"), ("e2e_context", "prompt_len"),
                          ("e2e_repeats", "repeats"), ("e2e_overlap", "overlap")):
         value = getattr(args, option, None)
         if value is not None:
+            if name in MINIMUMS and value < MINIMUMS[name]:
+                raise ValueError(f"--{option.replace('_', '-')} {value}: must be >= {MINIMUMS[name]}")
             overrides[name] = value
     batches = getattr(args, "e2e_batches", None)
     if batches is not None:
@@ -394,6 +402,11 @@ def shape_from_args(args: argparse.Namespace, device: torch.device) -> E2EShape:
             raise ValueError(f"--e2e-batches: expected a comma list of integers, got {batches!r}") from None
         if not overrides["batches"]:  # else the default batches ran in their place
             raise ValueError(f"--e2e-batches: no batch size in {batches!r} (omit the option for the defaults)")
+        if min(overrides["batches"]) < 1:
+            raise ValueError(f"--e2e-batches {batches}: batch sizes must be >= 1")
+        repeated = sorted({b for b in overrides["batches"] if overrides["batches"].count(b) > 1})
+        if repeated:
+            raise ValueError(f"--e2e-batches {batches}: batch {', '.join(map(str, repeated))} given twice")
     return replace(shape, **overrides)
 
 
