@@ -170,10 +170,12 @@ def copy_pool_block_offsets(
     _write_pool(dst, host_offsets, idx, _check_pool(dst, host_offsets, idx, index_scale, kv_offset, max_blocks))
 
 
-def _check_tables(dst: torch.Tensor, host_offsets: torch.Tensor) -> None:
-    """One pool's ``dst`` ``[R', 2, W']`` and ``host_offsets`` ``[rows, 2, W]``: shapes and dtypes."""
-    if (dst.dim(), host_offsets.dim(), dst.shape[1], host_offsets.shape[1]) != (3, 3, 2, 2):
-        raise ValueError(f"block-offset tables must be [rows, 2, blocks], got dst "
+def _check_tables(dst: torch.Tensor, host_offsets: torch.Tensor, stacked: bool = False) -> None:
+    """Shapes and dtypes of one pool's ``dst`` ``[R', 2, W']`` and ``host_offsets`` ``[rows, 2, W]``,
+    or, ``stacked``, of every pool's at once (a leading pool dim)."""
+    dims, layout = (4, "[pools, rows, 2, blocks]") if stacked else (3, "[rows, 2, blocks]")
+    if dst.dim() != dims or host_offsets.dim() != dims or dst.shape[-2] != 2 or host_offsets.shape[-2] != 2:
+        raise ValueError(f"block-offset tables must be {layout}, got dst "
                          f"{tuple(dst.shape)} and host {tuple(host_offsets.shape)}")
     # a float slot -0.5 would truncate to the valid slot 0
     _integer_table("host_offsets", host_offsets)
@@ -210,8 +212,7 @@ def _check_pool(
     kv_offset: int,
     max_blocks: Optional[int],
 ) -> _PoolCopy:
-    """Every refusal of one pool's copy (tables, index already checked); writes nothing."""
-    _check_tables(dst, host_offsets)
+    """Every refusal of one pool's copy (tables and index already checked); writes nothing."""
     index_scale = as_int("index_scale", index_scale)
     kv_offset = as_int("kv_offset", kv_offset)
     if index_scale < 1 or kv_offset < 0:
@@ -268,9 +269,7 @@ def copy_block_offsets(
     input leaves ``dst`` as it was. Only a ``copy_fn`` failing on its own after the checks passed
     (a launch error) leaves the pools copied before it written.
     """
-    if (dst.dim(), host_offsets.dim()) != (4, 4):
-        raise ValueError(f"block-offset tables must be [pools, rows, 2, blocks], got dst "
-                         f"{tuple(dst.shape)} and host {tuple(host_offsets.shape)}")
+    _check_tables(dst, host_offsets, stacked=True)
     num_pools = pools.num_pools
     if host_offsets.shape[0] != num_pools:
         raise ValueError(f"host table has {host_offsets.shape[0]} pools, the op tables {num_pools}")
