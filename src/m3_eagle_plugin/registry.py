@@ -218,8 +218,7 @@ class M3PluginManager(pluggy.PluginManager):
         return f"{cls.__module__}:{cls.__qualname__}"
 
     def _describe(self, name: str) -> str:
-        dist = self.distributions.get(name)
-        return f"plugin {name!r} ({self._source_of(name)}{f' from {dist}' if dist else ''})"
+        return _entry_point(name, self._source_of(name), self.distributions.get(name))
 
     def _unknown_hooks(self, plugin: object) -> list[str]:
         """Hooks `plugin` implements that no spec declares (and are not marked optional)."""
