@@ -375,11 +375,12 @@ def sparse_verify_attention(
     `prefetch`) makes each MMA tile two pages of keys (`attend_two_pages`; `key_tile` unused).
     `request_major` (per-token layout) numbers the programs request by request, a request's tokens
     at one split adjacent, instead of request-fastest (`_token_program`; the outputs are the same).
-    `checked`: the caller already ran `check_attention_inputs` on these inputs (`verify_step`).
+    `checked`: the caller already ran `check_attention_inputs` and `attention_scales` on these
+    inputs (`verify_step`).
     """
     if not checked:
         check_attention_inputs(q, k_cache, v_cache, meta)
-    attention_scales(scale, k_scale, v_scale)  # refused by name before any launch
+        attention_scales(scale, k_scale, v_scale)  # refused by name before any launch
     max_qo_len = qo_len_hint(meta, max_qo_len)
     require(selection.dim() == 3 and selection.dtype == torch.int32 and selection.stride(-1) == 1,
             f"selection must be int32 [Hkv, T, topk] with unit last stride, got {selection.dtype} {tuple(selection.shape)}")
