@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import operator
 import os
 import threading
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import pluggy
 
+from m3_eagle_plugin._ints import exact_index
 from m3_eagle_plugin.hooks import PROJECT_NAME, DraftContext, M3EagleSpecs
 from m3_eagle_plugin.log import get_logger
 from m3_eagle_plugin.switches import TRACE_ENV, read_switch
@@ -316,19 +316,6 @@ class M3PluginManager(pluggy.PluginManager):
         return rows
 
 
-def exact_index(value: Any) -> int | None:
-    """`value` as an int if it is an integer (numpy and 0-d torch integers too, not bool), else None.
-
-    For drafted token ids (here and in the reference host): `int` would quietly turn 2.7 into 2 or
-    "3" into 3, and the host would verify a token never proposed."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def _lengths(drafts: Any) -> list[int] | None:
     """Each request's draft count of a drafter's answer, or None when it is not a list of lists."""
     if isinstance(drafts, (str, bytes)):
@@ -345,7 +332,8 @@ def _lengths(drafts: Any) -> list[int] | None:
 
 
 def _token_id(token: Any, rid: Any) -> int:
-    """A drafter's token as an int (`exact_index`), else PluginError."""
+    """A drafter's token as an int, else PluginError: `int` would quietly turn 2.7 into 2 or "3"
+    into 3, and the host would verify a token never proposed."""
     index = exact_index(token)
     if index is None:
         raise PluginError(f"m3_eagle_propose_drafts returned {token!r} for request {rid}; token ids must be ints")

@@ -11,7 +11,7 @@ from typing import Hashable, Iterable, Optional, Sequence
 
 import torch
 
-from m3_eagle_plugin.kv._ints import as_int
+from m3_eagle_plugin._ints import as_int
 
 
 class OutOfBlocksError(RuntimeError):

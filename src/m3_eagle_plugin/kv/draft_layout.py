@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from m3_eagle_plugin.kv._ints import as_int
+from m3_eagle_plugin._ints import as_int
 
 
 def derive_shared_draft_layout(

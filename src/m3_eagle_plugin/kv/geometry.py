@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from m3_eagle_plugin.kv._ints import as_int
+from m3_eagle_plugin._ints import as_int
 
 ROLES: tuple[str, ...] = ("k", "v", "index_k")
 

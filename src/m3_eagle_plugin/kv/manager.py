@@ -12,7 +12,7 @@ from typing import Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from m3_eagle_plugin.kv._ints import as_int
+from m3_eagle_plugin._ints import as_int
 from m3_eagle_plugin.kv.allocator import BlockAllocator
 from m3_eagle_plugin.kv.draft_layout import derive_shared_draft_layout
 from m3_eagle_plugin.kv.geometry import PoolGeometry, minimax_m3_geometry

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from m3_eagle_plugin.kv._ints import as_int
+from m3_eagle_plugin._ints import as_int
 
 _INT32_MAX = (1 << 31) - 1
 _INT64_MAX = (1 << 63) - 1

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from m3_eagle_plugin._ints import as_int
+
 HIDDEN, LAYERS, DENSE_LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 8, 3, 4, 2, 16
 VOCAB, EXPERTS, TOP_K, EXPERT_I, DENSE_I, SHARED_I = 256, 8, 2, 32, 96, 32
 INDEX_HEADS, INDEX_DIM, BLOCK, TOPK_BLOCKS = 2, 16, 4, 3
@@ -163,9 +165,9 @@ def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple
     are built in a temporary directory inside OUT_DIR and moved into place at the end (replacing
     an earlier pair), so a failure or an interrupt leaves no half-written or untrained output.
     """
-    if isinstance(train_steps, bool) or not isinstance(train_steps, int) or train_steps < 0:
-        raise ValueError(f"train_steps must be a non-negative int, got {train_steps!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63 - 1:
+    train_steps = as_int("train_steps", train_steps, 0, ValueError)
+    seed = as_int("seed", seed, 0, ValueError)
+    if seed >= 2**63 - 1:
         raise ValueError(f"seed must be an int in [0, 2**63 - 1), got {seed!r}")
     if not str(out_dir).strip():  # Path("") is the current directory
         raise ValueError("OUT_DIR is empty: give the directory to write target/ and draft/ in")

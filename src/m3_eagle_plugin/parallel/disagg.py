@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from m3_eagle_plugin._ints import as_int
 from m3_eagle_plugin.host.reference.engine import Engine, GenerationResult, attach_partial_result
 from m3_eagle_plugin.host.reference.request import Request, RequestError, RequestState
 from m3_eagle_plugin.host.reference.scheduler import RowKind
@@ -94,8 +95,7 @@ def run_context_phase(engine: Engine, prompts: Sequence[Sequence[int]], max_new_
     needs each batch numbered past the others (``first_index``).
     """
     _check_engine(engine)
-    if isinstance(first_index, bool) or not isinstance(first_index, int) or first_index < 0:
-        raise ValueError(f"first_index must be an int >= 0, got {first_index!r}")
+    first_index = as_int("first_index", first_index, 0, ValueError)
     with engine.exclusive("run_context_phase"):
         return _context_phase(engine, prompts, max_new_tokens, first_index)
 
@@ -167,9 +167,7 @@ def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
     make verify attend to pages nobody wrote (silently wrong tokens)."""
     where = f"request {handoff.index}"
     for name, low in (("index", 0), ("max_new_tokens", 1), ("kv_len", 0), ("pending_draft_len", 0)):
-        value = getattr(handoff, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise HandoffError(f"{where}: {name} must be an int >= {low}, got {value!r}")
+        as_int(f"{where}: {name}", getattr(handoff, name), low, HandoffError)
     if not isinstance(handoff.payload, KVTransferPayload):
         raise HandoffError(f"{where}: payload must be a KVTransferPayload, got {type(handoff.payload).__name__}")
     if handoff.index in engine.cache.allocator:  # two requests cannot share an index (its pages, its sampler)

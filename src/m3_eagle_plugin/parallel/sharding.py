@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from m3_eagle_plugin._ints import as_int
 from m3_eagle_plugin.kv.geometry import PoolGeometry, minimax_m3_geometry
 from m3_eagle_plugin.models.config import M3Config
 
@@ -44,30 +45,24 @@ class RankShape:
         return _slice(rank, self.tp_size, self.index_heads)
 
 
-def _int(name: str, value: object) -> int:
-    """``value`` if it is an int; a bool, a float (10.0 heads came back as 5.0) or None is refused by name."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    return value
-
-
 def _slice(rank: int, tp_size: int, per_rank: int) -> range:
-    _int("rank", rank)
+    rank = as_int("rank", rank)
     if not 0 <= rank < tp_size:
         raise ValueError(f"rank {rank} is outside [0, {tp_size})")
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
 def _check_tp(tp_size: int) -> int:
-    if _int("tp_size", tp_size) < 1:
+    tp_size = as_int("tp_size", tp_size)
+    if tp_size < 1:
         raise ShardingError(f"tp_size must be >= 1, got {tp_size}")
     return tp_size
 
 
 def shard_width(name: str, total: int, tp_size: int) -> int:
     """``total / tp_size``, or ShardingError naming ``name`` when it does not divide."""
-    _check_tp(tp_size)
-    if _int(name, total) < 0:
+    tp_size, total = _check_tp(tp_size), as_int(name, total)
+    if total < 0:
         raise ShardingError(f"{name} must be >= 0, got {total}")
     if total % tp_size:
         raise ShardingError(f"{name} = {total} does not split over {tp_size} tensor-parallel ranks")
@@ -77,9 +72,9 @@ def shard_width(name: str, total: int, tp_size: int) -> int:
 def shard_heads(num_heads: int, num_kv_heads: int, index_heads: int, tp_size: int) -> RankShape:
     """Heads per rank. KV heads are never replicated here, so ``tp_size`` must divide them; the
     index heads follow the KV heads (index head ``i`` selects blocks for KV head ``i``)."""
-    _check_tp(tp_size)
-    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("index_heads", index_heads)):
-        _int(name, value)
+    tp_size = _check_tp(tp_size)
+    num_heads, num_kv_heads, index_heads = (as_int(name, value) for name, value in (
+        ("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("index_heads", index_heads)))
     if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
         raise ShardingError(f"{num_heads} query heads do not form groups over {num_kv_heads} KV heads")
     if index_heads and index_heads != num_kv_heads:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import operator
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
+from m3_eagle_plugin._ints import as_int
 from m3_eagle_plugin.kv.manager import PagedKVCache
 from m3_eagle_plugin.kv.transfer import KVTransferPayload, cache_fingerprint
 from m3_eagle_plugin.parallel.process_group import comm_device
@@ -258,8 +258,8 @@ def _refuse(refusal: Exception, src: int, group) -> None:
 
 # ----- int lists ------------------------------------------------------------------------------
 def as_ints(values) -> list[int]:
-    """``values`` as Python ints; a float raises TypeError (an int64 tensor would truncate it silently)."""
-    return [operator.index(v) for v in values]
+    """``values`` as Python ints; a float or bool raises TypeError (an int64 tensor would truncate it silently)."""
+    return [as_int(f"ints[{i}]", v) for i, v in enumerate(values)]
 
 
 def send_ints(values: list[int], dst: int, group: dist.ProcessGroup | None = None) -> None:
@@ -439,10 +439,7 @@ def check_sendable(payload: KVTransferPayload) -> None:
         raise ValueError("payload has an empty geometry fingerprint")
     if len(payload.fingerprint.encode("utf-8")) > MAX_FINGERPRINT_BYTES:
         raise ValueError(f"payload fingerprint is over {MAX_FINGERPRINT_BYTES} bytes")
-    if isinstance(payload.num_tokens, bool) or not isinstance(payload.num_tokens, int):
-        raise TypeError(f"payload num_tokens must be an int, got {payload.num_tokens!r}")
-    if payload.num_tokens < 0:
-        raise ValueError(f"payload num_tokens must be >= 0, got {payload.num_tokens}")
+    as_int("payload num_tokens", payload.num_tokens, 0)
     if len(payload.pool_pages) > MAX_POOLS:
         raise ValueError(f"payload has {len(payload.pool_pages)} pools, at most {MAX_POOLS} travel")
     for pages in payload.pool_pages:

@@ -51,7 +51,7 @@ def build_engine(
 
     device = torch.device(device)
     # Everything a config and the tensor names can refuse is refused before any weight is read.
-    check_int("num_blocks", num_blocks, 1)
+    num_blocks = check_int("num_blocks", num_blocks, 1)
     tc = M3Config.from_file(model_dir)
     plan = inspect_draft(draft_dir, tc) if draft_dir is not None else None
     hook_drafts = proposer is not None or has_drafter_hook(plugin_manager)

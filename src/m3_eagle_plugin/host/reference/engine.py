@@ -23,7 +23,7 @@ from m3_eagle_plugin.host.reference.runner import RunnerConfig, StepOutput, Step
 from m3_eagle_plugin.host.reference.sampler import SamplingParams, request_generator
 from m3_eagle_plugin.host.reference.scheduler import RowKind, Scheduler
 from m3_eagle_plugin.host.reference.stats import SpecStats
-from m3_eagle_plugin.registry import exact_index
+from m3_eagle_plugin._ints import as_int, exact_index
 
 __all__ = ["EngineConfig", "GenerationResult", "Engine", "Proposer"]
 
@@ -47,21 +47,19 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # Types too, not only ranges: a bool draft_len runs as 0 or 1, a float max_seq_len or an
         # int eos_ids fails deep inside the first step, with no word of which field was wrong.
-        check_int("draft_len", self.draft_len, 0)
-        check_int("max_batch_size", self.max_batch_size, 1)
-        check_int("max_tokens_per_step", self.max_tokens_per_step, 1)
+        for name, minimum in (("draft_len", 0), ("max_batch_size", 1), ("max_tokens_per_step", 1)):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum))
         for name in ("overlap", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {self.sampling!r}")
         if self.max_seq_len is not None:
-            check_int("max_seq_len", self.max_seq_len, 1)
+            object.__setattr__(self, "max_seq_len", check_int("max_seq_len", self.max_seq_len, 1))
         if isinstance(self.eos_ids, (str, bytes)) or not isinstance(self.eos_ids, (tuple, list, set, frozenset)):
             raise ValueError(f"eos_ids must be a tuple of token ids, got {self.eos_ids!r}")
-        for token in self.eos_ids:
-            check_int("eos_ids", token, 0)
-        object.__setattr__(self, "eos_ids", tuple(self.eos_ids))  # stays hashable, like the default
+        # A tuple of ints: stays hashable, like the default.
+        object.__setattr__(self, "eos_ids", tuple(check_int("eos_ids", token, 0) for token in self.eos_ids))
         if self.force_accepted is not None:
             try:  # the schedule's own rule, so a mean it cannot schedule fails here, not mid-run
                 forced_ratio(self.force_accepted)
@@ -115,9 +113,9 @@ def runner_config(config: EngineConfig, *, draft_len: int, block_size: int, tota
     )
 
 
-def check_int(name: str, value, minimum: int, error: type[Exception] = ValueError) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise error(f"{name} must be an int >= {minimum}, got {value!r}")
+def check_int(name: str, value, minimum: int, error: type[Exception] = ValueError) -> int:
+    """``value`` as an int >= ``minimum`` (numpy integers too), else ``error`` naming ``name``."""
+    return as_int(name, value, minimum, error)
 
 
 @dataclass
@@ -228,8 +226,7 @@ class Engine:
                 )
             # Not only >= 1: a float or bool would run (2.5 -> 3 tokens) and a str or None would raise
             # past this request, so every bad count fails the request here (a numpy int is an int).
-            count = exact_index(max_new_tokens)
-            check_int(f"request {index}: max_new_tokens", max_new_tokens if count is None else count, 1, RequestError)
+            count = check_int(f"request {index}: max_new_tokens", max_new_tokens, 1, RequestError)
             request.prompt, request.max_new_tokens = ids, count
             self.scheduler.check_fits(request)
         except RequestError as error:
@@ -468,7 +465,7 @@ def describe_rows(rows) -> str:
 
 
 def _token_id(token, vocab_size: int) -> int | None:
-    """``token`` as a vocabulary id (an integer, `registry.exact_index`, in ``[0, vocab_size)``), or None."""
+    """``token`` as a vocabulary id (an integer, `_ints.exact_index`, in ``[0, vocab_size)``), or None."""
     index = exact_index(token)
     return index if index is not None and 0 <= index < vocab_size else None
 
