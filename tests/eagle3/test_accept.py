@@ -358,3 +358,23 @@ def test_a_rejection_with_no_residual_mass_samples_the_target():
                               torch.Generator().manual_seed(6))
     assert result.num_accepted.tolist() == [0] * rows
     _assert_distributed_as(result.tokens[:, 0], p[0], "fallback after a rejection without residual mass")
+
+
+DRAFTS, UNIFORM = torch.zeros(1, 2, dtype=torch.long), torch.full((1, 3, 4), 0.25)
+
+
+@pytest.mark.parametrize("args, error, match", [
+    ((DRAFTS, [[0.25] * 4] * 2, UNIFORM), TypeError, r"^draft_probs must be a tensor or None, got list$"),
+    ((DRAFTS, torch.zeros(1, 2, 4, dtype=torch.long), UNIFORM), TypeError,
+     r"^draft_probs must be a floating-point tensor of probabilities, got torch.int64$"),
+    ((DRAFTS, None, UNIFORM.to(torch.long)), TypeError,
+     r"^target_probs must be a floating-point tensor of probabilities, got torch.int64$"),
+    ((DRAFTS, None, torch.zeros(1, 3, 0)), ValueError, r"^target_probs must have a vocabulary of at least one token"),
+    ((DRAFTS, None, UNIFORM, 0), TypeError, r"^generator must be a torch.Generator, one per row or None, got int$"),
+    ((DRAFTS, None, UNIFORM, [0]), TypeError, r"^generator\[0\] must be a torch.Generator, got int$"),
+])
+def test_rejection_accept_names_a_malformed_argument(args, error, match):
+    """These failed with an AttributeError ('list' object has no attribute 'shape') or deep inside
+    torch (one_hot, rand), or, given integer probabilities, ran on values truncated to 0 and 1."""
+    with pytest.raises(error, match=match):
+        rejection_accept(*args)

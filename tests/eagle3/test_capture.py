@@ -1,6 +1,8 @@
 """AuxCapture: layer-id convention, storage modes, and equality with transformers' hidden states."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -125,3 +127,17 @@ def test_default_mode_refuses_layers_of_different_lengths():
     capture.record(0, torch.ones(3, 3))
     with pytest.raises(ValueError, match="layer 2 recorded 2 tokens, earlier layers of this step 3"):
         capture.record(2, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("preallocate", [False, True])
+@pytest.mark.parametrize("shape", [(3,), (1, 3, 4), ()])
+def test_a_state_that_is_not_two_dimensional_is_refused_by_name(preallocate, shape):
+    """Without a buffer a [T] state was kept and `stacked()` came out 1-D; with one, the unpacking
+    of its shape failed with Python's own 'not enough values to unpack'."""
+    capture = AuxCapture([0])
+    if preallocate:
+        capture.allocate(4, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=rf"^hidden of layer 0 must be \[T, H\] .*got shape {re.escape(str(shape))}$"):
+        capture.record(0, torch.ones(shape))
+    with pytest.raises(TypeError, match=r"^hidden of layer 0 must be a \[T, H\] tensor, got list$"):
+        capture.record(0, [[1.0] * 4])

@@ -141,3 +141,31 @@ def test_sampled_drafts_come_back_as_int64_rows_with_their_distributions_per_ste
         expected = torch.full((VOCAB,), 1.0)
         expected[token] = torch.e
         torch.testing.assert_close(result.probs[0, step], expected / expected.sum())
+
+
+class CountingHead:
+    """Stands for a head whose step 0 writes the draft KV: counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, input_ids, hidden, meta, cache):
+        self.calls += 1
+        return torch.nn.functional.one_hot(input_ids % VOCAB, VOCAB).float(), hidden
+
+
+@pytest.mark.parametrize("index", [[2], [0, 5], [-1]])
+def test_a_cpu_gather_index_out_of_range_is_refused_before_step_0_writes_the_cache(index):
+    """It failed in index_select after the head's step 0 had already written the draft KV."""
+    head = CountingHead()
+    bad = 5 if 5 in index else index[0]
+    with pytest.raises(ValueError, match=rf"^gather_index must pick step-0 tokens in \[0, 2\), got {bad}$"):
+        run_draft_loop(head, None, first_meta=None, first_input_ids=torch.tensor([3, 4]),
+                       first_features=torch.zeros(2, 1), gather_index=torch.tensor(index), step_metas=[],
+                       gathered_kv_lens=torch.ones(len(index), dtype=torch.int32), num_drafts=1,
+                       choose=greedy_choice)
+    assert head.calls == 0
+    ok = run_draft_loop(head, None, first_meta=None, first_input_ids=torch.tensor([3, 4]),
+                        first_features=torch.zeros(2, 1), gather_index=torch.tensor([1]), step_metas=[],
+                        gathered_kv_lens=torch.ones(1, dtype=torch.int32), num_drafts=1, choose=greedy_choice)
+    assert ok.tokens.tolist() == [[4]] and head.calls == 1

@@ -161,10 +161,37 @@ def forced_count_at(mean: float, step: torch.Tensor) -> torch.Tensor:
 def _row_generators(generator: torch.Generator | Sequence[torch.Generator] | None, num_rows: int):
     if generator is None or isinstance(generator, torch.Generator):
         return None
-    generators = list(generator)
+    try:
+        generators = list(generator)
+    except TypeError:
+        raise TypeError(f"generator must be a torch.Generator, one per row or None, "
+                        f"got {type(generator).__name__}") from None
     if len(generators) != num_rows:
         raise ValueError(f"need one generator per row: {num_rows} rows, {len(generators)} generators")
+    for row, g in enumerate(generators):
+        if not isinstance(g, torch.Generator):
+            raise TypeError(f"generator[{row}] must be a torch.Generator, got {type(g).__name__}")
     return generators
+
+
+def _check_probs(draft_probs: torch.Tensor | None, target_probs: torch.Tensor) -> None:
+    """Types and shapes of the distributions (after `_check_shapes`, which checked ``target_probs [R, K + 1]``).
+    Both must be floating point: an integer tensor (ids passed by mistake, or probabilities cast
+    to int) holds only zeros and ones."""
+    if draft_probs is not None and not isinstance(draft_probs, torch.Tensor):
+        raise TypeError(f"draft_probs must be a tensor or None, got {type(draft_probs).__name__}")
+    for name, value in (("draft_probs", draft_probs), ("target_probs", target_probs)):
+        if value is not None and not value.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor of probabilities, got {value.dtype}")
+    if target_probs.dim() != 3:
+        raise ValueError(f"target_probs must be [R, K + 1, V], got shape {tuple(target_probs.shape)}")
+    num_rows, num_positions, vocab = target_probs.shape
+    if vocab == 0:
+        raise ValueError(f"target_probs must have a vocabulary of at least one token, got shape "
+                         f"{tuple(target_probs.shape)}")
+    if draft_probs is not None and draft_probs.shape != (num_rows, num_positions - 1, vocab):
+        raise ValueError(f"draft_probs must be [R, K, V] = [{num_rows}, {num_positions - 1}, {vocab}], "
+                         f"got {tuple(draft_probs.shape)}")
 
 
 def _uniform(num_rows: int, num_drafts: int, device, generator, generators) -> torch.Tensor:
@@ -199,10 +226,10 @@ def rejection_accept(
     ``generator`` is one generator, or one per row (sampling then does not depend on batch makeup).
     """
     draft_lens = _check_shapes(draft_tokens, target_probs, draft_lens)
+    _check_probs(draft_probs, target_probs)
     num_rows, num_drafts = draft_tokens.shape
+    generators = _row_generators(generator, num_rows)
     vocab = target_probs.shape[-1]
-    if target_probs.dim() != 3:
-        raise ValueError(f"target_probs must be [R, K + 1, V], got shape {tuple(target_probs.shape)}")
     draft_tokens = draft_tokens.to(torch.long)
     target_probs = target_probs.to(torch.float32)
     # An id outside the vocabulary has target probability 0: never accepted, and it takes no residual mass.
@@ -210,12 +237,7 @@ def rejection_accept(
     index = draft_tokens.clamp(0, vocab - 1).unsqueeze(-1)
     if draft_probs is None:
         draft_probs = torch.nn.functional.one_hot(index.squeeze(-1), vocab) * in_vocab.unsqueeze(-1)
-    elif draft_probs.shape != (num_rows, num_drafts, vocab):
-        raise ValueError(
-            f"draft_probs must be [R, K, V] = [{num_rows}, {num_drafts}, {vocab}], got {tuple(draft_probs.shape)}"
-        )
     draft_probs = draft_probs.to(torch.float32)
-    generators = _row_generators(generator, num_rows)
 
     p_of_draft = target_probs[:, :num_drafts].gather(2, index).squeeze(-1) * in_vocab
     q_of_draft = draft_probs.gather(2, index).squeeze(-1)

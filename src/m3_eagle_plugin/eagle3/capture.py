@@ -20,6 +20,15 @@ from typing import Sequence
 import torch
 
 
+def _check_state(layer_id: int, hidden: torch.Tensor) -> None:
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden of layer {layer_id} must be a [T, H] tensor, got {type(hidden).__name__}")
+    # Without a buffer a [T] or [1, T, H] state would be kept as is and misshape `stacked()`.
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden of layer {layer_id} must be [T, H] (tokens, hidden size), "
+                         f"got shape {tuple(hidden.shape)}")
+
+
 class AuxCapture:
     def __init__(self, layer_ids: Sequence[int]) -> None:
         ids = [int(i) for i in layer_ids]
@@ -57,6 +66,7 @@ class AuxCapture:
         slot = self._slot.get(layer_id)
         if slot is None:
             return
+        _check_state(layer_id, hidden)
         if self._buffer is None:
             earlier = next(iter(self._records.values()), None)
             if earlier is not None and hidden.shape[0] != earlier.shape[0]:

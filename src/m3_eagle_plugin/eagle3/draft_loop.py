@@ -45,6 +45,19 @@ def _call_head(head, input_ids, hidden, meta, cache):
     return forward(input_ids, hidden, meta, cache)
 
 
+def _check_gather_range(gather_index: torch.Tensor, num_tokens: int) -> None:
+    """Refuse a step-0 index outside ``[0, num_tokens)`` where reading it is free: a CPU tensor.
+    A CUDA index is left to ``index_select`` (after step 0): checking it would wait for the
+    device, and the engine builds it on the device from the acceptance result, in range by
+    construction."""
+    if gather_index.device.type != "cpu" or gather_index.numel() == 0:
+        return
+    low, high = int(gather_index.min()), int(gather_index.max())
+    if low < 0 or high >= num_tokens:
+        bad = low if low < 0 else high
+        raise ValueError(f"gather_index must pick step-0 tokens in [0, {num_tokens}), got {bad}")
+
+
 def run_draft_loop(
     head: DraftHead,
     cache,
@@ -85,6 +98,7 @@ def run_draft_loop(
         raise ValueError(
             f"step 0 ids and features disagree: {first_input_ids.shape[0]} vs {first_features.shape[0]} tokens"
         )
+    _check_gather_range(gather_index, first_input_ids.shape[0])
     num_rows = gather_index.shape[0]
     logits, hidden = _call_head(head, first_input_ids, first_features, first_meta, cache)
     if num_rows == 0:
