@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
+from m3_eagle_plugin.host.reference.scheduler import RowKind
 
 from . import _fakes
 
@@ -400,3 +401,33 @@ def test_force_accepted_may_equal_the_draft_length():
     assert len(result.outputs[0]) == 9
     with pytest.raises(ValueError, match="exceeds the draft length"):
         build(draft_len=2, force_accepted=3)
+
+
+def _accepted_per_request(engine):
+    """Wrap the engine's commit: {request index: drafts accepted per live verify step, in order}."""
+    accepted, commit = {}, engine.commit
+
+    def recorded(out, requests, progress):
+        for i, row in enumerate(out.rows):
+            if row.kind is RowKind.VERIFY and not row.request.done:  # a void row's result is dropped
+                accepted.setdefault(row.request.index, []).append(int(out.num_accepted[i]))
+        return commit(out, requests, progress)
+
+    engine.commit = recorded
+    return accepted
+
+
+def test_a_void_overlapped_step_leaves_the_fractional_forced_schedule_to_the_next_request():
+    """Mean acceptance 3.5 at K = 3 (2.5 forced: 2, 3, 2, 3, ...), one row per step so each request
+    runs after the one before: the overlapped loop launches a last verify step for a request that its
+    in-flight step then finishes. That void step consumed a schedule entry, so every later request
+    ran the schedule shifted by one (3, 2, ... where the plain loop gives 2, 3, ...)."""
+    runs = {}
+    for overlap in (False, True):
+        engine, _, cache = build(draft_len=3, overlap=overlap, max_batch_size=1, force_accepted=2.5)
+        accepted = _accepted_per_request(engine)
+        result = engine.generate(PROMPTS[:3], max_new_tokens=6)
+        assert cache.num_free_blocks == cache.num_blocks
+        runs[overlap] = accepted, result.outputs, result.stats.accepted_tokens
+    assert runs[False][0] == {0: [2, 3], 1: [2, 3], 2: [2, 3]}
+    assert runs[True] == runs[False]

@@ -318,6 +318,8 @@ class Engine:
                     self.stats.engine_steps += 1
                 if inflight is not None:
                     self._commit_noted(inflight, requests, progress)
+                    if launched is not None:
+                        self._return_void_forced_count(launched)
                 inflight = launched
                 if inflight is not None and not self.overlap:
                     self._commit_noted(inflight, requests, progress)
@@ -337,6 +339,14 @@ class Engine:
         """`commit`, with a step's exception noted by the step and its requests."""
         with _step_context(f"while committing engine step {out.step_id}", out.rows):
             self.commit(out, requests, progress)
+
+    def _return_void_forced_count(self, out: StepOutput) -> None:
+        """``out`` was launched before the step in flight committed. Where that commit finished every
+        request ``out`` verifies, ``out`` is void (the plain loop would not have run it): its entry of
+        a fractional forced schedule goes back, so later verify steps see the plain loop's counts."""
+        verified = [row.request for row in out.rows if row.kind is RowKind.VERIFY]
+        if verified and all(request.done for request in verified):
+            self.runner.return_forced_count()
 
     def launch(self, rows, step_id: int) -> StepOutput:
         """Run one step's rows and stage lengths as if every draft were accepted (corrected on commit)."""

@@ -132,6 +132,12 @@ class StepRunner:
         self.forced_step.add_(1)
         return count
 
+    def return_forced_count(self) -> None:
+        """Give back the schedule entry the last verify step took (its rows turned out void), so the
+        next verify step gets it; on the device, queued behind that step's read of the counter."""
+        if self.forced_step is not None:
+            self.forced_step.sub_(1)
+
     def restart_forced_schedule(self) -> None:
         """Start `forced_count_at`'s schedule over (each `generate` call), in place: a captured CUDA
         graph keeps reading the same counter."""
