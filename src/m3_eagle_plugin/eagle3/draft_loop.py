@@ -19,6 +19,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from m3_eagle_plugin._ints import as_int
 from m3_eagle_plugin.msa.blocks import is_integer_dtype
 
 __all__ = ["DraftResult", "DraftHead", "run_draft_loop"]
@@ -80,10 +81,7 @@ def run_draft_loop(
     ``choose(logits [Rd, V]) -> (tokens [Rd], probs [Rd, V] | None)`` picks each draft.
     """
     # Everything is checked before the head runs: step 0 writes the draft layer's KV.
-    if isinstance(num_drafts, bool) or not isinstance(num_drafts, int):
-        raise TypeError(f"num_drafts must be an int, got {num_drafts!r}")
-    if num_drafts < 1:
-        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    num_drafts = as_int("num_drafts", num_drafts, 1)
     for name, value in (("first_input_ids", first_input_ids), ("gather_index", gather_index),
                         ("gathered_kv_lens", gathered_kv_lens)):
         if not isinstance(value, torch.Tensor) or value.dim() != 1 or not is_integer_dtype(value.dtype):
