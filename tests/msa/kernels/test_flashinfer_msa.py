@@ -145,6 +145,43 @@ def test_sparse_refusals_name_their_cause(fake_fi, change, expect):
     assert not ok and expect in why, why
 
 
+def _elsewhere(t: torch.Tensor) -> torch.Tensor:
+    """`t` on another device than the CPU step (torch's `meta` device: no data, no GPU needed)."""
+    return t.to("meta")
+
+
+@pytest.mark.parametrize("kernel, change, expect", [
+    ("sparse", lambda st: {**st, "sel": _elsewhere(st["sel"])}, "than q (cpu): selection on meta"),
+    ("sparse", lambda st: {**st, "k": _elsewhere(st["packed"])[..., :DIM], "v": _elsewhere(st["packed"])[..., DIM:]},
+     "than q (cpu): k_cache on meta, v_cache on meta"),
+    ("sparse", lambda st: {**st, "q": _elsewhere(st["q"])},
+     "than q (meta): k_cache on cpu, v_cache on cpu, selection on cpu, meta.block_tables on cpu, meta.kv_lens on cpu"),
+    ("index", lambda st: {**st, "index_k": _elsewhere(st["index_k"])}, "than index_q (cpu): index_k_cache on meta"),
+    ("index", lambda st: {**st, "index_q": _elsewhere(st["index_q"])},
+     "than index_q (meta): index_k_cache on cpu, meta.block_tables on cpu"),
+], ids=["selection", "kv", "q", "index_k", "index_q"])
+def test_operands_on_another_device_are_refused_naming_them(fake_fi, kernel, change, expect):
+    """FlashInfer launches on the queries' device: an operand elsewhere (cuda:1 next to cuda:0, or a
+    CPU tensor) would be read through an address of another device."""
+    st = _step([2, 2], [300, 260])
+    st = change({**st, "sel": _selection(st["meta"], 1)})
+    if kernel == "sparse":
+        ok, why = _sparse_ok(st, st["sel"])
+    else:
+        ok, why = _index_ok(st)
+    assert not ok and expect in why, why
+
+
+def test_forced_mode_names_an_operand_on_another_device_before_flashinfer_runs(fake_fi, monkeypatch):
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    st = _step([1], [300])
+    with pytest.raises(KernelBackendError, match="select_blocks_paged.*index_k_cache on meta"):
+        select_blocks_paged(st["index_q"], _elsewhere(st["index_k"]), st["meta"], topk=16)
+    with pytest.raises(KernelBackendError, match="sparse_attention.*selection on meta"):
+        sparse_attention(st["q"], st["k"], st["v"], st["meta"], _elsewhere(_selection(st["meta"], 1)), scale=0.1)
+    assert fake_fi.calls == []
+
+
 def test_sparse_refuses_other_topk_and_mixed_q_lens(fake_fi):
     st = _step([2, 2], [300, 260])
     ok, why = _sparse_ok(st, _selection(st["meta"], 1, width=8))

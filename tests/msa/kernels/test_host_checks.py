@@ -136,6 +136,35 @@ def test_auto_runs_the_reference_for_query_dtypes_the_kernels_refuse(monkeypatch
                        msa.dense_attention(q64, k64, v64, meta, scale=0.25))
 
 
+@pytest.mark.parametrize("mode", ["auto", "triton"])
+def test_cache_dtypes_the_kernels_refuse_run_the_reference(monkeypatch, mode):
+    """float64 K/V or index-K (the reference reads any float cache) is, like a query dtype the
+    kernels refuse, a call they do not take: on CUDA it runs the reference (the CUDA decision is
+    faked here; `launch` is stubbed to fail), as the shapes they cannot tile do whatever the mode."""
+    monkeypatch.setenv("M3_EAGLE_KERNELS", mode)
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
+    ik64, k64, v64 = index_k_cache.double(), k_cache.double(), v_cache.double()
+    selection = msa.select_blocks_paged(index_q, ik64, meta, topk=TOPK)
+    assert torch.equal(backend.select_blocks_paged(index_q, ik64, meta, topk=TOPK), selection)
+    assert torch.equal(backend.dense_attention(q, k64, v64, meta, scale=0.25),
+                       msa.dense_attention(q, k64, v64, meta, scale=0.25))
+    assert torch.equal(backend.dense_attention(q, k_cache, v64, meta, scale=0.25),
+                       msa.dense_attention(q, k_cache, v64, meta, scale=0.25))
+    expect = msa.sparse_attention(q, k64, v64, meta, selection, scale=0.25)
+    assert torch.equal(backend.sparse_attention(q, k64, v64, meta, selection, scale=0.25), expect)
+    assert torch.equal(backend.sparse_layer_attention(q, k64, v64, index_q, ik64, meta, topk=TOPK, scale=0.25), expect)
+
+
+def test_fp8_scales_on_a_cache_dtype_the_kernels_refuse_say_why(monkeypatch):
+    """Only the kernels take fp8 scales: the error names the cache they could not read."""
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    meta, k_cache, v_cache, _, q, _ = _step()
+    with pytest.raises(backend.KernelBackendError, match="v_cache in torch.float64: the kernels read"):
+        backend.dense_attention(q, k_cache, v_cache.double(), meta, scale=0.25, v_scale=0.5)
+
+
 # --- scalars: refused as the torch references refuse them, before anything is launched ----------------
 
 BAD_SCALES = [float("nan"), float("inf"), 0.0, -0.25, True, torch.tensor(0.25)]

@@ -43,3 +43,59 @@ def test_forced_blocks_past_topk_are_refused_as_the_reference_does():
     scores = torch.zeros(1, 6, meta.block_tables.shape[1])
     with pytest.raises(KernelInputError, match="local_blocks 1 \\+ init_blocks 2 exceed topk 2"):
         topk_from_block_scores(scores, meta, topk=2, local_blocks=1, init_blocks=2)
+
+
+def _out_cases(heads: int, tokens: int, width: int) -> dict:
+    """Scoring outputs the kernel would misfill, and what the refusal names."""
+    wide = torch.empty(heads, tokens, 2 * width)
+    return {
+        "too narrow": (torch.empty(heads, tokens, width - 1), f"out must be \\[Hi={heads}, T={tokens}, {width}\\]"),
+        "too few tokens": (torch.empty(heads, tokens - 1, width), f"out must be \\[Hi={heads}, T={tokens}, {width}\\]"),
+        "fp16": (torch.empty(heads, tokens, width, dtype=torch.float16), "out must be float32"),
+        "strided blocks": (wide[..., ::2], "out must have unit stride in its last"),
+        "heads sharing rows": (torch.empty(1, tokens, width).expand(heads, -1, -1), "give two entries one address"),
+    }
+
+
+@pytest.mark.parametrize("case", ["too narrow", "too few tokens", "fp16", "strided blocks", "heads sharing rows"])
+def test_a_scoring_out_the_kernel_would_misfill_is_refused_before_launch(monkeypatch, case):
+    """The kernel stores every visible block's score through `out`'s strides, for every index head
+    and token: a smaller, narrower, 16-bit, block-strided or self-overlapping `out` would be written
+    past its end or into itself."""
+    from m3_eagle_plugin.msa.kernels import index_select
+
+    monkeypatch.setattr(index_select, "launch", lambda *a, **k: pytest.fail("launched"))
+    meta, cache, _, index_q = _step()
+    out, expect = _out_cases(index_q.shape[1], index_q.shape[0], meta.block_tables.shape[1])[case]
+    with pytest.raises(KernelInputError, match=expect):
+        index_select.index_block_scores(index_q, cache.index_k, meta, out=out)
+
+
+def test_a_scoring_out_in_the_kernels_layout_passes_the_checks(monkeypatch):
+    """A strided view (a slice of a wider buffer) is taken: the kernel reads `out`'s row strides."""
+    from m3_eagle_plugin.msa.kernels import index_select
+
+    launched = []
+    monkeypatch.setattr(index_select, "launch", lambda *a, **k: launched.append(a))
+    meta, cache, _, index_q = _step()
+    width = meta.block_tables.shape[1]
+    out = torch.empty(index_q.shape[1], index_q.shape[0], width + 3)[..., :width]
+    assert index_select.index_block_scores(index_q, cache.index_k, meta, out=out) is out
+    assert launched
+
+
+@pytest.mark.parametrize("scores, expect", [
+    (lambda h, t, w: torch.zeros(h, t, w, dtype=torch.float16), "block_scores must be float32"),
+    (lambda h, t, w: torch.zeros(h, t, 2 * w)[..., ::2], "block_scores must have unit stride in its last"),
+    (lambda h, t, w: torch.zeros(h, t - 1, w), "block_scores has 5 token rows, fewer than the metadata's 6"),
+], ids=["fp16", "strided blocks", "too few tokens"])
+def test_top_k_refuses_scores_it_would_misread_before_launch(monkeypatch, scores, expect):
+    """The top-k reads fp32 rows of adjacent blocks and writes a selection row for every metadata
+    token into an output sized by `block_scores`' tokens."""
+    from m3_eagle_plugin.msa.kernels import index_select
+
+    monkeypatch.setattr(index_select, "launch", lambda *a, **k: pytest.fail("launched"))
+    meta, _, _, index_q = _step()
+    bad = scores(index_q.shape[1], meta.valid_blocks.shape[0], meta.block_tables.shape[1])
+    with pytest.raises(KernelInputError, match=expect):
+        index_select.topk_from_block_scores(bad, meta, topk=2)

@@ -24,6 +24,9 @@ FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
 )
 
+#: K/V and index-K cache dtypes the kernels read.
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
+
 
 class KernelInputError(ValueError):
     """An input tensor has a shape, dtype, device or layout the kernels cannot take."""
@@ -106,6 +109,19 @@ def triton_interpreting() -> bool:
     from triton import knobs
 
     return bool(knobs.runtime.interpret)
+
+
+def entries_apart(t: torch.Tensor) -> bool:
+    """Whether no two entries of `t` share an address: taken from the smallest stride up, each
+    dim's stride passes the farthest offset the dims before it reach."""
+    if t.numel() == 0:
+        return True
+    reach = 0
+    for stride, size in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
 
 
 def byte_aligned(t: torch.Tensor, nbytes: int) -> bool:

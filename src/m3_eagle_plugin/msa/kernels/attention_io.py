@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ._common import (FP8_DTYPES, check_cache_block, check_cache_view, check_meta, check_same_device, check_step_rows,
-                      compute_dtype_of, require)
+from ._common import (CACHE_DTYPES, FP8_DTYPES, check_cache_block, check_cache_view, check_meta, check_same_device,
+                      check_step_rows, compute_dtype_of, require)
 from .merge import merge_splits
 
 
@@ -29,8 +29,8 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     require(q.shape[1] % hkv == 0, f"query heads {q.shape[1]} not a multiple of KV heads {hkv}")
     require(block >= 16 and dim >= 16 and block & (block - 1) == 0 and dim & (dim - 1) == 0,
             "block size and head dim must be powers of two >= 16")
-    allowed = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
-    require(k_cache.dtype in allowed and v_cache.dtype in allowed, f"unsupported KV dtype {k_cache.dtype}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        require(cache.dtype in CACHE_DTYPES, f"unsupported {name} dtype {cache.dtype}")
     check_step_rows("q", q, meta)
     check_cache_block("k_cache", block, meta)
 

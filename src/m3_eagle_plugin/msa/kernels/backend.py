@@ -15,12 +15,12 @@ lengths, which an engine re-plans every step (on an H200 at B8/4K `plan()` + `ru
 up to 1.5x slower at the q4 rows. The table's verdicts are reported for it all the same.
 
 Shapes the kernels do not take (head dim or block under 16 or not a power of two, a GQA group or
-index-head count they cannot tile) run the torch references even on CUDA, whatever the mode; so do
-tiles past the device's shared memory (`KernelTooLargeError`) under `auto`, once warned, while a
-forced `triton` raises it. With fp8 scales, which only the kernels take, each raises naming why the
-kernel did not run. The references loop over requests on the host, so a CUDA graph of them replays
-the lengths it was captured with: capture them only with lengths staged at capacity
-(`host/reference/cuda_graphs`).
+index-head count they cannot tile, queries or K/V or index-K caches in a dtype they do not read, such
+as float64) run the torch references even on CUDA, whatever the mode; so do tiles past the device's
+shared memory (`KernelTooLargeError`) under `auto`, once warned, while a forced `triton` raises it.
+With fp8 scales, which only the kernels take, each raises naming why the kernel did not run. The
+references loop over requests on the host, so a CUDA graph of them replays the lengths it was
+captured with: capture them only with lengths staged at capacity (`host/reference/cuda_graphs`).
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from . import flashinfer_msa as fim
 from . import kernel_table
 from m3_eagle_plugin.log import get_logger
 
-from ._common import (MAX_TILE_ROWS, QUERY_DTYPES, KernelInputError, KernelTooLargeError, check_switches, env_value,
-                      is_pow2, triton_available, triton_importable)
+from ._common import (CACHE_DTYPES, MAX_TILE_ROWS, QUERY_DTYPES, KernelInputError, KernelTooLargeError, check_switches,
+                      env_value, is_pow2, triton_available, triton_importable)
 
 ENV_VAR = "M3_EAGLE_KERNELS"
 MODES = ("auto", "triton", "torch", "flashinfer")
@@ -217,6 +217,21 @@ def _tile_refusal(x: torch.Tensor, k_cache: torch.Tensor | None, block_size: int
             + (f" or at most {padded_rows}" if padded_rows else ""))
 
 
+def _cache_refusal(**caches: torch.Tensor) -> str | None:
+    """Why the kernels cannot read one of `caches` (named by keyword), in words; None when they can."""
+    for name, cache in caches.items():
+        if cache.dtype not in CACHE_DTYPES:
+            return f"{name} in {cache.dtype}: the kernels read float32, float16, bfloat16 or fp8 caches"
+    return None
+
+
+def _kernel_refusal(x: torch.Tensor, k_cache: torch.Tensor | None, block_size: int, padded_rows: int = 0, /,
+                    **caches: torch.Tensor) -> str | None:
+    """Why the kernels cannot take this call: `_tile_refusal`, else `_cache_refusal` of `caches`
+    (positional-only: a cache may be named `k_cache` among them)."""
+    return _tile_refusal(x, k_cache, block_size, padded_rows) or _cache_refusal(**caches)
+
+
 def _reference_instead(error: KernelTooLargeError, *scales: Any) -> None:
     """Re-raise `error` unless `auto` may run the torch reference in the kernel's place (it takes
     no fp8 scales); say so once per refusal."""
@@ -231,9 +246,10 @@ def _reference_instead(error: KernelTooLargeError, *scales: Any) -> None:
 _FELL_BACK: set[str] = set()
 
 
-def _fp8_scales_refused(q: torch.Tensor, k_cache: torch.Tensor, meta: Any, padded_rows: int = 0) -> KernelBackendError:
+def _fp8_scales_refused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
+                        padded_rows: int = 0) -> KernelBackendError:
     """fp8 scales on a call the kernels did not take (only they read scales), naming why."""
-    why = _tile_refusal(q, k_cache, meta.block_size, padded_rows)
+    why = _kernel_refusal(q, k_cache, meta.block_size, padded_rows, k_cache=k_cache, v_cache=v_cache)
     if why is None:
         why = f"the Triton backend does not run here ({backend_report(q.device).get('reason') or 'requested: torch'})"
     return KernelBackendError(f"fp8 KV scales need the Triton kernels: {why}")
@@ -287,7 +303,8 @@ def select_blocks_paged(index_q, index_k_cache, meta, *, topk, local_blocks=1, i
     if q_len is not None:
         return fim.select_blocks(index_q, index_k_cache, meta, topk=topk, q_len=q_len, local_blocks=local_blocks,
                                  init_blocks=init_blocks)
-    if use_triton(index_q.device) and _tile_refusal(index_q, None, meta.block_size) is None:
+    if use_triton(index_q.device) and _kernel_refusal(index_q, None, meta.block_size,
+                                                      index_k_cache=index_k_cache) is None:
         from .index_select import select_blocks_verify
 
         try:
@@ -312,7 +329,8 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
     if q_len is not None:
         return fim.sparse_attention(q, k_cache, v_cache, meta, selection, scale=scale, q_len=q_len,
                                     k_scale=k_scale, v_scale=v_scale)
-    if use_triton(q.device) and _tile_refusal(q, k_cache, meta.block_size, MAX_TILE_ROWS) is None:
+    if use_triton(q.device) and _kernel_refusal(q, k_cache, meta.block_size, MAX_TILE_ROWS, k_cache=k_cache,
+                                                v_cache=v_cache) is None:
         from .sparse_verify import sparse_verify_attention
 
         try:
@@ -321,7 +339,7 @@ def sparse_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale=Non
         except KernelTooLargeError as error:
             _reference_instead(error, k_scale, v_scale)
     if k_scale is not None or v_scale is not None:
-        raise _fp8_scales_refused(q, k_cache, meta, MAX_TILE_ROWS)
+        raise _fp8_scales_refused(q, k_cache, v_cache, meta, MAX_TILE_ROWS)
     return _reference("sparse_attention")(q, k_cache, v_cache, meta, selection, scale=scale)
 
 
@@ -335,8 +353,9 @@ def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *,
     routed by its own row."""
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len)
-    if (use_triton(q.device) and _tile_refusal(q, k_cache, meta.block_size, MAX_TILE_ROWS) is None
-            and _tile_refusal(index_q, None, meta.block_size) is None):
+    if (use_triton(q.device)
+            and _kernel_refusal(q, k_cache, meta.block_size, MAX_TILE_ROWS, k_cache=k_cache, v_cache=v_cache) is None
+            and _kernel_refusal(index_q, None, meta.block_size, index_k_cache=index_k_cache) is None):
         # Each half's eligibility, computed at most once (the route and the whole-step rule both ask).
         checks = {fim.INDEX: functools.cache(lambda: fim.eligibility(
                       fim.INDEX, index_q, index_k_cache, meta, topk=topk, max_qo_len=max_qo_len)),
@@ -389,7 +408,8 @@ def _whole_step_backend(device, meta, num_tokens: int, max_qo_len: int | None, c
 def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=None,
                     max_qo_len: int | None = None):
     """Dispatching twin of `msa.dense_attention`."""
-    if use_triton(q.device) and _tile_refusal(q, k_cache, meta.block_size) is None:
+    if use_triton(q.device) and _kernel_refusal(q, k_cache, meta.block_size, k_cache=k_cache,
+                                                v_cache=v_cache) is None:
         from .dense_verify import dense_verify_attention
 
         try:
@@ -398,7 +418,7 @@ def dense_attention(q, k_cache, v_cache, meta, *, scale, k_scale=None, v_scale=N
         except KernelTooLargeError as error:
             _reference_instead(error, k_scale, v_scale)
     if k_scale is not None or v_scale is not None:
-        raise _fp8_scales_refused(q, k_cache, meta)
+        raise _fp8_scales_refused(q, k_cache, v_cache, meta)
     return _reference("dense_attention")(q, k_cache, v_cache, meta, scale=scale)
 
 

@@ -191,6 +191,19 @@ def interleaved_refusal(k: torch.Tensor, v: torch.Tensor) -> str | None:
     return None
 
 
+#: The metadata's tensors the routed calls pass to FlashInfer.
+META_TENSORS = ("block_tables", "kv_lens", "cu_qo_lens", "valid_blocks")
+
+
+def operands_elsewhere(first: str, tensor: torch.Tensor, meta: Any, **others: torch.Tensor) -> str | None:
+    """Which of `others` and the metadata's tensors are not on `tensor`'s device (FlashInfer
+    launches there and would read another device's addresses as its own), in words; else None."""
+    given = {**others, **{f"meta.{name}": getattr(meta, name, None) for name in META_TENSORS}}
+    away = [f"{name} on {t.device}" for name, t in given.items()
+            if isinstance(t, torch.Tensor) and t.device != tensor.device]
+    return f"operands on another device than {first} ({tensor.device}): {', '.join(away)}" if away else None
+
+
 def _is_scale(value: Any) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
@@ -212,6 +225,7 @@ def sparse_eligibility(q, k_cache, v_cache, meta, selection, *, k_scale=None, v_
                        max_qo_len: int | None = None) -> tuple[bool, str]:
     """Whether `msa_sparse_decode_attention` computes exactly `sparse_attention` for these inputs."""
     q_len, why = _common_refusal(q.device, meta, q.shape[0], max_qo_len)
+    why = why or operands_elsewhere("q", q, meta, k_cache=k_cache, v_cache=v_cache, selection=selection)
     if why:
         return False, why
     if q.dim() != 3 or q.dtype != torch.bfloat16 or q.shape[-1] != HEAD_DIM:
@@ -240,6 +254,7 @@ def index_eligibility(index_q, index_k_cache, meta, *, topk: int, max_qo_len: in
     """Whether proxy scoring + `msa_topk_select` (per-token num_valid_pages) computes exactly
     `select_blocks_paged` for these inputs without copying the index cache."""
     q_len, why = _common_refusal(index_q.device, meta, index_q.shape[0], max_qo_len)
+    why = why or operands_elsewhere("index_q", index_q, meta, index_k_cache=index_k_cache)
     if why:
         return False, why
     if q_len > MAX_INDEX_Q_LEN:

@@ -20,11 +20,11 @@ from .handoff import SENTINEL as _SENTINEL, handoff_enabled, ready_flags, reset_
 from .launch import launch
 from .pdl import pdl_args, release_dependents, wait_for_prior_grid, wait_then_release
 from ._common import (
+    CACHE_DTYPES,
     MAX_GRID_YZ,
     QUERY_DTYPES,
     check_grid,
     qo_len_hint,
-    FP8_DTYPES,
     byte_aligned,
     check_cache_block,
     check_cache_view,
@@ -32,6 +32,7 @@ from ._common import (
     check_same_device,
     check_step_rows,
     device_capability,
+    entries_apart,
     device_sm_count,
     fits_one_tile,
     is_pow2,
@@ -289,13 +290,14 @@ def index_block_scores(
     check_cache_block("index_k_cache", block, meta)
     require(block >= 16 and dim >= 16 and block & (block - 1) == 0 and dim & (dim - 1) == 0,
             "block size and index dim must be powers of two >= 16")
-    require(index_k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES,
-            f"unsupported index_k dtype {index_k_cache.dtype}")
+    require(index_k_cache.dtype in CACHE_DTYPES, f"unsupported index_k dtype {index_k_cache.dtype}")
     num_requests = meta.kv_lens.shape[0]
     require(num_requests <= MAX_GRID_YZ, f"{num_requests} requests: at most {MAX_GRID_YZ} a step (the scoring grid's y)")
     width = meta.block_tables.shape[1]
     if out is None:
         out = torch.empty((num_heads, num_tokens, width), device=index_q.device, dtype=torch.float32)
+    else:
+        check_scores_out(out, num_heads, num_tokens, width)
     qp = tokens_per_tile(num_tokens, num_requests, num_heads, max_qo_len)
     desc = page_descriptor(index_k_cache) if tma is not False else None
     require(tma is not True or desc is not None, "tma needs a 16-bit or 8-bit index-K cache with 16-byte aligned "
@@ -320,6 +322,25 @@ def index_block_scores(
             num_warps=num_warps, num_stages=num_stages, **pdl_args(index_q.device, grid),
         )
     return out
+
+
+def check_score_layout(name: str, scores: torch.Tensor) -> None:
+    """`scores` laid out as the scoring writes and the top-k reads them: fp32 `[Hi, T, blocks]`, a
+    row's blocks adjacent (the kernels address them as `row + block`)."""
+    require(scores.dim() == 3 and scores.dtype == torch.float32,
+            f"{name} must be float32 [Hi, T, blocks], got {scores.dtype} of shape {tuple(scores.shape)}")
+    require(scores.stride(-1) == 1 or scores.shape[-1] <= 1,
+            f"{name} must have unit stride in its last (block) dim, got strides {tuple(scores.stride())}")
+
+
+def check_scores_out(out: torch.Tensor, num_heads: int, num_tokens: int, width: int) -> None:
+    """A caller's `out` for the scoring: `[Hi, T, block-table width]` fp32, its entries apart (the
+    kernel stores every entry through `out`'s own strides; overlapping ones would overwrite each other)."""
+    check_score_layout("out", out)
+    require(tuple(out.shape) == (num_heads, num_tokens, width),
+            f"out must be [Hi={num_heads}, T={num_tokens}, {width}] (index heads, index_q rows, block-table width), "
+            f"got {tuple(out.shape)}")
+    require(entries_apart(out), f"out's strides {tuple(out.stride())} give two entries one address")
 
 
 def page_descriptor(index_k_cache: torch.Tensor):
@@ -388,7 +409,11 @@ def topk_from_block_scores(
             f"{topk}: the forced blocks would not all be selected")
     check_meta(meta, block_scores.device, dense_fields=("kv_lens", "cu_qo_lens", "valid_blocks"))
     check_same_device(block_scores.device, ready=ready)
+    check_score_layout("block_scores", block_scores)
     num_heads, num_tokens, width = block_scores.shape
+    # the selection is allocated for block_scores' tokens but written for every metadata token
+    require(num_tokens >= meta.valid_blocks.shape[0], f"block_scores has {num_tokens} token rows, fewer than the "
+            f"metadata's {meta.valid_blocks.shape[0]} tokens (meta.valid_blocks)")
     num_requests = meta.kv_lens.shape[0]
     max_qo_len = qo_len_hint(meta, max_qo_len)
     block_size = block_size or getattr(meta, "block_size", None)
