@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from m3_eagle_plugin._ints import as_int
+
 #: Query rows (tokens x heads) of one attention tile, at most.
 MAX_TILE_ROWS = 64
 
@@ -172,12 +174,11 @@ def qo_len_hint(meta: Any, max_qo_len: int | None) -> int | None:
     host = host if isinstance(host, int) and host > 0 else None
     if max_qo_len is not None:
         # not int(): 2.9 would size the grids for 2 tokens where there is no host value to catch it
-        require(isinstance(max_qo_len, numbers.Integral) and not isinstance(max_qo_len, bool) and max_qo_len >= 1,
-                f"max_qo_len must be an int >= 1, got {max_qo_len!r}")
-        require(host is None or int(max_qo_len) >= host,
+        max_qo_len = as_int("max_qo_len", max_qo_len, 1, KernelInputError)
+        require(host is None or max_qo_len >= host,
                 f"max_qo_len {max_qo_len} is below the step's longest request ({host} tokens): the grids it "
                 "sizes would leave tokens out")
-        return int(max_qo_len)
+        return max_qo_len
     return host
 
 
