@@ -361,3 +361,67 @@ def test_keys_on_an_unmapped_page_are_invisible() -> None:
         expected = naive_attention(q[t], kk, vv, [list(range(len(allowed)))] * heads_kv, scale)
         torch.testing.assert_close(sparse[t].double(), expected, **TOL)
         torch.testing.assert_close(dense[t].double(), expected, **TOL)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), float("-inf")])
+def test_a_non_finite_scale_is_refused(bad) -> None:
+    meta = MsaDecodeMetadata(1, 4, 1, 4, "cpu")
+    meta.prepare([2], [2], torch.tensor([[0]], dtype=torch.int32))
+    k_cache = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(MsaInputError, match="positive finite"):
+        dense_attention(torch.zeros(2, 1, 8), k_cache, k_cache, meta, scale=bad)
+    with pytest.raises(MsaInputError, match="positive finite"):
+        sparse_attention(torch.zeros(2, 1, 8), k_cache, k_cache, meta, torch.zeros(1, 2, 1, dtype=torch.int32),
+                         scale=bad)
+
+
+@pytest.mark.parametrize("chunk_elems", [1, 70, 150])
+def test_token_chunks_cover_every_token_once(chunk_elems, monkeypatch) -> None:
+    """Long prompts are attended a few tokens at a time (tokens x keys bounded by _GATHER_CHUNK_ELEMS).
+    Shrunk here so requests split into chunks of 1 to 4 tokens (4 query heads, 8 to 20 keys): every
+    token still equals the float64 masked reference, the dense and the sparse variant alike."""
+    monkeypatch.setattr("m3_eagle_plugin.msa.attention._GATHER_CHUNK_ELEMS", chunk_elems)
+    rows = [(7, 19), (5, 5), (3, 12)]
+    block, heads_kv, group, topk = 4, 2, 2, 2
+    meta, cache, seqs, q, corrected, gen = _random_step(rows, block, heads_kv * group, heads_kv, 4, 13, [2, 0, 1])
+    sel = (torch.randint(0, meta.max_step_blocks + 1, (heads_kv, meta.num_tokens, topk), generator=gen) - 1)
+    sparse = sparse_attention(q, cache.k, cache.v, meta, sel.to(torch.int32), scale=0.6)
+    dense = dense_attention(q, cache.k, cache.v, meta, scale=0.6)
+    everything = torch.arange(meta.max_step_blocks)[None, None, :].expand(heads_kv, meta.num_tokens, -1)
+    start = 0
+    for r, (qo, _) in enumerate(rows):
+        rows_r = slice(start, start + qo)
+        start += qo
+        keys, values = seqs[r]
+        positions = list(range(corrected[r] - qo, corrected[r]))
+        exp = masked_reference(q[rows_r], keys, values, positions, sel[:, rows_r], block, 0.6)
+        torch.testing.assert_close(sparse[rows_r].double(), exp, **TOL)
+        exp = masked_reference(q[rows_r], keys, values, positions, everything[:, rows_r], block, 0.6)
+        torch.testing.assert_close(dense[rows_r].double(), exp, **TOL)
+
+
+def test_slots_past_the_corrected_length_may_hold_nan() -> None:
+    """After a shrinking correction the slots from the corrected length up to the staged one are no
+    longer the request's keys: stale or never written (NaN here). No token reads them (they lie past
+    every position), and NaN must not leak through a masked score or a zero weight either: each token
+    equals float64 attention over keys j <= p of the sequence."""
+    block, heads_kv, group, dim, scale = 4, 2, 2, 4, 0.5
+    rows, shrink = [(3, 14), (2, 9)], [3, 2]  # corrected 11 and 7: NaN in slots 11..13 and 7..8
+    meta, cache, seqs, q, corrected, gen = _random_step(rows, block, heads_kv * group, heads_kv, dim, 21, shrink)
+    for r, (_, staged) in enumerate(rows):
+        pages = meta.block_tables[r].tolist()
+        for j in range(corrected[r], staged):
+            cache.k[pages[j // block], :, j % block] = float("nan")
+            cache.v[pages[j // block], :, j % block] = float("nan")
+    every_block = torch.arange(4, dtype=torch.int32).expand(heads_kv, meta.num_tokens, 4).contiguous()
+    sparse = sparse_attention(q, cache.k, cache.v, meta, every_block, scale=scale)
+    dense = dense_attention(q, cache.k, cache.v, meta, scale=scale)
+    t = 0
+    for r, (qo, _) in enumerate(rows):
+        keys, values = seqs[r]
+        for i in range(qo):
+            p = corrected[r] - qo + i
+            expected = naive_attention(q[t], keys, values, [list(range(p + 1))] * heads_kv, scale)
+            torch.testing.assert_close(sparse[t].double(), expected, **TOL)
+            torch.testing.assert_close(dense[t].double(), expected, **TOL)
+            t += 1

@@ -162,3 +162,27 @@ def test_valid_blocks_from_positions_matches_python_ceil(positions, log_block, w
     got = valid_blocks_from_positions(torch.tensor(positions, dtype=torch.int64 if wide else torch.int32), block)
     assert got.dtype == torch.int32
     assert got.tolist() == [-(-(p + 1) // block) if p >= 0 else 0 for p in positions]
+
+
+def test_a_count_of_exactly_int32_max_is_returned_not_refused() -> None:
+    # B = 1: position 2**31 - 2 sees 2**31 - 1 blocks, the largest int32; only counts past it are refused.
+    got = valid_blocks_from_positions(torch.tensor([2**31 - 2, 0], dtype=torch.int64), 1)
+    assert got.dtype == torch.int32 and got.tolist() == [2**31 - 1, 1]
+
+
+def test_an_int32_position_at_int32_max_does_not_wrap() -> None:
+    # p + 1 taken in int32 wraps to -2**31 at p = 2**31 - 1: the token would see 0 blocks.
+    positions = torch.tensor([2**31 - 1], dtype=torch.int32)
+    assert valid_blocks_from_positions(positions, 2).tolist() == [2**30]  # ceil(2**31 / 2)
+    assert valid_blocks_from_positions(positions, 2**20).tolist() == [2**11]
+    with pytest.raises(MsaInputError, match="past int32"):  # B = 1: 2**31 blocks, one past int32
+        valid_blocks_from_positions(positions, 1)
+
+
+@pytest.mark.parametrize("bad", [2**63, -(2**63) - 1])
+def test_host_lengths_past_int64_are_refused_by_name(bad) -> None:
+    # The last int64 values are the boundary: one past either end is named, not a torch overflow error.
+    with pytest.raises(MsaInputError, match=f"request 1: kv_lens entry {bad} does not fit int64"):
+        per_token_valid_blocks([1, 1], [1, bad], 4)
+    with pytest.raises(MsaInputError, match=f"request 0: qo_lens entry {bad} does not fit int64"):
+        per_token_valid_blocks([bad], [1], 4)

@@ -186,3 +186,16 @@ def test_fp8_kv_round_trips_through_the_attention_references(dtype) -> None:
         torch.testing.assert_close(sparse[t].double(), exp, atol=1e-5, rtol=1e-5)
         exp = naive_attention(q[t], *rounded[r], [list(range(p + 1))] * heads_kv, 0.3)
         torch.testing.assert_close(dense[t].double(), exp, atol=1e-5, rtol=1e-5)
+
+
+def test_bool_slots_are_refused_and_write_nothing() -> None:
+    # A bool mask passed for slots would read as slots 0 / 1 and overwrite those tokens.
+    cache = PooledCache(num_pages=2, block_size=2, kv_heads=1, head_dim=2, index_dim=2)
+    cache.pool.normal_()
+    before = cache.pool.clone()
+    slots = torch.tensor([True, False])
+    with pytest.raises(TypeError, match="slots must be an integer tensor"):
+        write_kv(cache.k, cache.v, slots, torch.zeros(2, 1, 2), torch.zeros(2, 1, 2))
+    with pytest.raises(TypeError, match="slots must be an integer tensor"):
+        write_index_k(cache.index_k, slots, torch.zeros(2, 2))
+    assert torch.equal(cache.pool, before)

@@ -510,3 +510,45 @@ def test_in_place_length_corrections_are_clamped_to_the_staged_lengths() -> None
     assert meta.positions.tolist() == [-2, -1, 9, 10, 11]
     assert meta.cache_slots.tolist() == [-1, -1, 109, 110, 111]
     assert meta.token_kv_lens.tolist() == [0, 0, 10, 11, 12]
+
+
+@pytest.mark.parametrize("block", [1, 4, 16])
+def test_the_first_page_whose_slots_pass_int32_is_refused(block) -> None:
+    """Pages 0 .. 2**31 / B - 1 have every slot page * B + offset <= 2**31 - 1; page 2**31 / B has
+    slot 2**31 at offset 0, which wraps in the int32 cache_slots: refused, the page below accepted."""
+    first_bad = 2**31 // block
+    meta = MsaDecodeMetadata(1, 2, 2, block, "cpu")
+    with pytest.raises(MsaInputError, match="page id past int32"):
+        meta.prepare([1], [1], torch.tensor([[first_bad]], dtype=torch.int64))
+    assert meta.prepare_count == 0
+    last = first_bad - 1
+    meta.prepare([1], [block], torch.tensor([[last]], dtype=torch.int64))  # the token at the page's last slot
+    assert meta.cache_slots.tolist() == [last * block + block - 1] == [2**31 - 1]
+
+
+def test_prepare_count_counts_every_accepted_prepare_and_no_refused_one() -> None:
+    meta = MsaDecodeMetadata(2, 8, 8, 4, "cpu", max_draft_len=2)
+    assert meta.prepare_count == 0
+    meta.prepare([2, 3], [9, 12], worked_example_tables())
+    assert meta.prepare_count == 1
+    meta.prepare([], [], torch.zeros(0, 8, dtype=torch.int32))  # an empty step is a step
+    assert meta.prepare_count == 2
+    with pytest.raises(MsaInputError):
+        meta.prepare([3], [2], worked_example_tables()[:1])
+    meta.on_update_kv_lens(torch.zeros(0, dtype=torch.int32))  # a correction is not a re-plan
+    assert meta.prepare_count == 2
+    meta.prepare([1], [1], worked_example_tables()[:1])
+    assert meta.prepare_count == 3
+
+
+@pytest.mark.parametrize("bad_page", [-1, -(2**31)])
+def test_a_negative_page_in_the_table_gives_the_skip_sentinel(bad_page) -> None:
+    """A table entry below 0 (a device table is not checked; here written in place) is no page: its
+    tokens get slot -1. page * B in int32 is no guide: -2**31 * 4 wraps to 0, i.e. page 0's slots.
+    Request of 12 tokens (block 4, pages 3, 5, 7), all in this step; block 1 unmapped after prepare."""
+    meta = MsaDecodeMetadata(1, 12, 3, 4, "cpu")
+    meta.prepare([12], [12], torch.tensor([[3, 5, 7]], dtype=torch.int32))
+    meta.block_tables[0, 1] = bad_page
+    meta.on_update_kv_lens(torch.tensor([12], dtype=torch.int32))  # re-derive from the edited table
+    assert meta.cache_slots.tolist() == [12, 13, 14, 15, -1, -1, -1, -1, 28, 29, 30, 31]
+    assert meta.positions.tolist() == list(range(12))

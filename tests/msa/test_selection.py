@@ -331,3 +331,13 @@ def test_a_block_on_an_unmapped_page_has_no_keys_to_score(topk) -> None:
     sel = select_blocks_paged(iq, cache.index_k, meta, topk=topk)
     assert_well_formed(sel, topk)
     assert selection_sets(sel) == [[frozenset({0, 2})] * 4] * 2
+
+
+def test_topk_below_one_is_refused_even_without_forced_blocks() -> None:
+    # With local_blocks = 0 the "forced blocks exceed topk" check passes at topk = 0: the minimum must hold alone.
+    for topk in (0, -2):
+        with pytest.raises(MsaInputError, match=f"topk must be >= 1, got {topk}"):
+            select_from_block_scores(torch.zeros(1, 2, 3), torch.tensor([0, 2]), topk=topk, local_blocks=0)
+        with pytest.raises(MsaInputError, match=f"topk must be >= 1, got {topk}"):
+            select_blocks(torch.zeros(2, 1, 4), torch.zeros(3, 4), torch.tensor([0, 1]), block_size=2, topk=topk,
+                          local_blocks=0)
