@@ -211,3 +211,69 @@ def test_every_draft_layer_gets_its_own_virtual_pool(fake_host_dirs, num_target,
         assert manager.trtllm_gen_extra_tokens_per_block == (frozenset({128}) if page == 128 else frozenset())
     finally:
         _deactivate(root)
+
+
+def test_sparse_range_stops_at_the_last_target_when_num_layers_counts_the_draft_tail(current_host):
+    """A per-layer head list of 61 entries with num_layers=61 already counts the draft layer: the
+    target is layers 0-59, so the sparse range is the dense-prefix convention 3..59, never layer 60
+    (the draft layer holds K and V only)."""
+    plugin, _ = _classes()
+    manager = _make(plugin, num_layers=61, num_kv_heads=[4] * 61)
+    assert manager.shared_draft_layer_ids == (60,) and manager.num_target_layers == 60
+    assert manager.sparse_layer_ids == list(range(3, 60))
+    assert 60 not in manager.sparse_layer_ids and 2 not in manager.sparse_layer_ids
+
+
+def test_a_layout_reserving_more_draft_layers_than_the_host_appends_is_refused(current_host, monkeypatch):
+    """The other direction of the count check: the layout reserves 2 draft layers (target layers 60
+    and 61 would get virtual pools) while the host appends 1, so layer 61 would be a phantom."""
+    import sys
+
+    import tensorrt_llm._torch.speculative.utils as spec_utils
+
+    plugin, _ = _classes()
+
+    def one_layer(spec_config):
+        return 1
+
+    monkeypatch.setattr(spec_utils, "get_num_spec_layers", one_layer)
+    monkeypatch.setattr(sys.modules[_kv_module().__name__], "get_num_spec_layers", one_layer)
+    with pytest.raises(ValueError, match=r"gives the KV cache 1 Eagle3 draft layer\(s\).*reserves 2"):
+        _make(plugin, spec_config=_spec(2))
+
+
+def test_no_page_size_opt_in_other_than_128(current_host):
+    """Only P128 (MSA's page) is opted into trtllm-gen; a larger page is not."""
+    plugin, _ = _classes()
+    assert _make(plugin, tokens_per_block=256).trtllm_gen_extra_tokens_per_block == frozenset()
+    assert _make(plugin, tokens_per_block=32).trtllm_gen_extra_tokens_per_block == frozenset()
+
+
+def test_update_resources_refuses_tree_acceptance_among_generation_requests(current_host):
+    """A batch without `all_requests` lists its requests as context + generation requests; a tree
+    acceptance in the generation list is refused as well, before the host rewinds anything."""
+    plugin, _ = _classes()
+    manager = _make(plugin)
+    tree = SimpleNamespace(context_requests=[SimpleNamespace(py_request_id=2)], generation_requests=[
+        SimpleNamespace(py_request_id=3, py_num_accepted_draft_tokens_indices=None),
+        SimpleNamespace(py_request_id=5, py_num_accepted_draft_tokens_indices=[1])])
+    with pytest.raises(NotImplementedError, match="request 5"):
+        manager.update_resources(tree)
+    assert manager.update_calls == []
+
+
+def test_update_resources_hands_the_hosts_arguments_on(current_host, monkeypatch):
+    """`update_resources(scheduled_batch, attn_metadata=None, kv_cache_dtype_byte_size=None)` (the
+    host's V2 signature): a linear batch reaches the host with every argument it was given."""
+    plugin, host_cls = _classes()
+    seen = []
+
+    def host_update(self, scheduled_batch, attn_metadata=None, kv_cache_dtype_byte_size=None):
+        seen.append((scheduled_batch, attn_metadata, kv_cache_dtype_byte_size))
+
+    monkeypatch.setattr(host_cls.__mro__[1], "update_resources", host_update)
+    manager = _make(plugin)
+    batch = SimpleNamespace(context_requests=[], generation_requests=[])
+    manager.update_resources(batch, "attn-meta", 2)
+    manager.update_resources(batch, attn_metadata="m", kv_cache_dtype_byte_size=1)
+    assert seen == [(batch, "attn-meta", 2), (batch, "m", 1)]

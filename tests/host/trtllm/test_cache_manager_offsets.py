@@ -149,3 +149,47 @@ def test_draft_pool_root_is_the_default_shared_address_not_the_per_layer_base(cu
                                                        kv_module.PageIndexMode.PER_LAYER)
     assert default == shared != per_layer
     assert manager.kv_cache_pool_pointers[1].tolist() == [shared, 0]
+
+
+def test_draft_copy_uses_the_hosts_copy_index_and_stream(current_host):
+    """Each virtual-pool copy takes `index_mapper.get_copy_index(request_ids, num_contexts, beam_width)`
+    and the manager's stream, as the base copy does (the host's argument order)."""
+    from tensorrt_llm.bindings.internal.batch_manager import kv_cache_manager_v2_utils as native
+
+    plugin, _ = _classes()
+    manager = _make(plugin)
+    manager.add_sequence(4, [1])
+    manager.add_sequence(6, [2])
+    asked = []
+    mapper_copy_index = manager.index_mapper.get_copy_index
+
+    def get_copy_index(request_ids, num_contexts, beam_width):
+        asked.append((list(request_ids), num_contexts, beam_width))
+        return mapper_copy_index(request_ids, num_contexts, beam_width)
+
+    manager.index_mapper.get_copy_index = get_copy_index
+    manager._stream.cuda_stream = 77
+    native.CALLS.clear()
+    dst = torch.full((2, 2, 2, manager.max_blocks_per_seq), -9, dtype=torch.int32)
+    manager.copy_batch_block_offsets(dst, [6, 4], 1, 0, 2)  # beam_width 1, num_contexts 0
+    assert asked == [([6, 4], 0, 1)] * 2  # the base copy's, then the draft pool's
+    assert [stream for _, _, stream in native.CALLS] == [77, 77]
+    assert dst[1, 0, 0, :1].tolist() == [2 * 179] and dst[1, 1, 1, :1].tolist() == [179 + 1]
+
+
+def test_each_virtual_pool_is_copied_with_its_own_scale_and_offset(current_host):
+    """Two draft layers, two virtual pools: pool 1 + i is written with index_scales[i] / kv_offsets[i]
+    (slot s -> K = s * scale_i, V = K + offset_i), here given different values per pool."""
+    import dataclasses
+
+    plugin, _ = _classes()
+    manager = _make(plugin, spec_config=_spec(2))
+    assert manager.virtual_pools.op_pools == [(1, 0), (2, 0)]
+    manager.virtual_pools = dataclasses.replace(
+        manager.virtual_pools, index_scales=torch.tensor([181, 7], dtype=torch.int32),
+        kv_offsets=torch.tensor([1, 3], dtype=torch.int32))
+    manager.add_sequence(2, [5, 0])
+    dst = torch.full((3, 1, 2, manager.max_blocks_per_seq), -9, dtype=torch.int32)
+    manager.copy_batch_block_offsets(dst, [2], 1, 0, 1)
+    assert dst[1, 0, :, :2].tolist() == [[5 * 181, 0], [5 * 181 + 1, 1]]
+    assert dst[2, 0, :, :2].tolist() == [[5 * 7, 0], [5 * 7 + 3, 3]]

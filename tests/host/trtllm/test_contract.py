@@ -150,3 +150,58 @@ def test_contract_matches_the_hosts_real_signatures():
 _KNOWN_ABSENT = {
     "108df3fa0ff3699c2edc07f8e8aebf446adf566d": ("m3_backend_resolver",),
 }
+
+
+def test_a_broken_import_inside_an_existing_module_surfaces(tmp_path, monkeypatch):
+    """Only "this candidate module does not exist" moves on to the next layout: a candidate that exists
+    but fails importing one of its own dependencies raises, rather than silently picking the next."""
+    import sys
+
+    from m3_eagle_plugin.host.trtllm.contract import import_first
+
+    package = tmp_path / "m3_probe_layouts"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "broken.py").write_text("import m3_no_such_dependency_xyz\n")
+    (package / "fallback.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert import_first(["m3_probe_layouts.absent", "m3_probe_layouts.fallback"]).VALUE == 1
+        with pytest.raises(ModuleNotFoundError) as err:
+            import_first(["m3_probe_layouts.broken", "m3_probe_layouts.fallback"])
+        assert err.value.name == "m3_no_such_dependency_xyz"
+        with pytest.raises(ImportError, match="none of the candidate modules exists"):
+            import_first(["m3_probe_layouts.absent", "m3_probe_missing_pkg.mod"])
+    finally:
+        for name in [n for n in sys.modules if n.startswith("m3_probe_layouts")]:
+            del sys.modules[name]
+
+
+def test_leading_parameters_of_a_class_or_bound_method_leave_self_out():
+    """A class (its constructor) and a bound method do not show `self` in their signature; a declared
+    `self` is matched against the rest."""
+    class Host:
+        def __init__(self, layer_idx, num_heads):
+            pass
+
+        def method(self, dst_tensor, request_ids):
+            pass
+
+    assert contract.leading_params_match(Host, ("self", "layer_idx", "num_heads")) is None
+    assert contract.leading_params_match(Host(1, 2).method, ("self", "dst_tensor")) is None
+    assert contract.leading_params_match(Host.method, ("self", "dst_tensor")) is None
+    assert "expected leading parameters" in contract.leading_params_match(Host, ("self", "num_heads"))
+
+
+def test_static_check_finds_a_binding_imported_under_try(tmp_path):
+    """Hosts guard optional imports with try/except: a name bound inside the `try` (or its handler)
+    still counts as bound."""
+    root = build_fake_host(tmp_path, CURRENT)
+    util = root / "tensorrt_llm/_torch/pyexecutor/_util.py"
+    text = util.read_text()
+    before = "from ..speculative import should_use_separate_draft_kv_cache\n"
+    assert before in text
+    util.write_text(text.replace(before, "try:\n    from ..speculative import should_use_separate_draft_kv_cache\n"
+                                         "except ImportError:\n    should_use_separate_draft_kv_cache = None\n"))
+    finding = next(f for f in check_source_tree(root) if f.key == "util_predicate_binding")
+    assert finding.ok, finding

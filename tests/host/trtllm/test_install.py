@@ -151,3 +151,63 @@ def test_uninstall_clears_the_unified_draft_kv_marks_even_when_reverting_fails(m
         assert not scope.wants_unified_draft_kv(spec_config)
     finally:
         scope.clear_unified_marks()
+
+
+def test_a_plugin_returning_something_other_than_patches_is_refused(current_host):
+    """Another plugin's m3_eagle_host_patches returning a non-Patch: install() refuses with nothing
+    patched and names what it got, rather than failing somewhere inside the engine."""
+    from m3_eagle_plugin.hooks import hookimpl
+    from m3_eagle_plugin.registry import get_plugin_manager
+
+    class Sloppy:
+        @hookimpl
+        def m3_eagle_host_patches(self, host):
+            return ["route-everything"]
+
+    before = snapshot()
+    pm = get_plugin_manager()
+    pm.register(Sloppy(), name="test-sloppy-patches")
+    try:
+        with pytest.raises(adapter.HostPatchError, match="'route-everything'.*expected m3_eagle_plugin"):
+            adapter.install()
+    finally:
+        pm.unregister(name="test-sloppy-patches")
+    assert all(snapshot()[k] is before[k] for k in before)
+    assert adapter.report()["installed"] is False and "route-everything" in adapter.report()["error"]
+
+
+def test_force_retries_an_incomplete_rollback_and_applies(current_host, monkeypatch):
+    """An activation whose rollback left something patched (an undo that raised) is reverted again by
+    install(force=True), which then applies cleanly; without force the engine refuses."""
+    from m3_eagle_plugin.host.trtllm import registration
+    from m3_eagle_plugin.host.trtllm.patches import forward_env_to_mpi_pool as mpi_step
+
+    register = registration.register_model_classes
+    forward = mpi_step.forward_env_to_mpi_pool
+    broken = {"undo": True, "step": True}
+
+    def flaky_register(classes):
+        undo = register(classes)
+
+        def flaky_undo():
+            if broken["undo"]:
+                raise RuntimeError("registry undo exploded")
+            undo()
+        return flaky_undo
+
+    def failing_forward():
+        if broken["step"]:
+            raise RuntimeError("mpi step exploded")
+        return forward()
+
+    monkeypatch.setattr(registration, "register_model_classes", flaky_register)
+    monkeypatch.setattr(mpi_step, "forward_env_to_mpi_pool", failing_forward)
+    with pytest.raises(adapter.HostPatchError, match="registry undo exploded"):
+        adapter.install()
+    assert adapter.report()["still_patched"]
+    with pytest.raises(adapter.HostPatchError, match=r"call revert\(\) first"):
+        adapter.install()
+    broken.update(undo=False, step=False)
+    report = adapter.install(force=True)
+    assert report["installed"] and report["still_patched"] == [] and report["error"] is None
+    adapter.uninstall()

@@ -168,3 +168,96 @@ def test_vl_config_on_a_post_18872_host_keeps_unified_kv(post_18872_host):
         model_type="minimax_m3_vl", text_config={"hidden_size": 8, "vocab_size": 16, "num_hidden_layers": 2})
     model = vl_cls(cfg)
     assert len(model.model.layers) == 2 and model.use_separate_draft_kv_cache is False
+
+
+class _Recorder:
+    """Spec metadata that captures the layers in `layers` (by the id the hook reports)."""
+
+    def __init__(self, layers):
+        self.layers, self.captured = set(layers), {}
+
+    def is_layer_capture(self, layer_id):
+        return layer_id in self.layers
+
+    def maybe_capture_hidden_states(self, layer_id, hidden_states, residual=None):
+        self.captured[layer_id] = hidden_states if residual is None else hidden_states + residual
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, layer_idx, scale):
+        super().__init__()
+        self.layer_idx, self.scale = layer_idx, scale
+
+    def forward(self, x):
+        return x * self.scale, x
+
+
+def test_capture_reports_each_layers_own_index(current_host):
+    """Layers that carry a global `layer_idx` (a pipeline rank's layers 10 and 11) are captured under
+    that id, not under their position in the list; a layer without one falls back to its position."""
+    from m3_eagle_plugin.host.trtllm.model import Eagle3CaptureHooks
+
+    layers = [_Layer(10, 2.0), _Layer(11, 3.0), _Layer(None, 5.0)]
+    hooks = Eagle3CaptureHooks(layers)
+    hooks.spec_metadata = _Recorder({0, 1, 2, 11})
+    x = torch.ones(2)
+    for layer in layers:
+        layer(x)
+    assert set(hooks.spec_metadata.captured) == {11, 2}
+    torch.testing.assert_close(hooks.spec_metadata.captured[11], x * 3.0 + x)
+    torch.testing.assert_close(hooks.spec_metadata.captured[2], x * 5.0 + x)
+
+
+def test_removed_capture_hooks_capture_nothing(current_host):
+    from m3_eagle_plugin.host.trtllm.model import Eagle3CaptureHooks
+
+    layers = [_Layer(0, 2.0)]
+    hooks = Eagle3CaptureHooks(layers)
+    hooks.spec_metadata = _Recorder({0})
+    hooks.remove()
+    layers[0](torch.ones(1))
+    assert hooks.spec_metadata.captured == {} and layers[0]._forward_hooks == {}
+
+
+def test_no_spec_metadata_outlives_its_forward(host):
+    """After a forward with spec metadata (and after one that raises), a later direct run of the
+    layers (warm-up, the drafter's own pass) captures nothing into that step's metadata."""
+    from tensorrt_llm._torch.speculative import SpecMetadata
+
+    text_cls, _ = _classes()
+    torch.manual_seed(0)
+    model = text_cls(_model_config())
+    ids = torch.tensor([1, 2])
+    spec = SpecMetadata(layers_to_capture=(0, 1))
+    model.forward(None, input_ids=ids, spec_metadata=spec)
+    assert set(spec.captured) == {0, 1} and model.eagle3_capture.spec_metadata is None
+    spec.captured.clear()
+    model.model(attn_metadata=None, input_ids=ids)
+    assert spec.captured == {}
+    with pytest.raises(IndexError):
+        model.forward(None, input_ids=torch.tensor([99]), spec_metadata=spec)  # id past the vocab
+    assert model.eagle3_capture.spec_metadata is None
+
+
+def test_the_eagle3_base_forward_receives_the_step_spec_metadata(host, monkeypatch):
+    """The one-engine base runs the spec worker (drafting) from its forward's `spec_metadata`: the
+    plugin's forward hands it, and the other arguments, on unchanged."""
+    from tensorrt_llm._torch.models.modeling_speculative import SpecDecOneEngineForCausalLM
+    from tensorrt_llm._torch.speculative import SpecMetadata
+
+    seen = []
+    base_forward = SpecDecOneEngineForCausalLM.forward
+
+    def forward(self, attn_metadata, input_ids=None, position_ids=None, inputs_embeds=None,
+                return_context_logits=False, spec_metadata=None, resource_manager=None, **kwargs):
+        seen.append((attn_metadata, position_ids, return_context_logits, spec_metadata, resource_manager, kwargs))
+        return base_forward(self, attn_metadata, input_ids=input_ids, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, spec_metadata=spec_metadata)
+
+    monkeypatch.setattr(SpecDecOneEngineForCausalLM, "forward", forward)
+    text_cls, _ = _classes()
+    model = text_cls(_model_config())
+    spec, manager = SpecMetadata(layers_to_capture=(1,)), object()
+    model.forward(None, input_ids=torch.tensor([3]), position_ids="pos", return_context_logits=True,
+                  spec_metadata=spec, resource_manager=manager, extra="x")
+    assert seen == [(None, "pos", True, spec, manager, {"extra": "x"})]

@@ -167,3 +167,18 @@ def test_a_host_buffer_too_small_for_the_step_is_refused(current_host, buffer, m
     setattr(meta, buffer, torch.full((3,), -1, dtype=torch.int32))
     with pytest.raises(RuntimeError, match=match):
         meta.prepare()
+
+
+def test_a_step_filling_max_num_tokens_is_published(current_host):
+    """`msa_out_cache_loc` holds max_num_tokens entries; a verify step of exactly that many tokens
+    (2 + 3 here) fits and is published whole, with no -1 tail."""
+    backend = _backend()
+    plugin, _ = _classes()
+    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64)
+    manager.add_sequence(0, [0, 1, 2])
+    manager.add_sequence(1, [5, 6, 27])
+    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 3], cached=[7, 9], max_num_tokens=5)
+    meta.prepare()
+    # request 0: positions 7, 8 -> page 1 slot 3, page 2 slot 0; request 1: positions 9..11 in page 27
+    assert meta.msa_out_cache_loc.tolist() == [7, 8, 27 * 4 + 1, 27 * 4 + 2, 27 * 4 + 3]
+    assert meta.msa_n_valid_blocks[:5].tolist() == [2, 3, 3, 3, 3]

@@ -407,3 +407,134 @@ def test_a_package_binding_the_name_itself_is_rebound_even_with_a_module_getattr
     assert getattr(vars(sparse_pkg)[name], PATCH_MARK) == "route-sparse-kv-cache-manager"
     engine.revert()
     assert vars(sparse_pkg)[name] is original
+
+
+# ---- mutation-testing gaps: engine contracts not pinned above ----
+
+def test_a_retried_revert_still_undoes_newest_first(current_host):
+    """Undos that failed are kept for the next revert(); that retry runs them newest first too,
+    the reverse of the order the steps were applied in."""
+    log: list[str] = []
+    fail = {"older": True, "newer": True}
+    engine = PatchEngine()
+    engine.apply(builtin_patches(), steps=[_undo_step("older", log, fail), _undo_step("newer", log, fail)])
+    with pytest.raises(HostPatchError):
+        engine.revert()
+    assert log == [] and len(engine.report()["still_patched"]) == 2
+    fail.update(older=False, newer=False)
+    engine.revert()
+    assert log == ["newer", "older"]
+
+
+def test_a_name_defined_on_the_class_while_planning_is_refused(host):
+    """The plan saw an inherited method (revert would delete the wrapper again); if the class binds
+    the name itself before binding (the same function object), reverting would delete that binding:
+    the engine refuses, with nothing patched and the class's own binding left as it is."""
+    from m3_eagle_plugin.host.trtllm.contract import import_first
+
+    module = import_first(symbol("m3_kv_manager").modules)
+    cls = module.MiniMaxM3KVCacheManagerV2
+    name = "copy_batch_block_offsets"
+    sym = HostSymbol("inherited", symbol("m3_kv_manager").modules,
+                     f"MiniMaxM3KVCacheManagerV2.{name}", "method", ("self",), "test")
+    assert name not in vars(cls)
+
+    def defining_meanwhile(original):
+        setattr(cls, name, original)  # someone binds it on the class while this engine plans
+        return _tagging(original)
+
+    engine = PatchEngine()
+    try:
+        with pytest.raises(HostPatchError, match="re-bound.*nothing was patched"):
+            engine.apply([Patch("inherited", sym, defining_meanwhile)])
+        assert getattr(vars(cls)[name], PATCH_MARK, None) is None and not engine.applied
+    finally:
+        if name in vars(cls):
+            delattr(cls, name)
+
+
+def test_the_same_patches_with_other_steps_are_refused(current_host):
+    """Re-applying is a no-op only for the very same patch set *and* steps; other steps on top of an
+    applied set are refused (they would silently not run)."""
+    ran: list[str] = []
+
+    def first():
+        ran.append("first")
+        return lambda: None
+
+    def second():
+        ran.append("second")
+        return lambda: None
+
+    engine = PatchEngine()
+    engine.apply(builtin_patches(), steps=[first])
+    assert engine.apply(builtin_patches(), steps=[first])["applied"] and ran == ["first"]
+    with pytest.raises(HostPatchError, match="different patch set"):
+        engine.apply(builtin_patches(), steps=[second])
+    assert ran == ["first"]
+    engine.revert()
+
+
+def test_record_error_never_drops_an_applied_patch_set(current_host):
+    """A preflight error recorded while a set is applied must not forget that set: the engine still
+    reports it applied and a revert still restores the host."""
+    before = snapshot()
+    engine = PatchEngine()
+    engine.apply(builtin_patches())
+    engine.record_error("a later preflight failed")
+    assert engine.applied and engine.report()["bindings"]
+    engine.revert()
+    assert all(snapshot()[k] is before[k] for k in before)
+
+
+def test_an_interrupt_midway_still_rolls_back(current_host):
+    """A KeyboardInterrupt (not an Exception) raised by a step mid-apply still reverts every binding
+    and the earlier steps: the host is never left half patched."""
+    before = snapshot()
+    undone: list[str] = []
+
+    def step_ok():
+        return lambda: undone.append("ok")
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    engine = PatchEngine()
+    with pytest.raises((HostPatchError, KeyboardInterrupt)):
+        engine.apply(builtin_patches(), steps=[step_ok, interrupted])
+    assert undone == ["ok"] and not engine.applied
+    assert all(snapshot()[k] is before[k] for k in before)
+
+
+def test_a_rebind_naming_the_target_itself_binds_once(host):
+    """A host layout where a re-export namespace is the definer itself (the package defines the
+    function): the name is bound once, and reverting leaves no spurious "re-bound by someone else"."""
+    target = symbol("sparse_kv_manager_dispatch")
+    engine = PatchEngine()
+    report = engine.apply([Patch("self-rebind", target, _tagging, (target,))])
+    assert len(report["bindings"]) == 1
+    reverted = engine.revert()
+    assert reverted["revert_notes"] == []
+    _, owner = resolve_owner(target)
+    assert getattr(vars(owner)[target.name], PATCH_MARK, None) is None
+
+
+def test_a_wrapper_without_functools_wraps_still_points_at_the_original(current_host):
+    """A plugin factory that returns a plain function: the engine sets `__wrapped__` itself, so the
+    original stays reachable (doctor, the config key, a later unwrap)."""
+    target = symbol("separate_draft_kv_predicate")
+
+    def bare(original):
+        def wrapper(spec_config, *args, **kwargs):
+            return original(spec_config, *args, **kwargs)
+        return wrapper
+
+    _, owner = resolve_owner(target)
+    original = vars(owner)[target.name]
+    engine = PatchEngine()
+    engine.apply([Patch("bare", target, bare)])
+    try:
+        wrapped = vars(owner)[target.name]
+        assert wrapped.__wrapped__ is original and getattr(wrapped, PATCH_MARK) == "bare"
+    finally:
+        engine.revert()

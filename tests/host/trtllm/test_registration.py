@@ -1,6 +1,8 @@
 """Model registration wins on lazy and eager zoos and is undone by uninstall()."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from m3_eagle_plugin.host import trtllm as adapter
@@ -66,3 +68,69 @@ def test_uninstall_leaves_no_lazy_zoo_record_behind(current_host):
     for arch, cls in plugin.items():
         assert modeling_utils.get_registered_model_class(arch) is not cls
         assert arch not in cls.__dict__.get("_registered_architectures", ())
+
+
+def _builtin_mapping():
+    from tensorrt_llm._torch.models import modeling_utils
+
+    return {arch: modeling_utils.get_registered_model_class(arch) for arch in ARCHS}
+
+
+def test_a_host_that_keeps_its_first_registration_still_maps_the_plugin(current_host, monkeypatch):
+    """A registry whose `register_auto_model` keeps whatever an architecture had: the mapping is
+    checked after registering and set to the plugin's class; uninstall gives the built-ins back."""
+    from tensorrt_llm._torch.models import modeling_utils
+
+    builtin = _builtin_mapping()
+
+    def keeps_first(name):
+        def decorator(cls):
+            modeling_utils.MODEL_CLASS_MAPPING.setdefault(name, cls)
+            return cls
+        return decorator
+
+    monkeypatch.setattr(modeling_utils, "register_auto_model", keeps_first)
+    adapter.install()
+    assert modeling_utils.MODEL_CLASS_MAPPING[ARCHS[0]].__name__ == "MiniMaxM3Eagle3ForCausalLM"
+    assert modeling_utils.MODEL_CLASS_MAPPING[ARCHS[1]].__name__ == "MiniMaxM3VLEagle3ForConditionalGeneration"
+    adapter.uninstall()
+    assert {arch: modeling_utils.MODEL_CLASS_MAPPING.get(arch) for arch in ARCHS} == builtin
+
+
+def test_uninstall_unmaps_an_architecture_that_was_unmapped_before(current_host):
+    from tensorrt_llm._torch.models import modeling_minimaxm3, modeling_utils  # noqa: F401 (registers)
+
+    for arch in ARCHS:
+        modeling_utils.MODEL_CLASS_MAPPING.pop(arch, None)
+    adapter.install()
+    assert all(arch in modeling_utils.MODEL_CLASS_MAPPING for arch in ARCHS)
+    adapter.uninstall()
+    assert not any(arch in modeling_utils.MODEL_CLASS_MAPPING for arch in ARCHS)
+
+
+def test_a_registration_failing_halfway_is_undone(current_host, monkeypatch):
+    """The registry refuses the second architecture: the first one's registration (mapping entry,
+    lazy-zoo record, class mark) is undone too, and nothing else stays patched."""
+    from tensorrt_llm._torch.models import modeling_utils
+    from tensorrt_llm._torch.speculative import interface
+
+    builtin = _builtin_mapping()
+    predicate = interface.should_use_separate_draft_kv_cache
+    register = modeling_utils.register_auto_model
+
+    @functools.wraps(register)  # the host's function, in its own module (where its records live)
+    def refuses_vl(name):
+        if name == ARCHS[1]:
+            raise RuntimeError("zoo refused the VL architecture")
+        return register(name)
+
+    monkeypatch.setattr(modeling_utils, "register_auto_model", refuses_vl)
+    with pytest.raises(adapter.HostPatchError, match="zoo refused the VL architecture"):
+        adapter.install()
+    assert {arch: modeling_utils.MODEL_CLASS_MAPPING.get(arch) for arch in ARCHS} == builtin
+    from m3_eagle_plugin.host.trtllm.model import MiniMaxM3Eagle3ForCausalLM
+
+    assert not any(entry[2] is MiniMaxM3Eagle3ForCausalLM
+                   for entries in modeling_utils._MODULE_REGISTRATIONS.values() for entry in entries)
+    assert not MiniMaxM3Eagle3ForCausalLM.__dict__.get("_registered_architectures")
+    assert interface.should_use_separate_draft_kv_cache is predicate

@@ -54,3 +54,12 @@ def test_the_hosts_own_env_wins_and_a_host_passing_none_gets_ours(monkeypatch):
     assert executor(2, path=["p"]).kwargs == {"path": ["p"], "env": {"M3_EAGLE_PLUGIN": "auto"}}
     monkeypatch.delenv("M3_EAGLE_PLUGIN")
     assert executor(2).kwargs == {}  # nothing to forward: the call is the host's, unchanged
+
+
+def test_only_the_plugins_own_variables_are_forwarded():
+    """`M3_EAGLE_*` exactly: a name that merely starts with the same letters is not the plugin's."""
+    from m3_eagle_plugin.host.trtllm.patches.forward_env_to_mpi_pool import plugin_environ
+
+    environ = {"M3_EAGLE_PLUGIN": "on", "M3_EAGLE_X": "1", "M3_EAGLEX": "2", "M3_EAGLE": "3",
+               "XM3_EAGLE_Y": "4", "m3_eagle_plugin": "5"}
+    assert plugin_environ(environ) == {"M3_EAGLE_PLUGIN": "on", "M3_EAGLE_X": "1"}
