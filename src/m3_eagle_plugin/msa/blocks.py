@@ -11,6 +11,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from m3_eagle_plugin._ints import as_int
+
 __all__ = [
     "MsaInputError",
     "validate_block_size",
@@ -30,9 +32,8 @@ class MsaInputError(ValueError):
 
 
 def checked_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value`` if it is an int (not bool) of at least ``minimum``; TypeError / MsaInputError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    """``value`` as an int (`_ints.as_int`) of at least ``minimum``; TypeError / MsaInputError naming ``name``."""
+    value = as_int(name, value)
     if value < minimum:
         raise MsaInputError(f"{name} must be >= {minimum}, got {value}")
     return value
@@ -45,8 +46,7 @@ def is_integer_dtype(dtype: torch.dtype) -> bool:
 
 def validate_block_size(block_size: object) -> int:
     """Return ``block_size`` as an int after checking it is a positive power of two."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    block_size = as_int("block_size", block_size)
     if block_size <= 0 or block_size & (block_size - 1):
         raise MsaInputError(f"block_size must be a positive power of two, got {block_size}")
     return block_size
