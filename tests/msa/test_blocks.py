@@ -118,7 +118,7 @@ def test_device_inputs_stay_on_device_without_sync() -> None:
 @pytest.mark.parametrize("qo, kv", [([1.5], [3]), ([1], [2.9]), ([True], [3]), ([1], ["3"])])
 def test_non_integer_host_lengths_are_refused(qo, kv) -> None:
     # A float length was truncated (1.5 -> 1 token) and a bool read as 1; integer tensors are required already.
-    with pytest.raises(TypeError, match="entries must be ints"):
+    with pytest.raises(TypeError, match="entries must be an int"):
         per_token_valid_blocks(qo, kv, 4)
 
 

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from m3_eagle_plugin._ints import as_int
 from m3_eagle_plugin.eagle3.capture import AuxCapture
 from m3_eagle_plugin.eagle3.head import Eagle3Head
 from m3_eagle_plugin.models.rope import apply_rope
@@ -59,8 +60,7 @@ class DistillData:
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        as_int(name, value, 1, ValueError)
 
 
 @torch.no_grad()

@@ -89,12 +89,8 @@ def request_pages(meta: Any) -> Iterator[tuple[int, slice, torch.Tensor]]:
 
 
 def int_entries(name: str, values: Sequence[int]) -> list[int]:
-    """`values` as a list, every entry a Python int (torch would truncate 1.5 to 1 and read True as 1)."""
-    out = list(values)
-    for x in out:
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise TypeError(f"{name} entries must be ints, got {type(x).__name__}")
-    return out
+    """`values` as a list of Python ints (torch would truncate 1.5 to 1 and read True as 1)."""
+    return [as_int(f"{name} entries", x) for x in values]
 
 
 def _as_length_tensor(name: str, values: torch.Tensor | Sequence[int], device: torch.device | None) -> torch.Tensor:
