@@ -292,9 +292,16 @@ def test_sparse_attention_matches_a_dense_masked_reference(rows, log_block, head
     # Ids drawn with repeats from [-1, blocks + 1]: -1 padding, repeats, blocks no request has.
     hi = meta.max_step_blocks + 2
     sel = (torch.randint(0, hi + 1, (heads_kv, meta.num_tokens, topk), generator=gen) - 1).to(torch.int32)
+    _assert_sparse_and_dense_match_masked(rows, block, meta, cache, seqs, q, corrected, sel, hi)
+
+
+def _assert_sparse_and_dense_match_masked(rows, block, meta, cache, seqs, q, corrected, sel, num_blocks):
+    """`sparse_attention` over `sel` and `dense_attention` against float64 masked attention, request by
+    request (`dense` as a selection of blocks 0 .. num_blocks - 1)."""
+    heads_kv = sel.shape[0]
     out = sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.6)
     dense = dense_attention(q, cache.k, cache.v, meta, scale=0.6)
-    everything = torch.arange(hi)[None, None, :].expand(heads_kv, meta.num_tokens, -1)
+    everything = torch.arange(num_blocks)[None, None, :].expand(heads_kv, meta.num_tokens, -1)
     start = 0
     for r, (qo, _) in enumerate(rows):
         rows_r = slice(start, start + qo)
@@ -385,19 +392,8 @@ def test_token_chunks_cover_every_token_once(chunk_elems, monkeypatch) -> None:
     block, heads_kv, group, topk = 4, 2, 2, 2
     meta, cache, seqs, q, corrected, gen = _random_step(rows, block, heads_kv * group, heads_kv, 4, 13, [2, 0, 1])
     sel = (torch.randint(0, meta.max_step_blocks + 1, (heads_kv, meta.num_tokens, topk), generator=gen) - 1)
-    sparse = sparse_attention(q, cache.k, cache.v, meta, sel.to(torch.int32), scale=0.6)
-    dense = dense_attention(q, cache.k, cache.v, meta, scale=0.6)
-    everything = torch.arange(meta.max_step_blocks)[None, None, :].expand(heads_kv, meta.num_tokens, -1)
-    start = 0
-    for r, (qo, _) in enumerate(rows):
-        rows_r = slice(start, start + qo)
-        start += qo
-        keys, values = seqs[r]
-        positions = list(range(corrected[r] - qo, corrected[r]))
-        exp = masked_reference(q[rows_r], keys, values, positions, sel[:, rows_r], block, 0.6)
-        torch.testing.assert_close(sparse[rows_r].double(), exp, **TOL)
-        exp = masked_reference(q[rows_r], keys, values, positions, everything[:, rows_r], block, 0.6)
-        torch.testing.assert_close(dense[rows_r].double(), exp, **TOL)
+    _assert_sparse_and_dense_match_masked(rows, block, meta, cache, seqs, q, corrected, sel.to(torch.int32),
+                                          meta.max_step_blocks)
 
 
 def test_slots_past_the_corrected_length_may_hold_nan() -> None:
@@ -405,7 +401,7 @@ def test_slots_past_the_corrected_length_may_hold_nan() -> None:
     longer the request's keys: stale or never written (NaN here). No token reads them (they lie past
     every position), and NaN must not leak through a masked score or a zero weight either: each token
     equals float64 attention over keys j <= p of the sequence."""
-    block, heads_kv, group, dim, scale = 4, 2, 2, 4, 0.5
+    block, heads_kv, group, dim = 4, 2, 2, 4
     rows, shrink = [(3, 14), (2, 9)], [3, 2]  # corrected 11 and 7: NaN in slots 11..13 and 7..8
     meta, cache, seqs, q, corrected, gen = _random_step(rows, block, heads_kv * group, heads_kv, dim, 21, shrink)
     for r, (_, staged) in enumerate(rows):
@@ -414,14 +410,4 @@ def test_slots_past_the_corrected_length_may_hold_nan() -> None:
             cache.k[pages[j // block], :, j % block] = float("nan")
             cache.v[pages[j // block], :, j % block] = float("nan")
     every_block = torch.arange(4, dtype=torch.int32).expand(heads_kv, meta.num_tokens, 4).contiguous()
-    sparse = sparse_attention(q, cache.k, cache.v, meta, every_block, scale=scale)
-    dense = dense_attention(q, cache.k, cache.v, meta, scale=scale)
-    t = 0
-    for r, (qo, _) in enumerate(rows):
-        keys, values = seqs[r]
-        for i in range(qo):
-            p = corrected[r] - qo + i
-            expected = naive_attention(q[t], keys, values, [list(range(p + 1))] * heads_kv, scale)
-            torch.testing.assert_close(sparse[t].double(), expected, **TOL)
-            torch.testing.assert_close(dense[t].double(), expected, **TOL)
-            t += 1
+    _assert_sparse_and_dense_match_masked(rows, block, meta, cache, seqs, q, corrected, every_block, 4)
