@@ -166,8 +166,12 @@ def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
     token id would fail the whole batch's next step, and a ``kv_len`` the pages do not back would
     make verify attend to pages nobody wrote (silently wrong tokens)."""
     where = f"request {handoff.index}"
+    # Python ints only (not `_ints.as_int`'s numpy ones), as for the token ids below: the handoff
+    # is kept, not copied, so its fields become the request's id and lengths as they are.
     for name, low in (("index", 0), ("max_new_tokens", 1), ("kv_len", 0), ("pending_draft_len", 0)):
-        as_int(f"{where}: {name}", getattr(handoff, name), low, HandoffError)
+        value = getattr(handoff, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise HandoffError(f"{where}: {name} must be an int >= {low}, got {value!r}")
     if not isinstance(handoff.payload, KVTransferPayload):
         raise HandoffError(f"{where}: payload must be a KVTransferPayload, got {type(handoff.payload).__name__}")
     if handoff.index in engine.cache.allocator:  # two requests cannot share an index (its pages, its sampler)
