@@ -277,3 +277,24 @@ def test_every_call_matches_a_lowest_free_first_model(ops, num_blocks, block):
         assert sorted(held + sorted(model.free)) == list(range(num_blocks))  # none shared, none lost
         assert alloc.num_free_blocks == len(model.free) and sorted(alloc.request_ids, key=str) == sorted(model.pages)
         assert sorted(alloc.used_blocks()) == sorted(held)
+
+
+def test_a_freed_request_id_is_not_retained():
+    """free forgets a request entirely: a long-running server must not keep every finished request
+    id (nor its token count) alive."""
+    import gc
+    import weakref
+
+    class Rid:  # hashable by identity, weakly referenceable
+        pass
+
+    alloc = BlockAllocator(4, 4)
+    rid = Rid()
+    alloc.allocate(rid, 6)
+    alloc.rewind(rid, 2)
+    ref = weakref.ref(rid)
+    alloc.free(rid)
+    del rid
+    gc.collect()
+    assert ref() is None
+    assert alloc.num_free_blocks == 4 and alloc.request_ids == []

@@ -78,3 +78,19 @@ def test_a_num_layers_above_the_head_list_length_wins():
     was already extended and wins). 61 layers, a 60-entry list, one draft: the draft is layer 60."""
     assert derive_shared_draft_layout(61, [4] * 60, 1) == ([60], 60)
     assert derive_shared_draft_layout(10, [4] * 3, 2) == ([8, 9], 8)
+
+
+def test_mtp_eagle_one_model_appends_one_draft_layer():
+    """MTP-Eagle one-model runs its single MTP layer for every draft step: one cache layer, whatever
+    num_nextn_predict_layers says."""
+    mode = SimpleNamespace(is_mtp_eagle_one_model=lambda: True, is_mtp_vanilla=lambda: False)
+    spec = SimpleNamespace(spec_dec_mode=mode, num_nextn_predict_layers=3)
+    assert shared_draft_layer_count(spec, None) == 1
+    assert shared_draft_layer_count(spec, [True] * 4) == 0
+
+
+@pytest.mark.parametrize("heads", [4, [4, 4]])
+def test_a_negative_num_layers_is_refused_naming_it(heads):
+    """With a head list, -1 used to lose to the list length and pass unnoticed."""
+    with pytest.raises(ValueError, match="num_layers must be >= 0"):
+        derive_shared_draft_layout(-1, heads, 1)

@@ -267,3 +267,41 @@ def test_a_draft_layer_with_an_index_k_page_is_refused():
     build_pool_geometry(buffers)  # fine as a sparse target layer
     with pytest.raises(DraftLayerPlacementError, match="draft layer 1 is dense"):
         build_pool_geometry(buffers, draft_layer_ids=[1])
+
+
+def test_a_negative_buffer_layer_is_refused():
+    """Layer ids start at 0: layer -1 is no layer of the cache, not a wrapped last layer."""
+    with pytest.raises(ValueError, match="layer id must be >= 0"):
+        BufferSpec(-1, "k", 8)
+    assert BufferSpec(0, "k", 8).layer == 0
+
+
+def test_k_and_v_of_one_layer_in_pools_of_different_page_size_are_refused():
+    """K 8 bytes (pool 0, sub-page 0), index-K then V 16 bytes (pool 1, sub-pages 0 and 1): V's
+    offset is K's + 1, but in another pool, so "kv offset 1" from K's page would not reach it."""
+    buffers = [BufferSpec(0, "k", 8), BufferSpec(0, "index_k", 16), BufferSpec(0, "v", 16)]
+    with pytest.raises(ValueError, match="V must directly follow K in the same pool"):
+        build_pool_geometry(buffers)
+
+
+@pytest.mark.parametrize("extra", [[], [BufferSpec(5, "index_k", 8)]])
+def test_a_draft_layer_without_k_v_buffers_is_refused_naming_it(extra):
+    buffers = [BufferSpec(0, "k", 8), BufferSpec(0, "v", 8), *extra]
+    with pytest.raises(DraftLayerPlacementError, match="draft layer 5 has no K/V buffers"):
+        build_pool_geometry(buffers, draft_layer_ids=[5])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"sparse_layer_ids": [-1]}, ValueError, "sparse_layer_ids must lie in"),  # not silently dropped
+        ({"sparse_layer_ids": b"\x01\x02"}, TypeError, "sparse_layer_ids must be an iterable"),  # bytes iterate to ints
+        ({"num_draft_layers": -1}, ValueError, "num_draft_layers must be >= 0"),
+        ({"num_draft_layers": 1, "draft_num_kv_heads": 0}, ValueError, "draft_num_kv_heads must be > 0"),
+        ({"num_draft_layers": 0, "draft_num_kv_heads": 0}, ValueError, "draft_num_kv_heads must be > 0"),
+    ],
+)
+def test_m3_buffer_lists_refuse_out_of_range_arguments_naming_them(kwargs, error, match):
+    args = {"sparse_layer_ids": [3], **kwargs}
+    with pytest.raises(error, match=match):
+        minimax_m3_buffers(4, args.pop("sparse_layer_ids"), 1, D, DI, B, **args)

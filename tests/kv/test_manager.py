@@ -442,3 +442,36 @@ def test_a_size_below_one_is_refused_naming_it(name, value, named):
     if name == "kv_heads":  # both factors of the page size negative: the product check alone took it
         with pytest.raises(ValueError, match="head_dim must be >= 1"):
             PagedKVCache(geometry, **{**sizes, "kv_heads": {0: -1}, "head_dim": -D})
+
+
+def test_the_draft_view_adds_the_mappings_layer_offset_in_pages():
+    """An attention op reads K at pointer + (layer offset + 0) pages, V at + kv offset: a table
+    whose pointer is one page lower and whose layer offset is 1 addresses the same pages."""
+    cache = _coalesced()
+    page_bytes = cache.geometry.pool(0).page_bytes
+    assert page_bytes == 1 * B * D * 4
+    pointers = cache.op_tables.pool_pointers.clone()
+    mapping = cache.op_tables.pool_mapping.clone()
+    pointers[1, 0] -= page_bytes
+    mapping[4, 1] = 1
+    cache.op_tables = dataclasses.replace(cache.op_tables, pool_pointers=pointers, pool_mapping=mapping)
+    storage = cache.storage(0)
+    for slot in range(cache.num_blocks):
+        assert cache.k(4)[slot].data_ptr() == storage[slot, 11].data_ptr()
+        assert cache.v(4)[slot].data_ptr() == storage[slot, 12].data_ptr()
+
+
+def test_kv_heads_without_an_entry_for_a_layer_is_refused_naming_it():
+    from m3_eagle_plugin.kv import minimax_m3_geometry
+
+    geometry = minimax_m3_geometry(2, [1], 1, D, DI, B)  # bf16 pages
+    with pytest.raises(ValueError, match="kv_heads has no entry for layer 1"):
+        PagedKVCache(geometry, block_size=B, num_blocks=2, kv_heads={0: 1}, head_dim=D, index_dim=DI)
+
+
+def test_op_tables_have_the_hosts_dtypes():
+    """The host's pool mapping is int32 [layers, 2] (reference/trtllm_host_api.md), pointers int64."""
+    tables = _coalesced().op_tables
+    assert tables.pool_mapping.dtype == torch.int32 and tables.pool_pointers.dtype == torch.int64
+    assert tables.index_scales.dtype == torch.int32 and tables.kv_offsets.dtype == torch.int32
+    assert tables.pool_mapping.tolist() == [[0, 0], [0, 2], [0, 5], [0, 8], [1, 0]]

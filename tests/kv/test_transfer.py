@@ -228,3 +228,42 @@ def test_a_copy_failing_partway_leaves_no_request_and_frees_its_blocks(monkeypat
     expected = _per_token(src, 0, 9)
     for key, value in _per_token(dst, "new", 9).items():
         assert torch.equal(value, expected[key]), key
+
+
+def test_an_interrupt_during_the_copy_leaves_no_request_and_frees_its_blocks(monkeypatch):
+    """All-or-nothing holds for a KeyboardInterrupt (not an Exception) in the copy too."""
+    src, dst = _cache(), _cache()
+    src.add_request(0)
+    src.reserve(0, 6)
+    payload = export_request(src, 0)
+    free_before = dst.num_free_blocks
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        import_request(dst, "new", payload)
+    monkeypatch.undo()
+    assert "new" not in dst.allocator and dst.num_free_blocks == free_before
+    assert dst.allocator.request_ids == []
+
+
+def test_export_keeps_the_block_order_of_a_request_with_descending_pages():
+    """Block 0 of the request is page 1, block 1 is page 0 (page 0 was freed by another request
+    meanwhile): the payload must carry the pages in block order, so token t still reads back."""
+    gen = torch.Generator().manual_seed(3)
+    src, dst = _cache(), _cache()
+    src.add_request("x")
+    src.reserve("x", B)                  # page 0
+    src.add_request("r")
+    src.reserve("r", B)                  # page 1
+    src.free("x")
+    src.reserve("r", 2 * B)              # + page 0
+    assert src.pages("r") == [1, 0]
+    _fill(src, "r", gen)
+    import_request(dst, "new", export_request(src, "r"))
+    assert dst.pages("new") == [0, 1]
+    expected, got = _per_token(src, "r", 2 * B), _per_token(dst, "new", 2 * B)
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key

@@ -443,3 +443,80 @@ def test_the_stacked_copy_checks_each_pools_table_dtypes(host_dtype, dst_dtype, 
     with pytest.raises(TypeError, match=error):
         copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[2], base_kv_offsets=[1])
     assert dst.eq(7).all()
+
+
+def test_virtual_index_is_each_virtual_pools_position_and_none_for_storage_pools():
+    pointers = torch.tensor([[0x1000, 0], [0x2000, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, 0], [1, 0], [0, 2], [1, 2]], dtype=torch.int32)
+    pools = extend_attention_op_pools(pointers, mapping, [(2, 0x1100, 4), (3, 0x2200, 6)])
+    assert [pools.virtual_index(p) for p in range(4)] == [None, None, 0, 1]
+    assert pools.num_pools == 2 and pools.num_op_pools == 4
+
+
+@pytest.mark.parametrize("mapping_rows", [0, 1])
+def test_zero_storage_pools_is_refused(mapping_rows):
+    pointers = torch.tensor([[0x1000, 0]], dtype=torch.int64)
+    mapping = torch.zeros(mapping_rows, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_pools=0 does not match"):
+        extend_attention_op_pools(pointers, mapping, [], num_pools=0)
+
+
+def test_the_new_tables_are_int32_whatever_the_count():
+    pointers, mapping = _worked_example_inputs()
+    for drafts in ([], [(DRAFT_LAYER, DRAFT_K_ADDR, SCALE)]):
+        pools = extend_attention_op_pools(pointers, mapping, drafts)
+        assert pools.index_scales.dtype == torch.int32 and pools.kv_offsets.dtype == torch.int32
+        assert pools.pool_pointers.dtype == torch.int64 and pools.pool_mapping.dtype == torch.int32
+
+
+def test_re_extending_replaces_the_earlier_virtual_rows():
+    """Extending the already extended pointers again with num_pools=1: the old virtual row is
+    dropped and the new pool takes its id (row 1) with the new address; no third row appears."""
+    pointers = torch.tensor([[TARGET_ADDR, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, 0], [0, 2]], dtype=torch.int32)
+    first = extend_attention_op_pools(pointers, mapping, [(1, TARGET_ADDR + 0x200, 4)])
+    assert first.pool_pointers.tolist() == [[TARGET_ADDR, 0], [TARGET_ADDR + 0x200, 0]]
+    again = extend_attention_op_pools(first.pool_pointers, mapping, [(1, TARGET_ADDR + 0x300, 6)],
+                                      num_pools=1)
+    assert again.pool_pointers.tolist() == [[TARGET_ADDR, 0], [TARGET_ADDR + 0x300, 0]]
+    assert again.pool_mapping.tolist() == [[0, 0], [1, 0]]
+    assert again.op_pools == [(1, 0)] and again.index_scales.tolist() == [6]
+    assert again.num_pools == 1
+
+
+def test_more_rows_to_copy_than_dst_holds_is_refused_before_any_write():
+    host = torch.tensor([[[0, 1]], [[2, 3]], [[4, 5]]], dtype=torch.int32).expand(3, 2, 2).contiguous()
+    dst = torch.full((2, 2, 2), -7, dtype=torch.int32)
+    with pytest.raises(ValueError, match="3 rows to copy but dst holds 2"):
+        copy_pool_block_offsets(dst, host, torch.tensor([0, 1, 2]), 2, 1)
+    assert dst.eq(-7).all()
+
+    calls = []
+    pools = extend_attention_op_pools(torch.tensor([[0x1000, 0]]), torch.tensor([[0, 0], [0, 2]]), [(1, 0x1200, 4)])
+    stacked_dst = torch.full((2, 2, 2, 2), -7, dtype=torch.int32)
+    with pytest.raises(ValueError, match="3 rows to copy but dst holds 2"):
+        copy_block_offsets(stacked_dst, host.unsqueeze(0), torch.tensor([0, 1, 2]), pools,
+                           base_index_scales=[4], base_kv_offsets=[1], copy_fn=lambda *a: calls.append(a))
+    assert calls == [] and stacked_dst.eq(-7).all()
+
+
+def test_an_index_scale_of_zero_is_refused_it_would_put_every_slot_on_page_zero():
+    host = torch.tensor([[[3, 5], [3, 5]]], dtype=torch.int32)
+    dst = torch.full((1, 2, 2), -7, dtype=torch.int32)
+    with pytest.raises(ValueError, match="index_scale must be >= 1"):
+        copy_pool_block_offsets(dst, host, torch.tensor([0]), 0, 1)
+    assert dst.eq(-7).all()
+    copy_pool_block_offsets(dst, host, torch.tensor([0]), 1, 1)  # scale 1 is the smallest allowed
+    assert dst[0].tolist() == [[3, 5], [4, 6]]
+
+
+def test_a_replaced_copy_fn_gets_each_pools_own_kv_offset():
+    calls = []
+    pointers = torch.tensor([[0x1000, 0], [0x2000, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, 0], [1, 0], [1, 3]], dtype=torch.int32)
+    pools = extend_attention_op_pools(pointers, mapping, [(2, 0x2300, 5)])
+    host = torch.zeros((2, 1, 2, 3), dtype=torch.int32)
+    dst = torch.zeros((3, 1, 2, 3), dtype=torch.int32)
+    copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[7, 5],
+                       base_kv_offsets=[0, 2], copy_fn=lambda d, h, i, s, kv, m: calls.append((s, kv, m)))
+    assert calls == [(7, 0, None), (5, 2, None), (5, 1, None)]  # the virtual pool: its own kv offset 1
