@@ -79,6 +79,8 @@ def run_draft_loop(
     true ``position + 1`` of that token (device); ``step_metas[i - 1]`` was prepared for step ``i``
     with one token per drafting row at the optimistic position and gets ``gathered_kv_lens + i``.
     ``choose(logits [Rd, V]) -> (tokens [Rd], probs [Rd, V] | None)`` picks each draft.
+    ``first_features [T, width]``, ``gather_index`` and ``gathered_kv_lens`` live on the device of
+    ``first_input_ids``.
     """
     # Everything is checked before the head runs: step 0 writes the draft layer's KV.
     num_drafts = as_int("num_drafts", num_drafts, 1)
@@ -87,6 +89,16 @@ def run_draft_loop(
         if not isinstance(value, torch.Tensor) or value.dim() != 1 or not is_integer_dtype(value.dtype):
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(f"{name} must be a 1-D integer tensor, got {got}")
+    if not isinstance(first_features, torch.Tensor) or first_features.dim() != 2:
+        got = (f"shape {tuple(first_features.shape)}" if isinstance(first_features, torch.Tensor)
+               else type(first_features).__name__)
+        raise TypeError(f"first_features must be a [T, width] tensor, got {got}")
+    # Comparing devices reads no tensor (no sync); a mismatch failed only after step 0 wrote the draft KV.
+    for name, value in (("first_features", first_features), ("gather_index", gather_index),
+                        ("gathered_kv_lens", gathered_kv_lens)):
+        if value.device != first_input_ids.device:
+            raise ValueError(f"{name} is on {value.device}, first_input_ids on {first_input_ids.device}: "
+                             f"the draft loop runs on one device")
     if gathered_kv_lens.shape != gather_index.shape:
         raise ValueError(f"gathered_kv_lens must be [Rd] = [{gather_index.shape[0]}] like gather_index, "
                          f"got {tuple(gathered_kv_lens.shape)}")
