@@ -378,3 +378,71 @@ def test_rejection_accept_names_a_malformed_argument(args, error, match):
     torch (one_hot, rand), or, given integer probabilities, ran on values truncated to 0 and 1."""
     with pytest.raises(error, match=match):
         rejection_accept(*args)
+
+
+# ---- found by mutation testing: each test below kills a mutant the suite above let through ----
+
+
+def test_forced_accept_refuses_a_count_tensor_of_more_than_one_dimension():
+    """A [R, 1] count broadcast against draft_lens [R] into [R, R] and failed inside gather."""
+    drafts, targets = torch.tensor([[1, 2], [3, 4]]), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^num_forced must be an int, a 0-d tensor or \[R\] = \[2\], "
+                                         r"got shape \(2, 1\)$"):
+        forced_accept(drafts, targets, torch.tensor([[1], [2]]))
+
+
+def test_more_generators_than_rows_is_refused():
+    """One generator per row means exactly as many: a spare one hints at rows and generators out of step."""
+    gens = [torch.Generator().manual_seed(s) for s in range(3)]
+    with pytest.raises(ValueError, match=r"^need one generator per row: 2 rows, 3 generators$"):
+        rejection_accept(torch.zeros(2, 1, dtype=torch.long), None, torch.full((2, 2, 4), 0.25), gens)
+
+
+def test_draft_probs_with_another_row_count_are_refused():
+    with pytest.raises(ValueError, match=r"^draft_probs must be \[R, K, V\] = \[2, 1, 4\], got \(1, 1, 4\)$"):
+        rejection_accept(torch.zeros(2, 1, dtype=torch.long), torch.full((1, 1, 4), 0.25), torch.full((2, 2, 4), 0.25))
+
+
+@pytest.mark.parametrize("rule", ["greedy", "forced", "rejection"])
+def test_draft_lens_that_is_not_one_dimensional_is_refused(rule):
+    """A [R, 1] draft_lens broadcast inside the prefix count into [R, R, K] instead of failing."""
+    drafts, ids = torch.tensor([[1, 2], [3, 4]]), torch.zeros(2, 3, dtype=torch.long)
+    lens = torch.tensor([[2], [1]])
+    call = {"greedy": lambda: greedy_accept(drafts, ids, lens),
+            "forced": lambda: forced_accept(drafts, ids, 1, lens),
+            "rejection": lambda: rejection_accept(drafts, None, torch.full((2, 3, 5), 0.2), None, lens)}[rule]
+    with pytest.raises(ValueError, match=r"^draft_lens must be \[R\] = \[2\], got \(2, 1\)$"):
+        call()
+
+
+def test_a_rejection_with_a_tiny_residual_draws_from_the_residual_not_from_the_target():
+    """Worked by hand: p_0 = [0, 1/2, 1/2] and q_0 = [1e-6, 1/2, 1/2 - 1e-6] (q can propose token 0).
+    Draft 0 has p = 0, so it is always rejected; max(p - q, 0) = [0, 0, ~1e-6] normalizes to [0, 0, 1],
+    so the emitted token is 2 every time. Falling back to p because the residual mass is small would emit
+    token 1 about half the time (and break losslessness: token 1 would be over-represented overall)."""
+    rows = 400
+    p = torch.tensor([[0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]])
+    q = torch.tensor([[1e-6, 0.5, 0.5 - 1e-6]])
+    result = rejection_accept(torch.zeros(rows, 1, dtype=torch.long), q.expand(rows, 1, 3), p.expand(rows, 2, 3),
+                              torch.Generator().manual_seed(3))
+    assert result.num_accepted.tolist() == [0] * rows
+    assert result.tokens[:, 0].tolist() == [2] * rows
+
+
+def test_every_row_with_its_own_generator_draws_exactly_as_it_would_alone():
+    """The documented point of per-row generators: a row's acceptance and emitted token depend on its
+    own generator only, not on its place in the batch. Checked for every row (the first and last too)
+    of a batch where each row's final token is sampled (rejections and bonuses both occur)."""
+    gen = torch.Generator().manual_seed(99)
+    rows, k, vocab = 5, 2, 6
+    p = torch.softmax(2 * torch.randn(rows, k + 1, vocab, generator=gen), dim=-1)
+    q = torch.softmax(torch.randn(rows, k, vocab, generator=gen), dim=-1)
+    seeds = [101, 202, 303, 404, 505]
+    for trial in range(4):
+        drafts = torch.randint(0, vocab, (rows, k), generator=gen)
+        batch = rejection_accept(drafts, q, p, [torch.Generator().manual_seed(s + trial) for s in seeds])
+        for r in range(rows):
+            alone = rejection_accept(drafts[r:r + 1], q[r:r + 1], p[r:r + 1],
+                                     [torch.Generator().manual_seed(seeds[r] + trial)])
+            assert int(batch.num_accepted[r]) == int(alone.num_accepted[0]), (trial, r)
+            assert batch.tokens[r].tolist() == alone.tokens[0].tolist(), (trial, r)

@@ -141,3 +141,19 @@ def test_a_state_that_is_not_two_dimensional_is_refused_by_name(preallocate, sha
         capture.record(0, torch.ones(shape))
     with pytest.raises(TypeError, match=r"^hidden of layer 0 must be a \[T, H\] tensor, got list$"):
         capture.record(0, [[1.0] * 4])
+
+
+def test_a_step_that_fills_the_preallocated_buffer_exactly_is_recorded():
+    """max_tokens is the largest step the buffer holds (the check is t > max_tokens, not >=)."""
+    capture = AuxCapture([1, 3]).allocate(3, 2, torch.float32, "cpu")
+    a, b = torch.arange(6.0).view(3, 2), -torch.arange(6.0).view(3, 2)
+    capture.record(1, a)
+    capture.record(3, b)
+    assert torch.equal(capture.stacked(), torch.cat([a, b], dim=-1))
+
+
+@pytest.mark.parametrize("ids", [[-1, 2], [3, -2]])
+def test_a_negative_layer_id_is_refused(ids):
+    """Layer ids index the target's layers from 0; a negative one never matches a layer the forward visits."""
+    with pytest.raises(ValueError, match=r"^aux layer ids must be distinct and non-negative, got "):
+        AuxCapture(ids)

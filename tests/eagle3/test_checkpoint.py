@@ -388,3 +388,53 @@ def test_d2t_pointing_one_past_the_target_vocabulary_is_refused(tiny, tmp_path):
     d2t[7] = VOCAB - 8  # draft 7 -> target id VOCAB - 1: the last valid id loads
     path = _variant(draft_dir, tmp_path / "ok", add, lambda c: c.update(draft_vocab_size=8))
     assert int(load_draft(path, target).draft_to_target(torch.tensor([7]))) == VOCAB - 1
+
+
+def test_d2t_pointing_below_target_id_zero_is_refused(tiny, tmp_path):
+    """Target ids start at 0: draft id 0 mapped to -1 would gather the target's LAST lm_head row
+    (negative indexing) and score the wrong token."""
+    target, draft_dir = tiny
+    d2t = torch.zeros(8, dtype=torch.long)
+    d2t[0] = -1
+
+    def add(t):
+        t["d2t"] = d2t
+    path = _variant(draft_dir, tmp_path / "d", add, lambda c: c.update(draft_vocab_size=8))
+    with pytest.raises(CheckpointError, match="d2t maps draft ids outside the target vocabulary"):
+        load_draft(path, target)
+
+
+def test_an_lm_head_gathered_from_the_target_through_d2t_counts_as_taken_from_the_target(tiny, tmp_path):
+    """A reduced draft vocabulary without its own lm_head gets the target's rows gathered into draft
+    order: built from the target (rebuilt at every load), so `from_target` names it and training keeps it."""
+    target, draft_dir = tiny
+
+    def add(t):
+        t["d2t"] = torch.arange(16)  # draft d -> target 2d
+
+    head = load_draft(_variant(draft_dir, tmp_path / "d", add, lambda c: c.update(draft_vocab_size=16)), target)
+    assert head.lm_head is not target.lm_head
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[2 * torch.arange(16)])
+    assert head.from_target == ("embed_tokens", "lm_head")
+
+
+def test_two_stored_names_of_one_weight_are_refused(tiny, tmp_path):
+    """`midlayer.x` and `model.layers.0.x` are the same weight: a checkpoint holding both is ambiguous."""
+    target, draft_dir = tiny
+
+    def add(t):
+        t["model.layers.0.hidden_norm.weight"] = t["midlayer.hidden_norm.weight"] * 2
+    path = _variant(draft_dir, tmp_path / "d", add)
+    with pytest.raises(CheckpointError, match=r"tensors '.*hidden_norm.weight' and '.*hidden_norm.weight' name "
+                                              r"the same weight$"):
+        load_draft(path, target)
+
+
+def test_rope_theta_in_rope_parameters_wins_over_a_top_level_one_as_in_transformers():
+    from transformers import LlamaConfig
+
+    raw = draft_config()
+    raw["rope_theta"] = 111.0
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 222.0}
+    hf = LlamaConfig(**{k: v for k, v in raw.items() if k != "eagle_config"})
+    assert _parse(raw).rope_theta == hf.rope_parameters["rope_theta"] == 222.0

@@ -154,11 +154,11 @@ class CountingHead:
         return torch.nn.functional.one_hot(input_ids % VOCAB, VOCAB).float(), hidden
 
 
-@pytest.mark.parametrize("index", [[2], [0, 5], [-1]])
+@pytest.mark.parametrize("index", [[2], [0, 5], [-1], [-2, 1]])
 def test_a_cpu_gather_index_out_of_range_is_refused_before_step_0_writes_the_cache(index):
     """It failed in index_select after the head's step 0 had already written the draft KV."""
     head = CountingHead()
-    bad = 5 if 5 in index else index[0]
+    bad = 5 if 5 in index else index[0]  # the first out-of-range one, the low end when below 0
     with pytest.raises(ValueError, match=rf"^gather_index must pick step-0 tokens in \[0, 2\), got {bad}$"):
         run_draft_loop(head, None, first_meta=None, first_input_ids=torch.tensor([3, 4]),
                        first_features=torch.zeros(2, 1), gather_index=torch.tensor(index), step_metas=[],
@@ -169,3 +169,67 @@ def test_a_cpu_gather_index_out_of_range_is_refused_before_step_0_writes_the_cac
                         first_features=torch.zeros(2, 1), gather_index=torch.tensor([1]), step_metas=[],
                         gathered_kv_lens=torch.ones(1, dtype=torch.int32), num_drafts=1, choose=greedy_choice)
     assert ok.tokens.tolist() == [[4]] and head.calls == 1
+
+
+def _loop_args(**overrides):
+    args = dict(first_meta=None, first_input_ids=torch.tensor([3, 4]), first_features=torch.zeros(2, 1),
+                gather_index=torch.tensor([1]), step_metas=[], gathered_kv_lens=torch.ones(1, dtype=torch.int32),
+                num_drafts=1, choose=greedy_choice)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("features, got", [
+    ([[0.0], [0.0]], "list"),
+    (None, "NoneType"),
+    (torch.zeros(2), r"shape \(2,\)"),
+    (torch.zeros(2, 1, 1), r"shape \(2, 1, 1\)"),
+])
+def test_first_features_that_are_not_a_two_dimensional_tensor_are_refused_before_step_0(features, got):
+    """A list failed with AttributeError ('list' object has no attribute 'shape'); a 1-D or 3-D tensor
+    reached the head, which writes the draft KV before it can fail."""
+    head = CountingHead()
+    with pytest.raises(TypeError, match=rf"^first_features must be a \[T, width\] tensor, got {got}$"):
+        run_draft_loop(head, None, **_loop_args(first_features=features))
+    assert head.calls == 0
+
+
+@pytest.mark.parametrize("name", ["gather_index", "gathered_kv_lens", "first_features"])
+def test_an_argument_on_another_device_than_the_step_0_ids_is_refused_before_step_0(name):
+    """The meta device stands for a second accelerator (no GPU here): a device comparison reads no
+    tensor. A gather_index elsewhere failed in index_select after the head had written the draft KV,
+    and gathered_kv_lens elsewhere was not looked at at all with one draft."""
+    head = CountingHead()
+    good = _loop_args()
+    moved = good[name].to("meta")
+    with pytest.raises(ValueError, match=rf"^{name} is on meta, first_input_ids on cpu: "):
+        run_draft_loop(head, None, **_loop_args(**{name: moved}))
+    assert head.calls == 0
+    assert run_draft_loop(head, None, **good).tokens.tolist() == [[4]] and head.calls == 1
+
+
+class _RecordingMeta:
+    def __init__(self):
+        self.updates = []
+
+    def on_update_kv_lens(self, kv_lens):
+        self.updates.append(kv_lens)
+
+
+def test_no_drafting_rows_runs_step_0_only_and_returns_an_empty_int64_result():
+    """Step 0 still (re)writes the draft KV of every token of the target step; with no row to continue
+    (gather_index empty) there is nothing to draft: the head runs once, no later step metadata is
+    touched, and the result is an empty [0, K] int64 tensor."""
+    head, metas = CountingHead(), [_RecordingMeta(), _RecordingMeta()]
+    result = run_draft_loop(head, None, **_loop_args(
+        gather_index=torch.zeros(0, dtype=torch.long), gathered_kv_lens=torch.zeros(0, dtype=torch.int32),
+        step_metas=metas, num_drafts=3))
+    assert head.calls == 1 and all(m.updates == [] for m in metas)
+    assert result.tokens.dtype == torch.int64 and result.tokens.shape == (0, 3)
+
+
+def test_step_0_ids_and_features_of_different_lengths_are_refused_before_step_0():
+    head = CountingHead()
+    with pytest.raises(ValueError, match=r"^step 0 ids and features disagree: 2 vs 3 tokens$"):
+        run_draft_loop(head, None, **_loop_args(first_features=torch.zeros(3, 1)))
+    assert head.calls == 0

@@ -277,3 +277,71 @@ def test_a_d2t_that_is_not_1d_integer_offsets_is_refused_and_the_head_keeps_its_
     assert all(now is then for now, then in zip((head.d2t, head.target_ids, head.draft_index), before))
     logits = torch.randn(2, 8)
     assert torch.equal(head.to_target_logits(logits)[:, 2 * torch.arange(8)], logits)
+
+
+def test_a_d2t_reaching_past_the_target_vocabulary_keeps_no_draft_index(tiny):
+    """`draft_index` exists only when d2t maps one-to-one INTO [0, V): a target id equal to V (one past
+    the end) leaves it None at assignment (instead of failing to index a [V] table); V - 1 is inside."""
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    vocab = head.config.vocab_size
+    d2t = torch.zeros(8, dtype=torch.long)
+    d2t[7] = vocab - 7  # draft 7 -> target id V
+    head.d2t = d2t
+    assert head.draft_index is None and int(head.target_ids[7]) == vocab
+    d2t = d2t.clone()
+    d2t[7] = vocab - 8  # draft 7 -> target id V - 1
+    head.d2t = d2t
+    assert head.draft_index is not None and int(head.draft_index[vocab - 1]) == 7
+
+
+def test_the_head_writes_its_kv_to_the_first_draft_layer_of_the_cache(tiny):
+    """Module docstring: the head's K/V live in `cache.draft_layer_ids[0]`. With two draft layers
+    hosted, the first receives exactly this step's keys (RoPE'd k_proj of concat(e, h), checked against
+    the formulas for one token at position 0, where RoPE is the identity) and the second stays untouched."""
+    from m3_eagle_plugin.kv import PagedKVCache
+
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    cfg, tc = head.config, target.config
+    runner = Runner(target, head)
+    runner.cache = PagedKVCache.for_minimax_m3(
+        tc.num_layers, tc.sparse_layer_ids, tc.num_kv_heads, tc.head_dim, tc.index_dim or tc.head_dim,
+        tc.block_size, 32, num_draft_layers=2, draft_num_kv_heads=cfg.num_kv_heads, dtype=torch.float32)
+    first, second = runner.cache.draft_layer_ids
+    runner.prepare([("r", 1)])
+    ids = torch.tensor([17])
+    g = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        head(ids, g, runner.meta, runner.cache)
+    sd = {k: v.double() for k, v in head.state_dict().items()}
+    e = rms(target.embed_tokens.weight.double()[ids], sd["layers.0.input_layernorm.weight"], cfg.rms_norm_eps)
+    h = rms(g.double(), sd["layers.0.hidden_norm.weight"], cfg.rms_norm_eps)
+    want_k = (torch.cat([e, h], -1) @ sd["layers.0.self_attn.k_proj.weight"].T).view(cfg.num_kv_heads, cfg.head_dim)
+    slot = int(runner.meta.cache_slots[0])
+    got = runner.cache.k(first)[slot // tc.block_size, :, slot % tc.block_size]  # [P, Hkv, B, D] pages
+    torch.testing.assert_close(got.double(), want_k, atol=TOL, rtol=0)
+    assert not runner.cache.k(second).any() and not runner.cache.v(second).any()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_heads": 4, "num_kv_heads": 3}, "draft num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"draft_vocab_size": 257}, "draft_vocab_size 257 exceeds vocab_size 256"),
+])
+def test_eagle3_config_refuses_what_no_head_can_be_built_from(kwargs, message):
+    base = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-6,
+                rope_theta=10000.0, vocab_size=256, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=(1, 2))
+    from m3_eagle_plugin.eagle3.head import Eagle3Config
+
+    Eagle3Config(**base)
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        Eagle3Config(**{**base, **kwargs})
+
+
+def test_hidden_rows_that_do_not_match_the_ids_are_refused(tiny):
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    runner = Runner(target, head)
+    runner.prepare([("r", 2)])
+    with pytest.raises(ValueError, match=r"^expected input_ids \[T\] and hidden \[T, width\], got \(2,\) and \(3, 64\)$"):
+        head(torch.zeros(2, dtype=torch.long), torch.zeros(3, 64), runner.meta, runner.cache)

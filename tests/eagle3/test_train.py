@@ -511,3 +511,85 @@ def test_a_head_built_directly_trains_without_the_target_modules_it_is_given(pai
     train_head(head, data, steps=2, batch_size=4, seed=0)
     assert torch.equal(target.embed_tokens.weight, embed) and torch.equal(target.lm_head.weight, lm_head)
     assert not torch.equal(head.fc.weight, fc)
+
+
+# ---- found by mutation testing: each test below kills a mutant the suite above let through ----
+
+
+def test_training_clips_the_global_gradient_norm_to_one(pair, data):
+    """With the hard term the raw gradient norm of this batch is about 4: every optimizer step must
+    see a global norm (over the trained parameters, computed here independently) of at most 1, and
+    the first, clipped one exactly 1."""
+    _, draft_dir, target, _ = pair
+    head = load_draft(draft_dir, target)
+    norms = []
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+    hook = register_optimizer_step_pre_hook(record)
+    try:
+        train_head(head, data, steps=3, batch_size=4, hard_weight=1.0, seed=0)
+    finally:
+        hook.remove()
+    assert len(norms) == 3 and max(norms) <= 1 + 1e-5
+    assert norms[0] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_batch_with_no_label_the_head_can_propose_adds_no_hard_term(pair, data, tmp_path):
+    """Documented: a greedy label outside the draft vocabulary is not counted. When no label of the
+    batch is countable (all odd ids, the head proposes only even ones) the hard term is left out
+    entirely: the loss is the plain KL, not NaN from a cross-entropy over nothing."""
+    _, draft_dir, target, _ = pair
+    head = load_draft(_reduced_vocabulary_draft(draft_dir, tmp_path / "reduced", 128), target)
+    batch = data.select(torch.arange(4))
+    odd = DistillData(batch.tokens, batch.aux, batch.target_next | 1, batch.lengths, batch.target_logprobs)
+    with torch.no_grad():
+        soft, hard = float(distill_loss(head, odd, 1)), float(distill_loss(head, odd, 1, hard_weight=1.0))
+    assert soft == soft and hard == soft
+
+
+def test_distill_checkpoint_restores_the_thread_count(tmp_path):
+    """It trains on one thread (for determinism) and must hand the caller's setting back."""
+    target_dir, draft_dir = make_tiny(tmp_path, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=1, num_sequences=2, seq_len=16, iterations=1,
+                                                                   batch_size=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_prompt_lengths_must_start_at_one(pair):
+    target, head = pair[2], pair[3]
+    with pytest.raises(ValueError, match=r"prompt_lens must satisfy 1 <= low <= high <= seq_len \(8\), got \(0, 3\)"):
+        collect_distill_data(target, head.aux_layer_ids, num_sequences=2, seq_len=8, prompt_lens=(0, 3))
+
+
+def test_each_step_draws_its_batch_at_random_without_replacement(pair, data, monkeypatch):
+    """Documented: each step draws `batch_size` rows of `data`. Read off the rows each step selects:
+    distinct rows within a batch, batches that differ from step to step, the same draws for the same
+    seed and other draws for another seed (12 rows, batches of 4: a fixed slice would repeat)."""
+    _, draft_dir, target, _ = pair
+    picks = []
+    select = DistillData.select
+
+    def recording_select(self, rows):
+        picks.append(rows.tolist())
+        return select(self, rows)
+
+    monkeypatch.setattr(DistillData, "select", recording_select)
+    runs = {}
+    for seed in (0, 0, 1):
+        picks.clear()
+        train_head(load_draft(draft_dir, target), data, steps=4, batch_size=4, seed=seed)
+        runs.setdefault(seed, []).append([list(p) for p in picks])
+    n = data.tokens.shape[0]
+    for batches in (runs[0][0], runs[1][0]):
+        assert len(batches) == 4
+        assert all(len(set(b)) == 4 and all(0 <= r < n for r in b) for b in batches)
+        assert len({tuple(b) for b in batches}) > 1
+    assert runs[0][0] == runs[0][1] and runs[0][0] != runs[1][0]
