@@ -66,3 +66,51 @@ def test_cuda_graphs_with_a_proposer_but_no_head_are_refused_before_any_weight_i
     with pytest.raises(ValueError, match="need a draft head"):
         build_engine(tiny_pair[0], None, EngineConfig(draft_len=2, cuda_graphs=True), num_blocks=64, device="cuda",
                      proposer=PromptLookupProposer())
+
+
+def test_blocks_for_prompts_gives_each_request_its_own_whole_blocks():
+    """Blocks are per request (pages are not shared): prompt + new tokens + 4K + 1 tokens each, rounded
+    up to whole blocks of 4, then summed. By hand: 3 + 1 + 0 + 1 = 5 tokens -> 2 blocks, twice -> 4
+    (not ceil(10 / 4) = 3); with K = 1: 3 + 1 + 4 + 1 = 9 -> 3 blocks, twice -> 6; no prompts -> 1."""
+    assert build.blocks_for_prompts([[1, 2, 3], [4, 5, 6]], 1, 0, 4) == 4
+    assert build.blocks_for_prompts([[1, 2, 3], [4, 5, 6]], 1, 1, 4) == 6
+    assert build.blocks_for_prompts([], 4, 1, 4) == 1
+
+
+def test_with_blocks_for_prompts_no_request_waits_for_admission():
+    """Its promise, on the fake engine: every prompt is admitted in the first step."""
+    from m3_eagle_plugin.host.reference.engine import Engine
+    from m3_eagle_plugin.host.reference.request import RequestState
+
+    from . import _fakes
+
+    prompts, new, k = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 2]], 1, 0
+    target = _fakes.FakeTarget()
+    cache = _fakes.make_cache(build.blocks_for_prompts(prompts, new, k, _fakes.BLOCK))
+    engine = Engine(target, cache, EngineConfig(draft_len=k, max_batch_size=8, max_tokens_per_step=64),
+                    vocab_size=_fakes.VOCAB)
+    schedule, first = engine.scheduler.schedule, []
+
+    def recorded(requests):
+        rows = schedule(requests)
+        if not first:
+            first.append([r.state for r in requests])
+        return rows
+
+    engine.scheduler.schedule = recorded
+    result = engine.generate(prompts, max_new_tokens=new)
+    assert result.outputs == [target.greedy(p, new) for p in prompts]
+    assert RequestState.WAITING not in first[0]
+
+
+def test_a_cache_that_fills_free_memory_exactly_is_refused_for_the_step_buffers(monkeypatch):
+    """The cache itself fits (equal to the free bytes); the step buffers beside it do not: the message
+    names them, not the cache."""
+    import torch
+
+    monkeypatch.setattr(build, "_free_bytes", lambda device: 1000)
+    build._check_memory_fits(900, 100, 4, EngineConfig(), torch.device("cpu"))  # exactly fits
+    with pytest.raises(ValueError, match="the step buffers"):
+        build._check_memory_fits(1000, 1, 4, EngineConfig(), torch.device("cpu"))
+    with pytest.raises(ValueError, match="a KV cache of 4 blocks"):
+        build._check_memory_fits(1001, 0, 4, EngineConfig(), torch.device("cpu"))

@@ -431,3 +431,157 @@ def test_a_void_overlapped_step_leaves_the_fractional_forced_schedule_to_the_nex
         runs[overlap] = accepted, result.outputs, result.stats.accepted_tokens
     assert runs[False][0] == {0: [2, 3], 1: [2, 3], 2: [2, 3]}
     assert runs[True] == runs[False]
+
+
+# ----- tests added from mutation testing of host/reference ------------------------------------
+
+
+def test_a_max_new_tokens_of_zero_or_less_fails_the_requests():
+    """At least one new token: a prefill alone already emits one, so 0 would still return a token."""
+    engine, target, cache = build(draft_len=2)
+    for count in (0, -1):
+        result = engine.generate(PROMPTS[:2], max_new_tokens=count)
+        assert result.outputs == [[], []]
+        assert all("max_new_tokens" in error for error in result.errors)
+        assert cache.num_free_blocks == cache.num_blocks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_after_each_commit_a_request_holds_only_the_kv_it_and_its_in_flight_step_use(overlap):
+    """Counted by hand in tokens: a decoding request has every token but its last emitted one in the
+    target's KV (prompt + outputs - 1). A verify step in flight writes its 1 + K inputs from the last
+    emitted token's position on (prompt + outputs + K) and the head's K - 1 later draft steps one position
+    each beyond that (prompt + outputs + 2K - 1): those pages must stay while it runs, nothing past them."""
+    k = 3
+    engine, target, cache = build(draft_len=k, overlap=overlap)
+    commit, checked = engine.commit, []
+
+    def checked_commit(out, requests, progress):
+        commit(out, requests, progress)
+        for row in out.rows:
+            request = row.request
+            if request.done or not request.output:
+                continue
+            used = len(request.prompt) + len(request.output) - 1
+            if request.inflight_steps:
+                assert overlap and request.inflight_steps == 1
+                used += 1 + k + (k - 1)
+            assert cache.num_tokens(request.rid) == used, (out.step_id, request.index)
+            checked.append(bool(request.inflight_steps))
+
+    engine.commit = checked_commit
+    result = engine.generate(PROMPTS, max_new_tokens=9)
+    assert result.outputs == [target.greedy(p, 9) for p in PROMPTS]
+    assert len(checked) >= 8 and any(checked) is overlap
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_a_void_overlapped_row_beside_a_live_one_keeps_the_fractional_forced_schedule():
+    """Two rows and 8 tokens per step, K = 3, 2.5 forced (2, 3, 2, 3, ... per verify step). Worked by hand
+    for the plain loop: step 0 prefills [1, 2, 3] (first token) and 5 tokens of the 11-token prompt; step 1
+    verifies request 0 (forces 2: 4 tokens) beside the next 4 prompt tokens; step 2 verifies request 0
+    (forces 3: done at 6) beside the last 2 (first token of request 1); steps 3 and 4 verify request 1
+    alone (2, then 3: done). The overlapped loop launches its step 3 with a void row of request 0 beside
+    the live row of request 1: that step is not void, so its schedule entry stays taken and request 1
+    still gets 2, then 3 (giving it back would force 2 twice)."""
+    runs = {}
+    for overlap in (False, True):
+        engine, _, cache = build(draft_len=3, overlap=overlap, max_batch_size=2, max_tokens_per_step=8,
+                                 force_accepted=2.5)
+        accepted = _accepted_per_request(engine)
+        result = engine.generate(PROMPTS[:2], max_new_tokens=6)
+        assert cache.num_free_blocks == cache.num_blocks
+        assert [len(o) for o in result.outputs] == [6, 6]
+        runs[overlap] = accepted, result.outputs, result.stats.accepted_tokens
+    assert runs[False][0] == {0: [2, 3], 1: [2, 3]}
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_a_proposer_that_declines_leaves_the_head_drafts_or_none(head):
+    """A proposer answering None proposes nothing: with the Eagle3 head its drafts stay (the head's known
+    error pattern, simulated independently), without one no draft is counted (each verify step emits the
+    target's one token, so 6 new tokens take 5 verify steps after the prefill's first token)."""
+    asked = []
+    engine, target, cache = build(draft_len=3, head=head, max_batch_size=1,
+                                  proposer=lambda context: asked.append(context) or None)
+    prompt, num_new = PROMPTS[1], 6
+    result = engine.generate([prompt], max_new_tokens=num_new)
+    assert result.outputs == [target.greedy(prompt, num_new)] and asked
+    if head:
+        steps, accepted = _fakes.expected_accepted(prompt, target.greedy(prompt, num_new + 5), num_new, 3)
+        assert (result.stats.verify_steps, result.stats.draft_tokens, result.stats.accepted_tokens) == (
+            steps, 3 * steps, accepted)
+        assert result.draft_source == "proposer"
+    else:
+        assert (result.stats.verify_steps, result.stats.draft_tokens, result.stats.accepted_tokens) == (5, 0, 0)
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_a_proposal_longer_than_draft_len_is_cut_to_it():
+    """The proposer returns the whole true continuation; only its first K = 2 are verified, all accepted:
+    1 first token + 3 per verify step -> 7 new tokens take 2 verify steps, 4 drafts, 4 accepted."""
+    prompt = PROMPTS[0]
+    full = prompt + _fakes.FakeTarget().greedy(prompt, 20)
+    proposer = lambda context: [full[len(tokens):] for tokens in context.tokens]  # noqa: E731
+    engine, target, cache = build(draft_len=2, head=False, proposer=proposer)
+    result = engine.generate([prompt], max_new_tokens=7)
+    assert result.outputs == [full[len(prompt):][:7]]
+    assert (result.stats.verify_steps, result.stats.draft_tokens, result.stats.accepted_tokens) == (2, 4, 4)
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_progress_counts_failed_requests_as_done_and_ends_at_the_total():
+    """A request refused on arrival is over: a progress bar that left it out would never reach the end."""
+    calls = []
+    engine, target, cache = build(draft_len=2)
+    result = engine.generate([PROMPTS[0], [], PROMPTS[2]], max_new_tokens=4,
+                             progress=lambda done, total: calls.append((done, total)))
+    assert result.errors[1] is not None and result.errors[0] is None and result.errors[2] is None
+    assert calls[0][0] >= 1  # the failed request counts from the first call on
+    assert calls[-1] == (3, 3)
+    assert all(total == 3 for _, total in calls) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_an_eos_that_is_also_the_last_allowed_token_stops_for_eos(head):
+    """Both stops fall on the same token: the request ended because it produced eos."""
+    prompt = PROMPTS[3]
+    ref = _fakes.FakeTarget().greedy(prompt, 8)
+    eos = ref[3]
+    assert eos not in ref[:3]
+    engine, target, cache = build(draft_len=2, head=head, eos_ids=(eos,))
+    result = engine.generate([prompt], max_new_tokens=4)
+    assert result.outputs == [ref[:4]] and result.stop_reasons == ["eos"]
+    result = engine.generate([prompt], max_new_tokens=3)
+    assert result.outputs == [ref[:3]] and result.stop_reasons == ["length"]
+
+
+def test_with_draft_len_zero_a_proposer_is_never_asked():
+    """K = 0: there is nothing to propose, so the host proposer is not called every step."""
+    def proposer(context):
+        raise AssertionError(f"asked for {context.draft_len} drafts")
+
+    engine, target, cache = build(draft_len=0, head=False, proposer=proposer)
+    assert engine.k == 0
+    result = engine.generate(PROMPTS[:2], max_new_tokens=4)
+    assert result.outputs == [target.greedy(p, 4) for p in PROMPTS[:2]]
+    assert result.stats.draft_tokens == 0
+
+
+def test_a_step_is_staged_decode_only_exactly_when_it_has_no_prompt_chunk():
+    """The step metadata's decode-only flag (what a backend's verify-only path keys on) follows the rows:
+    a step of verify rows only is decode-only; one with any prompt chunk, final or not, is not."""
+    engine, target, cache = build(draft_len=3, max_batch_size=2)
+    launch, seen = engine.runner.launch, []
+
+    def recorded(rows, step_id):
+        out = launch(rows, step_id)
+        seen.append((all(row.kind is RowKind.VERIFY for row in rows), engine.runner.meta.is_decode_only))
+        return out
+
+    engine.runner.launch = recorded
+    result = engine.generate(PROMPTS, max_new_tokens=7)
+    assert result.outputs == [target.greedy(p, 7) for p in PROMPTS]
+    assert all(verify_only == flag for verify_only, flag in seen), seen
+    assert {verify_only for verify_only, _ in seen} == {False, True}

@@ -104,3 +104,13 @@ def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_it():
     exact = filtered_probs(torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]])),
                            SamplingParams(temperature=1.0, top_p=0.75))
     torch.testing.assert_close(exact, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+
+
+def test_nearby_seeds_do_not_alias_other_requests_streams():
+    """Seed s + 1 is a different run, not seed s's run shifted by one request: the stream of (seed, request)
+    differs from that of (seed - 1, request + 1) and of (seed + 1, request - 1) for small values."""
+    draws = {(s, i): torch.rand(4, generator=request_generator(s, i, "cpu")) for s in range(4) for i in range(4)}
+    for (s, i), values in draws.items():
+        for other in ((s - 1, i + 1), (s + 1, i - 1)):
+            if other in draws:
+                assert not torch.equal(values, draws[other]), ((s, i), other)

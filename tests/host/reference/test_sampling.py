@@ -6,6 +6,7 @@ import torch
 
 from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
 from m3_eagle_plugin.host.reference.sampler import SamplingParams
+from m3_eagle_plugin.host.reference.scheduler import RowKind
 
 from . import _fakes
 
@@ -56,3 +57,59 @@ def test_sampled_outputs_do_not_depend_on_batching_or_overlap():
                         head=_fakes.FakeHead(target.table), capture=_fakes.fake_capture())
         outs.append(engine.generate(prompts, max_new_tokens=6).outputs)
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_drafts_are_accepted_at_the_rejection_sampling_rate_with_or_without_their_probabilities():
+    """K = 1, two new tokens: every request runs one verify step of one head draft. A draft sampled from
+    the head's q is accepted with probability sum_x min(p, q) (its probabilities kept); a draft whose
+    probabilities are unknown (an imported handoff carries none: dropped here for the even requests) is
+    checked as a certain proposal, accepted with probability p(draft), so sum_x q p. Either way the second
+    token follows the target's p. The rates and distribution are computed from the fake's tables."""
+    prompt, copies = [1, 2, 3], 800
+    target = _fakes.FakeTarget()
+    head = _fakes.FakeHead(target.table)  # wrong where the hash is divisible by 3: q rolled by one
+    config = EngineConfig(draft_len=1, max_batch_size=copies, max_tokens_per_step=4096,
+                          sampling=SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=5))
+    engine = Engine(target, _fakes.make_cache(num_blocks=2 * copies), config, vocab_size=_fakes.VOCAB, head=head,
+                    capture=_fakes.fake_capture())
+    launch, commit, accepted = engine.launch, engine.commit, {0: [], 1: []}
+
+    def launch_dropping_probs(rows, step_id):
+        for row in rows:
+            if row.kind is RowKind.VERIFY and row.request.index % 2 == 0:
+                assert row.request.pending_draft_probs is not None  # the head's, dropped here
+                row.request.pending_draft_probs = None
+        return launch(rows, step_id)
+
+    def counting_commit(out, requests, progress):
+        for i, row in enumerate(out.rows):
+            if row.kind is RowKind.VERIFY:
+                accepted[row.request.index % 2].append(int(out.num_accepted[i]))
+        return commit(out, requests, progress)
+
+    engine.launch, engine.commit = launch_dropping_probs, counting_commit
+    result = engine.generate([prompt] * copies, max_new_tokens=2)
+    assert [len(accepted[0]), len(accepted[1])] == [copies // 2] * 2
+
+    p1 = exact_probs(target.table, prompt)
+    kept = certain = 0.0
+    p2 = torch.zeros(_fakes.VOCAB)
+    for t in range(_fakes.VOCAB):
+        h = _fakes.prefix_hash(prompt + [t])
+        p = exact_probs(target.table, prompt + [t])
+        q = exact_probs(torch.roll(target.table, 1, dims=1) if head.wrong(h) else target.table, prompt + [t])
+        kept += float(p1[t] * torch.minimum(p, q).sum())
+        certain += float(p1[t] * (p * q).sum())
+        p2 += p1[t] * p
+    assert kept - certain > 0.3  # far apart: the check below tells them apart
+    for parity, rate in ((1, kept), (0, certain)):
+        measured = sum(accepted[parity]) / len(accepted[parity])
+        assert abs(measured - rate) < 4 * (rate * (1 - rate) / len(accepted[parity])) ** 0.5 + 0.01, (parity, measured)
+    outputs = torch.tensor(result.outputs)
+    for parity in (0, 1):
+        counts = torch.bincount(outputs[parity::2, 1], minlength=_fakes.VOCAB).double()
+        expected = p2.double() * (copies // 2)
+        keep = expected > 1e-9
+        assert counts[~keep].sum() == 0
+        chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+        assert chi2 < 35.0, (parity, chi2)
