@@ -242,3 +242,17 @@ def test_an_exchange_cut_off_between_its_messages_leaves_the_stream_out_of_sync(
     t.send_ints([1, 2], 2, group)
     with pytest.raises(t.TransferError, match="sending the int list was cut off part-way"):
         t.send_ints([1, 2], 1, group)
+
+
+def test_an_int_list_for_the_wire_takes_integers_and_refuses_bool_and_float_by_position():
+    """`as_ints` (every int frame goes through it): numpy and 0-d torch integers travel as Python
+    ints; a bool is not the 1 it would become, a float not the int it would be cut to."""
+    import numpy as np
+
+    from m3_eagle_plugin.parallel.transfer import as_ints
+
+    got = as_ints([3, np.int64(-4), torch.tensor(5)])
+    assert got == [3, -4, 5] and all(type(v) is int for v in got)
+    for bad, kind in ((True, "bool"), (2.0, "float")):
+        with pytest.raises(TypeError, match=rf"ints\[1\] must be an int, got {kind}"):
+            as_ints([7, bad])
