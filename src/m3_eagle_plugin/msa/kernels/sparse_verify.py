@@ -29,7 +29,6 @@ from ._common import (
     is_pow2,
     next_pow2,
     require,
-    scale_value,
     tokens_per_tile,
     triton_interpreting,
 )
@@ -375,12 +374,12 @@ def sparse_verify_attention(
     `prefetch`) makes each MMA tile two pages of keys (`attend_two_pages`; `key_tile` unused).
     `request_major` (per-token layout) numbers the programs request by request, a request's tokens
     at one split adjacent, instead of request-fastest (`_token_program`; the outputs are the same).
-    `checked`: the caller already ran `check_attention_inputs` and `attention_scales` on these
-    inputs (`verify_step`).
+    `checked`: the caller already ran `check_attention_inputs` on these inputs (`verify_step`).
     """
     if not checked:
         check_attention_inputs(q, k_cache, v_cache, meta)
-        attention_scales(scale, k_scale, v_scale)  # refused by name before any launch
+    qk_scale, vs = attention_scales(scale, k_scale, v_scale)  # refused by name before any launch
+    qk_scale *= LOG2E
     max_qo_len = qo_len_hint(meta, max_qo_len)
     require(selection.dim() == 3 and selection.dtype == torch.int32 and selection.stride(-1) == 1,
             f"selection must be int32 [Hkv, T, topk] with unit last stride, got {selection.dtype} {tuple(selection.shape)}")
@@ -414,7 +413,7 @@ def sparse_verify_attention(
     if key_tile is None:
         key_tile = DEFAULT_KEY_TILE[layout]
     if layout == "token":
-        return _token_attention(q, k_cache, v_cache, meta, selection, scale=scale, k_scale=k_scale, v_scale=v_scale,
+        return _token_attention(q, k_cache, v_cache, meta, selection, qk_scale=qk_scale, vs=vs,
                                 max_qo_len=max_qo_len, splits=splits, num_warps=num_warps, num_stages=num_stages,
                                 key_tile=key_tile, compute_f16=compute_f16, prefetch=prefetch, paired_v=paired_v,
                                 self_merge=self_merge, ready=ready, pages_per_tile=pages_per_tile,
@@ -438,8 +437,6 @@ def sparse_verify_attention(
     out, o_buf, lse = split_outputs(q, v_cache, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
-    qk_scale = float(scale) * scale_value(k_scale) * LOG2E
-    vs = scale_value(v_scale)
     launch(_sparse_verify_kernel, grid,
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -503,9 +500,10 @@ def _paired_v_for_tile(asked: bool | None, default: bool, rows: int, dim: int, k
 _UNHINTED = "; without max_qo_len one request may hold every token of the step"
 
 
-def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_scale, max_qo_len, splits,
+def _token_attention(q, k_cache, v_cache, meta, selection, *, qk_scale, vs, max_qo_len, splits,
                      num_warps, num_stages, key_tile, compute_f16, prefetch, paired_v, self_merge,
                      ready=None, pages_per_tile=1, request_major=False) -> torch.Tensor:
+    """Layout 'token' of `sparse_verify_attention`; `qk_scale` = softmax x K scale x log2(e), `vs` the V scale."""
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
     group = num_heads // hkv
@@ -529,7 +527,6 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
     out, o_buf, lse = split_outputs(q, v_cache, splits)
     if num_tokens == 0 or num_requests == 0:
         return out.zero_()
-    vs = scale_value(v_scale)
     if self_merge is None:
         self_merge = 1 < splits <= SELF_MERGE_SPLITS
     arrivals = split_arrivals(q.device, num_tokens * hkv) if self_merge and splits > 1 else None
@@ -541,7 +538,7 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, scale, k_scale, v_
         selection, selection.stride(0), selection.stride(1),
         meta.block_tables, meta.block_tables.stride(0), meta.cu_qo_lens, meta.positions,
         o_buf, out.stride(0), out.stride(1), lse, num_tokens, out, out if arrivals is None else arrivals,
-        out if ready is None else ready, float(scale) * scale_value(k_scale) * LOG2E, vs,
+        out if ready is None else ready, qk_scale, vs,
         G=group, ROWS=rows, TOPK=topk, TOPK_P=next_pow2(topk), BLOCK=block, BN=key_cols, D=dim, SPLITS=splits,
         F16=compute_f16, PREFETCH=prefetch,
         IEEE=q.dtype == torch.float32, VPAIR=paired_v, ASM=not triton_interpreting(), SELF_MERGE=self_merge,

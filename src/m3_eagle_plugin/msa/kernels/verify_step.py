@@ -136,7 +136,7 @@ _REPLAYER = Replayer()
 def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, local_blocks, init_blocks, k_scale,
           v_scale, max_qo_len, early, splits) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(q, k_cache, v_cache, meta)  # before anything is launched or armed
-    attention_scales(scale, k_scale, v_scale)  # for `sparse_verify_attention` too (checked=True)
+    attention_scales(scale, k_scale, v_scale)  # refused before the selection launches
     max_qo_len = qo_len_hint(meta, max_qo_len)
     num_tokens, num_heads, _ = q.shape
     hkv = k_cache.shape[1]
