@@ -55,27 +55,33 @@ def _entry_point(name: str, value: str, distribution: str | None) -> str:
 
 
 @dataclass(frozen=True)
-class PluginLoadError:
+class _EntryPointRecord:
+    """An entry point the manager did not load: its name, value ("module:object") and distribution."""
+
     name: str
     value: str
     distribution: str | None
-    error: str
 
-    def __str__(self) -> str:
-        return f"{_entry_point(self.name, self.value, self.distribution)} failed to load: {self.error}"
+    def _label(self) -> str:
+        return _entry_point(self.name, self.value, self.distribution)
 
 
 @dataclass(frozen=True)
-class PluginSkip:
+class PluginLoadError(_EntryPointRecord):
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self._label()} failed to load: {self.error}"
+
+
+@dataclass(frozen=True)
+class PluginSkip(_EntryPointRecord):
     """An entry point deliberately not loaded (allow-list, blocked name, plugin already registered)."""
 
-    name: str
-    value: str
-    distribution: str | None
     reason: str
 
     def __str__(self) -> str:
-        return f"{_entry_point(self.name, self.value, self.distribution)} not loaded: {self.reason}"
+        return f"{self._label()} not loaded: {self.reason}"
 
 
 def resolve(reference: str) -> Any:
