@@ -167,7 +167,7 @@ def copy_pool_block_offsets(
     """
     _check_tables(dst, host_offsets)  # before the index check reads their row counts
     idx = _check_index(copy_index, host_offsets, dst)
-    _write_pool(dst, host_offsets, idx, _check_pool(dst, host_offsets, idx, index_scale, kv_offset, max_blocks))
+    _write_pool(dst, _check_pool(dst, host_offsets, idx, index_scale, kv_offset, max_blocks))
 
 
 def _check_tables(dst: torch.Tensor, host_offsets: torch.Tensor, stacked: bool = False) -> None:
@@ -201,7 +201,7 @@ def _check_index(copy_index: torch.Tensor, host_offsets: torch.Tensor, dst: torc
     return idx
 
 
-_PoolCopy = tuple[int, int, int]  # (index scale, kv offset, width): checked, ready to write
+_PoolCopy = tuple[int, int, torch.Tensor]  # (index scale, kv offset, host slots [rows, width]): checked, ready to write
 
 
 def _check_pool(
@@ -223,22 +223,23 @@ def _check_pool(
         if max_blocks < 0:  # a slice end of -1 would silently drop the last column
             raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
         width = min(width, max_blocks)
-    if idx.device.type == "cpu" and idx.numel() and width:
+    slots = host_offsets[idx, 0, :width]  # gathered once: the check and the write read it
+    if slots.device.type == "cpu" and slots.numel():
         # in Python ints: an int64 product would wrap (slot 2**30 * 2**34 became page 0)
-        slot = int(host_offsets[idx, 0, :width].max())
+        slot = int(slots.max())
         page = slot * index_scale + kv_offset if slot >= 0 else -1
         if page > torch.iinfo(dst.dtype).max:  # would wrap in dst: slot 2**30 * 4 became page 0
             raise ValueError(f"page index {page} does not fit dst's {dst.dtype}")
-    return index_scale, kv_offset, width
+    return index_scale, kv_offset, slots
 
 
-def _write_pool(dst: torch.Tensor, host_offsets: torch.Tensor, idx: torch.Tensor, copy: _PoolCopy) -> None:
-    index_scale, kv_offset, width = copy
-    slots = host_offsets[idx, 0, :width].to(torch.int64)
+def _write_pool(dst: torch.Tensor, copy: _PoolCopy) -> None:
+    index_scale, kv_offset, slots = copy
+    slots = slots.to(torch.int64)
     valid = slots >= 0
     k = torch.where(valid, slots * index_scale, torch.full_like(slots, -1))
     v = torch.where(valid, k + kv_offset, k)
-    rows = k.shape[0]
+    rows, width = k.shape
     dst[:rows, 0, :width] = k.to(device=dst.device, dtype=dst.dtype)
     dst[:rows, 1, :width] = v.to(device=dst.device, dtype=dst.dtype)
 
@@ -288,6 +289,6 @@ def copy_block_offsets(
     # write phase
     for op_pool, source, copy in checked:
         if copy_fn is copy_pool_block_offsets:  # already checked: write without checking the index again
-            _write_pool(dst[op_pool], host_offsets[source], idx, copy)
+            _write_pool(dst[op_pool], copy)
         else:
             copy_fn(dst[op_pool], host_offsets[source], copy_index, copy[0], copy[1], max_blocks)
