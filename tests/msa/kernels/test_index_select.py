@@ -169,6 +169,7 @@ def test_a_top_k_grid_past_cudas_z_limit_is_refused_before_launch(monkeypatch):
     tokens = 4 * 65536
     _, _, meta, _ = one_request_step(tokens)
     meta.valid_blocks = torch.ones(tokens, dtype=torch.int32)
+    meta.block_tables = meta.block_tables[:, :1].contiguous()  # one block a token: one score column
     scores = torch.zeros(1, tokens, 1)
     with pytest.raises(KernelTooLargeError, match=r"block top-k: its grid \(1, 1, 65536\) \(requests, index heads, "
                                                   r"65536 chunks of 4 tokens\)"):

@@ -99,3 +99,26 @@ def test_top_k_refuses_scores_it_would_misread_before_launch(monkeypatch, scores
     bad = scores(index_q.shape[1], meta.valid_blocks.shape[0], meta.block_tables.shape[1])
     with pytest.raises(KernelInputError, match=expect):
         index_select.topk_from_block_scores(bad, meta, topk=2)
+
+
+def test_top_k_refuses_scores_narrower_than_the_blocks_its_tokens_may_hold(monkeypatch):
+    """Each row is read up to `valid_blocks[t]` entries, a device value, so the host bounds it by
+    the block table's width (here 6: the longest request's five 16-token blocks and one spare), or
+    by the metadata's own `max_step_blocks` where it keeps one (five for 70 tokens)."""
+    from m3_eagle_plugin.msa.kernels import index_select
+
+    launched = []
+    monkeypatch.setattr(index_select, "launch", lambda *a, **k: launched.append(a[0]))
+    meta, _, _, index_q = _step()
+    heads, tokens = index_q.shape[1], meta.valid_blocks.shape[0]
+    assert meta.block_tables.shape[1] == 6
+    with pytest.raises(KernelInputError, match="block_scores has 5 block columns, fewer than the 6 blocks"):
+        index_select.topk_from_block_scores(torch.zeros(heads, tokens, 5), meta, topk=2)
+    fields = ("block_tables", "kv_lens", "cu_qo_lens", "valid_blocks")
+    hosted = types.SimpleNamespace(max_step_blocks=5, **{name: getattr(meta, name) for name in fields})
+    with pytest.raises(KernelInputError, match="block_scores has 4 block columns, fewer than the 5 blocks"):
+        index_select.topk_from_block_scores(torch.zeros(heads, tokens, 4), hosted, topk=2)
+    assert not launched
+    index_select.topk_from_block_scores(torch.zeros(heads, tokens, 5), hosted, topk=2)
+    index_select.topk_from_block_scores(torch.zeros(heads, tokens, 6), meta, topk=2)
+    assert len(launched) == 2

@@ -414,6 +414,14 @@ def topk_from_block_scores(
     # the selection is allocated for block_scores' tokens but written for every metadata token
     require(num_tokens >= meta.valid_blocks.shape[0], f"block_scores has {num_tokens} token rows, fewer than the "
             f"metadata's {meta.valid_blocks.shape[0]} tokens (meta.valid_blocks)")
+    # each row is read up to valid_blocks[t] entries: at most the table's width, or the host's
+    # max_step_blocks where the metadata keeps one (the device values cannot be read without a sync)
+    blocks = meta.block_tables.shape[1]
+    step_blocks = getattr(meta, "max_step_blocks", None)
+    blocks = blocks if step_blocks is None else min(blocks, int(step_blocks))
+    require(width >= blocks, f"block_scores has {width} block columns, fewer than the {blocks} blocks the "
+            "metadata's tokens may hold (block-table width, or meta.max_step_blocks): rows would be read "
+            "past their end")
     num_requests = meta.kv_lens.shape[0]
     max_qo_len = qo_len_hint(meta, max_qo_len)
     block_size = block_size or getattr(meta, "block_size", None)
