@@ -134,3 +134,22 @@ def test_a_registration_failing_halfway_is_undone(current_host, monkeypatch):
                    for entries in modeling_utils._MODULE_REGISTRATIONS.values() for entry in entries)
     assert not MiniMaxM3Eagle3ForCausalLM.__dict__.get("_registered_architectures")
     assert interface.should_use_separate_draft_kv_cache is predicate
+
+
+def test_uninstall_drops_the_lazy_zoo_records_under_a_wrapper_without_functools_wraps(current_host, monkeypatch):
+    """Another plugin wrapping `register_auto_model` in its own module (no `functools.wraps`):
+    the records still live in the host's module, and uninstall removes ours from there."""
+    from tensorrt_llm._torch.models import modeling_utils
+
+    register = modeling_utils.register_auto_model
+    monkeypatch.setattr(modeling_utils, "register_auto_model", lambda name: register(name))
+    adapter.install()
+    from m3_eagle_plugin.host.trtllm.model import MiniMaxM3Eagle3ForCausalLM
+
+    def ours_recorded() -> bool:
+        return any(entry[2] is MiniMaxM3Eagle3ForCausalLM
+                   for entries in modeling_utils._MODULE_REGISTRATIONS.values() for entry in entries)
+
+    assert ours_recorded()
+    adapter.uninstall()
+    assert not ours_recorded()

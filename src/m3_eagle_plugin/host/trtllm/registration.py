@@ -26,10 +26,9 @@ text-only serving with the plugin's VL class is unaffected by them:
 """
 from __future__ import annotations
 
-import sys
 from typing import Callable, Mapping
 
-from m3_eagle_plugin.host.trtllm.contract import resolve
+from m3_eagle_plugin.host.trtllm.contract import resolve, resolve_owner, symbol
 
 TEXT_ARCHITECTURE = "MiniMaxM3SparseForCausalLM"
 VL_ARCHITECTURE = "MiniMaxM3SparseForConditionalGeneration"
@@ -52,7 +51,9 @@ def register_model_classes(classes: Mapping[str, type]) -> Callable[[], None]:
     register_auto_model = resolve("register_auto_model")
     mapping = resolve("model_class_mapping")
     previous = {arch: mapping.get(arch, _MISSING) for arch in classes}
-    records = vars(sys.modules[register_auto_model.__module__]).get("_MODULE_REGISTRATIONS")
+    # the records live beside the function in the module the contract names, whatever wraps it
+    host_module, _ = resolve_owner(symbol("register_auto_model"))
+    records = vars(host_module).get("_MODULE_REGISTRATIONS")
     ours = tuple(classes.values())
     declared = {cls: set(cls.__dict__.get(_REGISTERED_ARCHS, ())) for cls in classes.values()}
 
