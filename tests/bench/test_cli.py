@@ -66,6 +66,26 @@ def test_cpu_smoke_bytes_count_q_the_output_and_a_partial_last_page_by_its_token
     assert by["index_select"] == 2 * 32 * 4 + 80 * 32 * 4 + 2 * 4 * 4
 
 
+def test_the_smoke_sparse_row_reads_topk_blocks_of_16_tokens(tmp_path):
+    """At 2x256 the tiny geometry (block 16, topk 4) has 16 blocks a request: a q_len 1 token's sparse
+    row reads its 4 selected whole blocks (64 tokens), not the whole context."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--device", "cpu", "--configs", "2x256", "--qo-lens", "1", "--kernels", "sparse_attn"]
+    assert m3_main([*argv, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    q_and_out = 2 * (2 * 4 * 32 * 4)
+    kv = 2 * (4 * 16) * 2 * 32 * 4  # 2 requests x 4 blocks x 16 tokens, K and V, head dim 32, fp32
+    assert row["bytes"] == q_and_out + kv + 2 * 4 * 4  # + the int32 selection [1, 2, 4]
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_bare_json_needs_no_writable_working_directory(monkeypatch, capsys):
+    """A bare `--json` is stdout, not a file named "-": it runs where no file can be created."""
+    monkeypatch.chdir("/proc")  # takes no new file, even as root
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["rows"]) == 3
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--device", "gpu"], "--device: expected cuda, cuda:N or cpu, got 'gpu'"),
     (["--qo-lens", "x"], "--qo-lens: expected a comma list of positive integers"),

@@ -123,6 +123,26 @@ def test_an_empty_kernel_list_with_e2e_runs_the_end_to_end_section_alone(monkeyp
     assert document["context"]["note"] == "no CUDA/Triton"  # no smoke table ran: not "smoke only"
 
 
+def test_an_empty_kernel_list_on_a_gpu_never_enters_the_kernel_suite(monkeypatch, capsys):
+    """`--kernels "" --e2e` on a GPU: the end-to-end section alone; the suite (which builds every
+    config's input sets, gigabytes at the default shapes) is not entered."""
+    from m3_eagle_plugin.bench import timing
+    from m3_eagle_plugin.msa import kernels
+
+    monkeypatch.setattr(kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli.torch.cuda, "get_device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(timing, "copy_ceiling_gbps", lambda device: 4000.0)
+    monkeypatch.setattr(kernels, "backend_report", lambda device: {"mode": "auto"})
+    suite = []
+    monkeypatch.setattr(cli, "run_kernel_suite", lambda *args, **kwargs: suite.append(1) or [])
+    row = {"section": "e2e", "kernel": "decode", "batch": 1}
+    monkeypatch.setattr(cli, "run_end_to_end", lambda args: [dict(row)])
+    assert m3_main(["bench", "--device", "cuda", "--kernels", "", "--e2e", "--flashinfer", "off", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert suite == [] and document["rows"] == [row] and document["context"]["device_name"] == "Fake GPU"
+
+
 def test_a_cuda_index_past_the_visible_devices_is_an_option_error(monkeypatch, capsys):
     """`--device cuda:3` on a one-GPU host passed the checks; `torch.cuda.set_device` then raised
     "invalid device ordinal", a traceback, instead of one line naming the option."""

@@ -156,6 +156,12 @@ def test_local_block_is_last_column():
         fp.uniform_q_len(_meta([1, 2], [8, 20], 8, 0))
 
 
+def test_graph_padding_tokens_do_not_hide_a_last_column_local_block():
+    tables = shuffled_block_tables([16, 16], 8, 4, torch.Generator().manual_seed(0))
+    padded = build_step_meta([4, 4], [16, 16], tables, 8, pad_tokens=2)  # live tokens 12..15: block 1 of 2
+    assert fp.local_block_is_last_column(padded)
+
+
 def test_parse_probe_output_marks_the_case_the_child_died_in():
     lines = [json.dumps({"case": [1, 8192, 4], "started": True}),
              json.dumps({"case": [1, 8192, 4], "flashinfer_nvp_us": 7.5, "flashinfer_nvp_check": 0.0}),
@@ -396,6 +402,16 @@ def test_broken_peer_skips_everything(monkeypatch, fresh_import_status):
     assert got == {"flashinfer_error": f"skipped: {peer.broken}"} and fi.calls == []
 
 
+def test_a_failure_that_leaves_cuda_unusable_stops_the_row_at_once(monkeypatch, fresh_import_status):
+    """index_select times three ops; once the first left CUDA unusable, no later one is called."""
+    fi = _install_fake(monkeypatch, broken=("msa_proxy_score",))
+    monkeypatch.setattr(fp, "cuda_poisoned", lambda: "illegal memory access")
+    peer = fp.FlashInferPeer()
+    got = flashinfer_fields("index_select", _steps(9), 1, peer, graph_us=2.0)
+    assert fi.calls == ["msa_proxy_score"] and "fake msa_proxy_score failure" in got["flashinfer_error"]
+    assert peer.broken == "CUDA unusable after FlashInfer proxy_score: illegal memory access"
+
+
 def test_time_peer_falls_back_to_eager_when_capture_fails(monkeypatch):
     from m3_eagle_plugin.bench import timing
 
@@ -537,6 +553,24 @@ def test_run_kernel_suite_wires_flashinfer_into_rows(monkeypatch, fresh_import_s
     assert all(c != "msa_topk_select" for c in fi.calls[:first_topk])
     assert "prefill.run" in fi.calls[:first_topk] and "msa_sparse_decode_attention" in fi.calls[:first_topk]
     assert "flashinfer_us" in format_table(rows).splitlines()[0]
+
+
+def test_run_kernel_suite_with_flashinfer_off_never_calls_it(monkeypatch, fresh_import_status):
+    """`--flashinfer off`: FlashInfer imports here, yet no row gains its fields and none of it runs;
+    the dense rows run on `dense_kv_dtype`'s inputs, the sparse ones on `kv_dtype`'s."""
+    from m3_eagle_plugin.bench import kernel_suite as ks
+
+    fi = _install_fake(monkeypatch)
+    monkeypatch.setattr(ks, "_kernel_thunks", lambda name, step, geo: (lambda: _reference(name, step, geo),) * 2)
+    monkeypatch.setattr(ks, "_bytes", lambda *a: (1000, 0))
+    monkeypatch.setattr(ks, "time_eager_us", lambda thunks, **kw: 4.0)
+    monkeypatch.setattr(ks, "time_graph_us", lambda thunks, **kw: 2.0)
+    rows = run_kernel_suite([(2, 16)], [1], ["sparse_attn", "dense_attn"], GEO, kv_dtype=torch.float32,
+                            index_dtype=torch.float32, q_dtype=torch.float32, device=torch.device("cpu"),
+                            ceiling_gbps=1.0, num_sets=1, dense_kv_dtype=torch.float16, time_reference=False,
+                            flashinfer="off", log=lambda _: None)
+    assert fi.calls == [] and not any(k.startswith("flashinfer") for r in rows for k in r)
+    assert [(r["kernel"], r["kv_dtype"]) for r in rows] == [("sparse_attn", "float32"), ("dense_attn", "float16")]
 
 
 def _reference(name, step, geo):

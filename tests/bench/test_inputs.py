@@ -17,6 +17,20 @@ def test_cache_views_are_strided_into_a_pool():
     assert cache.k.data_ptr() != cache.v.data_ptr() and cache.index_k.stride(0) == 2 * GEO.block * GEO.index_dim
 
 
+def test_v_is_the_second_sub_page_and_index_k_sits_past_its_pools_start():
+    """`make_cache`: K at sub-page 0 and V at sub-page 1 of each slot; index-K not at its pool's start,
+    so a kernel that drops a view's storage offset reads the wrong pages."""
+    step = make_step(2, 50, 4, GEO, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
+                     device="cpu")
+    cache = step["cache"]
+    pool, index_pool = cache.storage
+    num_pages = pool.shape[0]
+    assert torch.equal(cache.k.reshape(num_pages, -1), pool[:, 0])
+    assert torch.equal(cache.v.reshape(num_pages, -1), pool[:, 1])
+    assert cache.v.data_ptr() - cache.k.data_ptr() == GEO.kv_heads * GEO.block * GEO.head_dim * 4
+    assert cache.index_k.data_ptr() != index_pool.data_ptr() and cache.index_k.storage_offset() > 0
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(kv=st.lists(st.integers(1, 60), min_size=1, max_size=5), spare=st.integers(0, 5), seed=st.integers(0, 99))
 def test_property_tables_use_distinct_pages(kv, spare, seed):

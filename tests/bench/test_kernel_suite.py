@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from m3_eagle_plugin.bench.inputs import Geometry, selected_tokens, union_blocks
-from m3_eagle_plugin.bench.kernel_suite import byte_floor, relative_error
+from m3_eagle_plugin.bench.kernel_suite import byte_floor, relative_error, selection_mismatch
 from m3_eagle_plugin.bench.step_meta import build_step_meta
 
 # block 4, head dim 4, 2 q heads / 1 KV head, index dim 3; q fp32 (4 bytes), index bf16 (2), K/V fp16 (2)
@@ -53,6 +53,13 @@ def test_selected_tokens_counts_each_union_block_once(step):
     assert union_blocks(selection, meta) == 4 and selected_tokens(selection, meta) == 11
     two_heads = torch.cat([selection, torch.full_like(selection, -1)])  # the second head selects nothing
     assert union_blocks(two_heads, meta) == 4 and selected_tokens(two_heads, meta) == 11
+
+
+def test_selection_mismatch_is_the_fraction_of_rows_that_differ_anywhere():
+    ours = torch.tensor([[[0, 1], [1, 2], [3, -1]]], dtype=torch.int32)
+    other = torch.tensor([[[0, 1], [1, 3], [4, -1]]], dtype=torch.int32)  # rows 1 and 2 differ in one id each
+    assert selection_mismatch(ours, other) == pytest.approx(2 / 3)
+    assert selection_mismatch(ours, ours) == 0.0
 
 
 def test_sparse_rows_need_the_selection(step):

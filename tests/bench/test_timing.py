@@ -43,3 +43,17 @@ def test_copy_ceiling_counts_bytes_read_plus_bytes_written(monkeypatch):
     gbps = timing.copy_ceiling_gbps(torch.device("cpu"), nbytes=4096)
     assert seen == [1]
     assert abs(gbps - 2 * 4096 / 100e-6 / 1e9) < 1e-12  # 0.08192 GB/s
+
+
+def test_copy_ceiling_copies_exactly_nbytes(monkeypatch):
+    """The copy timed moves `nbytes` (the figure the bandwidth divides by), not twice or half of it."""
+    copied = []
+
+    def fake_eager(thunks, **kwargs):
+        copied.append(thunks[0]())  # `dst.copy_(src)` returns dst
+        return 100.0
+
+    monkeypatch.setattr(timing, "time_eager_us", fake_eager)
+    timing.copy_ceiling_gbps(torch.device("cpu"), nbytes=4096)
+    (dst,) = copied
+    assert dst.numel() * dst.element_size() == 4096
