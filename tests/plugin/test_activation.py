@@ -468,3 +468,88 @@ def test_status_judges_the_host_with_a_valid_force_switch(active_env, monkeypatc
     monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "1")
     report = m3_eagle_plugin.status()
     assert report.verdict != "defer" and "overridden" in report.reason and installs == []
+
+
+def test_without_a_patch_list_from_install_the_report_lists_the_plugins_patches_once(active_env, hermetic_manager,
+                                                                                     monkeypatch):
+    """install() answering no "patches": the report names what the plugins asked for, each id once, a
+    patch's `id` before its `name`."""
+    from types import SimpleNamespace
+
+    from m3_eagle_plugin.hooks import hookimpl
+
+    make_host, _ = active_env
+    make_host("1.3.0rc24")
+    import m3_eagle_plugin.host.trtllm as adapter
+
+    class Named:
+        @hookimpl
+        def m3_eagle_host_patches(self, host):
+            return [SimpleNamespace(id="fake-c", name="display name")]
+
+    hermetic_manager.register(Named(), name="named")
+    monkeypatch.setattr(adapter, "install", lambda: {})
+    report = m3_eagle_plugin.activate("auto")
+    assert report.activated and sorted(report.patches) == ["fake-a", "fake-b", "fake-c"]
+
+
+def test_the_report_lists_the_patches_and_models_install_answered(active_env, monkeypatch):
+    make_host, _ = active_env
+    make_host("1.3.0rc24")
+    import m3_eagle_plugin.host.trtllm as adapter
+
+    models = {"MiniMaxM3SparseForCausalLM": "host.models:M3"}
+    monkeypatch.setattr(adapter, "install", lambda: {"patches": ["installed-x"], "models": models})
+    report = m3_eagle_plugin.activate("auto")
+    assert report.patches == ["installed-x"] and report.fingerprint == activation.fingerprint(["installed-x"])
+    assert report.components["registered_models"] == models
+    assert report.host_report == {"patches": ["installed-x"], "models": models}
+
+
+@pytest.mark.parametrize("exported", [None, " AUTO "])
+def test_activating_with_the_mode_from_the_environment_leaves_the_environment_as_it_was(active_env, monkeypatch,
+                                                                                       exported):
+    """Only an explicit `activate(mode)` is exported (module doc of `_export_mode`)."""
+    make_host, _ = active_env
+    make_host("1.3.0rc24")
+    if exported is not None:
+        monkeypatch.setenv("M3_EAGLE_PLUGIN", exported)
+    m3_eagle_plugin.activate()
+    assert os.environ.get("M3_EAGLE_PLUGIN") == exported
+
+
+def test_status_off_on_a_host_without_a_version_is_ok(clean_state, hermetic_manager, tmp_path, monkeypatch):
+    """Off activates nothing, so a host of unknown version is no failure there (auto and require refuse it)."""
+    (tmp_path / "tensorrt_llm").mkdir()
+    (tmp_path / "tensorrt_llm" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    report = m3_eagle_plugin.status()
+    assert report.mode == "off" and report.ok and report.host_version is None
+
+
+def test_status_after_an_off_decision_still_gives_the_verdicts_reason(active_env):
+    make_host, _ = active_env
+    make_host("1.3.0rc24")
+    assert m3_eagle_plugin.activate().reason == "M3_EAGLE_PLUGIN is off"
+    report = m3_eagle_plugin.status()
+    assert report.ok and report.reason == "tensorrt_llm 1.3.0rc24 is a tested host"
+
+
+def test_a_report_reads_like_a_dict_of_its_fields_only(clean_state):
+    report = activation.ActivationReport(mode="off")
+    assert "mode" in report and "to_dict" not in report and report.get("nope") is None
+    with pytest.raises(KeyError):
+        report["to_dict"]
+
+
+def test_the_host_import_also_watches_the_hosts_yaml_for_the_config_key(fake_host, hermetic_manager, fake_install,
+                                                                       monkeypatch):
+    from m3_eagle_plugin import _bootstrap
+
+    fake_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    _bootstrap.main()
+    import tensorrt_llm.llmapi.llm_args as llm_args
+
+    assert getattr(llm_args.update_llm_args_with_extra_dict, "_m3_eagle_config_key", False)
+    assert fake_install == [1]

@@ -239,3 +239,53 @@ def test_a_deferred_install_on_an_imported_host_follows_the_environment(fake_hos
     monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
     _bootstrap.install_hook(deferred=True)
     assert fake_install == [1]
+
+
+def test_a_deferred_install_on_an_imported_host_that_stays_off_runs_nothing(fake_host, hermetic_manager,
+                                                                            fake_install, monkeypatch):
+    """Not even the config-key watch: an MPI worker still off when it installs the hook does nothing."""
+    import m3_eagle_plugin.activation as activation
+
+    fake_host("1.3.0rc24")
+    import tensorrt_llm  # noqa: F401
+
+    called = []
+    monkeypatch.setattr(activation, "on_host_imported", lambda module: called.append(module))
+    _bootstrap.install_hook(deferred=True)
+    assert called == [] and installed_hook() is None
+
+
+class _Loader:
+    """A loader with its own module object (as extension-module loaders have)."""
+
+    def __init__(self, module=None, exec_module=True):
+        self.module = module
+        if exec_module:
+            self.exec_module = lambda module: None
+
+    def create_module(self, spec):
+        return self.module
+
+    def load_module(self, fullname):  # the legacy protocol only
+        return self.module
+
+
+def test_the_wrapped_loader_creates_the_module_the_real_loader_creates():
+    module = type(sys)("tensorrt_llm")
+    wrapper = _bootstrap._PostImportLoader(_Loader(module), finder=None)
+    assert wrapper.create_module(spec=None) is module
+
+
+def test_a_loader_without_exec_module_is_left_unwrapped(monkeypatch):
+    """Wrapping a legacy (load_module-only) loader would make the import call an exec_module it lacks."""
+    import importlib.machinery
+
+    legacy = _Loader(exec_module=False)
+
+    class Finder:
+        def find_spec(self, fullname, path=None, target=None):
+            return importlib.machinery.ModuleSpec(fullname, legacy) if fullname == "tensorrt_llm" else None
+
+    hook = _bootstrap.HostImportHook()
+    monkeypatch.setattr(sys, "meta_path", [hook, Finder()])
+    assert hook.find_spec("tensorrt_llm").loader is legacy

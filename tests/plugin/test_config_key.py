@@ -276,3 +276,23 @@ def test_exported_force_and_trace_beat_the_hosts_yaml_with_one_warning_each(fake
     assert len(lines) == 2
     assert "M3_EAGLE_PLUGIN_FORCE is exported as '0' and wins over '1' from the key" in lines[0]
     assert "M3_EAGLE_PLUGIN_TRACE is exported as '1' and wins over '0' from the key" in lines[1]
+
+
+@pytest.mark.parametrize("value, mode", [(" Require ", "require"), ("AUTO\n", "auto"), ({"mode": " off"}, "off")])
+def test_a_mode_is_read_stripped_and_case_folded(value, mode):
+    assert parse_config_value(value).mode == mode
+
+
+def test_installing_the_hook_twice_is_undone_by_one_uninstall(fake_host, hermetic_manager, fake_install):
+    from m3_eagle_plugin.config_key import uninstall_host_hook
+
+    fake_host("1.3.0rc24")
+    import tensorrt_llm.commands.serve as serve
+    import tensorrt_llm.llmapi.llm_args as llm_args
+
+    original = llm_args.update_llm_args_with_extra_dict
+    install_host_hook()
+    install_host_hook()
+    assert serve.update_llm_args_with_extra_dict is not original
+    uninstall_host_hook()
+    assert serve.update_llm_args_with_extra_dict is original and llm_args.update_llm_args_with_extra_dict is original

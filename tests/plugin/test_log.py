@@ -10,11 +10,11 @@ import pytest
 SCRIPT = "from m3_eagle_plugin.log import get_logger; l = get_logger(); l.info('info-line'); l.debug('debug-line')"
 
 
-def _stderr(level: str) -> str:
+def _stderr(level: str, script: str = SCRIPT) -> str:
     """A fresh interpreter's stderr (the logger is configured once a process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("M3_EAGLE")}
     env.update(M3_EAGLE_PLUGIN="off", M3_EAGLE_PLUGIN_LOG_LEVEL=level)
-    return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           check=True, timeout=60).stderr
 
 
@@ -32,3 +32,9 @@ def test_documented_levels_apply_quietly(level, shown):
     err = _stderr(level)
     assert "is not a log level" not in err
     assert {line for line in ("info-line", "debug-line") if line in err} == shown
+
+
+def test_a_host_that_configured_root_logging_sees_each_line_once():
+    """The logger has its own handler, so nothing may reach the root logger's handler a second time."""
+    err = _stderr("", "import logging; logging.basicConfig(level=logging.INFO); " + SCRIPT)
+    assert err.count("info-line") == 1, err

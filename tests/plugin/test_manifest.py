@@ -278,3 +278,44 @@ def test_patch_lookup_is_by_exact_id():
     for partial in ("route", "route-msa", "route-msa-backend-x"):
         with pytest.raises(KeyError, match=partial):
             manifest.patch(partial)
+
+
+@pytest.mark.parametrize("table, key", [("host", "gpu_archs"), ("host", "tested")])
+def test_a_string_list_holding_a_number_names_the_field(table, key):
+    raw = copy.deepcopy(raw_manifest())
+    raw[table][key] = [90]
+    with pytest.raises(ManifestError, match=f"'{table}.{key}' must be a list of strings"):
+        parse_manifest(raw)
+
+
+def test_optional_fields_default_to_what_the_package_declares_and_reads():
+    """Left out: python is the distribution's requires-python, the force switch is the variable activation
+    reads, an untested host warns (DESIGN: the activation line is a warning), no GPU archs are listed."""
+    from m3_eagle_plugin.switches import FORCE_ENV
+
+    raw = copy.deepcopy(raw_manifest())
+    for key in ("python", "gpu_archs"):
+        raw["host"].pop(key)
+    for key in ("force_env", "on_untested_host"):
+        raw["activation"].pop(key)
+    manifest = parse_manifest(raw)
+    requires_python = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert manifest.host.python == requires_python
+    assert manifest.host.gpu_archs == ()
+    assert manifest.activation.force_env == FORCE_ENV
+    assert manifest.activation.on_untested_host == "warn"
+
+
+def test_a_patch_entry_that_is_not_a_table_is_named():
+    raw = copy.deepcopy(raw_manifest())
+    raw["patches"][1] = "route-msa-backend"
+    with pytest.raises(ManifestError, match=r"'patches\[1\]' must be a table, got str"):
+        parse_manifest(raw)
+
+
+def test_a_defer_verdict_without_a_defer_reason_still_says_why():
+    raw = copy.deepcopy(raw_manifest())
+    raw["host"].pop("defer_reason")
+    verdict = host_verdict("1.4.2", parse_manifest(raw))
+    why, _, rest = verdict.reason.partition("; deferring")
+    assert verdict.status == DEFER and why.strip() and rest

@@ -537,3 +537,143 @@ def test_a_name_held_by_a_directly_registered_object_is_described_by_its_class(m
     assert manager.load_entrypoints(entry_points=[other]) == []
     [error] = manager.load_errors
     assert f"plugin 'drafter' ({source})" in str(error) and "other:Drafter" in str(error), str(error)
+
+
+@pytest.mark.parametrize("reference", ["importlib.metadata:", ":version", ""])
+def test_resolve_refuses_an_empty_module_or_qualname(reference):
+    with pytest.raises(ValueError, match="module:qualname"):
+        resolve(reference)
+
+
+def test_an_unknown_hook_marked_optional_loads_without_a_load_error(manager, monkeypatch):
+    """pluggy's own check_pending() accepts `optionalhook=True` implementations of hooks no spec declares."""
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+
+    class Optional:
+        @hookimpl(optionalhook=True)
+        def m3_eagle_no_such_hook(self, host):
+            return None
+
+    eps = [_FakeEntryPoint("optional", "opt_pkg:plugin", Optional)]
+    assert manager.load_entrypoints(entry_points=eps) == ["optional"]
+    assert manager.load_errors == []
+
+
+def test_enabling_the_trace_twice_still_logs_each_hook_call_once(manager):
+    lines = []
+    manager.enable_trace(writer=lines.append)
+    manager.enable_trace(writer=lines.append)
+    manager.attention_metadata("reference")
+    assert len(lines) == 2  # one line before the call, one with its result
+    manager.disable_trace()
+    manager.attention_metadata("reference")
+    assert len(lines) == 2
+
+
+def test_the_trace_names_a_hook_that_raised_and_the_caller_still_sees_it(manager):
+    class Raises:
+        @hookimpl
+        def m3_eagle_attention_metadata(self, host):
+            raise RuntimeError("boom")
+
+    lines = []
+    manager.register(Raises(), name="raises")
+    manager.enable_trace(writer=lines.append)
+    with pytest.raises(RuntimeError, match="boom"):
+        manager.attention_metadata("reference")
+    manager.disable_trace()
+    assert lines[-1] == "hook m3_eagle_attention_metadata raised RuntimeError: boom"
+
+
+def test_model_classes_are_merged_in_the_order_pluggy_calls_the_plugins(manager):
+    class Extra:
+        @hookimpl
+        def m3_eagle_model_classes(self, host):
+            return {"MyArch": "pkg.mod:MyModel"}
+
+    manager.register(Extra(), name="extra")
+    expected = {}
+    for claims in manager.hook.m3_eagle_model_classes(host="reference"):  # pluggy's own call order
+        expected.update(claims)
+    assert list(manager.model_classes("reference").items()) == list(expected.items())
+    assert next(iter(expected)) == "MyArch"  # the plugin registered last is called first
+
+
+def test_a_model_classes_hook_answering_none_claims_nothing(manager):
+    class Silent:
+        @hookimpl
+        def m3_eagle_model_classes(self, host):
+            return None
+
+    manager.register(Silent(), name="silent")
+    model = "m3_eagle_plugin.models:MiniMaxM3ForCausalLM"  # the built-in reference model only
+    assert manager.model_classes("reference") == {arch: model for arch in builtin.ARCHITECTURES}
+
+
+def test_a_model_classes_hook_answering_no_dict_is_a_plugin_error_naming_it(manager):
+    class Listy:
+        @hookimpl
+        def m3_eagle_model_classes(self, host):
+            return ["MiniMaxM3SparseForCausalLM"]
+
+    manager.register(Listy(), name="listy")
+    with pytest.raises(PluginError, match="plugin 'listy': m3_eagle_model_classes must return a dict, got list"):
+        manager.model_classes("reference")
+
+
+def test_drafts_for_fewer_requests_than_asked_are_rejected(manager):
+    class OneRow:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            return [[1, 1]]  # the right length, but one request's drafts only
+
+    manager.register(OneRow(), name="one-row")
+    with pytest.raises(PluginError, match=r"returned \[2\] tokens for 2 requests"):
+        manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
+
+
+def test_a_blocked_name_is_not_listed_as_a_plugin(manager):
+    manager.set_blocked("drafter")
+    try:
+        assert [row["name"] for row in manager.plugin_summary()] == [registry.BUILTIN_NAME]
+    finally:  # the fixture unregisters every name it lists; a blocked one holds no plugin
+        manager._name2plugin.pop("drafter", None)
+
+
+def _broken_distribution(site) -> None:
+    """A dist-info on sys.path declaring one entry point whose module does not exist."""
+    dist = site / "broken_m3_plugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-m3-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[m3_eagle_plugin]\nbroken = no_such_module_xyz:plugin\n")
+
+
+def test_a_strict_autoloading_factory_raises_on_a_broken_entry_point(tmp_path, monkeypatch):
+    _broken_distribution(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delenv(registry.LOAD_ENV, raising=False)
+    with pytest.raises(PluginError, match="broken"):
+        make_plugin_manager(autoload=True, strict=True)
+
+
+def test_the_singleton_without_autoload_loads_no_entry_point(clean_state, tmp_path, monkeypatch):
+    _broken_distribution(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert registry.get_plugin_manager(autoload=False).load_errors == []
+    registry.reset_plugin_manager()
+    assert [e.name for e in registry.get_plugin_manager().load_errors] == ["broken"]
+
+
+def test_builtin_claims_every_architecture_the_manifest_provides(manager):
+    from m3_eagle_plugin.manifest import load_manifest
+
+    provided = set(load_manifest().provides["architectures"])
+    assert set(manager.model_classes("reference")) == provided
+
+
+def test_builtin_reads_the_sparse_algorithm_case_insensitively(manager):
+    from types import SimpleNamespace
+
+    assert manager.kv_cache_manager("reference", {"algorithm": "MiniMax_M3"}) == "m3_eagle_plugin.kv:PagedKVCache"
+    assert manager.kv_cache_manager("reference", SimpleNamespace(algorithm="MINIMAX_M3")) == \
+        "m3_eagle_plugin.kv:PagedKVCache"
