@@ -452,3 +452,86 @@ def test_booleans_accept_json_zero_and_one_and_positive_floats_refuse_zero():
     raw["text_config"]["rms_norm_eps"] = 0
     with pytest.raises(ConfigError, match=r"text_config\.rms_norm_eps: must be > 0, got 0$"):
         M3Config.from_dict(raw, "x.json")
+
+
+# ---- gaps found by mutation testing ----
+
+def test_null_rope_sections_read_as_absent_like_transformers():
+    """HF configs often hold `"rope_scaling": null`: a null field is an absent one, not a bad section."""
+    raw = target_config()
+    raw["text_config"].update(rope_scaling=None, rope_parameters=None)
+    _assert_same(M3Config.from_dict(raw), _as_transformers_sees_it(json.loads(json.dumps(raw))))
+
+
+@pytest.mark.parametrize("field", ["rms_norm_eps", "routed_scaling_factor"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_number_is_refused_naming_the_field(field, value):
+    raw = target_config()
+    raw["text_config"][field] = value
+    with pytest.raises(ConfigError) as info:
+        M3Config.from_dict(raw, "x.json")
+    assert str(info.value) == f"x.json: text_config.{field}: expected a finite number, got float {value!r}"
+
+
+def test_int_list_refuses_a_boolean_entry_naming_it():
+    from m3_eagle_plugin.models.config_fields import ConfigFields
+
+    fields = ConfigFields({"ok": [2, 4, 5], "ids": [2, True]}, "x.json")
+    assert fields.get_int_list("ok") == (2, 4, 5)
+    with pytest.raises(ConfigError, match=r"^x\.json: ids\[1\]: expected an integer, got bool True$"):
+        fields.get_int_list("ids")
+
+
+def test_odd_rotary_dim_is_a_config_error():
+    """16 * 0.3125 = 5 rotated channels: NeoX RoPE rotates channel pairs, so no model can be built."""
+    raw = target_config()
+    raw["text_config"]["partial_rotary_factor"] = 0.3125
+    with pytest.raises(ConfigError, match=r"rotary dim 5 must be even"):
+        M3Config.from_dict(raw)
+
+
+@pytest.mark.parametrize("size", [3, 6, 12])
+def test_sparse_block_size_that_is_not_a_power_of_two_is_refused(size):
+    raw = target_config()
+    raw["text_config"]["sparse_attention_config"]["sparse_block_size"] = size
+    with pytest.raises(ConfigError, match=rf"sparse block size {size} must be a power of two"):
+        M3Config.from_dict(raw)
+
+
+def test_index_heads_other_than_the_kv_heads_are_refused_by_the_dataclass():
+    """`M3Config` itself (not only the parser) holds one index head per KV head."""
+    from dataclasses import replace
+
+    cfg = M3Config.from_dict(target_config())
+    with pytest.raises(ConfigError, match=r"index heads \(1\) must equal num_key_value_heads \(2\)"):
+        replace(cfg, index_heads=1)
+
+
+def test_every_expert_per_token_is_accepted_one_more_is_not():
+    raw = target_config()
+    text = raw["text_config"]
+    text["num_experts_per_tok"] = text["num_local_experts"]
+    cfg = M3Config.from_dict(raw)
+    assert cfg.num_experts_per_tok == cfg.num_experts == 8
+    _assert_same(cfg, _as_transformers_sees_it(json.loads(json.dumps(raw))))
+    text["num_experts_per_tok"] += 1
+    with pytest.raises(ConfigError, match=r"num_experts_per_tok 9 not in \[1, 8\]"):
+        M3Config.from_dict(raw)
+
+
+def test_text_layout_ignores_its_stale_rotary_dim_like_transformers():
+    """transformers' text config carries a `rotary_dim` its rotary embedding never reads: without a
+    partial_rotary_factor the whole head rotates."""
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRotaryEmbedding
+
+    hf = tiny_text_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rotary_dim=4)
+    cfg = M3Config.from_dict(hf.to_dict())
+    assert cfg.layout == "text"
+    assert cfg.rotary_dim == 2 * MiniMaxM3VLRotaryEmbedding(hf).inv_freq.shape[0] == 16
+
+
+def test_production_init_blocks_are_read_from_the_legacy_section():
+    """The production layout's `sparse_init_block` is read (vLLM / SGLang force those blocks)."""
+    raw = target_config()
+    raw["text_config"]["sparse_attention_config"]["sparse_init_block"] = 2
+    assert M3Config.from_dict(raw).init_blocks == 2

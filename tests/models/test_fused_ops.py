@@ -359,6 +359,35 @@ def test_kernels_launch_with_the_tensors_device_current(monkeypatch, fake_curren
     assert seen == [1, 1, 1, 0] and entered == [1, 1, 1] and current == [0]
 
 
+def test_ops_decline_what_their_kernels_do_not_take(monkeypatch):
+    """Each op returns None (the caller's torch path) for an input its kernel does not take, or when
+    autograd would need a backward; the kernel is never launched. The neighbouring inputs that the
+    kernels do take are launched (stub kernels: only the routing is checked here)."""
+    launched = []
+    fake = SimpleNamespace(
+        rms_norm_rows=lambda rows, *a, **k: launched.append("norm") or (torch.empty_like(rows), None),
+        norm_rope_qk=lambda *a: launched.append("rope"))
+    monkeypatch.setattr(fused_ops, "_kernels", lambda: fake)
+    wide, x, q, pos = fused_ops.MAX_NORM_WIDTH, torch.randn(3, 8), torch.randn(2, 2, 8), torch.arange(2)
+    w = torch.ones(8, requires_grad=True)
+    with fused(True):
+        with torch.no_grad():
+            declined = [
+                fused_ops.rms_norm(torch.randn(1, wide + 1), torch.ones(wide + 1), 1e-6, gemma=True),  # too wide
+                fused_ops.rms_norm(torch.randn(8, 3).t(), torch.ones(8), 1e-6, gemma=False),  # rows not contiguous
+                fused_ops.rms_norm(x, w, 1e-6, gemma=True, residual=torch.randn(1, 8)),  # a broadcast residual
+                fused_ops.norm_rope_qk(q, q, pos, torch.ones(5)),  # 10 rotary channels in a head of 8
+                fused_ops.norm_rope_qk(q, q, pos, torch.ones(2), (w[:4], 1e-6, w[:4], 1e-6)),  # norm weights of 4
+            ]
+            assert declined == [None] * 5 and launched == []
+            assert fused_ops.rms_norm(torch.randn(1, wide), torch.ones(wide), 1e-6, gemma=True) is not None
+            assert fused_ops.rms_norm(x, w, 1e-6, gemma=True) is not None
+            assert fused_ops.norm_rope_qk(q, q, pos, torch.ones(4), (torch.ones(8), 1e-6, torch.ones(8), 1e-6))
+            assert launched == ["norm", "norm", "rope"]
+        assert fused_ops.rms_norm(x, w, 1e-6, gemma=True) is None  # w requires grad: the kernel has no backward
+        assert launched == ["norm", "norm", "rope"]
+
+
 @needs_interpreter
 def test_kernels_in_the_interpreter():
     lines = interpreter_case_lines("tests.models.interpret_fused_ops")

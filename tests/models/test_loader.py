@@ -131,9 +131,35 @@ def test_weight_stored_as_a_non_float_dtype_is_refused_by_name(tiny_dir, tmp_pat
         load_target(path)
 
 
-def test_bf16_and_fp16_weights_still_load(tiny_dir, tmp_path):
+def test_bf16_fp16_and_fp64_weights_still_load(tiny_dir, tmp_path):
     def edit(t):
         for i, name in enumerate(sorted(t)):
-            t[name] = t[name].to(torch.bfloat16 if i % 2 else torch.float16)
+            t[name] = t[name].to((torch.bfloat16, torch.float16, torch.float64)[i % 3])
     model = load_target(_rewrite(tiny_dir / "target", tmp_path / "ckpt", edit))
     assert model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_rotary_inv_freq_buffers_of_older_exports_are_ignored(tiny_dir, tmp_path):
+    def add(t):
+        t["language_model.model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+        t["language_model.model.rotary_emb.inv_freq"] = torch.ones(4)
+    path = _rewrite(tiny_dir / "target", tmp_path / "x", add)
+    _same_weights(load_target(path), load_target(tiny_dir / "target"))
+
+
+def test_a_lone_unknown_tensor_is_refused(tiny_dir, tmp_path):
+    def add(t):
+        t["language_model.model.layers.1.self_attn.surprise.weight"] = torch.zeros(2)
+    path = _rewrite(tiny_dir / "target", tmp_path / "bad", add)
+    with pytest.raises(CheckpointError, match=r"does not match the model: 1 unknown tensor\(s\): .*surprise"):
+        load_target(path)
+
+
+def test_dense_mlp_under_block_sparse_moe_names_loads(tiny_dir, tmp_path):
+    """transformers 5.17 re-saves a dense layer's MLP as `block_sparse_moe.{gate,up,down}_proj`."""
+    def rename(t):
+        for name in [n for n in t if ".mlp." in n]:
+            t[name.replace(".mlp.", ".block_sparse_moe.")] = t.pop(name)
+    path = _rewrite(tiny_dir / "target", tmp_path / "x", rename)
+    assert not any(".mlp." in n for n in load_file(str(path / "model.safetensors")))
+    _same_weights(load_target(path), load_target(tiny_dir / "target"))

@@ -249,3 +249,72 @@ def test_cpu_bf16_rounds_no_more_than_transformers_bf16(hf_text_checkpoint):
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     err = (got - want).abs()
     assert err.mean() <= hf_err.mean(), (err.mean(), hf_err.mean())  # max: a rare routing flip either way
+
+
+def test_init_blocks_are_attended_by_every_token():
+    """A production config forcing 1 init + 1 local block of a top-2 selection: every token attends to
+    exactly the visible keys of block 0 and of its own block, whatever the index scores say (naive
+    masked softmax attention below, from the layer's own projections)."""
+    from m3_eagle_plugin.models.attention import M3Attention
+    from m3_eagle_plugin.models.config import M3Config
+    from m3_eagle_plugin.models.rope import RotaryEmbedding, apply_rope
+    from m3_eagle_plugin.models.tiny import target_config
+
+    raw = target_config()
+    raw["text_config"]["sparse_attention_config"].update(sparse_init_block=1, sparse_topk_blocks=2)
+    cfg = M3Config.from_dict(raw)
+    torch.manual_seed(0)
+    attn = M3Attention(cfg, cfg.sparse_layer_ids[0])
+    runner = PagedRunner(cfg)
+    t, heads, kv_heads, d = 22, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim  # 6 blocks of 4
+    runner.prepare([("a", t)])
+    x = torch.randn(t, cfg.hidden_size)
+    rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+    with torch.no_grad():
+        got = attn(x, rotary.at(torch.arange(t)), runner.meta, runner.cache)
+        cos, sin = rotary.cos_sin(torch.arange(t))
+        q = apply_rope(attn.q_norm(attn.q_proj(x).view(t, heads, d)), cos, sin)
+        k = apply_rope(attn.k_norm(attn.k_proj(x).view(t, kv_heads, d)), cos, sin)
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = attn.v_proj(x).view(t, kv_heads, d).repeat_interleave(heads // kv_heads, dim=1)
+        block = torch.arange(t) // cfg.block_size
+        pos = torch.arange(t)
+        allowed = (pos[None, :] <= pos[:, None]) & ((block[None, :] == 0) | (block[None, :] == block[:, None]))
+        scores = torch.einsum("thd,shd->hts", q, k) * d ** -0.5
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        want = attn.o_proj(torch.einsum("hts,shd->thd", probs, v).reshape(t, heads * d))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_set_graph_safe_moe_switches_every_moe_layer_and_back(hf_text_checkpoint):
+    from m3_eagle_plugin.models.mlp import M3SparseMoE
+
+    model = load_target(hf_text_checkpoint)
+    moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, M3SparseMoE)]
+    assert len(moe) == 3 and not any(m.graph_safe for m in moe)  # the default: only chosen experts run
+    model.set_graph_safe_moe()
+    assert all(m.graph_safe for m in moe)
+    model.set_graph_safe_moe(False)
+    assert not any(m.graph_safe for m in moe)
+
+
+def test_transformers_in_memory_vl_names_load_and_match_transformers(tiny_dir, tmp_path):
+    """A raw state_dict of transformers' VL model (`model.language_model.*`, `lm_head`, vision
+    weights under `model.vision_tower` / `model.multi_modal_projector`, ignored)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import MiniMaxM3SparseForConditionalGeneration
+
+    from m3_eagle_plugin.models.loader import detect_layout
+
+    hf = load_oracle(tiny_dir / "target", MiniMaxM3SparseForConditionalGeneration)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.language_model.layers.0.mlp.gate_up_proj.weight" in state
+    assert detect_layout(set(state)) == "vl_internal"
+    save_file(state, str(tmp_path / "model.safetensors"))
+    shutil.copy(tiny_dir / "target" / "config.json", tmp_path / "config.json")
+    ids = torch.randint(0, 256, (18,), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        want = hf(input_ids=ids[None]).logits[0].float()
+    torch.testing.assert_close(_prefill_logits(load_target(tmp_path), ids), want, atol=TOL, rtol=0)

@@ -57,3 +57,12 @@ def test_a_large_eps_matches_transformers_modules():
                 torch.testing.assert_close(ours(x), theirs(x))
                 _, normed = ours.add_then_norm(x, x)
                 torch.testing.assert_close(normed, theirs(2 * x))
+
+
+def test_fresh_norms_scale_by_one():
+    """Gemma weights start at 0 (scale 1 + w), Llama weights at 1 (scale w): unloaded, both are x / rms(x)."""
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(4)) * 3
+    want = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    for norm in (GemmaRMSNorm(16), LlamaRMSNorm(16)):
+        with torch.no_grad():
+            torch.testing.assert_close(norm(x).double(), want, atol=1e-5, rtol=1e-5)

@@ -67,6 +67,7 @@ def test_file_that_breaks_after_listing_names_file_and_tensor(good_file, tmp_pat
     ("[]", "weight_map: missing or not a JSON object"),
     ('{"weight_map": ["model.safetensors"]}', "weight_map: missing or not a JSON object"),
     ('{"weight_map": {"a.weight": 3}}', "weight_map: tensors without a shard file name: a.weight"),
+    ('{"weight_map": {"a.weight": ""}}', "weight_map: tensors without a shard file name: a.weight"),
 ])
 def test_broken_shard_index_names_the_index(good_file, tmp_path, index_text, what):
     (tmp_path / "model.safetensors").write_bytes(good_file.read_bytes())
@@ -108,6 +109,8 @@ def _two_shards(directory: Path, weight_map: dict[str, str]) -> Path:
      r"1 tensor\(s\) not in the shard the index names: b.weight \(s1.safetensors\)"),
     ({"a.weight": "s1.safetensors", "b.weight": "s2.safetensors", "c.weight": "s2.safetensors"},
      r"1 tensor\(s\) not in the shard the index names: c.weight \(s2.safetensors\)"),
+    ({"a.weight": "s2.safetensors", "b.weight": "s1.safetensors"},
+     r"2 tensor\(s\) not in the shard the index names: a.weight \(s2.safetensors\), b.weight \(s1.safetensors\)$"),
     ({"a.weight": "s1.safetensors", "x.weight": "s2.safetensors"},
      r"x.weight \(s2.safetensors\); 1 tensor\(s\) in a shard but not in the index: b.weight \(s2.safetensors\)"),
 ])
@@ -122,3 +125,36 @@ def test_index_that_matches_its_shards_loads(tmp_path):
     _two_shards(tmp_path, {"a.weight": "s1.safetensors", "b.weight": "s2.safetensors"})
     source = SafetensorsSource(tmp_path)
     assert source.names() == {"a.weight", "b.weight"} and source.dtype("b.weight") == "F32"
+
+
+def test_a_tensor_stored_in_two_shards_is_refused_whichever_the_index_names(tmp_path):
+    save_file({"a.weight": torch.zeros(2), "b.weight": torch.zeros(3)}, str(tmp_path / "s1.safetensors"))
+    save_file({"b.weight": torch.ones(3), "c.weight": torch.ones(1)}, str(tmp_path / "s2.safetensors"))
+    for shard in ("s1.safetensors", "s2.safetensors"):
+        weight_map = {"a.weight": "s1.safetensors", "b.weight": shard, "c.weight": "s2.safetensors"}
+        (tmp_path / SafetensorsSource.INDEX).write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(CheckpointError, match=r"s2\.safetensors: tensor 'b\.weight' also appears in .*s1"):
+            SafetensorsSource(tmp_path)
+
+
+def test_model_safetensors_is_taken_beside_other_safetensors_files(good_file, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(good_file.read_bytes())
+    save_file({"other": torch.zeros(1)}, str(tmp_path / "consolidated.safetensors"))
+    source = SafetensorsSource(tmp_path)
+    assert source.files == [tmp_path / "model.safetensors"] and source.names() == {"a.weight", "b.bias"}
+
+
+def test_several_safetensors_files_without_an_index_are_refused(tmp_path):
+    for name in ("a.safetensors", "b.safetensors"):
+        save_file({name: torch.zeros(1)}, str(tmp_path / name))
+    with pytest.raises(CheckpointError, match=r"one \*\.safetensors file, found \['a.safetensors', 'b.safetensors'\]"):
+        SafetensorsSource(tmp_path)
+
+
+def test_file_removed_after_listing_names_file_and_tensor(good_file, tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(good_file.read_bytes())
+    source = SafetensorsSource(tmp_path)
+    path.unlink()
+    with pytest.raises(CheckpointError, match=rf"^{path}: tensor 'a.weight' cannot be read"):
+        source.get("a.weight")

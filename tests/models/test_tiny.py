@@ -169,3 +169,18 @@ def test_an_empty_out_dir_is_refused_not_taken_as_the_current_directory(tmp_path
     assert cli_main(["make-tiny", "", "--train-steps", "0"]) == 2
     assert "OUT_DIR is empty" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_largest_seed_is_refused(tmp_path):
+    """Seeds are documented as [0, 2**63 - 1): the draft is seeded with seed + 1."""
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63 - 1\)"):
+        tiny.make_tiny(tmp_path, seed=2**63 - 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_norm_weights_sit_near_each_norms_identity(tiny_dir):
+    """The target's Gemma norms scale by 1 + w (w near 0), the draft's Llama norms by w (w near 1)."""
+    for part, identity in (("target", 0.0), ("draft", 1.0)):
+        _, tensors = _read(tiny_dir / part)
+        norms = [t for name, t in tensors.items() if name.endswith("norm.weight")]
+        assert norms and all(abs(t.mean().item() - identity) < 0.2 for t in norms), part
