@@ -68,3 +68,21 @@ def test_context_phase_admits_more_prompts_than_batch_slots(tiny_pair):
     result = continue_generation(generation, [import_handoff(generation, h) for h in handoffs])
     assert result.errors == [None] * 3
     assert result.outputs == _transformers_greedy(tiny_pair[0], prompts)
+
+
+def test_the_generation_engine_stops_imported_requests_at_its_eos_ids(tiny_pair):
+    """The context engine knows no EOS; the generation engine's ``eos_ids`` name a token the target
+    emits mid-way: each request ends with its first EOS after the handed-off token, as transformers'
+    greedy output cut there."""
+    expected = _transformers_greedy(tiny_pair[0], DISAGG_PROMPTS)
+    eos = next(t for j, t in enumerate(expected[0]) if j >= 2 and t not in expected[0][:j] and t != expected[1][0])
+    cut = [out[: out.index(eos, 1) + 1] if eos in out[1:] else out for out in expected]
+    assert len(cut[0]) < DISAGG_NEW
+    context = _engine(tiny_pair, DISAGG_PROMPTS)
+    handoffs = [export_handoff(context, r) for r in run_context_phase(context, DISAGG_PROMPTS, DISAGG_NEW)]
+    config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64, eos_ids=(eos,))
+    generation = build_engine(tiny_pair[0], tiny_pair[1], config,
+                              num_blocks=blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    result = continue_generation(generation, [import_handoff(generation, h) for h in handoffs])
+    assert result.outputs == cut
+    assert result.stop_reasons == ["eos" if len(c) < DISAGG_NEW else "length" for c in cut]

@@ -292,3 +292,98 @@ def test_a_numpy_max_new_tokens_survives_the_handoff(tiny_pair):
     assert handoff.max_new_tokens == DISAGG_NEW
     imported = import_handoff(generation, handoff)
     assert imported.max_new_tokens == DISAGG_NEW and generation.owns(imported)
+
+
+def test_engines_a_handoff_cannot_serve_are_refused_by_name(tiny_pair, handoffs):
+    """Overlap (state not committed after a step) and sampling (draft probabilities and generators
+    do not travel) are refused before anything is registered."""
+    from m3_eagle_plugin.host.reference.sampler import SamplingParams
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    for change, cause in (({"overlap": True}, "without overlap"),
+                          ({"sampling": SamplingParams(temperature=0.7)}, "greedy sampling only")):
+        config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64, **change)
+        engine = build_engine(tiny_pair[0], tiny_pair[1], config, num_blocks=blocks)
+        with pytest.raises(HandoffError, match=cause):
+            run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)
+        with pytest.raises(HandoffError, match=cause):
+            import_handoff(engine, handoffs[0])
+        assert _is_clean(engine)
+
+
+def test_too_few_pending_drafts_are_refused_too(tiny_pair, handoffs):
+    import dataclasses
+
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    short = dataclasses.replace(handoffs[0], pending_inputs=handoffs[0].pending_inputs[:-1])
+    with pytest.raises(HandoffError, match=f"{DISAGG_K - 1} pending drafts, this engine verifies {DISAGG_K}"):
+        import_handoff(engine, short)
+    assert _is_clean(engine)
+
+
+def test_a_handoff_that_fits_alone_but_not_beside_the_admitted_ones_is_refused_and_leaves_them_be(tiny_pair,
+                                                                                                    handoffs):
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS[:1], DISAGG_NEW, DISAGG_K, 4))
+    first = import_handoff(engine, handoffs[0])
+    held = (engine.cache.num_free_blocks, engine.scheduler.admitted_blocks, engine.cache.allocator.request_ids)
+    with pytest.raises(HandoffError, match=f"request {handoffs[1].index}: no KV budget left"):
+        import_handoff(engine, handoffs[1])
+    assert (engine.cache.num_free_blocks, engine.scheduler.admitted_blocks,
+            engine.cache.allocator.request_ids) == held
+    engine.finish(first)  # once the first is gone, the second fits
+    assert engine.cache.num_tokens(import_handoff(engine, handoffs[1]).rid) == handoffs[1].kv_len
+
+
+def test_only_a_committed_decoding_request_is_exported_and_it_ends_handed_off(tiny_pair):
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    done = run_context_phase(engine, DISAGG_PROMPTS[:1], 1)[0]
+    decoding = run_context_phase(engine, DISAGG_PROMPTS[:1], DISAGG_NEW, first_index=1)[0]
+    assert done.state.value == "finished"  # its one token came with the prefill
+    with pytest.raises(HandoffError, match="request 0 is finished"):
+        export_handoff(engine, done)
+    decoding.inflight_steps = 1  # as if a launched step were not committed yet
+    with pytest.raises(HandoffError, match="1 steps in flight"):
+        export_handoff(engine, decoding)
+    decoding.inflight_steps = 0
+    export_handoff(engine, decoding)
+    assert (decoding.state.value, decoding.stop_reason) == ("finished", "handed_off")
+
+
+def test_a_refused_handoff_raises_handoff_error_on_the_sender_and_no_page_follows(handoffs, monkeypatch):
+    import torch
+
+    from m3_eagle_plugin.parallel.disagg import send_handoff
+
+    from .test_transfer import DOC_MAGIC, _Group, _recording_wire
+
+    reason = list(b"request 0: no room")
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 4, len(reason)]),
+                                         torch.tensor(reason + [-DOC_MAGIC])])
+    with pytest.raises(HandoffError, match="rank 1 refused the handoff of request 0: request 0: no room"):
+        send_handoff(handoffs[0], 1, _Group())
+    assert [frame[:3] for frame in sent[::2]] == [[DOC_MAGIC, 2, 3]] and len(sent) == 2  # the header only
+
+
+def test_handoff_pages_that_cannot_be_staged_fail_before_the_header(handoffs, monkeypatch):
+    """Copying the pages to the group's device (out of memory, say) fails before the header goes out:
+    failing after an accepted header would leave the receiver reading the next frame as pages."""
+    import torch
+
+    from m3_eagle_plugin.parallel import disagg
+    from m3_eagle_plugin.parallel.disagg import send_handoff
+
+    from .test_transfer import DOC_MAGIC, _Group, _recording_wire
+
+    def out_of_memory(pool_pages, group):
+        raise torch.OutOfMemoryError("no room for the staged pages")
+
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 4, 0]), torch.tensor([-DOC_MAGIC])])
+    monkeypatch.setattr(disagg, "stage_pages", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        send_handoff(handoffs[0], 1, _Group())
+    assert sent == []

@@ -37,3 +37,47 @@ def test_two_rank_checks_hold_over_nccl(tiny_pair, tmp_path):
     rank1 = torch.load(Path(tmp_path) / "rank1.pt")
     assert rank1["outputs"] == rank1["aggregated_outputs"] and rank1["stats"] == rank1["aggregated_stats"]
     assert rank1["replay_stats"] == torch.load(Path(tmp_path) / "rank0.pt")["replay_stats"]
+
+
+def _fake_cuda(monkeypatch, devices):
+    """``devices`` visible GPUs and a rendezvous that only records its arguments (no process group)."""
+    import torch.distributed as dist
+
+    calls = {}
+    monkeypatch.setattr(os, "environ", {})  # the environment init_local_group sees (and sets)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("device", device))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    return calls
+
+
+def test_the_default_backend_is_nccl_with_a_gpu_per_rank_and_gloo_otherwise(monkeypatch):
+    """The docstring's rule: NCCL when every rank has its own GPU (rank r on cuda:r, NVLS off unless
+    the caller set it), else gloo (on the loopback interface)."""
+    calls = _fake_cuda(monkeypatch, 2)
+    assert init_local_group(1, 2, 12345, timeout_s=7.0) == "nccl"
+    assert calls["backend"] == "nccl" and calls["device"] == 1
+    assert (calls["init_method"], calls["rank"], calls["world_size"]) == ("tcp://127.0.0.1:12345", 1, 2)
+    assert calls["timeout"].total_seconds() == 7.0
+    assert os.environ == {"NCCL_NVLS_ENABLE": "0"}
+    calls = _fake_cuda(monkeypatch, 2)
+    os.environ["NCCL_NVLS_ENABLE"] = "1"
+    init_local_group(0, 2, 12345)
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1" and calls["device"] == 0
+    for devices in (0, 1):
+        calls = _fake_cuda(monkeypatch, devices)
+        assert init_local_group(0, 2, 12345) == "gloo"
+        assert calls["backend"] == "gloo" and "device" not in calls
+        assert os.environ == {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def test_nccl_tensors_live_on_this_ranks_gpu(monkeypatch):
+    import torch.distributed as dist
+
+    from m3_eagle_plugin.parallel.process_group import comm_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for backend, device in (("nccl", torch.device("cuda", 1)), ("gloo", torch.device("cpu"))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+        assert comm_device() == device

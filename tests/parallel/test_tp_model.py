@@ -101,6 +101,11 @@ def test_bad_input_is_refused(full_model):
         rank_config(full_model.config, 4)
     with pytest.raises(ShardingError, match="no tensor-parallel split rule"):
         shard_state_dict({"norm.weight": torch.ones(4)}, {"norm.weight": torch.Size([2])}, 0, 2)
+    with pytest.raises(ShardingError, match=r"lacks \['norm.weight'\]"):
+        shard_state_dict({}, {"norm.weight": torch.Size([4])}, 0, 2)
+    for rank in (-1, 2):  # refused even when nothing needs cutting
+        with pytest.raises(ValueError, match=f"rank {rank} is outside"):
+            shard_state_dict({"norm.weight": torch.ones(4)}, {"norm.weight": torch.Size([4])}, rank, 2)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -158,10 +163,11 @@ def test_tp2_greedy_output_and_logits_equal_tp1(two_rank_run):
     assert 0 < tp1["engine_stats"]["acceptance_rate"] < 1
 
 
-@pytest.mark.parametrize("rows, tp, shard_rows", [(6, 4, 2), (8, 3, 3)])
+@pytest.mark.parametrize("rows, tp, shard_rows", [(6, 4, 2), (8, 3, 3), (5, 2, 2)])
 def test_a_cut_that_does_not_partition_the_tensor_is_refused_on_every_rank(rows, tp, shard_rows):
     """``rows`` do not split over ``tp`` ranks, so no rank may get a slice: `torch.chunk` still
-    hands the first ranks ``shard_rows``-row pieces (and the others a short piece or none)."""
+    hands the first ranks ``shard_rows``-row pieces (and the others a short piece or none); equal
+    floor-sized slices (5 rows as 2 + 2) fit the shard's shape but would drop the last row."""
     full = {"layers.0.self_attn.q_proj.weight": torch.randn(rows, 3)}
     shapes = {"layers.0.self_attn.q_proj.weight": torch.Size([shard_rows, 3])}
     for rank in range(tp):

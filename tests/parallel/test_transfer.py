@@ -240,7 +240,7 @@ def test_an_exchange_cut_off_between_its_messages_leaves_the_stream_out_of_sync(
     with pytest.raises(KeyboardInterrupt):
         t.send_ints([1, 2], 1, group)
     t.send_ints([1, 2], 2, group)
-    with pytest.raises(t.TransferError, match="sending the int list was cut off part-way"):
+    with pytest.raises(t.TransferError, match="sending the list of ints was cut off part-way"):
         t.send_ints([1, 2], 1, group)
 
 
@@ -256,3 +256,159 @@ def test_an_int_list_for_the_wire_takes_integers_and_refuses_bool_and_float_by_p
     for bad, kind in ((True, "bool"), (2.0, "float")):
         with pytest.raises(TypeError, match=rf"ints\[1\] must be an int, got {kind}"):
             as_ints([7, bad])
+
+
+# The frame layout as the module docstring writes it (wire format version 2), spelled out here.
+DOC_MAGIC = int.from_bytes(b"M3EAGLE", "big")
+
+
+def _recording_wire(monkeypatch, recvs):
+    """`_one_sided_wire` whose sends are recorded (as int lists) instead of dropped."""
+    sent = []
+    _one_sided_wire(monkeypatch, [], recvs)
+    from m3_eagle_plugin.parallel import transfer as t
+
+    monkeypatch.setattr(t.dist, "send", lambda tensor, dst, group=None: sent.append(tensor.tolist()))
+    return sent
+
+
+def test_an_int_frame_is_sent_in_the_documented_layout(monkeypatch):
+    from m3_eagle_plugin.parallel import transfer as t
+
+    sent = _recording_wire(monkeypatch, [])
+    t.send_ints([7, -3, 0], 1, _Group())
+    assert sent == [[DOC_MAGIC, 2, 1, 3], [7, -3, 0, -DOC_MAGIC]]
+
+
+def test_a_value_past_int64_is_refused_before_any_message_and_the_stream_stays_usable(monkeypatch):
+    from m3_eagle_plugin.parallel import transfer as t
+
+    sent, group = _recording_wire(monkeypatch, []), _Group()
+    for big in (1 << 63, -(1 << 63) - 1):
+        with pytest.raises(t.TransferError, match="not an int64"):
+            t.send_ints([1, big], 1, group)
+    assert sent == []
+    t.send_ints([(1 << 63) - 1], 1, group)  # the largest int64 travels
+    assert sent == [[DOC_MAGIC, 2, 1, 1], [(1 << 63) - 1, -DOC_MAGIC]]
+
+
+def test_a_header_refused_by_an_exception_without_a_message_is_still_refused(monkeypatch):
+    """An empty verdict means "accepted" on the wire: a refusal must never send one, even when the
+    exception that refused says nothing (its type is the reason then)."""
+    from m3_eagle_plugin.parallel import transfer as t
+
+    body = _header()
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 2, len(body)]), torch.tensor(body + [-DOC_MAGIC])])
+
+    def accept(values):
+        raise MemoryError
+
+    with pytest.raises(MemoryError):
+        t.recv_header(2, 0, _Group(), accept)
+    (magic, version, kind, n), reason = sent
+    assert (magic, version, kind) == (DOC_MAGIC, 2, 4) and n > 0
+    assert bytes(reason[:-1]).decode() == "MemoryError" and reason[-1] == -DOC_MAGIC
+
+
+def _out_of_sync(t, peer, group):
+    """Whether the next message with ``peer`` is refused as out of sync (nothing is sent or read)."""
+    try:
+        t.send_ints([0], peer, group)
+    except t.TransferError as error:
+        return "out of sync" in str(error)
+    return False
+
+
+def test_a_frame_announcing_more_ints_than_the_limit_is_refused_before_its_body_is_read(monkeypatch):
+    from m3_eagle_plugin.parallel import transfer as t
+
+    group = _Group()
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 1, (1 << 24) + 1])])  # no body follows
+    with pytest.raises(t.TransferError, match=f"announced a frame of {(1 << 24) + 1} ints"):
+        t.recv_ints(0, group)
+    assert _out_of_sync(t, 0, group) and sent == []
+
+
+def test_a_frame_of_exactly_the_limit_is_sent(monkeypatch):
+    from m3_eagle_plugin.parallel import transfer as t
+
+    shapes = []
+    _one_sided_wire(monkeypatch, [], [])
+    monkeypatch.setattr(t.dist, "send", lambda tensor, dst, group=None: shapes.append(tensor.shape[0]))
+    values = [0] * (1 << 24)  # straight to the framing (`send_ints` would check 16 M ints one by one)
+    t._send_frame(t.KIND_INTS, values, 1, _Group())
+    assert shapes == [4, (1 << 24) + 1]
+    with pytest.raises(t.TransferError, match="over the 16777216 limit"):
+        t._send_frame(t.KIND_INTS, values + [0], 1, _Group())
+
+
+def test_a_send_that_fails_on_the_wire_puts_the_stream_out_of_sync(monkeypatch):
+    from m3_eagle_plugin.parallel import transfer as t
+
+    group = _Group()
+    _one_sided_wire(monkeypatch, [None, RuntimeError("connection reset")], [])
+    with pytest.raises(t.TransferError, match="sending a list of ints to rank 1 failed: connection reset"):
+        t.send_ints([1, 2], 1, group)
+    assert _out_of_sync(t, 1, group)
+
+
+def test_an_int_list_where_a_header_belongs_is_refused_without_an_answer(monkeypatch):
+    """The int list's sender waits for no verdict: answering it would put a frame in the stream that
+    nobody reads. The stream is out of sync from then on."""
+    from m3_eagle_plugin.parallel import transfer as t
+
+    group = _Group()
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 1, 2]), torch.tensor([5, 6, -DOC_MAGIC])])
+    with pytest.raises(t.TransferError, match="expected a KV payload header from rank 0, got a list of ints"):
+        t.recv_header(2, 0, group, lambda values: pytest.fail("accepted an int list as a header"))
+    assert sent == [] and _out_of_sync(t, 0, group)
+
+
+def test_an_answer_that_is_not_a_verdict_puts_the_stream_out_of_sync(monkeypatch):
+    from m3_eagle_plugin.parallel import transfer as t
+
+    group = _Group()
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 1, 1]), torch.tensor([0, -DOC_MAGIC])])
+    with pytest.raises(t.TransferError, match="no verdict on the KV payload: expected a verdict from rank 1, "
+                                              "got a list of ints"):
+        t.send_header(2, _header(), 1, group, "KV payload")
+    assert len(sent) == 2 and _out_of_sync(t, 1, group)
+
+
+def test_a_framing_abort_answering_a_header_raises_its_cause_and_puts_the_stream_out_of_sync(monkeypatch):
+    from m3_eagle_plugin.parallel import transfer as t
+
+    group = _Group()
+    cause = list(b"the body arrived short")
+    _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 6, len(cause)]), torch.tensor(cause + [-DOC_MAGIC])])
+    with pytest.raises(t.TransferError, match="rank 1 lost the framing of the KV payload: the body arrived short"):
+        t.send_header(2, _header(), 1, group, "KV payload")
+    assert _out_of_sync(t, 1, group)
+
+
+def test_a_frame_after_the_pages_that_is_not_their_checksums_puts_the_stream_out_of_sync(monkeypatch):
+    from m3_eagle_plugin.parallel import transfer as t
+
+    group = _Group()
+    pages = torch.arange(8, dtype=torch.uint8).view(1, 2, 4)
+    sums = t.page_checksums([pages])
+    _recording_wire(monkeypatch, [pages, torch.tensor([DOC_MAGIC, 2, 1, 1]), torch.tensor([sums[0], -DOC_MAGIC])])
+    with pytest.raises(t.TransferError, match="after the pages of the KV payload: expected a page checksums "
+                                              "from rank 0, got a list of ints"):
+        t.recv_pages([torch.zeros(1, 2, 4, dtype=torch.uint8)], 0, group, "KV payload")
+    assert _out_of_sync(t, 0, group)
+
+
+def test_pages_that_cannot_be_staged_fail_before_the_header(monkeypatch):
+    """Copying the pages to the group's device (out of memory, say) fails before the header goes out:
+    failing after an accepted header would leave the receiver reading the next frame as pages."""
+    from m3_eagle_plugin.parallel import transfer as t
+
+    def out_of_memory(pool_pages, group):
+        raise torch.OutOfMemoryError("no room for the staged pages")
+
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 4, 0]), torch.tensor([-DOC_MAGIC])])
+    monkeypatch.setattr(t, "stage_pages", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        send_payload(KVTransferPayload("fp", 5, (torch.zeros(2, 3, 8, dtype=torch.uint8),)), 1, _Group())
+    assert sent == []

@@ -14,7 +14,7 @@ def edges(tiny_pair, tmp_path_factory):
 
 def test_a_header_where_an_int_list_belongs_is_refused_to_its_sender(edges):
     sender, receiver = edges
-    assert receiver["header where ints belong"].startswith("TransferError: expected a int list from rank 0, got a KV")
+    assert receiver["header where ints belong"].startswith("TransferError: expected a list of ints from rank 0, got a KV")
     # the sender waits for a verdict: it must get one, not a timeout
     assert sender["header where ints belong"].startswith("TransferError: rank 1 refused the KV payload: expected a")
     assert sender["header where ints belong, then"] == "ok"

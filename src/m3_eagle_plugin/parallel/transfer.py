@@ -67,7 +67,7 @@ MAGIC = int.from_bytes(b"M3EAGLE", "big")
 VERSION = 2
 TRAILER = -MAGIC
 KIND_INTS, KIND_PAYLOAD, KIND_HANDOFF, KIND_VERDICT, KIND_CHECKSUMS, KIND_ABORT = 1, 2, 3, 4, 5, 6
-_KIND_NAMES = {KIND_INTS: "int list", KIND_PAYLOAD: "KV payload header", KIND_HANDOFF: "handoff header",
+_KIND_NAMES = {KIND_INTS: "list of ints", KIND_PAYLOAD: "KV payload header", KIND_HANDOFF: "handoff header",
                KIND_VERDICT: "verdict", KIND_CHECKSUMS: "page checksums", KIND_ABORT: "framing abort"}
 _WAITS_FOR_VERDICT = (KIND_PAYLOAD, KIND_HANDOFF)
 
@@ -136,13 +136,13 @@ def _recv_tensor(tensor: torch.Tensor, src: int, group, what: str) -> None:
 def _send_frame(kind: int, values: list[int], dst: int, group) -> None:
     _check_in_sync(group, dst)
     if len(values) > MAX_FRAME_INTS:
-        raise TransferError(f"a {_KIND_NAMES[kind]} of {len(values)} ints is over the {MAX_FRAME_INTS} limit")
+        raise TransferError(f"a {_KIND_NAMES[kind]} holding {len(values)} ints is over the {MAX_FRAME_INTS} limit")
     device = comm_device(group)
     name = _KIND_NAMES[kind]
     try:  # both built before the first send: a value past int64 must not strand a sent preamble
         preamble = torch.tensor([MAGIC, VERSION, kind, len(values)], dtype=torch.int64, device=device)
         body = torch.tensor([*values, TRAILER], dtype=torch.int64, device=device)
-    except (RuntimeError, OverflowError) as error:
+    except (RuntimeError, OverflowError, ValueError) as error:  # torch 2.13: ValueError past int64
         raise TransferError(f"a {name} holds a value that is not an int64: {error}") from None
     with _whole(group, dst, f"sending the {name}"):
         _send_tensor(preamble, dst, group, f"a {name} preamble")
