@@ -359,14 +359,14 @@ def test_a_refused_handoff_raises_handoff_error_on_the_sender_and_no_page_follow
 
     from m3_eagle_plugin.parallel.disagg import send_handoff
 
-    from .test_transfer import DOC_MAGIC, _Group, _recording_wire
+    from .test_transfer import DOC_MAGIC, DOC_VERSION, _Group, _recording_wire
 
     reason = list(b"request 0: no room")
-    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 4, len(reason)]),
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 4, len(reason)]),
                                          torch.tensor(reason + [-DOC_MAGIC])])
     with pytest.raises(HandoffError, match="rank 1 refused the handoff of request 0: request 0: no room"):
         send_handoff(handoffs[0], 1, _Group())
-    assert [frame[:3] for frame in sent[::2]] == [[DOC_MAGIC, 2, 3]] and len(sent) == 2  # the header only
+    assert [frame[:3] for frame in sent[::2]] == [[DOC_MAGIC, DOC_VERSION, 3]] and len(sent) == 2  # the header only
 
 
 def test_handoff_pages_that_cannot_be_staged_fail_before_the_header(handoffs, monkeypatch):
@@ -377,12 +377,12 @@ def test_handoff_pages_that_cannot_be_staged_fail_before_the_header(handoffs, mo
     from m3_eagle_plugin.parallel import disagg
     from m3_eagle_plugin.parallel.disagg import send_handoff
 
-    from .test_transfer import DOC_MAGIC, _Group, _recording_wire
+    from .test_transfer import DOC_MAGIC, DOC_VERSION, _Group, _recording_wire
 
     def out_of_memory(pool_pages, group):
         raise torch.OutOfMemoryError("no room for the staged pages")
 
-    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 4, 0]), torch.tensor([-DOC_MAGIC])])
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 4, 0]), torch.tensor([-DOC_MAGIC])])
     monkeypatch.setattr(disagg, "stage_pages", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         send_handoff(handoffs[0], 1, _Group())

@@ -258,8 +258,8 @@ def test_an_int_list_for_the_wire_takes_integers_and_refuses_bool_and_float_by_p
             as_ints([7, bad])
 
 
-# The frame layout as the module docstring writes it (wire format version 2), spelled out here.
-DOC_MAGIC = int.from_bytes(b"M3EAGLE", "big")
+# The frame layout as the module docstring writes it (wire format version 3), spelled out here.
+DOC_MAGIC, DOC_VERSION = int.from_bytes(b"M3EAGLE", "big"), 3
 
 
 def _recording_wire(monkeypatch, recvs):
@@ -277,7 +277,7 @@ def test_an_int_frame_is_sent_in_the_documented_layout(monkeypatch):
 
     sent = _recording_wire(monkeypatch, [])
     t.send_ints([7, -3, 0], 1, _Group())
-    assert sent == [[DOC_MAGIC, 2, 1, 3], [7, -3, 0, -DOC_MAGIC]]
+    assert sent == [[DOC_MAGIC, DOC_VERSION, 1, 3], [7, -3, 0, -DOC_MAGIC]]
 
 
 def test_a_value_past_int64_is_refused_before_any_message_and_the_stream_stays_usable(monkeypatch):
@@ -289,7 +289,7 @@ def test_a_value_past_int64_is_refused_before_any_message_and_the_stream_stays_u
             t.send_ints([1, big], 1, group)
     assert sent == []
     t.send_ints([(1 << 63) - 1], 1, group)  # the largest int64 travels
-    assert sent == [[DOC_MAGIC, 2, 1, 1], [(1 << 63) - 1, -DOC_MAGIC]]
+    assert sent == [[DOC_MAGIC, DOC_VERSION, 1, 1], [(1 << 63) - 1, -DOC_MAGIC]]
 
 
 def test_a_header_refused_by_an_exception_without_a_message_is_still_refused(monkeypatch):
@@ -298,7 +298,7 @@ def test_a_header_refused_by_an_exception_without_a_message_is_still_refused(mon
     from m3_eagle_plugin.parallel import transfer as t
 
     body = _header()
-    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 2, len(body)]), torch.tensor(body + [-DOC_MAGIC])])
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 2, len(body)]), torch.tensor(body + [-DOC_MAGIC])])
 
     def accept(values):
         raise MemoryError
@@ -306,7 +306,7 @@ def test_a_header_refused_by_an_exception_without_a_message_is_still_refused(mon
     with pytest.raises(MemoryError):
         t.recv_header(2, 0, _Group(), accept)
     (magic, version, kind, n), reason = sent
-    assert (magic, version, kind) == (DOC_MAGIC, 2, 4) and n > 0
+    assert (magic, version, kind) == (DOC_MAGIC, DOC_VERSION, 4) and n > 0
     assert bytes(reason[:-1]).decode() == "MemoryError" and reason[-1] == -DOC_MAGIC
 
 
@@ -323,7 +323,7 @@ def test_a_frame_announcing_more_ints_than_the_limit_is_refused_before_its_body_
     from m3_eagle_plugin.parallel import transfer as t
 
     group = _Group()
-    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 1, (1 << 24) + 1])])  # no body follows
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 1, (1 << 24) + 1])])  # no body follows
     with pytest.raises(t.TransferError, match=f"announced a frame of {(1 << 24) + 1} ints"):
         t.recv_ints(0, group)
     assert _out_of_sync(t, 0, group) and sent == []
@@ -358,7 +358,7 @@ def test_an_int_list_where_a_header_belongs_is_refused_without_an_answer(monkeyp
     from m3_eagle_plugin.parallel import transfer as t
 
     group = _Group()
-    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 1, 2]), torch.tensor([5, 6, -DOC_MAGIC])])
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 1, 2]), torch.tensor([5, 6, -DOC_MAGIC])])
     with pytest.raises(t.TransferError, match="expected a KV payload header from rank 0, got a list of ints"):
         t.recv_header(2, 0, group, lambda values: pytest.fail("accepted an int list as a header"))
     assert sent == [] and _out_of_sync(t, 0, group)
@@ -368,7 +368,7 @@ def test_an_answer_that_is_not_a_verdict_puts_the_stream_out_of_sync(monkeypatch
     from m3_eagle_plugin.parallel import transfer as t
 
     group = _Group()
-    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 1, 1]), torch.tensor([0, -DOC_MAGIC])])
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 1, 1]), torch.tensor([0, -DOC_MAGIC])])
     with pytest.raises(t.TransferError, match="no verdict on the KV payload: expected a verdict from rank 1, "
                                               "got a list of ints"):
         t.send_header(2, _header(), 1, group, "KV payload")
@@ -380,7 +380,7 @@ def test_a_framing_abort_answering_a_header_raises_its_cause_and_puts_the_stream
 
     group = _Group()
     cause = list(b"the body arrived short")
-    _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 6, len(cause)]), torch.tensor(cause + [-DOC_MAGIC])])
+    _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 6, len(cause)]), torch.tensor(cause + [-DOC_MAGIC])])
     with pytest.raises(t.TransferError, match="rank 1 lost the framing of the KV payload: the body arrived short"):
         t.send_header(2, _header(), 1, group, "KV payload")
     assert _out_of_sync(t, 1, group)
@@ -392,10 +392,65 @@ def test_a_frame_after_the_pages_that_is_not_their_checksums_puts_the_stream_out
     group = _Group()
     pages = torch.arange(8, dtype=torch.uint8).view(1, 2, 4)
     sums = t.page_checksums([pages])
-    _recording_wire(monkeypatch, [pages, torch.tensor([DOC_MAGIC, 2, 1, 1]), torch.tensor([sums[0], -DOC_MAGIC])])
+    _recording_wire(monkeypatch, [pages, torch.tensor([DOC_MAGIC, DOC_VERSION, 1, 1]), torch.tensor([sums[0], -DOC_MAGIC])])
     with pytest.raises(t.TransferError, match="after the pages of the KV payload: expected a page checksums "
                                               "from rank 0, got a list of ints"):
         t.recv_pages([torch.zeros(1, 2, 4, dtype=torch.uint8)], 0, group, "KV payload")
+    assert _out_of_sync(t, 0, group)
+
+
+def test_the_receiver_answers_the_pages_with_a_final_verdict(monkeypatch):
+    """Wire version 3: after the checksums, an empty verdict when every page arrived whole, the
+    damaged page's reason otherwise; the framing is intact either way, so the stream stays in step."""
+    from m3_eagle_plugin.parallel import transfer as t
+
+    pages = torch.arange(8, dtype=torch.uint8).view(1, 2, 4)
+    (crc,) = t.page_checksums([pages])
+    group = _Group()
+    sent = _recording_wire(monkeypatch, [pages, torch.tensor([DOC_MAGIC, DOC_VERSION, 5, 1]),
+                                         torch.tensor([crc, -DOC_MAGIC])])
+    (got,) = t.recv_pages([torch.zeros(1, 2, 4, dtype=torch.uint8)], 0, group, "KV payload")
+    assert torch.equal(got, pages) and sent == [[DOC_MAGIC, DOC_VERSION, 4, 0], [-DOC_MAGIC]]
+
+    sent = _recording_wire(monkeypatch, [pages, torch.tensor([DOC_MAGIC, DOC_VERSION, 5, 1]),
+                                         torch.tensor([crc ^ 1, -DOC_MAGIC])])
+    with pytest.raises(t.TransferError, match="page 0 of pool 0 arrived corrupt") as refused:
+        t.recv_pages([torch.zeros(1, 2, 4, dtype=torch.uint8)], 0, group, "KV payload")
+    (magic, version, kind, n), reason = sent
+    assert (magic, version, kind) == (DOC_MAGIC, DOC_VERSION, 4) and len(reason) == n + 1
+    assert bytes(reason[:-1]).decode() == str(refused.value)
+    assert not _out_of_sync(t, 0, group)
+
+
+def test_the_sender_of_pages_hears_the_final_verdict(monkeypatch):
+    from m3_eagle_plugin.parallel import transfer as t
+
+    pages = [torch.arange(8, dtype=torch.uint8).view(1, 2, 4)]
+    group = _Group()
+    _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 4, 0]), torch.tensor([-DOC_MAGIC])])
+    t.send_pages(pages, t.page_checksums(pages), 1, group, "KV payload")  # accepted: returns
+    reason = list(b"page 0 of pool 0 arrived corrupt")
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 4, len(reason)]),
+                                         torch.tensor(reason + [-DOC_MAGIC])])
+    with pytest.raises(t.TransferError, match="rank 1 refused the pages of the KV payload: page 0 of pool 0 "
+                                              "arrived corrupt"):
+        t.send_pages(pages, t.page_checksums(pages), 1, group, "KV payload")
+    assert sent[0] == pages[0].tolist() and sent[1][:3] == [DOC_MAGIC, DOC_VERSION, 5]
+    assert not _out_of_sync(t, 1, group)
+
+
+def test_page_checksums_arriving_corrupt_tell_their_waiting_sender_at_once(monkeypatch):
+    """The checksums' sender waits for the final verdict: a broken checksum frame is answered with a
+    framing abort (frame 6) instead, so it raises now rather than at its group's timeout."""
+    from m3_eagle_plugin.parallel import transfer as t
+
+    pages = torch.arange(8, dtype=torch.uint8).view(1, 2, 4)
+    group = _Group()
+    sent = _recording_wire(monkeypatch, [pages, torch.tensor([DOC_MAGIC, DOC_VERSION, 5, 1]),
+                                         torch.tensor([0, DOC_MAGIC])])  # a damaged trailer
+    with pytest.raises(t.TransferError, match="arrived truncated or corrupt"):
+        t.recv_pages([torch.zeros(1, 2, 4, dtype=torch.uint8)], 0, group, "KV payload")
+    assert sent[0][:3] == [DOC_MAGIC, DOC_VERSION, 6] and "truncated or corrupt" in bytes(sent[1][:-1]).decode()
     assert _out_of_sync(t, 0, group)
 
 
@@ -407,7 +462,7 @@ def test_pages_that_cannot_be_staged_fail_before_the_header(monkeypatch):
     def out_of_memory(pool_pages, group):
         raise torch.OutOfMemoryError("no room for the staged pages")
 
-    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, 2, 4, 0]), torch.tensor([-DOC_MAGIC])])
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 4, 0]), torch.tensor([-DOC_MAGIC])])
     monkeypatch.setattr(t, "stage_pages", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         send_payload(KVTransferPayload("fp", 5, (torch.zeros(2, 3, 8, dtype=torch.uint8),)), 1, _Group())

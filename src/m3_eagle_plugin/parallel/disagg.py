@@ -267,8 +267,8 @@ def send_handoff(handoff: ContextHandoff, dst: int, group: dist.ProcessGroup | N
     """Send ``handoff`` to rank ``dst`` (format in the module docstring).
 
     Everything this side can check is checked before the first message; a handoff the receiver
-    refuses raises `HandoffError` with its reason, and then no page was sent; a stream that broke
-    (or a header too long for a frame) raises `TransferError`."""
+    refuses raises `HandoffError` with its reason, and then no page was sent; a page that arrived
+    damaged, a stream that broke (or a header too long for a frame) raises `TransferError`."""
     check_sendable(handoff.payload)
     lists = [as_ints(handoff.prompt), as_ints(handoff.output), as_ints(handoff.pending_inputs)]
     state = as_ints([handoff.index, handoff.max_new_tokens, handoff.kv_len, handoff.pending_draft_len,

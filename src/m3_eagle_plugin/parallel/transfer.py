@@ -5,7 +5,7 @@ carries every pool's slots of the request, so the target layers' K/V, the index-
 shared draft layer travel together. Tensors only (no pickles), through ``comm_device`` so the
 same calls work over gloo (CPU) and NCCL (GPU).
 
-Wire format, version 2 (every message int64 unless said otherwise)
+Wire format, version 3 (every message int64 unless said otherwise)
 -------------------------------------------------------------------
 A *frame* is two messages::
 
@@ -21,10 +21,12 @@ KIND: 1 a list of ints (`send_ints`), 2 a KV payload header, 3 a handoff header
     receiver -> sender  frame 4: empty = accepted, else the refusal's reason in UTF-8 bytes
     sender -> receiver  accepted only: each pool's uint8 pages (a pool with no bytes is skipped),
                         then frame 5: the zlib CRC-32 of every page, pool by pool, page by page
+    receiver -> sender  frame 4 again: empty = the pages arrived whole, else the reason
 
-A page whose CRC-32 differs on arrival is refused by the receiver, naming the pool and page
-(the framing is intact, so the stream stays in step; the sender is not told). CRC-32 runs at
-about memory-copy speed on the host, where both ends hold the pages anyway.
+A page whose CRC-32 differs on arrival is refused by the receiver, naming the pool and page, and
+the final verdict carries that reason back, so both sides raise (the framing is intact, so the
+stream stays in step). Version 2 had no final verdict: its sender never heard of damaged pages.
+CRC-32 runs at about memory-copy speed on the host, where both ends hold the pages anyway.
 
 A handoff is the same with frame 3, whose body is the request's state followed by the body of
 frame 2 (see `parallel.disagg`). The receiver checks the whole header (sizes, counts, and, when
@@ -38,9 +40,9 @@ position in the stream unknown: the receiver raises `TransferError`, and every l
 to or from that peer in that process group is refused at once (start a new group) rather than
 payload bytes being read as a header. So is a stream that broke in the middle of the pages, and
 one whose exchange was cut off part-way on this side (an interrupt between two messages).
-When the broken frame was a header, whose sender waits for a verdict, the receiver answers
-with frame 6 (the cause in UTF-8 bytes) instead: the sender raises at once and marks the stream
-out of sync too, rather than waiting for its timeout.
+When the broken frame was a header or the page checksums, whose sender waits for a verdict, the
+receiver answers with frame 6 (the cause in UTF-8 bytes) instead: the sender raises at once and
+marks the stream out of sync too, rather than waiting for its timeout.
 """
 from __future__ import annotations
 
@@ -64,12 +66,13 @@ __all__ = ["send_payload", "recv_payload", "send_ints", "recv_ints", "check_send
            "KIND_HANDOFF", "KIND_VERDICT", "KIND_CHECKSUMS", "KIND_ABORT", "page_checksums"]
 
 MAGIC = int.from_bytes(b"M3EAGLE", "big")
-VERSION = 2
+VERSION = 3
 TRAILER = -MAGIC
 KIND_INTS, KIND_PAYLOAD, KIND_HANDOFF, KIND_VERDICT, KIND_CHECKSUMS, KIND_ABORT = 1, 2, 3, 4, 5, 6
 _KIND_NAMES = {KIND_INTS: "list of ints", KIND_PAYLOAD: "KV payload header", KIND_HANDOFF: "handoff header",
                KIND_VERDICT: "verdict", KIND_CHECKSUMS: "page checksums", KIND_ABORT: "framing abort"}
-_WAITS_FOR_VERDICT = (KIND_PAYLOAD, KIND_HANDOFF)
+_WAITS_FOR_VERDICT = (KIND_PAYLOAD, KIND_HANDOFF)  # headers: a refusal keeps the stream in step
+_AWAITS_ANSWER = (*_WAITS_FOR_VERDICT, KIND_CHECKSUMS)  # frames whose sender waits for frame 4 or 6
 
 # Limits past which a size is refused as absurd (not a plausible request), before any allocation.
 MAX_FRAME_INTS = 1 << 24
@@ -169,10 +172,16 @@ def _recv_frame(src: int, group) -> tuple[int, int, list[int]]:
     if values[-1] != TRAILER:
         cause = (f"the frame of {n} ints from rank {src} arrived truncated or corrupt "
                  f"(its trailer is {values[-1]:#x}, expected {TRAILER:#x})")
-        if kind in _WAITS_FOR_VERDICT:  # its sender waits for an answer: tell it, or it waits for its timeout
-            _abort(cause, src, group)
-        raise _lose_sync(group, src, cause)
+        raise _lose_step(group, src, kind, cause)
     return kind, version, values[:-1]
+
+
+def _lose_step(group, peer: int, kind: int, cause: str) -> TransferError:
+    """`_lose_sync`, first telling ``peer`` (frame 6) when it waits for an answer to its frame of
+    ``kind``: otherwise it would wait for its timeout."""
+    if kind in _AWAITS_ANSWER:
+        _abort(cause, peer, group)
+    return _lose_sync(group, peer, cause)
 
 
 def _abort(cause: str, peer: int, group) -> None:
@@ -218,12 +227,17 @@ def send_header(kind: int, values: list[int], dst: int, group, what: str,
     """Send a header frame and wait for the receiver's verdict; a refusal raises ``error`` with the
     receiver's reason (nothing else was sent, so the stream is still in step)."""
     _send_frame(kind, values, dst, group)
+    _await_verdict(dst, group, what, error)
+
+
+def _await_verdict(dst: int, group, what: str, error: type[Exception]) -> None:
+    """The receiver's verdict on what was just sent: a refusal raises ``error`` with its reason."""
     got, version, reason = _recv_frame(dst, group)
     if got == KIND_ABORT:
         raise _lose_sync(group, dst, f"rank {dst} lost the framing of the {what}: {_reason_text(reason)}")
     try:
         _check_frame(got, version, KIND_VERDICT, dst)
-    except TransferError as mismatch:  # the peer is not answering this header: position unknown
+    except TransferError as mismatch:  # the peer is not answering: position unknown
         raise _lose_sync(group, dst, f"no verdict on the {what}: {mismatch}") from None
     if reason:
         raise error(f"rank {dst} refused the {what}: {_decode_utf8(reason, 'the refusal reason')}")
@@ -240,16 +254,16 @@ def recv_header(kind: int, src: int, group, accept: Callable[[list[int]], T]) ->
     except Exception as refusal:
         if got in _WAITS_FOR_VERDICT:
             _refuse(refusal, src, group)
-        else:  # an int list or verdict where a header belongs: its sender waits for no answer
-            _lose_sync(group, src, f"expected a {_KIND_NAMES[kind]} from rank {src}, got a "
-                                   f"{_KIND_NAMES.get(got, f'frame of unknown kind {got}')}")
+        else:  # another frame where a header belongs: the stream is out of step
+            _lose_step(group, src, got, f"expected a {_KIND_NAMES[kind]} from rank {src}, got a "
+                                        f"{_KIND_NAMES.get(got, f'frame of unknown kind {got}')}")
         raise
     _send_frame(KIND_VERDICT, [], src, group)
     return result
 
 
 def _refuse(refusal: Exception, src: int, group) -> None:
-    """Answer a header frame from ``src`` with a refusal (its sender waits for a verdict)."""
+    """Answer a frame from ``src`` whose sender waits for a verdict with a refusal."""
     try:
         _send_frame(KIND_VERDICT, _utf8(str(refusal) or type(refusal).__name__, _MAX_REASON_BYTES), src, group)
     except TransferError:
@@ -276,7 +290,7 @@ def recv_ints(src: int, group: dist.ProcessGroup | None = None) -> list[int]:
         if kind in _WAITS_FOR_VERDICT:  # its sender waits for a verdict: refuse it, the stream stays in step
             _refuse(mismatch, src, group)
             raise
-        raise _lose_sync(group, src, str(mismatch)) from None
+        raise _lose_step(group, src, kind, str(mismatch)) from None
     return values
 
 
@@ -389,18 +403,22 @@ def page_checksums(pool_pages) -> list[int]:
     return sums
 
 
-def send_pages(staged: list[torch.Tensor], checksums: list[int], dst: int, group, what: str) -> None:
-    """Send what `stage_pages` made and its `page_checksums`, after the receiver accepted the header."""
+def send_pages(staged: list[torch.Tensor], checksums: list[int], dst: int, group, what: str,
+               error: type[Exception] = TransferError) -> None:
+    """Send what `stage_pages` made and its `page_checksums`, after the receiver accepted the header,
+    and wait for its final verdict: pages it refused (damaged in transit) raise ``error``."""
     with _whole(group, dst, f"sending the pages of the {what}"):
         for i, pages in enumerate(staged):
             if pages.numel():
                 _send_tensor(pages, dst, group, f"pool {i} of the {what}")
         _send_frame(KIND_CHECKSUMS, checksums, dst, group)
+        _await_verdict(dst, group, f"pages of the {what}", error)
 
 
 def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str) -> tuple[torch.Tensor, ...]:
-    """Receive the pages `send_pages` sent into ``buffers``; a page whose checksum differs raises
-    `TransferError` naming it (the stream stays in step)."""
+    """Receive the pages `send_pages` sent into ``buffers`` and answer its final verdict; a page
+    whose checksum differs raises `TransferError` naming it, here and, through the verdict, in the
+    sender (the stream stays in step)."""
     with _whole(group, src, f"receiving the pages of the {what}"):
         for i, pages in enumerate(buffers):
             if pages.numel():
@@ -409,9 +427,14 @@ def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str) -> tuple
     try:
         _check_frame(kind, version, KIND_CHECKSUMS, src)
     except TransferError as mismatch:  # whatever came instead, its sender is not where we are
-        raise _lose_sync(group, src, f"after the pages of the {what}: {mismatch}") from None
+        raise _lose_step(group, src, kind, f"after the pages of the {what}: {mismatch}") from None
     received = tuple(pages.cpu() for pages in buffers)
-    _check_checksums(received, expected, what)
+    try:
+        _check_checksums(received, expected, what)
+    except TransferError as damaged:
+        _refuse(damaged, src, group)
+        raise
+    _send_frame(KIND_VERDICT, [], src, group)
     return received
 
 
@@ -454,8 +477,7 @@ def check_sendable(payload: KVTransferPayload) -> None:
 
 def send_payload(payload: KVTransferPayload, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send ``payload`` to rank ``dst``; raises `TransferError` with the receiver's reason when it
-    refuses the header (then no page was sent). A page damaged in transit raises on the receiver
-    only."""
+    refuses the header (then no page was sent) or a page that arrived damaged."""
     check_sendable(payload)
     staged = stage_pages(payload.pool_pages, group)
     checksums = page_checksums(payload.pool_pages)
