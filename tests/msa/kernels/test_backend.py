@@ -257,3 +257,142 @@ def test_a_too_large_kernel_is_an_error_when_forced_or_with_fp8_scales(monkeypat
         backend.dense_attention(q, cache.k, cache.v, meta, scale=0.25)
     with pytest.raises(KernelTooLargeError):
         backend.select_blocks_paged(step["index_q"], cache.index_k, meta, topk=geo.topk)
+
+
+@pytest.mark.parametrize("value, mode", [("TORCH", "torch"), (" Torch ", "torch"), ("", "auto"), ("  ", "auto")])
+def test_the_backend_variable_is_read_stripped_and_lower_cased(monkeypatch, value, mode):
+    """As the kernels' other switches: case and surrounding blanks do not matter, empty means the default."""
+    from m3_eagle_plugin.msa.kernels.backend import requested_backend
+
+    monkeypatch.setenv("M3_EAGLE_KERNELS", value)
+    assert requested_backend() == mode
+
+
+def test_torch_mode_keeps_triton_off_where_it_could_run(monkeypatch):
+    from m3_eagle_plugin.msa.kernels import backend
+
+    monkeypatch.setattr(backend, "triton_available", lambda device=None: True)
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "torch")
+    assert backend.use_triton("cpu") is False
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "auto")
+    assert backend.use_triton("cpu") is True
+
+
+def test_report_names_the_missing_triton_before_the_device(monkeypatch):
+    """The reasons in order: the override, then a missing Triton, then a device that is not CUDA."""
+    from m3_eagle_plugin.msa.kernels import backend
+
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.setattr(backend, "triton_importable", lambda: True)
+    assert backend.backend_report("cpu")["reason"] == "device cpu is not a CUDA device"
+    monkeypatch.setattr(backend, "triton_importable", lambda: False)
+    assert backend.backend_report("cpu")["reason"] == "triton is not installed"
+
+
+def test_report_verdicts_count_a_tie_as_ours_and_keep_the_whole_step_apart(monkeypatch, tmp_path):
+    """dense_attention has no FlashInfer route: its decision line counts the shapes where ours is at or
+    below FlashInfer (a tie is ours, as in the choice; an unmeasured FlashInfer counts as neither). The
+    sparse layer's whole-step rows are listed once, under `sparse_step`, not as a dispatcher."""
+    import json
+
+    from m3_eagle_plugin.msa.kernels import kernel_table
+
+    rows = [{"kernel": "dense_attn", "batch": b, "context": 4096, "qo_len": 4, "ours_us": 10.0, "flashinfer_us": fi}
+            for b, fi in ((1, 10.0), (2, 12.0), (4, 8.0), (8, None))]
+    rows.append({"kernel": "sparse_step", "batch": 1, "context": 4096, "qo_len": 4, "ours_us": 5.0,
+                 "flashinfer_us": 6.0})
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"device": "X", "date": "d", "command": "c", "rows": rows}))
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", str(path))
+    kernel_table.clear_caches()
+    try:
+        verdicts = backend_report("cpu")["table_verdicts"]
+    finally:
+        kernel_table.clear_caches()
+    assert verdicts["dense_attention"][-1] == ("decision: ours (no FlashInfer route; ours faster in 2 of 4 "
+                                               "measured shapes)")
+    assert set(verdicts) == {"select_blocks_paged", "sparse_attention", "dense_attention", "sparse_step"}
+    assert verdicts["sparse_step"][0] == "B1/4K q4 -> ours (ours 5 / FlashInfer 6 us)"
+
+
+def test_sparse_attention_takes_a_group_the_padded_tile_holds(monkeypatch):
+    """The per-token sparse layout pads a tile's rows: a GQA group that is not a power of two but at
+    most MAX_TILE_ROWS (here 3) runs the kernel, where the dense attention runs the reference."""
+    from m3_eagle_plugin.msa.kernels import backend, sparse_verify
+
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    monkeypatch.setattr(sparse_verify, "sparse_verify_attention", lambda *a, **k: "kernel")
+    geo = Geometry(q_heads=6, kv_heads=2, head_dim=16, index_heads=2, index_dim=16, block=16, topk=3)
+    step = make_step(2, 70, 3, geo, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
+                     device="cpu", seed=3)
+    sm, cache = step["meta"], step["cache"]
+    meta = MsaDecodeMetadata(2, 6, sm.block_tables.shape[1], geo.block, "cpu", max_draft_len=2)
+    meta.prepare(sm.qo_lens.tolist(), sm.kv_lens.tolist(), sm.block_tables)
+    sel = ref_select(step["index_q"], cache.index_k, meta, topk=geo.topk)
+    assert backend.sparse_attention(step["q"], cache.k, cache.v, meta, sel, scale=0.25) == "kernel"
+
+
+def test_a_too_large_sparse_kernel_with_fp8_scales_raises_its_own_refusal(monkeypatch, kernels_too_large):
+    """Under `auto` the reference cannot stand in (it takes no fp8 scales): the tile refusal itself is
+    raised, not a second error about the scales."""
+    backend = kernels_too_large
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    geo, step, meta = _cpu_step()
+    cache, q = step["cache"], step["q"]
+    sel = ref_select(step["index_q"], cache.index_k, meta, topk=geo.topk)
+    with pytest.raises(KernelTooLargeError, match="stand-in"):
+        backend.sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.25, v_scale=0.5)
+
+
+@pytest.mark.parametrize("scales", [{"k_scale": 0.5}, {"v_scale": 0.5}])
+def test_cpu_sparse_attention_refuses_either_fp8_scale(monkeypatch, scales):
+    """The references take no fp8 scales: one scale alone is refused, never silently dropped."""
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    geo, step, meta = _cpu_step()
+    cache, q = step["cache"], step["q"]
+    sel = ref_select(step["index_q"], cache.index_k, meta, topk=geo.topk)
+    with pytest.raises(KernelBackendError, match="fp8 KV scales need the Triton kernels"):
+        sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.25, **scales)
+    with pytest.raises(KernelBackendError, match="fp8 KV scales need the Triton kernels"):
+        dense_attention(q, cache.k, cache.v, meta, scale=0.25, **scales)
+
+
+def test_cpu_write_step_kv_checks_index_k_before_writing_k_and_v(monkeypatch):
+    """All or nothing, as the fused writer: index-K rows of the wrong width or pages of another block
+    size than K/V (one slot names one token in both caches) are refused before K/V are written.
+    Index-K pages of the K/V block size are taken whatever the KV head count."""
+    from m3_eagle_plugin.msa.blocks import MsaInputError
+    from m3_eagle_plugin.msa.kernels import backend
+
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "torch")
+    slots = torch.tensor([5, 17])  # page 0 offset 5, page 1 offset 1 (16-token pages)
+    k, v, ik = torch.ones(2, 2, 8), torch.full((2, 2, 8), 2.0), torch.full((2, 4), 3.0)
+    k_cache, v_cache, index_k_cache = torch.zeros(3, 2, 16, 8), torch.zeros(3, 2, 16, 8), torch.zeros(3, 16, 4)
+    backend.write_step_kv(k_cache, v_cache, slots, k, v, index_k_cache, ik)
+    assert bool((k_cache[0, :, 5] == 1).all() and (k_cache[1, :, 1] == 1).all()) and int(k_cache.sum()) == 32
+    assert bool((v_cache[0, :, 5] == 2).all() and (v_cache[1, :, 1] == 2).all()) and int(v_cache.sum()) == 64
+    assert bool((index_k_cache[0, 5] == 3).all() and (index_k_cache[1, 1] == 3).all())
+    assert int(index_k_cache.sum()) == 24
+    for bad_cache, bad_ik, problem in ((torch.zeros(6, 8, 4), ik, "index-K block size 8 differs from the K/V "
+                                        "block size 16"), (index_k_cache, torch.zeros(2, 5), "index_k must be")):
+        k_cache, v_cache = torch.zeros(3, 2, 16, 8), torch.zeros(3, 2, 16, 8)
+        with pytest.raises(MsaInputError, match=problem):
+            backend.write_step_kv(k_cache, v_cache, slots, k, v, bad_cache, bad_ik)
+        assert not k_cache.any() and not v_cache.any()
+
+
+def test_layer_runs_our_whole_step_where_neither_half_goes_to_flashinfer(monkeypatch):
+    """No FlashInfer route (CPU): the kernels' whole step in one call, its attention output returned."""
+    from m3_eagle_plugin.msa.kernels import backend, index_select, sparse_verify, verify_step
+
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    monkeypatch.setattr(verify_step, "sparse_verify_step", lambda *a, **k: ("selection", "whole step"))
+    for module, name in ((index_select, "select_blocks_verify"), (sparse_verify, "sparse_verify_attention")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("ran a half on its own"))
+    geo, step, meta = _cpu_step()
+    cache = step["cache"]
+    assert backend.sparse_layer_attention(step["q"], cache.k, cache.v, step["index_q"], cache.index_k, meta,
+                                          topk=geo.topk, scale=0.25) == "whole step"

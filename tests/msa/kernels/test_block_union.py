@@ -143,6 +143,18 @@ def test_chunk_count_bounds_every_request(tokens, requests, chunk, hint, want):
     assert chunk_count(tokens, requests, chunk, hint) == want
 
 
+@pytest.mark.parametrize("chunk, topk, umax", [(4, 3, 16), (4, 16, 64), (1, 5, 8), (8, 1, 8)])
+def test_union_lists_are_as_wide_as_the_kernels_store_stride(chunk, topk, umax):
+    """The union kernel stores unit u's entries from u * chunk * next_pow2(topk) on (its padded lanes):
+    the lists must be that wide, or a non-power-of-two topk would write into the next unit's list."""
+    pytest.importorskip("triton")
+    from m3_eagle_plugin.msa.kernels.block_union import allocate_union
+
+    union = allocate_union(2, 3, 2, chunk, topk, torch.device("cpu"))
+    assert union.umax == umax and union.ids.shape == union.pages.shape == union.bits.shape == (2, 3, 2, umax)
+    assert union.counts.shape == (2, 3, 2) and union.num_chunks == 2
+
+
 @needs_gpu
 @pytest.mark.parametrize("fn,kw", INTERPRETER_CASES)
 def test_on_gpu(fn, kw):

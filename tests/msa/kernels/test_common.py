@@ -47,6 +47,7 @@ def test_qo_len_hint_prefers_caller_then_metadata():
     # a bound below the step's own longest request would size the verify grids too small
     with pytest.raises(KernelInputError, match="max_qo_len 1 is below the step's longest request"):
         qo_len_hint(types.SimpleNamespace(max_qo_len=4), 1)
+    assert qo_len_hint(types.SimpleNamespace(max_qo_len=4), 4) == 4  # a bound equal to it holds every request
 
 
 def test_split_partials_stay_bounded_and_explicit_overflow_is_refused():
@@ -179,3 +180,9 @@ def test_scales_past_the_float_range_are_refused_naming_them():
         with pytest.raises(KernelInputError, match=r"scale x k_scale \(1e\+300 x 1e\+300\) is past the float range"):
             call(1e300, 1e300)
     assert attention_scales(10**3, 2, 0.5) == (2000.0, 0.5)  # ints in range are numbers like any other
+
+
+def test_is_pow2_reference_values():
+    from m3_eagle_plugin.msa.kernels._common import is_pow2
+
+    assert [n for n in range(-4, 70) if is_pow2(n)] == [1, 2, 4, 8, 16, 32, 64]

@@ -137,6 +137,7 @@ def _separate_kv(st):
     (lambda st: ({**st, "q": st["q"].float()}, {}), "bf16"),
     (lambda st: ({**st, "q": st["q"].repeat(1, 9, 1)}, {}), "GQA group 18/1"),
     (lambda st: (st, {"k_scale": torch.tensor(0.5)}), "Python floats"),
+    (lambda st: (st, {"v_scale": True}), "Python floats"),  # a bool is no scale
 ])
 def test_sparse_refusals_name_their_cause(fake_fi, change, expect):
     st = _step([2, 2], [300, 260])
@@ -224,6 +225,8 @@ def test_index_refuses_topk_and_long_q(fake_fi):
     st = _step([2, 2], [300, 260])
     ok, why = _index_ok(st, topk=8)
     assert not ok and "topk 16 only, got 8" in why
+    ok, why = _index_ok(_step([4, 4], [300, 260]))  # q_len 4: the decode regime's longest
+    assert ok, why
     long = _step([5, 5], [300, 260])
     ok, why = _index_ok(long)
     assert not ok and "q_len <= 4, got 5" in why
@@ -551,3 +554,65 @@ def test_gpu_routed_calls_match_the_references_and_capture(monkeypatch, q_len):
 ])
 def test_decode_scales_fold_k_into_the_softmax_scale_and_drop_a_unit_v_scale(scales, expected):
     assert fim.decode_scales(*scales) == expected
+
+
+def test_check_backend_refuses_forced_flashinfer_where_msa_ops_do_not_import(fake_fi, monkeypatch):
+    """An SM90 device is not enough: `M3_EAGLE_KERNELS=flashinfer` also needs `flashinfer.msa_ops`."""
+    from m3_eagle_plugin.msa.kernels import check_backend
+
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    assert check_backend("cpu") == "flashinfer"
+    monkeypatch.setitem(sys.modules, "flashinfer.msa_ops", None)
+    fim._import_status.cache_clear()
+    with pytest.raises(KernelBackendError, match="FlashInfer cannot run here: .*msa_ops does not import"):
+        check_backend("cpu")
+
+
+def test_page_table_turns_padding_into_page_zero():
+    """Our -1 padding must not reach FlashInfer as an out-of-pool page id (docstring: it becomes page 0)."""
+    import types
+
+    tables = torch.tensor([[3, 7, -1], [-1, -1, -1]], dtype=torch.int32)
+    got = fim.page_table(types.SimpleNamespace(block_tables=tables.t().contiguous().t()))  # a strided view in
+    assert got.dtype == torch.int32 and got.is_contiguous()
+    assert got.tolist() == [[3, 7, 0], [0, 0, 0]]
+
+
+def test_a_gqa_group_of_sixteen_is_the_largest_taken(fake_fi):
+    """The SM90 decode kernel's GQA limit is 16 (module docstring): 16 query heads on one KV head pass."""
+    st = _step([2, 2], [300, 260], q_heads=16)
+    ok, why = _sparse_ok(st, _selection(st["meta"], 1))
+    assert ok and "group 16" in why, why
+
+
+def test_v_must_have_the_interleaved_strides_not_only_the_offset(fake_fi):
+    st = _step([1], [200])
+    packed = st["packed"]
+    pages, heads = packed.shape[:2]
+    # V starts D elements after K but steps D (not 2D) a token: it would read K's rows
+    v = packed.as_strided(st["k"].shape, (heads * BLOCK * 2 * DIM, BLOCK * 2 * DIM, DIM, 1), DIM)
+    ok, why = _sparse_ok({**st, "v": v}, _selection(st["meta"], 1))
+    assert not ok and "not the two halves of one interleaved" in why, why
+
+
+def test_valid_blocks_on_another_device_is_refused_naming_it(fake_fi):
+    """FlashInfer's top-k reads meta.valid_blocks (num_valid_pages) too."""
+    import types
+
+    st = _step([2, 2], [300, 260])
+    m = st["meta"]
+    meta = types.SimpleNamespace(block_tables=m.block_tables, kv_lens=m.kv_lens, cu_qo_lens=m.cu_qo_lens,
+                                 valid_blocks=_elsewhere(m.valid_blocks))
+    why = fim.operands_elsewhere("index_q", st["index_q"], meta, index_k_cache=st["index_k"])
+    assert why == "operands on another device than index_q (cpu): meta.valid_blocks on meta"
+
+
+def test_host_q_len_takes_the_callers_bound_before_the_metadatas(fake_fi):
+    """The caller's bound, else meta.max_qo_len (docstring): 4 tokens of 2 requests under a caller's
+    bound of 4 are not known to be 2 x 2, whatever the metadata's own bound."""
+    class Meta:
+        kv_lens = torch.tensor([300, 260], dtype=torch.int32)
+        max_qo_len = 2
+    assert fim.host_q_len(Meta(), 4, None) == (2, "")
+    q_len, why = fim.host_q_len(Meta(), 4, 4)
+    assert q_len is None and "4 tokens are not 2 requests x one q_len 4" in why

@@ -68,6 +68,8 @@ def test_check_meta_refuses_a_two_column_block_table_without_unit_column_stride(
 def test_check_meta_refuses_cu_qo_lens_not_one_longer_than_kv_lens():
     with pytest.raises(KernelInputError, match="num_requests \\+ 1"):
         check_meta(_meta(cu_qo_lens=torch.arange(2, dtype=torch.int32)), CPU)
+    with pytest.raises(KernelInputError, match="num_requests \\+ 1"):  # one too many: as wrong
+        check_meta(_meta(cu_qo_lens=torch.arange(4, dtype=torch.int32)), CPU)
     check_meta(_meta(), CPU, dense_fields=("kv_lens",))  # not asked for: not checked
 
 

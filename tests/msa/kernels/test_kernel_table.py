@@ -121,6 +121,15 @@ GOOD = {"device": "GPU X", "date": "d", "command": "c", "rows": [_row("sparse_at
      "rows[0].ours_us must be a positive number, got nan"),
     (json.dumps({**GOOD, "rows": [_row("sparse_attn", 1, 64, 1, 2.0, float("inf"))]}),
      "rows[0].flashinfer_us must be a positive number or null, got inf"),
+    (json.dumps({**GOOD, "command": ""}), "'command' must be a non-empty string, got ''"),
+    (json.dumps({k: v for k, v in GOOD.items() if k != "command"}), "'command' must be a non-empty string, got None"),
+    (json.dumps({**GOOD, "device": " \t"}), "'device' must be a non-empty string"),
+    (json.dumps({**GOOD, "flashinfer": 0.74}), "'flashinfer' must be a string, got 0.74"),
+    (json.dumps({**GOOD, "notes": ["a"]}), "'notes' must be a string, got ['a']"),
+    (json.dumps({**GOOD, "rows": [_row("sparse_attn", 1, 64, 0, 2.0, 1.0)]}),
+     "rows[0].qo_len must be a positive integer, got 0"),
+    (json.dumps({**GOOD, "rows": [_row("sparse_attn", 1, 64, 1, 2.0, 1.0, note=3)]}),
+     "rows[0].note must be a string, got 3"),
 ])
 def test_malformed_override_names_the_file_and_the_problem(tmp_path, monkeypatch, content, problem):
     path = tmp_path / "bad.json"
@@ -298,3 +307,39 @@ def test_table_from_bench_rows():
     assert "eager" in got[("dense_attn_peer", 4)]["note"]
     table = kt.parse_table(json.loads(json.dumps(data)), "round trip")
     assert len(table.rows) == 4
+
+
+def test_a_rows_verdict_calls_a_tie_ours_as_the_choice_does():
+    tie, faster, slower = (kt.TableRow("sparse_attn", 16, 32768, 4, 10.0, fi) for fi in (10.0, 9.5, 12.0))
+    assert tie.verdict() == "B16/32K q4 -> ours (ours 10 / FlashInfer 10 us)"
+    assert faster.verdict() == "B16/32K q4 -> flashinfer (ours 10 / FlashInfer 9.5 us)"
+    assert slower.verdict() == "B16/32K q4 -> ours (ours 10 / FlashInfer 12 us)"
+
+
+def test_device_names_match_whatever_their_case_and_blanks():
+    assert _choose("sparse_attention", 16, 32768, 4, device=" gpu x ").backend == "flashinfer"
+
+
+def test_an_empty_context_is_read_as_one_token():
+    """A step with a zero-width block table and no staged length has context 0: the nearest row is then
+    the one nearest a context of 1 (the smallest measured context), not a division by zero."""
+    choice = _choose("sparse_attention", 64, 0, 4)
+    assert (choice.row.batch, choice.row.context) == (64, 8192) and choice.backend == "flashinfer"
+
+
+def test_a_blank_override_means_the_shipped_table(monkeypatch):
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", "  ")
+    table = kt.load_table()
+    assert table.shipped and table.source == str(kt.SHIPPED_PATH)
+    assert kt.check_override() is None
+
+
+def test_bench_rows_are_written_to_the_hundredth_and_validated():
+    """The table keeps times to 0.01 us (as the shipped file), and a table written from bench rows is
+    validated like a file: a shape measured twice is refused there, not when the table is read."""
+    row = {"kernel": "sparse_attn", "batch": 4, "context": 8192, "qo_len": 4, "graph_us": 12.345678,
+           "flashinfer_us": 9.87654}
+    data = kt.table_from_bench_rows([row], device="GPU Z", date="d", command="c")
+    assert (data["rows"][0]["ours_us"], data["rows"][0]["flashinfer_us"]) == (12.35, 9.88)
+    with pytest.raises(kt.KernelTableError, match=r"kernel table \(bench rows\): rows\[1\] measures sparse_attn"):
+        kt.table_from_bench_rows([row, {**row, "graph_us": 11.0}], device="GPU Z", date="d", command="c")

@@ -272,3 +272,18 @@ def test_the_cached_path_keeps_what_the_first_launch_compiled(monkeypatch):
     assert launch(_axpy_kernel, (1,), x, 1, x, 64, 1.0, OFFSET=3, BLOCK=64) is compiled and ran == []
     assert launch(_axpy_kernel, (1,), x, 1, x, 64, 2.0, OFFSET=3, BLOCK=64) is compiled
     assert ran == [(7, x, 1, x, 64, 2.0, 3, 64)]  # stream, the call's arguments, then the constexpr tail
+
+
+@triton.jit
+def _defaults_kernel(x_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False, SCALE: tl.constexpr = 2):
+    pass
+
+
+def test_tail_is_every_parameter_after_the_positional_ones_in_signature_order():
+    """The compiled launcher takes every parameter: those given as keywords, else their defaults."""
+    tail = launch_mod._tail
+    assert tail(_defaults_kernel, 2, {"BLOCK": 64}) == (64, False, 2)
+    assert tail(_defaults_kernel, 2, {"SCALE": 5, "BLOCK": 16, "PDL": True}) == (16, True, 5)
+    assert tail(_defaults_kernel, 3, {}) == (False, 2)
+    with pytest.raises(TypeError, match="_defaults_kernel: no value for parameter 'BLOCK'"):
+        tail(_defaults_kernel, 2, {"PDL": True})
