@@ -370,20 +370,10 @@ def test_a_refused_handoff_raises_handoff_error_on_the_sender_and_no_page_follow
 
 
 def test_handoff_pages_that_cannot_be_staged_fail_before_the_header(handoffs, monkeypatch):
-    """Copying the pages to the group's device (out of memory, say) fails before the header goes out:
-    failing after an accepted header would leave the receiver reading the next frame as pages."""
-    import torch
-
     from m3_eagle_plugin.parallel import disagg
     from m3_eagle_plugin.parallel.disagg import send_handoff
 
-    from .test_transfer import DOC_MAGIC, DOC_VERSION, _Group, _recording_wire
+    from .test_transfer import assert_unstageable_pages_fail_before_the_header
 
-    def out_of_memory(pool_pages, group):
-        raise torch.OutOfMemoryError("no room for the staged pages")
-
-    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 4, 0]), torch.tensor([-DOC_MAGIC])])
-    monkeypatch.setattr(disagg, "stage_pages", out_of_memory)
-    with pytest.raises(torch.OutOfMemoryError):
-        send_handoff(handoffs[0], 1, _Group())
-    assert sent == []
+    assert_unstageable_pages_fail_before_the_header(monkeypatch, disagg,
+                                                    lambda group: send_handoff(handoffs[0], 1, group))

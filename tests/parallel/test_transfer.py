@@ -454,16 +454,22 @@ def test_page_checksums_arriving_corrupt_tell_their_waiting_sender_at_once(monke
     assert _out_of_sync(t, 0, group)
 
 
-def test_pages_that_cannot_be_staged_fail_before_the_header(monkeypatch):
+def assert_unstageable_pages_fail_before_the_header(monkeypatch, module, send) -> None:
     """Copying the pages to the group's device (out of memory, say) fails before the header goes out:
-    failing after an accepted header would leave the receiver reading the next frame as pages."""
-    from m3_eagle_plugin.parallel import transfer as t
-
+    failing after an accepted header would leave the receiver reading the next frame as pages.
+    ``module`` is where ``send`` finds `stage_pages`."""
     def out_of_memory(pool_pages, group):
         raise torch.OutOfMemoryError("no room for the staged pages")
 
     sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 4, 0]), torch.tensor([-DOC_MAGIC])])
-    monkeypatch.setattr(t, "stage_pages", out_of_memory)
+    monkeypatch.setattr(module, "stage_pages", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        send_payload(KVTransferPayload("fp", 5, (torch.zeros(2, 3, 8, dtype=torch.uint8),)), 1, _Group())
+        send(_Group())
     assert sent == []
+
+
+def test_pages_that_cannot_be_staged_fail_before_the_header(monkeypatch):
+    from m3_eagle_plugin.parallel import transfer as t
+
+    payload = KVTransferPayload("fp", 5, (torch.zeros(2, 3, 8, dtype=torch.uint8),))
+    assert_unstageable_pages_fail_before_the_header(monkeypatch, t, lambda group: send_payload(payload, 1, group))

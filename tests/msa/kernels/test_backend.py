@@ -99,8 +99,8 @@ def test_env_flashinfer_mode(monkeypatch):
         select_blocks_paged(step["index_q"], cache.index_k, meta, topk=geo.topk)
 
 
-def _cpu_step():
-    geo = Geometry(q_heads=4, kv_heads=2, head_dim=16, index_heads=2, index_dim=16, block=16, topk=3)
+def _cpu_step(q_heads: int = 4):
+    geo = Geometry(q_heads=q_heads, kv_heads=2, head_dim=16, index_heads=2, index_dim=16, block=16, topk=3)
     step = make_step(2, 70, 3, geo, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
                      device="cpu", seed=3)
     sm = step["meta"]
@@ -235,12 +235,8 @@ def test_fp8_scales_on_a_shape_the_kernels_skip_say_why(monkeypatch):
     from m3_eagle_plugin.msa.kernels import backend
 
     monkeypatch.setattr(backend, "use_triton", lambda device: True)
-    geo = Geometry(q_heads=6, kv_heads=2, head_dim=16, index_heads=2, index_dim=16, block=16, topk=3)
-    step = make_step(2, 70, 3, geo, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
-                     device="cpu", seed=3)
-    sm, cache = step["meta"], step["cache"]
-    meta = MsaDecodeMetadata(2, 6, sm.block_tables.shape[1], geo.block, "cpu", max_draft_len=2)
-    meta.prepare(sm.qo_lens.tolist(), sm.kv_lens.tolist(), sm.block_tables)
+    geo, step, meta = _cpu_step(q_heads=6)
+    cache = step["cache"]
     with pytest.raises(KernelBackendError, match="6 query heads over 2 KV heads: the group must be a power of two"):
         backend.dense_attention(step["q"], cache.k, cache.v, meta, scale=0.25, k_scale=0.5)
 
@@ -324,12 +320,8 @@ def test_sparse_attention_takes_a_group_the_padded_tile_holds(monkeypatch):
     monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
     monkeypatch.setattr(backend, "use_triton", lambda device: True)
     monkeypatch.setattr(sparse_verify, "sparse_verify_attention", lambda *a, **k: "kernel")
-    geo = Geometry(q_heads=6, kv_heads=2, head_dim=16, index_heads=2, index_dim=16, block=16, topk=3)
-    step = make_step(2, 70, 3, geo, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
-                     device="cpu", seed=3)
-    sm, cache = step["meta"], step["cache"]
-    meta = MsaDecodeMetadata(2, 6, sm.block_tables.shape[1], geo.block, "cpu", max_draft_len=2)
-    meta.prepare(sm.qo_lens.tolist(), sm.kv_lens.tolist(), sm.block_tables)
+    geo, step, meta = _cpu_step(q_heads=6)
+    cache = step["cache"]
     sel = ref_select(step["index_q"], cache.index_k, meta, topk=geo.topk)
     assert backend.sparse_attention(step["q"], cache.k, cache.v, meta, sel, scale=0.25) == "kernel"
 
