@@ -139,7 +139,8 @@ def _recv_tensor(tensor: torch.Tensor, src: int, group, what: str) -> None:
 def _send_frame(kind: int, values: list[int], dst: int, group) -> None:
     _check_in_sync(group, dst)
     if len(values) > MAX_FRAME_INTS:
-        raise TransferError(f"a {_KIND_NAMES[kind]} holding {len(values)} ints is over the {MAX_FRAME_INTS} limit")
+        raise TransferError(f"a {_KIND_NAMES[kind]} holding {len(values)} ints is over the "
+                            f"{MAX_FRAME_INTS} limit")
     device = comm_device(group)
     name = _KIND_NAMES[kind]
     try:  # both built before the first send: a value past int64 must not strand a sent preamble
@@ -403,16 +404,15 @@ def page_checksums(pool_pages) -> list[int]:
     return sums
 
 
-def send_pages(staged: list[torch.Tensor], checksums: list[int], dst: int, group, what: str,
-               error: type[Exception] = TransferError) -> None:
+def send_pages(staged: list[torch.Tensor], checksums: list[int], dst: int, group, what: str) -> None:
     """Send what `stage_pages` made and its `page_checksums`, after the receiver accepted the header,
-    and wait for its final verdict: pages it refused (damaged in transit) raise ``error``."""
+    and wait for its final verdict: pages it refused (damaged in transit) raise `TransferError`."""
     with _whole(group, dst, f"sending the pages of the {what}"):
         for i, pages in enumerate(staged):
             if pages.numel():
                 _send_tensor(pages, dst, group, f"pool {i} of the {what}")
         _send_frame(KIND_CHECKSUMS, checksums, dst, group)
-        _await_verdict(dst, group, f"pages of the {what}", error)
+        _await_verdict(dst, group, f"pages of the {what}", TransferError)
 
 
 def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str) -> tuple[torch.Tensor, ...]:
