@@ -73,6 +73,24 @@ def test_shared_draft_layer_count_other_modes():
         shared_draft_layer_count(object(), None)
 
 
+@pytest.mark.parametrize("value", [1.5, 2.7, True, "2"])
+def test_a_non_integer_draft_layer_count_in_the_spec_config_is_refused_not_truncated(value):
+    """1.5 MTP layers or 2.7 Eagle3 hidden layers read as 1 and 2 appended draft layers."""
+    mtp = SimpleNamespace(
+        spec_dec_mode=SimpleNamespace(is_mtp_eagle_one_model=lambda: False,
+                                      is_mtp_vanilla=lambda: True),
+        num_nextn_predict_layers=value)
+    with pytest.raises(TypeError, match="num_nextn_predict_layers must be an int"):
+        shared_draft_layer_count(mtp, None)
+    with pytest.raises(TypeError, match="_num_draft_hidden_layers must be an int"):
+        shared_draft_layer_count(_eagle3(value), None)
+
+
+def test_a_negative_draft_layer_count_in_the_spec_config_is_refused_naming_it():
+    with pytest.raises(ValueError, match="_num_draft_hidden_layers must be an int >= 0, got -1"):
+        shared_draft_layer_count(_eagle3(-1), None)
+
+
 def test_a_num_layers_above_the_head_list_length_wins():
     """Docstring rule: a per-layer head list pins the total unless ``num_layers`` is larger (then it
     was already extended and wins). 61 layers, a 60-entry list, one draft: the draft is layer 60."""

@@ -276,6 +276,19 @@ def test_a_layer_left_on_a_dropped_op_pool_is_refused_not_readdressed():
     assert pools.pool_mapping.tolist() == [[0, 0], [1, 0], [2, 0]]
 
 
+def test_a_layer_mapped_past_the_pointer_rows_is_refused_not_aliased_to_a_draft_pool():
+    """One pointer row (pool 0 at 0x1000) and layer 1 mapped to pool 1, which has no row: the draft
+    layer 2 (K at 0x2000) gets op pool id 1, so layer 1 came back addressing the draft's pages."""
+    pointers = torch.tensor([[0x1000, 0]], dtype=torch.int64)
+    mapping = torch.tensor([[0, 0], [1, 0], [0, 2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="layer 1 maps to pool 1, but pool_pointers has 1 rows"):
+        extend_attention_op_pools(pointers, mapping, [(2, 0x2000, 4)])
+    assert mapping.tolist() == [[0, 0], [1, 0], [0, 2]]
+    mapping[1, 0] = 0
+    pools = extend_attention_op_pools(pointers, mapping, [(2, 0x2000, 4)])
+    assert pools.pool_mapping.tolist() == [[0, 0], [0, 0], [1, 0]]
+
+
 @pytest.mark.parametrize("case", ["virtual pool", "last storage pool"])
 def test_a_refused_copy_leaves_every_pool_of_dst_as_it_was(case):
     """Slot 2**12 gives page 2**13 in pool 0 (fits int32), but in the refusing pool K = 2**12 * 2**20

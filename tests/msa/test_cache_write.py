@@ -199,3 +199,16 @@ def test_bool_slots_are_refused_and_write_nothing() -> None:
     with pytest.raises(TypeError, match="slots must be an integer tensor"):
         write_index_k(cache.index_k, slots, torch.zeros(2, 2))
     assert torch.equal(cache.pool, before)
+
+
+def test_complex_slots_are_refused_and_write_nothing() -> None:
+    # A complex slot 1 + 5j was cast to slot 1 (the imaginary part dropped) and written.
+    cache = PooledCache(num_pages=2, block_size=2, kv_heads=1, head_dim=2, index_dim=2)
+    cache.pool.normal_()
+    before = cache.pool.clone()
+    slots = torch.tensor([1 + 5j, -1 + 0j])
+    with pytest.raises(TypeError, match="slots must be an integer tensor, got torch.complex64"):
+        write_kv(cache.k, cache.v, slots, torch.zeros(2, 1, 2), torch.zeros(2, 1, 2))
+    with pytest.raises(TypeError, match="slots must be an integer tensor, got torch.complex64"):
+        write_index_k(cache.index_k, slots, torch.zeros(2, 2))
+    assert torch.equal(cache.pool, before)

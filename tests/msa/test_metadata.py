@@ -286,6 +286,30 @@ def test_corrections_on_another_device_are_refused_by_name() -> None:
         meta.on_update_kv_lens(torch.tensor([8, 12], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("count", [0.5, 1.0, True])
+def test_a_non_integer_context_row_count_is_refused_by_name(count) -> None:
+    # 0.5 context rows was staged as a mixed step (0.5 != 0) and True as one context row.
+    meta = MsaDecodeMetadata(4, 16, 8, 4, "cpu", max_draft_len=3)
+    with pytest.raises(TypeError, match="num_context_requests must be an int"):
+        meta.prepare([1, 4], [5, 8], torch.zeros(2, 2, dtype=torch.int32), num_context_requests=count)
+    assert meta.num_requests == 0 and meta.prepare_count == 0
+
+
+def test_complex_lengths_and_tables_are_refused_by_name() -> None:
+    # A complex table or length failed inside torch ("min_all" not implemented for complex), naming nothing.
+    meta = MsaDecodeMetadata(4, 16, 8, 4, "cpu", max_draft_len=3)
+    table = torch.tensor([[1, 2]], dtype=torch.int32)
+    with pytest.raises(TypeError, match="block_tables must be an integer tensor, got torch.complex64"):
+        meta.prepare([2], [6], table.to(torch.complex64))
+    with pytest.raises(MsaInputError, match="qo_lens must be a 1-D integer tensor, got torch.complex64"):
+        meta.prepare(torch.tensor([2 + 0j]), [6], table)
+    assert meta.prepare_count == 0
+    meta.prepare([2], [6], table)
+    with pytest.raises(TypeError, match="kv_lens must be an integer tensor, got torch.complex64"):
+        meta.on_update_kv_lens(torch.tensor([5 + 1j]))
+    assert meta.kv_lens.tolist() == [6] and meta.positions.tolist() == [4, 5]
+
+
 def test_page_ids_whose_cache_slots_pass_int32_are_refused() -> None:
     # page * B + offset must fit the int32 slot: page 2**28 at B = 16 is slot 2**32, which wrapped to slot 0
     # (another request's page) instead of being refused.

@@ -70,10 +70,10 @@ def num_spec_layers(spec_config: Any) -> int:
     if is_("is_mtp_eagle_one_model"):
         return 1
     if is_("is_mtp_vanilla"):
-        return int(spec_config.num_nextn_predict_layers)
+        return as_int("num_nextn_predict_layers", spec_config.num_nextn_predict_layers, minimum=0)
     if is_("is_eagle3_one_model"):
         layers = getattr(spec_config, "_num_draft_hidden_layers", None)
-        return 1 if layers is None else int(layers)
+        return 1 if layers is None else as_int("_num_draft_hidden_layers", layers, minimum=0)
     return 0
 
 

@@ -137,11 +137,14 @@ def extend_attention_op_pools(
         scales.append(sub_pages)
         op_pools.append((op_pool, source))
 
-    # rows past num_pools are dropped and their ids handed to the new pools: a layer still
-    # mapped there would silently address another layer's draft pool
+    # ids from num_pools on go to the new pools (rows past it are dropped): a layer still mapped
+    # there, to a dropped row or to one that never existed, would silently address a draft pool
     for layer, op_pool in enumerate(pool_mapping[:, 0].tolist()):
         if layer not in seen and base_pools <= op_pool < pool_pointers.shape[0]:
             raise ValueError(f"layer {layer} maps to op pool {op_pool}, which num_pools={base_pools} drops")
+        if layer not in seen and op_pool >= pool_pointers.shape[0]:
+            raise ValueError(f"layer {layer} maps to pool {op_pool}, but pool_pointers has "
+                             f"{pool_pointers.shape[0]} rows")
 
     if new_rows:
         pointers = torch.cat([pointers, torch.stack(new_rows)], dim=0)

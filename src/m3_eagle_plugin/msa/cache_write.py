@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .blocks import MsaInputError
+from .blocks import MsaInputError, is_integer_dtype
 
 __all__ = ["write_kv", "write_index_k", "check_index_k"]
 
@@ -49,7 +49,7 @@ def _check_slots(slots: torch.Tensor, num_tokens: int, capacity: int) -> torch.T
     past the cache fails the whole call instead of after the K cache (or a prefix of it) is written."""
     if slots.dim() != 1 or slots.shape[0] != num_tokens:
         raise MsaInputError(f"slots must be [T={num_tokens}], got {tuple(slots.shape)}")
-    if slots.dtype.is_floating_point or slots.dtype == torch.bool:
+    if not is_integer_dtype(slots.dtype):  # a complex slot would drop its imaginary part
         raise TypeError(f"slots must be an integer tensor, got {slots.dtype}")
     slots = slots.to(torch.int64)
     if slots.device.type == "cpu" and num_tokens and int(slots.max()) >= capacity:

@@ -19,7 +19,12 @@ from typing import Sequence
 
 import torch
 
-from .blocks import INT32_MAX, MsaInputError, checked_int, int_entries, valid_blocks_from_positions, validate_block_size
+from m3_eagle_plugin._ints import as_int
+
+from .blocks import (
+    INT32_MAX, MsaInputError, checked_int, int_entries, is_integer_dtype, valid_blocks_from_positions,
+    validate_block_size,
+)
 
 __all__ = ["MsaDecodeMetadata"]
 
@@ -40,7 +45,7 @@ def _host_lengths(name: str, values: torch.Tensor | Sequence[int]) -> list[int]:
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise TypeError(f"{name} must be a host sequence or CPU tensor, got a tensor on {values.device}")
-        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+        if values.dim() != 1 or not is_integer_dtype(values.dtype):
             raise MsaInputError(f"{name} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}")
         return [int(x) for x in values.tolist()]
     return int_entries(name, values)
@@ -234,7 +239,7 @@ class MsaDecodeMetadata:
             raise MsaInputError(
                 f"block_tables must be [num_requests={num_requests}, W], got {tuple(block_tables.shape)}"
             )
-        if block_tables.dtype.is_floating_point or block_tables.dtype == torch.bool:
+        if not is_integer_dtype(block_tables.dtype):
             raise TypeError(f"block_tables must be an integer tensor, got {block_tables.dtype}")
         width = block_tables.shape[1]
         host_table = block_tables if block_tables.device.type == "cpu" else None
@@ -259,7 +264,9 @@ class MsaDecodeMetadata:
         num_tokens = sum(qo)
         if num_tokens > self.max_num_tokens:
             raise MsaInputError(f"step has {num_tokens} tokens, max_num_tokens is {self.max_num_tokens}")
-        if num_context_requests is not None and not 0 <= num_context_requests <= num_requests:
+        if num_context_requests is None:
+            return
+        if not 0 <= as_int("num_context_requests", num_context_requests) <= num_requests:
             raise MsaInputError(f"num_context_requests {num_context_requests} not in [0, {num_requests}]")
 
     def _check_pages(self, r: int, pages: torch.Tensor) -> None:
@@ -388,7 +395,7 @@ class MsaDecodeMetadata:
                 raise TypeError(f"kv_lens must be a device tensor, got {type(kv_lens).__name__}")
             if kv_lens.dim() != 1 or kv_lens.shape[0] != self.num_requests:
                 raise MsaInputError(f"kv_lens must be [num_requests={self.num_requests}], got {tuple(kv_lens.shape)}")
-            if kv_lens.dtype.is_floating_point or kv_lens.dtype == torch.bool:
+            if not is_integer_dtype(kv_lens.dtype):
                 raise TypeError(f"kv_lens must be an integer tensor, got {kv_lens.dtype}")
             if kv_lens.device.type != self.device.type:
                 raise MsaInputError(f"kv_lens is on {kv_lens.device} but the metadata lives on {self.device}")
