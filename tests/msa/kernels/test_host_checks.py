@@ -110,6 +110,17 @@ def test_operands_on_another_device_are_refused_naming_them():
             call()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.complex64])
+def test_fused_writers_refuse_slots_and_lengths_that_are_not_integers(dtype):
+    """A float slot or length would be truncated, a complex one lose its imaginary part, a bool one
+    read as 0 / 1 (`msa.blocks.is_integer_dtype`, the rule of the torch paths)."""
+    meta, k_cache, v_cache, _, q, _ = _step()
+    with pytest.raises(KernelInputError, match=f"slots must be a 1-d integer tensor, got {dtype}"):
+        kv_write.write_step_kv_fused(k_cache, v_cache, meta.cache_slots.to(dtype), q[:, :KV_HEADS], q[:, :KV_HEADS])
+    with pytest.raises(KernelInputError, match="kv_lens must be integer"):
+        kv_lens_update.on_update_kv_lens_fused(meta, meta.kv_lens.to(dtype))
+
+
 def test_metadata_on_another_device_than_the_queries_is_refused():
     meta, k_cache, v_cache, index_k_cache, q, index_q = _step()
     with pytest.raises(KernelInputError, match="meta.block_tables is on cpu, the kernel's other operands on meta"):

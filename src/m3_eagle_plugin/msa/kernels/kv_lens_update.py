@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..blocks import is_integer_dtype
 from ._common import check_same_device, require
 from .launch import launch
 
@@ -127,7 +128,7 @@ def on_update_kv_lens_fused(meta: Any, kv_lens: torch.Tensor | None = None) -> N
     if kv_lens is not None:
         require(isinstance(kv_lens, torch.Tensor) and kv_lens.dim() == 1 and kv_lens.shape[0] == meta.num_requests,
                 f"kv_lens must be a 1-D device tensor of num_requests={meta.num_requests} entries")
-        require(not kv_lens.dtype.is_floating_point and kv_lens.dtype != torch.bool, "kv_lens must be integer")
+        require(is_integer_dtype(kv_lens.dtype), "kv_lens must be integer")
         require(kv_lens.stride(0) == 1 or kv_lens.shape[0] <= 1,
                 f"kv_lens must be contiguous (the kernel reads it densely), got stride {kv_lens.stride(0)}")
         check_same_device(meta._kv_lens.device, kv_lens=kv_lens)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..blocks import is_integer_dtype
 from ._common import check_cache_view, check_same_device, next_pow2, require
 from .launch import launch
 
@@ -65,7 +66,7 @@ def write_step_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tor
     require(k_cache.shape == v_cache.shape, f"k/v cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
     check_same_device(k_cache.device, v_cache=v_cache, slots=slots, index_k_cache=index_k_cache)
     _, hkv, block, dim = k_cache.shape
-    require(slots.dim() == 1 and not slots.dtype.is_floating_point and slots.dtype != torch.bool,
+    require(slots.dim() == 1 and is_integer_dtype(slots.dtype),
             f"slots must be a 1-d integer tensor, got {slots.dtype} {tuple(slots.shape)}")
     require(slots.stride(0) == 1 or slots.shape[0] <= 1,
             f"slots must be contiguous (the kernel reads it densely), got stride {slots.stride(0)}")
