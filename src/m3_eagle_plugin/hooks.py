@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import pluggy
 
+from m3_eagle_plugin._ints import as_int
+
 PROJECT_NAME = "m3_eagle_plugin"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -41,8 +43,10 @@ class DraftContext:
 
     @classmethod
     def build(cls, request_ids: Sequence[int], tokens: Sequence[Sequence[int]], draft_len: int) -> "DraftContext":
-        """Freeze plain lists into a context (convenience for hosts)."""
-        return cls(tuple(int(r) for r in request_ids), tuple(tuple(int(t) for t in seq) for seq in tokens), int(draft_len))
+        """Freeze plain lists into a context (convenience for hosts); a float, bool or string id or
+        length is refused by name (`_ints.as_int`), not truncated."""
+        return cls(tuple(as_int("request id", r) for r in request_ids),
+                   tuple(tuple(as_int("token id", t) for t in seq) for seq in tokens), as_int("draft_len", draft_len))
 
 
 class M3EagleSpecs:

@@ -7,6 +7,7 @@ import textwrap
 
 import pluggy
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -120,6 +121,17 @@ def test_draft_context_validates():
         DraftContext((1, 2), ((1,),), 1)
     with pytest.raises(ValueError, match="draft_len"):
         DraftContext((1,), ((1,),), -1)
+
+
+@pytest.mark.parametrize("args,name", [
+    (([1.0], [[1]], 2), "request id"), (([1], [[1, 2.5]], 2), "token id"), (([1], [[True]], 2), "token id"),
+    (([1], [[1]], 1.5), "draft_len"), (([1], [["3"]], 2), "token id"),
+])
+def test_draft_context_build_refuses_non_integers_instead_of_truncating(args, name):
+    """`build` took int(2.5) == 2: a host passing a float token id drafted from the wrong token."""
+    with pytest.raises(TypeError, match=f"{name} must be an int"):
+        DraftContext.build(*args)
+    assert DraftContext.build([torch.tensor(1)], [[torch.tensor(5)]], torch.tensor(2)) == DraftContext((1,), ((5,),), 2)
 
 
 def test_model_class_conflict_is_detected(manager):
