@@ -245,6 +245,14 @@ def check_cache_view(name: str, cache: torch.Tensor, ndim: int) -> None:
     require(cache.stride(-1) == 1, f"{name} must be contiguous in its last dim (stride {cache.stride()})")
 
 
+def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Paged K and V caches `[P, Hkv, B, D]` of one shape, each with a unit last stride."""
+    check_cache_view("k_cache", k_cache, 4)
+    check_cache_view("v_cache", v_cache, 4)
+    require(k_cache.shape == v_cache.shape,
+            f"k/v cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+
+
 #: The metadata's 1-D fields the kernels read as `ptr + i`.
 DENSE_META_FIELDS = ("kv_lens", "cu_qo_lens", "positions")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._common import (CACHE_DTYPES, FP8_DTYPES, check_cache_block, check_cache_view, check_meta, check_same_device,
+from ._common import (CACHE_DTYPES, FP8_DTYPES, check_cache_block, check_kv_caches, check_meta, check_same_device,
                       check_step_rows, compute_dtype_of, require)
 from .merge import merge_splits
 
@@ -20,10 +20,8 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check_meta(meta, q.device)
     compute_dtype_of(q)
     require(q.dim() == 3 and q.stride(-1) == 1, f"q must be [T, Hq, D] with unit last stride, got {tuple(q.shape)}")
-    check_cache_view("k_cache", k_cache, 4)
-    check_cache_view("v_cache", v_cache, 4)
+    check_kv_caches(k_cache, v_cache)
     check_same_device(q.device, k_cache=k_cache, v_cache=v_cache)
-    require(k_cache.shape == v_cache.shape, f"k/v cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
     _, hkv, block, dim = k_cache.shape
     require(q.shape[2] == dim, f"head dim of q ({q.shape[2]}) and cache ({dim}) differ")
     require(q.shape[1] % hkv == 0, f"query heads {q.shape[1]} not a multiple of KV heads {hkv}")

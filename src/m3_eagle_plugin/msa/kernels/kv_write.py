@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..blocks import is_integer_dtype
-from ._common import check_cache_view, check_same_device, next_pow2, require
+from ._common import check_cache_view, check_kv_caches, check_same_device, next_pow2, require
 from .launch import launch
 
 
@@ -61,9 +61,7 @@ def write_step_kv_fused(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tor
     """Write `k`, `v` `[T, Hkv, D]` into `[P, Hkv, B, D]` caches (and `index_k` `[T, Di]` into
     `[P, B, Di]`) at `slots` `[T]` (page * B + offset; negative or past the cache = skip).
     Capture-safe, one launch."""
-    check_cache_view("k_cache", k_cache, 4)
-    check_cache_view("v_cache", v_cache, 4)
-    require(k_cache.shape == v_cache.shape, f"k/v cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+    check_kv_caches(k_cache, v_cache)
     check_same_device(k_cache.device, v_cache=v_cache, slots=slots, index_k_cache=index_k_cache)
     _, hkv, block, dim = k_cache.shape
     require(slots.dim() == 1 and is_integer_dtype(slots.dtype),
