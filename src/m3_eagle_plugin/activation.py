@@ -362,7 +362,8 @@ def status() -> ActivationReport:
                 report.ok, report.reason = False, refusal
     except Exception as exc:  # noqa: BLE001 - status reports, it does not fail
         report.ok = False
-        report.reason = f"{report.reason}; {type(exc).__name__}: {exc}" if report.reason else f"{type(exc).__name__}: {exc}"
+        failure = f"{type(exc).__name__}: {exc}"
+        report.reason = f"{report.reason}; {failure}" if report.reason else failure
     if force_problem is not None:
         report.ok = False
         report.reason = f"{force_problem}; activating (auto or require) refuses it; with it unset: {report.reason}"

@@ -177,7 +177,8 @@ def render_table(data: dict[str, Any]) -> str:
         ("plugin version", data["plugin_version"]),
         ("mode", data["mode"]),
         ("setting errors", data["setting_errors"] or None),
-        ("host", f"{data['host']} {data['host_version'] or ('(version unknown)' if data['host_found'] else '(not found)')}"),
+        ("host", f"{data['host']} "
+                 f"{data['host_version'] or ('(version unknown)' if data['host_found'] else '(not found)')}"),
         ("manifest verdict", f"{data['verdict']}: {data['reason']}"),
         ("manifest", data["manifest"]),
         ("activated", data["activated"]),

@@ -267,7 +267,8 @@ class M3PluginManager(pluggy.PluginManager):
                 continue
             if not isinstance(result, dict):
                 raise PluginError(
-                    f"plugin {impl.plugin_name!r}: m3_eagle_model_classes must return a dict, got {type(result).__name__}"
+                    f"plugin {impl.plugin_name!r}: m3_eagle_model_classes must return a dict, "
+                    f"got {type(result).__name__}"
                 )
             for arch, reference in result.items():
                 if arch in merged and merged[arch] != reference:

@@ -149,7 +149,8 @@ class StepSet:
             meta = build_step_meta([qo_len] * self.batch, st["kv_lens"], st["tables"], geo.block, device=self.device)
             st[key] = {
                 "meta": meta,
-                "q": verify_queries(self.batch, qo_len, geo.q_heads, geo.head_dim, self.q_dtype, self.device, st["dgen"]),
+                "q": verify_queries(self.batch, qo_len, geo.q_heads, geo.head_dim, self.q_dtype, self.device,
+                                    st["dgen"]),
                 "index_q": verify_queries(self.batch, qo_len, geo.index_heads, geo.index_dim, self.index_dtype,
                                           self.device, st["dgen"], correlation=0.97),
                 "selection": shared_selection(meta, geo, st["gen"]),

@@ -191,8 +191,8 @@ def _check_index(copy_index: torch.Tensor, host_offsets: torch.Tensor, dst: torc
     """``copy_index`` as long row ids on the host table's device; ``host_offsets`` and ``dst`` are
     one pool's tables or the stacked ones (rows on dim -3)."""
     if not isinstance(copy_index, torch.Tensor) or copy_index.dim() != 1:
-        raise TypeError(f"copy_index must be a 1-D integer tensor, got "
-                        f"{tuple(copy_index.shape) if isinstance(copy_index, torch.Tensor) else type(copy_index).__name__}")
+        got = tuple(copy_index.shape) if isinstance(copy_index, torch.Tensor) else type(copy_index).__name__
+        raise TypeError(f"copy_index must be a 1-D integer tensor, got {got}")
     _integer_table("copy_index", copy_index)  # a float row 1.7 would truncate to row 1
     rows, host_rows = int(copy_index.numel()), host_offsets.shape[-3]
     if rows > dst.shape[-3]:

@@ -67,7 +67,8 @@ class M3Config:
             raise ConfigError(f"{where}: per-layer patterns have {len(self.sparse_layers)} / "
                               f"{len(self.moe_layers)} entries for {self.num_layers} layers")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
-            raise ConfigError(f"{where}: rotary dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+            raise ConfigError(
+                f"{where}: rotary dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
         if any(self.sparse_layers):
             if self.index_heads != self.num_kv_heads:
                 raise ConfigError(f"{where}: index heads ({self.index_heads}) must equal num_key_value_heads "

@@ -111,7 +111,8 @@ class ConfigFields:
         if not isinstance(values, (list, tuple)):
             raise self.error(key, f"must be a list, got {type(values).__name__}")
         if len(values) != num_layers:
-            raise self.error(key, f"has {len(values)} entries, expected {num_layers} (one per layer: num_hidden_layers)")
+            raise self.error(
+                key, f"has {len(values)} entries, expected {num_layers} (one per layer: num_hidden_layers)")
         out = []
         for i, value in enumerate(values):
             entry = int(value) if isinstance(value, numbers.Integral) else value  # bool counts as 0 / 1

@@ -108,7 +108,8 @@ def _target_shapes() -> dict[str, tuple[int, ...]]:
                        m + "shared_experts.up_proj.weight": (SHARED_I, HIDDEN),
                        m + "shared_experts.down_proj.weight": (HIDDEN, SHARED_I)})
         for e in range(EXPERTS):
-            shapes.update({f"{m}experts.{e}.w1.weight": (EXPERT_I, HIDDEN), f"{m}experts.{e}.w3.weight": (EXPERT_I, HIDDEN),
+            shapes.update({f"{m}experts.{e}.w1.weight": (EXPERT_I, HIDDEN),
+                           f"{m}experts.{e}.w3.weight": (EXPERT_I, HIDDEN),
                            f"{m}experts.{e}.w2.weight": (HIDDEN, EXPERT_I)})
     return shapes
 

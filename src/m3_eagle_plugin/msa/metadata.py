@@ -346,7 +346,8 @@ class MsaDecodeMetadata:
 
         self._fields.copy_(host, non_blocking=self._staging_done is not None)
         if self._staging_done is not None:
-            self._staging_done.record(torch.cuda.current_stream(self.device))  # the copy's stream, not the current device's
+            # the copy's stream, not the current device's
+            self._staging_done.record(torch.cuda.current_stream(self.device))
         if not table_on_host and num_requests:
             self._block_tables[:num_requests, :columns].copy_(block_tables[:, :columns])
 

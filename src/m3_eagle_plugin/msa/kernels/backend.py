@@ -127,7 +127,8 @@ def _flashinfer_report(device: torch.device, mode: str) -> dict[str, Any]:
     """FlashInfer's status, the table in force and the table's verdict per measured shape."""
     policy = {
         "auto": "per shape: FlashInfer where eligible and faster in the nearest measured table row, else ours",
-        "flashinfer": f"{ENV_VAR}=flashinfer: FlashInfer for {', '.join(fim.ROUTED_KERNELS)}; an ineligible call raises",
+        "flashinfer": f"{ENV_VAR}=flashinfer: FlashInfer for {', '.join(fim.ROUTED_KERNELS)}; "
+                      "an ineligible call raises",
     }.get(mode, f"off ({ENV_VAR}={mode})")
     section: dict[str, Any] = {"status": fim.flashinfer_status(), "device": fim.device_refusal(device) or "SM90: ok",
                                "routes": list(fim.ROUTED_KERNELS), "policy": policy}
@@ -151,7 +152,8 @@ def _flashinfer_report(device: torch.device, mode: str) -> dict[str, Any]:
         if name not in fim.ROUTED_KERNELS:
             faster = sum(r.flashinfer_us is not None and r.ours_us <= r.flashinfer_us for r in table.rows
                          if r.kernel in measured)
-            lines.append(f"decision: ours (no FlashInfer route; ours faster in {faster} of {len(lines)} measured shapes)")
+            lines.append(f"decision: ours (no FlashInfer route; ours faster in {faster} of {len(lines)} "
+                         "measured shapes)")
         verdicts[name] = lines
     steps = table.verdicts("sparse_step")
     verdicts["sparse_step"] = steps + ["decision: where both halves could run on FlashInfer, the whole step it "

@@ -183,9 +183,10 @@ def interleaved_refusal(k: torch.Tensor, v: torch.Tensor) -> str | None:
     _, heads, block, dim = k.shape
     want = (heads * block * 2 * dim, block * 2 * dim, 2 * dim, 1)
     if v.data_ptr() - k.data_ptr() != dim * k.element_size() or k.stride() != want or v.stride() != want:
+        offset = (v.data_ptr() - k.data_ptr()) // k.element_size()
         return (f"K and V are not the two halves of one interleaved [P, Hkv, {block}, {2 * dim}] cache (V must start "
-                f"{dim} elements after K, strides {want}; got offset {(v.data_ptr() - k.data_ptr()) // k.element_size()}"
-                f", strides {tuple(k.stride())} / {tuple(v.stride())})")
+                f"{dim} elements after K, strides {want}; got offset {offset}, strides {tuple(k.stride())} / "
+                f"{tuple(v.stride())})")
     if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
         return "K and V are not views of one allocation"
     return None

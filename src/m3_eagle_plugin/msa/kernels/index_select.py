@@ -292,7 +292,8 @@ def index_block_scores(
             "block size and index dim must be powers of two >= 16")
     require(index_k_cache.dtype in CACHE_DTYPES, f"unsupported index_k dtype {index_k_cache.dtype}")
     num_requests = meta.kv_lens.shape[0]
-    require(num_requests <= MAX_GRID_YZ, f"{num_requests} requests: at most {MAX_GRID_YZ} a step (the scoring grid's y)")
+    require(num_requests <= MAX_GRID_YZ,
+            f"{num_requests} requests: at most {MAX_GRID_YZ} a step (the scoring grid's y)")
     width = meta.block_tables.shape[1]
     if out is None:
         out = torch.empty((num_heads, num_tokens, width), device=index_q.device, dtype=torch.float32)

@@ -93,7 +93,8 @@ def derive_token_fields(
     updated in place. `new_kv_lens` (first `len(new_kv_lens)` requests) replaces `kv_lens` first."""
     num_requests = kv_lens.shape[0]
     num_tokens = token_request.shape[0]
-    require(block_size > 0 and block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}")
+    require(block_size > 0 and block_size & (block_size - 1) == 0,
+            f"block_size must be a power of two, got {block_size}")
     require(max_blocks_per_seq >= 1, "max_blocks_per_seq must be >= 1")
     for name, t in (("kv_lens_staged", kv_lens_staged), ("qo_lens", qo_lens), ("qo_offsets", qo_offsets)):
         require(t.shape[0] >= num_requests, f"{name} must have >= {num_requests} entries, got {t.shape[0]}")

@@ -382,7 +382,8 @@ def sparse_verify_attention(
     qk_scale *= LOG2E
     max_qo_len = qo_len_hint(meta, max_qo_len)
     require(selection.dim() == 3 and selection.dtype == torch.int32 and selection.stride(-1) == 1,
-            f"selection must be int32 [Hkv, T, topk] with unit last stride, got {selection.dtype} {tuple(selection.shape)}")
+            f"selection must be int32 [Hkv, T, topk] with unit last stride, got {selection.dtype} "
+            f"{tuple(selection.shape)}")
     check_same_device(q.device, selection=selection, ready=ready)
     num_tokens, num_heads, dim = q.shape
     _, hkv, block, _ = k_cache.shape
@@ -509,7 +510,8 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, qk_scale, vs, max_
     group = num_heads // hkv
     topk = selection.shape[2]
     num_requests = meta.kv_lens.shape[0]
-    require(group <= MAX_TILE_ROWS, f"layout 'token' takes at most {MAX_TILE_ROWS} query heads per KV head, got {group}")
+    require(group <= MAX_TILE_ROWS,
+            f"layout 'token' takes at most {MAX_TILE_ROWS} query heads per KV head, got {group}")
     rows = next_pow2(max(16, group))  # the GQA group, padded for tl.dot
     key_cols = 2 * block if pages_per_tile == 2 else min(block, key_tile)
     paired_v = _paired_v_for_tile(paired_v, paired_v_applies(v_cache, compute_f16), rows, dim, key_cols)
