@@ -45,8 +45,15 @@ class DraftContext:
     def build(cls, request_ids: Sequence[int], tokens: Sequence[Sequence[int]], draft_len: int) -> "DraftContext":
         """Freeze plain lists into a context (convenience for hosts); a float, bool or string id or
         length is refused by name (`_ints.as_int`), not truncated."""
-        return cls(tuple(as_int("request id", r) for r in request_ids),
-                   tuple(tuple(as_int("token id", t) for t in seq) for seq in tokens), as_int("draft_len", draft_len))
+        return cls(_int_tuple("request id", request_ids), tuple(_int_tuple("token id", seq) for seq in tokens),
+                   as_int("draft_len", draft_len))
+
+
+def _int_tuple(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    values = tuple(values)
+    if all(type(v) is int for v in values):  # the hosts' case, a sequence of plain ints: no call per entry
+        return values
+    return tuple(as_int(name, v) for v in values)
 
 
 class M3EagleSpecs:
