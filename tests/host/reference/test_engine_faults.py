@@ -163,6 +163,20 @@ def test_a_keyboard_interrupt_between_steps_frees_everything(where, overlap, mon
     assert_clean_and_reusable(engine, target, cache)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_an_interrupt_after_a_request_finished_but_before_its_pages_went_back_frees_them(overlap, monkeypatch):
+    """Ctrl-C landing in a commit between a request's last tokens (it is done) and `Engine.finish`:
+    the clean-up must still give its pages, id and admission budget back (it skipped done requests,
+    so the next call failed with "request 0 already exists")."""
+    engine, target, cache = build(overlap=overlap)
+    monkeypatch.setattr(engine, "finish", fail_on_call(engine.finish, 1, KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt) as caught:
+        engine.generate(PROMPTS, max_new_tokens=NEW)
+    assert assert_partial_result(caught.value, target), "the interrupted request had finished"
+    monkeypatch.undo()
+    assert_clean_and_reusable(engine, target, cache)
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_failing_proposer_loses_nothing_and_names_the_step(n):
     calls = [0]

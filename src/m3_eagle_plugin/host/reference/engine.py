@@ -231,6 +231,7 @@ class Engine:
             self.scheduler.check_fits(request)
         except RequestError as error:
             request.fail(str(error))
+            request.released = True  # never registered: nothing to give back
             return request
         if not self.config.sampling.greedy:
             request.generator = request_generator(self.config.sampling.seed, index, self.device)
@@ -248,17 +249,21 @@ class Engine:
         return isinstance(request, Request) and request.owner is self._mark
 
     def finish(self, request: Request) -> None:
-        """Return a finished (or failed) request's pages and its scheduler slot."""
-        self.cache.free(request.rid)
+        """Return a finished (or failed) request's pages and its scheduler slot (once: idempotent)."""
         self.scheduler.release(request)
+        if not request.released:
+            request.released = True
+            self.cache.free(request.rid)
 
     def stop_unfinished(self, requests: Sequence[Request], reason: str = "engine stopped before the request finished"
                         ) -> None:
-        """Fail every request not done yet with ``reason`` and return its pages and scheduler slot."""
+        """Fail every request not done yet with ``reason``, and return the pages and scheduler slot of
+        every request still holding them: also of one that finished just before an interrupt (Ctrl-C
+        between its last tokens and `finish`), which would otherwise keep its id in the cache."""
         for request in requests:
             if not request.done:
                 request.fail(reason)
-                self.finish(request)
+            self.finish(request)
 
     def result(self, requests: Sequence[Request]) -> GenerationResult:
         """``requests`` with this engine's statistics: the tokens of each FINISHED request; [] for the

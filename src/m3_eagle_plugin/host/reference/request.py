@@ -47,6 +47,9 @@ class Request:
     pending_step: int = -1  # id of the step that produced the pending inputs
     generator: torch.Generator | None = None
     stop_reason: str | None = None
+    # Set by `Engine.finish` (and for a request refused before it was registered): its KV pages and
+    # admission budget went back, so the clean-up after an error knows which done requests still hold them.
+    released: bool = False
     owner: object | None = field(default=None, repr=False)  # the engine's mark (`Engine.owns`)
 
     @property
