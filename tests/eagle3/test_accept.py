@@ -232,6 +232,16 @@ def test_forced_schedule_refuses_a_positive_mean_it_would_round_to_zero():
     assert forced_count_at(0.0, torch.arange(5)).tolist() == [0] * 5
 
 
+@pytest.mark.parametrize("mean", [1e19, 2.0**63, 1e12 + 1 / 3])  # the last: negative counts past step 3e6
+def test_forced_schedule_refuses_a_mean_its_int64_arithmetic_would_wrap(mean):
+    """floor((s + 1) * mean) - floor(s * mean) is >= floor(mean) > 0 for every step; int64 products
+    wrapped instead (1e19 gave -8446744073709551616 at step 0, which forced_accept turned into 0
+    accepted drafts): such a mean is refused naming the cause, one the schedule can hold still runs."""
+    with pytest.raises(ValueError, match="too large to schedule"):
+        forced_count_at(mean, torch.arange(3_000_000, 3_100_000))
+    assert forced_count_at(2147.5, torch.arange(4)).tolist() == [2147, 2148, 2147, 2148]
+
+
 def _assert_distributed_as(samples: torch.Tensor, probs: torch.Tensor, what: str) -> None:
     """Pearson chi-square goodness of fit of `samples` to `probs`, refused below p-value 1e-4.
 

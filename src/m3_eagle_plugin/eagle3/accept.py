@@ -125,6 +125,7 @@ def forced_accept(
 
 
 _FORCED_DENOMINATOR = 10**6
+_FORCED_NUMERATOR_LIMIT = 2**31  # 2**32 verify steps before (step + 1) * numerator could leave int64
 
 
 def forced_ratio(mean: float) -> Fraction:
@@ -154,6 +155,10 @@ def forced_count_at(mean: float, step: torch.Tensor) -> torch.Tensor:
     mean below that resolution would round to "never accept" and is refused instead.
     """
     ratio = forced_ratio(mean)
+    if ratio.numerator > _FORCED_NUMERATOR_LIMIT:  # int64 products wrapped: 1e19 gave a negative count
+        raise ValueError(f"mean forced acceptance {mean!r} is too large to schedule (its fraction's numerator "
+                         f"must stay <= 2**31 so that step * numerator fits int64); any mean at or above the "
+                         f"draft length already forces every draft")
     step = step.to(torch.long)
     return ((step + 1) * ratio.numerator) // ratio.denominator - (step * ratio.numerator) // ratio.denominator
 
