@@ -21,7 +21,8 @@ __all__ = ["add_arguments", "main", "read_prompts"]
 #: The prompt `m3-eagle run` generates from when given neither --prompt-ids nor --prompts.
 DEFAULT_PROMPT = (1, 2, 3, 4)
 
-FORCED_NOTE = "forced acceptance: {n} drafts per verify step are accepted regardless (benchmark mode; outputs are NOT the target's)"
+FORCED_NOTE = ("forced acceptance: {n} drafts per verify step are accepted regardless "
+               "(benchmark mode; outputs are NOT the target's)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay generation steps from CUDA graphs (GPU only)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="replay generation steps from CUDA graphs (GPU only)")
     parser.add_argument("--overlap", action="store_true",
                         help="prepare step N+1 before step N's acceptance is known (device-side correction)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -46,9 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="benchmark mode: accept N drafts per step regardless of the target "
                              "(fractional N: that mean, e.g. 2.5 alternates 2 and 3)")
     parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--max-tokens-per-step", type=int, default=256, help="token budget of one step (chunked prefill)")
+    parser.add_argument("--max-tokens-per-step", type=int, default=256,
+                        help="token budget of one step (chunked prefill)")
     parser.add_argument("--eos-ids", default="", help="comma-separated ids that end a request (kept in the output)")
-    parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache blocks (default: all prompts fit at once)")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="KV cache blocks (default: all prompts fit at once)")
     parser.add_argument("--proposer", choices=["default", "prompt-lookup"], default="default",
                         help="default: the m3_eagle_propose_drafts plugin hook, else the Eagle3 head")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -149,7 +153,8 @@ def _report_text(report: dict, out: TextIO) -> None:
         out.write(f"[{n}] error: {error}\n" if error else f"[{n}] {' '.join(map(str, ids))}\n")
     out.write(
         f"draft_len={report['draft_len']} source={report['draft_source']} overlap={report['overlap']} "
-        f"acceptance_rate={report['acceptance_rate']:.3f} mean_acceptance_length={report['mean_acceptance_length']:.3f} "
+        f"acceptance_rate={report['acceptance_rate']:.3f} "
+        f"mean_acceptance_length={report['mean_acceptance_length']:.3f} "
         f"draft_tokens={report['draft_tokens']} accepted_tokens={report['accepted_tokens']} "
         f"tokens_per_s={report['tokens_per_s']:.1f}\n"
     )

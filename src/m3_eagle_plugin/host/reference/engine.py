@@ -473,7 +473,8 @@ def describe_rows(rows) -> str:
     parts = []
     for row in rows:
         if row.kind is RowKind.CONTEXT:
-            parts.append(f"prefill of request {row.request.index} (prompt tokens {row.start}..{row.start + row.length - 1})")
+            last = row.start + row.length - 1
+            parts.append(f"prefill of request {row.request.index} (prompt tokens {row.start}..{last})")
         else:
             parts.append(f"verify of request {row.request.index}")
     return ", ".join(parts) or "no rows"

@@ -230,7 +230,8 @@ class StepRunner:
             next_draft_probs=draft_probs, head_drafts=use_head,
         )
 
-    def _step_inputs(self, rows: list[ScheduledRow], verify_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step_inputs(self, rows: list[ScheduledRow],
+                     verify_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Input ids ``[T]`` (prompt chunks from the host, verify rows from device-held drafts) and the
         per-row device correction of the staged kv lengths (None when every length is exact)."""
         pieces: list[torch.Tensor] = []

@@ -65,7 +65,8 @@ class Scheduler:
             )
 
     def blocks_needed(self, request: Request) -> int:
-        return math.ceil(kv_budget_tokens(len(request.prompt), request.max_new_tokens, self.draft_len) / self.block_size)
+        tokens = kv_budget_tokens(len(request.prompt), request.max_new_tokens, self.draft_len)
+        return math.ceil(tokens / self.block_size)
 
     def check_fits(self, request: Request) -> None:
         """Raise `RequestError` when the request could never fit the cache, even alone."""
