@@ -5,7 +5,7 @@ import types
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 pytest.importorskip("triton")
 
@@ -54,6 +54,8 @@ def test_bad_inputs_are_refused_with_their_cause(change, cause):
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(splits=st.integers(0, 1 << 12), row=st.integers(0, 1 << 24))
+@example(splits=2, row=(1 << 27) // 2)  # exactly MAX_PARTIAL_ELEMENTS: taken
+@example(splits=2, row=(1 << 27) // 2 + 1)
 def test_split_bound_accepts_exactly_what_fits(splits, row):
     fits = splits >= 1 and (splits == 1 or splits * row <= MAX_PARTIAL_ELEMENTS)
     if fits:

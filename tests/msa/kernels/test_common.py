@@ -18,6 +18,8 @@ def test_reference_values():
     assert tokens_per_tile(8000, 1, 16, None) == 4   # long prefill chunk: 64 rows at most, the kernels loop
     assert tokens_per_tile(8000, 1, 2, None) == 16   # small groups: 16 tokens at most
     assert [next_pow2(n) for n in (0, 1, 2, 3, 17)] == [1, 1, 2, 4, 32]
+    # no bound: 5 tokens of 2 requests put at least 3 in one of them, whose pages a 4-token chunk reads once
+    assert tokens_per_tile(5, 2, 16, None) == 4
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -186,3 +188,50 @@ def test_is_pow2_reference_values():
     from m3_eagle_plugin.msa.kernels._common import is_pow2
 
     assert [n for n in range(-4, 70) if is_pow2(n)] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_triton_runs_from_compute_capability_8_0(monkeypatch):
+    from m3_eagle_plugin.msa.kernels import _common
+
+    monkeypatch.setattr(_common, "triton_importable", lambda: True)
+    for capability, runs in ((None, False), ((7, 5), False), ((8, 0), True), ((9, 0), True)):
+        monkeypatch.setattr(_common, "device_capability", lambda device: capability)
+        assert _common.triton_available("cuda") is runs, capability
+
+
+def test_device_capability_is_none_off_cuda_even_with_a_gpu_present(monkeypatch):
+    from m3_eagle_plugin.msa.kernels import _common
+
+    monkeypatch.setattr(_common, "cuda_present", lambda: True)
+    monkeypatch.setattr(_common, "_cuda_capability", lambda index: (9, 0))
+    assert _common.device_capability("cpu") is None and _common.device_capability(torch.device("meta")) is None
+    assert _common.device_capability(torch.device("cuda", 0)) == (9, 0)
+
+
+def test_entries_apart_ignores_dims_of_one_entry():
+    from m3_eagle_plugin.msa.kernels._common import entries_apart
+
+    assert entries_apart(torch.zeros(3).as_strided((1, 3), (0, 1)))  # a size-1 dim's stride reaches nothing
+    assert entries_apart(torch.zeros(6).as_strided((2, 1, 3), (3, 0, 1)))
+    assert not entries_apart(torch.zeros(3).expand(2, 3))  # two rows on one address
+    assert not entries_apart(torch.zeros(6).as_strided((2, 3), (2, 1)))  # row 1 starts inside row 0
+
+
+def test_byte_aligned_ignores_the_last_stride():
+    from m3_eagle_plugin.msa.kernels._common import byte_aligned
+
+    rows = torch.zeros(4, 8, dtype=torch.float16)  # 16-byte rows of 2-byte entries
+    assert rows.data_ptr() % 16 == 0 and byte_aligned(rows, 16)
+    assert not byte_aligned(torch.zeros(4, 12, dtype=torch.float16)[:, :8], 16)  # 24-byte rows
+    assert not byte_aligned(torch.zeros(33, dtype=torch.float16)[1:].view(4, 8), 16)  # base 2 bytes off
+
+
+def test_check_cache_view_refuses_a_last_dim_with_a_stride():
+    from m3_eagle_plugin.msa.kernels._common import check_cache_view
+
+    cache = torch.zeros(2, 1, 16, 32)
+    check_cache_view("k_cache", cache[..., :16], 4)  # a narrower view keeps a unit last stride
+    with pytest.raises(KernelInputError, match="k_cache must be contiguous in its last dim"):
+        check_cache_view("k_cache", cache[..., ::2], 4)
+    with pytest.raises(KernelInputError, match="k_cache must have 4 dims"):
+        check_cache_view("k_cache", cache[0], 4)

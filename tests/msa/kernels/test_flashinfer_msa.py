@@ -199,6 +199,40 @@ def test_v_offset_must_be_exactly_one_head_dim(fake_fi):
     assert not ok and "V must start 128 elements after K" in why
 
 
+def test_v_must_start_exactly_one_head_dim_after_k_even_with_the_interleaved_strides(fake_fi):
+    st = _step([1], [200])
+    half = st["packed"][..., DIM // 2: DIM // 2 + DIM]  # K's strides, 64 elements after K: half K, half V
+    assert half.stride() == st["v"].stride()
+    ok, why = _sparse_ok({**st, "v": half}, _selection(st["meta"], 1))
+    assert not ok and "V must start 128 elements after K" in why and "got offset 64" in why, why
+
+
+@pytest.mark.parametrize("shape, expect", [((1, 64, 2 * DIM), "got [64, 128]"), ((1, BLOCK, DIM), "got [128, 64]")])
+def test_cache_pages_must_be_128_tokens_of_128_dims(fake_fi, shape, expect):
+    """The metadata may say 128-token pages while the cache holds others; q's head dim may not be the cache's."""
+    st = _step([1], [200])
+    packed = torch.zeros(st["packed"].shape[0], *shape, dtype=FP8)
+    d = shape[-1] // 2
+    ok, why = _sparse_ok({**st, "k": packed[..., :d], "v": packed[..., d:]}, _selection(st["meta"], 1))
+    assert not ok and f"cache pages must be [{BLOCK}, {DIM}], {expect}" in why, why
+
+
+def test_a_gqa_group_must_be_whole(fake_fi):
+    st = _step([2, 2], [300, 260], q_heads=3, kv_heads=2)  # 3 query heads on 2 KV heads
+    ok, why = _sparse_ok(st, _selection(st["meta"], 2))
+    assert not ok and "GQA group 3/2 must be a whole number" in why, why
+
+
+def test_an_empty_step_is_not_routed(fake_fi):
+    class Empty:  # no requests, no tokens
+        block_size = BLOCK
+        kv_lens = torch.zeros(0, dtype=torch.int32)
+        max_qo_len = 1
+    index_q = torch.zeros(0, 1, DIM, dtype=torch.bfloat16)
+    index_k = torch.zeros(2, BLOCK, DIM, dtype=torch.bfloat16)
+    assert fim.eligibility("select_blocks_paged", index_q, index_k, Empty(), topk=16) == (False, "empty step")
+
+
 def test_block_size_must_be_128(fake_fi):
     meta = MsaDecodeMetadata(1, 1, 4, 64, "cpu")
     meta.prepare([1], [100], torch.tensor([[0, 1]], dtype=torch.int32))
@@ -216,6 +250,17 @@ def test_block_size_must_be_128(fake_fi):
     (lambda st: {**st, "index_q": st["index_q"].float()}, "index_q must be bf16"),
 ])
 def test_index_refusals_name_their_cause(fake_fi, change, expect):
+    st = change(_step([2, 2], [300, 260]))
+    ok, why = _index_ok(st)
+    assert not ok and expect in why, why
+
+
+@pytest.mark.parametrize("change, expect", [
+    (lambda st: {**st, "index_q": st["index_q"][..., :64]}, "index_q must be bf16 [T, Hi, 128]"),
+    (lambda st: {**st, "index_q": st["index_q"][:, 0]}, "index_q must be bf16 [T, Hi, 128]"),
+    (lambda st: {**st, "index_k": st["index_k"].view(-1, 64, DIM)}, "index-K cache must be bf16 [P, 128, 128]"),
+], ids=["index-dim", "2-d", "64-token-pages"])
+def test_index_shapes_flashinfer_does_not_take_are_refused(fake_fi, change, expect):
     st = change(_step([2, 2], [300, 260]))
     ok, why = _index_ok(st)
     assert not ok and expect in why, why
@@ -297,6 +342,16 @@ def test_forced_selection_equals_the_reference(fake_fi, monkeypatch, local_block
     assert torch.equal(got, expect)
     assert int((got[0, 0] >= 0).sum()) == 16 and int(got[0, 0].max()) == 18 and int(got[0, 2].max()) == 19
     assert (got[0, :3] == 0).any(dim=-1).tolist() == [init_blocks == 1] * 3  # request 0's block 0: only if forced
+
+
+def test_forced_blocks_filling_topk_exactly_are_taken(fake_fi, monkeypatch):
+    """local_blocks + init_blocks == topk fits (the reference takes it): as the reference selects."""
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    st = _step([3, 3], [2433, 1100], seed=11)
+    kw = dict(topk=16, local_blocks=8, init_blocks=8)
+    got = select_blocks_paged(st["index_q"], st["index_k"], st["meta"], **kw)
+    assert "msa_topk_select" in fake_fi.calls
+    assert torch.equal(got, ref_select(st["index_q"], st["index_k"], st["meta"], **kw))
 
 
 def test_forced_mode_raises_naming_the_cause(fake_fi, monkeypatch):
@@ -616,3 +671,25 @@ def test_host_q_len_takes_the_callers_bound_before_the_metadatas(fake_fi):
     assert fim.host_q_len(Meta(), 4, None) == (2, "")
     q_len, why = fim.host_q_len(Meta(), 4, 4)
     assert q_len is None and "4 tokens are not 2 requests x one q_len 4" in why
+
+
+def test_interleave_kv_packs_k_then_v_and_split_interleaved_undoes_it():
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 2, 4, 8, generator=gen), torch.randn(3, 2, 4, 8, generator=gen)
+    packed = fim.interleave_kv(k, v)
+    assert packed.shape == (3, 2, 4, 16) and packed.is_contiguous()
+    assert torch.equal(packed[1, 0, 2], torch.cat([k[1, 0, 2], v[1, 0, 2]]))  # one token: its K row, then its V row
+    k2, v2 = fim.split_interleaved(packed)
+    assert torch.equal(k2, k) and torch.equal(v2, v) and v2.data_ptr() - k2.data_ptr() == 8 * 4
+    with pytest.raises(ValueError, match="k/v differ"):
+        fim.interleave_kv(k, v.half())  # a copy would silently cast V to K's dtype
+    with pytest.raises(ValueError, match="k/v differ"):
+        fim.interleave_kv(k, v[:, :1])
+
+
+def test_q2k_indices_shares_one_index_head_and_refuses_another_head_count():
+    sel = torch.tensor([[[0, 2, -1]], [[1, -1, -1]]], dtype=torch.int64)  # 2 heads, 1 token
+    assert fim.q2k_indices(sel, 2).dtype == torch.int32 and fim.q2k_indices(sel, 2).tolist() == sel.tolist()
+    assert fim.q2k_indices(sel[:1], 3).tolist() == [[[0, 2, -1]]] * 3
+    with pytest.raises(ValueError, match="selection has 2 heads for 4 KV heads"):
+        fim.q2k_indices(sel, 4)

@@ -84,6 +84,15 @@ def test_board_is_sentinel_filled_shared_and_grows():
     assert score_board("cpu", 1).data_ptr() == big.data_ptr()
 
 
+def test_a_first_small_board_is_allocated_at_4_mb(monkeypatch):
+    """At least MIN_ENTRIES entries (its comment: 4 MB), so growing batches rarely need a new board."""
+    from m3_eagle_plugin.msa.kernels import handoff
+
+    monkeypatch.setattr(handoff, "_BOARDS", {})
+    handoff.score_board("cpu", 8)
+    assert handoff._BOARDS[torch.device("cpu")].numel() * 4 == 4 << 20
+
+
 def test_ready_flags_are_zero_shared_and_grow():
     from m3_eagle_plugin.msa.kernels.handoff import ready_flags
 

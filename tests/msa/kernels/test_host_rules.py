@@ -50,7 +50,9 @@ def _meta(requests=2, width=3, **over):
 def test_check_meta_takes_a_well_formed_step():
     check_meta(_meta(), CPU)
     # a one-column table may have any column stride (a column of a wider table)
-    check_meta(_meta(block_tables=torch.zeros(2, 4, dtype=torch.int32)[:, :1]), CPU)
+    column = torch.zeros(4, 2, dtype=torch.int32).t()[:, :1]
+    assert column.shape == (2, 1) and column.stride(1) == 2
+    check_meta(_meta(block_tables=column), CPU)
 
 
 def test_check_meta_refuses_a_block_table_not_int32():
@@ -264,6 +266,11 @@ def test_call_signature_holds_the_metadata_fields_layout_and_host_values():
     assert call_signature((x,), meta, ()) == first
     meta.max_qo_len = 4
     assert call_signature((x,), meta, ()) != first
+    one, other = torch.ones(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32)  # both alive: two addresses
+    meta.valid_blocks = one
+    with_valid = call_signature((x,), meta, ())
+    meta.valid_blocks = other  # the index top-k reads it: another tensor is another call
+    assert call_signature((x,), meta, ()) != with_valid
 
 
 def _recording_replayer(monkeypatch):

@@ -309,6 +309,15 @@ def test_table_from_bench_rows():
     assert len(table.rows) == 4
 
 
+def test_only_index_selection_rows_take_the_num_valid_pages_top_k_time():
+    """The top-k substitution is index selection's (`_bench_flashinfer_us`): another kernel's FlashInfer
+    time is kept as measured, with no top-k note, whatever extra fields its bench row carries."""
+    row = {"kernel": "sparse_attn", "batch": 4, "context": 8192, "qo_len": 4, "graph_us": 7.0, "flashinfer_us": 9.0,
+           "flashinfer_topk_us": 5.0, "flashinfer_nvp_us": 6.0}
+    (entry,) = kt.table_from_bench_rows([row], device="GPU Z", date="d", command="c")["rows"]
+    assert entry["flashinfer_us"] == 9.0 and "note" not in entry
+
+
 def test_a_rows_verdict_calls_a_tie_ours_as_the_choice_does():
     tie, faster, slower = (kt.TableRow("sparse_attn", 16, 32768, 4, 10.0, fi) for fi in (10.0, 9.5, 12.0))
     assert tie.verdict() == "B16/32K q4 -> ours (ours 10 / FlashInfer 10 us)"
@@ -318,6 +327,7 @@ def test_a_rows_verdict_calls_a_tie_ours_as_the_choice_does():
 
 def test_device_names_match_whatever_their_case_and_blanks():
     assert _choose("sparse_attention", 16, 32768, 4, device=" gpu x ").backend == "flashinfer"
+    assert _table(ROWS, device=" GPU X\n").describe()["device"] == "GPU X"  # shown by doctor without the blanks
 
 
 def test_an_empty_context_is_read_as_one_token():

@@ -39,6 +39,15 @@ def test_int_key_is_never_coarser_than_triton(a, b):
         assert _triton(a) == _triton(b), (a, b)
 
 
+def test_int_key_is_never_coarser_than_triton_at_the_class_edges():
+    """Every pair of edge values, not a random sample: a key one off at a class boundary (2**63,
+    -2**31) merges two of Triton's classes for that one value."""
+    for a in EDGES:
+        for b in EDGES:
+            if arg_key(a) == arg_key(b):
+                assert _triton(a) == _triton(b), (a, b)
+
+
 @settings(max_examples=200, deadline=None)
 @given(dtype_a=st.sampled_from(DTYPES), dtype_b=st.sampled_from(DTYPES), off_a=st.integers(0, 40),
        off_b=st.integers(0, 40))
@@ -71,6 +80,34 @@ def test_other_arguments():
     assert arg_key(None) is None
     with pytest.raises(launch_mod._Unkeyed):
         arg_key("text")
+
+
+def test_a_launch_hook_on_either_side_turns_the_direct_launch_off(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(launch_mod, "_runtime", lambda: (lambda: 0, lambda device: 0, knobs.runtime))
+    assert launch_mod.direct_launch_possible()
+    for chain in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        hook = lambda metadata: None  # noqa: E731
+        chain.add(hook)
+        try:
+            assert not launch_mod.direct_launch_possible()
+        finally:
+            chain.remove(hook)
+
+
+def test_run_compiled_pads_the_grid_to_three_dimensions():
+    seen = []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *launch_args):
+            seen.append(launch_args[:4])
+
+    for grid in ((4,), (4, 5), (4, 5, 6)):
+        launch_mod.run_compiled(Compiled(), grid, 9, (), ())
+    assert seen == [(4, 1, 1, 9), (4, 5, 1, 9), (4, 5, 6, 9)]
 
 
 def test_non_jit_kernels_take_their_own_launch():
@@ -199,6 +236,19 @@ def test_first_launch_hands_back_the_depth_it_ran_at_and_tuners_can_turn_the_ret
     with pytest.raises(launch_mod.KernelTooLargeError, match="at 3 stage"):
         launch(kernel, (1,), num_stages=3)
     assert kernel.tried == [3]
+
+
+def test_a_recorded_launch_through_triton_keeps_the_depth_that_ran(monkeypatch):
+    """A replay through `kernel[grid]` uses the recorded keywords: those of the depth that fit."""
+    from m3_eagle_plugin.msa.kernels import replay
+
+    recorded = []
+    monkeypatch.setattr(replay, "recording", lambda: True)
+    monkeypatch.setattr(replay, "record_launch", lambda *launched: recorded.append(launched))
+    kernel = _SharedMemoryBound(2)
+    launch(kernel, (1,), 7, num_stages=3, K=1)
+    assert [(k, compiled, kwargs) for k, compiled, _, _, kwargs, _ in recorded] == [
+        (kernel, None, {"num_stages": 2, "K": 1})]
 
 
 @triton.jit

@@ -209,6 +209,88 @@ def test_results_must_be_fresh(cpu_replay):
     assert len(body) == 3 and "not a fresh tensor" in replayer.last_refusal
 
 
+def test_empty_results_are_two_tensors_every_time(cpu_replay):
+    """Zero-element tensors share one address (0): two such outputs must not come back as one tensor."""
+    replayer, body = Replayer(), []
+    meta = Meta(torch.tensor([0]))
+    for _ in range(3):
+        x = _quarters(2, 3)
+        out = replayer.call(call_signature((x,), meta, ()), (x,), meta,
+                            lambda: body.append(1) or (torch.empty(0, 4), torch.empty(0, 4)))
+        assert out[0] is not out[1] and out[0].shape == out[1].shape == (0, 4)
+
+
+def test_a_descriptor_over_a_fresh_tensor_is_never_replayed(cpu_replay):
+    """A recorded descriptor is rebuilt over this call's input; one over a fresh output cannot be."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    class DescDoubler:
+        def __getitem__(self, grid):
+            def run(x, desc):
+                with torch.utils._python_dispatch._disable_current_modes():
+                    desc.base.copy_(2 * x)
+            return run
+
+    kernel, replayer, body = DescDoubler(), Replayer(), []
+    meta = Meta(torch.tensor([0]))
+
+    def call(x):
+        def run():
+            body.append(1)
+            out = torch.empty_like(x)
+            launch(kernel, (1,), x, TensorDescriptor(out, list(out.shape), list(out.stride()), [4, 8]))
+            return out
+        return replayer.call(call_signature((x,), meta, ()), (x,), meta, run)
+
+    for _ in range(3):
+        x = _quarters(4, 8)
+        torch.testing.assert_close(call(x), 2 * x, rtol=0, atol=0)
+    assert len(body) == 3 and "tensor descriptor over something other than an input" in replayer.last_refusal
+
+
+def test_a_call_made_while_recording_is_recorded_with_the_outer_call(cpu_replay):
+    """A wrapper that calls another (the step calling its attention) is one recording: the inner
+    call neither records on its own nor takes the outer call's later launches out of its recording."""
+    inner_kernel, outer_kernel, inner, outer, body = Doubler(), Doubler(), Replayer(), Replayer(), []
+    inner_call = _wrapper(inner_kernel, inner, [])
+    meta = Meta(torch.tensor([1]))
+
+    def call(x):
+        def run():
+            body.append(1)
+            y = inner_call(x, meta)  # 2x + 1 + 1
+            out = torch.empty_like(x)
+            launch(outer_kernel, (1,), y, meta.kv_lens, out, SHIFT=0)  # 2y + 1
+            return out
+        return outer.call(call_signature((x,), meta, ()), (x,), meta, run)
+
+    for _ in range(3):
+        x = _quarters(4, 3)
+        torch.testing.assert_close(call(x), 2 * (2 * x + 2) + 1, rtol=0, atol=0)
+    assert len(body) == 1 and not inner.recordings and outer_kernel.launches == 3
+
+
+def test_a_metadata_object_without_weak_references_is_never_recorded(monkeypatch):
+    """A recording holds its metadata weakly (`_recording_allowed`): a SimpleNamespace, which takes
+    no weak reference, runs the ordinary path every time."""
+    import types
+
+    monkeypatch.setattr(replay, "cuda_present", lambda: True)  # a GPU process, not capturing, no launch hook
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(launch_mod, "direct_launch_possible", lambda: True)
+    monkeypatch.delenv("M3_EAGLE_REPLAY", raising=False)
+    replayer, body = Replayer(), []
+    run = lambda: body.append(1) or torch.empty(3)  # noqa: E731
+    meta = types.SimpleNamespace()
+    for _ in range(2):
+        replayer.call(("sig",), (_quarters(3),), meta, run)
+    assert len(body) == 2 and not replayer.recordings
+    meta = Meta(torch.tensor([0]))  # weakly referable: recorded, then replayed
+    for _ in range(2):
+        replayer.call(("sig",), (_quarters(3),), meta, run)
+    assert len(body) == 3
+
+
 def test_recording_keeps_no_input_alive(cpu_replay):
     kernel, replayer, body = Doubler(), Replayer(), []
     call = _wrapper(kernel, replayer, body)
