@@ -277,3 +277,50 @@ def test_update_resources_hands_the_hosts_arguments_on(current_host, monkeypatch
     manager.update_resources(batch, "attn-meta", 2)
     manager.update_resources(batch, attn_metadata="m", kv_cache_dtype_byte_size=1)
     assert seen == [(batch, "attn-meta", 2), (batch, "m", 1)]
+
+
+def test_a_host_manager_that_appends_its_own_draft_pools_keeps_them(current_host, monkeypatch):
+    """A forced #18872 host: its M3 manager appends the draft layers' op pools and fills them in its
+    block-offset copy (upstream's `_prepare_page_table_tensor` / `copy_batch_block_offsets`). The
+    plugin's manager must address the draft layer exactly as the host's own does, not add a second
+    op pool whose source is the host's op pool (never filled: the draft layer would read garbage)."""
+    from m3_eagle_plugin import kv as core_kv
+    from tensorrt_llm.bindings.internal.batch_manager import kv_cache_manager_v2_utils as native
+
+    plugin, host_cls = _classes()
+    base = host_cls.__mro__[1]
+    role = _kv_module().Role
+
+    def upstream_tables(self, index_mapper_capacity):
+        base._prepare_page_table_tensor(self, index_mapper_capacity)
+        draft = self.num_local_layers - 1
+        if self.is_draft or draft < 60:
+            return
+        geometry = [(draft, self.impl.get_mem_pool_base_address(draft, role.KEY),
+                     self.impl.get_page_index_converter(draft, role.KEY).scale)]
+        pools = core_kv.extend_attention_op_pools(self.kv_cache_pool_pointers, self.kv_cache_pool_mapping,
+                                                  geometry, num_pools=self.num_pools)
+        self.kv_cache_pool_pointers, self.kv_cache_pool_mapping = pools.pool_pointers, pools.pool_mapping
+        self._host_draft = (pools.op_pools, pools.index_scales, pools.kv_offsets)
+        self.num_attention_op_pools = pools.num_op_pools
+
+    def upstream_copy(self, dst, request_ids, beam_width, num_contexts, num_seqs, max_blocks=None):
+        base.copy_batch_block_offsets(self, dst, request_ids, beam_width, num_contexts, num_seqs)
+        op_pools, scales, offsets = getattr(self, "_host_draft", ((), None, None))
+        rows = self.index_mapper.get_copy_index(request_ids, num_contexts, beam_width)
+        for i, (op_pool, source) in enumerate(op_pools):
+            native.copy_batch_block_offsets_to_device(self.host_kv_cache_block_offsets[source: source + 1],
+                                                      dst[op_pool: op_pool + 1], rows, scales[i: i + 1],
+                                                      offsets[i: i + 1], 0)
+
+    monkeypatch.setattr(host_cls, "_prepare_page_table_tensor", upstream_tables, raising=False)
+    monkeypatch.setattr(host_cls, "copy_batch_block_offsets", upstream_copy, raising=False)
+    manager = _make(plugin)
+    manager.add_sequence(7, [3, 5])
+    dst = torch.full((3, 1, 2, manager.max_blocks_per_seq), -9, dtype=torch.int32)
+    manager.copy_batch_block_offsets(dst, [7], 1, 0, 1)
+    draft_pool = int(manager.kv_cache_pool_mapping[60, 0])
+    # 179 sub-pages per slot (see above): the draft layer's K pages of slots 3 and 5, from its own K page
+    assert manager.kv_cache_pool_pointers[draft_pool, 0] == manager.impl.get_mem_pool_base_address(60, role.KEY)
+    assert dst[draft_pool, 0, 0, :3].tolist() == [3 * 179, 5 * 179, -1]
+    assert manager.num_attention_op_pools == 2 and manager.virtual_pools is None

@@ -107,6 +107,12 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
             return
         if getattr(self, "_use_per_layer_page_tables", False):  # hosts with #18872: a pool per layer already
             return
+        num_pools = getattr(self, "num_pools", None)
+        if isinstance(num_pools, int) and self.kv_cache_pool_pointers.shape[0] > num_pools:
+            # the host's own manager (#18872, activation forced) already appended the draft layers'
+            # op pools and fills them itself; a second set would leave the draft layers on pools
+            # whose source is one of those op pools, which no block-offset copy ever fills
+            return
         if getattr(self, "enable_swa_scratch_reuse", False):
             raise NotImplementedError(
                 "MiniMax-M3 shared draft layers cannot be combined with SWA scratch reuse")
