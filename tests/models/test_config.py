@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -527,3 +528,39 @@ def test_production_init_blocks_are_read_from_the_legacy_section():
     raw = target_config()
     raw["text_config"]["sparse_attention_config"]["sparse_init_block"] = 2
     assert M3Config.from_dict(raw).init_blocks == 2
+
+
+# ---- adversarial review: values that escaped as other exceptions or were silently ignored ----
+
+@pytest.mark.parametrize("field", ["rms_norm_eps", "routed_scaling_factor", "rope_theta", "partial_rotary_factor"])
+def test_json_integer_too_large_for_a_float_names_the_field(field):
+    """JSON has unbounded integers; one past the float range is not a finite number (not an OverflowError)."""
+    raw = target_config()
+    raw["text_config"][field] = 10 ** 400
+    with pytest.raises(ConfigError, match=rf"^x\.json: text_config\.{field}: expected a finite number, got int 1000"):
+        M3Config.from_dict(raw, "x.json")
+
+
+@pytest.mark.parametrize("factor", [2.0, 1e308])
+def test_partial_rotary_factor_above_one_names_the_field(factor):
+    """A factor over 1 asks to rotate more channels than a head has (1e308 used to overflow int())."""
+    raw = target_config()
+    raw["text_config"]["partial_rotary_factor"] = factor
+    with pytest.raises(ConfigError, match=rf"^x\.json: text_config\.partial_rotary_factor: must be in \(0, 1\], "
+                                          rf"got {re.escape(repr(factor))}$"):
+        M3Config.from_dict(raw, "x.json")
+
+
+def test_per_layer_type_rope_parameters_are_refused_not_ignored():
+    """transformers nests `rope_parameters` by layer type when its keys are layer types; its M3 rotary
+    embedding then cannot find `rope_type`. Reading the nested dict as a flat one would silently run
+    the default theta over the whole head instead of the config's values."""
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRotaryEmbedding
+
+    per_type = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    hf = tiny_text_config(rope_parameters={"full_attention": dict(per_type), "minimax_m3_sparse": dict(per_type)})
+    assert set(hf.rope_parameters) == {"full_attention", "minimax_m3_sparse"}  # kept nested by transformers
+    with pytest.raises(KeyError, match="rope_type"):
+        MiniMaxM3VLRotaryEmbedding(hf)
+    with pytest.raises(ConfigError, match=r"^x\.json: rope_parameters\.full_attention: per-layer-type RoPE "):
+        M3Config.from_dict(hf.to_dict(), "x.json")

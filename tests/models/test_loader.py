@@ -163,3 +163,16 @@ def test_dense_mlp_under_block_sparse_moe_names_loads(tiny_dir, tmp_path):
     path = _rewrite(tiny_dir / "target", tmp_path / "x", rename)
     assert not any(".mlp." in n for n in load_file(str(path / "model.safetensors")))
     _same_weights(load_target(path), load_target(tiny_dir / "target"))
+
+
+def test_float8_checkpoint_with_scale_tensors_is_refused_as_quantized(tiny_dir, tmp_path):
+    """An FP8 export stores each weight as float8 next to a `weight_scale_inv` tensor: the error names the
+    stored dtype (the cause), not the scale tensors as unknown names."""
+    name = "language_model.model.layers.4.block_sparse_moe.experts.1.w2.weight"
+
+    def edit(t):
+        t[name] = t[name].to(torch.float8_e4m3fn)
+        t[name[:-len("weight")] + "weight_scale_inv"] = torch.ones(1)
+    path = _rewrite(tiny_dir / "target", tmp_path / "ckpt", edit)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' is stored as F8_E4M3; .*quantized checkpoints are not"):
+        load_target(path)

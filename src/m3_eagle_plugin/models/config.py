@@ -157,6 +157,10 @@ def rope_section(t: ConfigFields) -> ConfigFields:
 
 def _rope(t: ConfigFields, head_dim: int, use_rotary_dim: bool) -> tuple[int, float]:
     params = rope_section(t)
+    nested = [key for key, value in params.raw.items() if isinstance(value, Mapping)]
+    if nested:  # transformers' per-layer-type form, which its M3 rotary embedding cannot read either
+        raise params.error(nested[0], "per-layer-type RoPE parameters are not supported (give one flat dict "
+                           "for every layer)")
     rope_type = params.need("rope_type", params.need("type", "default"))  # "type": the legacy key, same meaning
     if rope_type != "default":
         raise params.error("rope_type", f"{show_value(rope_type)} is not supported (only 'default')")
@@ -165,6 +169,8 @@ def _rope(t: ConfigFields, head_dim: int, use_rotary_dim: bool) -> tuple[int, fl
     where = params if params.has("partial_rotary_factor") else t
     if where.has("partial_rotary_factor"):  # what transformers reads; its text layout writes a stale rotary_dim
         factor = where.get_float("partial_rotary_factor", positive=True)
+        if factor > 1:
+            raise where.error("partial_rotary_factor", f"must be in (0, 1], got {factor}")
         return int(head_dim * factor), theta
     if use_rotary_dim and t.get_int("rotary_dim", 0, minimum=0):
         return t.get_int("rotary_dim"), theta

@@ -38,6 +38,13 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return raw
 
 
+def _finite(value: numbers.Real) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # a JSON integer too large for a float
+        return False
+
+
 class ConfigFields:
     """Typed, range-checked reads from one JSON object of a config file; errors name the file and field."""
 
@@ -78,7 +85,7 @@ class ConfigFields:
 
     def get_float(self, key: str, default: Any = _REQUIRED, positive: bool = False) -> float:
         value = self.need(key, default)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value):
             raise self.error(key, f"expected a finite number, got {type(value).__name__} {show_value(value)}")
         if positive and value <= 0:
             raise self.error(key, f"must be > 0, got {value}")

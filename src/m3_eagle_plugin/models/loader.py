@@ -177,11 +177,12 @@ def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> 
     needed = {s for r in recipes.values() for s in r.sources}
     missing = sorted(needed - names)
     unknown = sorted(n for n in names - needed if not _IGNORED.search(n) and not _holds_nothing(source.shape(n)))
+    for src in sorted(needed & names):  # first: a quantized checkpoint's scale tensors would read as unknown
+        check_weight_dtype(source.where, src, source.dtype(src))
     check_names(source.where, missing, unknown)
     for key, recipe in recipes.items():
         for src, want in zip(recipe.sources, _source_shapes(recipe, expected[key])):
             check_shape(source.where, src, source.shape(src), want)
-            check_weight_dtype(source.where, src, source.dtype(src))
     return recipes
 
 
