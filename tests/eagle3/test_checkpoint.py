@@ -332,6 +332,19 @@ def test_draft_weight_stored_as_integers_is_refused_by_name(tiny, tmp_path):
         load_draft(path, target)
 
 
+def test_float8_draft_with_scale_tensors_is_refused_as_quantized(tiny, tmp_path):
+    """An FP8 export stores each weight as float8 next to a `weight_scale_inv` tensor: the error names the
+    stored dtype (the cause), not the scale tensor as an unknown name."""
+    target, draft_dir = tiny
+
+    def edit(t):
+        t["fc.weight"] = t["fc.weight"].to(torch.float8_e4m3fn)
+        t["fc.weight_scale_inv"] = torch.ones(1)
+    path = _variant(draft_dir, tmp_path / "d", edit)
+    with pytest.raises(CheckpointError, match=r"tensor 'fc.weight' is stored as F8_E4M3; .*quantized checkpoints"):
+        load_draft(path, target)
+
+
 def test_missing_llama_fields_take_transformers_llama_defaults():
     """A draft config may leave out what `LlamaConfig` defaults (SafeAILab / SpecForge exports often
     do): rms_norm_eps, num_key_value_heads (= heads, MHA), head_dim (= hidden // heads) and the RoPE

@@ -154,14 +154,16 @@ def inspect_draft(path: str | Path, target_config) -> DraftPlan:
     present = set(by_canon)
     missing = sorted(required - present)
     unknown = sorted(by_canon[c] for c in present - set(expected) if not _IGNORED.search(c))
+    for canon in sorted(present & set(expected)):  # first: a quantized head's scale tensors would read as unknown
+        name, dtype = by_canon[canon], source.dtype(by_canon[canon])
+        if canon != "d2t":
+            check_weight_dtype(source.where, name, dtype)
+        elif not dtype.startswith(("I", "U")):  # I8..I64, U8..U64; not F*, BOOL
+            raise CheckpointError(f"{source.where}: tensor {name!r} is stored as {dtype}; d2t must hold integer id "
+                                  "offsets")
     check_names(source.where, missing, unknown)
     for canon in present & set(expected):
         check_shape(source.where, by_canon[canon], source.shape(by_canon[canon]), expected[canon])
-        if canon != "d2t":
-            check_weight_dtype(source.where, by_canon[canon], source.dtype(by_canon[canon]))
-        elif not source.dtype(by_canon[canon]).startswith(("I", "U")):  # I8..I64, U8..U64; not F*, BOOL
-            raise CheckpointError(f"{source.where}: tensor {by_canon[canon]!r} is stored as "
-                                  f"{source.dtype(by_canon[canon])}; d2t must hold integer id offsets")
     if config.draft_vocab_size != config.vocab_size and "d2t" not in present:
         raise CheckpointError(f"{source.where}: draft_vocab_size {config.draft_vocab_size} < vocab_size "
                               f"{config.vocab_size} but the checkpoint has no 'd2t' mapping")
