@@ -86,3 +86,27 @@ def test_the_generation_engine_stops_imported_requests_at_its_eos_ids(tiny_pair)
     result = continue_generation(generation, [import_handoff(generation, h) for h in handoffs])
     assert result.outputs == cut
     assert result.stop_reasons == ["eos" if len(c) < DISAGG_NEW else "length" for c in cut]
+
+
+def test_a_handoff_that_emitted_an_eos_id_of_the_generation_engine_is_refused(tiny_pair):
+    """The context engine knows no EOS; request 0's first token is one of the generation engine's eos
+    ids, so there the request has already ended (an aggregated run with those ids emits that one
+    token, stop reason "eos"). Continuing it emitted past its EOS; it is refused by name instead,
+    the engine untouched, and request 1 still continues."""
+    context = _engine(tiny_pair, DISAGG_PROMPTS)
+    handoffs = [export_handoff(context, r) for r in run_context_phase(context, DISAGG_PROMPTS, DISAGG_NEW)]
+    eos = handoffs[0].output[0]
+    assert eos not in handoffs[1].output
+    config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64, eos_ids=(eos,))
+    generation = build_engine(tiny_pair[0], tiny_pair[1], config,
+                              num_blocks=blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    aggregated = build_engine(tiny_pair[0], tiny_pair[1], config,
+                              num_blocks=blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+    assert aggregated.generate(DISAGG_PROMPTS[:1], DISAGG_NEW).stop_reasons == ["eos"]
+    from m3_eagle_plugin.parallel.disagg import HandoffError
+
+    with pytest.raises(HandoffError, match=f"request 0: emitted token {eos} is an eos id of this engine"):
+        import_handoff(generation, handoffs[0])
+    assert generation.cache.num_free_blocks == generation.cache.num_blocks
+    assert generation.scheduler.admitted_blocks == 0 and not generation.cache.allocator.request_ids
+    assert continue_generation(generation, [import_handoff(generation, handoffs[1])]).errors == [None]

@@ -377,3 +377,43 @@ def test_handoff_pages_that_cannot_be_staged_fail_before_the_header(handoffs, mo
 
     assert_unstageable_pages_fail_before_the_header(monkeypatch, disagg,
                                                     lambda group: send_handoff(handoffs[0], 1, group))
+
+
+def test_a_request_listed_twice_is_refused_before_any_step_and_then_continues_alone(tiny_pair, handoffs):
+    """Listed twice, a request took two verify rows a step over one page table and emitted other
+    tokens than the aggregated run; it is refused by name with nothing changed, and then continues
+    to the aggregated output."""
+    from m3_eagle_plugin.parallel.disagg import continue_generation, import_handoff
+
+    blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    aggregated = _engine(tiny_pair, blocks).generate(DISAGG_PROMPTS, DISAGG_NEW)
+    engine = _engine(tiny_pair, blocks)
+    first, second = (import_handoff(engine, h) for h in handoffs)
+    held = (engine.cache.num_free_blocks, engine.scheduler.admitted_blocks, engine.cache.num_tokens(first.rid))
+    with pytest.raises(HandoffError, match=r"continue_generation: requests \[0\] are listed more than once"):
+        continue_generation(engine, [first, second, first])
+    assert (engine.cache.num_free_blocks, engine.scheduler.admitted_blocks,
+            engine.cache.num_tokens(first.rid)) == held
+    assert first.state.value == second.state.value == "decode" and first.output == handoffs[0].output
+    assert continue_generation(engine, [first, second]).outputs == aggregated.outputs
+    assert _is_clean(engine)
+
+
+def test_an_import_interrupted_while_copying_its_pages_gives_the_budget_back(tiny_pair, handoffs, monkeypatch):
+    """Ctrl-C (not an Exception) in the page copy: the cache frees its pages itself, and the
+    admission taken just before must go back too, or the engine could never admit that much again."""
+    import torch
+
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS[:1], DISAGG_NEW, DISAGG_K, 4))
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "index_copy_", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            import_handoff(engine, handoffs[0])
+    assert _is_clean(engine)
+    assert engine.cache.num_tokens(import_handoff(engine, handoffs[0]).rid) == handoffs[0].kv_len

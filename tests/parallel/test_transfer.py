@@ -53,6 +53,25 @@ def _header(shapes=((2, 3, 8), (2, 1, 16)), num_tokens=5, fingerprint='{"block_s
     return [num_tokens, len(shapes), *(x for s in shapes for x in s), len(data), *data]
 
 
+def test_page_checksums_that_would_not_fit_their_frame_are_refused_by_both_ends_up_front():
+    """The CRC-32 of every page of every pool travels in one frame after the pages: past
+    `MAX_FRAME_INTS` of them the sender failed only once every page was out (its receiver left
+    waiting for the checksums). Two pools of byte-less pages: one checksum per page each."""
+    from m3_eagle_plugin.parallel.transfer import MAX_FRAME_INTS, PayloadHeader, TransferError, check_sendable
+
+    half = MAX_FRAME_INTS // 2
+
+    def pools(pages):
+        return tuple(torch.zeros(pages, 1, 0, dtype=torch.uint8) for _ in range(2))
+
+    check_sendable(KVTransferPayload("fp", 0, pools(half)))  # exactly the limit travels
+    with pytest.raises(ValueError, match=f"{MAX_FRAME_INTS + 2} pages .* more page checksums than one frame"):
+        check_sendable(KVTransferPayload("fp", 0, pools(half + 1)))
+    with pytest.raises(TransferError, match="more page checksums than one frame"):
+        PayloadHeader.parse(_header(shapes=((half + 1, 1, 0), (half + 1, 1, 0))), "here")
+    PayloadHeader.parse(_header(shapes=((half, 1, 0), (half, 1, 0))), "here")
+
+
 @pytest.mark.parametrize("values, cause", [
     (_header()[:2], "needs at least 3"),
     ([-1] + _header()[1:], "num_tokens -1 is negative"),
@@ -473,3 +492,32 @@ def test_pages_that_cannot_be_staged_fail_before_the_header(monkeypatch):
 
     payload = KVTransferPayload("fp", 5, (torch.zeros(2, 3, 8, dtype=torch.uint8),))
     assert_unstageable_pages_fail_before_the_header(monkeypatch, t, lambda group: send_payload(payload, 1, group))
+
+
+def test_a_receiver_cut_off_before_its_verdict_puts_the_stream_out_of_sync(monkeypatch):
+    """Ctrl-C while the receiver checks a header (or the pages' checksums) leaves its sender waiting
+    for a verdict that never comes: the receiver's next message with it is refused by name (the
+    module docstring: an exchange cut off part-way on this side), and nothing was answered."""
+    from m3_eagle_plugin.parallel import transfer as t
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+
+    group = _Group()
+    header = _header()
+    sent = _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 2, len(header)]),
+                                         torch.tensor(header + [-DOC_MAGIC])])
+    with pytest.raises(KeyboardInterrupt):
+        t.recv_header(t.KIND_PAYLOAD, 0, group, interrupted)
+    assert sent == []  # no verdict
+    assert _out_of_sync(t, 0, group)
+
+    group = _Group()
+    pages = torch.arange(8, dtype=torch.uint8).view(1, 2, 4)
+    sent = _recording_wire(monkeypatch, [pages, torch.tensor([DOC_MAGIC, DOC_VERSION, 5, 1]),
+                                         torch.tensor([*t.page_checksums([pages]), -DOC_MAGIC])])
+    monkeypatch.setattr(t, "_check_checksums", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        t.recv_pages([torch.zeros(1, 2, 4, dtype=torch.uint8)], 0, group, "KV payload")
+    assert sent == []  # no verdict
+    assert _out_of_sync(t, 0, group)

@@ -26,6 +26,7 @@ naming the request, pool and page.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
@@ -193,6 +194,11 @@ def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
     if handoff.pending_inputs[0] != handoff.output[-1]:
         raise HandoffError(f"{where}: the first pending input {handoff.pending_inputs[0]} is not the last "
                            f"emitted token {handoff.output[-1]}")
+    # a context engine without this engine's eos ids emits past them; here the request already ended
+    ended = [t for t in handoff.output if t in engine.config.eos_ids]
+    if ended:
+        raise HandoffError(f"{where}: emitted token {ended[0]} is an eos id of this engine, so the request "
+                           f"already ended there; nothing is left to generate")
     committed = len(handoff.prompt) + len(handoff.output) - 1  # the last token's KV is not written yet
     # exactly: pages past the committed positions would be allocated beyond the admitted budget
     if handoff.kv_len != committed or handoff.payload.num_tokens != committed:
@@ -223,7 +229,7 @@ def _import(engine: Engine, handoff: ContextHandoff) -> Request:
         raise HandoffError(f"request {handoff.index}: no KV budget left on the generation engine")
     try:
         import_request(engine.cache, request.rid, handoff.payload)
-    except Exception:
+    except BaseException:  # an interrupt too: the budget would stay admitted with no request to release it
         engine.scheduler.release(request)
         raise
     request.state = RequestState.DECODE
@@ -242,6 +248,10 @@ def continue_generation(engine: Engine, requests: list[Request]) -> GenerationRe
     _check_engine(engine)
     with engine.exclusive("continue_generation"):
         _check_owned(engine, requests, "continue_generation")
+        counts = collections.Counter(map(id, requests))
+        repeated = sorted({r.index for r in requests if counts[id(r)] > 1})
+        if repeated:  # it would verify twice a step over one page table and emit the wrong tokens
+            raise HandoffError(f"continue_generation: requests {repeated} are listed more than once")
         step_id = 0
         try:
             while True:

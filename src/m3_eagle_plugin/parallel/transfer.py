@@ -259,6 +259,9 @@ def recv_header(kind: int, src: int, group, accept: Callable[[list[int]], T]) ->
             _lose_step(group, src, got, f"expected a {_KIND_NAMES[kind]} from rank {src}, got a "
                                         f"{_KIND_NAMES.get(got, f'frame of unknown kind {got}')}")
         raise
+    except BaseException as error:  # cut off (Ctrl-C) between the header and its verdict
+        _lose_sync(group, src, f"answering a {_KIND_NAMES[kind]} was cut off part-way ({type(error).__name__})")
+        raise
     _send_frame(KIND_VERDICT, [], src, group)
     return result
 
@@ -340,7 +343,8 @@ class PayloadHeader:
 
     def check_sizes(self, where: str) -> None:
         """Sizes every payload must have whoever receives it: non-negative, the same number of pages
-        in every pool (one slot each), and a total a host could plausibly hold."""
+        in every pool (one slot each), page checksums that fit one frame, and a total a host could
+        plausibly hold."""
         for i, shape in enumerate(self.shapes):
             if len(shape) != 3 or any(x < 0 for x in shape):
                 raise TransferError(f"{where}: pool {i} pages have shape {shape}, expected 3 sizes >= 0")
@@ -350,6 +354,11 @@ class PayloadHeader:
         total = sum(a * b * c for a, b, c in self.shapes)
         if total > MAX_PAYLOAD_BYTES:
             raise TransferError(f"{where}: the pages would take {total} bytes (limit {MAX_PAYLOAD_BYTES})")
+        # the checksums frame follows the pages: over its limit, it would fail after every page went out
+        checksums = sum(s[0] for s in self.shapes)
+        if checksums > MAX_FRAME_INTS:
+            raise TransferError(f"{where}: {checksums} pages (pool by pool) are more page checksums than one frame "
+                                f"carries ({MAX_FRAME_INTS})")
 
     def check_fits(self, cache: PagedKVCache, where: str) -> None:
         """Refuse a header whose pages do not fit ``cache``: another geometry, or a page count that
@@ -428,12 +437,13 @@ def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str) -> tuple
         _check_frame(kind, version, KIND_CHECKSUMS, src)
     except TransferError as mismatch:  # whatever came instead, its sender is not where we are
         raise _lose_step(group, src, kind, f"after the pages of the {what}: {mismatch}") from None
-    received = tuple(pages.cpu() for pages in buffers)
-    try:
-        _check_checksums(received, expected, what)
-    except TransferError as damaged:
-        _refuse(damaged, src, group)
-        raise
+    with _whole(group, src, f"answering the pages of the {what}"):
+        received = tuple(pages.cpu() for pages in buffers)
+        try:
+            _check_checksums(received, expected, what)
+        except TransferError as damaged:
+            _refuse(damaged, src, group)
+            raise
     _send_frame(KIND_VERDICT, [], src, group)
     return received
 
