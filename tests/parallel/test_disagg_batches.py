@@ -110,3 +110,21 @@ def test_a_handoff_that_emitted_an_eos_id_of_the_generation_engine_is_refused(ti
     assert generation.cache.num_free_blocks == generation.cache.num_blocks
     assert generation.scheduler.admitted_blocks == 0 and not generation.cache.allocator.request_ids
     assert continue_generation(generation, [import_handoff(generation, handoffs[1])]).errors == [None]
+
+
+def test_each_continue_call_returns_its_own_statistics_and_counts_its_time(tiny_pair):
+    """The result held the engine's live stats object (a later call changed it: its verify steps
+    doubled) and no time (tokens_per_s read 0). The engine's stats run across the calls, so the
+    second result holds both calls' counts, the first keeps its own, and time is counted."""
+    context = _engine(tiny_pair, DISAGG_PROMPTS)
+    handoffs = [export_handoff(context, r) for r in run_context_phase(context, DISAGG_PROMPTS, DISAGG_NEW)]
+    assert context.stats.elapsed_s > 0 and context.stats.engine_steps > 0
+    generation = _engine(tiny_pair, DISAGG_PROMPTS)
+    first = continue_generation(generation, [import_handoff(generation, handoffs[0])])
+    counts = (first.stats.verify_steps, first.stats.generated_tokens, first.stats.engine_steps)
+    assert counts[0] > 0 and first.stats.elapsed_s > 0 and first.stats.tokens_per_s > 0
+    second = continue_generation(generation, [import_handoff(generation, handoffs[1])])
+    assert (first.stats.verify_steps, first.stats.generated_tokens, first.stats.engine_steps) == counts
+    assert second.stats.verify_steps > counts[0] and second.stats.engine_steps > counts[2]
+    assert second.stats.elapsed_s > first.stats.elapsed_s
+    assert first.outputs + second.outputs == _transformers_greedy(tiny_pair[0], DISAGG_PROMPTS[:2])

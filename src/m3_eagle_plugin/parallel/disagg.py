@@ -27,7 +27,9 @@ naming the request, pool and page.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -104,6 +106,7 @@ def run_context_phase(engine: Engine, prompts: Sequence[Sequence[int]], max_new_
 def _context_phase(engine: Engine, prompts, max_new_tokens: int, first_index: int) -> list[Request]:
     requests: list[Request] = []
     step_id = 0
+    started = time.perf_counter()
     try:
         for i, prompt in enumerate(prompts):  # registering can fail midway (an id still held)
             requests.append(engine.make_request(first_index + i, prompt, max_new_tokens))
@@ -123,10 +126,25 @@ def _context_phase(engine: Engine, prompts, max_new_tokens: int, first_index: in
         # the caller never sees these requests after an error, so nothing else could release them
         # (and their ids would collide with the next batch's)
         engine.stop_unfinished(requests, "the context phase stopped before every request was prefilled")
+        _count_call(engine, step_id, started, failed=True)
         raise
-    finally:
-        engine.stats.engine_steps += step_id
+    _count_call(engine, step_id, started)
     return requests
+
+
+def _count_call(engine: Engine, steps: int, started: float, failed: bool = False) -> None:
+    """Add a phase's steps and time to the engine's statistics: unlike `Engine.generate`'s, they
+    run across the phases (its tokens are counted as its steps commit them). After a failure the
+    device is not waited for: a device error would replace the one being raised."""
+    if engine.device.type == "cuda" and not failed:
+        torch.cuda.synchronize(engine.device)
+    engine.stats.engine_steps += steps
+    engine.stats.elapsed_s += time.perf_counter() - started
+
+
+def _snapshot(engine: Engine, requests: list[Request]) -> GenerationResult:
+    """`Engine.result` with a copy of the running statistics, so a later call leaves it as it was."""
+    return dataclasses.replace(engine.result(requests), stats=copy.deepcopy(engine.stats))
 
 
 def export_handoff(engine: Engine, request: Request) -> ContextHandoff:
@@ -253,6 +271,7 @@ def continue_generation(engine: Engine, requests: list[Request]) -> GenerationRe
         if repeated:  # it would verify twice a step over one page table and emit the wrong tokens
             raise HandoffError(f"continue_generation: requests {repeated} are listed more than once")
         step_id = 0
+        started = time.perf_counter()
         try:
             while True:
                 rows = engine.scheduler.schedule(requests)
@@ -262,12 +281,12 @@ def continue_generation(engine: Engine, requests: list[Request]) -> GenerationRe
                 step_id += 1
         except BaseException as error:
             engine.stop_unfinished(requests)
-            attach_partial_result(error, engine.result(requests))
+            _count_call(engine, step_id, started, failed=True)
+            attach_partial_result(error, _snapshot(engine, requests))
             raise
-        finally:
-            engine.stats.engine_steps += step_id
+        _count_call(engine, step_id, started)
         engine.stop_unfinished(requests)  # none left once the loop ran dry; a guard against leaking pages
-        return engine.result(requests)
+        return _snapshot(engine, requests)
 
 
 _STATE_INTS = 7  # index, max_new_tokens, kv_len, pending_draft_len, n_prompt, n_output, n_pending
