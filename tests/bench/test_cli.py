@@ -427,6 +427,19 @@ def test_a_written_json_has_the_mode_open_gives_a_new_file(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o666 & ~mask and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
 
 
+def test_a_json_path_that_is_a_symlink_is_written_through_it(tmp_path):
+    """The JSON was renamed over the link itself: the file it names kept the earlier rows (and, with
+    the link on another file system than its target, the rename failed after the whole run)."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "links").mkdir()
+    real, link = tmp_path / "real" / "bench.json", tmp_path / "links" / "bench.json"
+    real.write_text('{"earlier": true}\n')
+    link.symlink_to(real)
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--json", str(link)]) == 0
+    assert link.is_symlink() and [r["batch"] for r in json.loads(real.read_text())["rows"]] == [2, 2, 2]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["bench.json", "bench.json", "links", "real"]
+
+
 def test_kernels_help_names_every_kernel(capsys):
     """`--kernels` said "comma list of kernels" without naming one."""
     with pytest.raises(SystemExit):

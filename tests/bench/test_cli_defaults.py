@@ -86,6 +86,21 @@ def test_the_written_command_is_the_run_with_its_defaults_spelled_out(tmp_path, 
         "--kv-dtype fp8 --dense-kv-dtype bf16 --flashinfer auto")
 
 
+def test_the_written_command_runs_again_with_blanks_in_the_lists(tmp_path, monkeypatch, capsys):
+    """`--qo-lens "4, 1" --kernels "sparse_attn, dense_attn"` went into the table's command verbatim,
+    unquoted: run again, the shell split it and argparse refused the stray "1"."""
+    _fake_gpu(monkeypatch)
+    path = tmp_path / "table.json"
+    assert m3_main(["bench", "--device", "cuda", "--configs", "16x32K", "--qo-lens", " 4, 1", "--kernels",
+                    "sparse_attn, dense_attn", "--write-table", str(path)]) == 0
+    command = json.loads(path.read_text())["command"]
+    assert " --qo-lens 4,1 --kernels sparse_attn,dense_attn --kv-dtype " in command
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    again = parser.parse_args(command.split()[2:])
+    assert (cli.qo_lens_of(again), cli.kernels_of(again)) == ([4, 1], ["sparse_attn", "dense_attn"])
+
+
 def test_a_failed_json_write_fails_the_run_even_when_the_table_is_written(tmp_path, monkeypatch, capsys):
     _fake_gpu(monkeypatch)
     out, table = tmp_path / "bench.json", tmp_path / "table.json"

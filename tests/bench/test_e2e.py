@@ -153,6 +153,21 @@ def test_shape_and_argument_errors_name_the_cause():
     assert shape.batches == (2,) and shape.new_tokens == 6 and shape.hidden == e2e.CPU_SHAPE.hidden
 
 
+@pytest.mark.parametrize("option, dest", [("--e2e-hidden", "e2e_hidden"), ("--e2e-tokens", "e2e_tokens"),
+                                          ("--e2e-context", "e2e_context"), ("--e2e-batches", "e2e_batches")])
+def test_a_size_past_int32_is_refused_naming_the_option(option, dest):
+    """10**20 passed every check and raised an overflow traceback (TypeError, ValueError or
+    OverflowError) mid-run, after the kernel section; 2**31 - 1 (an int32) is still accepted."""
+    huge = 10**20
+    with pytest.raises(ValueError, match=f"^{option} {huge}: .*<= {2**31 - 1}"):
+        e2e.shape_from_args(argparse.Namespace(**{dest: str(huge) if dest == "e2e_batches" else huge}),
+                            torch.device("cpu"))
+    edge = 2**31 - 1
+    shape = e2e.shape_from_args(argparse.Namespace(**{dest: str(edge) if dest == "e2e_batches" else edge}),
+                                torch.device("cpu"))
+    assert edge in (shape.hidden, shape.new_tokens, shape.prompt_len, *shape.batches)
+
+
 def test_bench_cli_prints_the_end_to_end_rows(capsys):
     rc = m3_main(["bench", "--device", "cpu", "--configs", "1x16", "--qo-lens", "1", "--e2e",
                   "--e2e-batches", "1", "--e2e-tokens", "8", "--e2e-context", "9"])

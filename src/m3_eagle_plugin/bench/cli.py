@@ -261,10 +261,11 @@ def _check_output_path(option: str, path: str | None) -> None:
 def _write_json(option: str, path: str, document: Any, **dump_options: Any) -> bool:
     """`document` as JSON at `path`, whole or not at all: written to a scratch file beside it and renamed
     over it, so a failure (disk full, an interrupt) leaves no truncated file and an earlier one intact.
+    A symbolic link is written through, as `open` would: its target gets the JSON, the link stays.
     False, with one line on stderr naming the option, when it could not be written."""
-    target, scratch = Path(path), None
+    target, scratch = Path(path).resolve(), None
     try:
-        fd, scratch = tempfile.mkstemp(dir=target.resolve().parent, prefix=f".{target.name}.", suffix=".tmp")
+        fd, scratch = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         with os.fdopen(fd, "w") as fh:
             json.dump(document, fh, **dump_options)
             fh.write("\n")
@@ -424,7 +425,8 @@ def _write_table(args: argparse.Namespace, rows: list[dict[str, Any]], context: 
               file=sys.stderr)
         return False
     configs = ",".join(f"{b}x{c}" for b, c in configs_of(args, gpu=True))
-    command = (f"m3-eagle bench --configs {configs} --qo-lens {args.qo_lens} --kernels {args.kernels} "
+    qo_lens, kernels = ",".join(map(str, qo_lens_of(args))), ",".join(kernels_of(args))  # as parsed: no blanks
+    command = (f"m3-eagle bench --configs {configs} --qo-lens {qo_lens} --kernels {kernels} "
                f"--kv-dtype {args.kv_dtype} --dense-kv-dtype {args.dense_kv_dtype} --flashinfer {args.flashinfer}"
                + (f" --rounds {args.rounds}" if args.rounds > 1 else ""))
     table = table_from_bench_rows(kernel_rows, device=context["device_name"], command=command,

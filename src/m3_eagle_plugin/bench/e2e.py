@@ -38,6 +38,10 @@ __all__ = ["E2EShape", "GPU_SHAPE", "CPU_SHAPE", "SPEEDUP_GOAL_BATCH1", "TargetO
 
 #: The least each workload size may be: `E2EShape` checks its fields, `shape_from_args` the options.
 MINIMUMS = {"hidden": 1, "new_tokens": 4, "prompt_len": 1, "repeats": 1}
+#: The most a size option may be (`shape_from_args`): past it torch refused the shape with an overflow
+#: traceback, after the kernel section (the metadata holds positions and lengths as int32).
+MAXIMUM = 2**31 - 1
+SIZES = ("hidden", "new_tokens", "prompt_len")
 
 
 @dataclass(frozen=True)
@@ -393,6 +397,8 @@ def shape_from_args(args: argparse.Namespace, device: torch.device) -> E2EShape:
         if value is not None:
             if name in MINIMUMS and value < MINIMUMS[name]:
                 raise ValueError(f"--{option.replace('_', '-')} {value}: must be >= {MINIMUMS[name]}")
+            if name in SIZES and value > MAXIMUM:
+                raise ValueError(f"--{option.replace('_', '-')} {value}: must be <= {MAXIMUM} (int32 sizes)")
             overrides[name] = value
     batches = getattr(args, "e2e_batches", None)
     if batches is not None:
@@ -404,6 +410,8 @@ def shape_from_args(args: argparse.Namespace, device: torch.device) -> E2EShape:
             raise ValueError(f"--e2e-batches: no batch size in {batches!r} (omit the option for the defaults)")
         if min(overrides["batches"]) < 1:
             raise ValueError(f"--e2e-batches {batches}: batch sizes must be >= 1")
+        if max(overrides["batches"]) > MAXIMUM:
+            raise ValueError(f"--e2e-batches {batches}: batch sizes must be <= {MAXIMUM} (int32 sizes)")
         repeated = sorted({b for b in overrides["batches"] if overrides["batches"].count(b) > 1})
         if repeated:
             raise ValueError(f"--e2e-batches {batches}: batch {', '.join(map(str, repeated))} given twice")
