@@ -184,3 +184,54 @@ def test_norm_weights_sit_near_each_norms_identity(tiny_dir):
         _, tensors = _read(tiny_dir / part)
         norms = [t for name, t in tensors.items() if name.endswith("norm.weight")]
         assert norms and all(abs(t.mean().item() - identity) < 0.2 for t in norms), part
+
+
+def test_a_non_directory_out_dir_target_or_draft_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """OUT_DIR a file, or target/ / draft/ a broken symlink: refused by name up front, not after the
+    build and 15 s of training with the errno of the final rename (naming the scratch folder)."""
+    def no_work(*args, **kwargs):
+        raise AssertionError("refused only after building the pair")
+
+    monkeypatch.setattr(tiny, "_random_tensors", no_work)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    dangling = tmp_path / "dangling"
+    dangling.mkdir()
+    (dangling / "draft").symlink_to(tmp_path / "nowhere")
+    for out, bad, broken in ((afile, afile, False), (dangling, dangling / "draft", True)):
+        assert cli_main(["make-tiny", str(out), "--train-steps", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"m3-eagle make-tiny: {bad} exists and is not a directory{' (a broken symlink)' * broken}\n"
+    assert afile.read_text() == "x" and [p.name for p in dangling.iterdir()] == ["draft"]
+    assert (dangling / "draft").is_symlink()
+
+
+def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_scratch(tmp_path, monkeypatch, capsys):
+    """safetensors' save_file (distill_checkpoint writes the trained head with it) reports a full disk as
+    SafetensorError, not an OSError: still the one-line error."""
+    import m3_eagle_plugin.eagle3.train as train
+    from safetensors import SafetensorError
+
+    def disk_full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(train, "distill_checkpoint", disk_full)
+    out = tmp_path / "out"
+    assert cli_main(["make-tiny", str(out), "--train-steps", "1"]) == 2
+    assert capsys.readouterr().err == ("m3-eagle make-tiny: Error while serializing: I/O error: No space left on "
+                                       "device (os error 28)\n")
+    assert list(out.iterdir()) == []
+
+
+def test_the_weights_are_as_readable_as_the_configs(tmp_path):
+    """Other users (a server running as another uid) read the pair: every file gets 0666 less the
+    umask, as open() gives config.json, not the 0600 safetensors' save_file creates files with."""
+    mask = os.umask(0o022)
+    try:
+        target, draft = tiny.make_tiny(tmp_path / "out")
+    finally:
+        os.umask(mask)
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in (tmp_path / "out").rglob("*")
+             if p.is_file()}
+    assert modes == {f"out/{d}/{f}": 0o644 for d in ("target", "draft")
+                     for f in ("config.json", "model.safetensors", tiny.MARKER)}

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import save
 
 from m3_eagle_plugin._ints import as_int
 
@@ -155,7 +156,9 @@ MARKER = ".m3-eagle-make-tiny"
 def _write(directory: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    # not save_file: it can create the file 0600 (safetensors 0.8 does), hiding the weights from other
+    # users; written like config.json, the file gets 0666 less the umask
+    (directory / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
     (directory / MARKER).write_text("written by m3-eagle make-tiny; it may replace this directory\n")
 
 
@@ -174,9 +177,11 @@ def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple
         raise ValueError("OUT_DIR is empty: give the directory to write target/ and draft/ in")
     out = Path(out_dir)
     target, draft = out / "target", out / "draft"
+    for path in (out, target, draft):  # a broken symlink too: it fails only at the swap, after the training
+        if os.path.lexists(path) and not path.is_dir():
+            broken = "" if path.exists() else " (a broken symlink)"
+            raise ValueError(f"{path} exists and is not a directory{broken}")
     for path, config in ((target, target_config()), (draft, draft_config())):
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"{path} exists and is not a directory")
         if path.is_dir() and not _replaceable(path, config):
             raise ValueError(f"{path} exists and is not make-tiny output: refusing to replace it (choose another "
                              "OUT_DIR, or remove it yourself)")
@@ -244,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         target, draft = make_tiny(args.out_dir, args.seed, args.train_steps)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, SafetensorError) as error:  # SafetensorError: a failed write (disk full)
         print(f"m3-eagle make-tiny: {error}", file=sys.stderr)
         return 2
     how = f"trained for {args.train_steps} steps" if args.train_steps else "random"
