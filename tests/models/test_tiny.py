@@ -164,6 +164,23 @@ def test_a_directory_that_is_not_make_tiny_output_is_never_replaced(tmp_path, ca
         tiny.make_tiny(out, seed=5)
 
 
+def test_a_make_tiny_pair_holding_someone_elses_file_is_not_replaced(tmp_path):
+    """README: "a target/ or draft/ it did not write is refused". A tokenizer added to an earlier pair's
+    target/ was deleted with it (the marker alone decided)."""
+    out = tmp_path / "out"
+    tiny.make_tiny(out)
+    (out / "target" / "tokenizer.json").write_text("{}")
+    before = (out / "target" / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="target exists and is not make-tiny output, or holds files make-tiny did "
+                                         "not write"):
+        tiny.make_tiny(out, seed=1)
+    assert (out / "target" / "tokenizer.json").read_text() == "{}"
+    assert (out / "target" / "model.safetensors").read_bytes() == before
+    (out / "target" / "tokenizer.json").unlink()
+    tiny.make_tiny(out, seed=1)  # the pair alone is replaced
+    assert (out / "target" / "model.safetensors").read_bytes() != before
+
+
 def test_an_empty_out_dir_is_refused_not_taken_as_the_current_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli_main(["make-tiny", "", "--train-steps", "0"]) == 2

@@ -183,8 +183,8 @@ def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple
             raise ValueError(f"{path} exists and is not a directory{broken}")
     for path, config in ((target, target_config()), (draft, draft_config())):
         if path.is_dir() and not _replaceable(path, config):
-            raise ValueError(f"{path} exists and is not make-tiny output: refusing to replace it (choose another "
-                             "OUT_DIR, or remove it yourself)")
+            raise ValueError(f"{path} exists and is not make-tiny output, or holds files make-tiny did not write: "
+                             "refusing to replace it (choose another OUT_DIR, or remove it yourself)")
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".make-tiny-", dir=out))
     try:
@@ -203,11 +203,20 @@ def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple
 _PAIR = ("target", "draft")
 
 
+#: What make-tiny writes in each of target/ and draft/: a directory holding anything more is not replaced.
+_WRITTEN = frozenset({"config.json", "model.safetensors", MARKER})
+
+
 def _replaceable(path: Path, config: dict[str, Any]) -> bool:
     """Whether make-tiny may replace directory `path`: empty, or an earlier make-tiny's output (its
-    marker, or, from versions before the marker, exactly the config.json make-tiny writes there);
-    anything else may be someone's checkpoint."""
-    if not any(path.iterdir()) or (path / MARKER).is_file():
+    marker, or, from versions before the marker, exactly the config.json make-tiny writes there)
+    holding nothing make-tiny did not write; anything else may be someone's checkpoint or files."""
+    entries = {entry.name for entry in path.iterdir()}
+    if not entries:
+        return True
+    if not entries <= _WRITTEN:  # a tokenizer or a save_pretrained over the pair would be deleted with it
+        return False
+    if (path / MARKER).is_file():
         return True
     try:
         return json.loads((path / "config.json").read_text()) == json.loads(json.dumps(config))
