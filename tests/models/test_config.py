@@ -560,7 +560,7 @@ def test_per_layer_type_rope_parameters_are_refused_not_ignored():
     per_type = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     nested = {"full_attention": dict(per_type), "minimax_m3_sparse": dict(per_type)}
     # transformers 5.24 keeps the dict nested and its rotary embedding misses `rope_type` (KeyError);
-    # the H200's (its device image) already fails building the config (AttributeError on a float)
+    # the H200's 5.17 already fails building the config (AttributeError on a float)
     with pytest.raises((KeyError, AttributeError)):
         MiniMaxM3VLRotaryEmbedding(tiny_text_config(rope_parameters=nested))
     raw = tiny_text_config().to_dict()
