@@ -488,7 +488,8 @@ def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: st
     from m3_eagle_plugin.parallel import transfer as t
     from m3_eagle_plugin.parallel.disagg import export_handoff, recv_handoff, run_context_phase, send_handoff
 
-    names = ("header where ints belong", "long non-ascii refusal", "handoff that never fits", "pages that cannot be staged")
+    names = ("header where ints belong", "long non-ascii refusal", "handoff that never fits", "pages that cannot be staged",
+             "handoff with no budget left now")
     groups = {name: dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10)) for name in names}
     good = KVTransferPayload("fp", 5, (torch.arange(48, dtype=torch.uint8).view(2, 3, 8),))
     config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
@@ -525,6 +526,8 @@ def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: st
         g = groups["pages that cannot be staged"]
         meta = dataclasses.replace(good, pool_pages=(torch.empty(2, 3, 8, dtype=torch.uint8, device="meta"),))
         case("pages that cannot be staged", lambda: t.send_payload(meta, 1, g), lambda: t.send_payload(good, 1, g))
+        g = groups["handoff with no budget left now"]
+        case("handoff with no budget left now", lambda: send_handoff(h, 1, g), lambda: send_handoff(h, 1, g))
         return
     cache = PagedKVCache.for_minimax_m3(2, [1], 2, 8, 4, 4, 8, dtype=torch.float32)
     g = groups["header where ints belong"]
@@ -542,6 +545,20 @@ def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: st
     g = groups["pages that cannot be staged"]
     seen["good"] = _digest(good)
     case("pages that cannot be staged", lambda: _digest(t.recv_payload(0, g)))
+    g = groups["handoff with no budget left now"]
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    # the engine's whole budget held by requests of its own (decoding, numbered past the handoff's)
+    held = run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW, first_index=10)
+    before = (engine.scheduler.admitted_blocks, engine.cache.num_free_blocks, sorted(engine.cache.allocator.request_ids))
+    seen["budget held"] = [r.state.value for r in held]
+    # then received without the engine, its pages cross: import_handoff's verdict is the oracle
+    case("handoff with no budget left now", lambda: f"accepted request {recv_handoff(0, g, engine=engine).index}",
+         lambda: observe(lambda: import_handoff(engine, recv_handoff(0, g))))
+    seen["untouched"] = before == (engine.scheduler.admitted_blocks, engine.cache.num_free_blocks,
+                                   sorted(engine.cache.allocator.request_ids))
+    out.write_text(json_.dumps(seen))
+    engine.stop_unfinished(held)
 
 
 # ----- bytes damaged on the wire (rank 0 sends through a link that corrupts one message) ---------

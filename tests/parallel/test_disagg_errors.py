@@ -417,3 +417,16 @@ def test_an_import_interrupted_while_copying_its_pages_gives_the_budget_back(tin
             import_handoff(engine, handoffs[0])
     assert _is_clean(engine)
     assert engine.cache.num_tokens(import_handoff(engine, handoffs[0]).rid) == handoffs[0].kv_len
+
+
+def test_requests_given_as_a_generator_run_to_the_aggregated_output(tiny_pair, handoffs):
+    """The checks iterated a generator to its end, so the step loop saw no request: the call
+    returned no output and left both requests live, holding their pages and budget."""
+    from m3_eagle_plugin.parallel.disagg import continue_generation, import_handoff
+
+    blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    aggregated = _engine(tiny_pair, blocks).generate(DISAGG_PROMPTS, DISAGG_NEW)
+    engine = _engine(tiny_pair, blocks)
+    requests = [import_handoff(engine, h) for h in handoffs]
+    assert continue_generation(engine, (r for r in requests)).outputs == aggregated.outputs
+    assert _is_clean(engine)

@@ -41,3 +41,15 @@ def test_pages_that_cannot_be_sent_fail_before_the_header(edges):
     assert sender["pages that cannot be staged, then"] == "ok"
     # the next payload's frame must not be read as the failed one's pages
     assert receiver["pages that cannot be staged"] == receiver["good"]
+
+
+def test_a_handoff_the_engine_cannot_admit_now_is_refused_as_import_would_refuse_it(edges):
+    sender, receiver = edges
+    assert receiver["budget held"] == ["decode", "decode"]
+    # the same handoff received without the engine (its pages crossed) is what import_handoff refuses
+    refusal = receiver["handoff with no budget left now, then"]
+    assert refusal == "HandoffError: request 0: no KV budget left on the generation engine", refusal
+    assert receiver["handoff with no budget left now"] == refusal
+    assert sender["handoff with no budget left now"] == f"HandoffError: rank 1 refused the handoff of request 0: {refusal[14:]}"
+    assert sender["handoff with no budget left now, then"] == "ok"
+    assert receiver["untouched"] is True

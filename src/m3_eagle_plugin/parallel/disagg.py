@@ -222,10 +222,19 @@ def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
     if handoff.kv_len != committed or handoff.payload.num_tokens != committed:
         raise HandoffError(f"{where}: kv_len {handoff.kv_len} and {handoff.payload.num_tokens} transferred tokens "
                            f"must both be the {committed} committed positions (prompt + output - 1)")
+    request = _request(handoff)
     try:  # a request this engine could never admit, even alone (its cache or max_seq_len is smaller)
-        engine.scheduler.check_fits(_request(handoff))
+        engine.scheduler.check_fits(request)
     except RequestError as error:
         raise HandoffError(str(error)) from None
+    # and one it cannot admit now (`Scheduler.admit`, without reserving): `recv_handoff` refuses it
+    # before its pages cross, as `import_handoff` would
+    if engine.scheduler.admitted_blocks + engine.scheduler.blocks_needed(request) > engine.scheduler.total_blocks:
+        raise HandoffError(_no_budget(handoff))
+
+
+def _no_budget(handoff: ContextHandoff) -> str:
+    return f"request {handoff.index}: no KV budget left on the generation engine"
 
 
 def _request(handoff: ContextHandoff, eos_ids=frozenset()) -> Request:
@@ -244,7 +253,7 @@ def import_handoff(engine: Engine, handoff: ContextHandoff) -> Request:
 def _import(engine: Engine, handoff: ContextHandoff) -> Request:
     request = engine.adopt(_request(handoff, engine.config.eos_ids))
     if not engine.scheduler.admit(request):
-        raise HandoffError(f"request {handoff.index}: no KV budget left on the generation engine")
+        raise HandoffError(_no_budget(handoff))
     try:
         import_request(engine.cache, request.rid, handoff.payload)
     except BaseException:  # an interrupt too: the budget would stay admitted with no request to release it
@@ -265,6 +274,7 @@ def continue_generation(engine: Engine, requests: list[Request]) -> GenerationRe
     exception carries what was done as ``partial_result``, as `Engine.generate`'s does."""
     _check_engine(engine)
     with engine.exclusive("continue_generation"):
+        requests = list(requests)  # iterated once per step: a generator would be spent by the checks
         _check_owned(engine, requests, "continue_generation")
         counts = collections.Counter(map(id, requests))
         repeated = sorted({r.index for r in requests if counts[id(r)] > 1})
