@@ -227,9 +227,8 @@ def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
         engine.scheduler.check_fits(request)
     except RequestError as error:
         raise HandoffError(str(error)) from None
-    # and one it cannot admit now (`Scheduler.admit`, without reserving): `recv_handoff` refuses it
-    # before its pages cross, as `import_handoff` would
-    if engine.scheduler.admitted_blocks + engine.scheduler.blocks_needed(request) > engine.scheduler.total_blocks:
+    # and one it cannot admit now: `recv_handoff` refuses it before its pages cross, as `import_handoff` would
+    if not engine.scheduler.fits_now(request):
         raise HandoffError(_no_budget(handoff))
 
 

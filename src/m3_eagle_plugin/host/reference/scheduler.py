@@ -90,12 +90,15 @@ class Scheduler:
             self.admitted_blocks -= self.blocks_needed(request)
             request.kv_budget_tokens = 0
 
+    def fits_now(self, request: Request) -> bool:
+        """Whether `admit` would take the request now (nothing is reserved)."""
+        return self.admitted_blocks + self.blocks_needed(request) <= self.total_blocks
+
     def admit(self, request: Request) -> bool:
         """Reserve the KV blocks a request needs for its whole life; False when they do not fit now."""
-        need = self.blocks_needed(request)
-        if self.admitted_blocks + need > self.total_blocks:
+        if not self.fits_now(request):
             return False
-        self.admitted_blocks += need
+        self.admitted_blocks += self.blocks_needed(request)
         request.kv_budget_tokens = kv_budget_tokens(len(request.prompt), request.max_new_tokens, self.draft_len)
         request.state = RequestState.PREFILL
         return True
