@@ -118,6 +118,32 @@ def test_swa_scratch_reuse_with_draft_layers_is_refused(current_host, monkeypatc
     assert _make(plugin, spec_config=None).virtual_pools is None  # no draft layers: nothing to refuse
 
 
+@pytest.mark.parametrize("per_layer_flag", [False, True], ids=["v2-swa-tables", "per-layer-page-tables"])
+def test_swa_scratch_reuse_is_refused_with_the_hosts_per_layer_swa_tables(current_host, monkeypatch,
+                                                                         per_layer_flag):
+    """Under SWA scratch reuse the real V2 base builds one PER_LAYER pointer per local layer (layer i ->
+    [i, 0]; more rows than pools), and a later host also sets `_use_per_layer_page_tables`. Either
+    must still be refused, as upstream's test_per_layer_page_tables_get_no_virtual_pools expects; it
+    passed for a host's own draft pools and the manager was built with nothing refused."""
+    plugin, host_cls = _classes()
+    base = host_cls.__mro__[1]
+    original = base._prepare_page_table_tensor
+
+    def swa_tables(self, index_mapper_capacity):
+        original(self, index_mapper_capacity)
+        layers = self.num_local_layers
+        self.kv_cache_pool_pointers = torch.tensor([[1 << 32, 0]] * layers, dtype=torch.int64)
+        self.kv_cache_pool_mapping = torch.tensor([[i, 0] for i in range(layers)], dtype=torch.int32)
+        self.num_attention_op_pools = layers
+        if per_layer_flag:
+            self._use_per_layer_page_tables = True
+
+    monkeypatch.setattr(base, "_prepare_page_table_tensor", swa_tables)
+    monkeypatch.setattr(base, "enable_swa_scratch_reuse", True, raising=False)
+    with pytest.raises(NotImplementedError, match="SWA scratch reuse"):
+        _make(plugin)
+
+
 def test_older_v2_storage_without_page_index_modes(current_host, monkeypatch):
     """Storage whose base address takes (layer, role) only, in a host that binds no PageIndexMode:
     the draft pool is rooted at the same K page (177 sub-pages in, as in the current storage)."""

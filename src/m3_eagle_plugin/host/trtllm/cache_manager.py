@@ -105,6 +105,11 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
     def _add_virtual_draft_pools(self) -> None:
         if getattr(self, "is_draft", False) or not self.shared_draft_layer_ids:
             return
+        # before the early returns below: under SWA scratch reuse the V2 base itself builds a
+        # pointer per layer (more rows than pools), which would pass for a host's own draft pools
+        if getattr(self, "enable_swa_scratch_reuse", False):
+            raise NotImplementedError(
+                "MiniMax-M3 shared draft layers cannot be combined with SWA scratch reuse")
         if getattr(self, "_use_per_layer_page_tables", False):  # hosts with #18872: a pool per layer already
             return
         num_pools = getattr(self, "num_pools", None)
@@ -113,9 +118,6 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
             # op pools and fills them itself; a second set would leave the draft layers on pools
             # whose source is one of those op pools, which no block-offset copy ever fills
             return
-        if getattr(self, "enable_swa_scratch_reuse", False):
-            raise NotImplementedError(
-                "MiniMax-M3 shared draft layers cannot be combined with SWA scratch reuse")
         layer_offsets = getattr(self, "layer_offsets", None)
         draft_layers = [self._draft_layer_entry(layer) for layer in self.shared_draft_layer_ids
                         if layer_offsets is None or layer in layer_offsets]
