@@ -249,6 +249,57 @@ def test_an_interrupt_during_the_copy_leaves_no_request_and_frees_its_blocks(mon
     assert dst.allocator.request_ids == []
 
 
+
+def test_a_page_index_failing_to_allocate_leaves_no_request_and_frees_its_blocks(monkeypatch):
+    """The page index is a device allocation made after the blocks are taken and the payload staged
+    on the device beside them: when it fails (out of memory), nothing of the import stays behind."""
+    src, dst = _cache(), _cache()
+    src.add_request(0)
+    src.reserve(0, 9)
+    payload = export_request(src, 0)
+    dst.add_request("other")
+    dst.reserve("other", 5)
+    before = (dst.allocator.request_ids, dst.pages("other"), dst.num_free_blocks)
+    real_tensor = torch.tensor
+
+    def out_of_memory(data, *args, **kwargs):
+        if kwargs.get("dtype") is torch.long:  # the page index, the only long tensor the import builds
+            raise RuntimeError("out of memory")
+        return real_tensor(data, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        import_request(dst, "new", payload)
+    monkeypatch.undo()
+    assert "new" not in dst.allocator
+    assert (dst.allocator.request_ids, dst.pages("other"), dst.num_free_blocks) == before
+    assert import_request(dst, "new", payload).tolist() == [2, 3, 4]  # the blocks the failed call took
+
+
+def test_a_payload_built_from_a_generator_of_pages_imports_every_page():
+    """The pages may come as any iterable (here a generator, as a receiver might yield them): the
+    import's checks must not spend it and leave the request registered over pages never written."""
+    gen = torch.Generator().manual_seed(5)
+    src, dst = _cache(), _cache()
+    src.add_request(0)
+    src.reserve(0, 7)
+    _fill(src, 0, gen)
+    exported = export_request(src, 0)
+    payload = KVTransferPayload(exported.fingerprint, exported.num_tokens, (p for p in exported.pool_pages))
+    import_request(dst, "new", payload)
+    expected = _per_token(src, 0, 7)
+    for key, value in _per_token(dst, "new", 7).items():
+        assert torch.equal(value, expected[key]), key
+    assert payload.num_pages == 2 and payload.pool_pages == exported.pool_pages
+
+
+def test_a_payload_of_one_tensor_instead_of_one_per_pool_is_refused_by_name():
+    """A lone tensor is iterable too: taken as the pool sequence it would be cut into its pages."""
+    pages = torch.zeros(2, 1, 8, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="one per pool, got one Tensor"):
+        KVTransferPayload("{}", 3, pages)
+
+
 def test_export_keeps_the_block_order_of_a_request_with_descending_pages():
     """Block 0 of the request is page 1, block 1 is page 0 (page 0 was freed by another request
     meanwhile): the payload must carry the pages in block order, so token t still reads back."""

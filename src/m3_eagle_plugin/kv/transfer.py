@@ -29,6 +29,13 @@ class KVTransferPayload:
     num_tokens: int
     pool_pages: tuple[torch.Tensor, ...]
 
+    def __post_init__(self) -> None:
+        # read once, here: a generator of pages was spent by the import's first check, and the
+        # import then copied no page yet registered the request
+        if isinstance(self.pool_pages, torch.Tensor):  # tuple() would split it into its pages
+            raise TypeError("pool_pages must be a sequence of tensors, one per pool, got one Tensor")
+        object.__setattr__(self, "pool_pages", tuple(self.pool_pages))
+
     @property
     def num_pages(self) -> int:
         return int(self.pool_pages[0].shape[0]) if self.pool_pages else 0
@@ -90,8 +97,9 @@ def import_request(cache: PagedKVCache, rid: Hashable, payload: KVTransferPayloa
     # (CPU torch has no fp8 index_copy_), and a payload in any memory order is accepted.
     sources = [data.to(cache.device) for data in payload.pool_pages]
     pages = cache.allocator.allocate(rid, payload.num_tokens)
-    index = torch.tensor(pages, dtype=torch.long, device=cache.device)
     try:
+        # inside: a device allocation failing here (out of memory beside the staged pages) leaks nothing
+        index = torch.tensor(pages, dtype=torch.long, device=cache.device)
         for pool, source in zip(cache.geometry.pools, sources):
             cache.storage(pool.pool_id).view(torch.uint8).index_copy_(0, index, source)
     except BaseException:
