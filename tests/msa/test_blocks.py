@@ -179,6 +179,19 @@ def test_an_int32_position_at_int32_max_does_not_wrap() -> None:
         valid_blocks_from_positions(positions, 1)
 
 
+@pytest.mark.parametrize("block", [1, 4, 2**62])
+def test_the_last_int64_position_is_counted_or_refused_not_read_as_zero_blocks(block) -> None:
+    # p + 1 wraps to -2**63 at p = 2**63 - 1, which read as 0 blocks. Python's exact ceil((p + 1) / B):
+    # 2 blocks at B = 2**62; past int32 (refused) at B = 1 and 4.
+    p = 2**63 - 1
+    positions = torch.tensor([p, 0], dtype=torch.int64)
+    if -(-(p + 1) // block) <= 2**31 - 1:
+        assert valid_blocks_from_positions(positions, block).tolist() == [-(-(p + 1) // block), 1]
+    else:
+        with pytest.raises(MsaInputError, match="past int32"):
+            valid_blocks_from_positions(positions, block)
+
+
 @pytest.mark.parametrize("bad", [2**63, -(2**63) - 1])
 def test_host_lengths_past_int64_are_refused_by_name(bad) -> None:
     # The last int64 values are the boundary: one past either end is named, not a torch overflow error.

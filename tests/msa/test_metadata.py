@@ -576,3 +576,13 @@ def test_a_negative_page_in_the_table_gives_the_skip_sentinel(bad_page) -> None:
     meta.on_update_kv_lens(torch.tensor([12], dtype=torch.int32))  # re-derive from the edited table
     assert meta.cache_slots.tolist() == [12, 13, 14, 15, -1, -1, -1, -1, 28, 29, 30, 31]
     assert meta.positions.tolist() == list(range(12))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_on_update_kv_lens_from_another_gpu_is_refused_by_name_and_changes_nothing() -> None:
+    meta = MsaDecodeMetadata(4, 8, 8, 4, "cuda:0", max_draft_len=2)
+    meta.prepare([2, 3], [9, 12], worked_example_tables().cuda(0))
+    before = meta.token_kv_lens.clone()
+    with pytest.raises(MsaInputError, match="cuda:1"):
+        meta.on_update_kv_lens(torch.tensor([8, 11], dtype=torch.int32, device="cuda:1"))
+    assert torch.equal(meta.token_kv_lens, before)

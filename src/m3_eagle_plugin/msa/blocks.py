@@ -65,13 +65,12 @@ def valid_blocks_from_positions(positions: torch.Tensor, block_size: int) -> tor
     if not is_integer_dtype(positions.dtype):
         raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
     # In int64: int32 p + 1 wraps to -2**31 at p = INT32_MAX (0 blocks instead of 2**31 / B).
-    seen = (positions.to(torch.int64) + 1).clamp(min=0)
-    # (n - 1) // B + 1, not (n + B - 1) // B: the latter overflows positions near 2**63.
-    counts = torch.div(seen - 1, block_size, rounding_mode="floor") + 1
-    if counts.device.type == "cpu" and counts.numel() and int(counts.max()) > INT32_MAX:
+    wide = positions.to(torch.int64)
+    if wide.device.type == "cpu" and wide.numel() and int(wide.max()) // block_size >= INT32_MAX:
         raise MsaInputError(
             f"positions up to {int(positions.max())} give block counts past int32 (block_size {block_size})")
-    return counts.to(torch.int32)
+    # p // B + 1 (= ceil((p + 1) / B)): no p + 1, which wraps to 0 blocks at the last int64 position.
+    return (torch.div(wide.clamp(min=-1), block_size, rounding_mode="floor") + 1).to(torch.int32)
 
 
 def request_pages(meta: Any) -> Iterator[tuple[int, slice, torch.Tensor]]:

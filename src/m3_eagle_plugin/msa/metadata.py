@@ -398,7 +398,7 @@ class MsaDecodeMetadata:
                 raise MsaInputError(f"kv_lens must be [num_requests={self.num_requests}], got {tuple(kv_lens.shape)}")
             if not is_integer_dtype(kv_lens.dtype):
                 raise TypeError(f"kv_lens must be an integer tensor, got {kv_lens.dtype}")
-            if kv_lens.device.type != self.device.type:
+            if kv_lens.device != self.device:  # the index too: cuda:1 lengths for cuda:0 metadata
                 raise MsaInputError(f"kv_lens is on {kv_lens.device} but the metadata lives on {self.device}")
         fused = self._fused_kv_lens_update()
         if fused is not None:
