@@ -388,3 +388,54 @@ def test_layer_runs_our_whole_step_where_neither_half_goes_to_flashinfer(monkeyp
     cache = step["cache"]
     assert backend.sparse_layer_attention(step["q"], cache.k, cache.v, step["index_q"], cache.index_k, meta,
                                           topk=geo.topk, scale=0.25) == "whole step"
+
+
+@pytest.mark.parametrize("mode", ["triton", "flashinfer"])
+def test_report_names_a_forced_backend_that_cannot_run_here(monkeypatch, mode):
+    """A forced backend that cannot run on the device: `check_backend` (`m3-eagle run`) refuses it,
+    and the report says so (`error`, the same words) rather than what `auto` would run; under
+    `triton` no kernel falls back to the references (a call raises), so none is reported as torch."""
+    monkeypatch.setenv("M3_EAGLE_KERNELS", mode)
+    with pytest.raises(KernelBackendError) as refused:
+        check_backend("cpu")
+    report = backend_report("cpu")
+    assert report["error"] == str(refused.value)
+    geo, step, meta = _cpu_step()
+    cache = step["cache"]
+    if mode == "triton":
+        with pytest.raises(KernelBackendError):
+            dense_attention(step["q"], cache.k, cache.v, meta, scale=0.25)
+        assert set(report["kernels"].values()) == {"triton"} and str(refused.value) in report["reason"]
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "auto")
+    assert "error" not in backend_report("cpu")
+
+
+def test_flashinfer_mode_runs_the_reference_where_an_unrouted_kernel_is_too_large(monkeypatch, kernels_too_large):
+    """`flashinfer` forces only the two routed kernels; the dense attention behaves as under `auto`,
+    so a tile refusal runs the torch reference there too."""
+    backend = kernels_too_large
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    monkeypatch.setattr(backend, "_FELL_BACK", set())
+    monkeypatch.setattr(backend, "get_logger", lambda: type("L", (), {"warning": lambda *a: None})())
+    geo, step, meta = _cpu_step()
+    cache, q = step["cache"], step["q"]
+    assert torch.equal(backend.dense_attention(q, cache.k, cache.v, meta, scale=0.25),
+                       ref_dense(q, cache.k, cache.v, meta, scale=0.25))
+    with pytest.raises(KernelTooLargeError):  # fp8 scales: no reference takes them
+        backend.dense_attention(q, cache.k, cache.v, meta, scale=0.25, k_scale=0.5)
+
+
+def test_index_queries_of_two_dims_are_refused_naming_the_shape_where_triton_runs(monkeypatch):
+    """A [T, Di] index_q is refused with the reference's own message (it names the shape it wants),
+    not a tuple-unpacking error from inside the kernel wrapper."""
+    from m3_eagle_plugin.msa.kernels import backend
+
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    geo, step, meta = _cpu_step()
+    flat = step["index_q"][:, 0]
+    with pytest.raises(ValueError) as want:
+        ref_select(flat, step["cache"].index_k, meta, topk=geo.topk)
+    with pytest.raises(ValueError) as got:
+        backend.select_blocks_paged(flat, step["cache"].index_k, meta, topk=geo.topk)
+    assert str(got.value) == str(want.value) and "index_q must be" in str(got.value)

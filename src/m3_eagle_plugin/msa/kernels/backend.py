@@ -17,7 +17,8 @@ up to 1.5x slower at the q4 rows. The table's verdicts are reported for it all t
 Shapes the kernels do not take (head dim or block under 16 or not a power of two, a GQA group or
 index-head count they cannot tile, queries or K/V or index-K caches in a dtype they do not read, such
 as float64) run the torch references even on CUDA, whatever the mode; so do tiles past the device's
-shared memory (`KernelTooLargeError`) under `auto`, once warned, while a forced `triton` raises it.
+shared memory (`KernelTooLargeError`) under `auto` (and `flashinfer`'s unrouted kernels), once warned,
+while a forced `triton` raises it.
 With fp8 scales, which only the kernels take, each raises naming why the kernel did not run. The
 references loop over requests on the host, so a CUDA graph of them replays the lengths it was
 captured with: capture them only with lengths staged at capacity (`host/reference/cuda_graphs`).
@@ -63,15 +64,24 @@ def check_backend(device: torch.device | str) -> str:
     check_switches()
     mode = requested_backend()
     kernel_table.check_override()
-    if mode == "triton":
-        use_triton(device)
-    elif mode == "flashinfer":
+    refused = forced_refusal(device, mode)
+    if refused is not None:
+        raise KernelBackendError(refused)
+    return mode
+
+
+def forced_refusal(device: torch.device | str, mode: str) -> str | None:
+    """Why a forced `mode` cannot run on `device` at all (every call it governs would raise
+    `KernelBackendError`), in `check_backend`'s words; None where it can, or nothing is forced."""
+    if mode == "triton" and not triton_available(device):
+        return f"{ENV_VAR}=triton but Triton kernels cannot run on {device}"
+    if mode == "flashinfer":
         why = fim.device_refusal(device)
         if why is None and not fim.flashinfer_available():
             why = fim.flashinfer_status()
         if why is not None:
-            raise KernelBackendError(f"{ENV_VAR}=flashinfer but FlashInfer cannot run here: {why}")
-    return mode
+            return f"{ENV_VAR}=flashinfer but FlashInfer cannot run here: {why}"
+    return None
 
 
 def use_triton(device: torch.device | str) -> bool:
@@ -86,7 +96,8 @@ def use_triton(device: torch.device | str) -> bool:
 
 
 def backend_report(device: torch.device | str | None = None) -> dict[str, Any]:
-    """Which implementation each kernel uses on `device` (default: cuda if present, else cpu) and why."""
+    """Which implementation each kernel uses on `device` (default: cuda if present, else cpu) and why;
+    `error` where the forced backend cannot run there at all (`check_backend` refuses it)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -115,10 +126,15 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, Any]:
         reason = f"device {device} is not a CUDA device"
     else:
         reason = "CUDA device compute capability < 8.0"
+    refused = forced_refusal(device, mode)
+    if refused is not None:  # `check_backend` (`m3-eagle run`) refuses it: say so, not what auto would run
+        report["error"] = refused
+        if mode == "triton":  # every kernel call raises, none runs the references
+            chosen, reason = "triton", f"{refused} ({reason}): every kernel call raises"
     report["backend"] = chosen
     report["reason"] = reason
     report["kernels"] = {name: "flashinfer" if mode == "flashinfer" and name in fim.ROUTED_KERNELS else chosen
-                         for name in KERNELS}  # forced: those calls run FlashInfer or raise
+                         for name in KERNELS}  # forced: those calls run FlashInfer (Triton) or raise
     report.update(_flashinfer_report(device, mode))
     return report
 
@@ -204,9 +220,11 @@ def _tile_refusal(x: torch.Tensor, k_cache: torch.Tensor | None, block_size: int
     (head dim 16, block 4) and head counts no M3 geometry has (GQA 16, one index head a rank) stay on
     the torch references: the heads of a tile must be a power of two, or at most `padded_rows` (the
     per-token sparse layout pads its rows)."""
+    kind = "queries" if k_cache is not None else "index queries"
+    if x.dim() != 3:  # the reference names the shape it expects
+        return f"{kind} of shape {tuple(x.shape)}: the kernels take [tokens, heads, dim]"
     dim, block = int(x.shape[-1]), int(block_size)
     if x.dtype not in QUERY_DTYPES:
-        kind = "queries" if k_cache is not None else "index queries"
         return f"{kind} in {x.dtype}: the kernels take float32, float16 or bfloat16"
     if not all(n >= MIN_KERNEL_DIM and is_pow2(n) for n in (dim, block)):
         return f"head dim {dim} and block {block} must be powers of two >= {MIN_KERNEL_DIM}"
@@ -236,12 +254,14 @@ def _kernel_refusal(x: torch.Tensor, k_cache: torch.Tensor | None, block_size: i
 
 def _reference_instead(error: KernelTooLargeError, *scales: Any) -> None:
     """Re-raise `error` unless `auto` may run the torch reference in the kernel's place (it takes
-    no fp8 scales); say so once per refusal."""
-    if requested_backend() != "auto" or any(scale is not None for scale in scales):
+    no fp8 scales); say so once per refusal. `flashinfer` forces only its routed kernels (which
+    raise before reaching here): the others fall back as under `auto`."""
+    mode = requested_backend()
+    if mode not in ("auto", "flashinfer") or any(scale is not None for scale in scales):
         raise error
     if str(error) not in _FELL_BACK:
         _FELL_BACK.add(str(error))
-        get_logger().warning("%s; running the torch reference instead (M3_EAGLE_KERNELS=auto)", error)
+        get_logger().warning("%s; running the torch reference instead (%s=%s)", error, ENV_VAR, mode)
 
 
 #: Refusals already reported by `_reference_instead`.
