@@ -185,6 +185,9 @@ def test_bad_arguments_raise() -> None:
     k_cache = torch.zeros(1, 2, 4, 8)
     with pytest.raises(MsaInputError, match="multiple of KV heads"):
         dense_attention(torch.zeros(2, 3, 8), k_cache, k_cache, meta, scale=1.0)
+    no_heads = torch.zeros(1, 0, 4, 8)  # refused by name, not a ZeroDivisionError
+    with pytest.raises(MsaInputError, match="at least one KV head"):
+        dense_attention(torch.zeros(2, 2, 8), no_heads, no_heads, meta, scale=1.0)
     with pytest.raises(MsaInputError, match="selection"):
         sparse_attention(torch.zeros(2, 2, 8), k_cache, k_cache, meta, torch.zeros(1, 2, 1, dtype=torch.int32), scale=1.0)
     with pytest.raises(MsaInputError, match="scale"):

@@ -37,8 +37,9 @@ def _check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, me
             f"k_cache [P, Hkv, B, D] = {tuple(k_cache.shape)} does not match "
             f"block_size {meta.block_size} / head dim {dim}"
         )
-    if num_q_heads % num_kv_heads:
-        raise MsaInputError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise MsaInputError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads}), "
+                            "and there must be at least one KV head")
     return num_q_heads // num_kv_heads, num_kv_heads
 
 

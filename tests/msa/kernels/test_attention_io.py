@@ -30,6 +30,7 @@ def _good():
     (lambda q, k, v, m: (torch.zeros(4, 8, 64), k, v, m), "head dim of q"),
     (lambda q, k, v, m: (torch.zeros(4, 6, 32), torch.zeros(3, 4, 16, 32), torch.zeros(3, 4, 16, 32), m),
      "not a multiple of KV heads"),
+    (lambda q, k, v, m: (q, torch.zeros(3, 0, 16, 32), torch.zeros(3, 0, 16, 32), m), "no KV head"),
     (lambda q, k, v, m: (q, k, torch.zeros(3, 2, 16, 32)[:2], m), "k/v cache shapes differ"),
     (lambda q, k, v, m: (q, torch.zeros(3, 2, 24, 32), torch.zeros(3, 2, 24, 32), m), "powers of two"),
     (lambda q, k, v, m: (q, torch.zeros(3, 2, 8, 32), torch.zeros(3, 2, 8, 32), m), "powers of two >= 16"),

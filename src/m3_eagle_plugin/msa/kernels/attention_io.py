@@ -24,6 +24,7 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check_same_device(q.device, k_cache=k_cache, v_cache=v_cache)
     _, hkv, block, dim = k_cache.shape
     require(q.shape[2] == dim, f"head dim of q ({q.shape[2]}) and cache ({dim}) differ")
+    require(hkv >= 1, f"the K/V caches have no KV head: {tuple(k_cache.shape)}")
     require(q.shape[1] % hkv == 0, f"query heads {q.shape[1]} not a multiple of KV heads {hkv}")
     require(block >= 16 and dim >= 16 and block & (block - 1) == 0 and dim & (dim - 1) == 0,
             "block size and head dim must be powers of two >= 16")
