@@ -157,3 +157,41 @@ def test_a_negative_layer_id_is_refused(ids):
     """Layer ids index the target's layers from 0; a negative one never matches a layer the forward visits."""
     with pytest.raises(ValueError, match=r"^aux layer ids must be distinct and non-negative, got "):
         AuxCapture(ids)
+
+
+# ---- review: inputs the tests above did not model ----
+
+
+@pytest.mark.parametrize("bad", [2.7, "2", True])
+def test_a_layer_id_that_is_not_an_integer_is_refused_not_truncated(bad):
+    """The package's int rule (`_ints`): layer 2.7, "2" or True is refused by name, never read as
+    layer 2 or 1 (int() did), so a capture never silently records a layer nobody asked for."""
+    with pytest.raises(TypeError, match=r"^aux layer id must be an int"):
+        AuxCapture([bad, 4])
+    with pytest.raises(TypeError, match=r"^output layer id must be an int"):
+        AuxCapture.from_output_layer_ids([bad, 4])
+
+
+@pytest.mark.parametrize("ids", [[1, 29, 56, -1], [-1, 1], [-2, 1]])
+def test_trtllm_final_hidden_id_is_refused_not_read_as_the_embeddings(ids):
+    """TensorRT-LLM's Eagle3SpecMetadata reads output id -1 as the model's final hidden state (it moves
+    -1 to the end of `layers_to_capture`); j + 1 = 0 made it the input of layer 0, the embeddings."""
+    with pytest.raises(ValueError, match=r"output layer ids must be non-negative, got .*-\d.*final hidden state"):
+        AuxCapture.from_output_layer_ids(ids)
+
+
+def test_a_new_buffer_holds_no_step_until_one_is_recorded():
+    """After `allocate` (a larger buffer between steps) the last step's layers no longer read as
+    recorded: `stacked()` and `get()` refuse, as the default mode does, instead of serving the new
+    buffer's zeros as that step's states."""
+    capture = AuxCapture([0, 2]).allocate(4, 3, torch.float32, "cpu")
+    capture.record(0, torch.ones(2, 3))
+    capture.record(2, torch.full((2, 3), 2.0))
+    capture.allocate(8, 3, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match=r"\[0, 2\] were not recorded"):
+        capture.stacked()
+    with pytest.raises(RuntimeError, match="layer 0 was not recorded"):
+        capture.get(0)
+    capture.record(0, torch.full((5, 3), 3.0))
+    capture.record(2, torch.full((5, 3), 4.0))
+    assert torch.equal(capture.stacked(), torch.cat([torch.full((5, 3), 3.0), torch.full((5, 3), 4.0)], dim=-1))

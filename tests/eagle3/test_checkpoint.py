@@ -451,3 +451,23 @@ def test_rope_theta_in_rope_parameters_wins_over_a_top_level_one_as_in_transform
     raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 222.0}
     hf = LlamaConfig(**{k: v for k, v in raw.items() if k != "eagle_config"})
     assert _parse(raw).rope_theta == hf.rope_parameters["rope_theta"] == 222.0
+
+
+# ---- review: inputs the tests above did not model ----
+
+
+@pytest.mark.parametrize("layers, message", [
+    (6, "repeat a layer"),  # (2, 3, 3)
+    (2, "out of range for a 2-layer target"),  # (2, 1, -1)
+])
+def test_default_aux_ids_that_do_not_fit_a_small_target_name_the_default_not_the_config(layers, message):
+    """A config that lists no aux ids takes vLLM's default (2, L//2, L-3); where that does not fit the
+    target, the error says the ids were not given and are the default (it read as if the config had
+    listed them, a key the file does not hold)."""
+    raw = draft_config()
+    del raw["eagle_config"]
+    with pytest.raises(ConfigError) as info:
+        _parse(raw, default_aux_layer_ids=(2, layers // 2, layers - 3), target_num_layers=layers)
+    assert str(info.value).startswith("d.json: eagle_config.eagle_aux_hidden_state_layer_ids: not given, and the "
+                                      "target's default (2, L//2, L-3) aux layer ids [")
+    assert message in str(info.value)

@@ -593,3 +593,68 @@ def test_each_step_draws_its_batch_at_random_without_replacement(pair, data, mon
         assert all(len(set(b)) == 4 and all(0 <= r < n for r in b) for b in batches)
         assert len({tuple(b) for b in batches}) > 1
     assert runs[0][0] == runs[0][1] and runs[0][0] != runs[1][0]
+
+
+# ---- review: inputs the tests above did not model ----
+
+
+def test_a_zero_probability_in_the_target_adds_nothing_to_the_kl(pair, data):
+    """A target distribution may give a token probability 0 (log-probability -inf, e.g. a one-hot or
+    truncated teacher): its KL term is 0 by definition, not NaN (kl_div read it as 0 * -inf). Naive
+    sum over the target's positive entries, pass 0, every row full length."""
+    head = pair[3]
+    batch = data.select(torch.arange(3))
+    logprobs = batch.target_logprobs.clone()
+    logprobs[..., 7] = float("-inf")
+    logprobs = logprobs - logprobs.logsumexp(-1, keepdim=True)
+    batch = DistillData(batch.tokens, batch.aux, batch.target_next, batch.lengths, logprobs)
+    with torch.no_grad():
+        loss = float(distill_loss(head, batch, 1))
+        logits, _, _ = dense_head_step(head, batch.tokens[:, 1:], batch.aux[:, :-1])
+    kl, positions = 0.0, 0
+    for row in range(3):
+        for p in range(batch.tokens.shape[1] - 1):
+            log_t, log_q = logprobs[row, p + 1].double(), logits[row, p].double().log_softmax(-1)
+            keep = log_t > float("-inf")
+            kl += float((log_t[keep].exp() * (log_t[keep] - log_q[keep])).sum())
+            positions += 1
+    assert loss == pytest.approx(kl / positions, rel=1e-5)
+
+
+def test_rows_too_short_to_train_are_left_out_of_the_draw(pair, data):
+    """A one-token row has no position to predict. Training on data holding one must run to the end
+    (a batch drawn from it alone raised after earlier steps had changed the weights) and equal
+    training on the data without it; data with no trainable row is refused before any step."""
+    _, draft_dir, target, _ = pair
+    mixed = DistillData(data.tokens, data.aux, data.target_next, torch.tensor([20] * 11 + [1]), data.target_logprobs)
+    head, without = load_draft(draft_dir, target), load_draft(draft_dir, target)
+    history = train_head(head, mixed, steps=12, batch_size=1, seed=0)
+    assert history == train_head(without, data.select(torch.arange(11)), steps=12, batch_size=1, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), without.state_dict().values()))
+    short = DistillData(data.tokens, data.aux, data.target_next, torch.ones(12, dtype=torch.long),
+                        data.target_logprobs)
+    fc = head.fc.weight.clone()
+    with pytest.raises(ValueError, match="no position to train"):
+        train_head(head, short, steps=2, batch_size=4)
+    assert torch.equal(head.fc.weight, fc)
+
+
+@pytest.mark.parametrize("lr, hard_weight", [(float("inf"), 0.0), (1e-2, float("inf"))])
+def test_an_infinite_rate_or_hard_weight_is_refused_before_any_step(pair, data, lr, hard_weight):
+    """Either turned every trained weight NaN (inf * update; an infinite loss's gradient)."""
+    _, draft_dir, target, _ = pair
+    head = load_draft(draft_dir, target)
+    fc = head.fc.weight.clone()
+    with pytest.raises(ValueError, match="lr must be finite and > 0 and hard_weight finite and >= 0"):
+        train_head(head, data, steps=2, batch_size=4, lr=lr, hard_weight=hard_weight)
+    assert torch.equal(head.fc.weight, fc)
+
+
+def test_concatenating_nothing_names_that_cause_and_a_generator_is_read_once(data):
+    """An empty list read as "data of different lengths []"; a generator of parts was spent by the
+    length check, leaving nothing for the concatenation."""
+    with pytest.raises(ValueError, match=r"^no distillation data to concatenate$"):
+        concat_data([])
+    halves = [data.select(torch.arange(6)), data.select(torch.arange(6, 12))]
+    joined = concat_data(part for part in halves)
+    assert all(torch.equal(getattr(joined, f), getattr(data, f)) for f in DistillData.FIELDS)

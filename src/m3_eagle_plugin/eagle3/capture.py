@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+from m3_eagle_plugin._ints import as_int
+
 
 def _check_state(layer_id: int, hidden: torch.Tensor) -> None:
     if not isinstance(hidden, torch.Tensor):
@@ -31,7 +33,7 @@ def _check_state(layer_id: int, hidden: torch.Tensor) -> None:
 
 class AuxCapture:
     def __init__(self, layer_ids: Sequence[int]) -> None:
-        ids = [int(i) for i in layer_ids]
+        ids = [as_int("aux layer id", i) for i in layer_ids]
         if not ids:
             raise ValueError("AuxCapture needs at least one layer id")
         if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
@@ -46,11 +48,18 @@ class AuxCapture:
     @classmethod
     def from_output_layer_ids(cls, output_layer_ids: Sequence[int]) -> "AuxCapture":
         """Build from TensorRT-LLM style ids ("output of layer j" = input of layer j + 1)."""
-        return cls([int(j) + 1 for j in output_layer_ids])
+        ids = [as_int("output layer id", j) for j in output_layer_ids]
+        if any(j < 0 for j in ids):
+            # TensorRT-LLM's -1 is the model's final hidden state, no layer's input; j + 1 = 0 read the embeddings
+            raise ValueError(f"output layer ids must be non-negative, got {ids}; TensorRT-LLM's -1 (the final "
+                             "hidden state) is not the input of a target layer, which is what AuxCapture records")
+        return cls([j + 1 for j in ids])
 
     def allocate(self, max_tokens: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> "AuxCapture":
-        self._buffer = torch.zeros(max_tokens, len(self.layer_ids) * hidden_size, dtype=dtype, device=device)
+        buffer = torch.zeros(max_tokens, len(self.layer_ids) * hidden_size, dtype=dtype, device=device)
+        self.reset()  # the new buffer holds no step: nothing may read as recorded in it
+        self._buffer = buffer
         return self
 
     def wants(self, layer_id: int) -> bool:

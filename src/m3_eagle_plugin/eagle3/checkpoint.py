@@ -73,9 +73,12 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
     theta = (rope if rope.has("rope_theta") else top).get_float("rope_theta", 10000.0, positive=True)
     aux_key = "eagle_aux_hidden_state_layer_ids"
     aux_fields = flat_or_eagle(aux_key)
-    aux = aux_fields.get_int_list(aux_key, ()) or tuple(default_aux_layer_ids)
+    listed = aux_fields.get_int_list(aux_key, ())
+    aux = listed or tuple(default_aux_layer_ids)
+    # ids the config does not list come from the target's size: the error must not blame the config's ids
+    whose = "aux layer ids" if listed else "not given, and the target's default (2, L//2, L-3) aux layer ids"
     if len(set(aux)) != len(aux):
-        raise aux_fields.error(aux_key, f"aux layer ids {list(aux)} repeat a layer")
+        raise aux_fields.error(aux_key, f"{whose} {list(aux)} repeat a layer")
     # vLLM and SGLang append the aux states while walking the target's layers and TensorRT-LLM sorts its
     # capture ids, so `fc` always sees them in ascending layer order, whatever order the config lists.
     aux = tuple(sorted(aux))
@@ -85,7 +88,7 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
     if target_num_layers is not None:
         bad = [i for i in aux if not 0 <= i < target_num_layers]
         if bad:
-            raise aux_fields.error(aux_key, f"aux layer ids {bad} out of range for a {target_num_layers}-layer target")
+            raise aux_fields.error(aux_key, f"{whose} {bad} out of range for a {target_num_layers}-layer target")
     if len(aux) < 2:  # the head tells its first step (n x hidden wide input) from later ones by width
         raise aux_fields.error(aux_key, f"{len(aux)} aux layer id(s); Eagle3 needs at least 2")
     act = top.need("hidden_act", "silu")

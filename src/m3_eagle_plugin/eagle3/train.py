@@ -16,8 +16,9 @@ loader took from the target (shared, or the lm_head's rows gathered) stays froze
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -118,8 +119,11 @@ def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences:
     return concat_data(rounds)
 
 
-def concat_data(parts: Sequence[DistillData]) -> DistillData:
+def concat_data(parts: Iterable[DistillData]) -> DistillData:
     """Stack `DistillData` sets of equal sequence length (more rows)."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError("no distillation data to concatenate")
     widths = {p.tokens.shape[1] for p in parts}
     if len(widths) != 1:
         raise ValueError(f"cannot concatenate distillation data of different lengths {sorted(widths)}")
@@ -204,6 +208,9 @@ def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_w
         logits, out, kv = dense_head_step(head, input_ids, hidden, prior)
         head_logits, target_logprobs, greedy = _on_draft_vocabulary(draft_ids, logits[mask], soft[mask], labels[mask])
         log_q = head_logits.log_softmax(dim=-1)
+        # A target probability of 0 (log-probability -inf) adds 0 to the KL; kl_div's exp(t) * (t - log q)
+        # reads it as 0 * -inf = NaN, so it is clamped to the lowest finite value, whose term is 0 too.
+        target_logprobs = target_logprobs.clamp(min=torch.finfo(target_logprobs.dtype).min)
         loss = F.kl_div(log_q, target_logprobs, log_target=True, reduction="batchmean")
         counted = greedy >= 0
         if hard_weight and counted.any():
@@ -252,12 +259,21 @@ def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: i
     """AdamW on the head's own weights, those its checkpoint ships (not the embedding or lm_head taken
     from the target, `head.from_target`); returns the loss per step.
 
-    Each step draws `batch_size` rows of `data`; step i runs at `lr * lr_factor(i, steps)` (a linear
-    warm-up to `lr`, then a linear decay toward 0). The head is left in eval mode with gradients off.
+    Each step draws `batch_size` rows of `data` (of those with a position to train: 2 tokens or more);
+    step i runs at `lr * lr_factor(i, steps)` (a linear warm-up to `lr`, then a linear decay toward 0).
+    The head is left in eval mode with gradients off.
     """
     _check_positive(steps=steps, batch_size=batch_size, ttt_steps=ttt_steps)
-    if not lr > 0 or not hard_weight >= 0:
-        raise ValueError(f"lr must be > 0 and hard_weight >= 0, got lr={lr!r}, hard_weight={hard_weight!r}")
+    if not 0 < lr < math.inf or not 0 <= hard_weight < math.inf:  # an infinite one turns every weight NaN
+        raise ValueError(f"lr must be finite and > 0 and hard_weight finite and >= 0, got lr={lr!r}, "
+                         f"hard_weight={hard_weight!r}")
+    # A row shorter than 2 tokens has no position to predict; a batch drawn from such rows alone raised
+    # in `distill_loss` after earlier steps had changed the weights. They are left out of the draw.
+    trainable = (data.lengths >= 2).nonzero().flatten()
+    if trainable.numel() == 0:
+        raise ValueError("distillation data has no position to train: every row is shorter than 2 tokens")
+    if trainable.numel() < data.lengths.shape[0]:
+        data = data.select(trainable)
     shared = {id(p) for name in head.from_target for p in getattr(head, name).parameters()}
     params = [p for p in head.parameters() if id(p) not in shared]
     for p in head.parameters():
