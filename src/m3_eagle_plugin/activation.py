@@ -306,6 +306,7 @@ def activate(mode: str | None = None) -> ActivationReport:
                 raise ActivationError(f"activation failed: {report.reason}") from exc
             host_state = "still partly patched" if isinstance(exc, IncompleteRollbackError) else "left untouched"
             _log_once(f"not activated (auto): {report.reason}; TensorRT-LLM {host_state}", warning=True)
+            _export_mode(mode, resolved)  # a refusal too: a later host import must not decide again
             _last[key] = report
             return report
         finally:
@@ -351,6 +352,8 @@ def status() -> ActivationReport:
         from m3_eagle_plugin.registry import get_plugin_manager
 
         manager = get_plugin_manager()
+        if _active is not None:  # building it imported the host, and that activated (`on_host_imported`)
+            return _active
         report.plugin_errors = [str(error) for error in manager.load_errors]
         report.components = _collect_components(manager, manifest.host.package)
         report.components["reference"] = _collect_components(manager, "reference")
@@ -381,7 +384,9 @@ def on_host_imported(module: Any) -> None:
         install_host_hook()
     except Exception as exc:  # noqa: BLE001 - the config key is sugar; never break the host import
         get_logger().warning(f"could not watch the host's YAML options for the config key: {exc}")
-    activate()
+    registry = sys.modules.get("m3_eagle_plugin.registry")  # not imported yet: no manager is being built
+    if registry is None or not registry.when_built(activate):  # else a plugin it loads imported the host
+        activate()
 
 
 def _reset_for_tests() -> None:

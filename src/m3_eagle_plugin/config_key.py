@@ -127,7 +127,11 @@ def consume_config_key(config: Any, environ: MutableMapping[str, str] | None = N
     stripped, settings = split_config_key(config)
     if settings is None:
         return config
-    apply_settings(settings, os.environ if environ is None else environ)
+    applied = apply_settings(settings, os.environ if environ is None else environ)
+    if environ is None and applied.get(TRACE_ENV) == "1":
+        from m3_eagle_plugin.registry import trace_switched_on
+
+        trace_switched_on()  # a manager built before the key was read (the variable activated) read it unset
     from m3_eagle_plugin.activation import activate
 
     activate()

@@ -359,16 +359,48 @@ def make_plugin_manager(*, autoload: bool = False, strict: bool = False, registe
 
 
 _singleton: M3PluginManager | None = None
-_singleton_lock = threading.Lock()
+_singleton_lock = threading.RLock()
+_building = False
+_when_built: list[Callable[[], Any]] = []
 
 
 def get_plugin_manager(autoload: bool = True) -> M3PluginManager:
     """The process-wide manager, built on first use (with entry points unless `autoload=False`)."""
-    global _singleton
+    global _singleton, _building
     with _singleton_lock:
-        if _singleton is None:
-            _singleton = make_plugin_manager(autoload=autoload)
-        return _singleton
+        if _singleton is not None:
+            return _singleton
+        if _building:
+            raise PluginError("the plugin manager was asked for while it is loading its plugins "
+                              "(from a plugin's import); ask for it after the import")
+        _building = True
+        try:
+            manager = _singleton = make_plugin_manager(autoload=autoload)
+        finally:
+            _building = False
+            pending, _when_built[:] = _when_built[:], []
+    for callback in pending:  # outside the lock: activating takes its own lock, then this one
+        callback()
+    return manager
+
+
+def when_built(callback: Callable[[], Any]) -> bool:
+    """Run `callback` right after the manager this thread is building is built (False, not run: none
+    is being built here). A plugin whose import imports `tensorrt_llm` activates the plugin
+    (`_bootstrap`), which needs the manager still loading that plugin."""
+    with _singleton_lock:  # another thread's build: waited for, then done
+        if not _building:
+            return False
+        _when_built.append(callback)
+        return True
+
+
+def trace_switched_on() -> None:
+    """`$M3_EAGLE_PLUGIN_TRACE` was set to 1 after the process-wide manager was built (the config key,
+    read after the environment activated): that manager traces from now on, as one built now would."""
+    with _singleton_lock:
+        if _singleton is not None:
+            _singleton.enable_trace()
 
 
 def reset_plugin_manager() -> None:

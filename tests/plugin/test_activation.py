@@ -1,6 +1,7 @@
 """Activation modes against a fake `tensorrt_llm` (version from its dist-info METADATA)."""
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -553,3 +554,22 @@ def test_the_host_import_also_watches_the_hosts_yaml_for_the_config_key(fake_hos
 
     assert getattr(llm_args.update_llm_args_with_extra_dict, "_m3_eagle_config_key", False)
     assert fake_install == [1]
+
+
+def test_an_explicit_auto_that_is_refused_is_exported_too(active_env, monkeypatch):
+    """README: `activate(mode)` exports the mode for the workers, and this process's later host import
+    must decide the same (`_export_mode`). A refused `activate("auto")` was not exported: with
+    M3_EAGLE_PLUGIN=require inherited, the bootstrap then raised at `import tensorrt_llm` (and workers
+    would), against the caller's auto."""
+    from m3_eagle_plugin import _bootstrap
+
+    make_host, installs = active_env
+    make_host("1.6.0")  # outside the supported range: auto refuses, require raises
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "require")
+    _bootstrap.main()
+    report = m3_eagle_plugin.activate("auto")
+    assert not report.ok and "outside" in report.reason
+    assert os.environ["M3_EAGLE_PLUGIN"] == "auto"
+    importlib.import_module("tensorrt_llm")  # the bootstrap decides too: the same refusal, not a raise
+
+    assert m3_eagle_plugin.activate() is report and installs == []

@@ -1,6 +1,7 @@
 """The `m3-eagle` dispatcher (`m3_eagle_plugin.cli`): what an interrupted sub-command leaves."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -65,3 +66,32 @@ def _check_the_handler_is_kept(module, seen, capsys) -> None:
     module.main = lambda args: (_ for _ in ()).throw(KeyboardInterrupt)
     assert cli.main(["probe"]) == 130 and capsys.readouterr().err == "m3-eagle probe: interrupted (Ctrl-C / SIGINT)\n"
 
+
+
+PROBE = """import sys, types
+from m3_eagle_plugin import cli
+probe = types.ModuleType("probe")
+probe.add_arguments = lambda parser: None
+probe.main = lambda args: print('{"outputs": [[1, 2, 3]]}') or 0
+sys.modules["probe"] = probe
+cli.COMMANDS["probe"] = ("probe", "probe")
+sys.exit(cli.main(["probe"]))
+"""
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "unbuffered"])
+def test_output_whose_reader_has_gone_is_one_line_and_141(unbuffered):
+    """`m3-eagle run --json | head -c 10`: a reader that closed the pipe gave a BrokenPipeError traceback
+    (exit 1), or with stdout buffered an "Exception ignored" at exit (120)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
+    try:
+        proc = subprocess.run([sys.executable, "-c", PROBE], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              env=env, timeout=60)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
+    assert proc.stderr == "m3-eagle probe: output closed by its reader (broken pipe)\n"

@@ -296,3 +296,29 @@ def test_installing_the_hook_twice_is_undone_by_one_uninstall(fake_host, hermeti
     assert serve.update_llm_args_with_extra_dict is not original
     uninstall_host_hook()
     assert serve.update_llm_args_with_extra_dict is original and llm_args.update_llm_args_with_extra_dict is original
+
+
+def test_trace_from_the_key_traces_the_driver_the_environment_activated(fake_host, fake_install, tmp_path,
+                                                                       monkeypatch, capsys):
+    """M3_EAGLE_PLUGIN=auto exported: the driver activates (and builds its plugin manager) at the host
+    import, before the YAML is read. The key's `trace: true` exported M3_EAGLE_PLUGIN_TRACE=1, so workers
+    traced, but the driver's manager had read the switch already and traced nothing."""
+    from m3_eagle_plugin import activation, registry
+
+    fake_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    import tensorrt_llm.commands.serve as serve
+
+    assert activation.activate().activated
+    install_host_hook()
+    config = tmp_path / "extra.yaml"
+    config.write_text("max_batch_size: 8\nm3_eagle_plugin: {mode: auto, trace: true}\n")
+    assert serve.load_args(config) == {"model": "m", "max_batch_size": 8}
+    assert os.environ["M3_EAGLE_PLUGIN_TRACE"] == "1"
+    capsys.readouterr()
+    registry.get_plugin_manager().attention_metadata("reference")
+    traced = [line for line in capsys.readouterr().err.splitlines() if "hook m3_eagle_attention_metadata" in line]
+    fresh = registry.make_plugin_manager()  # what a process started now (a worker) builds
+    fresh.attention_metadata("reference")
+    expected = [line for line in capsys.readouterr().err.splitlines() if "hook m3_eagle_attention_metadata" in line]
+    assert len(traced) == len(expected) == 2, (traced, expected)

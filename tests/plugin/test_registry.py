@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pluggy
 import pytest
@@ -689,3 +693,63 @@ def test_builtin_reads_the_sparse_algorithm_case_insensitively(manager):
     assert manager.kv_cache_manager("reference", {"algorithm": "MiniMax_M3"}) == "m3_eagle_plugin.kv:PagedKVCache"
     assert manager.kv_cache_manager("reference", SimpleNamespace(algorithm="MINIMAX_M3")) == \
         "m3_eagle_plugin.kv:PagedKVCache"
+
+
+_HOST_IMPORTING_PLUGIN = textwrap.dedent("""
+    import os
+    import sys
+
+    sys.path[:0] = sys.argv[1:3]  # the fake host, the plugin's site
+    os.environ["M3_EAGLE_PLUGIN"] = "auto"
+    from m3_eagle_plugin import _bootstrap, activation, registry
+
+    _bootstrap.main()  # what the .pth line does at interpreter start
+    report = activation.status()  # as `m3-eagle doctor` does: the manager is built here, before any host import
+    assert report is activation.status() and registry.get_plugin_manager().get_plugin("extra") is not None
+    print(report.activated, report.components["attention_metadata"], report.patches)
+    print(report.plugin_errors)
+""")
+
+
+def test_a_plugin_whose_import_imports_the_host_is_loaded_and_the_host_activated(tmp_path):
+    """A third-party plugin module that imports `tensorrt_llm` (to subclass a host class, say), in a process
+    that asks for the manager before the host is imported: the host import activates, and activating asks
+    for the manager still loading that plugin. That call waited forever on the manager's lock (a hang of
+    `m3-eagle doctor`); activation now runs once the manager is built, with the plugin in it. A subprocess:
+    the hang, and the bootstrap's hook, stay out of this interpreter."""
+    import m3_eagle_plugin
+
+    from ._fake_host import write_fake_host
+
+    host = write_fake_host(tmp_path / "host", "1.3.0rc24", install_double=True)
+    site = tmp_path / "site"
+    (site / "host_importing_m3_plugin").mkdir(parents=True)
+    (site / "host_importing_m3_plugin" / "__init__.py").write_text(textwrap.dedent("""
+        import tensorrt_llm  # noqa: F401
+        from m3_eagle_plugin.hooks import hookimpl
+
+        @hookimpl
+        def m3_eagle_attention_metadata(host):
+            return "host_importing_m3_plugin:Meta"
+    """))
+    dist = site / "host_importing_m3_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: host-importing-m3-plugin\nVersion: 1.0\n")
+    (site / "manager_asking_m3_plugin.py").write_text(
+        "from m3_eagle_plugin.registry import get_plugin_manager\n\nget_plugin_manager()\n")
+    (dist / "entry_points.txt").write_text(
+        "[m3_eagle_plugin]\nextra = host_importing_m3_plugin\nasks = manager_asking_m3_plugin\n")
+    script = tmp_path / "run.py"
+    script.write_text(_HOST_IMPORTING_PLUGIN)
+    env = {**os.environ, "M3_EAGLE_PLUGIN": "off", "PYTHONPATH": str(Path(m3_eagle_plugin.__file__).parents[1])}
+    env.pop("M3_EAGLE_PLUGIN_LOAD", None)
+    try:
+        out = subprocess.run([sys.executable, str(script), str(host), str(site)], env=env, capture_output=True,
+                             text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("get_plugin_manager() deadlocked: the host import activated while the manager loaded plugins")
+    assert out.returncode == 0, out.stderr[-3000:]
+    activated, errors = out.stdout.splitlines()[:2]
+    assert activated == "True host_importing_m3_plugin:Meta ['fake-patch']", out.stdout + out.stderr
+    # a plugin that asks for the manager from its import (it waited forever too) fails to load, named
+    assert "plugin 'asks'" in errors and "while it is loading its plugins" in errors, errors
