@@ -138,6 +138,8 @@ def collect(host_source: str | None = None) -> dict[str, Any]:
         table_error = _override_table_error()
         if table_error is not None:  # the report stopped before the table: name it all the same
             data["kernel_backend"]["kernel_table"] = {"error": table_error}
+    if "error" in data["kernel_backend"]:
+        data["ok"] = False  # a forced backend that cannot run here: `m3-eagle run` and every kernel call refuse it
     if "error" in (data["kernel_backend"].get("kernel_table") or {}):
         data["ok"] = False  # a broken M3_EAGLE_KERNEL_TABLE would raise at the first eligible call
     if host_source is not None:

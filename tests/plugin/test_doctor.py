@@ -1,11 +1,14 @@
 """`m3-eagle doctor`: table and JSON output, optional kernel report and host-source check."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
+import torch
 
 from m3_eagle_plugin import cli, doctor
+from m3_eagle_plugin.msa.kernels.backend import check_backend
 
 
 def test_json_without_host(clean_state, capsys):
@@ -94,6 +97,21 @@ def test_a_bad_kernel_setting_fails_the_doctor(clean_state, capsys, monkeypatch)
     assert cli.main(["doctor", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is False and "M3_EAGLE_KERNELS must be" in data["kernel_backend"]["unavailable"]
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param("triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="Triton runs on this GPU")),
+    pytest.param("flashinfer", marks=pytest.mark.skipif(
+        importlib.util.find_spec("flashinfer") is not None, reason="FlashInfer is installed")),
+])
+def test_a_forced_kernel_backend_that_cannot_run_here_fails_the_doctor(clean_state, capsys, monkeypatch, mode):
+    """`m3-eagle run` refuses it (`check_backend`), so the doctor must not say ok."""
+    monkeypatch.setenv("M3_EAGLE_KERNELS", mode)
+    assert cli.main(["doctor", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and f"M3_EAGLE_KERNELS={mode} but" in data["kernel_backend"]["error"]
+    with pytest.raises(Exception, match=f"M3_EAGLE_KERNELS={mode} but"):
+        check_backend("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("name", ["M3_EAGLE_HANDOFF", "M3_EAGLE_PDL", "M3_EAGLE_REPLAY"])
