@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -176,3 +177,23 @@ def test_float8_checkpoint_with_scale_tensors_is_refused_as_quantized(tiny_dir, 
     path = _rewrite(tiny_dir / "target", tmp_path / "ckpt", edit)
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' is stored as F8_E4M3; .*quantized checkpoints are not"):
         load_target(path)
+
+
+# ---- adversarial review: inputs refused naming another cause ----
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_file_of_the_checkpoint_is_refused_naming_the_directory_it_needs(tiny_dir, name):
+    """`load_target` reads config.json and the weights from one directory: given one of its files, it
+    used to read the weights as JSON ("not valid JSON") or config.json as safetensors."""
+    path = tiny_dir / "target" / name
+    want = "^" + re.escape(str(path)) + r": load_target takes the checkpoint directory"
+    with pytest.raises(CheckpointError, match=want):
+        load_target(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float8_e4m3fn, torch.complex64])
+def test_a_weight_dtype_that_cannot_run_the_model_is_refused_naming_it(tiny_dir, dtype):
+    """Integer and bool weights failed deep in load_state_dict; float8 and complex ones loaded and failed in
+    the forward ("add_stub" / "clamp" not implemented)."""
+    with pytest.raises(ValueError, match=rf"^dtype must be a floating dtype of 16 bits or more .*got {dtype}$"):
+        load_target(tiny_dir / "target", dtype=dtype)

@@ -189,6 +189,11 @@ def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> MiniMaxM3ForCausalLM:
     """Build `MiniMaxM3ForCausalLM` from a checkpoint directory (config.json + safetensors)."""
+    if Path(path).is_file():  # each reader would take it as its own file: weights read as JSON, or the reverse
+        raise CheckpointError(f"{path}: load_target takes the checkpoint directory (config.json and the "
+                              "safetensors files), not one of its files")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
+        raise ValueError(f"dtype must be a floating dtype of 16 bits or more for the weights, got {dtype}")
     config = M3Config.from_file(path)
     source = SafetensorsSource(path)
     with torch.device("meta"):
