@@ -3,13 +3,15 @@
 Every sub-command module exposes `add_arguments(parser)` and `main(args) -> int`; this file only
 wires them, so `m3-eagle --help` stays cheap (the modules are imported on use). An interrupt (Ctrl-C,
 SIGTERM) ends a sub-command with one line on stderr and exit status 130 / 143, after its `finally`
-blocks ran (make-tiny removes its scratch folder there), not with a traceback.
+blocks ran (make-tiny removes its scratch folder there), not with a traceback; so does output whose
+reader has gone (`m3-eagle run --json | head -c 100`), with 141 as for SIGPIPE.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -54,13 +56,34 @@ def run_command(name: str, argv: list[str]) -> int:
             module = importlib.import_module(COMMANDS[name][0])
             parser = argparse.ArgumentParser(prog=f"m3-eagle {name}", description=COMMANDS[name][1])
             module.add_arguments(parser)
-            return int(module.main(parser.parse_args(argv)) or 0)
+            status = int(module.main(parser.parse_args(argv)) or 0)
+            if sys.stdout is not None:  # None: started with stdout closed (`>&-`)
+                sys.stdout.flush()  # here, not at exit, where a closed reader is an "Exception ignored" and 120
+            return status
     except KeyboardInterrupt:
         print(f"m3-eagle {name}: interrupted (Ctrl-C / SIGINT)", file=sys.stderr)
         return 128 + signal.SIGINT
     except Terminated:
         print(f"m3-eagle {name}: terminated (SIGTERM)", file=sys.stderr)
         return 128 + signal.SIGTERM
+    except BrokenPipeError:
+        _discard_stdout()
+        with contextlib.suppress(OSError):  # stderr may be the closed pipe too
+            print(f"m3-eagle {name}: output closed by its reader (broken pipe)", file=sys.stderr)
+        return 128 + signal.SIGPIPE
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for the closed pipe would fail again when
+    Python flushes it at exit."""
+    if sys.stdout is None:
+        return
+    with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor (captured)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
 
 
 def build_parser() -> argparse.ArgumentParser:

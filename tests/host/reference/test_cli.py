@@ -257,6 +257,9 @@ def test_swapped_target_and_draft_directories_are_named_as_such(tiny_pair, capsy
     ("--temperature", "inf", "--temperature must be a finite number >= 0, got inf"),  # was accepted
     ("--temperature", "nan", "--temperature must be a finite number >= 0, got nan"),
     ("--top-p", "0", "--top-p must be in (0, 1], got 0.0"),
+    ("--force-accepted", "-1", "--force-accepted must be >= 0, got -1"),  # was named as the engine's field
+    ("--force-accepted", "-0.5", "--force-accepted must be >= 0, got -0.5"),
+    ("--eos-ids", "3,-2", "--eos-ids must be >= 0, got -2"),
 ])
 def test_out_of_range_numbers_are_refused_naming_the_option(tiny_pair, capsys, option, value, message):
     rc, out, err = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", "1,2", "--max-new-tokens", "2",
@@ -296,3 +299,15 @@ def test_a_run_stopped_part_way_still_prints_the_requests_that_had_finished(tiny
     assert report["errors"] == [None, "engine stopped before the request finished"]
     assert report["kv_blocks_free_after"] == report["kv_blocks"]
     assert "the outputs above are the requests that had finished" in err
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["text", "json"])
+def test_a_run_started_with_stdout_closed_ends_as_print_would(tiny_pair, capsys, monkeypatch, json_flag):
+    """`m3-eagle run ... >&-`: Python starts with sys.stdout None, where print() writes nothing; the run
+    generated everything, then failed writing its report (AttributeError traceback, exit 1)."""
+    target, draft = tiny_pair
+    monkeypatch.setattr("sys.stdout", None)
+    rc = main(["run", "--model", str(target), "--draft", str(draft), "--prompt-ids", "1,2", "--max-new-tokens", "2",
+               *json_flag])
+    assert rc == 0
+    assert capsys.readouterr().err == ""

@@ -198,7 +198,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     its fields: "max_batch_size must be >= 1")."""
     minimums = (("--draft-len", args.draft_len, 0), ("--max-new-tokens", args.max_new_tokens, 1),
                 ("--max-batch-size", args.max_batch_size, 1), ("--max-tokens-per-step", args.max_tokens_per_step, 1),
-                ("--kv-blocks", args.kv_blocks, 1), ("--top-k", args.top_k, 0))
+                ("--kv-blocks", args.kv_blocks, 1), ("--top-k", args.top_k, 0),
+                ("--force-accepted", args.force_accepted, 0))
     for option, value, least in minimums:
         if value is not None and value < least:
             raise ValueError(f"{option} must be >= {least}, got {value}")
@@ -230,6 +231,8 @@ def main(args: argparse.Namespace) -> int:
         _check_numbers(args)
         prompts, parse_errors = read_prompts(args)
         eos_ids = tuple(_parse_ids(args.eos_ids, "--eos-ids"))
+        if any(token < 0 for token in eos_ids):
+            raise ValueError(f"--eos-ids must be >= 0, got {min(eos_ids)}")
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         config = EngineConfig(
             draft_len=args.draft_len, max_batch_size=args.max_batch_size,
@@ -289,6 +292,8 @@ def _write_report(result, parse_errors: list, num_blocks: int, engine, args) -> 
     report = result.as_dict()
     report["kv_blocks"] = int(num_blocks)
     report["kv_blocks_free_after"] = int(engine.cache.num_free_blocks)
+    if sys.stdout is None:  # started with stdout closed (`>&-`): nothing to write to, as for print()
+        return
     if args.json:
         json.dump(report, sys.stdout)
         sys.stdout.write("\n")
