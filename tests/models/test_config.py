@@ -82,6 +82,25 @@ def test_no_config_file(tmp_path):
         M3Config.from_file(tmp_path)
 
 
+def test_a_directory_named_config_json_is_not_called_missing(tmp_path):
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ConfigError, match=r"config\.json is not a file"):
+        M3Config.from_file(tmp_path)
+
+
+def test_another_models_config_names_its_model_type():
+    """A Llama config as transformers writes it: the missing M3 field alone would not say why."""
+    transformers = pytest.importorskip("transformers")
+    raw = transformers.LlamaConfig(num_hidden_layers=2).to_dict()
+    with pytest.raises(ConfigError, match="model_type 'llama': is this a MiniMax-M3 checkpoint"):
+        M3Config.from_dict(raw, "x.json")
+    raw = target_config()
+    del raw["text_config"]["vocab_size"]  # an M3 config missing a field gets no such hint
+    with pytest.raises(ConfigError) as plain:
+        M3Config.from_dict(raw, "x.json")
+    assert "model_type" not in str(plain.value)
+
+
 @pytest.mark.parametrize("patch,match", [
     ({"num_key_value_heads": 3}, "multiple"),
     ({"scoring_func": "softmax"}, "scoring_func"),

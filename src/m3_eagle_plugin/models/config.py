@@ -101,7 +101,16 @@ class M3Config:
     def from_dict(cls, raw: Mapping[str, Any], source: str = "<dict>") -> "M3Config":
         top = ConfigFields(raw, source)
         text = top.get_section("text_config") or top
-        config = _parse(text)
+        try:
+            config = _parse(text)
+        except ConfigError as error:
+            # the text config may be tagged minimax_m2 and transformers reads no model_type here, so it
+            # is not checked up front; but a missing M3 field in another model's config names the cause
+            kind = next((str(c.get("model_type")) for c in (raw, raw.get("text_config")) if isinstance(c, Mapping)
+                         and c.get("model_type") is not None), None)
+            if kind is None or "minimax" in kind.lower():
+                raise
+            raise ConfigError(f"{error} (model_type {kind!r}: is this a MiniMax-M3 checkpoint?)") from None
         # the VL wrapper ties lm_head to the embedding when its own flag or the text config's is true
         if text is not top and top.get_bool("tie_word_embeddings", False):
             config = replace(config, tie_word_embeddings=True)
@@ -113,6 +122,8 @@ class M3Config:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{path} is not a file")
         if not path.is_file():
             raise ConfigError(f"no config.json at {path}")
         return cls.from_dict(read_json_object(path), source=str(path))
