@@ -419,6 +419,31 @@ def test_an_import_interrupted_while_copying_its_pages_gives_the_budget_back(tin
     assert engine.cache.num_tokens(import_handoff(engine, handoffs[0]).rid) == handoffs[0].kv_len
 
 
+def test_an_import_that_fails_making_its_pending_inputs_leaves_no_request_behind(tiny_pair, handoffs, monkeypatch):
+    """The pending inputs' device tensor was made after the pages landed: a failure there (Ctrl-C, a
+    device error) left the pages, the budget and the id held by a request nobody got back, and the
+    same handoff was then refused as already live."""
+    import torch
+
+    from m3_eagle_plugin.parallel.disagg import import_handoff
+
+    engine = _engine(tiny_pair, blocks_for_prompts(DISAGG_PROMPTS[:1], DISAGG_NEW, DISAGG_K, 4))
+    make = torch.tensor
+
+    def interrupted(data, *args, **kwargs):
+        if data is handoffs[0].pending_inputs:
+            raise KeyboardInterrupt
+        return make(data, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "tensor", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            import_handoff(engine, handoffs[0])
+    assert _is_clean(engine)
+    request = import_handoff(engine, handoffs[0])
+    assert request.pending_inputs.tolist() == handoffs[0].pending_inputs
+
+
 def test_requests_given_as_a_generator_run_to_the_aggregated_output(tiny_pair, handoffs):
     """The checks iterated a generator to its end, so the step loop saw no request: the call
     returned no output and left both requests live, holding their pages and budget."""

@@ -233,3 +233,18 @@ def test_a_draft_shard_keeps_what_came_from_the_target(full_model, tiny_pair):
     head = load_draft(tiny_pair[1], full_model, dtype=torch.float32)
     head.from_target = ("embed_tokens",)  # as for a checkpoint that ships its own lm_head
     assert shard_draft_head(head, 0, 1).from_target == ("embed_tokens",)
+
+
+@pytest.mark.parametrize("rank, tp_size, cause", [(1.0, TP, "rank must be an int, got float"),
+                                                  (True, TP, "rank must be an int, got bool"),
+                                                  (1, 2.0, "tp_size must be an int, got float")])
+def test_a_rank_or_size_that_is_not_an_int_is_refused_by_name(full_model, monkeypatch, rank, tp_size, cause):
+    """A float rank reached `narrow` (torch's argument error, naming neither), a bool one was cut as
+    rank 1, while the rest of the package refuses both by name (`_ints.as_int`)."""
+    full = {"layers.0.self_attn.q_proj.weight": torch.arange(8.0).view(4, 2)}
+    shapes = {"layers.0.self_attn.q_proj.weight": torch.Size([2, 2])}
+    with pytest.raises(TypeError, match=cause):
+        shard_state_dict(full, shapes, rank, tp_size)
+    _fake_group(monkeypatch, TP, 1)  # the group agrees with the value, as 1.0 == 1 and True == 1
+    with pytest.raises(TypeError, match=cause):
+        shard_target(full_model, rank, tp_size)

@@ -133,6 +133,21 @@ def test_a_fingerprint_with_the_same_fields_written_another_way_is_refused_namin
     assert "the same fields" in str(info.value), str(info.value)
 
 
+def test_a_fingerprint_nested_past_the_json_parsers_depth_is_refused_as_not_a_fingerprint():
+    """A fingerprint of the allowed size can nest arrays deeper than `json.loads` goes: its
+    RecursionError escaped the comparison, so the receiver raised it instead of a TransferError,
+    and the sender was told only 'maximum recursion depth exceeded'."""
+    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.parallel.transfer import MAX_FINGERPRINT_BYTES, PayloadHeader, TransferError
+
+    cache = PagedKVCache.for_minimax_m3(2, [1], 2, 8, 4, 4, 8, dtype=torch.float32)
+    nested = "[" * 5000
+    assert len(nested) <= MAX_FINGERPRINT_BYTES
+    shapes = tuple((0, p.sub_pages, p.page_bytes) for p in cache.geometry.pools)
+    with pytest.raises(TransferError, match=r"its form: '\[\[\[.* is not a cache fingerprint"):
+        PayloadHeader(nested, 0, shapes).check_fits(cache, "here")
+
+
 def test_page_checksums_are_the_crc32_of_every_page_pool_by_pool():
     """Reference: zlib.crc32 of each page's bytes, taken from a plain Python bytes copy."""
     import zlib
@@ -521,3 +536,28 @@ def test_a_receiver_cut_off_before_its_verdict_puts_the_stream_out_of_sync(monke
         t.recv_pages([torch.zeros(1, 2, 4, dtype=torch.uint8)], 0, group, "KV payload")
     assert sent == []  # no verdict
     assert _out_of_sync(t, 0, group)
+
+
+def test_a_sender_cut_off_while_waiting_for_its_verdict_puts_the_stream_out_of_sync(monkeypatch):
+    """Ctrl-C while a header's sender waits for the verdict: the receiver answers and then waits for
+    that header's pages, so whatever this side sends next would be read as them. The stream must be
+    refused by name from then on (the module docstring: an exchange cut off part-way on this side);
+    a refusal, by contrast, leaves it in step."""
+    from m3_eagle_plugin.parallel import transfer as t
+    from m3_eagle_plugin.parallel.disagg import HandoffError
+
+    payload = KVTransferPayload('{"block_size":4}', 5, (torch.zeros(2, 3, 8, dtype=torch.uint8),))
+    group = _Group()
+    sent = _recording_wire(monkeypatch, [KeyboardInterrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        send_payload(payload, 1, group)
+    assert len(sent) == 2 and sent[0][:3] == [DOC_MAGIC, DOC_VERSION, 2]  # the header frame, no page
+    assert _out_of_sync(t, 1, group)
+
+    group = _Group()  # a refusal of the sender's own error type: still in step
+    reason = list(b"no room")
+    _recording_wire(monkeypatch, [torch.tensor([DOC_MAGIC, DOC_VERSION, 4, len(reason)]),
+                                  torch.tensor(reason + [-DOC_MAGIC])])
+    with pytest.raises(HandoffError, match="rank 1 refused the handoff: no room"):
+        t.send_header(t.KIND_HANDOFF, [1, 2], 1, group, "handoff", error=HandoffError)
+    assert not _out_of_sync(t, 1, group)

@@ -250,6 +250,8 @@ def import_handoff(engine: Engine, handoff: ContextHandoff) -> Request:
 
 
 def _import(engine: Engine, handoff: ContextHandoff) -> Request:
+    # made first: failing after the pages landed (a device error, Ctrl-C), it left them and the budget held
+    pending = torch.tensor(handoff.pending_inputs, dtype=torch.long, device=engine.device)
     request = engine.adopt(_request(handoff, engine.config.eos_ids))
     if not engine.scheduler.admit(request):
         raise HandoffError(_no_budget(handoff))
@@ -262,7 +264,7 @@ def _import(engine: Engine, handoff: ContextHandoff) -> Request:
     request.num_prefilled = len(request.prompt)
     request.kv_len = handoff.kv_len
     request.output = list(handoff.output)
-    request.pending_inputs = torch.tensor(handoff.pending_inputs, dtype=torch.long, device=engine.device)
+    request.pending_inputs = pending
     request.pending_draft_len = handoff.pending_draft_len
     return request
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from m3_eagle_plugin._ints import as_int
 from m3_eagle_plugin.eagle3.head import Eagle3Head
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.parallel.sharding import ShardingError, rank_config, shard_width
@@ -74,8 +75,7 @@ def shard_state_dict(full: dict[str, torch.Tensor], shard_shapes: dict[str, torc
     """Cut ``full`` to ``shard_shapes`` (a rank model's state-dict shapes). A cut tensor owns its
     memory (just this rank's slice); an unsplit one is passed through (shares ``full``'s storage,
     or is a contiguous copy of a non-contiguous one)."""
-    if not 0 <= rank < tp_size:
-        raise ValueError(f"rank {rank} is outside [0, {tp_size})")
+    rank, tp_size = _check_rank(rank, tp_size)
     missing = sorted(set(shard_shapes) - set(full))
     if missing:
         raise ShardingError(f"the full state dict lacks {missing[:5]}")
@@ -112,15 +112,23 @@ def attach_all_reduce(model: MiniMaxM3ForCausalLM | Eagle3Head,
     return handles
 
 
-def _check_group(rank: int, tp_size: int, group: dist.ProcessGroup | None) -> None:
+def _check_rank(rank: int, tp_size: int) -> tuple[int, int]:
+    """Both as ints (a float rank failed inside ``narrow``, a bool one cut as rank 1), rank in range."""
+    rank, tp_size = as_int("rank", rank), as_int("tp_size", tp_size)
     if not 0 <= rank < tp_size:
         raise ValueError(f"rank {rank} is outside [0, {tp_size})")
+    return rank, tp_size
+
+
+def _check_group(rank: int, tp_size: int, group: dist.ProcessGroup | None) -> tuple[int, int]:
+    rank, tp_size = _check_rank(rank, tp_size)
     if tp_size > 1:
         if not dist.is_initialized():
             raise RuntimeError("tensor-parallel sharding needs an initialised torch.distributed process group")
         if dist.get_world_size(group) != tp_size or dist.get_rank(group) != rank:
             raise ShardingError(f"process group rank {dist.get_rank(group)} of {dist.get_world_size(group)} "
                                 f"does not match rank {rank} of tp_size {tp_size}")
+    return rank, tp_size
 
 
 def _cut_copy(source: nn.Module, build: Callable[[], nn.Module], rank: int, tp_size: int) -> nn.Module:
@@ -150,7 +158,7 @@ def shard_target(model: MiniMaxM3ForCausalLM, rank: int, tp_size: int, *,
     """
     if not isinstance(model, MiniMaxM3ForCausalLM):
         raise TypeError(f"model must be a MiniMaxM3ForCausalLM, got {type(model).__name__}")
-    _check_group(rank, tp_size, group)
+    rank, tp_size = _check_group(rank, tp_size, group)
     config = rank_config(model.config, tp_size)
     shard = _cut_copy(model, lambda: MiniMaxM3ForCausalLM(config), rank, tp_size)
     for layer, source in zip(shard.layers, model.layers):
@@ -171,7 +179,7 @@ def shard_draft_head(head: Eagle3Head, rank: int, tp_size: int, *,
     """
     if not isinstance(head, Eagle3Head):
         raise TypeError(f"head must be an Eagle3Head, got {type(head).__name__}")
-    _check_group(rank, tp_size, group)
+    rank, tp_size = _check_group(rank, tp_size, group)
     cfg = head.config
     config = dataclasses.replace(
         cfg, num_heads=shard_width("draft num_attention_heads", cfg.num_heads, tp_size),

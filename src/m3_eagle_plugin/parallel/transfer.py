@@ -109,12 +109,13 @@ def _check_in_sync(group: dist.ProcessGroup | None, peer: int) -> None:
 
 
 @contextlib.contextmanager
-def _whole(group: dist.ProcessGroup | None, peer: int, what: str):
+def _whole(group: dist.ProcessGroup | None, peer: int, what: str, keep: type[Exception] = TransferError):
     """Messages that travel together: cut off between them (Ctrl-C, an error off the wire), the
-    peer's position in the stream is unknown, so the stream is marked out of sync."""
+    peer's position in the stream is unknown, so the stream is marked out of sync. ``keep``: errors
+    raised in step (a `TransferError` marks the stream itself where it must)."""
     try:
         yield
-    except TransferError:
+    except (TransferError, keep):
         raise
     except BaseException as error:
         _lose_sync(group, peer, f"{what} was cut off part-way ({type(error).__name__})")
@@ -228,7 +229,9 @@ def send_header(kind: int, values: list[int], dst: int, group, what: str,
     """Send a header frame and wait for the receiver's verdict; a refusal raises ``error`` with the
     receiver's reason (nothing else was sent, so the stream is still in step)."""
     _send_frame(kind, values, dst, group)
-    _await_verdict(dst, group, what, error)
+    # the receiver answers, then waits for this header's pages: cut off here, the next send would be read as them
+    with _whole(group, dst, f"waiting for the verdict on the {what}", keep=error):
+        _await_verdict(dst, group, what, error)
 
 
 def _await_verdict(dst: int, group, what: str, error: type[Exception]) -> None:
@@ -386,7 +389,7 @@ class PayloadHeader:
 def _fingerprint_difference(got: str, expected: str) -> str:
     try:
         a, b = json.loads(got), json.loads(expected)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the parser goes
         return f"its form: {got[:80]!r} is not a cache fingerprint"
     if not isinstance(a, dict):
         return f"its form: {got[:80]!r} is not a cache fingerprint"
