@@ -585,3 +585,37 @@ def test_a_step_is_staged_decode_only_exactly_when_it_has_no_prompt_chunk():
     assert result.outputs == [target.greedy(p, 7) for p in PROMPTS]
     assert all(verify_only == flag for verify_only, flag in seen), seen
     assert {verify_only for verify_only, _ in seen} == {False, True}
+
+
+def test_a_request_left_waiting_by_budget_held_outside_the_call_fails_naming_it():
+    """A prefilled request awaiting export holds 9 of 12 blocks. A prompt needing 5 could never be
+    admitted during `generate`, and held back (first come, first admitted) one needing 3 that fits:
+    both failed as "engine stopped before the request finished". Now the first fails alone naming the
+    held budget, the second runs, progress ends at the total, and the held request is untouched."""
+    from m3_eagle_plugin.parallel.disagg import export_handoff, run_context_phase
+
+    engine, target, cache = build(draft_len=1, num_blocks=12)
+    held, = run_context_phase(engine, [[1, 2, 3, 4, 5, 6, 7, 8]], 20, first_index=100)
+    pages = cache.pages(100)
+    long, short = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2], [7]
+    seen = []
+    result = engine.generate([long, short], 3, progress=lambda done, total: seen.append((done, total)))
+    assert result.outputs == [[], target.greedy(short, 3)] and result.stop_reasons == [None, "length"]
+    assert "never admitted: it needs 5 KV blocks" in result.errors[0] and "9 of the cache's 12" in result.errors[0]
+    assert result.errors[1] is None and seen[-1] == (2, 2)
+    assert cache.pages(100) == pages and export_handoff(engine, held).kv_len == 8
+    assert cache.num_free_blocks == cache.num_blocks and engine.scheduler.admitted_blocks == 0
+
+
+def test_a_generate_result_keeps_its_statistics_when_a_disaggregation_phase_runs_after_it():
+    """The context phase adds its steps and tokens to the engine's running statistics; a `generate`
+    result held that very object, so its counts grew after it returned (3 steps and 6 tokens read 4 and 7)."""
+    from m3_eagle_plugin.parallel.disagg import run_context_phase
+
+    engine, target, cache = build(draft_len=2)
+    result = engine.generate([[1, 2, 3]], 6)
+    before = result.stats.as_dict()
+    assert before["generated_tokens"] == 6
+    run_context_phase(engine, [[4, 5, 6, 7]], 6, first_index=10)
+    assert engine.stats.generated_tokens == 7  # the engine's own count did go on
+    assert result.stats.as_dict() == before

@@ -352,7 +352,7 @@ def test_prompts_that_are_not_iterable_are_refused_naming_the_argument():
     done = engine.generate(PROMPTS[:1], max_new_tokens=NEW).stats
     with pytest.raises(TypeError, match="prompts must be a list of prompts"):
         engine.generate(None, max_new_tokens=NEW)
-    assert engine.stats is done  # a refused call changes nothing, the last call's stats included
+    assert engine.stats == done  # a refused call changes nothing, the last call's stats included
     assert_clean_and_reusable(engine, target, cache)
 
 

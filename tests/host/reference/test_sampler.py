@@ -114,3 +114,14 @@ def test_nearby_seeds_do_not_alias_other_requests_streams():
         for other in ((s - 1, i + 1), (s + 1, i - 1)):
             if other in draws:
                 assert not torch.equal(values, draws[other]), ((s, i), other)
+
+
+def test_numpy_integer_parameters_are_the_ints_they_hold():
+    """A numpy seed passed the type check, then its seed arithmetic overflowed int64 (OverflowError
+    at the first sampled request); it must draw exactly what the same Python int draws."""
+    np = pytest.importorskip("numpy")
+    for seed in (3, 2**62):
+        params = SamplingParams(temperature=1.0, top_k=np.int64(2), seed=np.int64(seed))
+        assert params == SamplingParams(temperature=1.0, top_k=2, seed=seed)
+        assert torch.equal(torch.rand(4, generator=request_generator(params.seed, 5, "cpu")),
+                           torch.rand(4, generator=request_generator(seed, 5, "cpu")))

@@ -97,3 +97,15 @@ def test_short_proposals_count_only_the_drafts_proposed():
     assert (stats.verify_steps, stats.draft_tokens, stats.accepted_tokens) == (4, 4, 4)
     assert stats.proposed_at == [4, 0, 0] and stats.accepted_at == [4, 0, 0]
     assert stats.acceptance_rate == 1.0 and stats.mean_acceptance_length == 2.0
+
+
+def test_a_run_without_verify_steps_reports_every_position_as_unmeasured():
+    """Every request ended on its first token: no verify step proposed any position, so each of the
+    draft_len entries is None (the list was empty, one entry per position short)."""
+    target = _fakes.FakeTarget()
+    engine = Engine(target, _fakes.make_cache(), EngineConfig(draft_len=3), vocab_size=_fakes.VOCAB,
+                    head=_fakes.FakeHead(target.table), capture=_fakes.fake_capture())
+    result = engine.generate([[1, 2], [3]], max_new_tokens=1)
+    assert result.outputs == [target.greedy([1, 2], 1), target.greedy([3], 1)]
+    assert result.stats.verify_steps == 0
+    assert result.as_dict()["per_position_acceptance"] == [None, None, None]

@@ -10,6 +10,7 @@ host-side proposers need committed tokens, so they turn overlap off.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -266,13 +267,14 @@ class Engine:
             self.finish(request)
 
     def result(self, requests: Sequence[Request]) -> GenerationResult:
-        """``requests`` with this engine's statistics: the tokens of each FINISHED request; [] for the
-        others, whose ``errors`` entry says why."""
+        """``requests`` with a copy of this engine's statistics (the disaggregation phases keep adding
+        to the live ones after a `generate`): the tokens of each FINISHED request; [] for the others,
+        whose ``errors`` entry says why."""
         return GenerationResult(
             outputs=[list(r.output) if r.state is RequestState.FINISHED else [] for r in requests],
             errors=[r.error for r in requests],
             stop_reasons=[r.stop_reason for r in requests],
-            stats=self.stats, overlap=self.overlap, forced_acceptance=self.config.force_accepted,
+            stats=copy.deepcopy(self.stats), overlap=self.overlap, forced_acceptance=self.config.force_accepted,
             draft_source=self.draft_source,
         )
 
@@ -314,6 +316,10 @@ class Engine:
             while True:
                 rows = self.scheduler.schedule(requests)
                 if not rows and inflight is None:
+                    if self._fail_unadmitted(requests):
+                        if progress is not None:
+                            progress(sum(r.done for r in requests), len(requests))
+                        continue  # the ones it held back (first come, first admitted) may fit
                     break
                 launched = None
                 if rows:
@@ -339,6 +345,21 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self.stats.elapsed_s = time.perf_counter() - started
         return self.result(requests)
+
+    def _fail_unadmitted(self, requests: Sequence[Request]) -> bool:
+        """With nothing left to run, fail the first waiting request, naming the cause, and say
+        whether there was one. Each request fits alone (`make_request` checked), so the budget it
+        cannot get is held by live requests outside this call (a context phase's not yet exported,
+        imported handoffs not yet continued), which no step of this call gives back."""
+        for request in requests:
+            if request.state is RequestState.WAITING:
+                request.fail(f"request {request.index}: never admitted: it needs "
+                             f"{self.scheduler.blocks_needed(request)} KV blocks, but "
+                             f"{self.scheduler.admitted_blocks} of the cache's {self.scheduler.total_blocks} stay "
+                             f"reserved by live requests outside this call (context-phase or imported handoffs)")
+                self.finish(request)
+                return True
+        return False
 
     def _commit_noted(self, out: StepOutput, requests: list[Request], progress) -> None:
         """`commit`, with a step's exception noted by the step and its requests."""

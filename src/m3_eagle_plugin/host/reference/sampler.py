@@ -34,6 +34,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, kind):
                 what = "a number" if kind is numbers.Real else "an int"
                 raise ValueError(f"{name} must be {what}, got {value!r}")
+            if kind is numbers.Integral:  # a numpy seed wraps (or overflows) in the generator's seed arithmetic
+                object.__setattr__(self, name, int(value))
         if not 0.0 <= self.temperature < math.inf:  # inf: logits / inf is 0 or NaN (a masked -inf logit)
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -56,6 +56,8 @@ class SpecStats:
 
     @property
     def per_position_acceptance(self) -> list[float | None]:
+        if not self.proposed_at:  # no verify step yet: still one entry per position, none measured
+            return [None] * self.draft_len
         return [a / p if p else None for a, p in zip(self.accepted_at, self.proposed_at)]
 
     @property
