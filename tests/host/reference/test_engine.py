@@ -401,6 +401,8 @@ def test_force_accepted_may_equal_the_draft_length():
     assert len(result.outputs[0]) == 9
     with pytest.raises(ValueError, match="exceeds the draft length"):
         build(draft_len=2, force_accepted=3)
+    with pytest.raises(ValueError, match="needs drafts, but nothing drafts here"):  # K=3 configured, no head
+        build(draft_len=3, head=False, force_accepted=2)
 
 
 def _accepted_per_request(engine):

@@ -25,7 +25,7 @@ def test_reference_examples():
 
 def test_a_tiny_temperature_tends_to_greedy_without_nans():
     logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [0.5, 0.25, 0.0, float("-inf")]])
-    for temperature in (1e-39, 1e-30, 1e-6):
+    for temperature in (1e-300, 1e-46, 1e-39, 1e-30, 1e-6):  # 1e-46 and below round to 0 in fp32
         probs = filtered_probs(logits, SamplingParams(temperature=temperature))
         torch.testing.assert_close(probs, torch.tensor([[0.0, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]]))
 

@@ -95,6 +95,9 @@ def check_engine_settings(config: EngineConfig, *, vocab_size: int, draft_len: i
         raise ValueError(f"eos_ids {outside} are outside the vocabulary [0, {vocab_size}): no generated token "
                          "could ever end a request with them")
     if config.force_accepted is not None and forced_ratio(config.force_accepted) > draft_len:
+        if config.draft_len and not draft_len:  # the configured K is not the cause
+            raise ValueError(f"force_accepted ({config.force_accepted}) needs drafts, but nothing drafts here: "
+                             "no Eagle3 head, proposer or drafter plugin")
         raise ValueError(f"force_accepted ({config.force_accepted}) exceeds the draft length ({draft_len})")
     Scheduler.check_limits(max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
                            draft_len=draft_len)
