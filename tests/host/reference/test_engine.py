@@ -621,3 +621,18 @@ def test_a_generate_result_keeps_its_statistics_when_a_disaggregation_phase_runs
     run_context_phase(engine, [[4, 5, 6, 7]], 6, first_index=10)
     assert engine.stats.generated_tokens == 7  # the engine's own count did go on
     assert result.stats.as_dict() == before
+
+
+def test_generate_over_an_id_a_context_phase_still_holds_is_refused_naming_the_holder():
+    """`generate` numbers its requests from 0; a prefilled request 1 awaiting export holds that id.
+    The call is refused (the allocator's bare "request 1 already exists" said nothing of why), the
+    request built before it is given back, and the held one keeps its pages."""
+    from m3_eagle_plugin.parallel.disagg import run_context_phase
+
+    engine, target, cache = build(draft_len=1, num_blocks=24)
+    run_context_phase(engine, [[1, 2, 3, 4, 5]], 8, first_index=1)
+    pages = cache.pages(1)
+    with pytest.raises(ValueError, match="request 1 already exists: a live request outside this call holds"):
+        engine.generate([[3, 4], [5, 6]], 2)
+    assert cache.allocator.request_ids == [1] and cache.pages(1) == pages
+    assert engine.generate([[3, 4]], 2).outputs == [target.greedy([3, 4], 2)]

@@ -237,6 +237,10 @@ class Engine:
             request.fail(str(error))
             request.released = True  # never registered: nothing to give back
             return request
+        if request.rid in self.cache.allocator:  # the whole call is refused (ids are the caller's numbering)
+            raise ValueError(f"request {index} already exists: a live request outside this call holds the id (a "
+                             "context phase's not yet exported, or an imported handoff); finish or export it first, "
+                             "or number this batch past it (run_context_phase's first_index)")
         if not self.config.sampling.greedy:
             request.generator = request_generator(self.config.sampling.seed, index, self.device)
         self.cache.add_request(request.rid)
