@@ -86,6 +86,24 @@ def test_bare_json_needs_no_writable_working_directory(monkeypatch, capsys):
     assert len(json.loads(capsys.readouterr().out)["rows"]) == 3
 
 
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_write_table_dash_is_a_file_checked_before_the_run(monkeypatch, capsys):
+    """Only `--json` takes "-" for stdout; `--write-table -` names a file "-", which skipped the
+    writability check and failed in an unwritable directory after the whole GPU run."""
+    from m3_eagle_plugin.msa import kernels
+
+    measured = []
+    monkeypatch.setattr(kernels, "triton_available", lambda device: True)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "_gpu_rows", lambda args, device, log: measured.append(1) or (
+        [{"section": "kernels", "kernel": "sparse_attn", "batch": 16, "context": 32768, "qo_len": 4,
+          "graph_us": 18.0}], {"device_name": "Fake GPU"}))
+    monkeypatch.chdir("/proc")  # takes no new file, even as root
+    assert m3_main(["bench", "--device", "cuda", "--configs", "16x32K", "--qo-lens", "4", "--write-table", "-"]) == 2
+    assert "m3-eagle bench: --write-table -: cannot create a file in /proc" in capsys.readouterr().err
+    assert measured == []
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--device", "gpu"], "--device: expected cuda, cuda:N or cpu, got 'gpu'"),
     (["--qo-lens", "x"], "--qo-lens: expected a comma list of positive integers"),
@@ -425,6 +443,22 @@ def test_a_written_json_has_the_mode_open_gives_a_new_file(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~mask and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+def test_a_json_rewritten_over_a_private_file_keeps_its_mode(tmp_path):
+    """`open(path, "w")` keeps an existing file's mode; the scratch file renamed over it took the
+    umask's 0644, so a results file the user had made private (0600) became world-readable."""
+    out = tmp_path / "bench.json"
+    out.write_text('{"earlier": true}\n')
+    out.chmod(0o600)
+    oracle = tmp_path / "oracle.json"  # what `open` does to such a file
+    oracle.write_text("{}")
+    oracle.chmod(0o600)
+    with open(oracle, "w") as fh:
+        fh.write("{}")
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--json", str(out)]) == 0
+    assert out.stat().st_mode & 0o777 == oracle.stat().st_mode & 0o777 == 0o600
+    assert [r["batch"] for r in json.loads(out.read_text())["rows"]] == [2, 2, 2]
 
 
 def test_a_json_path_that_is_a_symlink_is_written_through_it(tmp_path):

@@ -52,10 +52,27 @@ def test_forced_two_and_a_half_takes_fewer_target_steps(models):
     assert spec.generated_total == plain.generated_total == batch * 12
     assert plain.engine_steps == naive_steps(12, [0] * 20) == 12
     assert spec.engine_steps == naive_steps(12, [2, 3] * 10) == 5  # 1 + 3, 4, 3, 4 tokens
-    # window: first token -> last step before a request finishes (accepted 2, 3, 2 -> 3, 4, 3 tokens)
-    assert (spec.tokens, spec.verify_steps, spec.accepted) == (batch * 10, batch * 3, batch * 7)
-    assert spec.mean_acceptance_length == pytest.approx(10 / 3)
+    # window: first token -> the last step before a request finishes that closes a whole period of
+    # the schedule (accepted 2, 3 -> 3, 4 tokens; the third step, accepted 2, would leave it at 10 / 3)
+    assert (spec.tokens, spec.verify_steps, spec.accepted) == (batch * 7, batch * 2, batch * 5)
+    assert spec.mean_acceptance_length == 3.5
     assert plain.mean_acceptance_length == 1.0 and plain.tokens == batch * 10
+
+
+@pytest.mark.parametrize("mean, period", [(2.5, 2), (1.25, 4), (2.0, 1)])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_window_runs_at_the_asked_mean(models, mean, period, batch):
+    """The issue's e2e row is Eagle3 "under forced acceptance length 3.5": the timed window must hold
+    whole periods of the schedule (any `period` steps of it force `period * mean` drafts, counted by
+    hand: 2 + 3, 1 + 1 + 1 + 2, 2). At 12 new tokens and 2.5 the last step before a request finished
+    was the third (accepted 2, 3, 2: 10 / 3), as `m3-eagle bench --e2e`'s CPU shape reported."""
+    for new_tokens in range(11, 18):
+        shape = replace(SMALL, forced_mean=mean, new_tokens=new_tokens)
+        m = e2e.measure_decode(engine(models, speculate=True, batch=batch, shape=shape),
+                               prompts(batch, 9, 256), new_tokens)
+        assert m.verify_steps % (batch * period) == 0, new_tokens
+        assert m.accepted * 4 == m.verify_steps * round(mean * 4), new_tokens
+        assert m.mean_acceptance_length == 1 + mean, new_tokens
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
@@ -170,7 +187,7 @@ def test_a_size_past_int32_is_refused_naming_the_option(option, dest):
 
 def test_bench_cli_prints_the_end_to_end_rows(capsys):
     rc = m3_main(["bench", "--device", "cpu", "--configs", "1x16", "--qo-lens", "1", "--e2e",
-                  "--e2e-batches", "1", "--e2e-tokens", "8", "--e2e-context", "9"])
+                  "--e2e-batches", "1", "--e2e-tokens", "12", "--e2e-context", "9"])
     assert rc == 0
     blocks = [b.splitlines() for b in capsys.readouterr().out.strip().split("\n\n")]
     e2e_block = next(b for b in blocks if any(line.split()[:1] == ["end_to_end"] for line in b))
@@ -184,7 +201,7 @@ def test_bench_cli_prints_the_end_to_end_rows(capsys):
 def test_window_starts_only_when_every_request_decodes(models, speculate):
     """Prompts longer than a step's token budget prefill one after another while earlier requests
     already decode; the timed window must hold decode steps only: no first token inside it."""
-    shape = replace(SMALL, prompt_len=30, new_tokens=16, max_tokens_per_step=32)
+    shape = replace(SMALL, prompt_len=30, new_tokens=20, max_tokens_per_step=32)
     batch = 3
     m = e2e.measure_decode(engine(models, speculate=speculate, batch=batch, shape=shape),
                            prompts(batch, shape.prompt_len, shape.vocab), shape.new_tokens)

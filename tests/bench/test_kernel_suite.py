@@ -244,3 +244,24 @@ def test_a_host_memory_error_part_way_carries_the_rows_too(monkeypatch):
                                       kv_dtype=torch.bfloat16, index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
                                       device=torch.device("cpu"), ceiling_gbps=1.0, log=lambda msg: None)
     assert [(r["kernel"], r["batch"], r["qo_len"]) for r in caught.value.kernel_rows] == [("sparse_step", 16, 4)]
+
+
+def test_the_dense_peer_alone_builds_no_config_inputs(monkeypatch):
+    """`--kernels dense_peer` measures one row of its own shape (B8/4K, 64/4 heads), yet every
+    `--configs` shape's input sets were built first (at the default 64x131072: three sets of 64K
+    pages each, K/V and index-K), for no row, and could run out of memory naming `--configs`."""
+    from m3_eagle_plugin.bench import kernel_suite
+
+    built = []
+
+    class Steps:
+        def __init__(self, batch, context, *args, **kwargs):
+            built.append((batch, context))
+
+    peer_row = {"kernel": "dense_attn_peer", "batch": 8, "context": 4096, "qo_len": 4, "graph_us": 1.0}
+    monkeypatch.setattr(kernel_suite, "StepSet", Steps)
+    monkeypatch.setattr(kernel_suite, "run_dense_peer", lambda **kwargs: dict(peer_row))
+    rows = kernel_suite.run_kernel_suite([(64, 131072), (16, 32768)], [4, 1], ["dense_peer"], Geometry(),
+                                         kv_dtype=torch.bfloat16, index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
+                                         device=torch.device("cpu"), ceiling_gbps=1.0, log=lambda msg: None)
+    assert rows == [peer_row] and built == []

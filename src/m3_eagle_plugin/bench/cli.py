@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -237,7 +238,7 @@ def _check_output_path(option: str, path: str | None) -> None:
     """`path` can be written: its folder is a writable directory that takes a new file (the output is
     written next to it and renamed over it) and the path itself is not a directory or a read-only file
     (else `open` raised a traceback after the whole run)."""
-    if path is None or path == "-":  # "-": stdout
+    if path is None or (path == "-" and option == "--json"):  # a bare --json: stdout (--write-table's "-" is a file)
         return
     if not path:  # `--json ""` wrote nothing anywhere
         stdout = ", or no value for stdout" if option == "--json" else ""
@@ -261,7 +262,8 @@ def _check_output_path(option: str, path: str | None) -> None:
 def _write_json(option: str, path: str, document: Any, **dump_options: Any) -> bool:
     """`document` as JSON at `path`, whole or not at all: written to a scratch file beside it and renamed
     over it, so a failure (disk full, an interrupt) leaves no truncated file and an earlier one intact.
-    A symbolic link is written through, as `open` would: its target gets the JSON, the link stays.
+    A symbolic link is written through and an existing file keeps its mode, as `open` would: its
+    target gets the JSON, the link stays, a private (0600) file stays private.
     False, with one line on stderr naming the option, when it could not be written."""
     target, scratch = Path(path).resolve(), None
     try:
@@ -269,7 +271,7 @@ def _write_json(option: str, path: str, document: Any, **dump_options: Any) -> b
         with os.fdopen(fd, "w") as fh:
             json.dump(document, fh, **dump_options)
             fh.write("\n")
-        os.chmod(scratch, _new_file_mode())  # mkstemp's 0600 otherwise
+        os.chmod(scratch, _file_mode(target))  # mkstemp's 0600 otherwise
         os.replace(scratch, target)
         scratch = None
     except OSError as error:
@@ -281,8 +283,12 @@ def _write_json(option: str, path: str, document: Any, **dump_options: Any) -> b
     return True
 
 
-def _new_file_mode() -> int:
-    """The mode `open(path, "w")` gives a new file: 0666 less the umask."""
+def _file_mode(target: Path) -> int:
+    """The mode `open(target, "w")` leaves: an existing file's own, else 0666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask

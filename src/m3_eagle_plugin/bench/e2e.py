@@ -14,7 +14,8 @@ weight-bound model, an upper bound for routed top-k experts.
 Only full-batch decode is timed: from the first commit after which every request has its first
 token to the last commit before any request finishes (the scheduler runs decode rows first, so
 requests prefilled early start generating while later prompts prefill; each commit reads results
-back, so the clock sees finished device work).
+back, so the clock sees finished device work), cut to whole periods of the forced schedule (2.5
+forces 2, 3, 2, 3, ...: an even number of verify steps), so the window runs at the asked mean.
 """
 from __future__ import annotations
 
@@ -295,7 +296,13 @@ def all_decoding(stats, num_requests: int) -> bool:
 
 def measure_decode(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> DecodeMeasurement:
     """Generate; time the window from every request having its first token to the last commit
-    before a request finishes (every step in it is a full-batch decode step)."""
+    before a request finishes (every step in it is a full-batch decode step) that closes a whole
+    number of the forced schedule's periods (any `period` steps of it force `period * mean` drafts;
+    an odd number of 2.5's steps averages 3.33 or 3.67, not the asked 3.5)."""
+    from m3_eagle_plugin.eagle3.accept import forced_ratio
+
+    forced = engine.config.force_accepted
+    period = 1 if forced is None else forced_ratio(forced).denominator
     marks: list[tuple[float, int, int, int]] = []
 
     def on_commit(done: int, total: int) -> None:
@@ -307,11 +314,12 @@ def measure_decode(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int
     failed = [e for e in result.errors if e]
     if failed:
         raise RuntimeError(f"end-to-end generation failed: {failed[0]}")
-    if len(marks) < 2:
+    whole = [m for m in marks[1:] if (m[2] - marks[0][2]) % (period * len(prompts)) == 0]
+    if not whole:
         raise NoDecodeWindowError(f"no full-batch decode window: raise new_tokens ({max_new_tokens}; "
-                                  "`m3-eagle bench --e2e-tokens`) so every request decodes at least two steps "
-                                  "together")
-    (t0, g0, v0, a0), (t1, g1, v1, a1) = marks[0], marks[-1]
+                                  "`m3-eagle bench --e2e-tokens`) so every request decodes at least "
+                                  f"{period + 1} steps together")
+    (t0, g0, v0, a0), (t1, g1, v1, a1) = marks[0], whole[-1]
     return DecodeMeasurement(tokens=g1 - g0, verify_steps=v1 - v0, accepted=a1 - a0, seconds=t1 - t0,
                              generated_total=result.stats.generated_tokens, engine_steps=result.stats.engine_steps,
                              outputs=result.outputs)

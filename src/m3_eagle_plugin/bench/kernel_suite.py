@@ -488,15 +488,16 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     peer = FlashInferPeer() if flashinfer == "auto" and flashinfer_importable() else None
+    grid = [k for k in kernels if k != "dense_peer"]  # the dense peer row has its own shape (DENSE_PEER)
     rows: list[dict[str, Any]] = []
     try:
-        for batch, context in configs:
+        for batch, context in configs if grid else ():  # else every config's caches were built for no row
             steps = StepSet(batch, context, geo, kv_dtype=kv_dtype, index_dtype=index_dtype, q_dtype=q_dtype,
                             device=device, num_sets=num_sets)
             dense_steps = None
             expects: dict = {}
             ours: dict[tuple[str, int], tuple[dict[str, Any], StepSet]] = {}
-            for name in (k for k in kernels if k != "dense_peer"):
+            for name in grid:
                 use = steps
                 if name == "dense_attn" and dense_kv_dtype is not None and dense_kv_dtype != kv_dtype:
                     dense_steps = dense_steps or StepSet(batch, context, geo, kv_dtype=dense_kv_dtype,
