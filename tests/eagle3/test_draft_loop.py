@@ -233,3 +233,19 @@ def test_step_0_ids_and_features_of_different_lengths_are_refused_before_step_0(
     with pytest.raises(ValueError, match=r"^step 0 ids and features disagree: 2 vs 3 tokens$"):
         run_draft_loop(head, None, **_loop_args(first_features=torch.zeros(3, 1)))
     assert head.calls == 0
+
+
+@pytest.mark.parametrize("name, dtype", [("gather_index", torch.int16), ("gather_index", torch.uint8),
+                                         ("gathered_kv_lens", torch.int16), ("gathered_kv_lens", torch.int8)])
+def test_a_gather_index_or_kv_lens_narrower_than_int32_is_refused_before_step_0(name, dtype):
+    """An int16 gather_index failed in index_select ('Expected dtype int32 or int64 for index') after
+    step 0 had written the draft KV; int16 gathered_kv_lens of 32767 gave step 1 the length -32768 (the
+    documented `gathered_kv_lens + 1` is 32768), which the metadata clamps to 0."""
+    head = CountingHead()
+    with pytest.raises(TypeError, match=rf"^{name} must be int32 or int64, got {dtype}$"):
+        run_draft_loop(head, None, **_loop_args(**{name: _loop_args()[name].to(dtype)}))
+    assert head.calls == 0
+    meta = _RecordingMeta()
+    run_draft_loop(head, None, **_loop_args(gathered_kv_lens=torch.tensor([32767], dtype=torch.int32),
+                                            step_metas=[meta], num_drafts=2))
+    assert [int(x) for x in meta.updates[0]] == [32768] and head.calls == 2

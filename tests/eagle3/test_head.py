@@ -345,3 +345,58 @@ def test_hidden_rows_that_do_not_match_the_ids_are_refused(tiny):
     runner.prepare([("r", 2)])
     with pytest.raises(ValueError, match=r"^expected input_ids \[T\] and hidden \[T, width\], got \(2,\) and \(3, 64\)$"):
         head(torch.zeros(2, dtype=torch.long), torch.zeros(3, 64), runner.meta, runner.cache)
+
+
+@pytest.mark.parametrize("aux_layer_ids, target_hidden", [((3,), 64), ((1, 2), 32), ((), 64)])
+def test_an_aux_capture_as_wide_as_the_draft_hidden_is_refused(aux_layer_ids, target_hidden):
+    """forward tells step 0 (aux rows, through fc) from later steps (the head's own hidden) by width: one
+    aux layer of the draft's width made every aux capture read as a hidden, so fc never ran (a head
+    built from such a config gave the same logits with fc zeroed)."""
+    from m3_eagle_plugin.eagle3.head import Eagle3Config
+
+    base = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-6,
+                rope_theta=10000.0, vocab_size=256, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=(1, 2))
+    Eagle3Config(**base)
+    with pytest.raises(ValueError, match=rf"^{len(aux_layer_ids)} aux layer id\(s\) of target width {target_hidden} "
+                                         rf"make an aux capture {len(aux_layer_ids) * target_hidden} wide, .*fc would "
+                                         r"never run$"):
+        Eagle3Config(**{**base, "aux_layer_ids": aux_layer_ids, "target_hidden_size": target_hidden})
+
+
+@pytest.mark.parametrize("width", [16, 40])
+def test_draft_logits_of_another_width_than_d2t_are_refused_on_both_paths(tiny, width, monkeypatch):
+    """The fused gather reads each row at the draft ids d2t maps: logits 16 wide for a 32-entry d2t were
+    read past each row's end (40 wide: in part) and came back as if placed, while the torch scatter
+    failed with a bare shape mismatch. Both now name the two widths; the matching width still places."""
+    from m3_eagle_plugin.models import fused_ops
+
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    head.d2t = torch.arange(32)  # draft d -> target 2d
+    gathered = []
+
+    def gather(logits, index):  # the fused op's contract, naively: out[:, c] = logits[:, index[c]]
+        gathered.append(logits.shape)
+        safe = index.clamp(min=0).long()
+        return torch.where(index >= 0, logits.float()[:, safe], float("-inf"))
+
+    for fused in (False, True):
+        monkeypatch.setattr(fused_ops, "gather_logits", gather if fused else lambda logits, index: None)
+        for call in (head.to_target_logits, head._target_logits):
+            with pytest.raises(ValueError, match=rf"^logits score {width} draft ids but d2t maps 32$"):
+                call(torch.randn(3, width))
+        logits = torch.randn(3, 32)
+        assert torch.equal(head._target_logits(logits)[:, 2 * torch.arange(32)], logits)
+    assert gathered == [(3, 32)]
+
+
+def test_one_unbatched_row_of_draft_logits_is_refused_not_broadcast(tiny):
+    """to_target_logits takes `[T, Vd]`: one `[Vd]` row came back as Vd rows of `[V]` (the row broadcast
+    down every one), not as one placed row."""
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    head.d2t = torch.arange(32)
+    row = torch.randn(32)
+    with pytest.raises(ValueError, match=r"^draft logits must be \[T, Vd\], got shape \(32,\)$"):
+        head.to_target_logits(row)
+    assert torch.equal(head.to_target_logits(row[None])[0, 2 * torch.arange(32)], row)

@@ -89,6 +89,11 @@ def run_draft_loop(
         if not isinstance(value, torch.Tensor) or value.dim() != 1 or not is_integer_dtype(value.dtype):
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(f"{name} must be a 1-D integer tensor, got {got}")
+    # index_select takes no narrower index, and `gathered_kv_lens + step` stays in its dtype (int16 wrapped
+    # a length of 32767 + 1 to -32768, which the metadata clamps to 0)
+    for name, value in (("gather_index", gather_index), ("gathered_kv_lens", gathered_kv_lens)):
+        if value.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
     if not isinstance(first_features, torch.Tensor) or first_features.dim() != 2:
         got = (f"shape {tuple(first_features.shape)}" if isinstance(first_features, torch.Tensor)
                else type(first_features).__name__)

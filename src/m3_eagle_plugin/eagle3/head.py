@@ -57,6 +57,11 @@ class Eagle3Config:
                              f"num_key_value_heads {self.num_kv_heads}")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
+        aux_width = len(self.aux_layer_ids) * self.target_hidden_size
+        if aux_width in (0, self.hidden_size):  # forward tells the first step (aux rows, through fc) by width
+            raise ValueError(f"{len(self.aux_layer_ids)} aux layer id(s) of target width {self.target_hidden_size} "
+                             f"make an aux capture {aux_width} wide, which the head cannot tell from its own "
+                             f"hidden ({self.hidden_size}): fc would never run")
 
 
 class Eagle3Attention(nn.Module):
@@ -205,6 +210,7 @@ class Eagle3Head(nn.Module):
                 raise ValueError(f"draft_vocab_size {logits.shape[-1]} < vocab_size {self.config.vocab_size} needs "
                                  f"a d2t mapping draft ids to target ids; this head has none")
             return logits
+        self._check_draft_width(logits)
         if logits.dtype == torch.float32 and self.draft_index is not None:
             fused = fused_ops.gather_logits(logits, self.draft_index)
             if fused is not None:
@@ -213,9 +219,19 @@ class Eagle3Head(nn.Module):
         out[:, self.target_ids] = logits
         return out
 
+    def _check_draft_width(self, logits: torch.Tensor) -> None:
+        # the fused gather reads each row at the draft ids d2t maps: a row of another width is read
+        # past its end (or in part), where the torch scatter fails with a bare shape mismatch; one
+        # unbatched [Vd] row was broadcast into Vd rows of [V]
+        if logits.dim() != 2:
+            raise ValueError(f"draft logits must be [T, Vd], got shape {tuple(logits.shape)}")
+        if logits.shape[-1] != self.d2t.shape[0]:
+            raise ValueError(f"logits score {logits.shape[-1]} draft ids but d2t maps {self.d2t.shape[0]}")
+
     def _target_logits(self, lm_head_out: torch.Tensor) -> torch.Tensor:
         """fp32 `[T, V]` logits from the raw `lm_head` output; cast and placement in one launch on GPU."""
         if self.d2t is not None and self.draft_index is not None:
+            self._check_draft_width(lm_head_out)
             fused = fused_ops.gather_logits(lm_head_out, self.draft_index)
             if fused is not None:
                 return fused
