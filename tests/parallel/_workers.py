@@ -497,6 +497,9 @@ def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: st
                           num_blocks=blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
     seen: dict[str, str | list] = {}
     out = Path(out_dir) / f"edges_rank{rank}.json"
+    if rank == 0:  # prefill before the cases: on a loaded machine it outlasted rank 1's 10 s receive
+        h = [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)][0]
+    dist.barrier()  # the default group's timeout (60 s), not a case's
 
     def observe(call):
         try:
@@ -520,13 +523,13 @@ def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: st
         case("long non-ascii refusal", lambda: t.send_payload(dataclasses.replace(good, fingerprint=keys), 1, g),
              lambda: t.send_payload(good, 1, g))
         g = groups["handoff that never fits"]
-        h = [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)][0]
         case("handoff that never fits", lambda: send_handoff(dataclasses.replace(h, max_new_tokens=10 ** 6), 1, g),
              lambda: t.send_payload(good, 1, g))
         g = groups["pages that cannot be staged"]
         meta = dataclasses.replace(good, pool_pages=(torch.empty(2, 3, 8, dtype=torch.uint8, device="meta"),))
         case("pages that cannot be staged", lambda: t.send_payload(meta, 1, g), lambda: t.send_payload(good, 1, g))
         g = groups["handoff with no budget left now"]
+        dist.barrier()  # while rank 1 fills its engine's budget
         case("handoff with no budget left now", lambda: send_handoff(h, 1, g), lambda: send_handoff(h, 1, g))
         return
     cache = PagedKVCache.for_minimax_m3(2, [1], 2, 8, 4, 4, 8, dtype=torch.float32)
@@ -552,6 +555,7 @@ def wire_edges_worker(rank: int, world_size: int, target_dir: str, draft_dir: st
     held = run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW, first_index=10)
     before = (engine.scheduler.admitted_blocks, engine.cache.num_free_blocks, sorted(engine.cache.allocator.request_ids))
     seen["budget held"] = [r.state.value for r in held]
+    dist.barrier()
     # then received without the engine, its pages cross: import_handoff's verdict is the oracle
     case("handoff with no budget left now", lambda: f"accepted request {recv_handoff(0, g, engine=engine).index}",
          lambda: observe(lambda: import_handoff(engine, recv_handoff(0, g))))
@@ -614,6 +618,12 @@ def integrity_worker(rank: int, world_size: int, target_dir: str, draft_dir: str
     def flip_bit(tensor):  # page 1, sub-page 0, byte 3 of a [2, 1, 16] pool
         tensor[1, 0, 3] ^= 0x04
 
+    if rank == 0:  # load and prefill before the cases: on a loaded machine they outlasted rank 1's 10 s receive
+        config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
+        engine = build_engine(target_dir, draft_dir, config, device=torch.device("cpu"),
+                              num_blocks=blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
+        h = [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)][1]
+    dist.barrier()  # the default group's timeout (60 s), not a case's
     if rank == 0:
         def bump_trailer(tensor):
             tensor[-1] += 1
@@ -626,10 +636,6 @@ def integrity_worker(rank: int, world_size: int, target_dir: str, draft_dir: str
         case("payload page", lambda: _through_corrupting_link(t, "pool 1 of the KV payload", flip_bit,
                                                               lambda: t.send_payload(good, 1, g)),
              lambda: t.send_payload(good, 1, g))
-        config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
-        engine = build_engine(target_dir, draft_dir, config, device=torch.device("cpu"),
-                              num_blocks=blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4))
-        h = [export_handoff(engine, r) for r in run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)][1]
         pool = len(h.payload.pool_pages) - 1
 
         def flip_page_0(tensor):

@@ -65,8 +65,11 @@ def _set(raw: dict, path: tuple, value) -> None:
 
 
 def _field_name(path: tuple) -> str:
-    last = [p for p in path if isinstance(p, str)][-1]
-    return last
+    """The field as the loader names it: `host.requires`, `patches[2].id`, `patches[2]` (a whole entry)."""
+    name = ""
+    for part in path:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else part)
+    return name
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -81,7 +84,9 @@ def test_manifest_field_of_wrong_type_is_named(data):
     bump("faults.injected")
     with pytest.raises(manifest.ManifestError) as info:
         manifest.parse_manifest(raw, source="fuzzed.toml")
-    assert _field_name(path) in str(info.value) or (path[-1] == 0 and "patches" in str(info.value)), str(info.value)
+    # the whole name, quoted: a bare last component ("id", "why") also matched another entry's field
+    assert str(info.value).startswith("fuzzed.toml: "), str(info.value)
+    assert f"'{_field_name(path)}'" in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("edit,field", [
