@@ -1,4 +1,5 @@
-"""A fake `tensorrt_llm` package for tests: version via dist-info, the YAML merge function, a serve module."""
+"""Fakes for tests: a `tensorrt_llm` package (version via dist-info, the YAML merge function, a serve
+module) and third-party plugin distributions."""
 from __future__ import annotations
 
 import textwrap
@@ -56,3 +57,15 @@ def write_fake_host(root: Path, version: str, *, install_double: bool = False) -
     dist.mkdir()
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: {version}\n")
     return root
+
+
+def write_plugin_distribution(site: Path, name: str, entry_points: str, modules: dict[str, str] | None = None) -> None:
+    """A dist-info `name 1.0` on sys.path `site` declaring `entry_points` (lines `name = module[:attr]`) in
+    the plugin group, with `modules` (file path under `site` -> source) written beside it."""
+    for path, source in (modules or {}).items():
+        (site / path).parent.mkdir(parents=True, exist_ok=True)
+        (site / path).write_text(textwrap.dedent(source))
+    dist = site / f"{name.replace('-', '_')}-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[m3_eagle_plugin]\n{entry_points}\n")

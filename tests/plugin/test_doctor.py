@@ -10,6 +10,8 @@ import torch
 from m3_eagle_plugin import cli, doctor
 from m3_eagle_plugin.msa.kernels.backend import check_backend
 
+from ._fake_host import write_plugin_distribution
+
 
 def test_json_without_host(clean_state, capsys):
     assert cli.main(["doctor", "--json"]) == 0
@@ -253,12 +255,7 @@ def test_the_documented_log_levels_and_trace_switches_pass_the_doctor(clean_stat
 
 def _plugin_distribution(site, entry_points: str) -> None:
     """A dist-info `extra-m3-plugin 1.0` on sys.path declaring `entry_points` in the plugin group."""
-    (site / "extra_m3_plugin").mkdir(parents=True)
-    (site / "extra_m3_plugin" / "__init__.py").write_text("")
-    dist = site / "extra_m3_plugin-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: extra-m3-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(f"[m3_eagle_plugin]\n{entry_points}\n")
+    write_plugin_distribution(site, "extra-m3-plugin", entry_points, {"extra_m3_plugin/__init__.py": ""})
 
 
 @pytest.mark.parametrize("mode, ok", [("require", False), ("auto", True)])

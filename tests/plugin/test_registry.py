@@ -25,6 +25,8 @@ from m3_eagle_plugin.registry import (
     resolve,
 )
 
+from ._fake_host import write_plugin_distribution
+
 
 class Drafter:
     @hookimpl
@@ -283,19 +285,14 @@ def test_allow_list_env(manager, monkeypatch):
 def test_real_entry_point_group_from_a_fake_distribution(tmp_path, monkeypatch):
     """A dist-info on sys.path with a broken entry point: loaded through importlib.metadata."""
     site = tmp_path / "site"
-    (site / "good_m3_plugin").mkdir(parents=True)
-    (site / "good_m3_plugin" / "__init__.py").write_text(textwrap.dedent("""
+    write_plugin_distribution(site, "good-m3-plugin", "good = good_m3_plugin\nbroken = no_such_module_xyz:plugin",
+                              {"good_m3_plugin/__init__.py": """
         from m3_eagle_plugin.hooks import hookimpl
 
         @hookimpl
         def m3_eagle_attention_metadata(host):
             return "good_m3_plugin:Meta"
-    """))
-    dist = site / "good_m3_plugin-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: good-m3-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[m3_eagle_plugin]\ngood = good_m3_plugin\nbroken = no_such_module_xyz:plugin\n")
+    """})
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.delenv(registry.LOAD_ENV, raising=False)
     pm = make_plugin_manager(autoload=True)
@@ -658,10 +655,7 @@ def test_a_blocked_name_is_not_listed_as_a_plugin(manager):
 
 def _broken_distribution(site) -> None:
     """A dist-info on sys.path declaring one entry point whose module does not exist."""
-    dist = site / "broken_m3_plugin-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-m3-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[m3_eagle_plugin]\nbroken = no_such_module_xyz:plugin\n")
+    write_plugin_distribution(site, "broken-m3-plugin", "broken = no_such_module_xyz:plugin")
 
 
 def test_a_strict_autoloading_factory_raises_on_a_broken_entry_point(tmp_path, monkeypatch):
@@ -723,22 +717,22 @@ def test_a_plugin_whose_import_imports_the_host_is_loaded_and_the_host_activated
 
     host = write_fake_host(tmp_path / "host", "1.3.0rc24", install_double=True)
     site = tmp_path / "site"
-    (site / "host_importing_m3_plugin").mkdir(parents=True)
-    (site / "host_importing_m3_plugin" / "__init__.py").write_text(textwrap.dedent("""
-        import tensorrt_llm  # noqa: F401
-        from m3_eagle_plugin.hooks import hookimpl
+    write_plugin_distribution(site, "host-importing-m3-plugin",
+                              "extra = host_importing_m3_plugin\nasks = manager_asking_m3_plugin", {
+        "host_importing_m3_plugin/__init__.py": """
+            import tensorrt_llm  # noqa: F401
+            from m3_eagle_plugin.hooks import hookimpl
 
-        @hookimpl
-        def m3_eagle_attention_metadata(host):
-            return "host_importing_m3_plugin:Meta"
-    """))
-    dist = site / "host_importing_m3_plugin-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: host-importing-m3-plugin\nVersion: 1.0\n")
-    (site / "manager_asking_m3_plugin.py").write_text(
-        "from m3_eagle_plugin.registry import get_plugin_manager\n\nget_plugin_manager()\n")
-    (dist / "entry_points.txt").write_text(
-        "[m3_eagle_plugin]\nextra = host_importing_m3_plugin\nasks = manager_asking_m3_plugin\n")
+            @hookimpl
+            def m3_eagle_attention_metadata(host):
+                return "host_importing_m3_plugin:Meta"
+        """,
+        "manager_asking_m3_plugin.py": """
+            from m3_eagle_plugin.registry import get_plugin_manager
+
+            get_plugin_manager()
+        """,
+    })
     script = tmp_path / "run.py"
     script.write_text(_HOST_IMPORTING_PLUGIN)
     env = {**os.environ, "M3_EAGLE_PLUGIN": "off", "PYTHONPATH": str(Path(m3_eagle_plugin.__file__).parents[1])}
