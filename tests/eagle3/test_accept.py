@@ -2,6 +2,8 @@
 lossless rejection-sampling rule (chi-square against the target distribution)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -456,3 +458,35 @@ def test_every_row_with_its_own_generator_draws_exactly_as_it_would_alone():
                                      [torch.Generator().manual_seed(seeds[r] + trial)])
             assert int(batch.num_accepted[r]) == int(alone.num_accepted[0]), (trial, r)
             assert batch.tokens[r].tolist() == alone.tokens[0].tolist(), (trial, r)
+
+
+@pytest.mark.parametrize("args, name", [
+    (([[1, 2]], torch.tensor([[1, 2, 3]])), "draft_tokens"),
+    ((torch.tensor([[1, 2]]), [[1, 2, 3]]), "target"),
+    ((torch.tensor([[1, 2]]), torch.tensor([[1, 2, 3]]), [2]), "draft_lens"),
+])
+def test_an_argument_that_is_not_a_tensor_is_refused_naming_it(args, name):
+    """Ids still in host lists (as the scheduler holds them before upload) failed with an AttributeError."""
+    with pytest.raises(TypeError, match=rf"^{name} must be a tensor, got list$"):
+        greedy_accept(*args)
+
+
+@pytest.mark.parametrize("drafts", [torch.tensor([1, 2]), torch.tensor([[[1, 2]]])])
+def test_draft_tokens_that_are_not_r_by_k_are_refused_naming_the_shape(drafts):
+    """One row's drafts [K] without the row dimension (or with an extra one) failed unpacking the shape."""
+    shape = re.escape(str(tuple(drafts.shape)))
+    with pytest.raises(ValueError, match=rf"^draft_tokens must be \[R, K\], got shape {shape}$"):
+        greedy_accept(drafts, torch.tensor([[1, 2, 3]]))
+
+
+def test_a_target_without_the_row_dimension_is_refused_naming_the_shape():
+    """A single row's [K + 1] target failed with an IndexError on its second dimension."""
+    with pytest.raises(ValueError, match=r"^target must be \[R, K \+ 1, \.\.\.\], got shape \(3,\)$"):
+        greedy_accept(torch.tensor([[1, 2]]), torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (1, 3, 4, 1)])
+def test_target_probs_without_exactly_one_vocabulary_dimension_are_refused(shape):
+    """[R, K + 1] passes the row check; the missing (or extra) vocabulary dimension failed unpacking."""
+    with pytest.raises(ValueError, match=rf"^target_probs must be \[R, K \+ 1, V\], got shape {re.escape(str(shape))}"):
+        rejection_accept(torch.tensor([[1, 2]]), None, torch.full(shape, 0.25))

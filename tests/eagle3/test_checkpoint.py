@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -193,6 +194,10 @@ def test_parse_draft_config_reads_the_tiny_draft():
     (lambda r: r.update(num_key_value_heads=3), "d.json: num_key_value_heads: 3 does not divide num_attention_heads 4"),
     (lambda r: r.update(rms_norm_eps="small"), "d.json: rms_norm_eps: expected a finite number, got str 'small'"),
     (lambda r: r.update(draft_vocab_size=10 ** 6), "d.json: draft_vocab_size: 1000000 exceeds vocab_size 256"),
+    (lambda r: r.update(vocab_size=512), "d.json: vocab_size: draft vocab_size 512 != target vocab_size 256"),
+    # no head_dim: hidden_size // heads, which more heads than hidden channels leave at 0
+    (lambda r: (r.pop("head_dim"), r.update(num_attention_heads=128)),
+     "d.json: num_attention_heads: 128 heads leave no room in hidden_size 64"),
     (lambda r: r.update(eagle_config="yes"), "d.json: eagle_config: must be a JSON object, got str"),
     (lambda r: r["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, "4", 5]),
      "d.json: eagle_config.eagle_aux_hidden_state_layer_ids[1]: expected an integer, got str '4'"),
@@ -471,3 +476,21 @@ def test_default_aux_ids_that_do_not_fit_a_small_target_name_the_default_not_the
     assert str(info.value).startswith("d.json: eagle_config.eagle_aux_hidden_state_layer_ids: not given, and the "
                                       "target's default (2, L//2, L-3) aux layer ids [")
     assert message in str(info.value)
+
+
+def test_a_draft_directory_without_a_config_is_refused_as_missing(tiny, tmp_path):
+    target, draft_dir = tiny
+    path = _variant(draft_dir, tmp_path / "d")
+    (path / "config.json").unlink()
+    with pytest.raises(ConfigError, match=rf"^no config\.json at {re.escape(str(path / 'config.json'))}$"):
+        inspect_draft(path, target.config)
+
+
+def test_a_directory_named_config_json_in_the_draft_is_not_called_missing(tiny, tmp_path):
+    """As for the target's config: the file is there, it is not a file."""
+    target, draft_dir = tiny
+    path = _variant(draft_dir, tmp_path / "d")
+    (path / "config.json").unlink()
+    (path / "config.json").mkdir()
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path / 'config.json'))} is not a file$"):
+        inspect_draft(path, target.config)

@@ -586,3 +586,62 @@ def test_per_layer_type_rope_parameters_are_refused_not_ignored():
     raw["rope_parameters"] = nested
     with pytest.raises(ConfigError, match=r"^x\.json: rope_parameters\.full_attention: per-layer-type RoPE "):
         M3Config.from_dict(raw, "x.json")
+
+
+# ---- refusals no test reached (each check was turned off in turn; these fail without it) ----
+
+@pytest.mark.parametrize("values", [5, "245", {"2": 1}])
+def test_int_list_that_is_not_a_list_is_refused_naming_the_field(values):
+    """5 failed iterating an int (TypeError); a string or object was blamed on its first character or key."""
+    from m3_eagle_plugin.models.config_fields import ConfigFields
+
+    with pytest.raises(ConfigError, match=rf"^x\.json: ids: must be a list of integers, got {type(values).__name__}$"):
+        ConfigFields({"ids": values}, "x.json").get_int_list("ids")
+
+
+@pytest.mark.parametrize("value", [1, "00011111"])
+def test_per_layer_pattern_that_is_not_a_list_is_refused_naming_the_field(value):
+    """1 failed taking the length of an int (TypeError); a string of digits was blamed on its first character."""
+    raw = target_config()
+    raw["text_config"]["moe_layer_freq"] = value
+    with pytest.raises(ConfigError, match=rf"^x\.json: text_config\.moe_layer_freq: must be a list, got "
+                                          rf"{type(value).__name__}$"):
+        M3Config.from_dict(raw, "x.json")
+
+
+def test_an_index_head_narrower_than_the_rotary_dim_is_refused():
+    """The index q and k take the same partial RoPE as the main heads (the first rotary_dim channels,
+    shared/reference/minimax_m3_msa.md 2.1): a 4-wide index head cannot hold the 8 rotated channels."""
+    raw = target_config()
+    raw["text_config"]["sparse_attention_config"]["sparse_index_dim"] = 4
+    with pytest.raises(ConfigError, match=r"^x\.json: index head dim 4 is smaller than the rotary dim 8$"):
+        M3Config.from_dict(raw, "x.json")
+
+
+def test_a_block_score_other_than_max_is_refused_naming_the_field():
+    """MSA scores a block by the max over its tokens (minimax_m3_msa.md 2.2), the only rule implemented."""
+    raw = target_config()
+    raw["text_config"]["sparse_attention_config"]["sparse_score_type"] = "sum"
+    with pytest.raises(ConfigError, match=r"^x\.json: text_config\.sparse_attention_config\.sparse_score_type: "
+                                          r"'sum' is not supported \(only 'max'\)$"):
+        M3Config.from_dict(raw, "x.json")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(vocab_size=0), r"vocab_size: must be >= 1, got 0"),
+    (dict(num_layers=0, sparse_layers=(), moe_layers=()), r"num_layers: must be >= 1, got 0"),
+    (dict(head_dim=0), r"head_dim: must be >= 1, got 0"),
+    (dict(sparse_layers=(True,) * 7), r"per-layer patterns have 7 / 8 entries for 8 layers"),
+    (dict(moe_layers=(True,) * 9), r"per-layer patterns have 8 / 9 entries for 8 layers"),
+    (dict(topk_blocks=0, local_blocks=0), r"bad selection sizes topk=0 local=0 init=0"),
+    (dict(local_blocks=-1), r"bad selection sizes topk=3 local=-1 init=0"),
+    (dict(init_blocks=-1), r"bad selection sizes topk=3 local=1 init=-1"),
+])
+def test_sizes_the_parser_cannot_produce_are_refused_by_the_dataclass(change, match):
+    """`M3Config` itself (not only the parser, whose field reads refuse these first) holds positive sizes,
+    one pattern entry per layer and a selection of at least one block."""
+    from dataclasses import replace
+
+    cfg = M3Config.from_dict(target_config(), "x.json")
+    with pytest.raises(ConfigError, match=rf"^x\.json: {match}$"):
+        replace(cfg, **change)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,10 @@ def test_several_safetensors_files_without_an_index_are_refused(tmp_path):
         save_file({name: torch.zeros(1)}, str(tmp_path / name))
     with pytest.raises(CheckpointError, match=r"one \*\.safetensors file, found \['a.safetensors', 'b.safetensors'\]"):
         SafetensorsSource(tmp_path)
+
+
+def test_a_path_that_does_not_exist_is_refused_as_missing(tmp_path):
+    """A mistyped checkpoint path read as a directory with no safetensors file in it ("found []")."""
+    missing = tmp_path / "no-such-checkpoint"
+    with pytest.raises(CheckpointError, match=rf"^checkpoint path {re.escape(str(missing))} does not exist$"):
+        SafetensorsSource(missing)

@@ -134,9 +134,7 @@ def inspect_draft(path: str | Path, target_config) -> DraftPlan:
     `config.json`, its tensor names and shapes (safetensors headers), no weight read."""
     path = Path(path)
     config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ConfigError(f"no config.json at {config_path}")
-    raw = read_json_object(config_path)
+    raw = read_json_object(config_path)  # refuses a missing config.json, or one that is not a file
     source = SafetensorsSource(path)
     by_canon: dict[str, str] = {}
     for name in source.names():

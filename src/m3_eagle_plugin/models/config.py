@@ -122,10 +122,6 @@ class M3Config:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if path.exists() and not path.is_file():
-            raise ConfigError(f"{path} is not a file")
-        if not path.is_file():
-            raise ConfigError(f"no config.json at {path}")
         return cls.from_dict(read_json_object(path), source=str(path))
 
 

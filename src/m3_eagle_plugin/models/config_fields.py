@@ -24,7 +24,12 @@ def show_value(value: Any, limit: int = 40) -> str:
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
-    """The top-level JSON object of a config file; unreadable, malformed or non-object JSON is a ConfigError."""
+    """The top-level JSON object of a config file; a missing path, one that is not a file (a directory
+    named config.json), unreadable, malformed or non-object JSON is a ConfigError."""
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path} is not a file")
+    if not path.is_file():
+        raise ConfigError(f"no config.json at {path}")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:

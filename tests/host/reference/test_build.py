@@ -112,5 +112,25 @@ def test_a_cache_that_fills_free_memory_exactly_is_refused_for_the_step_buffers(
     build._check_memory_fits(900, 100, 4, EngineConfig(), torch.device("cpu"))  # exactly fits
     with pytest.raises(ValueError, match="the step buffers"):
         build._check_memory_fits(1000, 1, 4, EngineConfig(), torch.device("cpu"))
-    with pytest.raises(ValueError, match="a KV cache of 4 blocks"):
+    with pytest.raises(ValueError, match="^a KV cache of 4 blocks needs"):  # the step-buffer message names it too
         build._check_memory_fits(1001, 0, 4, EngineConfig(), torch.device("cpu"))
+
+
+def test_a_draft_head_of_another_head_dim_is_refused_naming_the_field_before_any_weight_is_read(tiny_pair, tmp_path,
+                                                                                               monkeypatch):
+    """The draft layer lives in the target's K/V pages: a head exported for a target with 32-wide heads
+    (the tiny draft has 16) is refused by its head_dim, not by a page size the user never set."""
+    import json
+    import shutil
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("weights read before the draft was checked")
+
+    target = shutil.copytree(tiny_pair[0], tmp_path / "target")
+    raw = json.loads((target / "config.json").read_text())
+    raw["text_config"]["head_dim"] = 32
+    (target / "config.json").write_text(json.dumps(raw))
+    monkeypatch.setattr(loader, "load_target", read_weights)
+    with pytest.raises(ValueError, match=r"draft/config\.json: head_dim: the draft head's 16 differs from the "
+                                         r"target's 32"):
+        build_engine(target, tiny_pair[1], EngineConfig(draft_len=2), num_blocks=16, device="cpu")

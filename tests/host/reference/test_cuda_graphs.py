@@ -55,6 +55,18 @@ def test_graphs_refuse_what_they_cannot_capture():
         GenerationGraphs(engine.runner)
 
 
+@pytest.mark.parametrize("with_head,draft_len", [(False, 2), (True, 0)])
+def test_graphs_refuse_a_runner_without_a_head_or_drafts(with_head, draft_len):
+    """They capture the Eagle3 generation step (verify 1 + K, then K draft steps): with no head, or
+    K = 0, there is no step to capture."""
+    target = _fakes.FakeTarget()
+    head = dict(head=_fakes.FakeHead(target.table), capture=_fakes.fake_capture()) if with_head else {}
+    engine = Engine(target, _fakes.make_cache(), EngineConfig(draft_len=draft_len), vocab_size=_fakes.VOCAB, **head)
+    with pytest.raises(ValueError, match=r"^CUDA graphs capture the Eagle3 generation step: they need a draft head "
+                                         r"and K >= 1$"):
+        GenerationGraphs(engine.runner, capture=False)
+
+
 class _PlannedMeta:
     """Records every `prepare`; `counted=False` has no `prepare_count` (always re-planned)."""
 

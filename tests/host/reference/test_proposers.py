@@ -81,6 +81,20 @@ def test_replay_refuses_a_diverged_request():
         proposer(DraftContext.build([0], [[1, 9]], 2))
 
 
+def test_replay_refuses_a_request_it_has_no_reference_for_naming_it():
+    """A request id outside the references failed subscripting None."""
+    proposer = ReplayProposer({0: [1, 2, 3, 4]}, 11)
+    with pytest.raises(KeyError, match="ReplayProposer has no reference for request 7"):
+        proposer(DraftContext.build([7], [[1, 2]], 2))
+
+
+@pytest.mark.parametrize("error_rate", [-0.1, 1.5, float("nan")])
+def test_replay_refuses_an_error_rate_that_is_not_a_fraction(error_rate):
+    """A share of positions lies in [0, 1]: 1.5 ran as 1, -0.1 as 0 and nan as 0 (no mistakes) silently."""
+    with pytest.raises(ValueError, match=rf"^error_rate must be in \[0, 1\], got {error_rate}$"):
+        ReplayProposer.with_error_rate(references(), _fakes.VOCAB, error_rate)
+
+
 def test_drafter_plugin_refuses_a_proposal_count_that_does_not_match_the_requests():
     context = DraftContext.build([0, 1], [[1, 2], [3]], 2)
     plugin = DrafterPlugin(lambda ctx: [[5], [6, 7], [8, 9]])  # three proposals for two requests

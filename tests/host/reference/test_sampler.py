@@ -47,6 +47,8 @@ def test_bad_parameters_name_the_cause():
     for temperature in (-1.0, math.inf, math.nan):  # the CLI refuses the same ones
         with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
             SamplingParams(temperature=temperature)
+    with pytest.raises(ValueError, match=r"^top_k must be >= 0, got -1$"):  # 0 turns it off; -1 is not "off"
+        SamplingParams(temperature=1.0, top_k=-1)
     with pytest.raises(ValueError, match="greedy"):
         filtered_probs(torch.zeros(1, 3), SamplingParams())
     with pytest.raises(ValueError, match="generator per row"):
