@@ -1,7 +1,8 @@
 """Strict int arguments, one rule for the whole package: sizes, layer ids, counts and drafted token
 ids arrive from configs, host objects, drafters and callers; a float (layer 2.7, 1.5 heads), a bool
 or a string ("2" bytes repeated into a page size) must be refused by name, never truncated, while
-any integer (Python, numpy, a 0-d torch integer: anything with ``__index__``) is one."""
+any integer (Python, numpy, a 0-d torch integer: anything with ``__index__``) is one; a torch bool
+or a one-element torch tensor of more dimensions is not."""
 from __future__ import annotations
 
 import operator
@@ -9,7 +10,10 @@ import operator
 
 def exact_index(value: object) -> int | None:
     """``value`` as an int if it is an integer (not bool), else None."""
-    if isinstance(value, bool):
+    if type(value) is int:
+        return value
+    # a torch bool tensor and a one-element torch tensor of any shape have __index__ too
+    if isinstance(value, bool) or getattr(value, "ndim", 0) != 0 or str(getattr(value, "dtype", "")) == "torch.bool":
         return None
     try:
         return operator.index(value)

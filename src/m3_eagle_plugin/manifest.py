@@ -130,9 +130,12 @@ def _str_list(table: Mapping[str, Any], key: str, where: str, *, default: Any = 
 
 def _specifier(text: str, name: str) -> SpecifierSet:
     try:
-        return SpecifierSet(text)
+        specifier = SpecifierSet(text)
     except InvalidSpecifier as exc:
         raise _FieldProblem(f"field {name!r} is not a valid PEP 440 specifier: {text!r}") from exc
+    if not specifier:  # an empty set holds every version: "" would support, or defer, every host
+        raise _FieldProblem(f"field {name!r} must name at least one version bound, got {text!r}")
+    return specifier
 
 
 def _parse_host(raw: Mapping[str, Any]) -> HostSpec:
@@ -257,7 +260,7 @@ def _load_default() -> Manifest:
 def _load_path(path: Path) -> Manifest:
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise ManifestError(f"cannot read manifest {path}: {exc}") from exc
     try:
         raw = tomllib.loads(text)

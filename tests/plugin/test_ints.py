@@ -1,4 +1,6 @@
 """The package's one strict-int rule (`_ints`): any integer is one, nothing else is turned into one."""
+import operator
+
 import numpy as np
 import pytest
 import torch
@@ -56,3 +58,13 @@ def test_sharding_takes_numpy_head_counts_and_answers_plain_ints():
     assert type(shard_width("width", np.int64(96), 4)) is int
     with pytest.raises(TypeError, match="num_heads must be an int, got float 64.0"):
         shard_heads(64.0, 4, 4, 4)
+
+
+@pytest.mark.parametrize("value", [torch.tensor(True), torch.tensor([5]), torch.tensor([[5]]), torch.tensor([True])])
+def test_a_torch_bool_or_a_one_element_tensor_is_not_an_int(value):
+    """torch gives these __index__ (True read as 1, [5] as 5); numpy's own rule refuses the 1-d array."""
+    with pytest.raises(TypeError):
+        operator.index(np.array([5]))
+    assert exact_index(value) is None
+    with pytest.raises(TypeError, match="^draft_len must be an int, got Tensor"):
+        as_int("draft_len", value)

@@ -319,3 +319,22 @@ def test_a_defer_verdict_without_a_defer_reason_still_says_why():
     verdict = host_verdict("1.4.2", parse_manifest(raw))
     why, _, rest = verdict.reason.partition("; deferring")
     assert verdict.status == DEFER and why.strip() and rest
+
+
+@pytest.mark.parametrize("key", ["requires", "defer_from"])
+def test_an_empty_version_range_is_refused_naming_it(key):
+    """An empty PEP 440 specifier set holds every version: requires = "" called 0.1 and 9.0 in range,
+    defer_from = "" deferred every host, the tested one included."""
+    assert SpecifierSet("").contains("0.1") and SpecifierSet("").contains("9.0")
+    raw = raw_manifest()
+    raw["host"][key] = ""
+    with pytest.raises(ManifestError, match=f"field 'host.{key}' must name at least one version bound"):
+        parse_manifest(raw, source="m.toml")
+
+
+def test_a_manifest_that_is_not_utf8_is_a_manifest_error_naming_the_file(tmp_path):
+    """A Latin-1 byte escaped as a bare UnicodeDecodeError that named no file."""
+    path = tmp_path / "plugin_manifest.toml"
+    path.write_bytes(ROOT_MANIFEST.read_bytes().replace(b'"MiniMax-M3 one-model', b'"Mini\xe9Max-M3'))
+    with pytest.raises(ManifestError, match=f"cannot read manifest {path}: .*utf-8"):
+        load_manifest(path)
