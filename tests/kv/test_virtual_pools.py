@@ -533,3 +533,15 @@ def test_a_replaced_copy_fn_gets_each_pools_own_kv_offset():
     copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[7, 5],
                        base_kv_offsets=[0, 2], copy_fn=lambda d, h, i, s, kv, m: calls.append((s, kv, m)))
     assert calls == [(7, 0, None), (5, 2, None), (5, 1, None)]  # the virtual pool: its own kv offset 1
+
+
+def test_a_non_contiguous_nvfp4_pointer_table_extends_like_its_contiguous_copy():
+    """Same values, another memory layout (a [pools, 2, 2] table built transposed): the new row
+    came from zeros_like, which kept the transposed strides, and view(-1) refused it."""
+    pointers = torch.tensor([[[TARGET_ADDR, 0x6100_0000], [0, 0]]], dtype=torch.int64)
+    strided = pointers.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous() and strided.tolist() == pointers.tolist()
+    mapping = torch.tensor([[0, 0], [0, 2]], dtype=torch.int32)
+    pools = extend_attention_op_pools(strided, mapping, [(1, DRAFT_K_ADDR, SCALE)])
+    assert pools.pool_pointers.tolist() == [[[TARGET_ADDR, 0x6100_0000], [0, 0]], [[DRAFT_K_ADDR, 0], [0, 0]]]
+    assert pools.pool_mapping.tolist() == [[0, 0], [1, 0]]

@@ -128,7 +128,8 @@ def extend_attention_op_pools(
         if not 0 <= source < base_pools:
             raise ValueError(f"draft layer {layer} maps to pool {source}, not a storage pool")
         seen.add(layer)
-        row = torch.zeros_like(pool_pointers[0])
+        # zeros_like kept a non-contiguous table's strides, and view(-1) then refused the row
+        row = torch.zeros(pool_pointers.shape[1:], dtype=torch.int64, device=pool_pointers.device)
         row.view(-1)[0] = address
         new_rows.append(row)
         op_pool = base_pools + len(op_pools)

@@ -176,3 +176,16 @@ def test_a_grid_past_cudas_z_limit_is_refused_before_launch(monkeypatch):
     with pytest.raises(KernelTooLargeError, match=r"dense verify attention: its grid \(1, 1, 65536\) \(requests, "
                                                   r"KV heads, splits\) is past CUDA's 65535"):
         dense_verify.dense_verify_attention(q, kc, kc, meta, scale=0.25, splits=65536)
+
+
+@pytest.mark.parametrize("key_tile", [0, 12, -16, 8])
+def test_a_key_tile_the_mmas_cannot_take_is_refused_by_name_before_launch(monkeypatch, key_tile):
+    """As in the sparse attention: a key tile that is not a power of two >= 16 was Triton's
+    unnamed compile error."""
+    from m3_eagle_plugin.msa.kernels import KernelInputError, dense_verify
+
+    monkeypatch.setattr(dense_verify, "launch", lambda *a, **k: pytest.fail("launched"))
+    meta, cache, q, _ = random_step(SMALL, [2, 1], [40, 17], kv_dtype=torch.float32, q_dtype=torch.float32,
+                                    device="cpu")
+    with pytest.raises(KernelInputError, match="key_tile must be a power of two >= 16"):
+        _run(q, cache, meta, scale=0.3, splits=1, key_tile=key_tile)

@@ -249,3 +249,22 @@ def test_a_grid_past_cudas_z_limit_is_refused_before_launch(monkeypatch, tokens,
     with pytest.raises(KernelTooLargeError, match=r"\(1, 1, \d+\) \(requests, KV heads, " + programs.replace("(", r"\(")):
         sparse_verify.sparse_verify_attention(q, kc, kc, meta, sel, scale=0.25, **kw)
     assert not launched
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("key_tile", [0, 12, -16, 8, 16.0])
+def test_a_key_tile_the_mmas_cannot_take_is_refused_by_name_before_launch(monkeypatch, layout, key_tile):
+    """A key tile that is not a power of two >= 16 (tl.dot's smallest) was handed to Triton, whose
+    compile error (or the interpreter's arange error) named no option."""
+    from m3_eagle_plugin.msa.kernels import KernelInputError
+    from m3_eagle_plugin.msa.kernels import block_union, sparse_verify
+
+    launched = []
+    for module in (sparse_verify, block_union):
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, *a, **k: launched.append(grid))
+    meta, cache, q, _ = random_step(SMALL, [2, 1], [40, 17], kv_dtype=torch.float32, q_dtype=torch.float32,
+                                    device="cpu")
+    sel = _random_selection(meta, SMALL.kv_heads, 2, SMALL.block, 5)
+    with pytest.raises(KernelInputError, match="key_tile must be a power of two >= 16"):
+        _run(q, cache, meta, sel, scale=0.3, splits=1, layout=layout, key_tile=key_tile)
+    assert not launched

@@ -19,6 +19,7 @@ from .attention_io import check_attention_inputs, check_splits, max_partial_spli
 from .attention_tiles import LOG2E, online_softmax_step, store_rows, zero_graph_padding
 from .launch import launch
 from .replay import Replayer, call_signature
+from .sparse_verify import check_key_tile
 
 
 @triton.jit
@@ -181,10 +182,11 @@ def _dense(q, k_cache, v_cache, meta, *, scale, k_scale, v_scale, max_qo_len, sp
     check_splits(splits, partial_row)
     check_grid("dense verify attention", (num_requests, hkv, splits), "requests, KV heads, splits")
     out, o_buf, lse = split_outputs(q, v_cache, splits)
-    if num_tokens == 0 or num_requests == 0:
-        return out.zero_()
     if key_tile is None:  # H200 at B64/32K: 64 for 16-bit KV (2026-11-29 sweep: 311 vs 445 us with 128), 32 for fp8
         key_tile = 64 if k_cache.element_size() >= 2 else 32
+    check_key_tile(key_tile)
+    if num_tokens == 0 or num_requests == 0:
+        return out.zero_()
     launch(_dense_verify_kernel, (num_requests, hkv, splits),
         q, q.stride(0), q.stride(1),
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -413,6 +413,7 @@ def sparse_verify_attention(
             "paired_v needs an e4m3 V cache with even strides and offset, and compute_f16")
     if key_tile is None:
         key_tile = DEFAULT_KEY_TILE[layout]
+    check_key_tile(key_tile)
     if layout == "token":
         return _token_attention(q, k_cache, v_cache, meta, selection, qk_scale=qk_scale, vs=vs,
                                 max_qo_len=max_qo_len, splits=splits, num_warps=num_warps, num_stages=num_stages,
@@ -451,6 +452,12 @@ def sparse_verify_attention(
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device, grid),
     )
     return merge_outputs(out, o_buf, lse, meta, splits, vs)
+
+
+def check_key_tile(key_tile: int) -> None:
+    """Refuse a key tile the MMAs cannot take (a Triton compile error that names no option otherwise)."""
+    require(isinstance(key_tile, int) and not isinstance(key_tile, bool) and key_tile >= 16 and is_pow2(key_tile),
+            f"key_tile must be a power of two >= 16 (keys a tl.dot tile takes), got {key_tile!r}")
 
 
 def paired_v_applies(v_cache: torch.Tensor, compute_f16: bool) -> bool:
