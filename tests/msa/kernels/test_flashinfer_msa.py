@@ -17,7 +17,7 @@ import torch
 from m3_eagle_plugin.msa import MsaDecodeMetadata
 from m3_eagle_plugin.msa import select_blocks_paged as ref_select
 from m3_eagle_plugin.msa import sparse_attention as ref_sparse
-from m3_eagle_plugin.msa.kernels import KernelBackendError, select_blocks_paged, sparse_attention
+from m3_eagle_plugin.msa.kernels import KernelBackendError, KernelInputError, select_blocks_paged, sparse_attention
 from m3_eagle_plugin.msa.kernels import flashinfer_msa as fim
 from m3_eagle_plugin.msa.kernels import kernel_table
 from tests.bench import _fake_flashinfer
@@ -693,3 +693,13 @@ def test_q2k_indices_shares_one_index_head_and_refuses_another_head_count():
     assert fim.q2k_indices(sel[:1], 3).tolist() == [[[0, 2, -1]]] * 3
     with pytest.raises(ValueError, match="selection has 2 heads for 4 KV heads"):
         fim.q2k_indices(sel, 4)
+
+
+@pytest.mark.parametrize("kw, name", [(dict(local_blocks=1.5), "local_blocks"), (dict(init_blocks=True), "init_blocks"),
+                                      (dict(topk=2.5), "topk")])
+def test_flashinfer_selection_refuses_counts_the_reference_refuses_before_calling_flashinfer(monkeypatch, kw, name):
+    """As the reference and our top-k (`_common.selection_counts`): 1.5 local blocks is no count."""
+    monkeypatch.setattr(fim, "_msa", lambda: pytest.fail("FlashInfer was called"))
+    args = dict(topk=4, q_len=1, local_blocks=1, init_blocks=0) | kw
+    with pytest.raises(KernelInputError, match=name):
+        fim.select_blocks(torch.zeros(1, 1, 16), torch.zeros(1, 4, 16), None, **args)

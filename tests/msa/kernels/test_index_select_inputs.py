@@ -122,3 +122,30 @@ def test_top_k_refuses_scores_narrower_than_the_blocks_its_tokens_may_hold(monke
     index_select.topk_from_block_scores(torch.zeros(heads, tokens, 5), hosted, topk=2)
     index_select.topk_from_block_scores(torch.zeros(heads, tokens, 6), meta, topk=2)
     assert len(launched) == 2
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(topk=4, local_blocks=1.5), "local_blocks"),  # constexpr 1.5: nv - 1.5 forced two local blocks
+    (dict(topk=4, init_blocks=0.5), "init_blocks"),
+    (dict(topk=4, local_blocks=True), "local_blocks"),
+    (dict(topk=True), "topk"),
+    (dict(topk=3.0), "topk"),
+])
+def test_selection_counts_the_reference_refuses_are_refused_before_any_launch(monkeypatch, kw, name):
+    from m3_eagle_plugin.msa import select_blocks_paged
+    from m3_eagle_plugin.msa.kernels import index_select
+
+    meta, cache, _, index_q = _step()
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(index_select, "launch", no_launch)
+    with pytest.raises(TypeError, match=f"{name} must be an int"):  # the torch reference
+        select_blocks_paged(index_q, cache.index_k, meta, **kw)
+    scores = torch.zeros(index_q.shape[1], 6, meta.block_tables.shape[1])
+    with pytest.raises(KernelInputError, match=f"{name} must be an int"):
+        index_select.topk_from_block_scores(scores, meta, **kw)
+    for handoff in (False, True):  # refused before the scoring runs, not after it
+        with pytest.raises(KernelInputError, match=f"{name} must be an int"):
+            index_select.select_blocks_verify(index_q, cache.index_k, meta, handoff=handoff, **kw)

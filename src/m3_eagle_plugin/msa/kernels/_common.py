@@ -240,6 +240,18 @@ def require(cond: bool, message: str) -> None:
         raise KernelInputError(message)
 
 
+def selection_counts(topk: Any, local_blocks: Any, init_blocks: Any) -> tuple[int, int, int]:
+    """(topk, local_blocks, init_blocks) as ints, the forced blocks within topk, as the reference
+    (`msa.selection`) takes them: a kernel's constexprs would take 1.5 local blocks (two forced)
+    or a bool."""
+    topk = as_int("topk", topk, 1, KernelInputError)
+    local_blocks = as_int("local_blocks", local_blocks, 0, KernelInputError)
+    init_blocks = as_int("init_blocks", init_blocks, 0, KernelInputError)
+    require(local_blocks + init_blocks <= topk, f"local_blocks {local_blocks} + init_blocks {init_blocks} exceed topk "
+            f"{topk}: the forced blocks would not all be selected")
+    return topk, local_blocks, init_blocks
+
+
 def check_cache_view(name: str, cache: torch.Tensor, ndim: int) -> None:
     require(cache.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(cache.shape)}")
     require(cache.stride(-1) == 1, f"{name} must be contiguous in its last dim (stride {cache.stride()})")

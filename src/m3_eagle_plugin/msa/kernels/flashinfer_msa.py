@@ -33,7 +33,7 @@ import torch
 
 from ..blocks import is_integer_dtype
 from ._common import attention_scales
-from ._common import device_capability, require  # device_capability: tests patch it here; the bench imports it here
+from ._common import device_capability, selection_counts  # device_capability: tests patch it here; the bench imports it here
 
 SPARSE = "sparse_attention"
 INDEX = "select_blocks_paged"
@@ -318,9 +318,7 @@ def select_blocks(index_q, index_k_cache, meta, *, topk: int, q_len: int, local_
                   init_blocks: int = 0) -> torch.Tensor:
     """int32 `[Hi, T, topk]`, ascending, -1 padded, as `msa.select_blocks_paged` (inputs passed
     `index_eligibility`)."""
-    require(local_blocks >= 0 and init_blocks >= 0, "local_blocks and init_blocks must be >= 0")
-    require(local_blocks + init_blocks <= topk, f"local_blocks {local_blocks} + init_blocks {init_blocks} exceed topk "
-            f"{topk}: the forced blocks would not all be selected")
+    topk, local_blocks, init_blocks = selection_counts(topk, local_blocks, init_blocks)
     msa = _msa()
     tokens, heads = index_q.shape[0], index_q.shape[1]
     tiles = _tiles(meta)

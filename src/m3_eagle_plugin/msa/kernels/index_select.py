@@ -38,6 +38,7 @@ from ._common import (
     is_pow2,
     next_pow2,
     require,
+    selection_counts,
     tokens_per_tile,
     triton_interpreting,
 )
@@ -404,10 +405,7 @@ def topk_from_block_scores(
     `meta.block_size`) and restores the sentinel; `early` launches it with PDL on SM90+ (the
     scoring must have been launched with `release_dependents=True`).
     """
-    require(topk >= 1, f"topk must be >= 1, got {topk}")
-    require(local_blocks >= 0 and init_blocks >= 0, "local_blocks and init_blocks must be >= 0")
-    require(local_blocks + init_blocks <= topk, f"local_blocks {local_blocks} + init_blocks {init_blocks} exceed topk "
-            f"{topk}: the forced blocks would not all be selected")
+    topk, local_blocks, init_blocks = selection_counts(topk, local_blocks, init_blocks)
     check_meta(meta, block_scores.device, dense_fields=("kv_lens", "cu_qo_lens", "valid_blocks"))
     check_same_device(block_scores.device, ready=ready)
     check_score_layout("block_scores", block_scores)
@@ -507,6 +505,7 @@ def select_announcing(index_q, index_k_cache, meta, *, topk: int, local_blocks: 
     and the hand-off, each selected row also sets a `handoff.ready_flags` entry (index head x
     token) to `consumers`; the flags are returned only then, and the caller must then launch
     exactly that many flag-polling attention programs per row (`verify_step`)."""
+    topk, local_blocks, init_blocks = selection_counts(topk, local_blocks, init_blocks)  # before the scoring runs
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len,
               union_group=union_group)
     num_tokens, num_heads, _ = index_q.shape
