@@ -27,7 +27,6 @@ naming the request, pool and page.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -140,11 +139,6 @@ def _count_call(engine: Engine, steps: int, started: float, failed: bool = False
         torch.cuda.synchronize(engine.device)
     engine.stats.engine_steps += steps
     engine.stats.elapsed_s += time.perf_counter() - started
-
-
-def _snapshot(engine: Engine, requests: list[Request]) -> GenerationResult:
-    """`Engine.result` with a copy of the running statistics, so a later call leaves it as it was."""
-    return dataclasses.replace(engine.result(requests), stats=copy.deepcopy(engine.stats))
 
 
 def export_handoff(engine: Engine, request: Request) -> ContextHandoff:
@@ -293,11 +287,11 @@ def continue_generation(engine: Engine, requests: list[Request]) -> GenerationRe
         except BaseException as error:
             engine.stop_unfinished(requests)
             _count_call(engine, step_id, started, failed=True)
-            attach_partial_result(error, _snapshot(engine, requests))
+            attach_partial_result(error, engine.result(requests))
             raise
         _count_call(engine, step_id, started)
         engine.stop_unfinished(requests)  # none left once the loop ran dry; a guard against leaking pages
-        return _snapshot(engine, requests)
+        return engine.result(requests)  # a copy of the running statistics: later calls leave it as it was
 
 
 _STATE_INTS = 7  # index, max_new_tokens, kv_len, pending_draft_len, n_prompt, n_output, n_pending
