@@ -55,9 +55,11 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     scores = logits.to(torch.float32)
     # Shifted by the row max first (softmax does not change): a tiny temperature then sends the
     # other scores to -inf instead of every score to +-inf (a NaN distribution).
-    # Divided in float64: a temperature under fp32's smallest subnormal (1e-46) would round to 0 there,
-    # and the row max's 0 / 0 is NaN.
-    scores = ((scores - scores.amax(dim=-1, keepdim=True)).to(torch.float64) / params.temperature).to(torch.float32)
+    scores = scores - scores.amax(dim=-1, keepdim=True)
+    if float(torch.tensor(params.temperature, dtype=torch.float32)) > 0:
+        scores = scores / params.temperature
+    else:  # under fp32's smallest subnormal (1e-46) it is 0 there, and the row max's 0 / 0 NaN: float64
+        scores = (scores.to(torch.float64) / params.temperature).to(torch.float32)
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
