@@ -291,6 +291,19 @@ def test_a_draft_layer_without_k_v_buffers_is_refused_naming_it(extra):
         build_pool_geometry(buffers, draft_layer_ids=[5])
 
 
+@pytest.mark.parametrize("buffers", [
+    [BufferSpec(0, "k", 8), BufferSpec(0, "v", 8), BufferSpec(1, "index_k", 8)],
+    [BufferSpec(1, "index_k", 8)],
+])
+def test_an_index_k_page_without_its_layers_k_v_is_refused_naming_the_layer(buffers):
+    """Index-K is a sparse layer's third page (K, V, index-K). Alone, layer 1 became a target layer
+    whose attention-op mapping row the cache never set: [0, 0], layer 0's K page."""
+    with pytest.raises(ValueError, match="layer 1 has an index-K buffer but no K/V buffers"):
+        build_pool_geometry(buffers)
+    sparse = build_pool_geometry([*buffers[:-1], BufferSpec(1, "k", 8), BufferSpec(1, "v", 8), buffers[-1]])
+    assert sparse.target_layer_ids == tuple(sorted({b.layer for b in buffers} | {1}))
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

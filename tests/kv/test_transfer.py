@@ -116,6 +116,22 @@ def test_import_out_of_blocks_changes_nothing():
     assert torch.equal(dst.storage(0), snapshot)
 
 
+def test_importing_a_request_the_cache_already_holds_is_refused_naming_that_not_the_blocks():
+    """The docstring: ``rid`` must be new. Into a cache that request fills, the import was refused
+    as out of blocks (3 needed, 0 free), which is not why; the held pages stay as they were."""
+    src, dst = _cache(), _cache(num_blocks=3)
+    src.add_request(0)
+    src.reserve(0, 9)
+    payload = export_request(src, 0)
+    import_request(dst, 0, payload)
+    pages, snapshot = dst.pages(0), dst.storage(0).clone()
+    with pytest.raises(ValueError, match="request 0 already exists") as refused:
+        import_request(dst, 0, payload)
+    assert not isinstance(refused.value, OutOfBlocksError)
+    assert dst.pages(0) == pages and dst.num_tokens(0) == 9 and dst.num_free_blocks == 0
+    assert torch.equal(dst.storage(0), snapshot)
+
+
 def test_import_rejects_bad_payloads():
     src, dst = _cache(), _cache()
     src.add_request(0)

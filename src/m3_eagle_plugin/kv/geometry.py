@@ -123,9 +123,10 @@ def build_pool_geometry(
     """Group ``buffers`` of equal page size into pools and place each (layer, role).
 
     Pools are numbered in order of first appearance. A layer's K and V must share a pool and
-    V must directly follow K (callers list K then V). ``draft_layer_ids`` name the shared
-    draft layers: their K/V pages must land in a pool that also hosts the target's K/V, since
-    the draft is addressed through a virtual pool fed from that pool's block offsets.
+    V must directly follow K (callers list K then V); an index-K page needs its layer's K and V.
+    ``draft_layer_ids`` name the shared draft layers: their K/V pages must land in a pool that
+    also hosts the target's K/V, since the draft is addressed through a virtual pool fed from
+    that pool's block offsets.
     """
     buffers = list(buffers)
     if not buffers:
@@ -164,6 +165,11 @@ def build_pool_geometry(
 
     drafts = tuple(as_int("draft layer id", d) for d in draft_layer_ids)
     _check_draft_hosting(placements, pool_sizes, drafts)
+    for layer, role in placements:
+        if role == "index_k" and (layer, "k") not in placements:
+            # index-K is a sparse layer's third page; alone it counted as a target layer whose
+            # attention-op mapping row (never set) aliased layer 0's K page
+            raise ValueError(f"layer {layer} has an index-K buffer but no K/V buffers")
     pools = tuple(PoolSpec(i, pool_sizes[i], pool_sub_pages[i]) for i in range(len(pool_sizes)))
     return PoolGeometry(pools=pools, placements=dict(placements), draft_layer_ids=drafts)
 

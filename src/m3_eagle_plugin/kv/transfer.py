@@ -76,6 +76,8 @@ def import_request(cache: PagedKVCache, rid: Hashable, payload: KVTransferPayloa
     """
     if not isinstance(payload, KVTransferPayload):
         raise TypeError(f"payload must be a KVTransferPayload, got {type(payload).__name__}")
+    if rid in cache.allocator:  # first: into a cache it fills, the block count was named instead
+        raise ValueError(f"request {rid!r} already exists in this cache")
     expected = cache_fingerprint(cache)
     if payload.fingerprint != expected:
         raise GeometryMismatchError(
