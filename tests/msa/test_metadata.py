@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -295,6 +297,14 @@ def test_a_non_integer_context_row_count_is_refused_by_name(count) -> None:
     assert meta.num_requests == 0 and meta.prepare_count == 0
 
 
+@pytest.mark.parametrize("count", [np.int64(0), np.int64(1), torch.tensor(0), torch.tensor(1)])
+def test_a_numpy_or_tensor_context_row_count_gives_a_bool_decode_only(count) -> None:
+    # Accepted as an int, but is_decode_only came out np.bool_ / tensor(True) (a device read per test).
+    meta = MsaDecodeMetadata(4, 16, 8, 4, "cpu", max_draft_len=3)
+    meta.prepare([1, 4], [5, 8], torch.zeros(2, 2, dtype=torch.int32), num_context_requests=count)
+    assert type(meta.is_decode_only) is bool and meta.is_decode_only is (int(count) == 0)
+
+
 def test_complex_lengths_and_tables_are_refused_by_name() -> None:
     # A complex table or length failed inside torch ("min_all" not implemented for complex), naming nothing.
     meta = MsaDecodeMetadata(4, 16, 8, 4, "cpu", max_draft_len=3)
@@ -507,6 +517,17 @@ def test_buffer_bytes_is_what_the_constructor_allocates(requests, tokens, blocks
     expected = MsaDecodeMetadata.buffer_bytes(requests, tokens, blocks, 4, "cpu", max_draft_len=draft_len,
                                               num_index_heads=heads)
     assert expected == _allocated_bytes(meta)
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    ((1, 1, 1), dict(max_draft_len=-100)),  # was -300 bytes
+    ((0, 8, 3), {}), ((2, 8, 3), dict(num_index_heads=0)), ((2.5, 8, 3), {}), ((2, 8, 3), dict(max_draft_len=True)),
+])
+def test_buffer_bytes_refuses_what_the_constructor_refuses(args, kwargs) -> None:
+    with pytest.raises((TypeError, MsaInputError)) as refused:
+        MsaDecodeMetadata(*args, 4, "cpu", **kwargs)
+    with pytest.raises(type(refused.value), match=re.escape(str(refused.value))):
+        MsaDecodeMetadata.buffer_bytes(*args, 4, "cpu", **kwargs)
 
 
 def test_buffer_bytes_worked_example() -> None:

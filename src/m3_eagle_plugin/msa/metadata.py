@@ -152,8 +152,13 @@ class MsaDecodeMetadata:
     ) -> int:
         """Bytes ``__init__`` allocates for these constructor arguments, without allocating: the int32
         fields twice (host staging and device), the four per-token int32 buffers and the fp32 proxy
-        scratch. ``block_size``, ``device`` and ``num_pages`` do not change the size."""
-        r, t, m = max_num_requests, max_num_tokens, max_blocks_per_seq
+        scratch. ``block_size``, ``device`` and ``num_pages`` do not change the size. The sizes are
+        checked as ``__init__`` checks them (a count it refuses has no size, not a negative one)."""
+        r = checked_int("max_num_requests", max_num_requests)
+        t = checked_int("max_num_tokens", max_num_tokens)
+        m = checked_int("max_blocks_per_seq", max_blocks_per_seq)
+        max_draft_len = checked_int("max_draft_len", max_draft_len, minimum=0)
+        num_index_heads = checked_int("num_index_heads", num_index_heads)
         staged = sum(_staged_sections(r, t, m).values())
         return 4 * (2 * staged + _PER_TOKEN_FIELDS * t) + 4 * num_index_heads * r * (1 + max_draft_len) * m
 
@@ -227,7 +232,8 @@ class MsaDecodeMetadata:
     # ----- host side ------------------------------------------------------------------------
     def _validate(
         self, qo: list[int], kv: list[int], block_tables: torch.Tensor, num_context_requests: int | None
-    ) -> None:
+    ) -> int | None:
+        """Refuse an inconsistent step; returns ``num_context_requests`` as an int (None stays None)."""
         num_requests = len(qo)
         if len(kv) != num_requests:
             raise MsaInputError(f"qo_lens has {num_requests} entries but kv_lens has {len(kv)}")
@@ -265,9 +271,11 @@ class MsaDecodeMetadata:
         if num_tokens > self.max_num_tokens:
             raise MsaInputError(f"step has {num_tokens} tokens, max_num_tokens is {self.max_num_tokens}")
         if num_context_requests is None:
-            return
-        if not 0 <= as_int("num_context_requests", num_context_requests) <= num_requests:
-            raise MsaInputError(f"num_context_requests {num_context_requests} not in [0, {num_requests}]")
+            return None
+        count = as_int("num_context_requests", num_context_requests)
+        if not 0 <= count <= num_requests:
+            raise MsaInputError(f"num_context_requests {count} not in [0, {num_requests}]")
+        return count
 
     def _check_pages(self, r: int, pages: torch.Tensor) -> None:
         """Request ``r``'s page ids in a host table (one min and one max a request, per step):
@@ -305,7 +313,8 @@ class MsaDecodeMetadata:
         """
         qo = _host_lengths("qo_lens", qo_lens)
         kv = _host_lengths("kv_lens", kv_lens)
-        self._validate(qo, kv, block_tables, num_context_requests)
+        # as an int: a NumPy or 0-d tensor count made is_decode_only one too (a device read at every test)
+        num_context_requests = self._validate(qo, kv, block_tables, num_context_requests)
         num_requests, num_tokens = len(qo), sum(qo)
         if num_context_requests is None:
             decode_only = num_requests > 0 and all(q <= 1 + self.max_draft_len for q in qo)
