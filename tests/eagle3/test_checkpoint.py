@@ -494,3 +494,14 @@ def test_a_directory_named_config_json_in_the_draft_is_not_called_missing(tiny, 
     (path / "config.json").mkdir()
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path / 'config.json'))} is not a file$"):
         inspect_draft(path, target.config)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (dict(hidden_size=96), "hidden_size"),
+    (dict(target_hidden_size=128), "target_hidden_size"),  # hidden_size is right: "64 ... does not match 64"
+])
+def test_a_hidden_size_mismatch_names_the_field_that_differs(edit, field):
+    raw = draft_config()
+    raw.update(edit)
+    with pytest.raises(ConfigError, match=rf"^d\.json: {field}: draft hidden_size "):
+        _parse(raw)

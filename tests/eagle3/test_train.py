@@ -658,3 +658,34 @@ def test_concatenating_nothing_names_that_cause_and_a_generator_is_read_once(dat
     halves = [data.select(torch.arange(6)), data.select(torch.arange(6, 12))]
     joined = concat_data(part for part in halves)
     assert all(torch.equal(getattr(joined, f), getattr(data, f)) for f in DistillData.FIELDS)
+
+
+@pytest.mark.parametrize("ttt_steps, hard_weight, message", [
+    (0, 0.0, r"^ttt_steps must be an int >= 1, got 0$"),  # no pass: torch.stack of no loss
+    (1.5, 0.0, r"^ttt_steps must be an int >= 1, got float 1\.5$"),
+    (1, -1.0, r"^hard_weight must be finite and >= 0, got -1\.0$"),  # rewarded missing the greedy token
+    (1, float("inf"), r"^hard_weight must be finite and >= 0, got inf$"),
+])
+def test_distill_loss_refuses_pass_counts_and_hard_weights_it_cannot_use(pair, data, ttt_steps, hard_weight, message):
+    with pytest.raises(ValueError, match=message):
+        distill_loss(pair[3], data, ttt_steps, hard_weight)
+
+
+def test_distillation_data_of_another_head_or_target_is_refused_naming_the_width(pair, data):
+    """Aux rows narrower than fc takes, or distributions over another vocabulary, failed deep inside the
+    step (and concat_data in torch.cat) with a bare size mismatch naming no field."""
+    head = pair[3]
+    narrow = DistillData(data.tokens, data.aux[..., :-8], data.target_next, data.lengths, data.target_logprobs)
+    with pytest.raises(ValueError, match=rf"^distillation data has aux rows {head.fc.in_features - 8} wide; "
+                                         rf"this head's fc takes {head.fc.in_features} "):
+        distill_loss(head, narrow)
+    with pytest.raises(ValueError, match=r"^cannot concatenate distillation data whose aux differ in width"):
+        concat_data([data, narrow])
+    vocab = head.config.vocab_size
+    wide = DistillData(data.tokens, data.aux, data.target_next, data.lengths,
+                       torch.cat([data.target_logprobs] * 2, dim=-1))
+    with pytest.raises(ValueError, match=rf"^distillation data has target distributions over {2 * vocab} ids; "
+                                         rf"this head's target vocabulary has {vocab}$"):
+        distill_loss(head, wide)
+    with pytest.raises(ValueError, match=r"^cannot concatenate distillation data whose target_logprobs differ"):
+        concat_data([data, wide])

@@ -57,7 +57,9 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
         raise top.error("num_attention_heads", f"{heads} heads leave no room in hidden_size {hidden}")
     declared_target = top.get_int("target_hidden_size", hidden, minimum=1)
     if hidden != target_hidden_size or declared_target != target_hidden_size:
-        raise ConfigError(f"{source}: hidden_size: draft hidden_size {hidden} (target_hidden_size {declared_target}) "
+        # the field that differs: a right hidden_size with a wrong target_hidden_size read "64 does not match 64"
+        field = "hidden_size" if hidden != target_hidden_size else "target_hidden_size"
+        raise ConfigError(f"{source}: {field}: draft hidden_size {hidden} (target_hidden_size {declared_target}) "
                           f"does not match the target model's hidden size {target_hidden_size}")
     vocab = top.get_int("vocab_size", target_vocab_size, minimum=1)
     if vocab != target_vocab_size:

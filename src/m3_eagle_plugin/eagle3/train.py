@@ -127,6 +127,11 @@ def concat_data(parts: Iterable[DistillData]) -> DistillData:
     widths = {p.tokens.shape[1] for p in parts}
     if len(widths) != 1:
         raise ValueError(f"cannot concatenate distillation data of different lengths {sorted(widths)}")
+    for field in ("aux", "target_logprobs"):  # torch.cat's size mismatch named neither the field nor the parts
+        sizes = {getattr(p, field).shape[2:] for p in parts}
+        if len(sizes) != 1:
+            raise ValueError(f"cannot concatenate distillation data whose {field} differ in width: "
+                             f"{sorted(tuple(s) for s in sizes)}")
     return DistillData(*(torch.cat([getattr(p, f) for p in parts]) for f in DistillData.FIELDS))
 
 
@@ -187,6 +192,9 @@ def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_w
     KL against the full target distribution is infinite: both sides are taken over the target ids the
     head can propose, the target's renormalized there, and a greedy label outside them is not counted.
     """
+    _check_positive(ttt_steps=ttt_steps)  # 0 passes stacked no loss; a float failed in range()
+    _check_hard_weight(hard_weight)
+    _check_data_fits(head, data)
     tokens, aux, target_next, lengths = data.tokens, data.aux, data.target_next, data.lengths
     soft = data.target_logprobs[:, 1:]         # the target's distribution for the token at p + 2
     s = tokens.shape[1] - 1
@@ -219,6 +227,24 @@ def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_w
         prior.append(kv)
         hidden = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)  # from q - 1 to q
     return torch.stack(losses).mean()
+
+
+def _check_hard_weight(hard_weight: float) -> None:
+    # a negative one rewards missing the target's greedy token, an infinite one turns every weight NaN
+    if not 0 <= hard_weight < math.inf:
+        raise ValueError(f"hard_weight must be finite and >= 0, got {hard_weight!r}")
+
+
+def _check_data_fits(head: Eagle3Head, data: DistillData) -> None:
+    """The data's aux rows must be as wide as `fc` takes and its distributions span the target vocabulary
+    (data collected for another head or target failed deep inside the step with a bare size mismatch)."""
+    if data.aux.shape[-1] != head.fc.in_features:
+        raise ValueError(f"distillation data has aux rows {data.aux.shape[-1]} wide; this head's fc takes "
+                         f"{head.fc.in_features} ({len(head.aux_layer_ids)} aux layers x target hidden "
+                         f"{head.config.target_hidden_size})")
+    if data.target_logprobs.shape[-1] != head.config.vocab_size:
+        raise ValueError(f"distillation data has target distributions over {data.target_logprobs.shape[-1]} ids; "
+                         f"this head's target vocabulary has {head.config.vocab_size}")
 
 
 def _draft_target_ids(head: Eagle3Head, vocab_size: int) -> torch.Tensor | None:
