@@ -81,3 +81,46 @@ def test_nccl_tensors_live_on_this_ranks_gpu(monkeypatch):
     for backend, device in (("nccl", torch.device("cuda", 1)), ("gloo", torch.device("cpu"))):
         monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
         assert comm_device() == device
+
+
+@pytest.mark.parametrize("interfaces, pinned", [
+    ([(1, "lo0"), (4, "en0")], {"GLOO_SOCKET_IFNAME": "lo0"}),  # macOS and the BSDs: gloo refuses "lo" there
+    ([(2, "eth0")], {}),  # no loopback by a name we know: gloo's own choice, not a name it refuses
+    ([(1, "lo"), (2, "eth0")], {"GLOO_SOCKET_IFNAME": "lo"}),
+])
+def test_gloo_is_pinned_to_a_loopback_interface_this_host_has(monkeypatch, interfaces, pinned):
+    """Gloo fails every rendezvous on an interface name the host lacks ("Unable to find address for:
+    lo"): the default is the host's own loopback name, and none where it has no usual one."""
+    import socket
+
+    calls = _fake_cuda(monkeypatch, 0)
+    monkeypatch.setattr(socket, "if_nameindex", lambda: interfaces)
+    assert init_local_group(0, 2, 12345) == "gloo" and calls["backend"] == "gloo"
+    assert os.environ == pinned
+
+
+def test_a_gloo_interface_the_caller_chose_is_kept(monkeypatch):
+    _fake_cuda(monkeypatch, 0)
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+    init_local_group(0, 2, 12345)
+    assert os.environ == {"GLOO_SOCKET_IFNAME": "eth0"}
+
+
+@pytest.mark.parametrize("args, kwargs, cause", [
+    ((0, 2, 12345), {"timeout_s": 0}, "timeout_s must be a finite number of seconds >= 0.001, got 0"),
+    ((0, 2, 12345), {"timeout_s": 1e-9}, "timeout_s must be"),
+    ((0, 2, 12345), {"timeout_s": float("nan")}, "timeout_s must be"),
+    ((0, 2, 12345), {"timeout_s": float("inf")}, "timeout_s must be"),
+    ((True, 2, 12345), {}, "rank must be an int, got bool"),
+    ((0, 2.0, 12345), {}, "world_size must be an int"),
+    ((0, 2, 12345.5), {}, "port must be an int"),
+    ((0, 2, 0), {}, r"port must be in \[1, 65535\], got 0"),
+])
+def test_a_bad_timeout_rank_or_port_is_refused_by_name_before_any_rendezvous(monkeypatch, args, kwargs, cause):
+    """A timeout under torch's millisecond failed as "the client socket has timed out after 0ms"
+    (a network fault, to the reader), NaN as a float conversion; a bool rank ran as rank 1 and a
+    fractional port was truncated to another port."""
+    calls = _fake_cuda(monkeypatch, 0)
+    with pytest.raises((TypeError, ValueError), match=cause):
+        init_local_group(*args, **kwargs)
+    assert calls == {} and os.environ == {}  # no rendezvous, the environment untouched

@@ -208,6 +208,34 @@ def test_a_header_using_every_block_of_the_cache_fits():
         header(33, 9).check_fits(cache, "here")
 
 
+def test_a_header_needing_more_blocks_than_are_free_is_refused_as_the_import_would_refuse_it():
+    """`recv_payload(cache=)` refuses what could not be imported there before the pages cross:
+    `import_request` (the oracle) refuses a payload needing more blocks than are free now."""
+    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.kv.allocator import OutOfBlocksError
+    from m3_eagle_plugin.kv.transfer import export_request, import_request
+    from m3_eagle_plugin.parallel.transfer import PayloadHeader, TransferError
+
+    def cache():
+        return PagedKVCache.for_minimax_m3(2, [1], 2, 8, 4, 4, 8, dtype=torch.float32)  # 8 blocks of 4
+
+    source = cache()
+    source.add_request(0)
+    source.reserve(0, 8)
+    payload = export_request(source, 0)  # 2 pages
+    busy = cache()
+    busy.add_request(5)
+    busy.reserve(5, 28)  # 7 of the 8 blocks held
+    with pytest.raises(OutOfBlocksError):
+        import_request(busy, 0, payload)
+    with pytest.raises(TransferError, match="2 pages, 1 of this cache's 8 are free"):
+        PayloadHeader.of(payload).check_fits(busy, "here")
+    busy.reserve(5, 24)
+    busy.rewind(5, 24)  # one more block free: both take it
+    PayloadHeader.of(payload).check_fits(busy, "here")
+    import_request(busy, 0, payload)
+
+
 def test_a_refusal_reason_is_cut_at_a_character_boundary():
     from m3_eagle_plugin.parallel.transfer import _utf8
 
@@ -561,3 +589,42 @@ def test_a_sender_cut_off_while_waiting_for_its_verdict_puts_the_stream_out_of_s
     with pytest.raises(HandoffError, match="rank 1 refused the handoff: no room"):
         t.send_header(t.KIND_HANDOFF, [1, 2], 1, group, "handoff", error=HandoffError)
     assert not _out_of_sync(t, 1, group)
+
+
+def test_a_message_without_a_process_group_names_the_missing_group():
+    """With no group given and none initialised (``dist.group.WORLD`` is None), a receive or an int
+    list was refused as "cannot create weak reference to 'NoneType' object" by the stream state."""
+    import torch.distributed as dist
+
+    from m3_eagle_plugin.parallel.disagg import recv_handoff
+    from m3_eagle_plugin.parallel.transfer import recv_ints, recv_payload, send_ints
+
+    assert not dist.is_initialized()
+    for call in (lambda: send_ints([1], 1), lambda: recv_ints(0), lambda: recv_payload(0), lambda: recv_handoff(0)):
+        with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
+            call()
+
+
+def test_an_interrupt_while_waiting_for_a_preamble_leaves_the_stream_out_of_sync(monkeypatch):
+    """Ctrl-C during the blocking wait for a frame's preamble is raised only once the preamble has
+    arrived (gloo's wait is not cut short: measured, the data is in the buffer when it is raised).
+    The body is still on the wire, so the next receive must be refused as out of sync; it read the
+    body as a preamble and blamed the peer for not speaking the protocol."""
+    from m3_eagle_plugin.parallel import transfer as t
+
+    arriving = [torch.tensor([DOC_MAGIC, DOC_VERSION, 1, 2]), torch.tensor([7, 8, -DOC_MAGIC])]
+
+    def recv(tensor, src, group=None):
+        tensor.copy_(arriving.pop(0))
+        if len(arriving) == 1:  # the preamble landed, then the interrupt
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(t, "comm_device", lambda group: torch.device("cpu"))
+    monkeypatch.setattr(t.dist, "recv", recv)
+    group = _Group()
+    with pytest.raises(KeyboardInterrupt):
+        t.recv_ints(0, group)
+    with pytest.raises(t.TransferError, match=r"out of sync \(earlier: receiving a frame was cut off part-way "
+                                              r"\(KeyboardInterrupt\)\)"):
+        t.recv_ints(0, group)
+    assert len(arriving) == 1  # the body was not read as a preamble

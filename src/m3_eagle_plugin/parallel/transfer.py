@@ -93,7 +93,12 @@ _out_of_sync: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, str]]" = w
 
 
 def _group_key(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return dist.group.WORLD if group is None else group
+    if group is not None:
+        return group
+    if not dist.is_initialized():  # WORLD is None then: the stream state's weak reference to it failed first
+        raise RuntimeError("the KV transfer needs an initialised torch.distributed process group "
+                           "(init_process_group, or parallel.process_group.init_local_group)")
+    return dist.group.WORLD
 
 
 def _lose_sync(group: dist.ProcessGroup | None, peer: int, message: str) -> TransferError:
@@ -160,8 +165,9 @@ def _recv_frame(src: int, group) -> tuple[int, int, list[int]]:
     _check_in_sync(group, src)
     device = comm_device(group)
     preamble = torch.zeros(4, dtype=torch.int64, device=device)
-    _recv_tensor(preamble, src, group, "a frame preamble")
+    # inside: Ctrl-C while waiting for the preamble is raised once it arrived (the wait is not cut short)
     with _whole(group, src, "receiving a frame"):
+        _recv_tensor(preamble, src, group, "a frame preamble")
         magic, version, kind, n = preamble.cpu().tolist()
         if magic != MAGIC:
             raise _lose_sync(group, src, f"rank {src} is not speaking the m3-eagle transfer protocol: the frame "
@@ -364,8 +370,8 @@ class PayloadHeader:
                                 f"carries ({MAX_FRAME_INTS})")
 
     def check_fits(self, cache: PagedKVCache, where: str) -> None:
-        """Refuse a header whose pages do not fit ``cache``: another geometry, or a page count that
-        does not match ``num_tokens`` in this cache's block size."""
+        """Refuse a header whose pages do not fit ``cache``: another geometry, a page count that
+        does not match ``num_tokens`` in this cache's block size, or more pages than are free now."""
         expected = cache_fingerprint(cache)
         if self.fingerprint != expected:
             raise TransferError(f"{where}: the KV geometry differs from this cache's in "
@@ -377,6 +383,9 @@ class PayloadHeader:
                                 f"{list(shapes)} for {self.num_tokens} tokens")
         if needed > cache.num_blocks:
             raise TransferError(f"{where}: {needed} pages, this cache has {cache.num_blocks}")
+        if needed > cache.num_free_blocks:  # `import_request` refuses it too, after every page crossed
+            raise TransferError(f"{where}: {needed} pages, {cache.num_free_blocks} of this cache's "
+                                f"{cache.num_blocks} are free")
 
     def buffers(self, device: torch.device, where: str) -> list[torch.Tensor]:
         """Zeroed receive buffers, allocated before the header is accepted (a failure refuses it)."""
@@ -502,8 +511,9 @@ def recv_payload(src: int, group: dist.ProcessGroup | None = None, *,
                  cache: PagedKVCache | None = None) -> KVTransferPayload:
     """Receive a payload sent by `send_payload` from rank ``src``; its pages land on the host.
 
-    With ``cache``, a payload that could not be imported there (geometry, page count) is refused
-    before its pages are sent. Every refusal raises `TransferError` here and in the sender."""
+    With ``cache``, a payload that could not be imported there now (geometry, page count, free
+    blocks) is refused before its pages are sent. Every refusal raises `TransferError` here and
+    in the sender."""
     where = f"KV payload from rank {src}"
 
     def accept(values: list[int]):
