@@ -111,6 +111,25 @@ def test_weights_go_through_the_host_m3_loader(host):
     assert set(vl.loaded) == {"lm_head.weight"}
 
 
+def test_a_vl_checkpoint_hands_the_text_loader_what_the_hosts_vl_split_does(current_host):
+    """The released VL checkpoint stores the tower, its projector and the patch merger at the top
+    level; the host's VL class splits all three off (`_VL_PREFIXES` in modeling_minimaxm3 at
+    016beb63) before its text loader, which refuses unknown top-level names. The patch merger
+    reached that loader."""
+    _, vl_cls = _classes()
+    t = torch.zeros(1)
+    checkpoint = {"language_model.lm_head.weight": t, "language_model.model.norm.weight": t,
+                  "vision_tower.blocks.0.weight": t, "multi_modal_projector.linear_1.weight": t,
+                  "patch_merge_mlp.0.weight": t, "language_model.model.mtp.0.eh_proj.weight": t}
+    host_vl_prefixes = ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")
+    expected = {k[len("language_model."):] for k in checkpoint
+                if k.startswith("language_model.") and not k.startswith("language_model.model.mtp.")}
+    expected |= {k for k in checkpoint if not k.startswith(("language_model.", *host_vl_prefixes))}
+    vl = vl_cls(_model_config())
+    vl.load_weights(checkpoint)
+    assert set(vl.loaded) == expected == {"lm_head.weight", "model.norm.weight"}
+
+
 def test_vl_config_builds_on_its_text_config_with_unified_kv(host):
     """A VL checkpoint's config (sizes only under `text_config`) builds as the host M3 constructor
     would build it; its converted copy keeps the unified draft/target KV policy."""

@@ -112,7 +112,10 @@ class MiniMaxM3Eagle3ForCausalLM(HostMiniMaxM3ForCausalLM, SpecDecOneEngineForCa
 
 
 _VL_PREFIX = "language_model."
-_VL_DROPPED = ("vision_tower.", "vision_model.", "visual.", "multi_modal_projector.", "model.mtp.")
+# The host's VL split (`_VL_PREFIXES`): the tower, its projector and the patch merger the checkpoint
+# stores at the top level; then the MTP block it drops.
+_VL_DROPPED = ("vision_tower.", "vision_model.", "visual.", "multi_modal_projector.", "patch_merge_mlp.",
+               "model.mtp.")
 
 
 class MiniMaxM3VLEagle3ForConditionalGeneration(MiniMaxM3Eagle3ForCausalLM):
