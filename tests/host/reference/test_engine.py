@@ -330,6 +330,27 @@ def test_a_proposal_that_is_not_a_list_of_ids_is_refused_naming_the_request(answ
     assert cache.num_free_blocks == cache.num_blocks
 
 
+
+def test_proposals_as_any_iterable_run_as_their_list_and_a_non_iterable_answer_is_named():
+    """`DrafterPlugin` takes a proposer's answer as any iterable; an explicit proposer's generator was a
+    TypeError from len() naming nothing, and so was an answer that is no sequence at all."""
+    from m3_eagle_plugin.host.reference.proposers import PromptLookupProposer
+
+    lookup, prompts = PromptLookupProposer(), [[1, 2, 1, 2, 1], [3, 4, 3, 4]]
+    runs = []
+    for answer in (list, iter, lambda proposals: (p for p in proposals)):
+        engine, target, cache = build(head=False, proposer=lambda context, answer=answer: answer(lookup(context)))
+        result = engine.generate(prompts, max_new_tokens=6)
+        assert result.outputs == [target.greedy(p, 6) for p in prompts]
+        assert cache.num_free_blocks == cache.num_blocks
+        runs.append((result.stats.draft_tokens, result.stats.accepted_tokens))
+    assert runs[0][0] > 0 and runs[1] == runs[2] == runs[0]
+    engine, target, cache = build(head=False, proposer=lambda context: 5)
+    with pytest.raises(ValueError, match=r"^proposer drafts: expected one list of token ids per request, got 5($|\n)"):
+        engine.generate(prompts, max_new_tokens=4)
+    assert cache.num_free_blocks == cache.num_blocks
+
+
 def test_an_eos_id_outside_the_vocabulary_is_refused_naming_it():
     """It could never match a generated token, so the requests it was meant to end would run to
     max_new_tokens with no word why."""

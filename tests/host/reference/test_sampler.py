@@ -41,6 +41,31 @@ def test_a_top_p_that_rounds_to_zero_in_fp32_keeps_only_the_most_probable_token(
         assert tokens.tolist() == [0, 1]
 
 
+
+def test_a_temperature_past_fp32s_largest_finite_keeps_masked_logits_out_without_nans():
+    """3.5e38 and above are inf in fp32, and a masked (-inf) logit's -inf / inf was NaN: every row
+    with one sampled from NaN. Divided in float64 the scores of the finite logits are near 0, so the
+    distribution is uniform over them (the limit of softmax(x / T) as T grows) and 0 on the masked one."""
+    logits = torch.tensor([[0.5, 0.25, 0.0, float("-inf")], [2.0, -1.0, float("-inf"), 1.0]])
+    want = torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0], [1 / 3, 1 / 3, 0.0, 1 / 3]])
+    for temperature in (3.5e38, 1e39, 1e300):
+        torch.testing.assert_close(filtered_probs(logits, SamplingParams(temperature=temperature)), want)
+
+
+def test_rational_parameters_filter_as_their_floats_and_one_past_float_range_is_refused():
+    """A Fraction is a real number the checks take: it failed dividing the scores in the first step."""
+    from fractions import Fraction
+
+    logits = torch.tensor([[3.0, 1.0, 0.5, -2.0], [0.2, 2.0, -1.0, 0.0]])
+    exact = SamplingParams(temperature=Fraction(1, 2), top_p=Fraction(9, 10), top_k=3)
+    assert (exact.temperature, exact.top_p) == (0.5, 0.9)
+    torch.testing.assert_close(filtered_probs(logits, exact),
+                               filtered_probs(logits, SamplingParams(temperature=0.5, top_p=0.9, top_k=3)))
+    for value in (10**400, Fraction(10**400, 3)):  # finite by the range check, past any float
+        with pytest.raises(ValueError, match=r"^temperature must be a finite number, got one past float range$"):
+            SamplingParams(temperature=value)
+
+
 def test_bad_parameters_name_the_cause():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1.0, top_p=0.0)

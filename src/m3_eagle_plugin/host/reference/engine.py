@@ -451,6 +451,11 @@ class Engine:
             drafts = self.plugin_manager.propose_drafts(context)
         if drafts is None:
             return  # the Eagle3 head's drafts (or none) stay in place
+        try:  # any iterable, as `DrafterPlugin` takes (len() of a generator was a TypeError naming nothing)
+            drafts = list(drafts)
+        except TypeError:
+            raise ValueError(f"{self.draft_source} drafts: expected one list of token ids per request, "
+                             f"got {drafts!r}") from None
         if len(drafts) != len(ready):
             raise ValueError(f"proposer returned drafts for {len(drafts)} requests, expected {len(ready)}")
         for request, proposal in zip(ready, drafts):

@@ -36,6 +36,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {what}, got {value!r}")
             if kind is numbers.Integral:  # a numpy seed wraps (or overflows) in the generator's seed arithmetic
                 object.__setattr__(self, name, int(value))
+            else:  # a Fraction or an int past float range failed dividing the scores in the first step
+                try:
+                    object.__setattr__(self, name, float(value))
+                except OverflowError:
+                    raise ValueError(f"{name} must be a finite number, got one past float range") from None
         if not 0.0 <= self.temperature < math.inf:  # inf: logits / inf is 0 or NaN (a masked -inf logit)
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -56,9 +61,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     # Shifted by the row max first (softmax does not change): a tiny temperature then sends the
     # other scores to -inf instead of every score to +-inf (a NaN distribution).
     scores = scores - scores.amax(dim=-1, keepdim=True)
-    if float(torch.tensor(params.temperature, dtype=torch.float32)) > 0:
+    if 0 < float(torch.tensor(params.temperature, dtype=torch.float32)) < math.inf:
         scores = scores / params.temperature
-    else:  # under fp32's smallest subnormal (1e-46) it is 0 there, and the row max's 0 / 0 NaN: float64
+    else:  # 0 in fp32 under its smallest subnormal (1e-46), the row max's 0 / 0 NaN; inf past its largest
+        # finite (3.4e38), a masked logit's -inf / inf NaN: float64
         scores = (scores.to(torch.float64) / params.temperature).to(torch.float32)
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
