@@ -334,3 +334,38 @@ def test_export_keeps_the_block_order_of_a_request_with_descending_pages():
     expected, got = _per_token(src, "r", 2 * B), _per_token(dst, "new", 2 * B)
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
+
+
+def _shard_cache(shard):
+    return PagedKVCache.for_minimax_m3(3, [1, 2], 1, D, DI, B, 8, num_draft_layers=1, shard=shard)
+
+
+def test_a_tensor_parallel_ranks_pages_are_refused_on_another_rank():
+    # every rank of a TP group has one geometry: without the shard tag rank 0's K/V heads imported on rank 1
+    src, same_rank, other_rank = _shard_cache((0, 2)), _shard_cache((0, 2)), _shard_cache((1, 2))
+    src.add_request("r")
+    src.reserve("r", 6)
+    payload = export_request(src, "r")
+    with pytest.raises(GeometryMismatchError):
+        import_request(other_rank, "r", payload)
+    assert "r" not in other_rank.allocator
+    import_request(same_rank, "r", payload)
+    assert same_rank.num_tokens("r") == 6
+    with pytest.raises(GeometryMismatchError):  # nor into an untagged cache, nor from one
+        import_request(_shard_cache(None), "r", payload)
+
+
+def test_an_untagged_caches_fingerprint_has_no_shard_field():
+    import json
+
+    from m3_eagle_plugin.kv.transfer import cache_fingerprint
+
+    assert "shard" not in json.loads(cache_fingerprint(_shard_cache(None)))
+    assert json.loads(cache_fingerprint(_shard_cache((1, 4))))["shard"] == [1, 4]
+
+
+@pytest.mark.parametrize("shard,error", [((2, 2), ValueError), ((-1, 2), ValueError), ((0.5, 2), TypeError),
+                                         ((0,), TypeError), (1, TypeError)])
+def test_a_shard_tag_that_is_no_rank_of_its_group_is_refused(shard, error):
+    with pytest.raises(error, match="shard"):
+        _shard_cache(shard)

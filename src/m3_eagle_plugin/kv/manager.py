@@ -37,7 +37,10 @@ class PagedKVCache:
         index_dim: int,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        shard: tuple[int, int] | None = None,
     ) -> None:
+        """``shard``: (tensor-parallel rank, TP size) of the KV heads this cache holds, where it holds
+        one rank's slice; it joins the transfer fingerprint, so rank r's pages are refused on rank s."""
         if not isinstance(geometry, PoolGeometry):
             raise TypeError(f"geometry must be a PoolGeometry, got {type(geometry).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -50,6 +53,7 @@ class PagedKVCache:
         self.index_dim = as_int("index_dim", index_dim)
         self.dtype = dtype
         self.device = torch.device(device)
+        self.shard = None if shard is None else _checked_shard(shard)
         self.kv_heads = {as_int("kv_heads layer", k): as_int(f"kv_heads[{k}]", v) for k, v in kv_heads.items()}
         # each on its own: the page-size check sees products, and -2 heads x -128 dims passed it
         for name, value in (("block_size", self.block_size), ("head_dim", self.head_dim),
@@ -86,14 +90,16 @@ class PagedKVCache:
         draft_num_kv_heads: Optional[int] = None,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        shard: tuple[int, int] | None = None,
     ) -> "PagedKVCache":
-        """A MiniMax-M3 rank's cache, with ``num_draft_layers`` shared draft layers appended."""
+        """A MiniMax-M3 rank's cache, with ``num_draft_layers`` shared draft layers appended
+        (``shard``: this rank's (rank, TP size), as in ``__init__``)."""
         geometry, heads = minimax_m3_cache_layout(
             num_layers, sparse_layer_ids, num_kv_heads, head_dim, index_dim, block_size,
             num_draft_layers=num_draft_layers, draft_num_kv_heads=draft_num_kv_heads, dtype=dtype)
         return cls(geometry, block_size=block_size, num_blocks=num_blocks,
                    kv_heads=dict(enumerate(heads)), head_dim=head_dim, index_dim=index_dim,
-                   dtype=dtype, device=device)
+                   dtype=dtype, device=device, shard=shard)
 
     # ---- construction helpers -------------------------------------------------------------
     def _check_page_sizes(self) -> None:
@@ -262,3 +268,12 @@ def minimax_m3_cache_layout(
         kv_bytes_per_elem=itemsize, index_bytes_per_elem=itemsize,
     )
     return geometry, heads
+
+
+def _checked_shard(shard: object) -> tuple[int, int]:
+    if not isinstance(shard, (tuple, list)) or len(shard) != 2:
+        raise TypeError(f"shard must be a (rank, tp_size) pair, got {shard!r}")
+    rank, tp_size = as_int("shard rank", shard[0]), as_int("shard tp_size", shard[1])
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"shard rank {rank} is outside [0, {tp_size})")
+    return rank, tp_size

@@ -42,19 +42,20 @@ class KVTransferPayload:
 
 
 def cache_fingerprint(cache: PagedKVCache) -> str:
-    """Everything that must agree for slot bytes to mean the same on both sides."""
-    return json.dumps(
-        {
-            "geometry": json.loads(cache.geometry.fingerprint()),
-            "block_size": cache.block_size,
-            "dtype": str(cache.dtype),
-            "head_dim": cache.head_dim,
-            "index_dim": cache.index_dim,
-            "kv_heads": sorted(cache.kv_heads.items()),
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-    )
+    """Everything that must agree for slot bytes to mean the same on both sides. Every rank of a
+    tensor-parallel group has the same geometry, so a cache tagged with its ``shard`` adds it (an
+    untagged cache's fingerprint is what it was before the tag existed)."""
+    fields = {
+        "geometry": json.loads(cache.geometry.fingerprint()),
+        "block_size": cache.block_size,
+        "dtype": str(cache.dtype),
+        "head_dim": cache.head_dim,
+        "index_dim": cache.index_dim,
+        "kv_heads": sorted(cache.kv_heads.items()),
+    }
+    if cache.shard is not None:
+        fields["shard"] = list(cache.shard)
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
 def export_request(cache: PagedKVCache, rid: Hashable) -> KVTransferPayload:
