@@ -6,7 +6,9 @@ the host: any mismatch or failure logs one line and leaves it untouched (a failu
 patches went in, such as another plugin's `m3_eagle_host_ready` hook raising, takes them out
 again). `require` raises instead. On a host inside the supported range but not in the tested
 list, the activation line is a warning.
-Activation is idempotent and thread-safe; a process logs one line saying what was activated.
+Activation is idempotent and thread-safe (one exception: an activation in one thread while another
+thread runs the process's first `import tensorrt_llm` can hang both, see `registry`); a process logs
+one line saying what was activated.
 """
 from __future__ import annotations
 

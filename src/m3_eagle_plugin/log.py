@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 LOGGER_NAME = "m3_eagle_plugin"
 LEVEL_ENV = "M3_EAGLE_PLUGIN_LOG_LEVEL"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_configure_lock = threading.Lock()  # two threads' first calls would each add a handler: every line twice
 
 
 class _CurrentStderrHandler(logging.StreamHandler):
@@ -44,7 +46,11 @@ def level_from_env(environ=None) -> tuple[int, str | None]:
 
 def get_logger() -> logging.Logger:
     logger = logging.getLogger(LOGGER_NAME)
-    if not getattr(logger, "_m3_eagle_configured", False):
+    if getattr(logger, "_m3_eagle_configured", False):
+        return logger
+    with _configure_lock:
+        if getattr(logger, "_m3_eagle_configured", False):
+            return logger
         handler = _CurrentStderrHandler()
         handler.setFormatter(logging.Formatter("[m3_eagle_plugin pid=%(process)d] %(levelname)s %(message)s"))
         logger.addHandler(handler)
@@ -52,6 +58,6 @@ def get_logger() -> logging.Logger:
         logger.setLevel(level)
         logger.propagate = False
         logger._m3_eagle_configured = True  # type: ignore[attr-defined]
-        if problem is not None:
-            logger.warning(problem)
+    if problem is not None:
+        logger.warning(problem)
     return logger

@@ -138,6 +138,12 @@ def _specifier(text: str, name: str) -> SpecifierSet:
     return specifier
 
 
+def _is_reference(text: str) -> bool:
+    """`text` is "module:qualname", each side dotted Python identifiers (as an entry point's value)."""
+    module, sep, qualname = text.partition(":")
+    return bool(sep) and all(part.isidentifier() for part in (*module.split("."), *qualname.split(".")))
+
+
 def _parse_host(raw: Mapping[str, Any]) -> HostSpec:
     table = _get(raw, "host", dict, "")
     tested = _str_list(table, "tested", "host")
@@ -166,7 +172,7 @@ def _parse_activation(raw: Mapping[str, Any]) -> ActivationSpec:
             f"field 'activation.on_untested_host' must be one of {UNTESTED_POLICIES}, got {policy!r}"
         )
     bootstrap = _get(table, "bootstrap", str, "activation")
-    if ":" not in bootstrap:
+    if not _is_reference(bootstrap):
         raise _FieldProblem(f"field 'activation.bootstrap' must be 'module:callable', got {bootstrap!r}")
     return ActivationSpec(
         env=_get(table, "env", str, "activation"),
@@ -194,8 +200,7 @@ def _parse_patches(raw: Mapping[str, Any]) -> tuple[PatchRecord, ...]:
         if values["id"] in seen:
             raise _FieldProblem(f"duplicate patch id {values['id']!r} at {where!r}")
         seen.add(values["id"])
-        module, sep, qualname = values["target"].partition(":")
-        if not sep or not module or not qualname:
+        if not _is_reference(values["target"]):
             raise _FieldProblem(
                 f"field '{where}.target' must be 'module:qualname', got {values['target']!r}"
             )

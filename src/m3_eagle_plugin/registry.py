@@ -13,6 +13,15 @@ in `skipped`. The package's own `builtin` entry point names the plugin registere
 `M3_EAGLE_PLUGIN_TRACE=1` logs every hook call (another value than a switch logs a warning and leaves
 tracing off; `m3-eagle doctor` fails on it).
 `get_plugin_manager()` is the per-process singleton; `make_plugin_manager()` builds hermetic ones.
+
+Known limitation (threads): building the singleton holds this module's lock while plugins import,
+and the first `import tensorrt_llm` activates from inside that import, which holds the host's
+import lock, and asks for the manager. So a plugin whose module imports `tensorrt_llm`, loaded by
+one thread's first `get_plugin_manager()` (or `activate()`, `status()`) while another thread's first
+`import tensorrt_llm` runs, hangs both threads (Python detects such cycles between module import
+locks only); so does an `activate()` whose install imports `tensorrt_llm` meanwhile (activation's
+lock). Importing `tensorrt_llm` once before starting such threads avoids it; one thread, or
+separate processes, never meet it.
 """
 from __future__ import annotations
 
@@ -22,7 +31,7 @@ import os
 import threading
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import pluggy
 
@@ -260,25 +269,30 @@ class M3PluginManager(pluggy.PluginManager):
         """Architecture -> "module:qualname", merged over all plugins; conflicting claims raise."""
         merged: dict[str, str] = {}
         owner: dict[str, str] = {}
-        kwargs = {"host": host}
-        for impl in reversed(self.hook.m3_eagle_model_classes.get_hookimpls()):
-            result = impl.function(*(kwargs[name] for name in impl.argnames))  # as pluggy calls it
-            if result is None:
-                continue
-            if not isinstance(result, dict):
-                raise PluginError(
-                    f"plugin {impl.plugin_name!r}: m3_eagle_model_classes must return a dict, "
-                    f"got {type(result).__name__}"
-                )
-            for arch, reference in result.items():
-                if arch in merged and merged[arch] != reference:
-                    raise PluginConflictError(
-                        f"architecture {arch!r} claimed by plugin {owner[arch]!r} ({merged[arch]}) "
-                        f"and plugin {impl.plugin_name!r} ({reference})"
+        for plugin_name, results in self._per_plugin("m3_eagle_model_classes", host=host):
+            for result in results:
+                if not isinstance(result, dict):
+                    raise PluginError(
+                        f"plugin {plugin_name!r}: m3_eagle_model_classes must return a dict, "
+                        f"got {type(result).__name__}"
                     )
-                merged[arch] = reference
-                owner[arch] = impl.plugin_name
+                for arch, reference in result.items():
+                    if arch in merged and merged[arch] != reference:
+                        raise PluginConflictError(
+                            f"architecture {arch!r} claimed by plugin {owner[arch]!r} ({merged[arch]}) "
+                            f"and plugin {plugin_name!r} ({reference})"
+                        )
+                    merged[arch] = reference
+                    owner[arch] = plugin_name
         return merged
+
+    def _per_plugin(self, name: str, **kwargs: Any) -> Iterator[tuple[str, list[Any]]]:
+        """(plugin name, its answers) for each plugin implementing hook ``name``, in pluggy's call
+        order, each called through pluggy (traced; a wrapper runs as one), so every answer has its owner."""
+        impls = list(reversed(getattr(self.hook, name).get_hookimpls()))
+        for impl in impls:
+            others = [other.plugin for other in impls if other.plugin is not impl.plugin]
+            yield impl.plugin_name, self.subset_hook_caller(name, others)(**kwargs)
 
     def kv_cache_manager(self, host: str, sparse_config: Any) -> str | None:
         return self.hook.m3_eagle_kv_cache_manager(host=host, sparse_config=sparse_config)
@@ -288,8 +302,12 @@ class M3PluginManager(pluggy.PluginManager):
 
     def host_patches(self, host: str) -> list[Any]:
         patches: list[Any] = []
-        for result in self.hook.m3_eagle_host_patches(host=host):
-            patches.extend(result or [])
+        for plugin_name, results in self._per_plugin("m3_eagle_host_patches", host=host):
+            for result in results:
+                if not isinstance(result, (list, tuple)):  # a lone patch, or a string read as its letters
+                    raise PluginError(f"plugin {plugin_name!r}: m3_eagle_host_patches must return a list "
+                                      f"of patches, got {type(result).__name__} {result!r}")
+                patches.extend(result)
         return patches
 
     def propose_drafts(self, context: DraftContext) -> list[list[int]] | None:

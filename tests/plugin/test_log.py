@@ -38,3 +38,35 @@ def test_a_host_that_configured_root_logging_sees_each_line_once():
     """The logger has its own handler, so nothing may reach the root logger's handler a second time."""
     err = _stderr("", "import logging; logging.basicConfig(level=logging.INFO); " + SCRIPT)
     assert err.count("info-line") == 1, err
+
+
+RACE = """
+import threading
+from m3_eagle_plugin import log
+
+meet = threading.Barrier(2)
+real = log.level_from_env
+
+
+def level_from_env():  # the first calls of two threads, both inside the set-up at once if nothing stops them
+    try:
+        meet.wait(timeout=0.5)
+    except threading.BrokenBarrierError:
+        pass
+    return real()
+
+
+log.level_from_env = level_from_env
+threads = [threading.Thread(target=log.get_logger) for _ in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+log.get_logger().info('info-line')
+"""
+
+
+def test_two_threads_asking_first_set_up_one_handler():
+    """Each thread's first call added its own handler, so every line of the process came out twice."""
+    err = _stderr("", RACE)
+    assert err.count("info-line") == 1, err

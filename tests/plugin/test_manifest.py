@@ -266,6 +266,36 @@ def test_more_bad_fields_are_named(mutate, field):
         parse_manifest(raw)
 
 
+@pytest.mark.parametrize("value", ["m3_eagle_plugin._bootstrap:main:extra", ":main", "m3_eagle_plugin._bootstrap:",
+                                   "m3_eagle_plugin.:main", "m3_eagle_plugin._bootstrap: main"])
+@pytest.mark.parametrize("table, key, index", [("activation", "bootstrap", None), ("patches", "target", 0)])
+def test_a_reference_that_names_no_callable_is_refused(value, table, key, index):
+    """The bootstrap and patch targets are 'module:qualname': each value here either is not one as the
+    standard library reads it (pkgutil.resolve_name) or names a module, not a callable in it. Only the
+    colon was looked for in the bootstrap (all five passed), only non-empty sides in a target."""
+    import pkgutil
+
+    try:
+        resolved = pkgutil.resolve_name(value)
+    except ValueError:
+        pass
+    else:
+        assert not callable(resolved)
+    raw = copy.deepcopy(raw_manifest())
+    (raw[table] if index is None else raw[table][index])[key] = value
+    field = f"{table}.{key}" if index is None else rf"{table}\[{index}\]\.{key}"
+    with pytest.raises(ManifestError, match=f"field '{field}' must be 'module:"):
+        parse_manifest(raw)
+
+
+def test_the_shipped_bootstrap_names_the_start_files_callable():
+    import pkgutil
+
+    from m3_eagle_plugin._bootstrap import main
+
+    assert pkgutil.resolve_name(load_manifest().activation.bootstrap) is main
+
+
 def test_display_name_defaults_to_the_name():
     raw = copy.deepcopy(raw_manifest())
     raw.pop("display_name", None)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pluggy
 import pytest
@@ -610,6 +611,52 @@ def test_model_classes_are_merged_in_the_order_pluggy_calls_the_plugins(manager)
         expected.update(claims)
     assert list(manager.model_classes("reference").items()) == list(expected.items())
     assert next(iter(expected)) == "MyArch"  # the plugin registered last is called first
+
+
+def test_the_trace_logs_the_model_classes_hook_as_it_logs_any_other(manager):
+    """README: M3_EAGLE_PLUGIN_TRACE=1 logs every hook call with its result; m3_eagle_model_classes, the
+    hook that picks the host's model class, was called past pluggy and never appeared in the trace."""
+    lines = []
+    manager.enable_trace(writer=lines.append)
+    manager.hook.m3_eagle_model_classes(host="reference")  # pluggy's own call: what the trace shows of it
+    expected, lines[:] = list(lines), []
+    merged = manager.model_classes("reference")
+    manager.disable_trace()
+    assert expected and lines == expected, lines
+    assert repr(merged) in lines[-1]  # the built-in plugin's one answer is the merge
+
+
+def test_a_wrapper_of_the_model_classes_hook_runs_as_a_wrapper(manager):
+    """A pluggy wrapper (an observer here) claims nothing; it was called as a plain implementation and
+    its generator refused as "must return a dict", which failed the activation."""
+    seen = []
+
+    class Observer:
+        @hookimpl(wrapper=True)
+        def m3_eagle_model_classes(self, host):
+            results = yield
+            seen.append(host)
+            return results
+
+    expected = manager.model_classes("reference")
+    manager.register(Observer(), name="observer")
+    assert manager.model_classes("reference") == expected
+    assert seen == ["reference"]
+
+
+@pytest.mark.parametrize("answer", ["route-msa-backend", SimpleNamespace(id="route-msa-backend")])
+def test_host_patches_answered_by_other_than_a_list_are_refused_naming_the_plugin(manager, answer):
+    """The hookspec asks for a list of patches: a string was split into one 'patch' a letter (the adapter then
+    named the letter 'r'), a lone patch raised a TypeError naming neither the hook nor the plugin."""
+    class Lone:
+        @hookimpl
+        def m3_eagle_host_patches(self, host):
+            return answer
+
+    manager.register(Lone(), name="lone")
+    with pytest.raises(PluginError, match=r"^plugin 'lone': m3_eagle_host_patches must return a list of patches, "
+                                          rf"got {type(answer).__name__} "):
+        manager.host_patches("tensorrt_llm")
 
 
 def test_a_model_classes_hook_answering_none_claims_nothing(manager):
