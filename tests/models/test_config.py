@@ -627,6 +627,17 @@ def test_a_block_score_other_than_max_is_refused_naming_the_field():
         M3Config.from_dict(raw, "x.json")
 
 
+def test_a_block_score_type_of_a_model_without_sparse_layers_is_read_like_transformers():
+    """No sparse layer, no index branch: the section's score type changes nothing and is not refused
+    (as its init blocks and index sizes are not)."""
+    raw = target_config()
+    section = raw["text_config"]["sparse_attention_config"]
+    section.update(sparse_score_type="sum", sparse_attention_freq=[0] * len(section["sparse_attention_freq"]))
+    cfg = M3Config.from_dict(raw)
+    assert not any(cfg.sparse_layers)
+    _assert_same(cfg, _as_transformers_sees_it(raw))
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(vocab_size=0), r"vocab_size: must be >= 1, got 0"),
     (dict(num_layers=0, sparse_layers=(), moe_layers=()), r"num_layers: must be >= 1, got 0"),

@@ -121,6 +121,22 @@ def test_forward_rejects_batched_input(hf_text_checkpoint):
         model(torch.zeros(1, 2, dtype=torch.long), runner.meta, runner.cache)
 
 
+@pytest.mark.parametrize("ids", [4, 2])
+def test_ids_of_another_count_than_the_metadata_are_refused_naming_both(hf_text_checkpoint, ids):
+    """More ids than the prepared step failed in a RoPE reshape ("shape '[4, 1, 8]' is invalid"), after
+    the capture had dropped the last step's states; fewer failed in the first layer's KV write."""
+    model = load_target(hf_text_checkpoint)
+    runner = PagedRunner(model.config)
+    capture = AuxCapture([0, 1])
+    runner.prepare([("a", 3)])
+    with torch.no_grad():
+        model(torch.arange(3), runner.meta, runner.cache, capture=capture)
+    kept = capture.stacked().clone()
+    with pytest.raises(ValueError, match=rf"input_ids has {ids} tokens, the step metadata 3"):
+        model(torch.arange(ids), runner.meta, runner.cache, capture=capture)
+    assert torch.equal(capture.stacked(), kept)
+
+
 
 def test_capture_of_a_layer_past_the_last_is_refused_before_the_forward(hf_text_checkpoint):
     """Layers run 0..L-1 (transformers' hidden_states[L] is the final norm's input, not a layer input):

@@ -269,9 +269,10 @@ def _moe_pattern(t: ConfigFields, n: int, layout: str) -> tuple[bool, ...]:
 
 
 def _check_legacy_branch(sp: ConfigFields, sparse: tuple[bool, ...]) -> None:
-    """Legacy-section values that would change the index branch: refused."""
+    """Legacy-section values that would change the index branch: refused (a model without sparse
+    layers has no index branch, and scores no block)."""
     score_type = sp.need("sparse_score_type", "max")
-    if score_type != "max":
+    if score_type != "max" and any(sparse):
         raise sp.error("sparse_score_type", f"{show_value(score_type)} is not supported (only 'max')")
     if sp.has("sparse_disable_index_value"):
         disabled = sp.get_pattern("sparse_disable_index_value", _ZERO_ONE, len(sparse))

@@ -61,7 +61,10 @@ class MiniMaxM3ForCausalLM(nn.Module):
         """Final-normed hidden states `[T, H]` for the step's tokens `input_ids [T]`."""
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D [T], got shape {tuple(input_ids.shape)}")
-        positions = meta.positions[: input_ids.shape[0]]
+        positions = meta.positions
+        if positions.shape[0] != input_ids.shape[0]:  # more ids failed in the RoPE reshape, fewer in the KV write
+            raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, the step metadata {positions.shape[0]}: "
+                             "prepare the metadata for this step's tokens")
         if capture is not None:
             bad = [i for i in capture.layer_ids if i >= self.config.num_layers]
             if bad:
