@@ -347,6 +347,17 @@ def test_hidden_rows_that_do_not_match_the_ids_are_refused(tiny):
         head(torch.zeros(2, dtype=torch.long), torch.zeros(3, 64), runner.meta, runner.cache)
 
 
+@pytest.mark.parametrize("count", [1, 3])
+def test_ids_of_another_count_than_the_metadata_are_refused_naming_both(tiny, count):
+    # fewer ids read the first positions of the step, more failed in RoPE's reshape naming nothing
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    runner = Runner(target, head)
+    runner.prepare([("r", 2)])
+    with pytest.raises(ValueError, match=rf"^input_ids has {count} tokens, the step metadata 2"):
+        head(torch.zeros(count, dtype=torch.long), torch.zeros(count, 64), runner.meta, runner.cache)
+
+
 @pytest.mark.parametrize("aux_layer_ids, target_hidden", [((3,), 64), ((1, 2), 32), ((), 64)])
 def test_an_aux_capture_as_wide_as_the_draft_hidden_is_refused(aux_layer_ids, target_hidden):
     """forward tells step 0 (aux rows, through fc) from later steps (the head's own hidden) by width: one

@@ -250,7 +250,10 @@ class Eagle3Head(nn.Module):
         else:
             raise ValueError(f"hidden width {hidden.shape[-1]} is neither the aux width {self.fc.in_features} "
                              f"nor the draft hidden size {self.config.hidden_size}")
-        rope = self.rotary.at(meta.positions[: input_ids.shape[0]])
+        if meta.positions.shape[0] != input_ids.shape[0]:  # as the target model refuses it (a reshape error)
+            raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, the step metadata "
+                             f"{meta.positions.shape[0]}: prepare the metadata for this step's tokens")
+        rope = self.rotary.at(meta.positions)
         y, mlp_out = self.layers[0].residual_parts(self.embed_tokens(input_ids), g, rope, meta, cache)
         z, normed = self.norm.add_then_norm(y, mlp_out)
         logits = self._target_logits(self.lm_head(normed))
