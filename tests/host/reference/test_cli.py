@@ -48,7 +48,7 @@ def test_text_output_announces_forced_acceptance(tiny_pair, capsys):
     rc, out, _ = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--draft-len", "2",
                          "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--force-accepted", "2")
     assert rc == 0
-    assert "forced acceptance: 2" in out and "NOT the target's" in out
+    assert "forced acceptance: up to 2 drafts" in out and "NOT the target's" in out
     assert "acceptance_rate=1.000" in out
 
 
@@ -151,7 +151,7 @@ def test_a_force_accepted_below_the_schedules_resolution_is_a_setup_error(tiny_p
     target, draft = tiny_pair
     rc, _, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--prompt-ids", "1,2,3",
                          "--max-new-tokens", "4", "--force-accepted", "0.0000001")
-    assert rc == 2 and err.startswith("m3-eagle run: force_accepted") and "resolution" in err
+    assert rc == 2 and err.startswith("m3-eagle run: --force-accepted: ") and "resolution" in err
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
@@ -265,6 +265,38 @@ def test_out_of_range_numbers_are_refused_naming_the_option(tiny_pair, capsys, o
     rc, out, err = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", "1,2", "--max-new-tokens", "2",
                            option, value)
     assert (rc, out, err) == (2, "", f"m3-eagle run: {message}\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    # --draft-len 300 is past the default --max-tokens-per-step 256 (a verify row is 1 + 300 tokens)
+    (["--draft-len", "300"], "--max-tokens-per-step (256) must hold one verify row of 1 + --draft-len = 301 tokens"),
+    (["--draft-len", "2", "--force-accepted", "3"], "--force-accepted (3) exceeds the draft length (2)"),
+    (["--eos-ids", "1,256"], "--eos-ids [256] are outside the vocabulary [0, 256): no generated token could ever "
+                             "end a request with them"),
+])
+def test_settings_that_do_not_fit_together_are_named_by_their_options(tiny_pair, capsys, argv, message):
+    """The engine checks how the settings fit together and names its fields (max_tokens_per_step,
+    draft_len, force_accepted, eos_ids), which the user of the command line never typed."""
+    target, draft = tiny_pair
+    assert json.loads((target / "config.json").read_text())["text_config"]["vocab_size"] == 256
+    rc, out, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--prompt-ids", "1,2",
+                           "--max-new-tokens", "2", *argv)
+    assert (rc, out, err) == (2, "", f"m3-eagle run: {message}\n")
+
+
+def test_a_prompts_file_with_a_byte_order_mark_reads_its_first_prompt(tmp_path):
+    """UTF-8 with a BOM (as Notepad saves it): the first prompt failed as "not JSON (Unexpected UTF-8
+    BOM ...)"; a bad byte after the mark is still named at its offset in the file."""
+    from m3_eagle_plugin.host.reference.cli import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes("\ufeff[1, 2, 3]\r\n[4]\r\n".encode("utf-8"))
+    assert read_prompts(_args("--prompts", str(path))) == ([[1, 2, 3], [4]], [None, None])
+    data = b"\xef\xbb\xbf[1]\n\xff\n"
+    path.write_bytes(data)
+    offset = data.index(b"\xff")  # 7: the mark's three bytes count
+    with pytest.raises(ValueError, match=rf"not UTF-8 text \(invalid start byte at byte {offset}\)"):
+        read_prompts(_args("--prompts", str(path)))
 
 
 @pytest.mark.parametrize("fault, code", [(RuntimeError, None), (KeyboardInterrupt, 130)], ids=["error", "ctrl-c"])

@@ -30,7 +30,7 @@ def test_the_forced_acceptance_note_shows_a_whole_count_as_an_integer(tiny_pair,
     rc, out, _ = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--draft-len", "2",
                          "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--force-accepted", given)
     assert rc == 0
-    assert out.splitlines()[0] == (f"forced acceptance: {shown} drafts per verify step are accepted regardless "
+    assert out.splitlines()[0] == (f"forced acceptance: up to {shown} drafts per verify step (those proposed) are accepted regardless "
                                    "(benchmark mode; outputs are NOT the target's)")
 
 
@@ -81,3 +81,26 @@ def test_an_allocation_failure_while_building_is_exit_2_naming_the_options(tiny_
     monkeypatch.setattr(build, "build_engine", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):  # not an allocation failure: not hidden as one
         main(["run", "--model", str(tiny_pair[0]), "--prompt-ids", "1,2", "--max-new-tokens", "2"])
+
+
+def test_every_default_the_help_states_is_the_parsers():
+    """`m3-eagle run --help` states defaults in words ("(default 32)", "default cpu", "0 = off
+    (default)"); each must be what an omitted option gives."""
+    import argparse
+    import re
+
+    from m3_eagle_plugin.host.reference.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    stated = {}
+    for action in parser._actions:
+        text = action.help or ""
+        match = re.search(r"default (\S+?)[;) ]|default (\S+)$|(\S+) = \S+ \(default\)", text)
+        if match:
+            stated[action.option_strings[0]] = next(g for g in match.groups() if g is not None)
+    assert len(stated) >= 10, stated
+    defaults = vars(parser.parse_args(["--model", "x"]))
+    for option, word in stated.items():
+        value = defaults[option.lstrip("-").replace("-", "_")]
+        assert word == str(value) or float(word) == value, (option, word, value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -21,7 +22,15 @@ __all__ = ["add_arguments", "main", "read_prompts"]
 #: The prompt `m3-eagle run` generates from when given neither --prompt-ids nor --prompts.
 DEFAULT_PROMPT = (1, 2, 3, 4)
 
-FORCED_NOTE = ("forced acceptance: {n} drafts per verify step are accepted regardless "
+#: The engine's fields that `m3-eagle run` options set, as its own checks name them: those of how the
+#: settings fit together (a verify row in the step budget, a forced count against the draft length,
+#: eos ids against the vocabulary) run in the engine, where no option is known.
+OPTION_OF_FIELD = {"draft_len": "--draft-len", "max_batch_size": "--max-batch-size",
+                   "max_tokens_per_step": "--max-tokens-per-step", "force_accepted": "--force-accepted",
+                   "eos_ids": "--eos-ids"}
+_FIELD = re.compile(r"\b(" + "|".join(OPTION_OF_FIELD) + r")\b")
+
+FORCED_NOTE = ("forced acceptance: up to {n} drafts per verify step (those proposed) are accepted regardless "
                "(benchmark mode; outputs are NOT the target's)")
 
 
@@ -33,23 +42,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt-ids", action="append", help="comma-separated token ids of one prompt (repeatable; "
                         f"with neither this nor --prompts: {','.join(map(str, DEFAULT_PROMPT))})")
     source.add_argument("--prompts", type=Path, help="JSON-lines file: one list of token ids per line")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt, at most (default 32)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="weights and KV cache (default float32)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay generation steps from CUDA graphs (GPU only)")
     parser.add_argument("--overlap", action="store_true",
                         help="prepare step N+1 before step N's acceptance is known (device-side correction)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--force-accepted", type=_forced_count, default=None, metavar="N",
                         help="benchmark mode: accept N drafts per step regardless of the target "
                              "(fractional N: that mean, e.g. 2.5 alternates 2 and 3)")
-    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--max-batch-size", type=int, default=8, help="requests in one step (default 8)")
     parser.add_argument("--max-tokens-per-step", type=int, default=256,
-                        help="token budget of one step (chunked prefill)")
+                        help="token budget of one step (chunked prefill; default 256)")
     parser.add_argument("--eos-ids", default="", help="comma-separated ids that end a request (kept in the output)")
     parser.add_argument("--kv-blocks", type=int, default=None,
                         help="KV cache blocks (default: all prompts fit at once)")
@@ -119,7 +129,9 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
 def _read_prompts_file(path: Path) -> str:
     """The text of `--prompts FILE`; a ValueError naming the option and the file when it cannot be read."""
     try:
-        return path.read_text(encoding="utf-8")
+        # A byte-order mark (Notepad's UTF-8) is not part of the first prompt; "utf-8-sig" would
+        # count a bad byte's offset from after it.
+        return path.read_text(encoding="utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as error:
         raise ValueError(f"--prompts {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
     except OSError as error:
@@ -193,6 +205,16 @@ def _check_checkpoint_kind(option: str, path: Path) -> None:
                          "(the target goes to --model)")
 
 
+def _name_options(error: Exception) -> str:
+    """A setup error as the command line says it: an engine settings error (it starts with a field's
+    name) with each field named by its option; any other error (a file's, which starts with a path)
+    as it is."""
+    message = str(error)
+    if not _FIELD.match(message):
+        return message
+    return _FIELD.sub(lambda match: OPTION_OF_FIELD[match.group(1)], message)
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
     """Counts and sampling values in range, each error naming its option (the engine's own checks name
     its fields: "max_batch_size must be >= 1")."""
@@ -258,7 +280,7 @@ def main(args: argparse.Namespace) -> int:
             dtype=DTYPES[args.dtype], plugin_manager=get_plugin_manager(), proposer=proposer,
         )
     except (ValueError, TypeError, OSError, KernelBackendError) as error:
-        print(f"m3-eagle run: {error}", file=sys.stderr)
+        print(f"m3-eagle run: {_name_options(error)}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as error:  # the step buffers or cache the options ask for
         if not isinstance(error, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(error):
