@@ -131,6 +131,9 @@ def test_write_table_dash_is_a_file_checked_before_the_run(monkeypatch, capsys):
     (["--e2e-tokens", "8", "--e2e-batches", "1"], "--e2e-tokens, --e2e-batches: need --e2e"),
     (["--kernels", ""], '--kernels "": no kernel to measure'),  # printed an empty table, exit 0
     (["--json", "same.json", "--write-table", "./same.json"], "--json and --write-table both name ./same.json"),
+    # the e2e section ran whole, then "nothing written"; `kv_lens_update` alone wrote a table of no rows
+    (["--kernels", "", "--e2e", "--write-table", "t.json"], "--write-table: --kernels '' measures no kernel the "
+                                                             "table holds (index_select, sparse_attn, sparse_step"),
     (["--device", "cpu", "--kernels", "sparse_step,kv_lens_update"],
      "--kernels sparse_step,kv_lens_update: the cpu smoke table (no CUDA/Triton kernels) times only"),
 ])
@@ -481,3 +484,27 @@ def test_kernels_help_names_every_kernel(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert all(name in help_text for name in cli.KERNELS) and "--sets SETS input sets rotated while timing (default 3)" \
         in help_text
+
+
+def test_a_json_path_that_is_a_fifo_is_written_into_it_not_replaced(tmp_path):
+    """`--json PIPE` (a FIFO, `/dev/stdout` on a pipe): the JSON was renamed over the FIFO, which became
+    a plain file while its reader got nothing (and `--json /dev/stdout | jq` was refused, its folder
+    /proc/PID/fd taking no new file; run as root, `--json /dev/null` replaced the device)."""
+    import os
+    import stat
+
+    fifo = tmp_path / "bench.pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so the writer's open does not block
+    try:
+        assert m3_main(["bench", "--device", "cpu", "--configs", "2x32", "--qo-lens", "1", "--kernels",
+                        "dense_attn", "--json", str(fifo)]) == 0
+        assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+        received = b""
+        while chunk := os.read(reader, 1 << 16):
+            received += chunk
+    except BlockingIOError:
+        received = b""
+    finally:
+        os.close(reader)
+    assert [(r["kernel"], r["batch"], r["context"]) for r in json.loads(received)["rows"]] == [("dense_attn", 2, 32)]

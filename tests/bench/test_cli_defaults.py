@@ -326,3 +326,16 @@ def test_a_kernel_section_failing_before_any_row_writes_nothing(tmp_path, monkey
     assert not out.exists() and captured.out == ""
     assert captured.err.splitlines() == ["m3-eagle bench: not enough memory for --configs 2x32 (MemoryError); "
                                          "lower a batch or context"]
+
+
+def test_the_written_command_keeps_the_input_sets_the_times_were_taken_over(tmp_path, monkeypatch, capsys):
+    """`--sets 1` times one input set again and again (a small shape's inputs stay in the L2 cache); the
+    table's command left it out, so running it again measured over the default 3 sets."""
+    _fake_gpu(monkeypatch)
+    path = tmp_path / "table.json"
+    assert m3_main(["bench", "--device", "cuda", "--configs", "16x32K", "--qo-lens", "4", "--kernels", "sparse_attn",
+                    "--sets", "1", "--write-table", str(path)]) == 0
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    again = parser.parse_args(json.loads(path.read_text())["command"].split()[2:])
+    assert (again.sets, again.rounds, cli.configs_of(again, gpu=True)) == (1, 1, [(16, 32768)])

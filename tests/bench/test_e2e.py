@@ -4,6 +4,7 @@ fixed-shape step against the engine's eager path, and the `m3-eagle bench --e2e`
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 
 import pytest
@@ -282,3 +283,34 @@ def test_options_given_lists_only_the_options_set():
     assert e2e.options_given(ns) == ["--e2e-tokens"]
     ns.e2e_overlap = True
     assert e2e.options_given(ns) == ["--e2e-tokens", "--e2e-overlap"]
+
+
+
+@pytest.mark.parametrize("failure", [e2e.NoDecodeWindowError("no full-batch decode window"),
+                                     MemoryError("cannot allocate")])
+def test_a_failed_batch_keeps_the_rows_of_the_batches_before_it(failure, tmp_path, monkeypatch, capsys):
+    """Batch 1 measured (both modes), then batch 16 has no decode window or runs out of memory: the
+    whole section raised and batch 1's rows, measured and logged, were neither printed nor written
+    (on a GPU: minutes of measurement)."""
+    monkeypatch.setattr(e2e, "build_random_models",
+                        lambda shape, device, dtype, seed=0: (argparse.Namespace(set_graph_safe_moe=lambda on: None),
+                                                              None))
+    monkeypatch.setattr(e2e, "_engine", lambda target, head, shape, *, speculate, batch, **kw: (batch, speculate))
+
+    def measure(engine, prompts, max_new_tokens):
+        batch, spec = engine
+        if batch == 16:
+            raise failure
+        return e2e.DecodeMeasurement(tokens=7 if spec else 2, verify_steps=2, accepted=5 if spec else 0,
+                                     seconds=1.0, generated_total=12, engine_steps=5 if spec else 12)
+
+    monkeypatch.setattr(e2e, "measure_decode", measure)
+    out = tmp_path / "bench.json"
+    rc = m3_main(["bench", "--device", "cpu", "--kernels", "", "--e2e", "--e2e-batches", "1,16", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.err.splitlines()[-1].startswith("m3-eagle bench: ")
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["section"], r["batch"], r["mode"], r["tokens_per_s"]) for r in rows] == [
+        ("end_to_end", 1, "no_spec", 2.0), ("end_to_end", 1, "eagle3", 7.0)]
+    assert rows[1]["mean_acceptance_length"] == 3.5 and rows[1]["speedup"] == 3.5
+    assert [line.split()[:3] for line in captured.out.splitlines()[2:]] == [["end_to_end", "e2e", "1"]] * 2

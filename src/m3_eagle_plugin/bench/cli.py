@@ -234,10 +234,22 @@ def _check_kernel_settings(args: argparse.Namespace, device: torch.device) -> No
         check_switches()
 
 
+def _check_table_kernels(args: argparse.Namespace) -> None:
+    """`--write-table` needs a kernel the table holds in `--kernels`: else the run measured, then wrote a
+    table of no rows (`kv_lens_update` alone) and offered it as the override."""
+    from m3_eagle_plugin.msa.kernels.kernel_table import TABLE_KERNELS
+
+    held = [k for k in KERNELS if {"dense_peer": "dense_attn_peer"}.get(k, k) in TABLE_KERNELS]
+    if not set(kernels_of(args)) & set(held):
+        raise ValueError(f"--write-table: --kernels {args.kernels!r} measures no kernel the table holds "
+                         f"({', '.join(held)})")
+
+
 def _check_output_path(option: str, path: str | None) -> None:
     """`path` can be written: its folder is a writable directory that takes a new file (the output is
     written next to it and renamed over it) and the path itself is not a directory or a read-only file
-    (else `open` raised a traceback after the whole run)."""
+    (else `open` raised a traceback after the whole run). A pipe or a device (`/dev/stdout`, a FIFO) is
+    written in place, so only it must be writable."""
     if path is None or (path == "-" and option == "--json"):  # a bare --json: stdout (--write-table's "-" is a file)
         return
     if not path:  # `--json ""` wrote nothing anywhere
@@ -246,6 +258,10 @@ def _check_output_path(option: str, path: str | None) -> None:
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{option} {path}: is a directory, not a file")
+    if _is_stream(target):  # written in place (`_write_json`): its folder takes no file
+        if not os.access(target, os.W_OK):
+            raise ValueError(f"{option} {path}: the file is not writable")
+        return
     folder = target.resolve().parent
     if not (folder.is_dir() and os.access(folder, os.W_OK)):
         raise ValueError(f"{option} {path}: {folder} is not a writable directory")
@@ -264,9 +280,16 @@ def _write_json(option: str, path: str, document: Any, **dump_options: Any) -> b
     over it, so a failure (disk full, an interrupt) leaves no truncated file and an earlier one intact.
     A symbolic link is written through and an existing file keeps its mode, as `open` would: its
     target gets the JSON, the link stays, a private (0600) file stays private.
+    A pipe or a device (`/dev/stdout`, a FIFO) is written in place, as `open` would (renamed over, it
+    was replaced by a plain file and its reader got nothing).
     False, with one line on stderr naming the option, when it could not be written."""
     target, scratch = Path(path).resolve(), None
     try:
+        if _is_stream(Path(path)):
+            with open(path, "w") as fh:
+                json.dump(document, fh, **dump_options)
+                fh.write("\n")
+            return True
         fd, scratch = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         with os.fdopen(fd, "w") as fh:
             json.dump(document, fh, **dump_options)
@@ -281,6 +304,16 @@ def _write_json(option: str, path: str, document: Any, **dump_options: Any) -> b
         if scratch is not None and os.path.exists(scratch):
             os.unlink(scratch)
     return True
+
+
+def _is_stream(path: Path) -> bool:
+    """Whether `path` names (through any link) something that exists and is neither a plain file nor a
+    directory: a pipe, a FIFO, a character device."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def _file_mode(target: Path) -> int:
@@ -317,6 +350,8 @@ def checked_device(args: argparse.Namespace) -> torch.device:
     for option in ("json", "write_table"):
         _check_output_path(f"--{option.replace('_', '-')}", getattr(args, option, None))
     json_path, table_path = getattr(args, "json", None), getattr(args, "write_table", None)
+    if table_path is not None:
+        _check_table_kernels(args)
     if json_path not in (None, "-") and table_path and os.path.realpath(json_path) == os.path.realpath(table_path):
         raise ValueError(f"--json and --write-table both name {table_path}: the table would overwrite the rows")
     if args.e2e:
@@ -347,6 +382,7 @@ def main(args: argparse.Namespace) -> int:
             rows += run_end_to_end(args)
         except (e2e.NoDecodeWindowError, MemoryError, RuntimeError) as error:  # reported after the kernel rows
             e2e_error = error
+            rows += getattr(error, "partial_rows", [])  # the batches measured before it
     if rows or (kernel_error is None and e2e_error is None):
         written = _output(args, rows, context, table=kernel_error is None)  # a partial table: not written
     if kernel_error is not None:
@@ -434,7 +470,8 @@ def _write_table(args: argparse.Namespace, rows: list[dict[str, Any]], context: 
     qo_lens, kernels = ",".join(map(str, qo_lens_of(args))), ",".join(kernels_of(args))  # as parsed: no blanks
     command = (f"m3-eagle bench --configs {configs} --qo-lens {qo_lens} --kernels {kernels} "
                f"--kv-dtype {args.kv_dtype} --dense-kv-dtype {args.dense_kv_dtype} --flashinfer {args.flashinfer}"
-               + (f" --rounds {args.rounds}" if args.rounds > 1 else ""))
+               + (f" --rounds {args.rounds}" if args.rounds > 1 else "")
+               + (f" --sets {args.sets}" if args.sets != 3 else ""))  # fewer sets: caches flatter small shapes
     table = table_from_bench_rows(kernel_rows, device=context["device_name"], command=command,
                                   date=datetime.date.today().isoformat(), flashinfer=context.get("flashinfer"))
     if not _write_json("--write-table", args.write_table, table, indent=1):

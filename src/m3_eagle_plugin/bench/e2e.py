@@ -338,7 +338,18 @@ def run_e2e(shape: E2EShape, device: torch.device | str, *, dtype: torch.dtype |
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     target, head = build_random_models(shape, device, dtype, seed)
     target.set_graph_safe_moe(graphs)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    try:
+        _run_batches(shape, target, head, rows, device=device, dtype=dtype, graphs=graphs, seed=seed, log=log)
+    except BaseException as error:  # the batches finished before it, for `m3-eagle bench` to print and write
+        error.e2e_rows = list(rows)
+        raise
+    return rows
+
+
+def _run_batches(shape: E2EShape, target, head, rows: list[dict[str, Any]], *, device, dtype, graphs: bool,
+                 seed: int, log) -> None:
+    """`run_e2e`'s rows, appended to `rows` a whole batch (both modes) at a time."""
     for batch in shape.batches:
         prompts = _prompts(shape, batch, seed + batch)
         engines = {spec: _engine(target, head, shape, speculate=spec, batch=batch, prompts=prompts, device=device,
@@ -371,7 +382,6 @@ def run_e2e(shape: E2EShape, device: torch.device | str, *, dtype: torch.dtype |
                 log(f"e2e batch {batch} {rows[-1]['mode']}{loop}: {median[spec]:.1f} tok/s, "
                     f"AL {last.mean_acceptance_length:.2f}, speed-up {rows[-1]['speedup']:.2f}x")
         del engines
-    return rows
 
 
 # ----- CLI -------------------------------------------------------------------------------------

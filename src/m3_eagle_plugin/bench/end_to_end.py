@@ -21,7 +21,14 @@ def register_end_to_end(fn: EndToEnd) -> EndToEnd:
 
 
 def run_end_to_end(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Rows of the end-to-end section; a single 'not available' row until a runner is registered."""
+    """Rows of the end-to-end section; a single 'not available' row until a runner is registered. A
+    runner that fails part-way may leave the rows it finished on the error (`e2e_rows`): they reach
+    the caller as the error's `partial_rows`, in this section."""
     if _hook is None:
         return [{"section": "end_to_end", "kernel": "e2e", "note": "not implemented yet"}]
-    return [{"section": "end_to_end", **row} for row in _hook(args)]
+    try:
+        rows = _hook(args)
+    except BaseException as error:
+        error.partial_rows = [{"section": "end_to_end", **row} for row in getattr(error, "e2e_rows", [])]
+        raise
+    return [{"section": "end_to_end", **row} for row in rows]
