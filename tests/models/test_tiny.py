@@ -86,8 +86,8 @@ def test_bad_output_paths_and_seeds_are_one_line_errors_and_leave_nothing(tmp_pa
     part.mkdir()
     (part / "draft").write_text("not a directory")
     for argv, match in (([str(afile)], "afile"), ([str(part)], "is not a directory"),
-                        ([str(tmp_path / "s"), "--seed", str(2**64)], "seed must be"),
-                        ([str(tmp_path / "n"), "--seed", "-1"], "seed must be")):
+                        ([str(tmp_path / "s"), "--seed", str(2**64)], "--seed must be"),
+                        ([str(tmp_path / "n"), "--seed", "-1"], "--seed must be")):
         assert cli_main(["make-tiny", *argv, "--train-steps", "0"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("m3-eagle make-tiny: ") and match in err and "Traceback" not in err

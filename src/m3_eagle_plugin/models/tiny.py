@@ -246,7 +246,8 @@ def _swap_in(staging: Path, out: Path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to create target/ and draft/ in")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (output is a pure function of it)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed in [0, 2**63 - 1) (default 0; output is a pure function of it)")
     parser.add_argument("--train-steps", type=int, default=DEFAULT_TRAIN_STEPS, metavar="N",
                         help=f"self-distillation steps for the draft head (default {DEFAULT_TRAIN_STEPS}, "
                              "~15 s on CPU; 0 = random head)")
@@ -255,6 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.train_steps < 0:
         print(f"m3-eagle make-tiny: --train-steps must be >= 0, got {args.train_steps}", file=sys.stderr)
+        return 2
+    if not 0 <= args.seed < 2**63 - 1:  # make_tiny's own check names its parameter, not the option
+        print(f"m3-eagle make-tiny: --seed must be in [0, 2**63 - 1), got {args.seed}", file=sys.stderr)
         return 2
     try:
         target, draft = make_tiny(args.out_dir, args.seed, args.train_steps)
