@@ -238,6 +238,14 @@ def test_decode_measurement_rates_by_hand():
     assert e2e.DecodeMeasurement(0, 0, 0, 0.0, 0, 0).tokens_per_s == 0.0
 
 
+def _scripted_engines(monkeypatch):
+    """No models: each engine is its (batch, speculate) key, for a scripted `measure_decode`."""
+    monkeypatch.setattr(e2e, "build_random_models",
+                        lambda shape, device, dtype, seed=0: (argparse.Namespace(set_graph_safe_moe=lambda on: None),
+                                                              None))
+    monkeypatch.setattr(e2e, "_engine", lambda target, head, shape, *, speculate, batch, **kw: (batch, speculate))
+
+
 def test_rows_take_the_median_of_the_repeats_and_the_goal_is_inclusive(monkeypatch):
     """run_e2e's arithmetic on scripted measurements: the median tokens/s of the repeats (not the
     best), speed-up = Eagle3 median / no-spec median, decode_steps per request, the batch-1 goal met
@@ -246,10 +254,7 @@ def test_rows_take_the_median_of_the_repeats_and_the_goal_is_inclusive(monkeypat
              (2, False): [50.0, 60.0, 70.0], (2, True): [70.0, 80.0, 90.0]}
     calls = {key: 0 for key in rates}
 
-    monkeypatch.setattr(e2e, "build_random_models",
-                        lambda shape, device, dtype, seed=0: (argparse.Namespace(set_graph_safe_moe=lambda on: None),
-                                                              None))
-    monkeypatch.setattr(e2e, "_engine", lambda target, head, shape, *, speculate, batch, **kw: (batch, speculate))
+    _scripted_engines(monkeypatch)
 
     def measure(engine, prompts, max_new_tokens):
         batch, spec = engine
@@ -285,17 +290,13 @@ def test_options_given_lists_only_the_options_set():
     assert e2e.options_given(ns) == ["--e2e-tokens", "--e2e-overlap"]
 
 
-
 @pytest.mark.parametrize("failure", [e2e.NoDecodeWindowError("no full-batch decode window"),
                                      MemoryError("cannot allocate")])
 def test_a_failed_batch_keeps_the_rows_of_the_batches_before_it(failure, tmp_path, monkeypatch, capsys):
     """Batch 1 measured (both modes), then batch 16 has no decode window or runs out of memory: the
     whole section raised and batch 1's rows, measured and logged, were neither printed nor written
     (on a GPU: minutes of measurement)."""
-    monkeypatch.setattr(e2e, "build_random_models",
-                        lambda shape, device, dtype, seed=0: (argparse.Namespace(set_graph_safe_moe=lambda on: None),
-                                                              None))
-    monkeypatch.setattr(e2e, "_engine", lambda target, head, shape, *, speculate, batch, **kw: (batch, speculate))
+    _scripted_engines(monkeypatch)
 
     def measure(engine, prompts, max_new_tokens):
         batch, spec = engine
