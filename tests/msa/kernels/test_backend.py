@@ -439,3 +439,20 @@ def test_index_queries_of_two_dims_are_refused_naming_the_shape_where_triton_run
     with pytest.raises(ValueError) as got:
         backend.select_blocks_paged(flat, step["cache"].index_k, meta, topk=geo.topk)
     assert str(got.value) == str(want.value) and "index_q must be" in str(got.value)
+
+
+@pytest.mark.parametrize("topk", [16.0, -1], ids=repr)
+def test_layer_names_a_topk_the_selection_cannot_take_before_sizing_a_selection_by_it(monkeypatch, topk):
+    """Where the kernels run, the layer's FlashInfer check sized a placeholder selection by `topk`:
+    16.0 and -1 failed inside torch (`new_empty`), not as the count the reference refuses."""
+    from m3_eagle_plugin.msa.kernels import backend
+
+    monkeypatch.delenv("M3_EAGLE_KERNELS", raising=False)
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    geo, step, meta = _cpu_step()
+    cache = step["cache"]
+    with pytest.raises((TypeError, ValueError), match="topk must be"):
+        ref_select(step["index_q"], cache.index_k, meta, topk=topk)
+    with pytest.raises(KernelInputError, match="topk must be an int"):
+        backend.sparse_layer_attention(step["q"], cache.k, cache.v, step["index_q"], cache.index_k, meta, topk=topk,
+                                       scale=0.25)

@@ -312,6 +312,20 @@ def test_forced_sparse_attention_applies_fp8_scales(fake_fi, monkeypatch):
     torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_forced_sparse_attention_takes_numpy_scales_as_our_kernels_do(fake_fi, monkeypatch):
+    """A NumPy scalar scale is a number to our kernels (`_common.scale_value`); FlashInfer's route
+    took it for a scale tensor and refused it."""
+    np = pytest.importorskip("numpy")
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    st = _step([2, 2], [500, 300], seed=7)
+    meta, sel = st["meta"], _selection(st["meta"], 1, seed=8)
+    got = sparse_attention(st["q"], st["k"], st["v"], meta, sel, scale=0.09, k_scale=np.float32(0.5),
+                           v_scale=np.float32(0.25))
+    k32, v32 = st["k"].float() * 0.5, st["v"].float() * 0.25  # dequantised by hand
+    expect = ref_sparse(st["q"], k32, v32, meta, sel, scale=0.09)
+    torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("kw", [{"scale": float("nan")}, {"scale": 0.0}, {"scale": torch.tensor(0.09)},
                                 {"scale": 0.09, "k_scale": float("inf")}, {"scale": 0.09, "v_scale": -0.5}], ids=repr)
 def test_routed_sparse_attention_refuses_scales_the_kernels_refuse(fake_fi, monkeypatch, kw):

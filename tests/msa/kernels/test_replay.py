@@ -270,6 +270,29 @@ def test_a_call_made_while_recording_is_recorded_with_the_outer_call(cpu_replay)
     assert len(body) == 1 and not inner.recordings and outer_kernel.launches == 3
 
 
+def test_an_inner_call_with_its_own_recording_runs_inside_the_outer_recording(cpu_replay):
+    """An inner entry point recorded on its own first does not replay while an outer call records:
+    its replay launches past `launch`, and the outer recording (replayed later) would leave the inner
+    output unwritten."""
+    inner_kernel, outer_kernel, inner, outer = Doubler(), Doubler(), Replayer(), Replayer()
+    inner_call = _wrapper(inner_kernel, inner, [])
+    meta = Meta(torch.tensor([1]))
+
+    def call(x):
+        def run():
+            y = inner_call(x, meta)  # 2x + 1 + 1
+            out = torch.empty_like(x)
+            launch(outer_kernel, (1,), y, meta.kv_lens, out, SHIFT=0)  # 2y + 1
+            return out
+        return outer.call(call_signature((x,), meta, ()), (x,), meta, run)
+
+    inner_call(_quarters(4, 3), meta)  # recorded on its own
+    for seed in range(3):
+        x = _quarters(4, 3, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(call(x), 2 * (2 * x + 2) + 1, rtol=0, atol=0)
+    assert inner_kernel.launches == 4  # the inner kernel ran in every outer call
+
+
 def test_a_metadata_object_without_weak_references_is_never_recorded(monkeypatch):
     """A recording holds its metadata weakly (`_recording_allowed`): a SimpleNamespace, which takes
     no weak reference, runs the ordinary path every time."""

@@ -37,7 +37,7 @@ from . import kernel_table
 from m3_eagle_plugin.log import get_logger
 
 from ._common import (CACHE_DTYPES, MAX_TILE_ROWS, QUERY_DTYPES, KernelInputError, KernelTooLargeError, check_switches,
-                      env_value, is_pow2, triton_available, triton_importable)
+                      env_value, is_pow2, selection_counts, triton_available, triton_importable)
 
 ENV_VAR = "M3_EAGLE_KERNELS"
 MODES = ("auto", "triton", "torch", "flashinfer")
@@ -378,6 +378,7 @@ def sparse_layer_attention(q, k_cache, v_cache, index_q, index_k_cache, meta, *,
     if (use_triton(q.device)
             and _kernel_refusal(q, k_cache, meta.block_size, MAX_TILE_ROWS, k_cache=k_cache, v_cache=v_cache) is None
             and _kernel_refusal(index_q, None, meta.block_size, index_k_cache=index_k_cache) is None):
+        selection_counts(topk, local_blocks, init_blocks)  # named before a placeholder selection is sized by topk
         # Each half's eligibility, computed at most once (the route and the whole-step rule both ask).
         checks = {fim.INDEX: functools.cache(lambda: fim.eligibility(
                       fim.INDEX, index_q, index_k_cache, meta, topk=topk, max_qo_len=max_qo_len)),

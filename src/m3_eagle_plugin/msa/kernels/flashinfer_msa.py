@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import numbers
 from typing import Any
 
 import torch
@@ -206,7 +207,8 @@ def operands_elsewhere(first: str, tensor: torch.Tensor, meta: Any, **others: to
 
 
 def _is_scale(value: Any) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+    """None or a real number, as our kernels take scales (`_common.scale_value`: a NumPy scalar too)."""
+    return value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool))
 
 
 def _common_refusal(device: torch.device, meta: Any, num_tokens: int, max_qo_len: int | None
@@ -246,7 +248,7 @@ def sparse_eligibility(q, k_cache, v_cache, meta, selection, *, k_scale=None, v_
     if not is_integer_dtype(selection.dtype):
         return False, f"selection must be an integer tensor of block ids, got {selection.dtype}"  # not truncated
     if not (_is_scale(k_scale) and _is_scale(v_scale)):
-        return False, "fp8 scales must be Python floats (FlashInfer takes no scale tensors)"
+        return False, "fp8 scales must be Python floats or NumPy scalars (FlashInfer takes no scale tensors)"
     return True, f"SM90, interleaved fp8 K/V, group {q.shape[1] // hkv}, q_len {q_len}"
 
 

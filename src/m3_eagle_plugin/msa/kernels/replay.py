@@ -246,7 +246,9 @@ class Replayer:
         """`run()`, or its recording replayed with `inputs` when `signature` was recorded before."""
         from .launch import direct_launch_possible
 
-        if signature is None or not replay_enabled():
+        # A call inside another's recording runs its ordinary path even where it has a recording of
+        # its own: a replay launches past `launch.launch`, so the outer recording would miss those launches.
+        if signature is None or not replay_enabled() or recording():
             return run()
         try:
             seen = self.recordings.get(signature)
@@ -256,7 +258,7 @@ class Replayer:
             if seen.meta() is meta and direct_launch_possible():
                 return seen.replay(inputs)
             seen = None
-        if (isinstance(seen, int) and seen >= MAX_REFUSALS) or recording() or not _recording_allowed(meta):
+        if (isinstance(seen, int) and seen >= MAX_REFUSALS) or not _recording_allowed(meta):
             return run()
         rec = _Recorder(inputs)
         _ACTIVE.recorder = rec
