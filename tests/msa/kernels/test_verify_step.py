@@ -175,6 +175,9 @@ def test_rejected_inputs_launch_nothing():
         _step(meta, cache, q[..., :16].contiguous(), index_q, early=True, splits=2)
     with pytest.raises(KernelInputError, match="index_q has 4 tokens, q has 5"):
         _step(meta, cache, q, index_q[:4], early=True, splits=2)
+    for splits in (0, -1, 2.0, True):  # an early attention of no split: named, not the measured rule instead
+        with pytest.raises(KernelInputError, match="splits must be None or an int >= 1"):
+            _step(meta, cache, q, index_q, early=True, splits=splits)
     _flags_zero("cpu", GEO.kv_heads * q.shape[0])
 
 

@@ -145,6 +145,8 @@ def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, loc
     require(index_q.shape[1] == hkv, f"index_q has {index_q.shape[1]} heads, k_cache {hkv} KV heads: the attention "
             "reads one selection row per KV head")
     check_same_device(q.device, index_q=index_q, index_k_cache=index_k_cache)
+    require(splits is None or (type(splits) is int and splits >= 1),  # 0 or -1 fell back to the rule unsaid
+            f"splits must be None or an int >= 1, got {splits!r}")
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len, checked=True)
     kv_bytes = k_cache.element_size()
