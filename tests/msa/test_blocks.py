@@ -199,3 +199,15 @@ def test_host_lengths_past_int64_are_refused_by_name(bad) -> None:
         per_token_valid_blocks([1, 1], [1, bad], 4)
     with pytest.raises(MsaInputError, match=f"request 0: qo_lens entry {bad} does not fit int64"):
         per_token_valid_blocks([bad], [1], 4)
+
+
+def test_host_qo_lens_beside_device_kv_lens_are_summed_on_the_host() -> None:
+    # DESIGN: device in = device out, no host sync. A meta tensor cannot be read back: the total of a
+    # host qo_lens list was read from the device copy of it (Tensor.item() on meta raised).
+    kv = torch.tensor([8, 12], device="meta")
+    got = per_token_valid_blocks([2, 3], kv, 4)
+    assert got.device.type == "meta" and got.dtype == torch.int32 and tuple(got.shape) == (5,)
+    with pytest.raises(MsaInputError, match="request 0: lengths must be >= 0, got qo_len=-1"):
+        per_token_valid_blocks([-1, 3], kv, 4)
+    with pytest.raises(MsaInputError, match="sum to 5"):
+        per_token_valid_blocks([2, 3], kv, 4, num_tokens=4)

@@ -118,9 +118,9 @@ def per_token_valid_blocks(
     Token ``t`` of request ``r`` sees ``ceil(min(kv_lens[r] - qo_lens[r] + t + 1, kv_lens[r]) / B)``
     blocks (never negative). Output lives on the inputs' device. Pass ``num_tokens`` (the sum of
     ``qo_lens``, known on the host) to keep device inputs free of host synchronisation; without
-    it the total is read back from the device. Host (CPU) lengths are checked: none negative, and
-    ``num_tokens`` equal to their sum. A ``kv_len`` below its ``qo_len`` (a shrinking
-    correction) leaves the early tokens 0 blocks.
+    it a device ``qo_lens`` total is read back (a host sequence's is summed on the host). Host
+    lengths (CPU, or a sequence) are checked: none negative, and ``num_tokens`` equal to their sum.
+    A ``kv_len`` below its ``qo_len`` (a shrinking correction) leaves the early tokens 0 blocks.
     """
     block_size = validate_block_size(block_size)
     if num_tokens is not None:
@@ -128,7 +128,8 @@ def per_token_valid_blocks(
     device = qo_lens.device if isinstance(qo_lens, torch.Tensor) else None
     if device is None and isinstance(kv_lens, torch.Tensor):
         device = kv_lens.device
-    qo = _as_length_tensor("qo_lens", qo_lens, device)
+    host_qo = None if isinstance(qo_lens, torch.Tensor) else int_entries("qo_lens", qo_lens)
+    qo = _as_length_tensor("qo_lens", qo_lens if host_qo is None else host_qo, device)
     kv = _as_length_tensor("kv_lens", kv_lens, device)
     if qo.shape != kv.shape:
         raise MsaInputError(f"qo_lens and kv_lens differ in length: {qo.numel()} vs {kv.numel()}")
@@ -136,6 +137,9 @@ def per_token_valid_blocks(
         raise MsaInputError(f"qo_lens is on {qo.device} but kv_lens is on {kv.device}")
     if qo.device.type == "cpu":  # host values: checked for free (on a device this would sync)
         _check_host_lengths(qo, kv, num_tokens)
+    elif host_qo is not None:  # host qo_lens beside device kv_lens: their total is known without a read-back
+        _check_host_qo(host_qo, num_tokens)
+        num_tokens = sum(host_qo)
     if num_tokens is None:
         num_tokens = int(qo.sum())  # free for CPU inputs; device callers pass num_tokens
     if num_tokens < 0:
@@ -147,6 +151,14 @@ def per_token_valid_blocks(
     kv_tok = kv[token_request]
     seen = torch.minimum(kv_tok - qo[token_request] + intra + 1, kv_tok).clamp(min=0)
     return torch.div(seen + (block_size - 1), block_size, rounding_mode="floor").to(torch.int32)
+
+
+def _check_host_qo(qo: list[int], num_tokens: int | None) -> None:
+    for r, q in enumerate(qo):
+        if q < 0:
+            raise MsaInputError(f"request {r}: lengths must be >= 0, got qo_len={q}")
+    if num_tokens is not None and num_tokens != sum(qo):
+        raise MsaInputError(f"num_tokens is {num_tokens} but qo_lens sum to {sum(qo)}")
 
 
 def _check_host_lengths(qo: torch.Tensor, kv: torch.Tensor, num_tokens: int | None) -> None:
