@@ -213,7 +213,8 @@ def _naive_forced(drafts, targets, a):
     return drafts[:a] + [targets[a]], a
 
 
-@pytest.mark.parametrize("mean", ["0.0005", "0.5", "1.5", "2.999", "0.000123", "1.000001"])
+# 1.78: plugin_ecosystem.md's forced-acceptance example, AL 2.78 - 1 (GQA head, K=3)
+@pytest.mark.parametrize("mean", ["0.0005", "0.5", "1.5", "1.78", "2.999", "0.000123", "1.000001"])
 def test_forced_schedule_sums_to_the_decimal_mean_times_the_steps(mean):
     """First principles: the first n counts of a schedule whose long-run mean is m sum to
     floor(n m); m is the decimal as written (exact arithmetic on its digits)."""

@@ -411,3 +411,24 @@ def test_one_unbatched_row_of_draft_logits_is_refused_not_broadcast(tiny):
     with pytest.raises(ValueError, match=r"^draft logits must be \[T, Vd\], got shape \(32,\)$"):
         head.to_target_logits(row)
     assert torch.equal(head.to_target_logits(row[None])[0, 2 * torch.arange(32)], row)
+
+
+@pytest.mark.parametrize("kv_heads, params", [(4, 3_074_992_128), (64, 3_263_735_808)], ids=["gqa", "mha"])
+def test_production_head_holds_the_references_parameter_count(kv_heads, params):
+    """minimax_m3_msa.md §4.5: H 6144, 64 heads x 128, intermediate 18432, full-vocabulary embed and
+    lm_head (200064), three aux chunks with fc_norm, 7 RMSNorms: 3,074,992,128 parameters for the GQA
+    head (4 KV heads), 3,263,735,808 for the MHA head (64). Built on the meta device (no storage)."""
+    from m3_eagle_plugin.eagle3.head import Eagle3Config, Eagle3Head
+
+    config = Eagle3Config(hidden_size=6144, num_heads=64, num_kv_heads=kv_heads, head_dim=128,
+                          intermediate_size=18432, rms_norm_eps=1e-6, rope_theta=5e6, vocab_size=200064,
+                          draft_vocab_size=200064, target_hidden_size=6144, aux_layer_ids=(2, 30, 57),
+                          norm_output=True, has_fc_norm=True)
+    with torch.device("meta"):
+        head = Eagle3Head(config)
+    shapes = {name: tuple(p.shape) for name, p in head.named_parameters()}
+    assert shapes["fc.weight"] == (6144, 18432)
+    assert shapes["layers.0.self_attn.q_proj.weight"] == (8192, 12288)
+    assert shapes["layers.0.self_attn.k_proj.weight"] == (kv_heads * 128, 12288)
+    assert sum(1 for name in shapes if "norm" in name) == 7
+    assert sum(p.numel() for p in head.parameters()) == params

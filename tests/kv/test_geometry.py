@@ -318,3 +318,14 @@ def test_m3_buffer_lists_refuse_out_of_range_arguments_naming_them(kwargs, error
     args = {"sparse_layer_ids": [3], **kwargs}
     with pytest.raises(error, match=match):
         minimax_m3_buffers(4, args.pop("sparse_layer_ids"), 1, D, DI, B, **args)
+
+
+def test_production_tp1_stores_the_references_68736_elements_a_token():
+    """minimax_m3_msa.md §1.3: dense K+V = 2*4*128 = 1024 elements a token, sparse layers 128 more
+    (index-K): 60*1024 + 57*128 = 68,736 elements, 134.25 KiB in bf16. At TP1 (4 KV heads) the K/V
+    pages (128 KiB) and the index-K pages (32 KiB) split into two pools (§3.1)."""
+    geo = minimax_m3_geometry(60, range(3, 60), 4, D, DI, B)
+    assert [(p.page_bytes, p.sub_pages) for p in geo.pools] == [(4 * B * D * 2, 120), (B * DI * 2, 57)]
+    slot_bytes = sum(p.slot_bytes for p in geo.pools)
+    assert slot_bytes == B * 2 * (60 * 1024 + 57 * 128) == B * 2 * 68_736
+    assert slot_bytes / B / 1024 == 134.25

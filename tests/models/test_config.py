@@ -54,6 +54,45 @@ def test_default_aux_layer_ids_follow_the_vllm_convention():
     assert cfg.default_aux_layer_ids == (2, 4, 5)  # (2, L//2, L-3) for 8 layers
 
 
+def _published_production_config() -> dict:
+    """The text backbone of minimax_m3_msa.md §1.2 (the published checkpoint's values) in the
+    published layout (`MiniMaxM3SparseForConditionalGeneration`, legacy sparse section)."""
+    raw = target_config()
+    moe = [0] * 3 + [1] * 57
+    raw["text_config"].update({
+        "vocab_size": 200064, "hidden_size": 6144, "num_hidden_layers": 60, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 3072, "dense_intermediate_size": 12288,
+        "shared_intermediate_size": 3072, "num_local_experts": 128, "num_experts_per_tok": 4,
+        "routed_scaling_factor": 2.0, "moe_layer_freq": moe, "rms_norm_eps": 1e-6, "rope_theta": 5000000,
+        "partial_rotary_factor": 0.5, "rotary_dim": 64, "max_position_embeddings": 524288,
+        "bos_token_id": 200034, "eos_token_id": 200020,
+        "sparse_attention_config": {
+            "use_sparse_attention": True, "sparse_index_dim": 128, "sparse_num_index_heads": 4,
+            "sparse_topk_blocks": 16, "sparse_block_size": 128, "sparse_score_type": "max",
+            "sparse_init_block": 0, "sparse_local_block": 1, "sparse_disable_index_value": moe,
+            "sparse_attention_freq": moe},
+    })
+    return raw
+
+
+def test_published_production_config_reads_as_the_reference_tables():
+    """minimax_m3_msa.md §1.2 / trtllm_host_api.md §4.1 field by field, transformers' reading of the same
+    dict, and the Eagle3 aux capture ids (2, L//2, L-3) = (2, 30, 57) for L = 60 (§4.2)."""
+    raw = _published_production_config()
+    cfg = M3Config.from_dict(raw, "prod.json")
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers) == (200064, 6144, 60)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim) == (64, 4, 128, 64)
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.tie_word_embeddings) == (5e6, 1e-6, False)
+    assert cfg.sparse_layer_ids == list(range(3, 60)) and cfg.moe_layers == cfg.sparse_layers
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (128, 4, 3072)
+    assert (cfg.shared_intermediate_size, cfg.dense_intermediate_size, cfg.routed_scaling_factor) == (3072, 12288, 2.0)
+    assert (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 7.0)
+    assert (cfg.index_heads, cfg.index_dim, cfg.block_size, cfg.topk_blocks) == (4, 128, 128, 16)
+    assert (cfg.local_blocks, cfg.init_blocks, cfg.index_head_repeat) == (1, 0, 1)
+    assert cfg.default_aux_layer_ids == (2, 30, 57)
+    _assert_same(cfg, _as_transformers_sees_it(raw))
+
+
 @pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads", "moe_layer_freq", "vocab_size"])
 def test_missing_production_field_names_file_and_field(tmp_path, field):
     raw = target_config()

@@ -43,6 +43,32 @@ def test_prefill_verify_and_single_steps_match_transformers(hf_text_checkpoint):
     assert start == len(ids)
 
 
+def test_reference_tiny_config_prefill_verify_and_singles_match_one_forward(tmp_path):
+    """minimax_m3_msa.md §6.3 (b), at its tiny configuration (hidden 64, 4 layers: 1 dense + 3 sparse,
+    8/2/16 heads, partial RoPE 0.5, 8 experts top-2, index 2 x 16, block 4, top-3 blocks, 1 local):
+    prefill 30 tokens, one 4-token verify chunk, then 6 single-token steps equal one 40-token forward."""
+    from ._oracle import MiniMaxM3VLForCausalLM, randomize_, tiny_text_config
+
+    torch.manual_seed(0)
+    hf = MiniMaxM3VLForCausalLM(tiny_text_config(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                                 num_local_experts=8, num_experts_per_tok=2))
+    randomize_(hf, seed=11)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, 96, (40,))
+    want, _ = _oracle(tmp_path, ids)
+    model = load_target(tmp_path)
+    assert (model.config.num_heads, model.config.num_kv_heads, model.config.num_experts) == (8, 2, 8)
+    runner = PagedRunner(model.config)
+    start = 0
+    with torch.no_grad():
+        for n in [30, 4] + [1] * 6:
+            runner.prepare([("r", n)])
+            got = model.compute_logits(model(ids[start:start + n], runner.meta, runner.cache))
+            torch.testing.assert_close(got, want[start:start + n], atol=TOL, rtol=0)
+            start += n
+    assert start == 40
+
+
 def test_mixed_batch_of_two_requests_matches_transformers(hf_text_checkpoint):
     torch.manual_seed(4)
     ids_a, ids_b = torch.randint(0, 96, (22,)), torch.randint(0, 96, (20,))
