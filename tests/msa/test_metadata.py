@@ -509,14 +509,33 @@ def _allocated_bytes(meta: MsaDecodeMetadata) -> int:
     return sum(storages.values())
 
 
+@pytest.mark.parametrize("scratch", [True, False])
 @pytest.mark.parametrize("requests,tokens,blocks,draft_len,heads", [
     (2, 8, 3, 1, 1), (1, 1, 1, 0, 1), (5, 17, 9, 3, 4), (8, 256, 12, 0, 2),
 ])
-def test_buffer_bytes_is_what_the_constructor_allocates(requests, tokens, blocks, draft_len, heads) -> None:
-    meta = MsaDecodeMetadata(requests, tokens, blocks, 4, "cpu", max_draft_len=draft_len, num_index_heads=heads)
+def test_buffer_bytes_is_what_the_constructor_allocates(requests, tokens, blocks, draft_len, heads, scratch) -> None:
+    meta = MsaDecodeMetadata(requests, tokens, blocks, 4, "cpu", max_draft_len=draft_len, num_index_heads=heads,
+                             proxy_scratch=scratch)
     expected = MsaDecodeMetadata.buffer_bytes(requests, tokens, blocks, 4, "cpu", max_draft_len=draft_len,
-                                              num_index_heads=heads)
+                                              num_index_heads=heads, proxy_scratch=scratch)
     assert expected == _allocated_bytes(meta)
+    assert (meta.proxy_scores is not None) == scratch
+
+
+def test_without_proxy_scratch_the_views_work_and_the_scratch_view_is_refused() -> None:
+    """A host whose kernels keep their own scratch (TensorRT-LLM) builds none: the step's views are
+    those of a metadata object with it, and asking for the scratch names why there is none."""
+    args = ((2, 8, 4, 4, "cpu"), dict(max_draft_len=1))
+    with_scratch, without = MsaDecodeMetadata(*args[0], **args[1]), MsaDecodeMetadata(*args[0], **args[1],
+                                                                                      proxy_scratch=False)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    for meta in (with_scratch, without):
+        meta.prepare([2, 2], [6, 9], tables)
+    for name in ("cache_slots", "valid_blocks", "token_kv_lens", "positions"):
+        assert torch.equal(getattr(without, name), getattr(with_scratch, name)), name
+    assert without.scratch_decode_tokens == with_scratch.scratch_decode_tokens == 4
+    with pytest.raises(MsaInputError, match="proxy_scratch=False"):
+        without.proxy_scores_view()
 
 
 @pytest.mark.parametrize("args, kwargs", [

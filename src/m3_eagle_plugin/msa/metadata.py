@@ -63,7 +63,9 @@ class MsaDecodeMetadata:
     With ``num_pages`` (the cache's page count) ``prepare`` refuses a host block table whose
     request pages point past the cache; a device table is not checked (that would cost a sync).
     ``proxy_scores`` is fp32 scratch ``[num_index_heads, scratch_decode_tokens, max_blocks_per_seq]``
-    for decode-step block scores, sized by the worst-case decode-token count.
+    for decode-step block scores, sized by the worst-case decode-token count; ``proxy_scratch=False``
+    leaves it out (None) for a host whose kernels keep their own (TensorRT-LLM's: at 1M context a
+    scratch nothing read was 128 MiB a metadata object, one per CUDA-graph batch size).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class MsaDecodeMetadata:
         max_draft_len: int = 0,
         num_index_heads: int = 1,
         num_pages: int | None = None,
+        proxy_scratch: bool = True,
     ) -> None:
         self.max_num_requests = checked_int("max_num_requests", max_num_requests)
         self.max_num_tokens = checked_int("max_num_tokens", max_num_tokens)
@@ -126,9 +129,9 @@ class MsaDecodeMetadata:
         self._positions = torch.full((t,), -1, dtype=torch.int32, device=self.device)
 
         self.scratch_decode_tokens = r * (1 + self.max_draft_len)
-        self.proxy_scores = torch.empty(
+        self.proxy_scores: torch.Tensor | None = torch.empty(
             (self.num_index_heads, self.scratch_decode_tokens, m), dtype=torch.float32, device=self.device
-        )
+        ) if proxy_scratch else None
 
         self.num_requests = 0
         self.num_tokens = 0
@@ -149,18 +152,21 @@ class MsaDecodeMetadata:
         max_draft_len: int = 0,
         num_index_heads: int = 1,
         num_pages: int | None = None,
+        proxy_scratch: bool = True,
     ) -> int:
         """Bytes ``__init__`` allocates for these constructor arguments, without allocating: the int32
         fields twice (host staging and device), the four per-token int32 buffers and the fp32 proxy
-        scratch. ``block_size``, ``device`` and ``num_pages`` do not change the size. The sizes are
-        checked as ``__init__`` checks them (a count it refuses has no size, not a negative one)."""
+        scratch (with ``proxy_scratch``). ``block_size``, ``device`` and ``num_pages`` do not change
+        the size. The sizes are checked as ``__init__`` checks them (a count it refuses has no size,
+        not a negative one)."""
         r = checked_int("max_num_requests", max_num_requests)
         t = checked_int("max_num_tokens", max_num_tokens)
         m = checked_int("max_blocks_per_seq", max_blocks_per_seq)
         max_draft_len = checked_int("max_draft_len", max_draft_len, minimum=0)
         num_index_heads = checked_int("num_index_heads", num_index_heads)
         staged = sum(_staged_sections(r, t, m).values())
-        return 4 * (2 * staged + _PER_TOKEN_FIELDS * t) + 4 * num_index_heads * r * (1 + max_draft_len) * m
+        scratch = 4 * num_index_heads * r * (1 + max_draft_len) * m if proxy_scratch else 0
+        return 4 * (2 * staged + _PER_TOKEN_FIELDS * t) + scratch
 
     # ----- per-step views -------------------------------------------------------------------
     @property
@@ -223,6 +229,8 @@ class MsaDecodeMetadata:
 
     def proxy_scores_view(self) -> torch.Tensor:
         """Decode-step slice of the proxy scratch: ``[num_index_heads, num_tokens, max_step_blocks]``."""
+        if self.proxy_scores is None:
+            raise MsaInputError("this metadata was built with proxy_scratch=False: it holds no proxy scratch")
         if self.num_tokens > self.scratch_decode_tokens:
             raise MsaInputError(
                 f"proxy scratch holds {self.scratch_decode_tokens} decode tokens, step has {self.num_tokens}"

@@ -88,8 +88,8 @@ def test_kv_corrections_rederive_the_published_fields_per_token(fake_host_dirs, 
 
 def test_step_metadata_is_sized_from_the_host_fields(current_host):
     """Rows from `max_num_sequences` (over `max_num_requests`), index heads from the sparse params,
-    draft length from the manager's spec config: the proxy scratch and the host's decode scratch
-    hold max_num_sequences x (1 + max_draft_len) tokens."""
+    draft length from the manager's spec config: the host's decode scratch holds max_num_sequences x
+    (1 + max_draft_len) tokens, and the step metadata keeps no proxy scratch of its own beside it."""
     backend = _backend()
     plugin, _ = _classes()
     spec = _spec()
@@ -99,7 +99,7 @@ def test_step_metadata_is_sized_from_the_host_fields(current_host):
     step = meta.m3_eagle_step
     assert step.max_num_requests == 3 and step.max_draft_len == spec.max_draft_len
     assert step.block_size == 4 and step.max_blocks_per_seq == 16  # 64 tokens / 4 a page
-    assert tuple(step.proxy_scores.shape) == (4, 3 * (1 + spec.max_draft_len), 16)
+    assert step.proxy_scores is None and step.scratch_decode_tokens == 3 * (1 + spec.max_draft_len)  # the host's
     assert meta.msa_n_valid_blocks.numel() == 3 * (1 + spec.max_draft_len)
     plain = backend.Metadata(max_num_requests=2, max_num_tokens=16, kv_cache_manager=manager,
                              sparse_metadata_params=SimpleNamespace(num_index_heads=None))
@@ -116,7 +116,6 @@ def test_index_heads_are_read_from_the_hosts_sparse_metadata_params(current_host
     meta = backend.Metadata(max_num_requests=2, max_num_tokens=16, kv_cache_manager=manager,
                             sparse_metadata_params=params)
     assert meta.m3_eagle_step.num_index_heads == 3
-    assert meta.m3_eagle_step.proxy_scores.shape[0] == 3
 
 
 @pytest.mark.parametrize("own,manager_len,spec_len,expect", [

@@ -58,6 +58,7 @@ class M3EagleMsaMetadata(HostMsaMetadata):
             device=device,
             max_draft_len=self._max_draft_len(),
             num_index_heads=_int(getattr(params, "num_index_heads", None), 1),
+            proxy_scratch=False,  # the host's kernels score into the host's own scratch
         )
 
     def _msa_max_decode_tokens(self) -> int:
