@@ -189,6 +189,20 @@ def test_prompts_file_errors_name_the_files_line_counting_blank_lines(tmp_path):
     assert errors[1].startswith(f"{path}:4: not JSON") and errors[2] == f"{path}:6: expected a JSON list of token ids"
 
 
+def test_a_batch_of_prompts_on_one_line_is_named_as_such(tmp_path):
+    """One line holding every prompt ([[1, 2], [3]]) failed per request as "token ids must be ints";
+    an empty list and a list of ids stay prompts (they fail, or run, as any other)."""
+    from m3_eagle_plugin.host.reference.cli import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("[[1, 2, 3], [4, 5]]\n[]\n[6, [7]]\n")
+    prompts, errors = read_prompts(_args("--prompts", str(path)))
+    assert prompts == [[[1, 2, 3], [4, 5]], [], [6, [7]]]
+    assert errors[0] == (f"{path}:1: a list of lists; the file takes one prompt (a JSON list of token ids) "
+                         "per line")
+    assert errors[1] is None and errors[2] is None
+
+
 def test_step_buffers_past_free_memory_are_refused_naming_the_options(tiny_pair, capsys, monkeypatch):
     """The step metadata holds 10 int32 per token of --max-tokens-per-step (3 staged twice, 4 derived):
     a million tokens is 40 MB, past a free memory of 16 MiB; the tiny cache and the default sizes fit."""

@@ -116,7 +116,13 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
             continue
         try:
             value = json.loads(line)
-            errors.append(None if isinstance(value, list) else f"{args.prompts}:{n}: expected a JSON list of token ids")
+            if not isinstance(value, list):
+                errors.append(f"{args.prompts}:{n}: expected a JSON list of token ids")
+            elif value and all(isinstance(item, list) for item in value):  # a whole batch on one line
+                errors.append(f"{args.prompts}:{n}: a list of lists; the file takes one prompt (a JSON list of "
+                              "token ids) per line")
+            else:
+                errors.append(None)
             prompts.append(value)
         except json.JSONDecodeError as error:
             prompts.append(None)
