@@ -177,6 +177,23 @@ def test_bf16_smoke(tiny):
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=0.15, rtol=0.05)
 
 
+def test_a_head_loads_in_its_targets_dtype_by_default_and_a_shared_embedding_of_another_is_named(tiny):
+    """A bf16 target's head held fp32 weights beside the target's shared bf16 embedding and lm_head:
+    the first forward failed mixing them, naming neither."""
+    target = load_target(tiny[0], dtype=torch.bfloat16)
+    head = load_draft(tiny[1], target)
+    assert head.embed_tokens is target.embed_tokens
+    assert {p.dtype for p in head.parameters()} == {torch.bfloat16}
+    runner = Runner(target, head, dtype=torch.bfloat16)
+    runner.prepare([("r", 3)])
+    with torch.no_grad():
+        logits, _ = head(torch.tensor([1, 2, 3]), torch.randn(3, 3 * 64).bfloat16(), runner.meta, runner.cache)
+    assert torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match=r"shares the target's embed_tokens and lm_head \(torch.bfloat16 on cpu\)"
+                                         r".*got torch.float32 on cpu"):
+        load_draft(tiny[1], target, dtype=torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_dense_reference(tiny):

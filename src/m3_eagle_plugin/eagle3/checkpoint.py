@@ -173,10 +173,14 @@ def inspect_draft(path: str | Path, target_config) -> DraftPlan:
     return DraftPlan(config, source, by_canon, expected)
 
 
-def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> Eagle3Head:
+def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> Eagle3Head:
     """Build an `Eagle3Head` for `target` from an Eagle3 checkpoint directory (or its `inspect_draft`
-    plan, checked before the target's weights were read)."""
+    plan, checked before the target's weights were read). ``dtype`` and ``device`` default to the
+    target's; a head that shares the target's embedding or lm_head must be in them."""
+    embed = target.embed_tokens.weight
+    dtype = embed.dtype if dtype is None else dtype
+    device = embed.device if device is None else torch.device(device)
     plan = path if isinstance(path, DraftPlan) else inspect_draft(path, target.config)
     config, source, by_canon, expected = plan.config, plan.source, plan.by_canon, plan.expected
     present = set(by_canon)
@@ -207,6 +211,10 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
             state["lm_head.weight"] = target.lm_head.weight.detach()[target_ids].clone()
         else:
             shared["lm_head"] = target.lm_head
+    if shared and not (dtype == embed.dtype and _same_device(device, embed.device)):
+        # the first forward failed mixing them ("expected m1 and m2 to have the same dtype")
+        raise ValueError(f"{source.where}: the head shares the target's {' and '.join(shared)} ({embed.dtype} on "
+                         f"{embed.device}), so it must be loaded in that dtype and device, got {dtype} on {device}")
     for name in shared:
         delattr(head, name)
         setattr(head, name, nn.Identity())  # placeholder so load_state_dict skips it
@@ -220,6 +228,14 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
     head.d2t = d2t
     head.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
     return head.eval().requires_grad_(False)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` and `cuda:0` name one device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    current = torch.cuda.current_device() if a.type == "cuda" and None in (a.index, b.index) else None
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def _check_one_to_one(where: str, target_ids: torch.Tensor) -> None:
