@@ -1,7 +1,7 @@
 """Block allocator: reserve/rewind/free, all-or-nothing out-of-blocks, block tables."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from m3_eagle_plugin.kv import BlockAllocator, OutOfBlocksError, UnknownRequestError
 
@@ -149,6 +149,9 @@ op = st.tuples(st.sampled_from(["add", "reserve", "rewind", "free"]), st.integer
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(ops=st.lists(op, max_size=40), num_blocks=st.integers(1, 12),
        block=st.sampled_from([1, 4, 8]))
+@example(ops=[("add", 0, 0), ("add", 1, 0), ("reserve", 0, 9), ("reserve", 1, 5), ("rewind", 0, 2),
+              ("reserve", 1, 13), ("rewind", 1, 0), ("reserve", 0, 20), ("free", 0, 0), ("reserve", 1, 30)],
+         num_blocks=12, block=4)  # the drawn lists (4-6 operations) never rewound a request holding pages
 def test_random_operations_match_a_naive_model(ops, num_blocks, block):
     alloc = BlockAllocator(num_blocks, block)
     tokens: dict[int, int] = {}
@@ -205,6 +208,10 @@ step = st.tuples(st.sampled_from(["add", "allocate", "reserve", "rewind", "free"
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(ops=st.lists(step, max_size=50), num_blocks=st.integers(1, 10), block=st.sampled_from([1, 2, 4, 8]))
+@example(ops=[("allocate", 0, 9), ("add", 1, 0), ("reserve", 1, 5), ("rewind", 0, 2), ("reserve", 1, 13),
+              ("table", 0, 4), ("rewind", 0, 3), ("rewind", 1, 0), ("reserve", 0, 20), ("free", 0, 0),
+              ("allocate", 2, 7), ("table", 0, 1)],
+         num_blocks=10, block=4)  # the drawn lists never rewound a request holding pages
 def test_every_call_matches_a_lowest_free_first_model(ops, num_blocks, block):
     """Exact page ids of allocate/reserve/rewind/free (also unknown ids, negative counts, out of
     blocks), block tables, and after every call: no page held twice, none lost, nothing half-done."""

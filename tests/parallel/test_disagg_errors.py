@@ -57,24 +57,28 @@ def padded(handoff, block_size):
 
 
 def _tampered(handoff, vocab, block_size):
-    """Handoffs that contradict themselves or the receiving engine, each in one field."""
+    """Handoffs that contradict themselves or the receiving engine, each in one field, with the
+    cause the refusal must name."""
     import dataclasses
 
     replace = lambda **kw: dataclasses.replace(handoff, **kw)  # noqa: E731
     return {
-        "negative request index": replace(index=-1),
-        "fractional max_new_tokens": replace(max_new_tokens=DISAGG_NEW + 0.5),
-        "bool pending_draft_len": replace(pending_draft_len=True),
+        "negative request index": (replace(index=-1), "index must be an int >= 0, got -1"),
+        "fractional max_new_tokens": (replace(max_new_tokens=DISAGG_NEW + 0.5), "max_new_tokens must be an int"),
+        "bool pending_draft_len": (replace(pending_draft_len=True), "pending_draft_len must be an int >= 0, got True"),
         # the pages past kv_len would be allocated beyond what the scheduler admitted
-        "pages past the committed positions": padded(handoff, block_size),
-        "kv_len past the pages": replace(kv_len=handoff.kv_len + 1),
-        "kv_len short of the tokens": replace(kv_len=handoff.kv_len - 1),
-        "pending token outside the vocabulary": replace(pending_inputs=handoff.pending_inputs[:-1] + [vocab]),
-        "negative prompt token": replace(prompt=[-1] + handoff.prompt[1:]),
-        "more pending drafts than inputs": replace(pending_draft_len=DISAGG_K + 1),
-        "pending input is not the last token": replace(pending_inputs=[(handoff.output[-1] + 1) % vocab]
+        "pages past the committed positions": (padded(handoff, block_size), "transferred tokens must both be"),
+        "kv_len past the pages": (replace(kv_len=handoff.kv_len + 1), f"kv_len {handoff.kv_len + 1} and"),
+        "kv_len short of the tokens": (replace(kv_len=handoff.kv_len - 1), f"kv_len {handoff.kv_len - 1} and"),
+        "pending token outside the vocabulary": (replace(pending_inputs=handoff.pending_inputs[:-1] + [vocab]),
+                                                 rf"token ids must be ints in \[0, {vocab}\), got \[{vocab}\]"),
+        "negative prompt token": (replace(prompt=[-1] + handoff.prompt[1:]), r"got \[-1\]"),
+        "more pending drafts than inputs": (replace(pending_draft_len=DISAGG_K + 1),
+                                            rf"pending_draft_len {DISAGG_K + 1} not in \[0, {DISAGG_K}\]"),
+        "pending input is not the last token": (replace(pending_inputs=[(handoff.output[-1] + 1) % vocab]
                                                         + handoff.pending_inputs[1:]),
-        "nothing emitted yet": replace(output=[], kv_len=handoff.kv_len),
+                                                "is not the last emitted token"),
+        "nothing emitted yet": (replace(output=[], kv_len=handoff.kv_len), "emitted tokens, got"),
     }
 
 
@@ -88,8 +92,8 @@ def test_import_refuses_inconsistent_handoffs_and_stays_clean(tiny_pair, handoff
     for h in handoffs:
         assert h.kv_len == h.payload.num_tokens == len(h.prompt) + len(h.output) - 1
         assert h.pending_inputs[0] == h.output[-1]
-    for name, bad in _tampered(handoffs[0], vocab, engine.cache.block_size).items():
-        with pytest.raises(HandoffError):
+    for name, (bad, cause) in _tampered(handoffs[0], vocab, engine.cache.block_size).items():
+        with pytest.raises(HandoffError, match=cause):
             import_handoff(engine, bad)
             pytest.fail(f"accepted a handoff with {name}")
         assert _is_clean(engine), name

@@ -5,7 +5,7 @@ import types
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from m3_eagle_plugin.msa.kernels._common import (MAX_TILE_ROWS, KernelInputError, fits_one_tile, is_pow2, next_pow2,
                                                  qo_len_hint, tokens_per_tile)
@@ -25,6 +25,7 @@ def test_reference_values():
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(tokens=st.integers(0, 5000), requests=st.integers(1, 300), rows=st.integers(1, 64),
        hint=st.one_of(st.none(), st.integers(1, 64)))
+@example(tokens=10, requests=2, rows=8, hint=5)  # a verify row: the draws never gave a hint that fits one tile
 def test_tile_is_pow2_fills_mma_and_covers_verify_rows(tokens, requests, rows, hint):
     qp = tokens_per_tile(tokens, requests, rows, hint)
     assert is_pow2(qp) and qp <= max(16, next_pow2(-(-16 // rows)))
@@ -109,6 +110,7 @@ def test_step_buffer_is_filled_shared_per_device_and_grows_to_a_power_of_two():
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(requests=st.integers(1, 256), kv_heads=st.integers(1, 8), width=st.integers(1, 2048),
        row=st.sampled_from([0, 4 * 16 * 128, 4096 * 16 * 128]), tile_rows=st.sampled_from([0, 16, 64, 128]))
+@example(requests=2, kv_heads=1, width=101, row=0, tile_rows=64)  # the draws never reached the wide-tile rule
 def test_dense_splits_leave_no_split_without_pages(requests, kv_heads, width, row, tile_rows):
     """Split s takes pages [s * per, (s + 1) * per) with per = ceil(width / splits): every split
     gets at least one page of the widest request, and the split count stays within bounds. A wide
