@@ -459,3 +459,39 @@ def test_requests_given_as_a_generator_run_to_the_aggregated_output(tiny_pair, h
     requests = [import_handoff(engine, h) for h in handoffs]
     assert continue_generation(engine, (r for r in requests)).outputs == aggregated.outputs
     assert _is_clean(engine)
+
+
+def test_an_export_interrupted_while_its_pages_go_back_can_be_exported_again(tiny_pair, handoffs, monkeypatch):
+    """Ctrl-C in the context engine's page free, after the handoff was copied (here as its second page
+    goes back): the request was already marked handed off, so the caller, who never got the handoff,
+    could not export it again ("request 0 is finished") and its pages, id and budget stayed held; and
+    the free cut off part-way left it listing fewer pages than its tokens. Exported again, it gives the
+    same handoff, which a generation engine continues to the aggregated run's output."""
+    import heapq
+
+    from m3_eagle_plugin.parallel.disagg import continue_generation, import_handoff
+
+    blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    aggregated = _engine(tiny_pair, blocks).generate(DISAGG_PROMPTS[:1], DISAGG_NEW)
+    engine = _engine(tiny_pair, blocks)
+    request = run_context_phase(engine, DISAGG_PROMPTS[:1], DISAGG_NEW)[0]
+    assert len(engine.cache.pages(request.rid)) > 2
+    push, pushes = heapq.heappush, []
+
+    def interrupted_at_the_second_page(heap, page):
+        pushes.append(page)
+        if len(pushes) == 2:
+            raise KeyboardInterrupt
+        push(heap, page)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(heapq, "heappush", interrupted_at_the_second_page)
+        with pytest.raises(KeyboardInterrupt):
+            export_handoff(engine, request)
+    handoff = export_handoff(engine, request)
+    assert (request.state.value, request.stop_reason) == ("finished", "handed_off")
+    assert _is_clean(engine)
+    assert handoff.output == handoffs[0].output and handoff.kv_len == handoffs[0].kv_len
+    generation = _engine(tiny_pair, blocks)
+    assert continue_generation(generation, [import_handoff(generation, handoff)]).outputs == aggregated.outputs
+    assert _is_clean(generation)

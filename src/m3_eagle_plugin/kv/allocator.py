@@ -2,7 +2,8 @@
 
 One block = one slot of every pool = ``block_size`` tokens. Requests grow with ``reserve``
 (a verify step reserves its 1 + draft_len tokens up front) and shrink with ``rewind`` after
-rejection. Every change is all-or-nothing: when blocks run out nothing is modified.
+rejection. Every change is all-or-nothing: when blocks run out, or a call is cut off part-way
+(Ctrl-C), nothing is modified.
 """
 from __future__ import annotations
 
@@ -82,7 +83,14 @@ class BlockAllocator:
                 f"request {rid!r} needs {need} more blocks for {num_tokens} tokens, "
                 f"only {len(self._free)} of {self.num_blocks} are free"
             )
-        added = [heapq.heappop(self._free) for _ in range(max(need, 0))]
+        added: list[int] = []
+        try:
+            while len(added) < need:
+                added.append(heapq.heappop(self._free))
+        except BaseException:  # cut off part-way (Ctrl-C): the pages taken so far go back
+            for page in added:
+                heapq.heappush(self._free, page)
+            raise
         pages.extend(added)
         self._tokens[rid] = max(self._tokens[rid], num_tokens)
         return added
@@ -100,8 +108,12 @@ class BlockAllocator:
                 f"tokens, only {len(self._free)} of {self.num_blocks} are free"
             )
         self.add_request(rid)
-        self.reserve(rid, num_tokens)
-        return self.pages(rid)
+        try:
+            self.reserve(rid, num_tokens)
+            return self.pages(rid)
+        except BaseException:  # no id left registered by a call that failed
+            self.free(rid)
+            raise
 
     def rewind(self, rid: Hashable, num_tokens: int) -> list[int]:
         """Shrink ``rid`` to ``num_tokens`` tokens; returns the freed pages."""
@@ -112,19 +124,33 @@ class BlockAllocator:
                 f"cannot rewind request {rid!r} to {num_tokens} tokens: "
                 f"it holds {self._tokens[rid]}"
             )
-        keep = self.blocks_for(num_tokens)
-        freed = pages[keep:]
-        del pages[keep:]
-        for page in freed:
-            heapq.heappush(self._free, page)
+        freed = self._give_back(pages, self.blocks_for(num_tokens))
         self._tokens[rid] = num_tokens
         return freed
 
     def free(self, rid: Hashable) -> None:
-        for page in self._require(rid):
-            heapq.heappush(self._free, page)
+        self._give_back(self._require(rid), 0)
         del self._pages[rid]
         del self._tokens[rid]
+
+    def _give_back(self, pages: list[int], keep: int) -> list[int]:
+        """Move ``pages[keep:]`` (a request's own list) to the free heap, all or none: cut off part-way
+        (Ctrl-C), the pages already pushed are taken back, so none is both held and free and the call
+        can run again (the engine's clean-up frees what a failed free left)."""
+        freed = pages[keep:]
+        pushed = 0
+        try:
+            for page in freed:
+                heapq.heappush(self._free, page)
+                pushed += 1
+        except BaseException:
+            if pushed:
+                back = set(freed[:pushed])
+                self._free = [page for page in self._free if page not in back]
+                heapq.heapify(self._free)
+            raise
+        del pages[keep:]
+        return freed
 
     def block_table(
         self, rids: Sequence[Hashable], width: Optional[int] = None

@@ -105,7 +105,8 @@ def import_request(cache: PagedKVCache, rid: Hashable, payload: KVTransferPayloa
         index = torch.tensor(pages, dtype=torch.long, device=cache.device)
         for pool, source in zip(cache.geometry.pools, sources):
             cache.storage(pool.pool_id).view(torch.uint8).index_copy_(0, index, source)
+        table = torch.tensor(pages, dtype=torch.int32)  # inside too: the caller gets no request on an error
     except BaseException:
         cache.allocator.free(rid)  # no request registered over half-written pages
         raise
-    return torch.tensor(pages, dtype=torch.int32)
+    return table

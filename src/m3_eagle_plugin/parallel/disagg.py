@@ -169,8 +169,8 @@ def _export(engine: Engine, request: Request) -> ContextHandoff:
         pending_inputs=[int(t) for t in request.pending_inputs.cpu().tolist()],
         pending_draft_len=request.pending_draft_len, payload=payload,
     )
+    engine.finish(request)  # first: cut off there, the request is still decoding and can be exported again
     request.state, request.stop_reason = RequestState.FINISHED, HANDED_OFF
-    engine.finish(request)
     return handoff
 
 

@@ -398,3 +398,58 @@ def test_the_engine_is_still_usable_after_every_fault_in_a_row(monkeypatch):
         assert cache.num_free_blocks == cache.num_blocks, site
     assert_clean_and_reusable(engine, target, cache)
     assert torch.is_grad_enabled()  # the step loop's no_grad does not leak out of a failed call
+
+
+def interrupt_inside_free(allocator, monkeypatch, at_push: int = 2) -> list:
+    """Ctrl-C landing in the first `BlockAllocator.free` that gives back more than one page, as its
+    ``at_push``-th page goes back (one page back, the others still held); returns [rid] once fired."""
+    import heapq
+
+    free, push = allocator.free, heapq.heappush
+    fired: list = []
+    inside = [0, None]  # pushes so far in the free running now, its request id
+
+    def counting_push(heap, item):
+        if inside[1] is not None and not fired:
+            inside[0] += 1
+            if inside[0] == at_push:
+                fired.append(inside[1])
+                raise KeyboardInterrupt
+        return push(heap, item)
+
+    def tracked_free(rid):
+        inside[:] = [0, rid if len(allocator.pages(rid)) >= at_push else None]
+        try:
+            return free(rid)
+        finally:
+            inside[1] = None
+
+    monkeypatch.setattr(heapq, "heappush", counting_push)
+    monkeypatch.setattr(allocator, "free", tracked_free)
+    return fired
+
+
+def assert_every_page_held_once(cache):
+    """An independent recount: once every request is gone, one request can take the whole cache, and
+    gets each page exactly once (a page given back twice would be handed out twice)."""
+    pages = cache.allocator.allocate("recount", cache.num_blocks * cache.block_size)
+    cache.free("recount")
+    assert sorted(pages) == list(range(cache.num_blocks))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_an_interrupt_part_way_through_giving_a_finished_requests_pages_back_loses_none(overlap, monkeypatch):
+    """Ctrl-C inside `Engine.finish`'s page free, after one of the request's pages went back: the request
+    was marked released before the free ran, so the clean-up skipped it and its id and the pages still
+    listed stayed registered (the next call: "request 0 already exists"). The clean-up must finish the
+    free, handing no page out twice."""
+    engine, target, cache = build(overlap=overlap)
+    fired = interrupt_inside_free(cache.allocator, monkeypatch)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        engine.generate(PROMPTS, max_new_tokens=NEW)
+    assert fired, "no free of two pages or more ran"
+    assert_partial_result(caught.value, target)
+    monkeypatch.undo()
+    assert not cache.allocator.request_ids
+    assert_every_page_held_once(cache)
+    assert_clean_and_reusable(engine, target, cache)

@@ -260,8 +260,8 @@ class Engine:
         """Return a finished (or failed) request's pages and its scheduler slot (once: idempotent)."""
         self.scheduler.release(request)
         if not request.released:
-            request.released = True
             self.cache.free(request.rid)
+            request.released = True  # after the free: one that raised is run again by the clean-up
 
     def stop_unfinished(self, requests: Sequence[Request], reason: str = "engine stopped before the request finished"
                         ) -> None:
