@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
@@ -238,6 +238,7 @@ def test_draft_config_that_is_not_an_object():
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(value=st.one_of(st.integers(-2, 9), st.floats(-2, 9), st.booleans(), st.text(max_size=3),
                        st.lists(st.integers(1, 4), max_size=2)))
+@example(value=4.0)  # an integral JSON float: the bounded float draws never gave one
 def test_any_json_value_for_draft_heads_parses_exactly_or_names_the_field(value):
     raw = draft_config()
     kv_heads = raw["num_key_value_heads"]
@@ -245,7 +246,8 @@ def test_any_json_value_for_draft_heads_parses_exactly_or_names_the_field(value)
     raw.pop("head_dim")  # derived from the head count, so any divisor of hidden_size is a valid config
     exact = not isinstance(value, bool) and isinstance(value, (int, float)) and float(value).is_integer()
     if exact and value >= kv_heads and value % kv_heads == 0 and raw["hidden_size"] // value >= 1:
-        assert _parse(raw).num_heads == value
+        heads = _parse(raw).num_heads
+        assert heads == value and type(heads) is int
     else:
         with pytest.raises(ConfigError, match=r"^d\.json: (num_attention_heads|num_key_value_heads): "):
             _parse(raw)

@@ -216,13 +216,13 @@ def test_select_from_block_scores_refuses_query_blocks_of_another_length() -> No
 @given(
     heads=st.integers(1, 2),
     num_blocks=st.integers(0, 7),
-    own=st.lists(st.integers(-1, 8), min_size=0, max_size=5),
+    past=st.booleans(),
     topk=st.integers(1, 5),
     local=st.integers(0, 3),
     init=st.integers(0, 3),
     data=st.data(),
 )
-def test_select_from_block_scores_is_a_valid_top_k_even_with_ties(heads, num_blocks, own, topk, local, init, data):
+def test_select_from_block_scores_is_a_valid_top_k_even_with_ties(heads, num_blocks, past, topk, local, init, data):
     """Scores drawn from {-1, 0, 1} (ties everywhere), own blocks before block 0 (none visible) or
     past the scored range (refused: the forced own block would be dropped).
 
@@ -231,6 +231,9 @@ def test_select_from_block_scores_is_a_valid_top_k_even_with_ties(heads, num_blo
     id wins (the kernels' rule, which keeps a token's choice independent of the row width)."""
     if local + init > topk:
         local, init = min(local, topk), max(0, min(init, topk - min(local, topk)))
+    # Own blocks inside the scored range unless `past`: drawn from [-1, 8] against up to 7 blocks, most
+    # examples were refused and the rest saw nothing to choose (no token had a free slot to fill).
+    own = data.draw(st.lists(st.integers(-1, 8 if past else num_blocks - 1), min_size=0, max_size=5))
     values = data.draw(st.lists(st.sampled_from([-1.0, 0.0, 1.0]), min_size=heads * len(own) * num_blocks,
                                 max_size=heads * len(own) * num_blocks))
     scores = torch.tensor(values, dtype=torch.float32).view(heads, len(own), num_blocks)
