@@ -695,3 +695,35 @@ def test_sizes_the_parser_cannot_produce_are_refused_by_the_dataclass(change, ma
     cfg = M3Config.from_dict(target_config(), "x.json")
     with pytest.raises(ConfigError, match=rf"^x\.json: {match}$"):
         replace(cfg, **change)
+
+
+@pytest.mark.parametrize("top,text,generation", [
+    (7, None, None), (None, 9, None), (7, 9, None), (None, 9, {"eos_token_id": [3, 5]}), (None, None, None),
+    (None, 9, {"do_sample": False}),
+])
+def test_eos_ids_are_read_as_transformers_generate_reads_them(tmp_path, top, text, generation):
+    import transformers
+
+    from m3_eagle_plugin.models.config import eos_token_ids
+
+    raw = target_config()
+    raw["eos_token_id"], raw["text_config"]["eos_token_id"] = top, text
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+        want = transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id
+    else:
+        want = transformers.GenerationConfig.from_model_config(transformers.AutoConfig.from_pretrained(tmp_path)).eos_token_id
+    want = () if want is None else tuple(want) if isinstance(want, list) else (want,)
+    assert eos_token_ids(tmp_path) == want
+
+
+@pytest.mark.parametrize("value", ["2", -1, 1.0, [3, "x"], True])
+def test_an_eos_id_that_is_no_token_id_names_the_file(tmp_path, value):
+    from m3_eagle_plugin.models.config import eos_token_ids
+
+    raw = target_config()
+    raw["text_config"]["eos_token_id"] = value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"config\.json: eos_token_id: must be an id or a list of ids >= 0"):
+        eos_token_ids(tmp_path)

@@ -331,3 +331,28 @@ def _index_head_repeat(t: ConfigFields, legacy: ConfigFields | None, index_heads
     raise fields.error(key, f"{index_heads} index heads do not divide num_key_value_heads ({kv_heads}): each "
                        "index head selects blocks for num_attention_heads / index heads query heads, and the "
                        "MSA core can only run one selection per KV head")
+
+
+def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """The ids that end generation, as transformers' `generate` reads them for this checkpoint: a
+    `generation_config.json` decides alone (no `eos_token_id` there: none); without one, config.json's
+    top-level `eos_token_id`, else its `text_config`'s. An int or a list of ints; null: none."""
+    model_dir = Path(model_dir)
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        sources = [(generation, read_json_object(generation))]
+    else:
+        config = read_json_object(model_dir / "config.json")
+        text = config.get("text_config")
+        sources = [(model_dir / "config.json", config)]
+        if isinstance(text, Mapping):
+            sources.append((model_dir / "config.json", {"eos_token_id": text.get("eos_token_id")}))
+    for path, fields in sources:
+        value = fields.get("eos_token_id")
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not all(type(i) is int and i >= 0 for i in ids):
+            raise ConfigError(f"{path}: eos_token_id: must be an id or a list of ids >= 0, got {show_value(value)}")
+        return tuple(ids)
+    return ()

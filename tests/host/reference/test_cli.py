@@ -357,3 +357,29 @@ def test_a_run_started_with_stdout_closed_ends_as_print_would(tiny_pair, capsys,
                *json_flag])
     assert rc == 0
     assert capsys.readouterr().err == ""
+
+
+def test_the_checkpoints_eos_ends_requests_unless_eos_ids_says_otherwise(tiny_pair, tmp_path, capsys):
+    """A checkpoint naming an eos_token_id stops where transformers' generate stops (the run went on to
+    --max-new-tokens); `--eos-ids ""` turns it off; an eos past the vocabulary names the checkpoint."""
+    import shutil
+
+    target, draft = tiny_pair
+    argv = ["--draft", str(draft), "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--json"]
+    rc, out, _ = run_cli(capsys, "--model", str(target), *argv)
+    full = json.loads(out)["outputs"][0]
+    assert rc == 0 and len(full) == 12
+    stop = full[4]
+    with_eos = tmp_path / "target"
+    shutil.copytree(target, with_eos)
+    raw = json.loads((with_eos / "config.json").read_text())
+    raw["text_config"]["eos_token_id"] = stop
+    (with_eos / "config.json").write_text(json.dumps(raw))
+    rc, out, _ = run_cli(capsys, "--model", str(with_eos), *argv)
+    assert rc == 0 and json.loads(out)["outputs"][0] == full[:full.index(stop) + 1]
+    rc, out, _ = run_cli(capsys, "--model", str(with_eos), *argv, "--eos-ids", "")
+    assert rc == 0 and json.loads(out)["outputs"][0] == full
+    raw["text_config"]["eos_token_id"] = 10**6
+    (with_eos / "config.json").write_text(json.dumps(raw))
+    rc, _, err = run_cli(capsys, "--model", str(with_eos), *argv)
+    assert rc == 2 and f"--model {with_eos}: its eos_token_id [1000000] is outside the vocabulary" in err

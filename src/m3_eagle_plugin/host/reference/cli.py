@@ -60,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=8, help="requests in one step (default 8)")
     parser.add_argument("--max-tokens-per-step", type=int, default=256,
                         help="token budget of one step (chunked prefill; default 256)")
-    parser.add_argument("--eos-ids", default="", help="comma-separated ids that end a request (kept in the output)")
+    parser.add_argument("--eos-ids", default=None,
+                        help="comma-separated ids that end a request (kept in the output); default: the "
+                             "checkpoint's eos_token_id as transformers' generate reads it (generation_config.json, "
+                             "else config.json); \"\" for none")
     parser.add_argument("--kv-blocks", type=int, default=None,
                         help="KV cache blocks (default: all prompts fit at once)")
     parser.add_argument("--proposer", choices=["default", "prompt-lookup"], default="default",
@@ -258,7 +261,15 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--cuda-graphs needs --device cuda (CUDA graphs do not exist on CPU)")
         _check_numbers(args)
         prompts, parse_errors = read_prompts(args)
-        eos_ids = tuple(_parse_ids(args.eos_ids, "--eos-ids"))
+        if args.eos_ids is None:
+            from m3_eagle_plugin.models.config import M3Config, eos_token_ids
+
+            eos_ids, vocab = eos_token_ids(args.model), M3Config.from_file(args.model).vocab_size
+            if any(token >= vocab for token in eos_ids):  # else named as --eos-ids, which nobody typed
+                raise ValueError(f"--model {args.model}: its eos_token_id {list(eos_ids)} is outside the vocabulary "
+                                 f"[0, {vocab}): pass --eos-ids (\"\" for none)")
+        else:
+            eos_ids = tuple(_parse_ids(args.eos_ids, "--eos-ids"))
         if any(token < 0 for token in eos_ids):
             raise ValueError(f"--eos-ids must be >= 0, got {min(eos_ids)}")
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
