@@ -271,6 +271,8 @@ def _load_path(path: Path) -> Manifest:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(f"{path}: not valid TOML: {exc}") from exc
+    except RecursionError:  # arrays or inline tables nested past Python's stack
+        raise ManifestError(f"{path}: not valid TOML: nested too deeply") from None
     return parse_manifest(raw, source=str(path))
 
 

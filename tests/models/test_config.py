@@ -304,6 +304,7 @@ def test_integral_float_is_accepted_as_an_int():
     ('{"text_config": {', "not valid JSON (Expecting property name enclosed in double quotes at line 1 column 18)"),
     ("[1, 2]", "top level must be a JSON object, got list"),
     ('"config"', "top level must be a JSON object, got str"),
+    ('{"text_config": ' + "[" * 100_000 + "]" * 100_000 + "}", "not valid JSON (nested too deeply)"),  # RecursionError
 ])
 def test_unparsable_config_file_names_the_file(tmp_path, text, what):
     (tmp_path / "config.json").write_text(text)
@@ -727,3 +728,16 @@ def test_an_eos_id_that_is_no_token_id_names_the_file(tmp_path, value):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"config\.json: eos_token_id: must be an id or a list of ids >= 0"):
         eos_token_ids(tmp_path)
+
+
+# ---- adversarial review: hostile files ----
+
+def test_a_layer_count_past_memory_is_refused_naming_its_pattern_before_any_allocation():
+    """A production config without the sparse section has no sparse layer; its (False,) * num_hidden_layers
+    was built before moe_layer_freq, the list that must have one entry per layer, was read: 10**15 layers
+    were a MemoryError (the run blamed its batch options), 10**9 filled 8 GB first."""
+    raw = target_config()
+    del raw["text_config"]["sparse_attention_config"]
+    raw["text_config"]["num_hidden_layers"] = 10 ** 15
+    with pytest.raises(ConfigError, match=r"^x\.json: text_config\.moe_layer_freq: has 8 entries, expected 10{15} "):
+        M3Config.from_dict(raw, "x.json")

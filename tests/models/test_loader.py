@@ -197,3 +197,55 @@ def test_a_weight_dtype_that_cannot_run_the_model_is_refused_naming_it(tiny_dir,
     the forward ("add_stub" / "clamp" not implemented)."""
     with pytest.raises(ValueError, match=rf"^dtype must be a floating dtype of 16 bits or more .*got {dtype}$"):
         load_target(tiny_dir / "target", dtype=dtype)
+
+
+# ---- adversarial review: hostile config sizes ----
+
+def _with_config(tiny_dir: Path, dst: Path, edit) -> Path:
+    shutil.copytree(tiny_dir / "target", dst)
+    raw = json.loads((dst / "config.json").read_text())
+    edit(raw["text_config"])
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_more_experts_than_the_checkpoint_stores_are_refused_before_their_names_are_built(tiny_dir, tmp_path,
+                                                                                         monkeypatch):
+    """Every expert's w1/w2/w3 names were built before any was compared: num_local_experts 10**8 held
+    3.5 GB and ended in a MemoryError; the checkpoint stores 8."""
+    import m3_eagle_plugin.models.loader as loader_api
+
+    def no_names(*args):
+        raise AssertionError("the per-expert tensor names were built")
+
+    monkeypatch.setattr(loader_api, "_production_recipes", no_names)
+    ckpt = _with_config(tiny_dir, tmp_path / "t", lambda t: t.update(num_local_experts=10 ** 9))
+    want = (f"^{re.escape(str(ckpt / 'config.json'))}: num_local_experts: 1000000000 experts per MoE layer, "
+            f"but {re.escape(str(ckpt / 'model.safetensors'))} stores 8$")
+    with pytest.raises(CheckpointError, match=want):
+        load_target(ckpt)
+
+
+def test_more_layers_than_the_checkpoint_stores_are_refused_before_the_model_is_built(tiny_dir, tmp_path,
+                                                                                     monkeypatch):
+    """The model was built (on meta, about 120 KB and 2 ms a layer) before its names were compared: a 1 MB
+    config.json of 10**5 layers would hold about 12 GB first. 9 layers here, the checkpoint stores 8."""
+    import m3_eagle_plugin.models.loader as loader_api
+
+    def no_model(config):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(loader_api, "MiniMaxM3ForCausalLM", no_model)
+
+    def nine_layers(t):
+        t["num_hidden_layers"] = 9
+        for pattern in (t, t["sparse_attention_config"]):
+            for key in ("moe_layer_freq", "sparse_attention_freq", "sparse_disable_index_value"):
+                if key in pattern:
+                    pattern[key] = pattern[key] + [1]
+
+    ckpt = _with_config(tiny_dir, tmp_path / "t", nine_layers)
+    want = (f"^{re.escape(str(ckpt / 'config.json'))}: num_hidden_layers: 9 layers, "
+            f"but {re.escape(str(ckpt / 'model.safetensors'))} stores 8$")
+    with pytest.raises(CheckpointError, match=want):
+        load_target(ckpt)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def test_file_that_breaks_after_listing_names_file_and_tensor(good_file, tmp_pat
     ('{"weight_map": ["model.safetensors"]}', "weight_map: missing or not a JSON object"),
     ('{"weight_map": {"a.weight": 3}}', "weight_map: tensors without a shard file name: a.weight"),
     ('{"weight_map": {"a.weight": ""}}', "weight_map: tensors without a shard file name: a.weight"),
+    ('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}", "not valid JSON (nested too deeply)"),  # RecursionError
 ])
 def test_broken_shard_index_names_the_index(good_file, tmp_path, index_text, what):
     (tmp_path / "model.safetensors").write_bytes(good_file.read_bytes())
@@ -161,3 +163,22 @@ def test_a_path_that_does_not_exist_is_refused_as_missing(tmp_path):
     missing = tmp_path / "no-such-checkpoint"
     with pytest.raises(CheckpointError, match=rf"^checkpoint path {re.escape(str(missing))} does not exist$"):
         SafetensorsSource(missing)
+
+
+@pytest.mark.parametrize("make", [os.mkfifo, os.mkdir], ids=["fifo", "directory"])
+def test_a_lone_safetensors_entry_that_is_not_a_file_is_refused_by_name(tmp_path, make):
+    """A FIFO blocked safetensors' open until some process wrote to it (the load hung); a directory
+    was 'No such device (os error 19)'."""
+    entry = tmp_path / "weights.safetensors"
+    make(entry)
+    # held open for writing, a regression opens the FIFO and fails instead of blocking the test
+    holder = os.open(entry, os.O_RDWR) if entry.is_fifo() else None
+    try:
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(entry))} is not a file$"):
+            SafetensorsSource(tmp_path)
+        if holder is not None:  # given itself (a directory is read as a checkpoint directory)
+            with pytest.raises(CheckpointError, match=rf"^checkpoint path {re.escape(str(entry))} is not a file$"):
+                SafetensorsSource(entry)
+    finally:
+        if holder is not None:
+            os.close(holder)

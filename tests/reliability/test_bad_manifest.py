@@ -4,6 +4,7 @@ field, and the file when one is read; nothing else may escape.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 import pytest
@@ -124,4 +125,16 @@ def test_manifest_that_is_not_toml_names_the_file(tmp_path):
     bad.write_text("manifest_version = \n[host\n")
     bump("faults.injected")
     with pytest.raises(manifest.ManifestError, match="broken.toml"):
+        manifest.load_manifest(bad)
+
+
+@pytest.mark.parametrize("value", ["[" * 100_000 + "]" * 100_000, "{a = " * 50_000 + "1" + "}" * 50_000],
+                         ids=["arrays", "inline-tables"])
+def test_manifest_nested_past_the_stack_names_the_file(tmp_path, value):
+    """tomllib recurses per level: a RecursionError escaped, naming neither the file nor the cause."""
+    manifest = _manifest_mod()
+    bad = tmp_path / "deep.toml"
+    bad.write_text(f"manifest_version = {value}\n")
+    bump("faults.injected")
+    with pytest.raises(manifest.ManifestError, match=rf"^{re.escape(str(bad))}: not valid TOML: nested too deeply$"):
         manifest.load_manifest(bad)

@@ -230,6 +230,7 @@ def _parse(t: ConfigFields) -> M3Config:
     n = common["num_layers"]
     rotary_dim, theta = _rope(t, common["head_dim"], use_rotary_dim=layout == "production")
     legacy = t.get_section("sparse_attention_config")
+    moe = _moe_pattern(t, n, layout)  # first: always a list in the file, so n is checked before (False,) * n
     sparse = _sparse_pattern(t, legacy, n, layout)
     if legacy is not None:
         _check_legacy_branch(legacy, sparse)
@@ -243,7 +244,7 @@ def _parse(t: ConfigFields) -> M3Config:
         rotary_dim=rotary_dim,
         rope_theta=theta,
         sparse_layers=sparse,
-        moe_layers=_moe_pattern(t, n, layout),
+        moe_layers=moe,
         **index,
         init_blocks=init_blocks,
         layout=layout,

@@ -25,7 +25,8 @@ def show_value(value: Any, limit: int = 40) -> str:
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """The top-level JSON object of a config file; a missing path, one that is not a file (a directory
-    named config.json), unreadable, malformed or non-object JSON is a ConfigError."""
+    named config.json), unreadable, malformed (nested past the stack included) or non-object JSON is a
+    ConfigError."""
     if path.exists() and not path.is_file():
         raise ConfigError(f"{path} is not a file")
     if not path.is_file():
@@ -36,6 +37,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except RecursionError:  # arrays or objects nested past Python's stack
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     except OSError as error:
         raise ConfigError(f"{path}: cannot be read ({error.strerror or error})") from None
     if not isinstance(raw, dict):

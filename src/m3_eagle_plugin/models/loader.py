@@ -25,6 +25,8 @@ from m3_eagle_plugin.models.safetensors_source import (CheckpointError, Safetens
                                                        check_weight_dtype)
 
 _IGNORED = re.compile(r"(^|\.)mtp\.|^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.|rotary_emb\.")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 _FP32_PARAMS = ("e_score_correction_bias",)
 
 
@@ -161,8 +163,26 @@ def _tie_embeddings(recipes: dict[str, _Recipe], names: set[str]) -> None:
         recipes[embed] = recipes[head]
 
 
+def _check_counts(source: SafetensorsSource, config: M3Config) -> None:
+    """More layers, or (per-expert tensors) more experts, than the checkpoint stores are refused first:
+    the model's modules, even on the meta device, and the tensor names it expects grow with those
+    counts, so a config.json asking for 10**6 layers or 10**9 experts filled memory before any name
+    was compared."""
+    names = [n for n in source.names() if not _IGNORED.search(n)]
+    layers = {int(m.group(1)) for m in map(_LAYER_INDEX.search, names) if m}
+    if config.num_layers > len(layers):
+        raise CheckpointError(f"{config.source}: num_hidden_layers: {config.num_layers} layers, but {source.where} "
+                              f"stores {len(layers)}")
+    if detect_layout(set(names)) == "production" and any(config.moe_layers):
+        experts = {int(m.group(1)) for m in map(_EXPERT_INDEX.search, names) if m}
+        if config.num_experts > len(experts):
+            raise CheckpointError(f"{config.source}: num_local_experts: {config.num_experts} experts per MoE layer, "
+                                  f"but {source.where} stores {len(experts)}")
+
+
 def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> dict[str, _Recipe]:
     """Map every model tensor to its checkpoint tensors; raise on any name or shape mismatch."""
+    _check_counts(source, model.config)
     names = source.names()
     layout = detect_layout(names)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -196,6 +216,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
         raise ValueError(f"dtype must be a floating dtype of 16 bits or more for the weights, got {dtype}")
     config = M3Config.from_file(path)
     source = SafetensorsSource(path)
+    _check_counts(source, config)
     with torch.device("meta"):
         model = MiniMaxM3ForCausalLM(config)
     recipes = plan_target_load(source, model)

@@ -48,6 +48,8 @@ class SafetensorsSource:
     def _find_files(self, path: Path) -> list[Path]:
         if path.is_file():
             return [path]
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(f"checkpoint path {path} is not a file")
         if not path.is_dir():
             raise CheckpointError(f"checkpoint path {path} does not exist")
         index = path / self.INDEX
@@ -63,6 +65,8 @@ class SafetensorsSource:
             return [single]
         found = sorted(path.glob("*.safetensors"))
         if len(found) == 1:
+            if found[0].exists() and not found[0].is_file():  # a FIFO would block safetensors' open for good
+                raise CheckpointError(f"{found[0]} is not a file")
             return found
         raise CheckpointError(f"{path}: expected model.safetensors, {self.INDEX} or exactly one *.safetensors file, "
                               f"found {[p.name for p in found]}")
@@ -137,6 +141,8 @@ def _read_weight_map(index: Path) -> dict[str, str]:
             from None
     except (UnicodeDecodeError, OSError) as error:
         raise CheckpointError(f"{index}: cannot be read ({_one_line(error)})") from None
+    except RecursionError:  # arrays or objects nested past Python's stack
+        raise CheckpointError(f"{index}: not valid JSON (nested too deeply)") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: weight_map: missing or not a JSON object")

@@ -383,3 +383,15 @@ def test_the_checkpoints_eos_ends_requests_unless_eos_ids_says_otherwise(tiny_pa
     (with_eos / "config.json").write_text(json.dumps(raw))
     rc, _, err = run_cli(capsys, "--model", str(with_eos), *argv)
     assert rc == 2 and f"--model {with_eos}: its eos_token_id [1000000] is outside the vocabulary" in err
+
+
+def test_a_prompt_nested_past_the_stack_fails_alone_naming_its_line(tmp_path):
+    """json's decoder recurses per level: a RecursionError escaped read_prompts, and `m3-eagle run` ended in a
+    traceback with no prompt run, not the one bad prompt failing alone (module docstring)."""
+    from m3_eagle_plugin.host.reference.cli import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("[1, 2]\n" + "[" * 100_000 + "]" * 100_000 + "\n[3]\n")
+    prompts, errors = read_prompts(_args("--prompts", str(path)))
+    assert prompts == [[1, 2], None, [3]]
+    assert errors == [None, f"{path}:2: not JSON (nested too deeply)", None]

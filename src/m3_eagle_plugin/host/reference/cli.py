@@ -130,6 +130,9 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
         except json.JSONDecodeError as error:
             prompts.append(None)
             errors.append(f"{args.prompts}:{n}: not JSON ({error.msg})")
+        except RecursionError:  # a list nested past Python's stack
+            prompts.append(None)
+            errors.append(f"{args.prompts}:{n}: not JSON (nested too deeply)")
     if not prompts:  # else the model loaded, nothing ran and the run exited 1 without a word
         raise ValueError(f"--prompts {args.prompts}: no prompts (expected one JSON list of token ids per line)")
     return prompts, errors
