@@ -3,6 +3,7 @@ host's fields, and the publish guards, each against values written out from the 
 (token t of a row sits at position kv_len - qo_len + t) or from the host objects themselves."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -11,6 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from m3_eagle_plugin.msa import MsaInputError
 
 from .conftest import _activate, _deactivate
 from .fakehost import CURRENT
@@ -181,3 +184,54 @@ def test_a_step_filling_max_num_tokens_is_published(current_host):
     # request 0: positions 7, 8 -> page 1 slot 3, page 2 slot 0; request 1: positions 9..11 in page 27
     assert meta.msa_out_cache_loc.tolist() == [7, 8, 27 * 4 + 1, 27 * 4 + 2, 27 * 4 + 3]
     assert meta.msa_n_valid_blocks[:5].tolist() == [2, 3, 3, 3, 3]
+
+
+def _cuda_graph_metadata(eager, batch_size, draft_len):
+    """As the host's create_cuda_graph_metadata (AttentionMetadata's, then TrtllmAttentionMetadata's):
+    a shallow copy with seq_lens of the batch size, __post_init__ re-run, then max_num_requests and
+    max_num_tokens set to the batch and __post_init__ run again. max_num_sequences stays the eager one."""
+    graph = copy.copy(eager)
+    graph.is_cuda_graph = True
+    graph.seq_lens = torch.full((batch_size,), 1 + draft_len, dtype=torch.int32)
+    graph.num_contexts = 0
+    graph.__post_init__()
+    graph.max_num_requests = batch_size
+    graph.max_num_tokens = batch_size * (1 + draft_len)
+    graph.__post_init__()
+    return graph
+
+
+def test_a_cuda_graph_copy_stages_its_batch_size_not_the_eager_sequences(current_host):
+    """A graph copy for batch size 2 serves exactly 2 rows (padded with the host's dummy request), yet
+    keeps the eager max_num_sequences (6 here; 256 x 8192 blocks at 1M context is 8 MiB pinned plus
+    8 MiB device per graph): its step stages 2 rows, publishes a padded step as the per-token rule
+    says, refuses a third row, and shares nothing with the eager step."""
+    backend = _backend()
+    plugin, _ = _classes()
+    page = 4
+    manager = _make(plugin, num_layers=4, tokens_per_block=page, max_seq_len=64, spec_config=_spec())
+    draft = manager.max_draft_len
+    tables = {7: [3, 9, 4], 1 << 40: [12, 12]}  # a live request and the padding dummy
+    for rid, table in tables.items():
+        manager.add_sequence(rid, table)
+    eager = _metadata(backend.Metadata, manager, seq_lens=[1], cached=[0], max_num_tokens=32, max_num_requests=6)
+    graph = _cuda_graph_metadata(eager, 2, draft)
+    step = graph.m3_eagle_step
+    assert step is not eager.m3_eagle_step and eager.m3_eagle_step.max_num_requests == 6
+    assert step.max_num_requests == 2 and step.max_num_tokens == 2 * (1 + draft)
+    assert step.cache_slots_buffer.data_ptr() != eager.m3_eagle_step.cache_slots_buffer.data_ptr()
+    graph.request_ids = [7, 1 << 40]
+    graph.seq_lens = torch.full((2,), 1 + draft, dtype=torch.int32)
+    graph.kv_cache_params.num_cached_tokens_per_seq = [6, 1]
+    graph.prepare()
+    graph.kv_lens_cuda[:2] -= torch.tensor([2, 0], dtype=torch.int32)  # request 7 accepted one draft of three
+    graph.on_update_kv_lens()
+    rows = [tables[rid] for rid in graph.request_ids]
+    slots, valid, _, _ = naive_step_fields(rows, page, [1 + draft] * 2, [6 + 1 + draft - 2, 1 + 1 + draft])
+    assert graph.msa_out_cache_loc[: len(slots)].tolist() == slots
+    assert graph.msa_n_valid_blocks[: len(valid)].tolist() == valid
+    graph.request_ids = [7, 1 << 40, 1 << 40]
+    graph.seq_lens = torch.full((3,), 1 + draft, dtype=torch.int32)
+    graph.kv_cache_params.num_cached_tokens_per_seq = [6, 1, 1]
+    with pytest.raises(MsaInputError, match="num_requests 3 exceeds max_num_requests 2"):
+        graph.prepare()

@@ -50,8 +50,12 @@ class M3EagleMsaMetadata(HostMsaMetadata):
         manager = self.kv_cache_manager
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         params = getattr(self, "sparse_metadata_params", None)
+        # A CUDA-graph copy (create_cuda_graph_metadata) serves exactly its batch size, max_num_requests,
+        # but keeps the eager max_num_sequences: sized by that, every graph staged the eager block table.
+        rows = self.max_num_requests if getattr(self, "is_cuda_graph", False) else \
+            _int(getattr(self, "max_num_sequences", None), self.max_num_requests)
         return MsaDecodeMetadata(
-            max_num_requests=_int(getattr(self, "max_num_sequences", None), self.max_num_requests),
+            max_num_requests=rows,
             max_num_tokens=self.max_num_tokens,
             max_blocks_per_seq=int(manager.max_blocks_per_seq),
             block_size=int(manager.tokens_per_block),
