@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import math
 import os
+import statistics
 import tempfile
 import textwrap
 
@@ -86,7 +87,7 @@ def report(buffer: torch.Tensor, batch: int) -> None:
         if len(r):
             print(f"{name:22} {len(r):6d} programs  start {us(r[:, 0].min()):7.2f}..{us(r[:, 0].max()):7.2f}  "
                   f"end {us(r[:, 1].min()):7.2f}..{us(r[:, 1].max()):7.2f}  "
-                  f"median {float((r[:, 1] - r[:, 0]).double().median()) / 1000:5.2f} us")
+                  f"median {statistics.median((r[:, 1] - r[:, 0]).tolist()) / 1000:5.2f} us")
     scoring, topk, attention = ran[0], ran[1], ran[2]
     residency(attention)
     print("request: scoring end / top-k end / attention start..end (us)")
@@ -113,7 +114,7 @@ def residency(programs: torch.Tensor) -> None:
                                                                                        if start <= s < end])
             times.setdefault(together, []).append((end - start) / 1000.0)
     print(f"attention: {len(by_sm)} SMs; median program us by programs side by side: "
-          + ", ".join(f"{k}: {sorted(v)[len(v) // 2]:.2f} ({len(v)})" for k, v in sorted(times.items())))
+          + ", ".join(f"{k}: {statistics.median(v):.2f} ({len(v)})" for k, v in sorted(times.items())))
 
 
 def main() -> None:

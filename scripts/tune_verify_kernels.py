@@ -61,6 +61,12 @@ def time_variant(name: str, call, args_per_set: list, state: dict) -> tuple[floa
         return None
 
 
+def best_round(rounds: list[float]) -> float:
+    """The fastest of a variant's interleaved rounds, NaN where any round's output was wrong (marked
+    NaN): `min` keeps a NaN only when it comes first."""
+    return float("nan") if any(math.isnan(us) for us in rounds) else min(rounds)
+
+
 #: (batch, context, FlashInfer peer geometry?) of `dense_sweep`.
 DENSE_SHAPES = ((64, 32768, False), (16, 32768, False), (16, 131072, False), (64, 8192, False), (32, 8192, False),
                 (8, 4096, True))
@@ -213,7 +219,7 @@ def pdl_sweep(geo, dev, scale: float) -> list[dict]:
                     times.setdefault(mode, []).append(us if same else float("nan"))
             for mode, us in times.items():
                 rows.append({"kernel": "sparse_step_pdl", "batch": batch, "ctx": ctx, "qo": qo,
-                             "variant": f"M3_EAGLE_PDL={mode}", "us": min(us), "pct": float("nan"),
+                             "variant": f"M3_EAGLE_PDL={mode}", "us": best_round(us), "pct": float("nan"),
                              "default": mode == "1"})
             del steps, sets
             torch.cuda.empty_cache()
@@ -409,7 +415,7 @@ def handoff_sweep(geo, dev, scale: float) -> list[dict]:
         for (handoff, self_merge), us in times.items():
             rows.append({"kernel": "sparse_step_handoff", "batch": batch, "ctx": ctx, "qo": qo,
                          "variant": f"handoff={int(handoff)} self_merge={'rule' if self_merge is None else 0}",
-                         "us": min(us), "pct": float("nan"), "default": handoff and self_merge is None})
+                         "us": best_round(us), "pct": float("nan"), "default": handoff and self_merge is None})
         del steps, sets
         torch.cuda.empty_cache()
     return rows
@@ -470,7 +476,7 @@ def early_sweep(geo, dev, scale: float, quick: bool = False) -> list[dict]:
         for name, us in times.items():
             rows.append({"kernel": "sparse_step_early", "batch": batch, "ctx": ctx, "qo": qo,
                          "variant": name + (f" (early rule: {rule})" if name == "rule" else ""),
-                         "us": min(us), "pct": float("nan"), "default": name == "rule"})
+                         "us": best_round(us), "pct": float("nan"), "default": name == "rule"})
         del steps, sets
         torch.cuda.empty_cache()
     return rows
@@ -591,12 +597,20 @@ def main() -> None:
                              "us": us, "pct": 100 * step_bytes / (ceiling * 1e3) / us, "default": name == "default"})
         del steps
         torch.cuda.empty_cache()
+    summary(rows)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"ceiling_gbps": ceiling, "rows": rows}, fh, indent=1)
+
+
+def summary(rows: list[dict]) -> None:
+    """Per kernel and shape the six fastest rows and the default's, wrong ones (NaN us) last."""
     print(f"{'kernel':13} {'shape':>18}  {'us':>8} {'%floor':>7}  variant")
     groups: dict[tuple, list] = {}
     for r in rows:  # a shape's rows need not be adjacent (the rule's own row is timed last)
         groups.setdefault((r["kernel"], _shape(r)), []).append(r)
     for key, grp in groups.items():
-        grp = sorted(grp, key=lambda r: r["us"])
+        grp = sorted(grp, key=lambda r: (math.isnan(r["us"]), r["us"]))  # a NaN key would stop the sort ordering
         dflt = [r for r in grp if r.get("default") or r["variant"].startswith("warps=None")]
         for r in grp[:6] + [r for r in dflt[:1] if r not in grp[:6]]:
             tag = " (default)" if r in dflt else ""
@@ -604,9 +618,6 @@ def main() -> None:
             err += f"  err vs torch {r['err_vs_ref']:.1e}" if "err_vs_ref" in r else ""
             pct = r.get("pct", float("nan"))
             print(f"{key[0]:13} {key[1]:>18}  {r['us']:8.1f} {pct:7.1f}  {r['variant']}{tag}{err}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"ceiling_gbps": ceiling, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""kernel_fuzz's parent side (scheduling, case timeout, verdict) with stand-in workers: a case
+that spends its time in Triton's compiler is not a hang, a hang still is, and a run that finished
+no case or left one unfinished is not a pass. Its GPU checks run on the H200 only."""
+from __future__ import annotations
+
+import argparse
+import textwrap
+import types
+
+import pytest
+
+from tests.scripts._load import load_script
+
+FAKE = '''
+import json, os, sys, time
+mode = os.environ["FAKE_FUZZ_WORKER"]
+if mode == "die":
+    sys.exit(1)
+print("@@READY", flush=True)
+for line in sys.stdin:
+    if line.strip() == "quit":
+        break
+    case = int(line)
+    if mode in ("cold", "compile-then-hang"):
+        print("@@COMPILING", flush=True)   # as Triton's jit_cache_hook tells it
+        time.sleep(1.2)
+        print("@@COMPILED 1.2", flush=True)
+    if mode in ("hang", "compile-then-hang"):
+        time.sleep(600)
+    print("@@R " + json.dumps({"case": case, "kernel": "dense_attention", "status": "pass", "err": 0.0,
+                              "msg": ""}), flush=True)
+    print(f"@@DONE {case}", flush=True)
+'''
+
+
+@pytest.fixture
+def run_parent(tmp_path, monkeypatch):
+    fuzz = load_script("kernel_fuzz")
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent(FAKE))
+
+    def run(mode, *, seconds, grace, case_timeout):
+        monkeypatch.setattr(fuzz, "SCRIPT", str(worker))   # the parent starts `python SCRIPT --worker ...`
+        monkeypatch.setenv("FAKE_FUZZ_WORKER", mode)
+        args = argparse.Namespace(seed=1, device="cpu", mem_fraction=0.0, tiny=True, only=None, workers=1,
+                                  seconds=seconds, grace=grace, case_timeout=case_timeout, start=0, max_cases=1,
+                                  verbose=False)
+        return fuzz.parent_main(args)
+    return run
+
+
+def test_a_case_compiling_past_the_timeout_is_not_a_hang(run_parent, capsys):
+    # 1.2 s in the compiler against a 0.5 s case timeout (a cold cache's 100 s against 150 s on the H200)
+    assert run_parent("cold", seconds=10, grace=5, case_timeout=0.5) == 0
+    out = capsys.readouterr().out
+    assert "_timeout" not in out and "1 cases" in out and "0 with failures" in out
+
+
+def test_a_hang_after_compiling_still_times_out_naming_the_compile(run_parent, capsys):
+    assert run_parent("compile-then-hang", seconds=10, grace=5, case_timeout=0.5) == 1
+    out = capsys.readouterr().out
+    assert "FAIL kernel=_timeout case=0" in out
+    assert "1.2s of it compiling 1 kernels" in out
+
+
+def test_a_case_unfinished_at_the_hard_stop_is_not_a_pass(run_parent, capsys):
+    assert run_parent("hang", seconds=0.3, grace=0.7, case_timeout=100) == 1
+    out = capsys.readouterr().out
+    assert "0 with failures" in out and "1 unfinished" in out
+    assert "case 0 running" in out and "0.0s of it compiling 0 kernels" in out
+
+
+def test_workers_that_never_start_are_not_a_pass(run_parent, capsys):
+    assert run_parent("die", seconds=1, grace=1, case_timeout=100) == 1
+    assert "no case finished" in capsys.readouterr().out
+
+
+def test_the_compile_hooks_time_each_compile_and_answer_none(monkeypatch):
+    fuzz = load_script("kernel_fuzz")
+    told, clock = [], iter([100.0, 103.5])
+    monkeypatch.setattr(fuzz, "time", types.SimpleNamespace(time=lambda: next(clock)))
+    fuzz.COMPILED["tell"] = told.append
+    assert fuzz._compile_starts(key="k", repr="r", fn=None, compile={}, is_manual_warmup=False,
+                                already_compiled=False) is None   # anything true skips the compile
+    fuzz._compile_ends(key="k", repr="r", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+    assert told == ["@@COMPILING", "@@COMPILED 3.500"]
+    assert (fuzz.COMPILED["secs"], fuzz.COMPILED["kernels"]) == (3.5, 1)
+
+
+def test_a_cuda_worker_installs_the_compile_hooks(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    fuzz = load_script("kernel_fuzz")
+    fuzz._setup_runtime("cuda")   # imports only: no CUDA call
+    assert knobs.runtime.jit_cache_hook is fuzz._compile_starts
+    assert knobs.runtime.jit_post_compile_hook is fuzz._compile_ends
