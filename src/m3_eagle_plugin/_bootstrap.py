@@ -14,6 +14,10 @@ An MPI-launched process (`MPI_MARKERS` in its environment) gets the finder even 
 off, deferred: TensorRT-LLM's MPI pool workers receive the driver's `M3_EAGLE_*` settings only
 after they start (mpi4py applies `env` before the first task, `patches/forward_env_to_mpi_pool.py`),
 so the decision is taken when `tensorrt_llm` is imported; still off then, nothing else runs.
+
+A `.pth` that outlived this package (deleted or renamed without pip, an editable checkout removed)
+finds neither it nor this module and starts the interpreter silently, as if uninstalled; any other
+failure to import this module is reported by `site` as usual.
 """
 import os
 import sys

@@ -22,9 +22,8 @@ START_FILE = PACKAGE_ROOT / "m3_eagle_plugin.start"
 def _pth_gate():
     """The inline gate of the .pth line, as a function of (environ, argv) - evaluated, not re-typed."""
     line = PTH_FILE.read_text().strip()
-    assert line.startswith("import os, sys; ") and line.endswith(
-        ' and __import__("m3_eagle_plugin._bootstrap")._bootstrap.main()')
-    expression = line[len("import os, sys; "):-len(' and __import__("m3_eagle_plugin._bootstrap")._bootstrap.main()')]
+    assert line.startswith("import os, sys; ") and line.count(" and exec(") == 1
+    expression = line[len("import os, sys; "):].split(" and exec(")[0]
 
     def gate(environ, argv):
         fake_os = type("os", (), {"environ": environ})
@@ -37,6 +36,44 @@ def _pth_gate():
 def test_startup_files():
     assert START_FILE.read_text().strip() == "m3_eagle_plugin._bootstrap:main"
     assert len(PTH_FILE.read_text().strip().splitlines()) == 1
+
+
+def _start_with_the_pth(site_dir: Path, code: str = "pass", **env: str) -> subprocess.CompletedProcess:
+    """An interpreter start that processes `site_dir` as site does site-packages (with the .pth copied
+    into it), then runs `code` and prints whether the bootstrap's finder went in."""
+    (site_dir / PTH_FILE.name).write_text(PTH_FILE.read_text())
+    script = (f"import site, sys; {code}; site.addsitedir({str(site_dir)!r}); "
+              "print(any(getattr(f, '_m3_eagle_host_hook', False) for f in sys.meta_path))")
+    environ = {k: v for k, v in os.environ.items() if k != "M3_EAGLE_PLUGIN" and k not in _bootstrap.MPI_MARKERS}
+    return subprocess.run([sys.executable, "-I", "-S", "-B", "-c", script], env={**environ, **env}, cwd=site_dir,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("env", [{"PMI_SIZE": "2"}, {"M3_EAGLE_PLUGIN": "auto"}, {"M3_EAGLE_PLUGIN": "require"}])
+@pytest.mark.parametrize("left", [{}, {"m3_eagle_plugin/__init__.py": ""}], ids=["package-gone", "bootstrap-gone"])
+def test_a_pth_that_outlived_its_package_starts_the_interpreter_silently(tmp_path, left, env):
+    """The package deleted or renamed (or an editable checkout removed) while the .pth stays: every
+    start, of every MPI process too, must go on as if it were uninstalled (`pip uninstall` removes the
+    .pth), not print site's traceback of the failed import."""
+    for path, source in left.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(source)
+    result = _start_with_the_pth(tmp_path, **env)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "False\n", "")
+
+
+def test_the_pth_runs_the_bootstrap_and_reports_its_other_import_failures(tmp_path):
+    (tmp_path / "installed").mkdir()
+    ok = _start_with_the_pth(tmp_path / "installed", f"sys.path.insert(0, {str(PACKAGE_ROOT)!r})",
+                             M3_EAGLE_PLUGIN="auto")
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, "True\n", "")
+    broken = tmp_path / "broken" / "m3_eagle_plugin"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("")
+    (broken / "_bootstrap.py").write_text("import m3_not_a_module_anywhere\n")
+    result = _start_with_the_pth(broken.parent, PMI_SIZE="2")
+    assert result.returncode == 0 and result.stdout == "False\n"
+    assert "No module named 'm3_not_a_module_anywhere'" in result.stderr  # a real failure, not an orphan
 
 
 @pytest.mark.parametrize(
