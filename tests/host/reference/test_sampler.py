@@ -52,6 +52,19 @@ def test_a_temperature_past_fp32s_largest_finite_keeps_masked_logits_out_without
         torch.testing.assert_close(filtered_probs(logits, SamplingParams(temperature=temperature)), want)
 
 
+def test_top_k_keeps_k_tokens_under_a_temperature_that_rounds_their_scores_together():
+    """top_k keeps the k highest logits whatever the temperature (which keeps their order). Divided
+    first, 1e45 rounded the scores 0, -1, -2 to equal fp32 subnormals (ties at the k-th kept 3 of
+    4), 1e46 and above all to 0 (every token kept). The limit as T grows: uniform over the top k.
+    Shifting by the row max rounds too: 2e-8 - 1 and 1e-8 - 1 are both -1 in fp32."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 5.0, float("-inf"), 4.0]])
+    want = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.5, 0.0, 0.5]])
+    for temperature in (1e30, 1e45, 1e46, 1e300):
+        torch.testing.assert_close(filtered_probs(logits, SamplingParams(temperature=temperature, top_k=2)), want)
+    close = filtered_probs(torch.tensor([[1.0, 2e-8, 1e-8, -3.0]]), SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(close, torch.tensor([[math.e / (math.e + 1), 1 / (math.e + 1), 0.0, 0.0]]))
+
+
 def test_rational_parameters_filter_as_their_floats_and_one_past_float_range_is_refused():
     """A Fraction is a real number the checks take: it failed dividing the scores in the first step."""
     from fractions import Fraction

@@ -113,3 +113,93 @@ def test_drafts_are_accepted_at_the_rejection_sampling_rate_with_or_without_thei
         assert counts[~keep].sum() == 0
         chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
         assert chi2 < 35.0, (parity, chi2)
+
+
+def _nucleus(probs, top_p):
+    """top-p written out: walk the tokens from the most probable, keep each while the mass before it is under top_p."""
+    kept, before = torch.zeros_like(probs), 0.0
+    for token in sorted(range(len(probs)), key=lambda t: -float(probs[t])):
+        if before >= top_p or probs[token] == 0:
+            break
+        kept[token], before = probs[token], before + float(probs[token])
+    return kept / kept.sum()
+
+
+def test_joint_distribution_of_three_sampled_tokens_with_top_k_and_top_p_equals_target_sampling():
+    """The joint law of the first three tokens (not only each one's marginal: a draw shared between
+    steps would correlate them), under top-k and top-p, drafted by the Eagle3 head at K = 1 and 3 and
+    by prompt lookup (certain proposals), equals target-only sampling, computed exactly from the fake's
+    table with the filters written out here. 1000 fixed-seed copies each (CPU, about 2 s in all):
+    chi-square under 3 x its 16 degrees of freedom (the null's 99.99th percentile here), and nothing
+    outside the filtered support. A target without its top-p in the acceptance rule, the rule's p and
+    q swapped, or a residual draw restarting the request's stream fail it."""
+    from m3_eagle_plugin.host.reference.proposers import PromptLookupProposer
+
+    temperature, top_k, top_p, copies = 1.3, 4, 0.75, 1000
+    prompt = [8, 6, 1, 2, 6]  # prompt lookup's first draft is accepted about 60% of the time here
+
+    def exact(prefix):
+        logits = _fakes.logit_table()[_fakes.prefix_hash(prompt + prefix)] / temperature
+        keep = torch.topk(logits, top_k).indices
+        probs = torch.zeros_like(logits)
+        probs[keep] = torch.softmax(logits[keep], dim=0)
+        return _nucleus(probs, top_p)
+
+    joint = {}
+    for a, pa in enumerate(exact([])):
+        for b, pb in enumerate(exact([a]) if pa > 0 else []):
+            for c, pc in enumerate(exact([a, b]) if pb > 0 else []):
+                if pc > 0:
+                    joint[(a, b, c)] = float(pa * pb * pc)
+    assert 8 < len(joint) < 64  # top-p cut somewhere: fewer than top-k's 4 x 4 x 4
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+    for draft_len, drafter in ((1, "eagle3"), (3, "eagle3"), (3, "lookup")):
+        target = _fakes.FakeTarget()
+        config = EngineConfig(draft_len=draft_len, max_batch_size=256, max_tokens_per_step=4096, sampling=sampling)
+        drafting = (dict(head=_fakes.FakeHead(target.table, wrong=lambda h: h % 3 != 0), capture=_fakes.fake_capture())
+                    if drafter == "eagle3" else dict(proposer=PromptLookupProposer()))
+        engine = Engine(target, _fakes.make_cache(num_blocks=2048), config, vocab_size=_fakes.VOCAB, **drafting)
+        result = engine.generate([prompt] * copies, max_new_tokens=3)
+        assert 0 < result.stats.accepted_tokens < result.stats.draft_tokens, drafter
+        counts = {}
+        for output in result.outputs:
+            counts[tuple(output)] = counts.get(tuple(output), 0) + 1
+        assert set(counts) <= set(joint), (drafter, draft_len, set(counts) - set(joint))
+        chi2 = sum((counts.get(o, 0) - copies * p) ** 2 / (copies * p) for o, p in joint.items())
+        assert chi2 < 3 * (len(joint) - 1), (drafter, draft_len, chi2)
+
+
+def test_each_eagle3_draft_carries_the_heads_filtered_distribution_it_was_drawn_from():
+    """What the rejection rule divides by is the distribution each draft was drawn from: the head's
+    logits after the same temperature, top-k and top-p as the target's. Checked at every verify step
+    against the fake head's table filtered here (its logits for a sequence are table[prefix hash],
+    rolled by one where it is wrong), and each draft lies in that support."""
+    temperature, top_k, top_p = 1.3, 4, 0.75
+    target = _fakes.FakeTarget()
+    head = _fakes.FakeHead(target.table, wrong=lambda h: h % 3 != 0)
+    config = EngineConfig(draft_len=1, max_batch_size=8, max_tokens_per_step=64,
+                          sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=2))
+    engine = Engine(target, _fakes.make_cache(), config, vocab_size=_fakes.VOCAB, head=head,
+                    capture=_fakes.fake_capture())
+    launch, seen = engine.launch, []
+
+    def spy(rows, step_id):
+        for row in rows:
+            if row.kind is RowKind.VERIFY:
+                request = row.request
+                seen.append((request.prompt + request.output, int(request.pending_inputs[1]),
+                             request.pending_draft_probs[0].clone()))
+        return launch(rows, step_id)
+
+    engine.launch = spy
+    engine.generate([[1, 2, 3], [4, 5], [6, 0, 7, 7]] * 4, max_new_tokens=5)
+    assert len(seen) >= 12
+    for sequence, draft, q in seen:
+        h = _fakes.prefix_hash(sequence)
+        logits = (torch.roll(target.table[h], 1) if head.wrong(h) else target.table[h]) / temperature
+        keep = torch.topk(logits, top_k).indices
+        probs = torch.zeros_like(logits)
+        probs[keep] = torch.softmax(logits[keep], dim=0)
+        want = _nucleus(probs, top_p)
+        torch.testing.assert_close(q, want)
+        assert want[draft] > 0

@@ -58,6 +58,13 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.greedy:
         raise ValueError("filtered_probs needs temperature > 0 (greedy has no distribution to sample)")
     scores = logits.to(torch.float32)
+    vocab = scores.shape[-1]
+    # Top-k on the logits themselves (the temperature keeps their order): divided first, a huge
+    # temperature rounded distinct scores to equal ones, and the ties at the k-th kept more than k
+    # tokens (1e46 kept every token).
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
     # Shifted by the row max first (softmax does not change): a tiny temperature then sends the
     # other scores to -inf instead of every score to +-inf (a NaN distribution).
     scores = scores - scores.amax(dim=-1, keepdim=True)
@@ -66,10 +73,6 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     else:  # 0 in fp32 under its smallest subnormal (1e-46), the row max's 0 / 0 NaN; inf past its largest
         # finite (3.4e38), a masked logit's -inf / inf NaN: float64
         scores = (scores.to(torch.float64) / params.temperature).to(torch.float32)
-    vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
