@@ -32,6 +32,14 @@ __all__ = ["MsaDecodeMetadata"]
 _PER_TOKEN_FIELDS = 4
 
 
+def _checked_sizes(requests: int, tokens: int, blocks: int, draft_len: int, index_heads: int
+                   ) -> tuple[int, int, int, int, int]:
+    """The sizes `MsaDecodeMetadata` allocates by, checked one way for it and for `buffer_bytes`."""
+    return (checked_int("max_num_requests", requests), checked_int("max_num_tokens", tokens),
+            checked_int("max_blocks_per_seq", blocks), checked_int("max_draft_len", draft_len, minimum=0),
+            checked_int("num_index_heads", index_heads))
+
+
 def _staged_sections(r: int, t: int, m: int) -> dict[str, int]:
     """What prepare() stages, int32 entries each, for r requests, t tokens and m blocks a request:
     one block on the host and one on the device, so a step costs one host->device copy."""
@@ -81,16 +89,14 @@ class MsaDecodeMetadata:
         num_pages: int | None = None,
         proxy_scratch: bool = True,
     ) -> None:
-        self.max_num_requests = checked_int("max_num_requests", max_num_requests)
-        self.max_num_tokens = checked_int("max_num_tokens", max_num_tokens)
-        self.max_blocks_per_seq = checked_int("max_blocks_per_seq", max_blocks_per_seq)
+        (self.max_num_requests, self.max_num_tokens, self.max_blocks_per_seq, self.max_draft_len,
+         self.num_index_heads) = _checked_sizes(max_num_requests, max_num_tokens, max_blocks_per_seq, max_draft_len,
+                                                num_index_heads)
         self.block_size = validate_block_size(block_size)
         # The last page whose every slot (page * B + offset) fits the int32 cache_slots: a larger id would wrap.
         self._max_page = (INT32_MAX + 1) // self.block_size - 1
         #: Pages in the cache the block tables index, when known: `prepare` refuses a host table's id past it.
         self.num_pages = None if num_pages is None else checked_int("num_pages", num_pages)
-        self.max_draft_len = checked_int("max_draft_len", max_draft_len, minimum=0)
-        self.num_index_heads = checked_int("num_index_heads", num_index_heads)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -159,11 +165,8 @@ class MsaDecodeMetadata:
         scratch (with ``proxy_scratch``). ``block_size``, ``device`` and ``num_pages`` do not change
         the size. The sizes are checked as ``__init__`` checks them (a count it refuses has no size,
         not a negative one)."""
-        r = checked_int("max_num_requests", max_num_requests)
-        t = checked_int("max_num_tokens", max_num_tokens)
-        m = checked_int("max_blocks_per_seq", max_blocks_per_seq)
-        max_draft_len = checked_int("max_draft_len", max_draft_len, minimum=0)
-        num_index_heads = checked_int("num_index_heads", num_index_heads)
+        r, t, m, max_draft_len, num_index_heads = _checked_sizes(max_num_requests, max_num_tokens, max_blocks_per_seq,
+                                                                 max_draft_len, num_index_heads)
         staged = sum(_staged_sections(r, t, m).values())
         scratch = 4 * num_index_heads * r * (1 + max_draft_len) * m if proxy_scratch else 0
         return 4 * (2 * staged + _PER_TOKEN_FIELDS * t) + scratch
