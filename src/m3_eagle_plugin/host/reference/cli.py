@@ -264,10 +264,11 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--cuda-graphs needs --device cuda (CUDA graphs do not exist on CPU)")
         _check_numbers(args)
         prompts, parse_errors = read_prompts(args)
-        if args.eos_ids is None:
-            from m3_eagle_plugin.models.config import M3Config, eos_token_ids
+        from m3_eagle_plugin.models.config import M3Config, eos_token_ids
 
-            eos_ids, vocab = eos_token_ids(args.model), M3Config.from_file(args.model).vocab_size
+        target_config = M3Config.from_file(args.model)
+        if args.eos_ids is None:
+            eos_ids, vocab = eos_token_ids(args.model), target_config.vocab_size
             if any(token >= vocab for token in eos_ids):  # else named as --eos-ids, which nobody typed
                 raise ValueError(f"--model {args.model}: its eos_token_id {list(eos_ids)} is outside the vocabulary "
                                  f"[0, {vocab}): pass --eos-ids (\"\" for none)")
@@ -290,11 +291,8 @@ def main(args: argparse.Namespace) -> int:
 
         num_blocks = args.kv_blocks
         if num_blocks is None:
-            from m3_eagle_plugin.models.config import M3Config
-
             valid = [p for p, e in zip(prompts, parse_errors) if e is None]
-            block_size = M3Config.from_file(args.model).block_size
-            num_blocks = blocks_for_prompts(valid, args.max_new_tokens, args.draft_len, block_size)
+            num_blocks = blocks_for_prompts(valid, args.max_new_tokens, args.draft_len, target_config.block_size)
         engine = build_engine(
             args.model, args.draft, config, num_blocks=num_blocks, device=args.device,
             dtype=DTYPES[args.dtype], plugin_manager=get_plugin_manager(), proposer=proposer,
