@@ -48,6 +48,19 @@ def test_attention_references_match_brute_force():
                                _brute_attention(q, cache.k, cache.v, meta, None, 0.3), rtol=1e-5, atol=1e-6)
 
 
+def test_a_nan_index_key_selects_its_block_as_the_package_reference_does():
+    """A NaN key makes its block's score NaN (amax), and a NaN score ranks first (topk), as in
+    transformers' MiniMax-M3 and `select_blocks_paged`; it was dropped as if invisible."""
+    step = _step(2, 40, 3, 7)
+    sm, cache = step["meta"], step["cache"]
+    meta = MsaDecodeMetadata(2, 6, sm.block_tables.shape[1], GEO.block, "cpu", max_draft_len=3)
+    meta.prepare(sm.qo_lens.tolist(), sm.kv_lens.tolist(), sm.block_tables)
+    cache.index_k[int(sm.block_tables[0, 2]), 1] = float("nan")  # request 0, block 2: seen by all its tokens
+    sel = ref.select_blocks(step["index_q"], cache.index_k, sm, topk=GEO.topk)
+    assert (sel[:, :3] == 2).any(-1).all()
+    assert torch.equal(sel, select_blocks_paged(step["index_q"], cache.index_k, meta, topk=GEO.topk))
+
+
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(batch=st.integers(1, 3), context=st.integers(4, 40), qo=st.integers(1, 4), seed=st.integers(0, 999))
 def test_property_agrees_with_package_references(batch, context, qo, seed):

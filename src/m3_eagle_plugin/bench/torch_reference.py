@@ -47,7 +47,7 @@ def select_blocks(index_q: torch.Tensor, index_k_cache: torch.Tensor, meta: Step
         block_scores = torch.where(forced, torch.full_like(block_scores, float("inf")), block_scores)
         k = min(topk, num_blocks)
         vals, idx = block_scores.topk(k, dim=-1)
-        idx = torch.where(vals > float("-inf"), idx, torch.full_like(idx, num_blocks + 1))
+        idx = torch.where(vals != float("-inf"), idx, torch.full_like(idx, num_blocks + 1))  # NaN is kept
         idx = idx.sort(dim=-1).values
         idx = torch.where(idx > num_blocks, torch.full_like(idx, -1), idx)
         out[:, t0:t1, :k] = idx.to(torch.int32).cpu()

@@ -4,6 +4,7 @@ forced local/init blocks, and random rows. Run on the GPU by `test_index_select.
 through Triton's interpreter by `test_interpreter.py` (one PASS/FAIL line per case)."""
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -12,14 +13,17 @@ from m3_eagle_plugin.bench.step_meta import build_step_meta
 
 
 def oracle(scores: torch.Tensor, valid: list[int], topk: int, local: int, init: int) -> torch.Tensor:
-    """int32 [H, T, topk]: per row the `topk` visible blocks by (forced first, score desc, id asc),
-    ascending, -1 padded."""
+    """int32 [H, T, topk]: per row the `topk` visible blocks by (NaN scores first, as torch's sort
+    ranks them, then forced, then score desc; id asc within each), ascending, -1 padded."""
     heads, tokens, _ = scores.shape
     out = torch.full((heads, tokens, topk), -1, dtype=torch.int32)
     for h in range(heads):
         for t in range(tokens):
             nv = valid[t]
-            rank = sorted(range(nv), key=lambda b: (not (b >= nv - local or b < init), -float(scores[h, t, b]), b))
+            def key(b):
+                forced, s = b >= nv - local or b < init, float(scores[h, t, b])
+                return (1, 0.0, b) if forced else (0, 0.0, b) if math.isnan(s) else (2, -s, b)
+            rank = sorted(range(nv), key=key)
             chosen = sorted(rank[:topk])
             out[h, t, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     return out
@@ -59,6 +63,17 @@ def case_negative_and_minus_inf(device):
     _case(device, [160, 128, 129], scores, init=1)
 
 
+def case_nan_scores_rank_first_whatever_their_sign(device):
+    # A NaN with its sign bit set (as torch.float("-nan") makes) is still first, and ties the others.
+    def scores(h, t, w):
+        s = torch.randn(h, t, w, generator=torch.Generator().manual_seed(5))
+        s[..., 3::7] = float("nan")
+        s[..., 5::7] = -torch.tensor(float("nan"))
+        return s
+    assert (-torch.tensor(float("nan"))).view(torch.int32) < 0
+    _case(device, [300, 160, 97], scores, topk=5, local=1, init=1)
+
+
 def case_fewer_visible_than_topk(device):
     _case(device, [20, 40, 160], lambda h, t, w: torch.randn(h, t, w, generator=torch.Generator().manual_seed(1)),
           topk=8, local=2)
@@ -86,8 +101,8 @@ def case_wide_rows_tied_at_the_cut(device):
     _case(device, [16384, 9000], lambda h, t, w: torch.randn(h, t, w, generator=gen).round(), topk=16, local=1)
 
 
-CASES = [case_all_equal, case_signed_zeros_tie, case_negative_and_minus_inf, case_fewer_visible_than_topk,
-         case_topk_not_a_power_of_two, case_rows_no_wider_than_topk, case_random_rows_long,
+CASES = [case_all_equal, case_signed_zeros_tie, case_negative_and_minus_inf,
+         case_nan_scores_rank_first_whatever_their_sign, case_fewer_visible_than_topk, case_topk_not_a_power_of_two, case_rows_no_wider_than_topk, case_random_rows_long,
          case_wide_rows_tied_at_the_cut]
 
 

@@ -139,6 +139,23 @@ def test_matches_package_reference_on_msa_metadata():
 
 
 @needs_gpu
+@pytest.mark.parametrize("index_dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_index_key_selects_its_block_as_the_package_reference_does(index_dtype):
+    """A NaN key makes its block's score NaN (torch's amax; Triton's max dropped it) and a NaN
+    score ranks first, as in transformers' MiniMax-M3 and `select_blocks_paged`."""
+    from m3_eagle_plugin.msa import select_blocks_paged
+
+    step, cache, _, index_q = random_step(M3, [4, 1, 3], [2000, 700, 1500], index_dtype=index_dtype, seed=3)
+    cache.index_k[int(step.block_tables[0, 5]), 3] = float("nan")
+    cache.index_k[int(step.block_tables[2, 9]), 127] = float("nan")
+    meta = msa_metadata(step)
+    sel = _select(index_q, cache, meta, topk=M3.topk, max_qo_len=4).cpu()
+    assert (sel[:, :4] == 5).any(-1).all() and (sel[:, 5:] == 9).any(-1).all()
+    if index_dtype == torch.float32:
+        assert torch.equal(sel, select_blocks_paged(index_q, cache.index_k, meta, topk=M3.topk).cpu())
+
+
+@needs_gpu
 def test_topk_program_breaks_ties_like_the_sort_oracle():
     from .interpret_topk import CASES
 

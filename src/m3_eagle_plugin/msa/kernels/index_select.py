@@ -133,7 +133,13 @@ def _store_page_scores(q, pos, k, b, tok, t1, score_ptr, s_sc_h, s_sc_t,
         s = tl.dot(q, tl.trans(kq))
     visible = (b * BLOCK + tl.arange(0, BLOCK))[None, :] <= pos[:, None]
     s = tl.where(visible, s, float("-inf"))
-    tl.store(score_ptr + (tl.arange(0, QP * HI) % HI) * s_sc_h + tok * s_sc_t + b, tl.max(s, axis=1), mask=tok < t1)
+    best = tl.reduce(s, 1, _max_keeping_nan)  # a visible NaN key makes its block's score NaN, as torch's amax
+    tl.store(score_ptr + (tl.arange(0, QP * HI) % HI) * s_sc_h + tok * s_sc_t + b, best, mask=tok < t1)
+
+
+@triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -153,7 +159,9 @@ def _topk_mask(vals, visible, NBP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.
         chosen = visible.to(tl.int32)
     else:
         bits = tl.where(vals == 0.0, 0.0, vals).to(tl.int32, bitcast=True)  # -0.0 ties +0.0
-        ordered = tl.where(visible, bits ^ ((bits >> 31) & 0x7FFFFFFF), -2147483647 - 1)
+        # Every NaN, whatever its sign bit, ranks first and ties the others, as torch's sort ranks it.
+        key = tl.where(vals != vals, 2147483647, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+        ordered = tl.where(visible, key, -2147483647 - 1)
         if TOPK == 1:
             kth = tl.max(ordered, axis=1)
         else:
