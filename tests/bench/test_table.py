@@ -45,3 +45,18 @@ def test_one_table_per_section_in_first_seen_order():
     blocks = table.split("\n\n")
     assert [b.splitlines()[0].split() for b in blocks] == [["section", "batch"], ["section", "context"]]
     assert [line.split() for line in blocks[0].splitlines()[2:]] == [["b", "1"], ["b", "3"]]
+
+
+def test_a_cell_of_several_lines_stays_on_its_rows_line():
+    """A probe child's death carries its stderr tail (`flashinfer_peer.parse_probe_output`): the cell
+    is written on one line, so each row stays one line under the header and the rule."""
+    from m3_eagle_plugin.bench.flashinfer_peer import parse_probe_output
+
+    case = (16, 32768, 4)
+    fields = parse_probe_output('{"case": [16, 32768, 4], "started": true}\n', "exit code 1: x\nRuntimeError: y",
+                                [case])[case]
+    rows = [{"kernel": "index_select", "batch": b, **fields} for b in (16, 64)]
+    lines = format_table(rows).splitlines()
+    assert len(lines) == 4
+    assert lines[2].split()[:2] == ["index_select", "16"] and lines[3].split()[:2] == ["index_select", "64"]
+    assert lines[2].endswith("(exit code 1: x RuntimeEr...")  # cut to the column's 60 characters

@@ -14,6 +14,8 @@ CELL_LIMIT = {"flashinfer_error": 60, "flashinfer_nvp_error": 60}  # long messag
 def _cell(value: Any, limit: int | None = None) -> str:
     if value is None:
         return ""
+    if isinstance(value, str):  # one line a row: a child's stderr tail (`flashinfer_nvp_error`) has several
+        value = " ".join(value.splitlines())
     if limit is not None and isinstance(value, str) and len(value) > limit:
         return value[: limit - 3] + "..."
     if isinstance(value, float):

@@ -353,3 +353,58 @@ def test_bench_rows_are_written_to_the_hundredth_and_validated():
     assert (data["rows"][0]["ours_us"], data["rows"][0]["flashinfer_us"]) == (12.35, 9.88)
     with pytest.raises(kt.KernelTableError, match=r"kernel table \(bench rows\): rows\[1\] measures sparse_attn"):
         kt.table_from_bench_rows([row, {**row, "graph_us": 11.0}], device="GPU Z", date="d", command="c")
+
+
+@pytest.mark.parametrize("kernel, fields, routed, why", [
+    # the bench's fallback where the decode form refused the shape (`flashinfer_peer._attention`)
+    ("sparse_attn", {"flashinfer_api": "msa_sparse_attention"}, False, "timed msa_sparse_attention, not "
+                                                                        "msa_sparse_decode_attention"),
+    ("sparse_step", {"flashinfer_api": "msa_proxy_score(paged, causal) + msa_topk_select(force_end_blocks=1) + "
+                                       "msa_sparse_attention"}, False, "not msa_sparse_decode_attention"),
+    ("sparse_attn", {"flashinfer_api": "msa_sparse_decode_attention"}, True, None),
+    ("sparse_step", {"flashinfer_api": "msa_proxy_score(paged, causal) + msa_topk_select(force_end_blocks=1) + "
+                                       "msa_sparse_decode_attention"}, True, None),
+    # the num_valid_pages top-k the router runs died in the probe's child process
+    ("index_select", {"flashinfer_topk_us": 5.0, "flashinfer_nvp_error": "child process died in this case "
+                      "(exit code -6: illegal memory access)"}, False, "num_valid_pages top-k (the form the router "
+                                                                       "runs) failed: child process died"),
+])
+def test_a_flashinfer_time_of_another_form_than_the_routed_one_is_not_written(kernel, fields, routed, why):
+    """The table decides which form the router runs (`flashinfer_msa`: the decode attention, the
+    num_valid_pages top-k): a FlashInfer time the bench took of another form, or none where that form
+    failed, routed the call to a form never measured there (or one that crashed)."""
+    row = {"kernel": kernel, "batch": 16, "context": 32768, "qo_len": 4, "graph_us": 20.0, "flashinfer_us": 12.0,
+           **fields}
+    data = kt.table_from_bench_rows([row], device="GPU X", date="d", command="c")
+    (entry,) = data["rows"]
+    dispatcher = {"sparse_attn": "sparse_attention", "sparse_step": "sparse_layer_attention",
+                  "index_select": "select_blocks_paged"}[kernel]
+    choice = kt.choose(dispatcher, batch=16, context=32768, q_len=4, device_name="GPU X", eligible=(True, ""),
+                       table=kt.parse_table(data, "written"))
+    assert (choice.backend == "flashinfer") is routed, choice.reason
+    assert entry["flashinfer_us"] == (12.0 if routed else None)
+    assert (entry.get("note") is None) if why is None else (why in entry["note"]), entry
+
+
+def test_a_whole_step_is_not_written_where_the_routed_top_k_failed_at_its_shape():
+    """FlashInfer's whole step runs the num_valid_pages top-k (`backend.sparse_layer_attention`): where
+    the bench's probe of that top-k failed at a shape, the step's FlashInfer time there (taken with the
+    default top-k) is not written; at another shape it is."""
+    step = {"kernel": "sparse_step", "batch": 16, "context": 32768, "qo_len": 4, "graph_us": 20.0,
+            "flashinfer_us": 12.0}
+    index = {"kernel": "index_select", "batch": 16, "context": 32768, "qo_len": 4, "graph_us": 40.0,
+             "flashinfer_us": 30.0, "flashinfer_topk_us": 5.0, "flashinfer_nvp_error": "illegal memory access"}
+    rows = [step, {**step, "qo_len": 1}, index, {**index, "qo_len": 1, "flashinfer_nvp_us": 4.0,
+                                                  "flashinfer_nvp_error": None}]
+    data = kt.table_from_bench_rows(rows, device="GPU X", date="d", command="c")
+    table = kt.parse_table(data, "written")
+
+    def pick(q_len):
+        return kt.choose("sparse_layer_attention", batch=16, context=32768, q_len=q_len, device_name="GPU X",
+                         eligible=(True, ""), table=table).backend
+    assert (pick(4), pick(1)) == ("triton", "flashinfer")
+    got = {(r["kernel"], r["qo_len"]): r for r in data["rows"]}
+    assert got[("sparse_step", 4)]["flashinfer_us"] is None
+    assert "num_valid_pages top-k (the form the router runs) failed: illegal memory access" in got[("sparse_step", 4)][
+        "note"]
+    assert got[("sparse_step", 1)]["flashinfer_us"] == 12.0 and got[("index_select", 1)]["flashinfer_us"] == 29.0

@@ -290,11 +290,29 @@ def choose(kernel: str, *, batch: int, context: int, q_len: int, device_name: st
 
 # --- writing (from bench rows) --------------------------------------------------------------------
 
-def _bench_flashinfer_us(row: dict[str, Any]) -> tuple[float | None, str | None]:
-    """FlashInfer's time for the form the dispatcher would run. For index selection that is the
-    top-k with per-token num_valid_pages (timed alone in a child process): score + that top-k."""
+#: The attention FlashInfer's route calls (`flashinfer_msa.sparse_attention`); the bench times the
+#: prefill form `msa_sparse_attention` in its place where this one refuses the shape.
+ROUTED_ATTENTION = "msa_sparse_decode_attention"
+
+
+def _bench_flashinfer_us(row: dict[str, Any], nvp_error: Any = None) -> tuple[float | None, str | None]:
+    """FlashInfer's time for the form the dispatcher would run, else None (with why). For index
+    selection that is the top-k with per-token num_valid_pages (timed alone in a child process):
+    score + that top-k; for the attention and the whole step, the decode attention (`flashinfer_api`
+    names what the bench called). Where that top-k failed (the index row's `flashinfer_nvp_error`,
+    passed as `nvp_error` for the whole step of the same shape), neither routed form was measured."""
     fi = row.get("flashinfer_us")
-    if row.get("kernel") != "index_select" or fi is None:
+    if fi is None:
+        return None, None
+    kernel, api = row.get("kernel"), row.get("flashinfer_api")
+    attention = None if api is None else str(api).rsplit(" + ", 1)[-1]  # the step's api: score + top-k + attention
+    if kernel in ("sparse_attn", "sparse_step") and attention not in (None, ROUTED_ATTENTION):
+        return None, f"FlashInfer timed {api}, not {ROUTED_ATTENTION} (the form the router runs)"
+    if kernel == "index_select":
+        nvp_error = row.get("flashinfer_nvp_error")
+    if kernel in ("index_select", "sparse_step") and nvp_error is not None:
+        return None, f"FlashInfer's num_valid_pages top-k (the form the router runs) failed: {str(nvp_error)[:200]}"
+    if kernel != "index_select":
         return fi, None
     if row.get("flashinfer_nvp_us") is not None and row.get("flashinfer_topk_us") is not None:
         return (fi - row["flashinfer_topk_us"] + row["flashinfer_nvp_us"],
@@ -305,11 +323,14 @@ def _bench_flashinfer_us(row: dict[str, Any]) -> tuple[float | None, str | None]
 def table_from_bench_rows(rows: Iterable[dict[str, Any]], *, device: str, date: str, command: str,
                           flashinfer: str | None = None) -> dict[str, Any]:
     """A table (JSON-ready dict, validated) from `m3-eagle bench` kernel rows: ours = `graph_us`."""
+    rows = list(rows)
+    nvp_failed = {(r.get("batch"), r.get("context"), r.get("qo_len")): r["flashinfer_nvp_error"] for r in rows
+                  if r.get("kernel") == "index_select" and r.get("flashinfer_nvp_error") is not None}
     out = []
     for row in rows:
         if row.get("kernel") not in TABLE_KERNELS or not _positive_number(row.get("graph_us")):
             continue
-        fi, note = _bench_flashinfer_us(row)
+        fi, note = _bench_flashinfer_us(row, nvp_failed.get((row.get("batch"), row.get("context"), row.get("qo_len"))))
         entry = {"kernel": row["kernel"], "batch": row["batch"], "context": row["context"], "qo_len": row["qo_len"],
                  "ours_us": round(float(row["graph_us"]), 2),
                  "flashinfer_us": round(float(fi), 2) if _positive_number(fi) else None}
