@@ -741,3 +741,69 @@ def test_a_layer_count_past_memory_is_refused_naming_its_pattern_before_any_allo
     raw["text_config"]["num_hidden_layers"] = 10 ** 15
     with pytest.raises(ConfigError, match=r"^x\.json: text_config\.moe_layer_freq: has 8 entries, expected 10{15} "):
         M3Config.from_dict(raw, "x.json")
+
+
+# ---- adversarial review: bounds no context can use ----
+
+@pytest.mark.parametrize("layout", ["production", "text"])
+def test_a_top_k_past_the_blocks_any_context_holds_is_refused_naming_its_key(layout):
+    """transformers' indexer takes min(top-k, key blocks) columns; the selection here is top-k wide in
+    every context, so 10**12 loaded and the first prefill asked for [H, T, 10**12] int32. No context of
+    int32 positions (at most 2**31 - 1 tokens) sees more than 2**31 / 4 = 2**29 blocks of 4 tokens:
+    that many loads (dense attention at any length), one more is refused by the key the file uses."""
+    if layout == "production":
+        raw, key = target_config(), r"text_config\.sparse_attention_config\.sparse_topk_blocks"
+        section = raw["text_config"]["sparse_attention_config"]
+        assert section["sparse_block_size"] == 4
+        put = lambda value: section.update(sparse_topk_blocks=value)  # noqa: E731
+    else:
+        raw, key = tiny_text_config().to_dict(), "index_topk_blocks"
+        assert raw["index_block_size"] == 4
+        put = lambda value: raw.update(index_topk_blocks=value)  # noqa: E731
+    put(2**29)
+    assert M3Config.from_dict(raw, "x.json").topk_blocks == 2**29
+    for value in (2**29 + 1, 10**12):
+        put(value)
+        with pytest.raises(ConfigError, match=rf"^x\.json: {key}: must be <= 536870912, the most blocks of 4 "
+                                              rf"tokens .* got {value}$"):
+            M3Config.from_dict(raw, "x.json")
+
+
+def test_the_published_block_size_allows_a_top_k_of_every_block_of_an_int32_context():
+    """Block 128: (2**31 - 1) tokens fill ceil(.../ 128) = 2**24 blocks, the bound by hand."""
+    raw = _published_production_config()
+    section = raw["text_config"]["sparse_attention_config"]
+    section["sparse_topk_blocks"] = 2**24
+    assert M3Config.from_dict(raw).topk_blocks == 2**24
+    section["sparse_topk_blocks"] = 2**24 + 1
+    with pytest.raises(ConfigError, match=r"sparse_topk_blocks: must be <= 16777216"):
+        M3Config.from_dict(raw)
+
+
+@pytest.mark.parametrize("size", [2**31, 2**40])
+def test_a_block_size_past_int32_lengths_is_refused_naming_its_key(size):
+    """A whole block's length is a KV length of the step metadata, int32 (MsaDecodeMetadata refuses a
+    kv_len of 2**31): 2**30 is the largest power of two that fits. 2**40 loaded, and the run blamed
+    --kv-blocks for a cache of one block."""
+    raw = target_config()
+    section = raw["text_config"]["sparse_attention_config"]
+    section.update(sparse_block_size=2**30, sparse_topk_blocks=2)  # 2**31 / 2**30 = 2 blocks at most
+    assert M3Config.from_dict(raw, "x.json").block_size == 2**30
+    section["sparse_block_size"] = size
+    key = r"text_config\.sparse_attention_config\.sparse_block_size"
+    with pytest.raises(ConfigError, match=rf"^x\.json: {key}: must be <= 1073741824 \(2\*\*30: .*\), got {size}$"):
+        M3Config.from_dict(raw, "x.json")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(block_size=2**31), r"sparse block size 2147483648 is past 1073741824 \(a whole block's length must fit "
+                             r"the int32 KV lengths\)"),
+    (dict(topk_blocks=2**29 + 1), r"top-536870913 selection is past the 536870912 blocks any context holds"),
+])
+def test_bounds_the_parser_refuses_are_held_by_the_dataclass(change, match):
+    from dataclasses import replace
+
+    cfg = M3Config.from_dict(target_config(), "x.json")
+    assert cfg.block_size == 4
+    with pytest.raises(ConfigError, match=rf"^x\.json: {match}$"):
+        replace(cfg, **change)

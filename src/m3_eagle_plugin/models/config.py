@@ -22,6 +22,16 @@ from m3_eagle_plugin.models.config_fields import ConfigError, ConfigFields, read
 SPARSE_LAYER = "minimax_m3_sparse"
 DENSE_LAYER = "full_attention"
 
+#: The step metadata and the kernels hold positions and KV lengths as int32: no context passes this
+#: many tokens, and a whole block of the largest power-of-two size below it is a length they can hold.
+MAX_CONTEXT_TOKENS = 2**31 - 1
+MAX_BLOCK_SIZE = 2**30
+
+
+def max_context_blocks(block_size: int) -> int:
+    """The most blocks of `block_size` tokens a context of int32 positions can see."""
+    return -(-MAX_CONTEXT_TOKENS // block_size)
+
 
 @dataclass(frozen=True)
 class M3Config:
@@ -78,9 +88,15 @@ class M3Config:
                                   f"{self.rotary_dim}")
             if self.block_size <= 0 or self.block_size & (self.block_size - 1):
                 raise ConfigError(f"{where}: sparse block size {self.block_size} must be a power of two")
+            if self.block_size > MAX_BLOCK_SIZE:
+                raise ConfigError(f"{where}: sparse block size {self.block_size} is past {MAX_BLOCK_SIZE} (a whole "
+                                  "block's length must fit the int32 KV lengths)")
             if self.topk_blocks < 1 or self.local_blocks < 0 or self.init_blocks < 0:
                 raise ConfigError(f"{where}: bad selection sizes topk={self.topk_blocks} "
                                   f"local={self.local_blocks} init={self.init_blocks}")
+            if self.topk_blocks > max_context_blocks(self.block_size):
+                raise ConfigError(f"{where}: top-{self.topk_blocks} selection is past the "
+                                  f"{max_context_blocks(self.block_size)} blocks any context holds")
             if self.local_blocks + self.init_blocks > self.topk_blocks:
                 raise ConfigError(f"{where}: {self.local_blocks} local + {self.init_blocks} init blocks exceed the "
                                   f"top-{self.topk_blocks} selection")
@@ -312,13 +328,32 @@ def _index_geometry(t: ConfigFields, legacy: ConfigFields | None, need_index: bo
         return fields.get_int(key, minimum=1) if need_index else default
 
     fields, key = _index_key(t, legacy, "local_blocks")
-    return {
+    geometry = {
         "index_heads": read("index_heads", 0),
         "index_dim": read("index_dim", 0),
         "block_size": read("block_size", 128),
         "topk_blocks": read("topk_blocks", 16),
         "local_blocks": fields.get_int(key, 1, minimum=0),
     }
+    if need_index:
+        _check_index_bounds(t, legacy, geometry["block_size"], geometry["topk_blocks"])
+    return geometry
+
+
+def _check_index_bounds(t: ConfigFields, legacy: ConfigFields | None, block_size: int, topk: int) -> None:
+    """A block size past what int32 lengths hold, and a top-k past the blocks any context of int32
+    positions holds, are refused by their keys: transformers takes min(top-k, blocks) columns per
+    context, but the selection here is top-k wide in every context (10**12 allocated [H, T, 10**12]),
+    and a block that cannot fit was blamed on the cache's block count."""
+    if block_size > MAX_BLOCK_SIZE:
+        fields, key = _index_key(t, legacy, "block_size")
+        raise fields.error(key, f"must be <= {MAX_BLOCK_SIZE} (2**30: a whole block's length must fit the int32 KV "
+                           f"lengths), got {block_size}")
+    most = max_context_blocks(block_size)
+    if topk > most:
+        fields, key = _index_key(t, legacy, "topk_blocks")
+        raise fields.error(key, f"must be <= {most}, the most blocks of {block_size} tokens a context of int32 "
+                           f"positions (at most {MAX_CONTEXT_TOKENS} tokens) holds, got {topk}")
 
 
 def _index_head_repeat(t: ConfigFields, legacy: ConfigFields | None, index_heads: int, kv_heads: int) -> int:

@@ -134,3 +134,90 @@ def test_a_draft_head_of_another_head_dim_is_refused_naming_the_field_before_any
     with pytest.raises(ValueError, match=r"draft/config\.json: head_dim: the draft head's 16 differs from the "
                                          r"target's 32"):
         build_engine(target, tiny_pair[1], EngineConfig(draft_len=2), num_blocks=16, device="cpu")
+
+
+# ---- adversarial review: the memory check inside a container ----
+
+def _fake_cgroups(monkeypatch, tmp_path, own: str, levels: dict) -> None:
+    """A v2 and a v1 mount under tmp_path; `levels` maps (version, relative dir) to its files' text."""
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    for (version, where), files in levels.items():
+        level = (v2 if version == 2 else v1) / where
+        level.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (level / name).write_text(text)
+    (tmp_path / "cgroup").write_text(own)
+    monkeypatch.setattr(build, "CGROUP_MOUNTS", (
+        (v2, "memory.max", "memory.current", "inactive_file"),
+        (v1, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")))
+    monkeypatch.setattr(build, "PROC_CGROUP", tmp_path / "cgroup")
+
+
+def test_a_containers_memory_limit_below_the_hosts_free_memory_is_the_one_checked_and_named(tmp_path, monkeypatch):
+    """A 4 GiB cgroup v2 limit with 1.5 GiB in use, 0.5 of it inactive file cache (reclaimable), on a host
+    with 128 GiB free: 4 - 1.5 + 0.5 = 3 GiB are free, by hand. /proc/meminfo alone passed an 8 GiB cache,
+    and the kernel's OOM killer ended the run instead of a message."""
+    import torch
+
+    GiB = 2**30
+    _fake_cgroups(monkeypatch, tmp_path, "0::/\n", {(2, "."): {
+        "memory.max": f"{4 * GiB}\n", "memory.current": f"{3 * GiB // 2}\n",
+        "memory.stat": f"anon {GiB}\nactive_file 0\ninactive_file {GiB // 2}\n"}})
+    monkeypatch.setattr(build, "_free_bytes", lambda device: 128 * GiB)
+    cpu = torch.device("cpu")
+    build._check_memory_fits(3 * GiB - 100, 100, 4, EngineConfig(), cpu)  # exactly the 3 GiB
+    with pytest.raises(ValueError) as info:
+        build._check_memory_fits(8 * GiB, 0, 4, EngineConfig(), cpu)
+    assert str(info.value) == (
+        f"a KV cache of 4 blocks needs 8.00 GiB but cpu under the cgroup memory limit {tmp_path / 'v2/memory.max'} "
+        f"(4.00 GiB, 1.50 GiB in use, 0.50 GiB of it reclaimable cache) has 3.00 GiB free: lower --kv-blocks (or "
+        f"the prompts, --max-new-tokens)")
+    with pytest.raises(ValueError, match=r"the step buffers .* but cpu under the cgroup memory limit"):
+        build._check_memory_fits(3 * GiB - 100, 101, 4, EngineConfig(), cpu)
+    build._check_memory_fits(8 * GiB, 0, 4, EngineConfig(), torch.device("cuda"))  # a GPU's is not the cgroup's
+
+
+def test_the_tightest_cgroup_level_of_this_process_counts_and_no_limit_or_unreadable_files_do_not(tmp_path,
+                                                                                                   monkeypatch):
+    """v1 without a cgroup namespace: /proc/self/cgroup names /docker/abc under the memory mount; its
+    parent /docker holds 2 GiB with 1 in use (1 GiB free), the process's own level 6 GiB with 2 in use,
+    the root v1's 'unlimited' (LLONG_MAX rounded to pages). v2's root says "max": no limit. An unreadable
+    limit (a directory) or usage (missing, garbage) is no limit either."""
+    GiB = 2**30
+    own = "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n"
+    levels = {
+        (2, "."): {"memory.max": "max\n", "memory.current": f"{GiB}\n"},
+        (1, "."): {"memory.limit_in_bytes": "9223372036854771712\n", "memory.usage_in_bytes": f"{3 * GiB}\n"},
+        (1, "docker"): {"memory.limit_in_bytes": f"{2 * GiB}\n", "memory.usage_in_bytes": f"{GiB}\n",
+                        "memory.stat": "inactive_file 5\ntotal_inactive_file 0\n"},
+        (1, "docker/abc"): {"memory.limit_in_bytes": f"{6 * GiB}\n", "memory.usage_in_bytes": f"{2 * GiB}\n"},
+    }
+    _fake_cgroups(monkeypatch, tmp_path, own, levels)
+    free, what = build._cgroup_free_bytes()
+    assert free == GiB and str(tmp_path / "v1/docker/memory.limit_in_bytes") in what
+
+    (tmp_path / "v1/docker/memory.usage_in_bytes").write_text("garbage\n")
+    assert build._cgroup_free_bytes()[0] == 4 * GiB  # the process's own level now
+    (tmp_path / "v1/docker/abc/memory.usage_in_bytes").unlink()
+    assert build._cgroup_free_bytes()[0] == 9223372036854771712 - 3 * GiB  # the root's 'unlimited'
+    (tmp_path / "v1/memory.limit_in_bytes").unlink()
+    (tmp_path / "v1/memory.limit_in_bytes").mkdir()
+    assert build._cgroup_free_bytes() is None  # v2 "max", every v1 level unreadable
+    (tmp_path / "cgroup").unlink()  # no /proc/self/cgroup: the mounts' roots alone
+    (tmp_path / "v2/memory.max").write_text(f"{2 * GiB}\n")
+    assert build._cgroup_free_bytes()[0] == GiB
+
+
+def test_a_block_too_large_for_free_memory_names_the_block_size_not_the_block_count(monkeypatch):
+    """A cache of blocks of 2**29 tokens whose one block does not fit cannot shrink: --kv-blocks was named,
+    though no count fits."""
+    import torch
+
+    monkeypatch.setattr(build, "_free_bytes", lambda device: 1000)
+    monkeypatch.setattr(build, "_cgroup_free_bytes", lambda: None)
+    with pytest.raises(ValueError) as info:
+        build._check_memory_fits(2**32, 0, 2, EngineConfig(), torch.device("cpu"), 2**29)
+    assert str(info.value) == ("one KV block of 536870912 tokens needs 2.00 GiB (4 bytes a token: the checkpoint's "
+                               "block size and attention geometry) but cpu has 0.00 GiB free: no --kv-blocks fits")
+    with pytest.raises(ValueError, match=r"^a KV cache of 2 blocks needs"):  # one block fits: the count is the cause
+        build._check_memory_fits(2000, 0, 2, EngineConfig(), torch.device("cpu"), 2**29)

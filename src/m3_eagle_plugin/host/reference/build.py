@@ -3,7 +3,8 @@
 Loads the MiniMax-M3 target and (optionally) the Eagle3 head, sizes a paged cache with the draft
 layer appended to the target's layers (shared pool, like the TensorRT-LLM unified manager), and
 wires the aux capture the head reads. Both configs, the draft's tensor names and shapes, the
-shared cache's geometry, and its size plus the step buffers' against free memory are checked
+shared cache's geometry, and its size plus the step buffers' against free memory (on the CPU the
+host's or its memory cgroup's, the smaller: a container's limit is the OOM killer's) are checked
 before any weight is read.
 """
 from __future__ import annotations
@@ -82,7 +83,7 @@ def build_engine(
                         device=device, num_index_heads=max(tc.index_heads, 1))
     step_bytes = step_metadata_bytes(run, has_head=plan is not None)
     _check_memory_fits(num_blocks * sum(pool.slot_bytes for pool in geometry.pools), step_bytes, num_blocks, config,
-                       device)
+                       device, tc.block_size)
 
     target = load_target(model_dir, dtype=dtype, device=device)
     if config.cuda_graphs:
@@ -99,20 +100,30 @@ def build_engine(
 
 
 def _check_memory_fits(cache_bytes: int, step_bytes: int, num_blocks: int, config: EngineConfig,
-                       device: torch.device) -> None:
+                       device: torch.device, block_size: int | None = None) -> None:
     """Refuse a KV cache plus step buffers larger than the device's free memory up front, naming the
-    options (a CPU allocation past it is not an error but the kernel's OOM killer)."""
-    free = _free_bytes(device)
+    options (a CPU allocation past it is not an error but the kernel's OOM killer). On the CPU the
+    free memory is the smaller of the host's and what a memory cgroup (a container's limit) leaves."""
+    free, where = _free_bytes(device), f"{device} has"
+    if device.type == "cpu":
+        limit = _cgroup_free_bytes()
+        if limit is not None and (free is None or limit[0] < free):
+            free, where = limit[0], f"{device} under {limit[1]} has"
     if free is None or cache_bytes + step_bytes <= free:
         return
+    have = f"{where} {free / 2**30:.2f} GiB free"
+    if block_size is not None and cache_bytes > free * num_blocks:  # not even one block fits
+        raise ValueError(f"one KV block of {block_size} tokens needs {cache_bytes / num_blocks / 2**30:.2f} GiB "
+                         f"({cache_bytes // num_blocks // block_size} bytes a token: the checkpoint's block size and "
+                         f"attention geometry) but {have}: no --kv-blocks fits")
     if cache_bytes > free:
-        raise ValueError(f"a KV cache of {num_blocks} blocks needs {cache_bytes / 2**30:.2f} GiB but {device} has "
-                         f"{free / 2**30:.2f} GiB free: lower --kv-blocks (or the prompts, --max-new-tokens)")
+        raise ValueError(f"a KV cache of {num_blocks} blocks needs {cache_bytes / 2**30:.2f} GiB but {have}: "
+                         f"lower --kv-blocks (or the prompts, --max-new-tokens)")
     raise ValueError(
         f"the step buffers for --max-batch-size {config.max_batch_size} and --max-tokens-per-step "
         f"{config.max_tokens_per_step} need {step_bytes / 2**30:.2f} GiB beside a KV cache of {num_blocks} blocks "
-        f"({cache_bytes / 2**30:.2f} GiB) but {device} has {free / 2**30:.2f} GiB free: lower --max-batch-size or "
-        f"--max-tokens-per-step (or --kv-blocks)"
+        f"({cache_bytes / 2**30:.2f} GiB) but {have}: lower --max-batch-size or --max-tokens-per-step (or "
+        f"--kv-blocks)"
     )
 
 
@@ -127,3 +138,67 @@ def _free_bytes(device: torch.device) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+#: Where the memory cgroups are mounted (v2's unified hierarchy, v1's memory controller), each with
+#: its limit, usage and reclaimable-cache files, and the file naming this process's cgroups.
+CGROUP_MOUNTS = (
+    (Path("/sys/fs/cgroup"), "memory.max", "memory.current", "inactive_file"),
+    (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+)
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+def _cgroup_free_bytes() -> tuple[int, str] | None:
+    """The least memory a memory cgroup holding this process leaves it, and the limit file that says
+    so: limit - usage + inactive file cache (reclaimable, as MemAvailable counts it), at each level
+    from this process's cgroup up to the mount's root (inside a container the root is the container's
+    own cgroup). A level with no limit ("max") or an unreadable limit or usage is skipped; None when
+    no level limits."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    v2_path = v1_path = "/"
+    for line in lines:
+        _, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if controllers == "" and line.startswith("0:"):
+            v2_path = path
+        elif "memory" in controllers.split(","):
+            v1_path = path
+    best = None
+    for (root, limit_name, usage_name, cache_key), own in zip(CGROUP_MOUNTS, (v2_path, v1_path)):
+        parts = [part for part in own.split("/") if part]
+        if ".." in parts:  # a cgroup outside this namespace's view: only the mount's root is ours
+            parts = []
+        for depth in range(len(parts), -1, -1):
+            level = Path(root, *parts[:depth])
+            free = _cgroup_level_free(level, limit_name, usage_name, cache_key)
+            if free is not None and (best is None or free[0] < best[0]):
+                best = free
+    if best is None:
+        return None
+    free, limit_file, limit, usage, cache = best
+    return free, (f"the cgroup memory limit {limit_file} ({limit / 2**30:.2f} GiB, {usage / 2**30:.2f} GiB in use, "
+                  f"{cache / 2**30:.2f} GiB of it reclaimable cache)")
+
+
+def _cgroup_level_free(level: Path, limit_name: str, usage_name: str, cache_key: str):
+    """(free, limit file, limit, usage, reclaimable cache) of one cgroup level, None without a limit."""
+    try:
+        limit_text = (level / limit_name).read_text().strip()
+        if limit_text == "max":
+            return None
+        limit, usage = int(limit_text), int((level / usage_name).read_text().strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    cache = 0
+    try:
+        for line in (level / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == cache_key:
+                cache = int(value)
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    return max(min(limit - usage + cache, limit), 0), level / limit_name, limit, usage, cache
