@@ -238,7 +238,10 @@ _INDEX_KEYS = {
 
 
 def _parse(t: ConfigFields) -> M3Config:
-    """Either layout, each field resolved as transformers' `MiniMaxM3VLTextConfig.__post_init__` does."""
+    """Either layout, each field resolved as transformers' `MiniMaxM3VLTextConfig.__post_init__` does,
+    but one: a production-layout file with `rotary_dim` and no `partial_rotary_factor` rotates
+    `rotary_dim` dims (as the published checkpoint means, and vLLM and TensorRT-LLM read it), where
+    transformers rotates the whole head (`_rope`)."""
     # transformers re-saves the VL wrapper with a text-style text_config; the field style decides
     layout = "text" if t.has("layer_types") or t.has("mlp_layer_types") else "production"
     _check_fixed_semantics(t)
