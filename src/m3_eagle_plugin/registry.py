@@ -290,7 +290,11 @@ class M3PluginManager(pluggy.PluginManager):
         """(plugin name, its answers) for each plugin implementing hook ``name``, in pluggy's call
         order, each called through pluggy (traced; a wrapper runs as one), so every answer has its owner."""
         impls = list(reversed(getattr(self.hook, name).get_hookimpls()))
+        owners = []  # once each: a plugin may implement the hook twice (pluggy's `specname`)
         for impl in impls:
+            if not any(impl.plugin is owner.plugin for owner in owners):
+                owners.append(impl)
+        for impl in owners:
             others = [other.plugin for other in impls if other.plugin is not impl.plugin]
             yield impl.plugin_name, self.subset_hook_caller(name, others)(**kwargs)
 

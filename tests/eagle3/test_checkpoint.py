@@ -507,3 +507,58 @@ def test_a_hidden_size_mismatch_names_the_field_that_differs(edit, field):
     raw.update(edit)
     with pytest.raises(ConfigError, match=rf"^d\.json: {field}: draft hidden_size "):
         _parse(raw)
+
+
+def test_a_plan_checked_against_another_target_is_refused(tiny, tmp_path):
+    """A plan holds `inspect_draft`'s checks for the target it was given: loaded with another (a smaller
+    vocabulary here) the head shared that target's 128-row embedding and lm_head under a config of 256,
+    where the directory itself is refused."""
+    target, draft_dir = tiny
+    src = draft_dir.parent / "target"  # make_tiny writes the pair side by side
+
+    def smaller_vocab(tensors):
+        for name in ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight"):
+            tensors[name] = tensors[name][:128].clone()
+
+    other = load_target(_variant(src, tmp_path / "t", smaller_vocab,
+                                 lambda c: c["text_config"].update(vocab_size=128)))
+    with pytest.raises(ConfigError, match="vocab_size"):  # the oracle: the directory against this target
+        load_draft(draft_dir, other)
+    plan = inspect_draft(draft_dir, target.config)
+    layers = target.config.num_layers
+    with pytest.raises(ValueError, match=r"the draft plan was checked against a target of hidden size, vocabulary "
+                                         rf"and layers \({HIDDEN}, {VOCAB}, {layers}\), not this one's "
+                                         rf"\({HIDDEN}, 128, {layers}\)$"):
+        load_draft(plan, other)
+    assert load_draft(plan, target).lm_head is target.lm_head  # its own target still takes it
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_file_of_the_draft_checkpoint_is_refused_naming_the_directory_it_needs(tiny, name):
+    """Given its config.json, the load said 'no config.json at .../config.json/config.json'; `load_target`
+    refuses a file of its checkpoint the same way."""
+    target, draft_dir = tiny
+    path = draft_dir / name
+    want = "^" + re.escape(str(path)) + r": the Eagle3 draft is read from its checkpoint directory"
+    for load in (lambda: inspect_draft(path, target.config), lambda: load_draft(path, target)):
+        with pytest.raises(CheckpointError, match=want):
+            load()
+
+
+@pytest.mark.parametrize("d2t, why", [
+    ([0, 0, 0, 0, 0, 0, 0, VOCAB - 7], "d2t maps draft ids outside the target vocabulary"),  # draft 7 -> VOCAB
+    ([0, 1, 0, 10, 10, 10, 10, 10], r"d2t maps draft ids \[1, 2\] to the same target id 2"),
+])
+def test_a_d2t_that_does_not_fit_the_target_is_refused_by_inspect_draft_before_the_target_is_read(
+        tiny, tmp_path, d2t, why):
+    """README: a draft that does not fit its target fails before any weight is read. The reference host
+    inspects the draft, then reads the target's weights, then loads the head: a d2t naming target ids
+    past the vocabulary, or one id twice, was refused only then, after the whole target was read."""
+    target, draft_dir = tiny
+
+    def add(t):
+        t["d2t"] = torch.tensor(d2t)
+    path = _variant(draft_dir, tmp_path / "d", add, lambda c: c.update(draft_vocab_size=8))
+    for load in (lambda: inspect_draft(path, target.config), lambda: load_draft(path, target)):
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path / 'model.safetensors'))}: {why}"):
+            load()

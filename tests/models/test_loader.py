@@ -249,3 +249,19 @@ def test_more_layers_than_the_checkpoint_stores_are_refused_before_the_model_is_
             f"but {re.escape(str(ckpt / 'model.safetensors'))} stores 8$")
     with pytest.raises(CheckpointError, match=want):
         load_target(ckpt)
+
+
+def test_tied_embeddings_loaded_in_another_dtype_stay_one_tensor(tiny_dir, tmp_path):
+    """A tied checkpoint stores one matrix for the embedding and the lm_head; read in its own dtype they
+    shared it, but converted to another they became two copies of the vocabulary-sized matrix. transformers
+    ties them into one parameter whatever the dtype."""
+    src = tiny_dir / "target"
+    raw = json.loads((src / "config.json").read_text())
+    raw["text_config"]["tie_word_embeddings"] = True
+    _rewrite(src, tmp_path, lambda t: t.pop("language_model.lm_head.weight"))
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    stored = load_file(str(tmp_path / "model.safetensors"))["language_model.model.embed_tokens.weight"]
+    assert stored.dtype == torch.float32
+    model = load_target(tmp_path, dtype=torch.bfloat16)
+    assert model.lm_head.weight.untyped_storage().data_ptr() == model.embed_tokens.weight.untyped_storage().data_ptr()
+    assert torch.equal(model.lm_head.weight, stored.to(torch.bfloat16))

@@ -182,3 +182,18 @@ def test_a_lone_safetensors_entry_that_is_not_a_file_is_refused_by_name(tmp_path
     finally:
         if holder is not None:
             os.close(holder)
+
+
+@pytest.mark.parametrize("make", [os.mkfifo, os.mkdir], ids=["fifo", "directory"])
+def test_an_index_naming_a_shard_that_is_not_a_file_says_so(good_file, tmp_path, make):
+    """The shard is there, only not a file: it was reported as missing, sending the user to look for a
+    download that had not failed."""
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(good_file.read_bytes())
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    make(shard)
+    index = tmp_path / SafetensorsSource.INDEX
+    index.write_text(json.dumps({"weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                                "b.bias": shard.name}}))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(index))}: shard paths that are not files: "
+                                              rf"\['{re.escape(str(shard))}'\]$"):
+        SafetensorsSource(tmp_path)

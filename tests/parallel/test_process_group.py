@@ -107,7 +107,8 @@ def test_a_gloo_interface_the_caller_chose_is_kept(monkeypatch):
 
 
 @pytest.mark.parametrize("args, kwargs, cause", [
-    ((0, 2, 12345), {"timeout_s": 0}, "timeout_s must be a finite number of seconds >= 0.001, got 0"),
+    ((0, 2, 12345), {"timeout_s": 0}, "timeout_s must be a finite number of seconds >= 0.001 and <= 1e9, got 0"),
+    ((0, 2, 12345), {"timeout_s": 1e10}, "timeout_s must be"),
     ((0, 2, 12345), {"timeout_s": 1e-9}, "timeout_s must be"),
     ((0, 2, 12345), {"timeout_s": float("nan")}, "timeout_s must be"),
     ((0, 2, 12345), {"timeout_s": float("inf")}, "timeout_s must be"),
@@ -124,3 +125,23 @@ def test_a_bad_timeout_rank_or_port_is_refused_by_name_before_any_rendezvous(mon
     with pytest.raises((TypeError, ValueError), match=cause):
         init_local_group(*args, **kwargs)
     assert calls == {} and os.environ == {}  # no rendezvous, the environment untouched
+
+
+def test_the_longest_timeout_taken_still_waits(monkeypatch):
+    """torch's deadlines are int64 nanoseconds: a timeout past about 9.2e9 s (1e10 s, meant as "no timeout")
+    wrapped and the rendezvous failed at once as "the client socket has timed out". The longest one taken,
+    1e9 s, joins a one-rank group over loopback."""
+    import socket
+
+    import torch.distributed as dist
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # recorded, so the loopback name set below is undone
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert init_local_group(0, 1, port, backend="gloo", timeout_s=1e9) == "gloo"
+    try:
+        assert dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()

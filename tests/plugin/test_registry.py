@@ -644,6 +644,24 @@ def test_a_wrapper_of_the_model_classes_hook_runs_as_a_wrapper(manager):
     assert seen == ["reference"]
 
 
+def test_a_plugin_implementing_the_patches_hook_twice_gives_each_answer_once(manager):
+    """pluggy's `specname` lets one plugin implement a hook twice; the per-plugin walk called the plugin
+    once per implementation, each call running both, so every patch was listed twice."""
+    class Twice:
+        @hookimpl
+        def m3_eagle_host_patches(self, host):
+            return ["patch-a"]
+
+        @hookimpl(specname="m3_eagle_host_patches")
+        def more_patches(self, host):
+            return ["patch-b"]
+
+    manager.register(Twice(), name="twice")
+    expected = [patch for answer in manager.hook.m3_eagle_host_patches(host="reference") for patch in answer]
+    assert sorted(expected) == ["patch-a", "patch-b"]  # pluggy's own call: each implementation once
+    assert manager.host_patches("reference") == expected
+
+
 @pytest.mark.parametrize("answer", ["route-msa-backend", SimpleNamespace(id="route-msa-backend")])
 def test_host_patches_answered_by_other_than_a_list_are_refused_naming_the_plugin(manager, answer):
     """The hookspec asks for a list of patches: a string was split into one 'patch' a letter (the adapter then

@@ -123,18 +123,28 @@ def canonical_name(name: str) -> str:
 @dataclass(frozen=True)
 class DraftPlan:
     """What `inspect_draft` read without touching a weight: the validated config, the checkpoint's
-    tensor names (canonical -> stored) and the shapes the head expects."""
+    tensor names (canonical -> stored), the shapes the head expects, and the sizes of the target it
+    was checked against (`_target_sizes`)."""
 
     config: Eagle3Config
     source: SafetensorsSource
     by_canon: dict
     expected: dict
+    target: tuple[int, int, int]
+
+
+def _target_sizes(target_config) -> tuple[int, int, int]:
+    """What `inspect_draft` checks a draft against: the target's hidden size, vocabulary and layer count."""
+    return target_config.hidden_size, target_config.vocab_size, target_config.num_layers
 
 
 def inspect_draft(path: str | Path, target_config) -> DraftPlan:
     """Check an Eagle3 checkpoint directory against its target's config (an `M3Config`): the draft
-    `config.json`, its tensor names and shapes (safetensors headers), no weight read."""
+    `config.json`, its tensor names and shapes (safetensors headers) and its d2t id map, no weight read."""
     path = Path(path)
+    if path.is_file():  # config.json was looked for inside it: "no config.json at .../config.json/config.json"
+        raise CheckpointError(f"{path}: the Eagle3 draft is read from its checkpoint directory (config.json and "
+                              "the safetensors files), not from one of its files")
     config_path = path / "config.json"
     raw = read_json_object(config_path)  # refuses a missing config.json, or one that is not a file
     source = SafetensorsSource(path)
@@ -170,7 +180,9 @@ def inspect_draft(path: str | Path, target_config) -> DraftPlan:
     if config.draft_vocab_size != config.vocab_size and "d2t" not in present:
         raise CheckpointError(f"{source.where}: draft_vocab_size {config.draft_vocab_size} < vocab_size "
                               f"{config.vocab_size} but the checkpoint has no 'd2t' mapping")
-    return DraftPlan(config, source, by_canon, expected)
+    if "d2t" in present:  # one int per draft id, read now: a bad mapping must not wait for the target's weights
+        _target_ids(source.where, source.get(by_canon["d2t"]).long(), config.vocab_size)
+    return DraftPlan(config, source, by_canon, expected, _target_sizes(tc))
 
 
 def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype: torch.dtype | None = None,
@@ -182,6 +194,9 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
     dtype = embed.dtype if dtype is None else dtype
     device = embed.device if device is None else torch.device(device)
     plan = path if isinstance(path, DraftPlan) else inspect_draft(path, target.config)
+    if plan.target != _target_sizes(target.config):  # its checks hold for that target only
+        raise ValueError(f"{plan.source.where}: the draft plan was checked against a target of hidden size, "
+                         f"vocabulary and layers {plan.target}, not this one's {_target_sizes(target.config)}")
     config, source, by_canon, expected = plan.config, plan.source, plan.by_canon, plan.expected
     present = set(by_canon)
     shrunk_vocab = config.draft_vocab_size != config.vocab_size
@@ -196,10 +211,7 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
         if not is_integer_dtype(d2t.dtype):
             raise CheckpointError(f"{source.where}: d2t must hold integer id offsets, got dtype {d2t.dtype}")
         d2t = d2t.to(device=device, dtype=torch.long)
-        target_ids = torch.arange(d2t.shape[0], device=device) + d2t
-        if int(target_ids.min()) < 0 or int(target_ids.max()) >= config.vocab_size:
-            raise CheckpointError(f"{source.where}: d2t maps draft ids outside the target vocabulary")
-        _check_one_to_one(source.where, target_ids)
+        target_ids = _target_ids(source.where, d2t, config.vocab_size)
     # The target's lm_head rows are in target-id order; a draft row d must score target id d + d2t[d],
     # so any non-zero d2t (a smaller draft vocabulary, or a full-size one in another order) needs them gathered.
     remapped = d2t is not None and bool((d2t != 0).any())
@@ -236,6 +248,15 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
         return False
     current = torch.cuda.current_device() if a.type == "cuda" and None in (a.index, b.index) else None
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+def _target_ids(where: str, d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft id d's target id, d + d2t[d]; each must be its own id of the target vocabulary."""
+    target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab_size:
+        raise CheckpointError(f"{where}: d2t maps draft ids outside the target vocabulary")
+    _check_one_to_one(where, target_ids)
+    return target_ids
 
 
 def _check_one_to_one(where: str, target_ids: torch.Tensor) -> None:

@@ -221,10 +221,12 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
     recipes = plan_target_load(source, model)
     tensors = source.get_many(sorted({s for r in recipes.values() for s in r.sources}))
     state = {}
+    built: dict[tuple[_Recipe, torch.dtype], torch.Tensor] = {}  # tied embeddings share one recipe: one tensor
     for key, recipe in recipes.items():
-        value = _assemble(recipe, tensors)
         target_dtype = torch.float32 if key.endswith(_FP32_PARAMS) else dtype
-        state[key] = value.to(device=device, dtype=target_dtype)
+        if (recipe, target_dtype) not in built:
+            built[recipe, target_dtype] = _assemble(recipe, tensors).to(device=device, dtype=target_dtype)
+        state[key] = built[recipe, target_dtype]
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta).to(device)
     return model.eval().requires_grad_(False)

@@ -56,9 +56,12 @@ class SafetensorsSource:
         if index.is_file():
             weight_map = self._weight_map = _read_weight_map(index)
             files = sorted({path / name for name in weight_map.values()})
-            missing = [str(p) for p in files if not p.is_file()]
+            missing = [str(p) for p in files if not p.exists()]
             if missing:
                 raise CheckpointError(f"{index}: shard files missing: {missing}")
+            not_files = [str(p) for p in files if not p.is_file()]  # a FIFO would block safetensors' open
+            if not_files:
+                raise CheckpointError(f"{index}: shard paths that are not files: {not_files}")
             return files
         single = path / "model.safetensors"
         if single.is_file():

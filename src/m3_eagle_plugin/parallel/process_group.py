@@ -10,7 +10,6 @@ unless the caller chose one: gloo refuses an interface name the host lacks.
 from __future__ import annotations
 
 import datetime
-import math
 import numbers
 import os
 import socket
@@ -21,6 +20,8 @@ import torch.distributed as dist
 from m3_eagle_plugin._ints import as_int
 
 __all__ = ["init_local_group", "comm_device"]
+
+_MAX_TIMEOUT_S = 1e9  # about 31.7 years: "no timeout" for any run
 
 
 def init_local_group(rank: int, world_size: int, port: int, *, backend: str | None = None,
@@ -36,9 +37,11 @@ def init_local_group(rank: int, world_size: int, port: int, *, backend: str | No
         raise ValueError(f"rank {rank} is outside [0, {world_size})")
     if not 0 < port < 65536:
         raise ValueError(f"port must be in [1, 65535], got {port}")
-    # torch counts whole milliseconds: under one it timed out at once blaming the socket, NaN failed converting
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 1e-3 <= timeout_s < math.inf:
-        raise ValueError(f"timeout_s must be a finite number of seconds >= 0.001, got {timeout_s!r}")
+    # torch counts whole milliseconds: under one it timed out at once blaming the socket, NaN failed converting;
+    # its deadlines are int64 nanoseconds: past about 9.2e9 s they wrap and it timed out at once too
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
+            or not 1e-3 <= timeout_s <= _MAX_TIMEOUT_S):
+        raise ValueError(f"timeout_s must be a finite number of seconds >= 0.001 and <= 1e9, got {timeout_s!r}")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
     if backend not in ("gloo", "nccl"):
