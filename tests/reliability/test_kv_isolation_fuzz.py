@@ -1,11 +1,16 @@
 """KV isolation under fuzzed request schedules: joins, verify steps (some staged with optimistic
-lengths and corrected on the device, as under the overlap scheduler), rejections, finishes, transfers.
+lengths and corrected on the device, as under the overlap scheduler), mixed steps (prompt chunks,
+a joining request and verify rows together), rejections, finishes, transfers.
 
 Hypothesis draws bounded, seeded schedules (derandomized, so CI is repeatable). After every
 operation each live request's K, V, index-K and draft-layer KV must equal its single-request
-shadow, no page may be shared by two live requests, and no block may be lost.
+shadow, no page may be shared by two live requests, and no block may be lost. A step whose later
+row finds no free block (its earlier rows already reserved theirs) is given back whole: every
+request keeps the pages it held before, and the fuzz must reach that case.
 """
 from __future__ import annotations
+
+import collections
 
 import pytest
 import torch
@@ -68,9 +73,60 @@ def _fault(world: KVWorld, data, kv_mod) -> None:
         assert cache.num_free_blocks == free, "a refused import kept blocks"
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
-@given(data=st.data(), geometry=st.sampled_from(sorted(GEOMETRIES)))
-def test_fuzzed_schedules_keep_every_request_isolated(data, geometry):
+def _first_short_row(cache, work, lengths) -> int | None:
+    """Index of the first row of ``work`` whose reservation finds too few free blocks once the rows
+    before it reserved theirs (None: every row fits), counted from the page tables alone."""
+    free = cache.num_free_blocks
+    for i, (rid, qo) in enumerate(work):
+        need = max(-(-(lengths[rid] + qo) // cache.block_size) - len(cache.pages(rid)), 0)
+        if need > free:
+            return i
+        free -= need
+    return None
+
+
+def _mixed_step(world: KVWorld, data, where: int, next_rid: int, reached) -> bool:
+    """One step of prompt chunks and verify rows of cache ``where``'s live requests, with a new
+    request joining at a drawn row; when a row finds no free block, the whole step must be given
+    back (every request, the ones before that row too, keeps exactly the pages it held). Returns
+    whether the new request joined."""
+    cache = world.caches[where]
+    live = [r for r in sorted(world.home) if world.home[r] == where]
+    rows = data.draw(st.lists(st.sampled_from(live), max_size=4, unique=True), label="mixed rows") if live else []
+    world.join(next_rid, where)
+    rows.insert(data.draw(st.integers(0, len(rows)), label="join row"), next_rid)
+    # verify rows of 1 + K <= 4 tokens, the new request's prompt chunk up to 4 blocks
+    work = [(rid, data.draw(st.integers(1, 24 if rid == next_rid else 4), label="qo")) for rid in rows]
+    lengths = {rid: world.shadow[rid].length for rid in rows}
+    short = _first_short_row(cache, work, lengths)
+    pages = {rid: cache.pages(rid) for rid in sorted(world.home) if world.home[rid] == where}
+    free = cache.num_free_blocks
+    ran = world.step(where, work)
+    assert ran == (short is None), f"step ran {ran}, the page tables say row {short} finds no block"
+    if not ran:
+        reached["short-row-0" if short == 0 else "short-later-row"] += 1
+        bump("fuzz.short_first_row" if short == 0 else "fuzz.short_later_row")
+        assert cache.num_free_blocks == free, "a step given back kept blocks"
+        assert {rid: cache.pages(rid) for rid in pages} == pages, "a step given back moved a request's pages"
+        world.finish(next_rid)
+    return ran
+
+
+def test_fuzzed_schedules_keep_every_request_isolated():
+    reached: collections.Counter = collections.Counter()
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(data=st.data(), geometry=st.sampled_from(sorted(GEOMETRIES)))
+    def fuzz(data, geometry):
+        _fuzzed_schedule(data, geometry, reached)
+
+    fuzz()
+    # the schedules must reach a step refused on a row after others took their blocks (the case a
+    # host gives back part-done), not only on its first row
+    assert reached["short-later-row"] > 0, reached
+
+
+def _fuzzed_schedule(data, geometry, reached):
     kv_mod, msa = _modules()
     world = KVWorld(kv_mod, msa, block_size=BLOCK, num_blocks=BLOCKS,
                     seed=data.draw(st.integers(0, 2 ** 16), label="seed"), **GEOMETRIES[geometry])
@@ -78,8 +134,13 @@ def test_fuzzed_schedules_keep_every_request_isolated(data, geometry):
     bump("fuzz.examples")
     for _ in range(data.draw(st.integers(6, 36), label="operations")):
         live = sorted(world.home)
-        op = data.draw(st.sampled_from(["join", "verify", "verify", "finish", "migrate", "fault"]), label="op")
-        if op == "join" or not live:
+        op = data.draw(st.sampled_from(["join", "verify", "verify", "mixed", "mixed", "finish", "migrate", "fault"]),
+                       label="op")
+        if op == "mixed":
+            where = data.draw(st.integers(0, 1), label="cache")
+            next_rid += 1
+            bump("fuzz.requests", int(_mixed_step(world, data, where, next_rid - 1, reached)))
+        elif op == "join" or not live:
             where = data.draw(st.integers(0, 1), label="cache")
             world.join(next_rid, where)
             prompt = data.draw(st.integers(1, 9), label="prompt")

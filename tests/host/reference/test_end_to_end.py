@@ -8,6 +8,7 @@ import torch
 
 from m3_eagle_plugin.host.reference.build import blocks_for_prompts, build_engine
 from m3_eagle_plugin.host.reference.engine import EngineConfig
+from m3_eagle_plugin.host.reference.request import RequestState
 
 NEW = 8
 
@@ -151,3 +152,110 @@ def test_first_drafts_follow_eagle3_semantics_with_transformers_features(tiny_pa
                 token = logits.argmax(-1)
         cache.free(rid)
         assert mixed[index][0] == drafts
+
+
+# ----- a mixed workload against transformers and each request alone ------------------------------
+# Requests arrive at seeded steps with prompts around block multiples (4), their own max_new_tokens
+# and a shared eos id that ends some of them early; the KV pool holds a few requests' worst cases
+# at a time, so later arrivals wait for admission and reuse freed pages.
+MIXED_NEW = 9
+
+
+@pytest.fixture(scope="module")
+def mixed_workload(tiny_pair):
+    """(arrivals [(step, prompt, max_new_tokens)], eos ids, the tokens transformers' greedy generate
+    emits for each request under them)."""
+    from transformers import MiniMaxM3SparseForConditionalGeneration
+
+    hf = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
+        tiny_pair[0], dtype=torch.float32, attn_implementation="eager").eval()
+
+    def hf_generate(prompt, max_new, eos):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                              eos_token_id=list(eos) or None, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    gen = torch.Generator().manual_seed(11)
+    lengths = (4, 3, 13, 8, 17, 5, 12, 16)
+    news = (MIXED_NEW, 1, 6, MIXED_NEW, 4, 7, 2, MIXED_NEW)
+    steps = (0, 0, 1, 2, 2, 5, 9, 9)
+    arrivals = [(s, torch.randint(0, 256, (n,), generator=gen).tolist(), m) for s, n, m in zip(steps, lengths, news)]
+    # eos: request 3's fourth token (new in its continuation), so at least request 3 stops early
+    free_run = hf_generate(arrivals[3][1], MIXED_NEW, ())
+    eos = (next(t for j, t in enumerate(free_run) if j >= 3 and t not in free_run[:j]),)
+    expected = [hf_generate(prompt, max_new, eos) for _, prompt, max_new in arrivals]
+    assert any(out[-1] in eos for out in expected) and any(len(out) == m for out, (_, _, m) in zip(expected, arrivals))
+    return arrivals, eos, expected
+
+
+def drive(engine, arrivals):
+    """`Engine.generate`'s step loop with requests joining at their arrival step (each its own
+    max_new_tokens); returns the requests in arrival order and how many steps left one waiting."""
+    requests, inflight, step, waited = [], None, 0, 0
+    queue = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
+    while True:
+        while queue and arrivals[queue[0]][0] <= step:
+            i = queue.pop(0)
+            requests.append(engine.make_request(i, arrivals[i][1], arrivals[i][2]))
+        rows = engine.scheduler.schedule(requests)
+        waited += any(r.state is RequestState.WAITING for r in requests)
+        if not rows and inflight is None:
+            if not queue:
+                break
+            step = arrivals[queue[0]][0]
+            continue
+        launched = engine.launch(rows, engine.stats.engine_steps) if rows else None
+        engine.stats.engine_steps += bool(rows)
+        if inflight is not None:
+            engine.commit(inflight, requests, None)
+            if launched is not None:
+                engine._return_void_forced_count(launched)
+        inflight = launched
+        if inflight is not None and not engine.overlap:
+            engine.commit(inflight, requests, None)
+            inflight = None
+        step += 1
+    engine.stop_unfinished(requests)
+    return sorted(requests, key=lambda r: r.index), waited
+
+
+def oracle_proposer(expected_by_prompt, draft_len):
+    """Drafts from transformers' continuation with every third one replaced and some rows short,
+    so verify steps accept some drafts and reject others at every position."""
+    calls = iter(range(10 ** 6))
+
+    def propose(context):
+        drafts = []
+        for tokens in context.tokens:
+            n = next(calls)
+            prompt, done = next((p, len(tokens) - len(p)) for p in expected_by_prompt if tokens[:len(p)] == p)
+            proposal = list(expected_by_prompt[prompt][done:done + draft_len])
+            proposal = [(t + 1) % 256 if (n + j) % 3 == 2 else t for j, t in enumerate(proposal)]
+            drafts.append(proposal[: n % (draft_len + 1)] if n % 5 == 4 else proposal)
+        return drafts
+    return propose
+
+
+@pytest.mark.parametrize("mode,draft_len,batch,step_tokens,pool", [
+    ("target", 0, 3, 8, 22), ("head", 3, 2, 11, 26), ("head-overlap", 2, 4, 7, 22), ("proposer", 3, 3, 9, 26),
+])
+def test_a_mixed_workload_equals_transformers_and_each_request_alone(
+        tiny_pair, mixed_workload, mode, draft_len, batch, step_tokens, pool):
+    arrivals, eos, expected = mixed_workload
+    by_prompt = {tuple(p): tuple(e) for (_, p, _), e in zip(arrivals, expected)}
+    proposer = oracle_proposer(by_prompt, draft_len) if mode == "proposer" else None
+    cfg = EngineConfig(draft_len=draft_len, max_batch_size=batch, max_tokens_per_step=step_tokens,
+                       overlap=mode == "head-overlap", eos_ids=eos)
+    engine = build_engine(tiny_pair[0], None if mode == "target" else tiny_pair[1], cfg, num_blocks=pool,
+                          proposer=proposer)
+    requests, waited = drive(engine, arrivals)
+    assert [r.error for r in requests] == [None] * len(arrivals)
+    assert [r.output for r in requests] == expected
+    assert waited, "the pool never held a request back"
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks and engine.scheduler.admitted_blocks == 0
+    if mode == "proposer":
+        assert 0 < engine.stats.accepted_tokens < engine.stats.draft_tokens
+    # each request alone, through the engine's own loop, emits what it emitted beside the others
+    for (_, prompt, max_new), request in zip(arrivals, requests):
+        assert engine.generate([prompt], max_new).outputs == [request.output]
