@@ -364,3 +364,71 @@ def test_transformers_in_memory_vl_names_load_and_match_transformers(tiny_dir, t
     with torch.no_grad():
         want = hf(input_ids=ids[None]).logits[0].float()
     torch.testing.assert_close(_prefill_logits(load_target(tmp_path), ids), want, atol=TOL, rtol=0)
+
+
+def _cache_and_meta(config, block_size: int, meta_block_size: int | None = None):
+    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
+
+    cache = PagedKVCache.for_minimax_m3(config.num_layers, config.sparse_layer_ids, config.num_kv_heads,
+                                        config.head_dim, config.index_dim or config.head_dim, block_size, 16,
+                                        dtype=torch.float32)
+    return cache, MsaDecodeMetadata(2, 64, 16, meta_block_size or block_size, "cpu")
+
+
+def test_a_page_size_other_than_the_checkpoints_msa_block_is_refused_by_name(hf_text_checkpoint, tmp_path):
+    """The sparse layers select blocks of one page each: pages of 8 tokens for a checkpoint whose MSA
+    block is 4 selected 3 blocks of 8 and gave other logits than transformers (1.29 apart) without a
+    word. A model without sparse layers has no block and matches transformers at any page size."""
+    from ._oracle import MiniMaxM3VLForCausalLM, randomize_, tiny_text_config
+
+    ids = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(2))
+    model = load_target(hf_text_checkpoint)
+    assert model.config.block_size == 4
+    cache, meta = _cache_and_meta(model.config, 8)
+    cache.add_request("a")
+    cache.reserve("a", 30)
+    meta.prepare([30], [30], cache.block_table(["a"]))
+    with pytest.raises(ValueError, match="block size 8 .*differs from the checkpoint's MSA block size 4"):
+        model(ids, meta, cache)
+
+    torch.manual_seed(0)
+    hf = MiniMaxM3VLForCausalLM(tiny_text_config(layer_types=["full_attention"] * 4))
+    randomize_(hf, seed=1)
+    hf.save_pretrained(tmp_path)
+    dense = load_target(tmp_path)
+    cache, meta = _cache_and_meta(dense.config, 8)
+    cache.add_request("a")
+    cache.reserve("a", 30)
+    meta.prepare([30], [30], cache.block_table(["a"]))
+    with torch.no_grad():
+        want = hf(input_ids=ids[None]).logits[0]
+        torch.testing.assert_close(dense.compute_logits(dense(ids, meta, cache)), want, atol=TOL, rtol=0)
+
+
+def test_metadata_of_another_block_size_than_the_cache_is_refused_before_any_write(hf_text_checkpoint):
+    """Slots of 4-token blocks in a cache of 8-token pages name other pages' tokens: request a's step
+    wrote into request b's page (slot 4 of page 1 is page 0's token 4 at 8 tokens a page), then the
+    attention refused the shapes. Refused now before the first layer writes: every page as it was,
+    and the capture keeps the last step's states."""
+    model = load_target(hf_text_checkpoint)
+    cache, meta = _cache_and_meta(model.config, 8, meta_block_size=4)
+    cache.add_request("b")
+    cache.reserve("b", 8)
+    cache.add_request("a")
+    cache.reserve("a", 4)
+    assert cache.block_table(["b", "a"]).tolist() == [[0], [1]]
+    for pool in cache._storage:
+        pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(5)))
+    pools = [t.clone() for t in cache._storage]
+    meta.prepare([4], [4], cache.block_table(["a"]))
+    assert meta.cache_slots.tolist() == [4, 5, 6, 7]  # page 1 of 4 tokens: b's page 0 at 8 tokens a page
+    runner, capture = PagedRunner(model.config), AuxCapture([1, 2])
+    runner.prepare([("c", 3)])
+    with torch.no_grad():
+        model(torch.arange(3), runner.meta, runner.cache, capture=capture)
+    kept = capture.stacked().clone()
+    with pytest.raises(ValueError, match="the cache's pages hold 8 tokens, the step metadata's block size is 4"):
+        model(torch.arange(4), meta, cache, capture=capture)
+    assert all(torch.equal(a, b) for a, b in zip(pools, cache._storage))
+    assert torch.equal(capture.stacked(), kept)
