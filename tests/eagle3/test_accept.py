@@ -472,6 +472,19 @@ def test_an_argument_that_is_not_a_tensor_is_refused_naming_it(args, name):
         greedy_accept(*args)
 
 
+@pytest.mark.parametrize("rule, args, name", [
+    (greedy_accept, (None, torch.tensor([[1, 2, 3]])), "draft_tokens"),
+    (greedy_accept, (torch.tensor([[1, 2]]), None), "target"),
+    (forced_accept, (torch.tensor([[1, 2]]), None, 1), "target"),
+    (rejection_accept, (torch.tensor([[1, 2]]), None, None), "target"),  # draft_probs None is legal, not the target
+])
+def test_a_missing_argument_is_refused_naming_it(rule, args, name):
+    """Only draft_lens (and rejection's draft_probs) may be None; a None token or target tensor failed with
+    "'NoneType' object has no attribute 'dim'", naming no argument."""
+    with pytest.raises(TypeError, match=rf"^{name} must be a tensor, got NoneType$"):
+        rule(*args)
+
+
 @pytest.mark.parametrize("drafts", [torch.tensor([1, 2]), torch.tensor([[[1, 2]]])])
 def test_draft_tokens_that_are_not_r_by_k_are_refused_naming_the_shape(drafts):
     """One row's drafts [K] without the row dimension (or with an extra one) failed unpacking the shape."""

@@ -195,3 +195,17 @@ def test_a_new_buffer_holds_no_step_until_one_is_recorded():
     capture.record(0, torch.full((5, 3), 3.0))
     capture.record(2, torch.full((5, 3), 4.0))
     assert torch.equal(capture.stacked(), torch.cat([torch.full((5, 3), 3.0), torch.full((5, 3), 4.0)], dim=-1))
+
+
+@pytest.mark.parametrize("max_tokens, hidden_size, error, message", [
+    (-1, 64, ValueError, r"^max_tokens must be an int >= 0, got -1$"),  # torch: "Dimension size must be non-negative"
+    (8, -2, ValueError, r"^hidden_size must be an int >= 1, got -2$"),
+    (2.5, 64, TypeError, r"^max_tokens must be an int >= 0, got float 2\.5$"),
+    (8, True, TypeError, r"^hidden_size must be an int >= 1, got bool$"),  # was a buffer one column a layer
+])
+def test_allocate_names_the_size_it_cannot_use_and_keeps_its_buffer(max_tokens, hidden_size, error, message):
+    cap = AuxCapture([1, 2]).allocate(4, 3, torch.float32, "cpu")
+    cap.record(1, torch.ones(2, 3))
+    with pytest.raises(error, match=message):
+        cap.allocate(max_tokens, hidden_size, torch.float32, "cpu")
+    assert cap.get(1).shape == (2, 3)  # the earlier buffer and its step are left as they were

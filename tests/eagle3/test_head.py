@@ -344,6 +344,7 @@ def test_the_head_writes_its_kv_to_the_first_draft_layer_of_the_cache(tiny):
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_heads": 4, "num_kv_heads": 3}, "draft num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     ({"draft_vocab_size": 257}, "draft_vocab_size 257 exceeds vocab_size 256"),
+    ({"num_kv_heads": 0}, "draft num_key_value_heads must be >= 1, got 0"),  # was a ZeroDivisionError
 ])
 def test_eagle3_config_refuses_what_no_head_can_be_built_from(kwargs, message):
     base = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-6,
@@ -428,6 +429,25 @@ def test_one_unbatched_row_of_draft_logits_is_refused_not_broadcast(tiny):
     with pytest.raises(ValueError, match=r"^draft logits must be \[T, Vd\], got shape \(32,\)$"):
         head.to_target_logits(row)
     assert torch.equal(head.to_target_logits(row[None])[0, 2 * torch.arange(32)], row)
+
+
+@pytest.mark.parametrize("draft_vocab", [256, 128])
+def test_logits_wider_than_the_target_vocabulary_are_named_so_without_d2t(draft_vocab):
+    """Without d2t, logits of the target's width are placed as they are and narrower (draft) ones need a
+    d2t; wider ones were reported as "draft_vocab_size 300 < vocab_size 256", a false bound naming a
+    d2t as the cure."""
+    from m3_eagle_plugin.eagle3.head import Eagle3Config, Eagle3Head
+
+    head = Eagle3Head(Eagle3Config(
+        hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-6,
+        rope_theta=10000.0, vocab_size=256, draft_vocab_size=draft_vocab, target_hidden_size=64,
+        aux_layer_ids=(1, 2)))
+    full = torch.randn(3, 256)
+    assert torch.equal(head.to_target_logits(full), full)
+    with pytest.raises(ValueError, match=r"^logits score 300 ids, more than the target's vocab_size 256$"):
+        head.to_target_logits(torch.randn(3, 300))
+    with pytest.raises(ValueError, match=r"^draft_vocab_size 200 < vocab_size 256 needs a d2t"):
+        head.to_target_logits(torch.randn(3, 200))
 
 
 @pytest.mark.parametrize("kv_heads, params", [(4, 3_074_992_128), (64, 3_263_735_808)], ids=["gqa", "mha"])

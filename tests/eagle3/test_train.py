@@ -689,3 +689,15 @@ def test_distillation_data_of_another_head_or_target_is_refused_naming_the_width
         distill_loss(head, wide)
     with pytest.raises(ValueError, match=r"^cannot concatenate distillation data whose target_logprobs differ"):
         concat_data([data, wide])
+
+
+@pytest.mark.parametrize("tokens_shape, logprobs_shape, shown", [
+    ((2, 5), (2, 4, 7), r"target_logprobs \(2, 4, 7\)"),  # checked, but missing from the message
+    ((2, 5, 1), (2, 5, 7), r"tokens \(2, 5, 1\)"),  # "too many values to unpack" named no field
+])
+def test_inconsistent_distillation_data_names_every_field_shape(tokens_shape, logprobs_shape, shown):
+    with pytest.raises(ValueError, match=r"^inconsistent distillation data shapes: (tokens .*)?" + shown):
+        DistillData(torch.zeros(tokens_shape, dtype=torch.long), torch.zeros(2, 5, 6),
+                    torch.zeros(2, 5, dtype=torch.long), torch.full((2,), 5), torch.zeros(logprobs_shape))
+    DistillData(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5, 6), torch.zeros(2, 5, dtype=torch.long),
+                torch.full((2,), 5), torch.zeros(2, 5, 7))  # consistent: taken

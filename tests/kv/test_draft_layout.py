@@ -112,3 +112,19 @@ def test_a_negative_num_layers_is_refused_naming_it(heads):
     """With a head list, -1 used to lose to the list length and pass unnoticed."""
     with pytest.raises(ValueError, match="num_layers must be >= 0"):
         derive_shared_draft_layout(-1, heads, 1)
+
+
+@pytest.mark.parametrize("heads, shown", [(2.5, "float 2.5"), ("8", "str '8'"), (None, "NoneType None"),
+                                          ("array", "ndarray array"), ("tensor", "Tensor tensor")])
+def test_heads_of_neither_accepted_form_are_refused_naming_both_forms(heads, shown):
+    """A per-layer numpy array or tensor (not a list) was refused as "num_kv_heads must be an int",
+    as if a list of per-layer ints were not taken either."""
+    import numpy as np
+    import torch
+
+    if heads in ("array", "tensor"):
+        heads = np.array([8, 8, 8]) if heads == "array" else torch.tensor([8, 8, 8])
+    with pytest.raises(TypeError, match=rf"^num_kv_heads must be an int or a list of per-layer ints, got {shown}"):
+        derive_shared_draft_layout(3, heads, 1)
+    assert derive_shared_draft_layout(3, [8, 8, 8], 1) == ([2], 2)  # the list form is taken
+    assert derive_shared_draft_layout(3, np.int64(8), 1) == ([3], 3)  # any integer is a scalar count

@@ -474,6 +474,19 @@ def test_zero_storage_pools_is_refused(mapping_rows):
         extend_attention_op_pools(pointers, mapping, [], num_pools=0)
 
 
+@pytest.mark.parametrize("rows, num_pools, message", [
+    (0, None, r"^pool_pointers has no rows: there is no storage pool to extend$"),  # was "num_pools=None ..."
+    (2, 3, r"^num_pools=3 does not match 2 pointer rows: the storage pools among them are 1 to 2$"),
+])
+def test_pointer_rows_and_num_pools_are_refused_naming_the_one_at_fault(rows, num_pools, message):
+    pointers = torch.tensor([[0x1000, 0], [0x2000, 0]], dtype=torch.int64)[:rows]
+    mapping = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        extend_attention_op_pools(pointers, mapping, [], num_pools=num_pools)
+    if rows:  # fewer storage pools than rows are taken: "does not match" is not "must equal"
+        assert extend_attention_op_pools(pointers, mapping, [], num_pools=1).num_pools == 1
+
+
 def test_the_new_tables_are_int32_whatever_the_count():
     pointers, mapping = _worked_example_inputs()
     for drafts in ([], [(DRAFT_LAYER, DRAFT_K_ADDR, SCALE)]):

@@ -32,7 +32,7 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft_lens: 
     """Checks shapes; returns ``draft_lens`` as int64, clamped to ``[0, K]`` on the device (a row
     cannot carry more drafts than it has columns; checking instead would read them to the host)."""
     for name, value in (("draft_tokens", draft_tokens), ("target", target), ("draft_lens", draft_lens)):
-        if value is not None and not isinstance(value, torch.Tensor):
+        if (value is not None or name != "draft_lens") and not isinstance(value, torch.Tensor):  # None: no lengths
             raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
     for name, value in (("draft_tokens", draft_tokens), ("draft_lens", draft_lens)):
         # token ids and lengths: a float 1.4 would be truncated to 1 and accepted as token 1

@@ -57,6 +57,8 @@ class AuxCapture:
 
     def allocate(self, max_tokens: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> "AuxCapture":
+        max_tokens = as_int("max_tokens", max_tokens, 0)  # torch's own refusal named neither size
+        hidden_size = as_int("hidden_size", hidden_size, 1)  # True made a buffer one column a layer
         buffer = torch.zeros(max_tokens, len(self.layer_ids) * hidden_size, dtype=dtype, device=device)
         self.reset()  # the new buffer holds no step: nothing may read as recorded in it
         self._buffer = buffer

@@ -52,6 +52,8 @@ class Eagle3Config:
     norm_before_fc: bool = False  # one RMSNorm (`input_norm`) over the whole aux row before fc_norm / fc
 
     def __post_init__(self) -> None:
+        if self.num_kv_heads < 1:  # the multiple check below divided by zero
+            raise ValueError(f"draft num_key_value_heads must be >= 1, got {self.num_kv_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"draft num_attention_heads {self.num_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_kv_heads}")
@@ -206,9 +208,12 @@ class Eagle3Head(nn.Module):
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """`[T, Vd]` draft logits -> `[T, V]` (same dtype), `-inf` at target ids outside the draft vocabulary."""
         if self.d2t is None:
-            if logits.shape[-1] != self.config.vocab_size:  # the draft ids would be read as target ids
-                raise ValueError(f"draft_vocab_size {logits.shape[-1]} < vocab_size {self.config.vocab_size} needs "
-                                 f"a d2t mapping draft ids to target ids; this head has none")
+            width, vocab = logits.shape[-1], self.config.vocab_size
+            if width > vocab:  # no draft vocabulary is wider than the target's
+                raise ValueError(f"logits score {width} ids, more than the target's vocab_size {vocab}")
+            if width < vocab:  # the draft ids would be read as target ids
+                raise ValueError(f"draft_vocab_size {width} < vocab_size {vocab} needs a d2t mapping draft ids to "
+                                 f"target ids; this head has none")
             return logits
         self._check_draft_width(logits)
         if logits.dtype == torch.float32 and self.draft_index is not None:

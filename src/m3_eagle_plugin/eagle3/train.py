@@ -51,12 +51,11 @@ class DistillData:
         return DistillData(*(getattr(self, f)[rows] for f in self.FIELDS))
 
     def __post_init__(self) -> None:
-        n, s = self.tokens.shape
-        if (self.aux.shape[:2] != (n, s) or self.target_next.shape != (n, s) or self.lengths.shape != (n,)
-                or self.target_logprobs.shape[:2] != (n, s)):
-            raise ValueError(f"inconsistent distillation data shapes: tokens {tuple(self.tokens.shape)}, aux "
-                             f"{tuple(self.aux.shape)}, target_next {tuple(self.target_next.shape)}, "
-                             f"lengths {tuple(self.lengths.shape)}")
+        n, s = self.tokens.shape if self.tokens.dim() == 2 else (-1, -1)  # tokens must be [N, S]
+        if (n < 0 or self.aux.shape[:2] != (n, s) or self.target_next.shape != (n, s) or self.lengths.shape != (n,)
+                or self.target_logprobs.shape[:2] != (n, s)):  # every field named: the one that differs too
+            raise ValueError("inconsistent distillation data shapes: "
+                             + ", ".join(f"{f} {tuple(getattr(self, f).shape)}" for f in self.FIELDS))
 
 
 def _check_positive(**values: int) -> None:

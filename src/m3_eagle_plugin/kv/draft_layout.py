@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from m3_eagle_plugin._ints import as_int
+from m3_eagle_plugin._ints import as_int, exact_index
 
 
 def derive_shared_draft_layout(
@@ -32,16 +32,17 @@ def derive_shared_draft_layout(
         if num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {num_layers}")
 
-    if isinstance(num_kv_heads, (str, bytes)):
-        raise TypeError(f"num_kv_heads must be an int or a list of per-layer ints, got {num_kv_heads!r}")
-    if isinstance(num_kv_heads, Sequence):
+    # A numpy array or a tensor of per-layer heads must not pass for a scalar: read as "append the
+    # draft tail" it gave a layout shifted by the extra entries.
+    per_layer = isinstance(num_kv_heads, Sequence) and not isinstance(num_kv_heads, (str, bytes))
+    if not per_layer and exact_index(num_kv_heads) is None:  # named as both forms it may take
+        raise TypeError(f"num_kv_heads must be an int or a list of per-layer ints, got "
+                        f"{type(num_kv_heads).__name__} {num_kv_heads!r}")
+    if per_layer:
         total = len(num_kv_heads)
         if num_layers is not None:
             total = max(total, num_layers)
     else:
-        # A numpy array or a tensor of per-layer heads must not pass for a scalar: read as
-        # "append the draft tail" it gave a layout shifted by the extra entries.
-        as_int("num_kv_heads", num_kv_heads)
         if num_layers is None:
             return [], None
         total = num_layers + num_draft

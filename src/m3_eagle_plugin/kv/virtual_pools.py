@@ -94,10 +94,13 @@ def extend_attention_op_pools(
     if pool_pointers.dtype != torch.int64:  # a float32 row rounds 2**40 + 1 to 2**40
         raise TypeError(f"pool_pointers must be int64 addresses, got {pool_pointers.dtype}")
     _integer_table("pool_mapping", pool_mapping)
-    base_pools = int(pool_pointers.shape[0]) if num_pools is None else as_int("num_pools", num_pools)
-    if not 0 < base_pools <= pool_pointers.shape[0]:
-        raise ValueError(
-            f"num_pools={num_pools} does not match {pool_pointers.shape[0]} pointer rows")
+    rows = int(pool_pointers.shape[0])
+    base_pools = rows if num_pools is None else as_int("num_pools", num_pools)
+    if rows == 0:  # not num_pools' fault when it was not given
+        raise ValueError("pool_pointers has no rows: there is no storage pool to extend")
+    if not 0 < base_pools <= rows:
+        raise ValueError(f"num_pools={num_pools} does not match {rows} pointer rows: the storage pools among "
+                         f"them are 1 to {rows}")
 
     pointers = pool_pointers[:base_pools].clone()
     mapping = pool_mapping.clone()

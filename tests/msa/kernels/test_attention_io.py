@@ -68,6 +68,18 @@ def test_split_bound_accepts_exactly_what_fits(splits, row):
     assert most * max(row, 1) <= MAX_PARTIAL_ELEMENTS < (most + 1) * max(row, 1)
 
 
+def test_split_count_must_be_an_integer():
+    """A split count sizes the partials and the grid: 2.5 failed in torch's allocation naming no option
+    and True ran as one split; any integer (NumPy's too) is taken as its int."""
+    import numpy as np
+
+    for bad, shown in ((2.5, "float 2.5"), (True, "bool"), ("2", "str '2'")):
+        with pytest.raises(KernelInputError, match=f"splits must be an int >= 1, got {shown}"):
+            check_splits(bad, 16)
+    taken = check_splits(np.int64(3), 16)
+    assert taken == 3 and type(taken) is int
+
+
 KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 
 

@@ -191,3 +191,25 @@ def test_a_top_k_grid_past_cudas_z_limit_is_refused_before_launch(monkeypatch):
     with pytest.raises(KernelTooLargeError, match=r"block top-k: its grid \(1, 1, 65536\) \(requests, index heads, "
                                                   r"65536 chunks of 4 tokens\)"):
         index_select.topk_from_block_scores(scores, meta, topk=1)
+
+
+def test_a_scoring_grid_past_cudas_y_limit_is_too_large_not_a_bad_input(monkeypatch):
+    """The scoring grid's y is the step's requests: 65,536 of them are past CUDA's 65535, refused as
+    too large (the error `auto` answers with the torch reference, as for every other grid) before
+    any launch, not as a malformed input (a bare KernelInputError failed the step under `auto`)."""
+    import types
+
+    from m3_eagle_plugin.msa.kernels import KernelTooLargeError, index_select
+
+    monkeypatch.setattr(index_select, "launch", lambda *a, **k: pytest.fail("launched"))
+    requests = 65536
+    meta = types.SimpleNamespace(
+        block_tables=torch.zeros(requests, 1, dtype=torch.int32), kv_lens=torch.ones(requests, dtype=torch.int32),
+        cu_qo_lens=torch.arange(requests + 1, dtype=torch.int32), positions=torch.zeros(requests, dtype=torch.int32),
+        block_size=16, max_qo_len=1)
+    with pytest.raises(KernelTooLargeError, match=r"block scoring: its grid \(1, 65536\) \(block groups, requests\)"):
+        index_select.index_block_scores(torch.zeros(requests, 1, 16), torch.zeros(1, 16, 16), meta)
+    meta.block_tables, meta.kv_lens = meta.block_tables[:65535], meta.kv_lens[:65535]  # at the limit: launched
+    meta.cu_qo_lens, meta.positions = meta.cu_qo_lens[:65536], meta.positions[:65535]
+    with pytest.raises(pytest.fail.Exception, match="launched"):
+        index_select.index_block_scores(torch.zeros(65535, 1, 16), torch.zeros(1, 16, 16), meta)

@@ -181,6 +181,27 @@ def test_rejected_inputs_launch_nothing():
     _flags_zero("cpu", GEO.kv_heads * q.shape[0])
 
 
+def test_a_numpy_split_count_is_taken_as_its_int(monkeypatch):
+    """The package takes any integer as a count (`_ints`): an np.int64 split count reaches the early
+    attention as that int (it was refused as "not an int >= 1", while the attention itself takes it)."""
+    import numpy as np
+
+    from m3_eagle_plugin.msa.kernels import verify_step
+
+    meta, cache, q, index_q = random_step(GEO, [2, 3], [40, 70], kv_dtype=torch.float16, index_dtype=torch.float16,
+                                          q_dtype=torch.float16, device="cpu")
+    seen = []
+
+    def announcing(*args, consumers, **kw):
+        seen.append(consumers)
+        raise LookupError("stop before any launch")
+
+    monkeypatch.setattr(verify_step, "select_announcing", announcing)
+    with pytest.raises(LookupError, match="stop before any launch"):
+        _step(meta, cache, q, index_q, early=True, splits=np.int64(2))
+    assert seen == [2] and type(seen[0]) is int
+
+
 @needs_cuda
 def test_layer_dispatcher_matches_the_reference():
     """`kernels.sparse_layer_attention` (what the model calls) runs `verify_step` on a GPU, early

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
-from ._common import (CACHE_DTYPES, FP8_DTYPES, check_cache_block, check_kv_caches, check_meta, check_same_device,
-                      check_step_rows, compute_dtype_of, require)
+from m3_eagle_plugin._ints import as_int
+
+from ._common import (CACHE_DTYPES, FP8_DTYPES, KernelInputError, check_cache_block, check_kv_caches, check_meta,
+                      check_same_device, check_step_rows, compute_dtype_of, require)
 from .merge import merge_splits
 
 
@@ -43,10 +45,13 @@ def max_partial_splits(partial_row: int) -> int:
     return MAX_PARTIAL_ELEMENTS // max(partial_row, 1)
 
 
-def check_splits(splits: int, partial_row: int) -> None:
-    require(splits >= 1, f"splits must be >= 1, got {splits}")
+def check_splits(splits: int, partial_row: int) -> int:
+    """`splits` as an int within the partials' bound (2.5 failed in torch's allocation naming no option,
+    True ran as one split)."""
+    splits = as_int("splits", splits, 1, KernelInputError)
     require(splits == 1 or splits * partial_row <= MAX_PARTIAL_ELEMENTS,
             f"{splits} splits need {splits * partial_row} partial elements, more than {MAX_PARTIAL_ELEMENTS}")
+    return splits
 
 
 def partial_dtype(q: torch.Tensor, v_cache: torch.Tensor) -> torch.dtype:

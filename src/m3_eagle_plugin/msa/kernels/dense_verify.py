@@ -179,7 +179,7 @@ def _dense(q, k_cache, v_cache, meta, *, scale, k_scale, v_scale, max_qo_len, sp
     if splits is None:
         splits = default_splits(num_requests, hkv, width, partial_row, q.device,
                                 tile_rows=qp * group if fits_one_tile(max_qo_len, qp) else 0)
-    check_splits(splits, partial_row)
+    splits = check_splits(splits, partial_row)
     check_grid("dense verify attention", (num_requests, hkv, splits), "requests, KV heads, splits")
     out, o_buf, lse = split_outputs(q, v_cache, splits)
     if key_tile is None:  # H200 at B64/32K: 64 for 16-bit KV (2026-11-29 sweep: 311 vs 445 us with 128), 32 for fp8

@@ -21,7 +21,6 @@ from .launch import launch
 from .pdl import pdl_args, release_dependents, wait_for_prior_grid, wait_then_release
 from ._common import (
     CACHE_DTYPES,
-    MAX_GRID_YZ,
     QUERY_DTYPES,
     check_grid,
     qo_len_hint,
@@ -301,8 +300,6 @@ def index_block_scores(
             "block size and index dim must be powers of two >= 16")
     require(index_k_cache.dtype in CACHE_DTYPES, f"unsupported index_k dtype {index_k_cache.dtype}")
     num_requests = meta.kv_lens.shape[0]
-    require(num_requests <= MAX_GRID_YZ,
-            f"{num_requests} requests: at most {MAX_GRID_YZ} a step (the scoring grid's y)")
     width = meta.block_tables.shape[1]
     if out is None:
         out = torch.empty((num_heads, num_tokens, width), device=index_q.device, dtype=torch.float32)
@@ -318,6 +315,7 @@ def index_block_scores(
     if num_stages is None:
         num_stages = 1 if desc is not None else 2
     grid = (triton.cdiv(width, blocks_per_program), num_requests)
+    check_grid("block scoring", grid, "block groups, requests")  # too large: `auto` runs the reference
     if num_requests and num_tokens:
         launch(_block_score_kernel, grid,
             index_q, index_q.stride(0), index_q.stride(1),

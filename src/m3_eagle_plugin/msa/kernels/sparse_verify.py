@@ -429,7 +429,7 @@ def sparse_verify_attention(
     partial_row = num_tokens * num_heads * dim
     if splits is None:
         splits = union_splits(num_requests * hkv * nch, qp, topk, q.device, partial_row=partial_row)
-    check_splits(splits, partial_row)
+    splits = check_splits(splits, partial_row)
     grid = (num_requests, hkv, nch * splits)
     check_grid("sparse verify attention (layout 'union')", grid, f"requests, KV heads, {nch} chunks of {qp} tokens "
                f"a request x {splits} splits{_UNHINTED if max_qo_len is None else ''}")
@@ -527,7 +527,7 @@ def _token_attention(q, k_cache, v_cache, meta, selection, *, qk_scale, vs, max_
     if splits is None:
         require(ready is None, "ready flags need explicit splits (the top-k's consumers per row)")
         splits = token_splits(num_requests * per_request * hkv, topk, q.device, partial_row=partial_row)
-    check_splits(splits, partial_row)
+    splits = check_splits(splits, partial_row)
     require(ready is None or (ready.dtype == torch.int32 and ready.numel() >= hkv * num_tokens),
             "ready flags must be int32 with one entry per KV head and token")
     grid = (num_requests, hkv, per_request * splits)

@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from m3_eagle_plugin._ints import exact_index
+
 from ._common import attention_scales, check_same_device, device_sm_count, qo_len_hint, require
 from .attention_io import check_attention_inputs
 from .block_union import chunk_count
@@ -145,8 +147,10 @@ def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, loc
     require(index_q.shape[1] == hkv, f"index_q has {index_q.shape[1]} heads, k_cache {hkv} KV heads: the attention "
             "reads one selection row per KV head")
     check_same_device(q.device, index_q=index_q, index_k_cache=index_k_cache)
-    require(splits is None or (type(splits) is int and splits >= 1),  # 0 or -1 fell back to the rule unsaid
+    count = None if splits is None else exact_index(splits)  # a NumPy int is one, as for the attention's splits
+    require(splits is None or (count is not None and count >= 1),  # 0 or -1 fell back to the rule unsaid
             f"splits must be None or an int >= 1, got {splits!r}")
+    splits = count
     kw = dict(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, max_qo_len=max_qo_len)
     attend = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len, checked=True)
     kv_bytes = k_cache.element_size()
