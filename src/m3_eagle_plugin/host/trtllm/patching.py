@@ -182,7 +182,8 @@ class PatchEngine:
         with self._lock:
             if self._state.still_patched:
                 raise HostPatchError("an earlier incomplete rollback left the host partly patched ("
-                                     + "; ".join(self._state.still_patched) + "); call revert() first")
+                                     + "; ".join(self._state.still_patched) + "); call revert() first (through the "
+                                     "adapter: m3_eagle_plugin.host.trtllm.uninstall() or install(force=True))")
             if self.applied:
                 if ids == self._state.patch_ids and step_names == self._state.step_names:
                     return self.report()
