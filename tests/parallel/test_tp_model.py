@@ -248,3 +248,41 @@ def test_a_rank_or_size_that_is_not_an_int_is_refused_by_name(full_model, monkey
     _fake_group(monkeypatch, TP, 1)  # the group agrees with the value, as 1.0 == 1 and True == 1
     with pytest.raises(TypeError, match=cause):
         shard_target(full_model, rank, tp_size)
+
+
+def test_a_shard_is_refused_as_the_model_to_shard(full_model, tiny_pair, monkeypatch):
+    """A TP2 shard holds half of every cut weight and sums through its hooks: cut again it ran with a
+    quarter (TP2, where its KV heads split again) or without the sums (TP1), on logits 4.5 and 5.6 off
+    the unsharded model's (a tiny random config over two gloo ranks), without a word; here its one KV
+    head was blamed. A TP1 shard is the whole model: it may be cut."""
+    from m3_eagle_plugin.eagle3.checkpoint import load_draft
+    from m3_eagle_plugin.parallel.tp_model import shard_draft_head
+
+    _fake_group(monkeypatch, TP, 1)
+    shard = shard_target(full_model, 1, TP)
+    rows = full_model.layers[4].self_attn.q_proj.weight.shape[0]
+    assert shard.layers[4].self_attn.q_proj.weight.shape[0] == rows // TP  # a part, not the model
+    head = shard_draft_head(load_draft(tiny_pair[1], full_model, dtype=torch.float32), 1, TP)
+    for rank, tp_size in ((1, TP), (0, 1)):
+        with pytest.raises(ShardingError, match="model is already rank 1's shard of tensor-parallel size 2"):
+            shard_target(shard, rank, tp_size)
+        with pytest.raises(ShardingError, match="head is already rank 1's shard of tensor-parallel size 2"):
+            shard_draft_head(head, rank, tp_size)
+    again = shard_target(shard_target(full_model, 0, 1), 1, TP)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), shard.state_dict().values()))
+
+
+def test_a_ranks_state_dict_is_refused_as_the_full_one(full_model):
+    """Rank 0's cut state dict (a saved shard, say) has the shard's shapes, so handed over as the
+    'full' one it passed through untouched: asked for rank 1 it gave rank 0's heads, without a word."""
+    with torch.device("meta"):
+        skeleton = MiniMaxM3ForCausalLM(rank_config(full_model.config, TP))
+    shapes = {n: t.shape for n, t in skeleton.state_dict().items()}
+    name = "layers.4.self_attn.q_proj.weight"
+    whole = full_model.state_dict()[name]
+    rank1 = shard_state_dict(full_model.state_dict(), shapes, 1, TP)
+    assert torch.equal(rank1[name], whole[whole.shape[0] // TP:])  # the full one still cuts
+    rank0 = shard_state_dict(full_model.state_dict(), shapes, 0, TP)
+    for rank in range(TP):
+        with pytest.raises(ShardingError, match=r"q_proj.weight: full shape \(32, 64\) is already the shard's"):
+            shard_state_dict(rank0, shapes, rank, TP)

@@ -74,7 +74,8 @@ def shard_state_dict(full: dict[str, torch.Tensor], shard_shapes: dict[str, torc
                      tp_size: int) -> dict[str, torch.Tensor]:
     """Cut ``full`` to ``shard_shapes`` (a rank model's state-dict shapes). A cut tensor owns its
     memory (just this rank's slice); an unsplit one is passed through (shares ``full``'s storage,
-    or is a contiguous copy of a non-contiguous one)."""
+    or is a contiguous copy of a non-contiguous one). A ``full`` already cut (a rank's shard, of any
+    rank) is refused."""
     rank, tp_size = _check_rank(rank, tp_size)
     missing = sorted(set(shard_shapes) - set(full))
     if missing:
@@ -82,6 +83,10 @@ def shard_state_dict(full: dict[str, torch.Tensor], shard_shapes: dict[str, torc
     out = {}
     for name, want in shard_shapes.items():
         tensor = full[name]
+        if tensor.shape == want and tp_size > 1 and _rule(name) is not None:
+            # every split width is >= 1, so a full tensor is tp_size times its cut: this one was cut before
+            raise ShardingError(f"{name}: full shape {tuple(tensor.shape)} is already the shard's: the state "
+                                f"dict holds a rank's shard, not the unsharded model (it would pass as rank {rank}'s)")
         if tensor.shape != want:
             rule = _rule(name)
             if rule is None:
@@ -120,6 +125,15 @@ def _check_rank(rank: int, tp_size: int) -> tuple[int, int]:
     return rank, tp_size
 
 
+def _check_unsharded(module: nn.Module, what: str) -> None:
+    """A rank's shard holds a part of every cut weight and sums through its hooks: cut again it ran
+    with a part of a part (or, at TP1, without the sums), on other logits, without a word."""
+    shard = getattr(module, "tp_shard", None)
+    if shard is not None:
+        raise ShardingError(f"{what} is already rank {shard[0]}'s shard of tensor-parallel size {shard[1]}: "
+                            f"shard the unsharded {what}")
+
+
 def _check_group(rank: int, tp_size: int, group: dist.ProcessGroup | None) -> tuple[int, int]:
     rank, tp_size = _check_rank(rank, tp_size)
     if tp_size > 1:
@@ -154,10 +168,12 @@ def shard_target(model: MiniMaxM3ForCausalLM, rank: int, tp_size: int, *,
     With ``tp_size == 1`` nothing is reduced. Otherwise the default (or given) process group of
     ``tp_size`` ranks must be initialised and ``rank`` must be this process's rank in it; tensors
     are reduced where they live, so the same code runs with gloo on CPU and NCCL on GPUs.
-    Replicated weights share storage with ``model`` (inference only).
+    Replicated weights share storage with ``model`` (inference only). A shard of ``tp_size > 1``
+    says whose it is (``tp_shard = (rank, tp_size)``) and is refused here, as by `shard_draft_head`.
     """
     if not isinstance(model, MiniMaxM3ForCausalLM):
         raise TypeError(f"model must be a MiniMaxM3ForCausalLM, got {type(model).__name__}")
+    _check_unsharded(model, "model")
     rank, tp_size = _check_group(rank, tp_size, group)
     config = rank_config(model.config, tp_size)
     shard = _cut_copy(model, lambda: MiniMaxM3ForCausalLM(config), rank, tp_size)
@@ -166,6 +182,7 @@ def shard_target(model: MiniMaxM3ForCausalLM, rank: int, tp_size: int, *,
             layer.mlp.graph_safe = source.mlp.graph_safe
     if tp_size > 1:
         attach_all_reduce(shard, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
+        shard.tp_shard = (rank, tp_size)
     return shard
 
 
@@ -179,6 +196,7 @@ def shard_draft_head(head: Eagle3Head, rank: int, tp_size: int, *,
     """
     if not isinstance(head, Eagle3Head):
         raise TypeError(f"head must be an Eagle3Head, got {type(head).__name__}")
+    _check_unsharded(head, "head")
     rank, tp_size = _check_group(rank, tp_size, group)
     cfg = head.config
     config = dataclasses.replace(
@@ -190,4 +208,5 @@ def shard_draft_head(head: Eagle3Head, rank: int, tp_size: int, *,
     shard.from_target = head.from_target  # what came from the target still does (`train_head` keeps it)
     if tp_size > 1:
         attach_all_reduce(shard, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
+        shard.tp_shard = (rank, tp_size)
     return shard
