@@ -376,6 +376,27 @@ def test_ids_of_another_count_than_the_metadata_are_refused_naming_both(tiny, co
         head(torch.zeros(count, dtype=torch.long), torch.zeros(count, 64), runner.meta, runner.cache)
 
 
+def test_metadata_of_another_block_size_than_the_cache_is_refused_before_the_draft_layer_writes(tiny):
+    """Slots counted in blocks of half a page name other pages' tokens: the draft layer wrote its K/V
+    there, then the attention refused the shapes. Refused now with every page as it was."""
+    from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
+
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    runner = Runner(target, head)
+    runner.prepare([("r", 2)])
+    page = runner.cache.k(runner.cache.draft_layer_ids[0]).shape[2]
+    meta = MsaDecodeMetadata(2, 8, 8, page // 2, "cpu")
+    meta.prepare([2], [4], runner.cache.block_table(["r"]).repeat(1, 2))  # tokens 2, 3: block 1 of 2 tokens
+    for pool in runner.cache._storage:
+        pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(3)))
+    pools = [t.clone() for t in runner.cache._storage]
+    with pytest.raises(ValueError, match=rf"the cache's pages hold {page} tokens, the step metadata's block size is "
+                                         rf"{page // 2}"):
+        head(torch.zeros(2, dtype=torch.long), torch.zeros(2, 64), meta, runner.cache)
+    assert all(torch.equal(a, b) for a, b in zip(pools, runner.cache._storage))
+
+
 @pytest.mark.parametrize("aux_layer_ids, target_hidden", [((3,), 64), ((1, 2), 32), ((), 64)])
 def test_an_aux_capture_as_wide_as_the_draft_hidden_is_refused(aux_layer_ids, target_hidden):
     """forward tells step 0 (aux rows, through fc) from later steps (the head's own hidden) by width: one

@@ -30,7 +30,7 @@ from m3_eagle_plugin.msa import kernels
 from m3_eagle_plugin.models import fused_ops
 from m3_eagle_plugin.models.norms import LlamaRMSNorm
 from m3_eagle_plugin.models.rope import RopeAt, RotaryEmbedding
-from m3_eagle_plugin.msa.blocks import is_integer_dtype
+from m3_eagle_plugin.msa.blocks import check_page_size, is_integer_dtype
 
 
 @dataclass(frozen=True)
@@ -258,6 +258,7 @@ class Eagle3Head(nn.Module):
         if meta.positions.shape[0] != input_ids.shape[0]:  # as the target model refuses it (a reshape error)
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, the step metadata "
                              f"{meta.positions.shape[0]}: prepare the metadata for this step's tokens")
+        check_page_size(cache.k(cache.draft_layer_ids[0]), meta)  # before the draft layer writes its K/V
         rope = self.rotary.at(meta.positions)
         y, mlp_out = self.layers[0].residual_parts(self.embed_tokens(input_ids), g, rope, meta, cache)
         z, normed = self.norm.add_then_norm(y, mlp_out)

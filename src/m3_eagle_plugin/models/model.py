@@ -18,6 +18,7 @@ from m3_eagle_plugin.models.config import M3Config
 from m3_eagle_plugin.models.mlp import M3SparseMoE, SwigluOaiMLP
 from m3_eagle_plugin.models.norms import GemmaRMSNorm
 from m3_eagle_plugin.models.rope import RopeAt, RotaryEmbedding
+from m3_eagle_plugin.msa.blocks import check_page_size
 
 
 class M3DecoderLayer(nn.Module):
@@ -65,10 +66,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         if positions.shape[0] != input_ids.shape[0]:  # more ids failed in the RoPE reshape, fewer in the KV write
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, the step metadata {positions.shape[0]}: "
                              "prepare the metadata for this step's tokens")
-        page = cache.k(0).shape[2]
-        if page != meta.block_size:  # the step's slots would name other pages' tokens (another request's)
-            raise ValueError(f"the cache's pages hold {page} tokens, the step metadata's block size is "
-                             f"{meta.block_size}: build the metadata with the cache's page size")
+        check_page_size(cache.k(0), meta)
         if any(self.config.sparse_layers) and meta.block_size != self.config.block_size:
             # the selection's block is the page: another page size selects other blocks, silently
             raise ValueError(f"the step metadata's block size {meta.block_size} (the cache's page size) differs from "

@@ -52,6 +52,15 @@ def validate_block_size(block_size: object) -> int:
     return block_size
 
 
+def check_page_size(k_cache: torch.Tensor, meta: Any) -> None:
+    """A step's metadata must count blocks of the cache's page size (`k_cache`: `[pages, heads, page,
+    dim]`): its slots of another block size name other pages' tokens (another request's)."""
+    page = k_cache.shape[2]
+    if page != meta.block_size:
+        raise ValueError(f"the cache's pages hold {page} tokens, the step metadata's block size is "
+                         f"{meta.block_size}: build the metadata with the cache's page size")
+
+
 def valid_blocks_from_positions(positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Visible-block count of tokens at ``positions``: ``ceil((p + 1) / B)``, 0 for ``p < 0``.
 
