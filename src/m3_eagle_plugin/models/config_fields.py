@@ -25,8 +25,8 @@ def show_value(value: Any, limit: int = 40) -> str:
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """The top-level JSON object of a config file; a missing path, one that is not a file (a directory
-    named config.json), unreadable, malformed (nested past the stack included) or non-object JSON is a
-    ConfigError."""
+    named config.json), unreadable, malformed (nested past the stack included), holding an integer
+    too long for Python to read, or non-object JSON is a ConfigError."""
     if path.exists() and not path.is_file():
         raise ConfigError(f"{path} is not a file")
     if not path.is_file():
@@ -37,6 +37,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except ValueError as error:  # an integer literal longer than Python converts (sys.get_int_max_str_digits)
+        raise ConfigError(f"{path}: cannot be read as JSON ({str(error).split(';')[0]})") from None
     except RecursionError:  # arrays or objects nested past Python's stack
         raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     except OSError as error:
@@ -76,7 +78,7 @@ class ConfigFields:
         value = self.raw.get(key)
         if value is None:
             if default is _REQUIRED:
-                raise self.error(key, "required field is missing")
+                raise self.error(key, "required field is null" if key in self.raw else "required field is missing")
             return default
         return value
 
