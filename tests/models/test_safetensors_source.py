@@ -75,6 +75,7 @@ def test_file_that_breaks_after_listing_names_file_and_tensor(good_file, tmp_pat
     ('{"weight_map": {"a.weight": 3}}', "weight_map: tensors without a shard file name: a.weight"),
     ('{"weight_map": {"a.weight": ""}}', "weight_map: tensors without a shard file name: a.weight"),
     ('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}", "not valid JSON (nested too deeply)"),  # RecursionError
+    ('{"metadata": {"total_size": ' + "7" * 5000 + "}}", "cannot be read as JSON (Exceeds the limit"),  # int digits
 ])
 def test_broken_shard_index_names_the_index(good_file, tmp_path, index_text, what):
     (tmp_path / "model.safetensors").write_bytes(good_file.read_bytes())

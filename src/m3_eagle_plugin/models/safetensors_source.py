@@ -146,6 +146,8 @@ def _read_weight_map(index: Path) -> dict[str, str]:
         raise CheckpointError(f"{index}: cannot be read ({_one_line(error)})") from None
     except RecursionError:  # arrays or objects nested past Python's stack
         raise CheckpointError(f"{index}: not valid JSON (nested too deeply)") from None
+    except ValueError as error:  # an integer literal longer than Python converts (sys.get_int_max_str_digits)
+        raise CheckpointError(f"{index}: cannot be read as JSON ({str(error).split(';')[0]})") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: weight_map: missing or not a JSON object")

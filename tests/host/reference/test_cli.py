@@ -395,3 +395,16 @@ def test_a_prompt_nested_past_the_stack_fails_alone_naming_its_line(tmp_path):
     prompts, errors = read_prompts(_args("--prompts", str(path)))
     assert prompts == [[1, 2], None, [3]]
     assert errors == [None, f"{path}:2: not JSON (nested too deeply)", None]
+
+
+def test_a_prompt_with_an_integer_too_long_to_read_fails_alone_naming_its_line(tmp_path):
+    """json refuses an integer literal past sys.get_int_max_str_digits with a bare ValueError, which
+    escaped read_prompts (a traceback, no prompt run)."""
+    from m3_eagle_plugin.host.reference.cli import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("[1, 2]\n[" + "9" * 5000 + "]\n[3]\n")
+    prompts, errors = read_prompts(_args("--prompts", str(path)))
+    assert prompts == [[1, 2], None, [3]]
+    assert errors[0] is None and errors[2] is None
+    assert errors[1].startswith(f"{path}:2: not read as JSON (Exceeds the limit (4300 digits)")

@@ -133,6 +133,9 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
         except RecursionError:  # a list nested past Python's stack
             prompts.append(None)
             errors.append(f"{args.prompts}:{n}: not JSON (nested too deeply)")
+        except ValueError as error:  # an integer literal longer than Python converts (sys.get_int_max_str_digits)
+            prompts.append(None)
+            errors.append(f"{args.prompts}:{n}: not read as JSON ({str(error).split(';')[0]})")
     if not prompts:  # else the model loaded, nothing ran and the run exited 1 without a word
         raise ValueError(f"--prompts {args.prompts}: no prompts (expected one JSON list of token ids per line)")
     return prompts, errors
