@@ -326,6 +326,24 @@ def test_recording_keeps_no_input_alive(cpu_replay):
     assert refs[0]() is None and refs[1]() is None
 
 
+def test_a_dead_metadata_objects_recordings_let_go_of_its_tensors(cpu_replay):
+    """A recording's launches hold the metadata's tensors (they are its recorded arguments); once the
+    metadata object dies no call can match the recording, so it must not keep them (an engine's block
+    tables outlived it, up to MAX_RECORDINGS of them). Another metadata's recording stays and replays."""
+    kernel, replayer, body = Doubler(), Replayer(), []
+    call = _wrapper(kernel, replayer, body)
+    meta, kept = Meta(torch.tensor([1])), Meta(torch.tensor([2]))
+    call(_quarters(5, 3), meta)
+    call(_quarters(5, 3), kept)
+    kv_lens = weakref.ref(meta.kv_lens)
+    del meta
+    gc.collect()
+    assert kv_lens() is None and len(replayer.recordings) == 1
+    x = _quarters(5, 3)
+    torch.testing.assert_close(call(x, kept), 2 * x + 2 + 1, rtol=0, atol=0)
+    assert len(body) == 2  # replayed
+
+
 def test_turned_off_by_the_environment(cpu_replay, monkeypatch):
     kernel, replayer, body = Doubler(), Replayer(), []
     call = _wrapper(kernel, replayer, body)

@@ -20,8 +20,9 @@ value), a launch argument that is a view into an input or a fresh tensor rather 
 itself, or a result that is not a fresh tensor. The signature must hold everything else the
 ordinary path decides on: the callers put in every input's shape, strides, dtype, device and
 16-byte alignment, the metadata object (held weakly: a new object never matches an old
-recording) and its fields' shapes and addresses, every scalar argument (and its type), and the environment
-variables the kernels read (`ENV_KEYS`). `M3_EAGLE_REPLAY=0` turns replay off.
+recording, and one that dies takes its recordings along) and its fields' shapes and addresses,
+every scalar argument (and its type), and the environment variables the kernels read (`ENV_KEYS`).
+`M3_EAGLE_REPLAY=0` turns replay off.
 
 Contract for the kernel wrappers: a buffer kept across calls (`_common.step_buffer`) is made by a
 fill (`torch.full`), which refuses that call's recording; an empty allocation (`torch.empty`) is
@@ -30,6 +31,7 @@ launches; like the hand-off buffers, replays assume one thread launching on a de
 """
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Callable
@@ -170,10 +172,10 @@ def record_launch(kernel: Any, compiled: Any, grid: tuple, args: tuple, kwargs: 
 class _Recording:
     """One signature's allocations, launches and result structure."""
 
-    def __init__(self, rec: _Recorder, result: Any, meta: Any):
+    def __init__(self, rec: _Recorder, result: Any, meta: Any, on_meta_death: Callable | None = None):
         self.allocs = rec.allocs
         self.launches = rec.launches
-        self.meta = weakref.ref(meta)
+        self.meta = weakref.ref(meta, on_meta_death)
         self.result = self._shape(rec, result)
 
     @staticmethod
@@ -272,7 +274,8 @@ class Replayer:
         try:
             if rec.refused:
                 raise _Refused(rec.refused)
-            self.recordings[signature] = _Recording(rec, result, meta)
+            forget = functools.partial(_forget, weakref.ref(self), signature)
+            self.recordings[signature] = _Recording(rec, result, meta, forget)
         except _Refused as refused:
             self.recordings[signature] = (seen or 0) + 1
             self.last_refusal = str(refused)
@@ -283,6 +286,14 @@ class Replayer:
 
 
 _REPLAYERS: "weakref.WeakSet[Replayer]" = weakref.WeakSet()
+
+
+def _forget(replayer_ref: "weakref.ref[Replayer]", signature: tuple, meta_ref: weakref.ref) -> None:
+    """A recording's metadata object died: no call can match the recording again, so drop it (its
+    launches hold the metadata's tensors, which would otherwise outlive it)."""
+    replayer = replayer_ref()
+    if replayer is not None and getattr(replayer.recordings.get(signature), "meta", None) is meta_ref:
+        replayer.recordings.pop(signature, None)
 
 
 def clear_all() -> None:
