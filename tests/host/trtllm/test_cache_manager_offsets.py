@@ -219,3 +219,51 @@ def test_each_virtual_pool_is_copied_with_its_own_scale_and_offset(current_host)
     manager.copy_batch_block_offsets(dst, [2], 1, 0, 1)
     assert dst[1, 0, :, :2].tolist() == [[5 * 181, 0], [5 * 181 + 1, 1]]
     assert dst[2, 0, :, :2].tolist() == [[5 * 7, 0], [5 * 7 + 3, 3]]
+
+
+def test_the_draft_copys_scales_and_offsets_are_pinned_as_the_hosts_own_tables(current_host, monkeypatch):
+    """The host's device copy (copyBatchBlockOffsetsToDeviceKernel, cpp/tensorrt_llm/batch_manager/
+    kvCacheManagerV2Utils.cu @ 060c2fe6) reads `indexScales[poolIdx]` and `kvOffset[poolIdx]` inside the
+    kernel: the host pins its own tables (`pin_memory=prefer_pinned()`, device-addressable under UVA), as
+    upstream's M3 manager (5d7aadeb) pins `_draft_index_scales` / `_draft_kv_offsets`. Ours were pageable,
+    a host address the kernel cannot read. No CUDA here: pinning is simulated by marking storages."""
+    from tensorrt_llm.bindings.internal.batch_manager import kv_cache_manager_v2_utils as native
+
+    pinned: list = []
+
+    def pin_memory(self, *args, **kwargs):
+        out = self.clone()
+        pinned.append(out)  # kept alive, so no unpinned tensor reuses its address
+        return out
+
+    def is_pinned(self, *args, **kwargs):
+        return any(t.untyped_storage().data_ptr() == self.untyped_storage().data_ptr() for t in pinned)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
+    plugin, host_cls = _classes()
+    base = host_cls.__mro__[1]
+    original = base._prepare_page_table_tensor
+
+    def pinned_tables(self, index_mapper_capacity):  # as the real host allocates them
+        original(self, index_mapper_capacity)
+        for name in ("kv_cache_pool_pointers", "kv_cache_pool_mapping", "index_scales", "kv_offset"):
+            setattr(self, name, getattr(self, name).pin_memory())
+
+    monkeypatch.setattr(base, "_prepare_page_table_tensor", pinned_tables)
+    copied = []
+    host_copy = native.copy_batch_block_offsets_to_device
+
+    def recording_copy(src, dst, copy_idx, index_scales, kv_offset, stream):
+        copied.append((index_scales.is_pinned(), kv_offset.is_pinned()))
+        return host_copy(src, dst, copy_idx, index_scales, kv_offset, stream)
+
+    monkeypatch.setattr(native, "copy_batch_block_offsets_to_device", recording_copy)
+    manager = _make(plugin, spec_config=_spec(2))
+    assert manager.index_scales.is_pinned() and manager.kv_offset.is_pinned()
+    assert manager.kv_cache_pool_pointers.is_pinned() and manager.kv_cache_pool_mapping.is_pinned()
+    manager.add_sequence(3, [1, 2])
+    dst = torch.full((3, 1, 2, manager.max_blocks_per_seq), -9, dtype=torch.int32)
+    manager.copy_batch_block_offsets(dst, [3], 1, 0, 1)
+    assert copied == [(True, True), (True, True)]  # one copy per virtual pool
+    assert dst[2, 0, :, :2].tolist() == [[181, 2 * 181], [182, 2 * 181 + 1]]  # 3*2 + 57*3 + 2*2 sub-pages

@@ -15,6 +15,7 @@ whose rule changed across host versions), and an NVFP4 cache where virtual draft
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Iterable, List, Optional
 
@@ -130,8 +131,16 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
                 "layer would read its scales from address 0); use an FP8 or BF16 KV cache")
         pools = core_kv.extend_attention_op_pools(
             self.kv_cache_pool_pointers, self.kv_cache_pool_mapping, draft_layers)
-        self.kv_cache_pool_pointers = _pinned_like(pools.pool_pointers, self.kv_cache_pool_pointers)
-        self.kv_cache_pool_mapping = _pinned_like(pools.pool_mapping, self.kv_cache_pool_mapping)
+        # the host's device copy reads index_scales / kv_offsets inside its kernel, so they are
+        # pinned whenever the host's own tables are (a pageable pointer is not device-addressable)
+        host_pointers = self.kv_cache_pool_pointers
+        pools = dataclasses.replace(
+            pools, pool_pointers=_pinned_like(pools.pool_pointers, host_pointers),
+            pool_mapping=_pinned_like(pools.pool_mapping, self.kv_cache_pool_mapping),
+            index_scales=_pinned_like(pools.index_scales, host_pointers),
+            kv_offsets=_pinned_like(pools.kv_offsets, host_pointers))
+        self.kv_cache_pool_pointers = pools.pool_pointers
+        self.kv_cache_pool_mapping = pools.pool_mapping
         self.num_attention_op_pools = pools.num_op_pools
         self.virtual_pools = pools
         self._draft_op_pools = tuple(pools.op_pools)
