@@ -40,11 +40,11 @@ def data(pair):
                                 iterations=4, seed=1)
 
 
-def _paged(target, head, num_blocks=32):
+def _paged(target, head, num_blocks=32, dtype=torch.float32):
     tc, dc = target.config, head.config
     cache = PagedKVCache.for_minimax_m3(
         tc.num_layers, tc.sparse_layer_ids, tc.num_kv_heads, tc.head_dim, tc.index_dim, tc.block_size, num_blocks,
-        num_draft_layers=1, draft_num_kv_heads=dc.num_kv_heads, dtype=torch.float32)
+        num_draft_layers=1, draft_num_kv_heads=dc.num_kv_heads, dtype=dtype)
     meta = MsaDecodeMetadata(1, 64, num_blocks, tc.block_size, "cpu", num_index_heads=tc.index_heads)
     cache.add_request("r")
     return cache, meta
@@ -388,18 +388,21 @@ def test_first_optimizer_step_is_adam_without_weight_decay_at_the_warmup_rate(pa
         assert float((delta - lr0).abs().le(5e-7).double().mean()) > 0.5, name
 
 
-def test_distilled_checkpoint_keeps_the_file_mode_and_the_stored_dtypes(tmp_path):
+def test_distilled_checkpoint_keeps_the_file_mode_the_stored_dtypes_and_the_metadata(tmp_path):
     """Weights are written back as they were stored (a bf16 checkpoint stays bf16, whatever dtype the
-    head trained in), and the replaced file keeps its permissions (not the temp file's 0600)."""
+    head trained in), and the replaced file keeps its permissions (not the temp file's 0600) and the
+    metadata its writer stored (all but {"format": "pt"} was dropped)."""
     import os
     import stat
 
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     target_dir, draft_dir = make_tiny(tmp_path, seed=2)
     weights = draft_dir / "model.safetensors"
     stored = {k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}
-    save_file(stored, str(weights), metadata={"format": "pt"})
+    metadata = {"format": "pt", "producer": "a trainer's note"}
+    save_file(stored, str(weights), metadata=metadata)
     os.chmod(weights, 0o640)
     distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=2, num_sequences=2, seq_len=16, iterations=1,
                                                                batch_size=2))
@@ -408,6 +411,8 @@ def test_distilled_checkpoint_keeps_the_file_mode_and_the_stored_dtypes(tmp_path
     assert after.keys() == stored.keys()
     assert all(after[k].dtype == torch.bfloat16 for k in after)
     assert any(not torch.equal(after[k], stored[k]) for k in after)
+    with safe_open(str(weights), "pt") as f:
+        assert f.metadata() == metadata
 
 
 def test_lr_factor_warms_up_then_decays_linearly_from_the_peak():
@@ -701,3 +706,68 @@ def test_inconsistent_distillation_data_names_every_field_shape(tokens_shape, lo
                     torch.zeros(2, 5, dtype=torch.long), torch.full((2,), 5), torch.zeros(logprobs_shape))
     DistillData(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5, 6), torch.zeros(2, 5, dtype=torch.long),
                 torch.full((2,), 5), torch.zeros(2, 5, 7))  # consistent: taken
+
+
+def test_a_head_in_its_targets_bf16_steps_as_the_paged_head_on_the_collected_fp32_aux_and_trains(pair):
+    """load_draft gives the head the target's dtype, while collected aux is fp32 (the bf16 capture upcast,
+    exactly). The dense step takes it in the head's dtype, as the paged head takes the engine's bf16
+    capture; the first training step failed "expected m1 and m2 to have the same dtype"."""
+    target = load_target(pair[0], dtype=torch.bfloat16)
+    head = load_draft(pair[1], target)
+    data = collect_distill_data(target, head.aux_layer_ids, num_sequences=2, seq_len=12, prompt_lens=(2, 4),
+                                iterations=1)
+    assert data.aux.dtype == torch.float32 and head.fc.weight.dtype == torch.bfloat16
+    tokens, aux = data.tokens[-1], data.aux[-1]
+    s = tokens.shape[0] - 1
+    cache, meta = _paged(target, head, dtype=torch.bfloat16)
+    cache.reserve("r", s)
+    meta.prepare([s], [s], cache.block_table(["r"]), num_context_requests=1)
+    with torch.no_grad():
+        want_logits, want_hidden = head(tokens[1:], aux[:s].bfloat16(), meta, cache)
+        logits, hidden, _ = dense_head_step(head, tokens[None, 1:], aux[None, :s])
+    torch.testing.assert_close(logits[0], want_logits, atol=0.05, rtol=0)  # bf16: an ulp at 4 to 8 is 0.03
+    torch.testing.assert_close(hidden[0], want_hidden, atol=0.05, rtol=0)
+    history = train_head(head, data, steps=4, batch_size=2, seed=0)
+    assert all(h == h for h in history) and history[-1] < history[0] and head.fc.weight.dtype == torch.bfloat16
+
+
+def test_a_plan_of_rows_shorter_than_the_default_prompts_distills(tmp_path):
+    """DistillPlan holds no prompt lengths: a seq_len under the default's 16 failed naming prompt_lens,
+    which distill_checkpoint cannot pass. The default 2..16 is capped at seq_len (docstring)."""
+    target_dir, draft_dir = make_tiny(tmp_path, seed=2)
+    before = load_file(str(draft_dir / "model.safetensors"))
+    plan = DistillPlan(steps=2, num_sequences=2, seq_len=8, iterations=2, batch_size=2)
+    history = distill_checkpoint(target_dir, draft_dir, plan=plan, seed=1)
+    assert len(history) == 2 and all(h == h for h in history)
+    after = load_file(str(draft_dir / "model.safetensors"))
+    assert any(not torch.equal(after[k], before[k]) for k in after)
+    target = load_target(target_dir)
+    data = collect_distill_data(target, (2, 4, 5), num_sequences=16, seq_len=3, iterations=2, seed=0)
+    rounds = data.tokens.view(2, 16, 3)
+    kept = (rounds[0] == rounds[1]).long().cumprod(dim=1).sum(dim=1)  # a prompt never changes, the rest does
+    assert set(kept.tolist()) == {2, 3}  # prompts from the default's 2 to seq_len
+
+
+@pytest.mark.parametrize("prompt_lens", [(2.5, 4), (True, 4), (2, 4.0), (3,), (2, 3, 4), 5])
+def test_prompt_lengths_other_than_two_ints_are_refused_by_name(pair, prompt_lens):
+    """A float or a bool failed in torch.randint, another count of values in the unpacking, naming neither."""
+    with pytest.raises(ValueError, match=r"^prompt_lens must be two ints \(low, high\), got "):
+        collect_distill_data(pair[2], pair[3].aux_layer_ids, num_sequences=2, seq_len=8, prompt_lens=prompt_lens)
+
+
+def test_ids_of_any_integer_dtype_give_the_int64_loss_and_float_ids_are_refused(pair, data):
+    """int32 ids (a NumPy or Arrow dataset's) failed in nll_loss once the hard term was on ("expected target
+    dtype to be Long or Byte, but got Int"). The loss must be that of the same ids as int64 (checked against
+    naive sums above); float ids, which torch would truncate, are refused naming the field."""
+    head = pair[3]
+    batch = data.select(torch.arange(3))
+    narrow = DistillData(batch.tokens.int(), batch.aux, batch.target_next.int(), batch.lengths.int(),
+                         batch.target_logprobs)
+    with torch.no_grad():
+        assert float(distill_loss(head, narrow, 2, 0.5)) == float(distill_loss(head, batch, 2, 0.5))
+    trained = load_draft(pair[1], pair[2])
+    assert train_head(trained, narrow, steps=2, batch_size=3, hard_weight=0.5) == train_head(
+        load_draft(pair[1], pair[2]), batch, steps=2, batch_size=3, hard_weight=0.5)
+    with pytest.raises(ValueError, match=r"^distillation data target_next must hold integer token ids, got "
+                                         r"torch\.float32$"):
+        DistillData(batch.tokens, batch.aux, batch.target_next.float(), batch.lengths, batch.target_logprobs)

@@ -23,10 +23,11 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from m3_eagle_plugin._ints import as_int
+from m3_eagle_plugin._ints import as_int, exact_index
 from m3_eagle_plugin.eagle3.capture import AuxCapture
 from m3_eagle_plugin.eagle3.head import Eagle3Head
 from m3_eagle_plugin.models.rope import apply_rope
+from m3_eagle_plugin.msa.blocks import is_integer_dtype
 
 __all__ = [
     "DistillData", "DistillPlan", "collect_distill_data", "concat_data", "dense_head_step", "distill_checkpoint",
@@ -56,6 +57,10 @@ class DistillData:
                 or self.target_logprobs.shape[:2] != (n, s)):  # every field named: the one that differs too
             raise ValueError("inconsistent distillation data shapes: "
                              + ", ".join(f"{f} {tuple(getattr(self, f).shape)}" for f in self.FIELDS))
+        for field in ("tokens", "target_next"):  # any integer dtype is taken (distill_loss reads them as int64)
+            dtype = getattr(self, field).dtype
+            if not is_integer_dtype(dtype):
+                raise ValueError(f"distillation data {field} must hold integer token ids, got {dtype}")
 
 
 def _check_positive(**values: int) -> None:
@@ -65,7 +70,8 @@ def _check_positive(**values: int) -> None:
 
 @torch.no_grad()
 def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences: int, seq_len: int,
-                         prompt_lens: tuple[int, int] = (2, 16), iterations: int = 8, seed: int = 0) -> DistillData:
+                         prompt_lens: tuple[int, int] | None = None, iterations: int = 8, seed: int = 0
+                         ) -> DistillData:
     """Random prompts continued greedily by `target` (a `MiniMaxM3ForCausalLM`), with aux features.
 
     Continuations come from Jacobi fixed-point iteration of batched prefills on the paged cache
@@ -75,15 +81,13 @@ def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences:
     exactly greedy, and every later one is the target's greedy choice for an almost-converged context.
     Every iteration's prefill is kept (`iterations * num_sequences` rows, the last ones the most
     greedy-like): its aux and `target_next` are exact for its tokens. Prompt lengths are uniform in
-    `prompt_lens` (inclusive).
+    `prompt_lens` (inclusive; by default 2..16, capped at `seq_len`).
     """
     from m3_eagle_plugin.kv import PagedKVCache
     from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
 
     _check_positive(num_sequences=num_sequences, seq_len=seq_len, iterations=iterations)
-    low, high = prompt_lens
-    if not 1 <= low <= high <= seq_len:
-        raise ValueError(f"prompt_lens must satisfy 1 <= low <= high <= seq_len ({seq_len}), got {prompt_lens}")
+    low, high = _prompt_lens(prompt_lens, seq_len)
     cfg = target.config
     device = next(target.parameters()).device
     gen = torch.Generator().manual_seed(seed)
@@ -118,6 +122,18 @@ def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences:
     return concat_data(rounds)
 
 
+def _prompt_lens(prompt_lens: tuple[int, int] | None, seq_len: int) -> tuple[int, int]:
+    if prompt_lens is None:  # capped: a DistillPlan's seq_len under 16 failed naming a pair it cannot set
+        return min(2, seq_len), min(16, seq_len)
+    # a float, a bool or another count of values failed in torch.randint or the unpacking, naming neither
+    pair = tuple(exact_index(v) for v in prompt_lens) if isinstance(prompt_lens, (tuple, list)) else ()
+    if len(pair) != 2 or None in pair:
+        raise ValueError(f"prompt_lens must be two ints (low, high), got {prompt_lens!r}")
+    if not 1 <= pair[0] <= pair[1] <= seq_len:
+        raise ValueError(f"prompt_lens must satisfy 1 <= low <= high <= seq_len ({seq_len}), got {prompt_lens!r}")
+    return pair
+
+
 def concat_data(parts: Iterable[DistillData]) -> DistillData:
     """Stack `DistillData` sets of equal sequence length (more rows)."""
     parts = list(parts)
@@ -137,7 +153,8 @@ def concat_data(parts: Iterable[DistillData]) -> DistillData:
 def dense_head_step(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
                     prior_kv: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One head step over whole sequences `input_ids [B, S]`, `hidden [B, S, W]` (aux or head width).
+    """One head step over whole sequences `input_ids [B, S]`, `hidden [B, S, W]` (aux or head width, taken
+    in the head's dtype as the engine's capture arrives in the target's: collected aux is fp32).
 
     With no `prior_kv` this is causal attention over the sequence (= draft step 0). With s earlier
     passes' keys/values it is TTT pass s (see the module docstring). Returns (fp32 target-vocabulary
@@ -149,6 +166,7 @@ def dense_head_step(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Ten
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match input_ids {tuple(input_ids.shape)}")
     layer = head.layers[0]
     attn = layer.self_attn
+    hidden = hidden.to(head.fc.weight.dtype)
     g = head.combine_aux(hidden) if hidden.shape[-1] != cfg.hidden_size else hidden
     h = layer.hidden_norm(g)
     residual = h if layer.norm_before_residual else g
@@ -194,7 +212,8 @@ def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_w
     _check_positive(ttt_steps=ttt_steps)  # 0 passes stacked no loss; a float failed in range()
     _check_hard_weight(hard_weight)
     _check_data_fits(head, data)
-    tokens, aux, target_next, lengths = data.tokens, data.aux, data.target_next, data.lengths
+    # int64: nll_loss took no other labels (int32 ids from a NumPy or Arrow dataset failed with the hard term)
+    tokens, aux, target_next, lengths = data.tokens.long(), data.aux, data.target_next.long(), data.lengths
     soft = data.target_logprobs[:, 1:]         # the target's distribution for the token at p + 2
     s = tokens.shape[1] - 1
     input_ids = tokens[:, 1:]                  # token at p + 1
@@ -342,12 +361,14 @@ class DistillPlan:
 def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan(), seed: int = 0) -> list[float]:
     """Train the Eagle3 head at `draft_dir` on its target at `target_dir` and overwrite its weights in place.
 
-    The tensor names and config stay exactly those of the input checkpoint (public Eagle3 layout).
+    The tensor names, the config and the file's metadata (its "format" "pt") stay those of the input
+    checkpoint (public Eagle3 layout).
     Runs on one CPU thread, so the result is a pure function of the inputs, the plan and the seed.
     Returns the training loss per step.
     """
     from pathlib import Path
 
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from m3_eagle_plugin.eagle3.checkpoint import canonical_name, load_draft
@@ -371,11 +392,13 @@ def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan
         torch.set_num_threads(threads)
     trained = head.state_dict()
     old = load_file(str(weights))
+    with safe_open(str(weights), "pt") as f:
+        metadata = {**(f.metadata() or {}), "format": "pt"}  # written by torch, whatever wrote the original
     new = {}
     for name in sorted(old):  # names the head does not hold as weights (d2t, t2d) are kept as they were
         value = trained.get(canonical_name(name), old[name])
         new[name] = value.detach().to(old[name].dtype).contiguous()
-    _replace_file(weights, lambda path: save_file(new, str(path), metadata={"format": "pt"}))
+    _replace_file(weights, lambda path: save_file(new, str(path), metadata=metadata))
     return history
 
 
