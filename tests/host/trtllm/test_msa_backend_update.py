@@ -33,14 +33,15 @@ def _host_sparse_metadata_params(**values):
 
 def naive_step_fields(tables, page, qo, kv):
     """Per token, from first principles: (slot, valid-block count, kv segment length, request row).
-    A token whose position falls before the row's first key (a correction below qo_len) has no
-    slot (-1) and sees nothing."""
+    A token whose position falls before the row's first key (a correction below qo_len, a CUDA-graph
+    padding row) sees nothing and, as in the host's on_update_kv_lens, writes its row's own first
+    slot (the host's cache writers do not skip -1)."""
     slots, valid, seg, rows = [], [], [], []
     for r, (q, k) in enumerate(zip(qo, kv)):
         for t in range(q):
             pos = k - q + t
             if pos < 0:
-                slots.append(-1), valid.append(0), seg.append(0)
+                slots.append(tables[r][0] * page), valid.append(0), seg.append(0)
             else:
                 slots.append(tables[r][pos // page] * page + pos % page)
                 valid.append(math.ceil((pos + 1) / page))
@@ -235,3 +236,42 @@ def test_a_cuda_graph_copy_stages_its_batch_size_not_the_eager_sequences(current
     graph.kv_cache_params.num_cached_tokens_per_seq = [6, 1, 1]
     with pytest.raises(MsaInputError, match="num_requests 3 exceeds max_num_requests 2"):
         graph.prepare()
+
+
+def test_a_padding_row_corrected_below_its_query_writes_its_own_first_slot(current_host):
+    """A verify row of 4 tokens whose kv length is corrected to 2 (a CUDA-graph padding row): its
+    first two tokens sit before any key. The host's on_update_kv_lens (NVIDIA/TensorRT-LLM
+    msa_backend.py at 57ea1cdf and 12b1dd65) gives them the row's own first slot, block_table[row, 0]
+    * page; -1 would reach the host's write_kv_slots as page -1, the pool's last page."""
+    backend = _backend()
+    plugin, _ = _classes()
+    page = 4
+    manager = _make(plugin, num_layers=4, tokens_per_block=page, max_seq_len=64)
+    tables = {0: [3, 9, 4], 1: [12, 6]}
+    for rid, table in tables.items():
+        manager.add_sequence(rid, table)
+    meta = _metadata(backend.Metadata, manager, seq_lens=[4, 4], cached=[6, 1], max_num_tokens=8)
+    meta.prepare()
+    meta.kv_lens_cuda[:2] = torch.tensor([10, 2], dtype=torch.int32)
+    meta.on_update_kv_lens()
+    # row 0: positions 6..9 -> pages 9, 9, 4, 4; row 1: positions -2, -1, 0, 1 -> page 12's slots 0, 0, 0, 1
+    assert meta.msa_out_cache_loc.tolist() == [38, 39, 16, 17, 48, 48, 48, 49]
+    assert meta.m3_eagle_step.cache_slots.tolist() == [38, 39, 16, 17, -1, -1, 48, 49]  # the step's own: no slot
+    assert meta.msa_n_valid_blocks[:8].tolist() == [2, 2, 3, 3, 0, 0, 1, 1]
+
+
+def test_the_decode_scratch_is_no_larger_than_max_num_tokens(current_host):
+    """4 sequences with max_draft_len 3 would be 16 decode tokens, but no step carries more than
+    max_num_tokens (6): the host's own _msa_max_decode_tokens (NVIDIA/TensorRT-LLM msa_backend.py at
+    12b1dd65) is min(max_num_sequences x (1 + draft_len), max_num_tokens, 16384), at least
+    max_num_sequences. A full 6-token verify step still publishes every count."""
+    backend = _backend()
+    plugin, _ = _classes()
+    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64, spec_config=_spec())
+    assert manager.max_draft_len == 3
+    manager.add_sequence(0, [0, 1, 2])
+    manager.add_sequence(1, [5, 6, 27])
+    meta = _metadata(backend.Metadata, manager, seq_lens=[3, 3], cached=[6, 8], max_num_tokens=6, max_num_requests=4)
+    assert meta.msa_n_valid_blocks.numel() == max(4, min(4 * (1 + 3), 6, 16384))
+    meta.prepare()
+    assert meta.msa_n_valid_blocks.tolist() == [2, 2, 3, 3, 3, 3]  # positions 6, 7, 8 and 8, 9, 10

@@ -67,10 +67,13 @@ class M3EagleMsaMetadata(HostMsaMetadata):
 
     def _msa_max_decode_tokens(self) -> int:
         """Host scratch sizing hook (`contract`'s msa_decode_scratch_sizing, so always present): one
-        entry per decode *token* (1 + draft_len per row)."""
+        entry per decode *token* (1 + draft_len per row), no more than max_num_tokens (no step carries
+        more; the host's own hook caps there too)."""
         base = super()._msa_max_decode_tokens()
         step = getattr(self, "m3_eagle_step", None)
-        return max(int(base), step.scratch_decode_tokens if step is not None else 0)
+        if step is None:
+            return int(base)
+        return max(int(base), min(step.scratch_decode_tokens, _int(self.max_num_tokens, step.scratch_decode_tokens)))
 
     # ----- per step ------------------------------------------------------------------------
     def _host_kv_lens(self, num_seqs: int) -> torch.Tensor:
@@ -139,6 +142,7 @@ class M3EagleMsaMetadata(HostMsaMetadata):
             n = min(slots.numel(), source.numel())
             slots[:n].copy_(source[:n])
             slots[n:].fill_(-1)
+            self._publish_padding_slots(slots[: step.num_tokens])
         valid = getattr(self, "msa_n_valid_blocks", None)
         if valid is not None and step.is_decode_only:
             values = step.valid_blocks
@@ -147,6 +151,19 @@ class M3EagleMsaMetadata(HostMsaMetadata):
                     f"msa_n_valid_blocks holds {valid.numel()} entries but the step has {values.numel()} "
                     "query tokens: the host sized it by batch, not by verify tokens")
             valid.view(-1)[: values.numel()].copy_(values)
+
+    def _publish_padding_slots(self, slots: torch.Tensor) -> None:
+        """A token before its row's first key (a CUDA-graph padding row whose kv length was corrected
+        below its query length) writes its row's own first slot, as the host's on_update_kv_lens
+        has it. The step keeps -1 there, but the host's cache writers (write_kv_slots) do not skip
+        -1: they index page -1, the pool's last page, which another request may hold."""
+        step = self.m3_eagle_step
+        if step.num_tokens == 0:
+            return
+        first_page = step.block_tables[:, 0].index_select(0, step.token_request)
+        own_first = (first_page.to(torch.int64) * step.block_size).to(slots.dtype)
+        before_keys = (step.positions < 0) & (first_page >= 0)
+        slots.copy_(torch.where(before_keys, own_first, slots))
 
     # ----- per-token plan rows (one row per query token: kv segment = position + 1) ------------
     def m3_eagle_plan_rows(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,3 +53,29 @@ def test_a_plugin_can_pick_another_manager(current_host):
         pm.unregister(name="test-other-manager")
     with pytest.raises(ValueError):
         _util.get_sparse_attn_kv_cache_manager(SimpleNamespace(algorithm="bogus"))
+
+
+def test_a_plugin_hook_failing_on_import_is_not_replaced_by_the_builtin_manager(current_host):
+    """A plugin answering for M3 whose hook cannot import its own dependency: the lookup fails naming
+    the module, instead of handing the host the built-in manager as if no plugin had answered."""
+    from m3_eagle_plugin.hooks import hookimpl
+    from m3_eagle_plugin.registry import get_plugin_manager
+    from tensorrt_llm.llmapi.llm_args import MiniMaxM3SparseAttentionConfig
+
+    class Broken:
+        @hookimpl
+        def m3_eagle_kv_cache_manager(self, host, sparse_config):
+            import m3_eagle_test_absent_kv_backend  # noqa: F401
+
+            return "m3_eagle_test_absent_kv_backend:Manager"
+
+    pm = get_plugin_manager()
+    pm.register(Broken(), name="test-broken-manager")
+    try:
+        adapter.install()
+        from tensorrt_llm._torch.pyexecutor import _util
+
+        with pytest.raises(ImportError, match="m3_eagle_test_absent_kv_backend"):
+            _util.get_sparse_attn_kv_cache_manager(MiniMaxM3SparseAttentionConfig())
+    finally:
+        pm.unregister(name="test-broken-manager")

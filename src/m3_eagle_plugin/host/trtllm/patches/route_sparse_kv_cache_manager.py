@@ -42,13 +42,13 @@ def _route_kv_manager(original: Callable[..., type]) -> Callable[..., type]:
 
 
 def plugin_kv_manager(sparse_attention_config: Any) -> type:
-    """The manager class the plugin registry picks for an M3 config (the built-in one by default)."""
-    try:
-        from m3_eagle_plugin.registry import get_plugin_manager, resolve
+    """The manager class the plugin registry picks for an M3 config (the built-in one by default).
 
-        reference = get_plugin_manager().kv_cache_manager("tensorrt_llm", sparse_attention_config)
-    except ImportError:
-        reference = None
+    A plugin's hook that fails (an ImportError of its own dependency included) fails the lookup: the
+    built-in manager is for configs no plugin answers, not a silent stand-in for a broken one."""
+    from m3_eagle_plugin.registry import get_plugin_manager, resolve
+
+    reference = get_plugin_manager().kv_cache_manager("tensorrt_llm", sparse_attention_config)
     if reference:
         return resolve(reference)
     from m3_eagle_plugin.host.trtllm.cache_manager import M3EagleKVCacheManagerV2
