@@ -79,6 +79,8 @@ def _tampered(handoff, vocab, block_size):
                                                         + handoff.pending_inputs[1:]),
                                                 "is not the last emitted token"),
         "nothing emitted yet": (replace(output=[], kv_len=handoff.kv_len), "emitted tokens, got"),
+        "no pending inputs": (replace(pending_inputs=[]),  # was named "-1 pending drafts"
+                              f"no pending inputs, expected the last emitted token and {DISAGG_K} drafts"),
     }
 
 
@@ -495,3 +497,89 @@ def test_an_export_interrupted_while_its_pages_go_back_can_be_exported_again(tin
     generation = _engine(tiny_pair, blocks)
     assert continue_generation(generation, [import_handoff(generation, handoff)]).outputs == aggregated.outputs
     assert _is_clean(generation)
+
+
+def test_an_import_interrupted_at_any_line_after_its_pages_landed_leaves_the_engine_as_it_was(tiny_pair, handoffs,
+                                                                                                monkeypatch):
+    """Ctrl-C at each line `_import` runs once the pages are in (CPython raises it as a call such as
+    list() returns): the pages, the id and the budget stayed held by a request the caller never got,
+    and the same handoff was then refused as already live. Checked against a snapshot of the engine
+    (another live request's page bytes included), then the handoff imports and continues to the
+    aggregated run's output."""
+    import sys
+
+    import torch
+
+    from m3_eagle_plugin.parallel import disagg
+    from m3_eagle_plugin.parallel.disagg import continue_generation, import_handoff
+
+    blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    aggregated = _engine(tiny_pair, blocks).generate(DISAGG_PROMPTS, DISAGG_NEW)
+    engine = _engine(tiny_pair, blocks)
+    other = import_handoff(engine, handoffs[1])
+
+    def snapshot():
+        cache = engine.cache
+        pages = {rid: cache.pages(rid) for rid in cache.allocator.request_ids}
+        data = [cache.storage(pool.pool_id)[torch.tensor(pages[other.rid])].clone() for pool in cache.geometry.pools]
+        return (cache.num_free_blocks, engine.scheduler.admitted_blocks, pages), data
+
+    before, before_data = snapshot()
+    landed, at = [], []
+    real_import = disagg.import_request
+    monkeypatch.setattr(disagg, "import_request", lambda *args: (real_import(*args), landed.append(True))[0])
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code is disagg._import.__code__ else None
+
+    def local(frame, event, arg):
+        if event == "line" and landed:
+            at.append(frame.f_lineno)
+            if len(at) == cut:
+                raise KeyboardInterrupt
+        return local
+
+    cut, completed, outer = 0, None, sys.gettrace()
+    while completed is None:
+        cut += 1
+        landed.clear(), at.clear()
+        sys.settrace(tracer)
+        try:
+            completed = import_handoff(engine, handoffs[0])
+        except KeyboardInterrupt:
+            after, after_data = snapshot()
+            assert after == before, f"cut off at line {at[-1]}"
+            assert all(torch.equal(a, b) for a, b in zip(after_data, before_data))
+        finally:
+            sys.settrace(outer)
+    assert cut > 3 and len(at) == cut - 1  # every line it runs after the pages landed was cut off once
+    result = continue_generation(engine, [completed, other])
+    assert result.outputs == aggregated.outputs
+    assert _is_clean(engine)
+
+
+def test_a_context_phase_interrupted_as_it_counts_its_time_leaves_the_engine_clean(tiny_pair, monkeypatch):
+    """Ctrl-C as the phase's closing clock call returns (or, on a GPU, while it waits for the device):
+    every prefilled request stayed registered with its pages and budget, the caller never got them, and
+    the next batch with the same ids was refused as already live."""
+    import types
+
+    from m3_eagle_plugin.parallel import disagg
+
+    blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    engine = _engine(tiny_pair, blocks)
+    calls = []
+
+    def perf_counter():
+        calls.append(None)
+        if len(calls) == 2:  # the first is the phase's start
+            raise KeyboardInterrupt
+        return 0.0
+
+    with monkeypatch.context() as patch:
+        patch.setattr(disagg, "time", types.SimpleNamespace(perf_counter=perf_counter))
+        with pytest.raises(KeyboardInterrupt):
+            run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)
+    assert len(calls) >= 2 and _is_clean(engine)
+    requests = run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)
+    assert [r.state.value for r in requests] == ["decode", "decode"]

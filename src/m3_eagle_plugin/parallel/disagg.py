@@ -121,13 +121,15 @@ def _context_phase(engine: Engine, prompts, max_new_tokens: int, first_index: in
         stuck = [r.index for r in requests if r.state in (RequestState.WAITING, RequestState.PREFILL)]
         if stuck:
             raise HandoffError(f"requests {stuck} could not be prefilled (KV budget)")
+        # inside: Ctrl-C while it waits for the device (or as its clock call returns) left every
+        # prefilled request registered, and the caller never got them
+        _count_call(engine, step_id, started)
     except BaseException:
         # the caller never sees these requests after an error, so nothing else could release them
         # (and their ids would collide with the next batch's)
         engine.stop_unfinished(requests, "the context phase stopped before every request was prefilled")
         _count_call(engine, step_id, started, failed=True)
         raise
-    _count_call(engine, step_id, started)
     return requests
 
 
@@ -137,8 +139,9 @@ def _count_call(engine: Engine, steps: int, started: float, failed: bool = False
     device is not waited for: a device error would replace the one being raised."""
     if engine.device.type == "cuda" and not failed:
         torch.cuda.synchronize(engine.device)
+    elapsed = time.perf_counter() - started  # first: cut off here, nothing is counted yet
     engine.stats.engine_steps += steps
-    engine.stats.elapsed_s += time.perf_counter() - started
+    engine.stats.elapsed_s += elapsed
 
 
 def export_handoff(engine: Engine, request: Request) -> ContextHandoff:
@@ -190,6 +193,8 @@ def _check_handoff(engine: Engine, handoff: ContextHandoff) -> None:
     if handoff.index in engine.cache.allocator:  # two requests cannot share an index (its pages, its sampler)
         raise HandoffError(f"{where} is already live on this engine; number each batch past the others "
                            f"(run_context_phase's first_index)")
+    if not handoff.pending_inputs:  # not "-1 pending drafts"
+        raise HandoffError(f"{where}: no pending inputs, expected the last emitted token and {engine.k} drafts")
     if len(handoff.pending_inputs) != 1 + engine.k:
         raise HandoffError(f"{where}: {len(handoff.pending_inputs) - 1} pending drafts, "
                            f"this engine verifies {engine.k}")
@@ -251,16 +256,20 @@ def _import(engine: Engine, handoff: ContextHandoff) -> Request:
         raise HandoffError(_no_budget(handoff))
     try:
         import_request(engine.cache, request.rid, handoff.payload)
+        # inside: Ctrl-C raised here (CPython raises it as a call such as list() returns) left the
+        # pages, the id and the budget held by a request the caller never got
+        request.state = RequestState.DECODE
+        request.num_prefilled = len(request.prompt)
+        request.kv_len = handoff.kv_len
+        request.output = list(handoff.output)
+        request.pending_inputs = pending
+        request.pending_draft_len = handoff.pending_draft_len
+        return request
     except BaseException:  # an interrupt too: the budget would stay admitted with no request to release it
+        if request.rid in engine.cache.allocator:  # the pages landed (`_check_handoff` found the id free)
+            engine.cache.free(request.rid)
         engine.scheduler.release(request)
         raise
-    request.state = RequestState.DECODE
-    request.num_prefilled = len(request.prompt)
-    request.kv_len = handoff.kv_len
-    request.output = list(handoff.output)
-    request.pending_inputs = pending
-    request.pending_draft_len = handoff.pending_draft_len
-    return request
 
 
 @torch.no_grad()
