@@ -19,15 +19,19 @@ from m3_eagle_plugin.kv.transfer import export_request, import_request
 BLOCK = 4
 
 
-def fail_at(monkeypatch, name: str, k: int, error=KeyboardInterrupt) -> list:
-    """``heapq.<name>`` raising ``error`` on its ``k``-th call (once); the returned list counts the calls."""
+def fail_at(monkeypatch, name: str, k: int, error=KeyboardInterrupt, after: bool = False) -> list:
+    """``heapq.<name>`` raising ``error`` on its ``k``-th call (once), before it acts or, with ``after``,
+    once it has acted (CPython raises a pending Ctrl-C as a call returns); the list counts the calls."""
     original, calls = getattr(heapq, name), []
 
     def wrapped(*args):
         calls.append(1)
-        if len(calls) == k:
+        if len(calls) == k and not after:
             raise error(f"injected at call {k} of heapq.{name}")
-        return original(*args)
+        out = original(*args)
+        if len(calls) == k:
+            raise error(f"injected as call {k} of heapq.{name} returned")
+        return out
 
     monkeypatch.setattr(heapq, name, wrapped)
     return calls
@@ -49,12 +53,14 @@ def two_requests() -> BlockAllocator:
     return allocator
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before", "as-it-returns"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_allocate_cut_off_while_taking_its_pages_registers_nothing_and_loses_no_page(monkeypatch, k):
+def test_allocate_cut_off_while_taking_its_pages_registers_nothing_and_loses_no_page(monkeypatch, k, after):
     """Its id was registered before its pages were taken, and a cut there left it registered (the same
-    import was then refused as already held) and the pages taken so far in neither list."""
+    import was then refused as already held) and the pages taken so far in neither list; a cut as a
+    page left the heap lost that page."""
     allocator = two_requests()
-    fail_at(monkeypatch, "heappop", k)
+    fail_at(monkeypatch, "heappop", k, after=after)
     with pytest.raises(KeyboardInterrupt):
         allocator.allocate("c", 3 * BLOCK)
     monkeypatch.undo()
@@ -63,9 +69,10 @@ def test_allocate_cut_off_while_taking_its_pages_registers_nothing_and_loses_no_
     assert every_page_once(allocator) == list(range(10))
 
 
-def test_reserve_cut_off_part_way_changes_nothing(monkeypatch):
+@pytest.mark.parametrize("after", [False, True], ids=["before", "as-it-returns"])
+def test_reserve_cut_off_part_way_changes_nothing(monkeypatch, after):
     allocator = two_requests()
-    fail_at(monkeypatch, "heappop", 2, MemoryError)
+    fail_at(monkeypatch, "heappop", 2, MemoryError, after=after)
     with pytest.raises(MemoryError):
         allocator.reserve("b", 4 * BLOCK)
     monkeypatch.undo()
@@ -73,13 +80,15 @@ def test_reserve_cut_off_part_way_changes_nothing(monkeypatch):
     assert every_page_once(allocator) == list(range(10))
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before", "as-it-returns"])
 @pytest.mark.parametrize("call", ["rewind", "free"])
-def test_a_give_back_cut_off_part_way_loses_no_page_and_finishes_when_run_again(monkeypatch, call):
+def test_a_give_back_cut_off_part_way_loses_no_page_and_finishes_when_run_again(monkeypatch, call, after):
     """Nothing changes: rewind dropped its pages from the request before giving them back (a cut lost
     them), free gave some back while the request still listed them (running it again gave them back
-    twice, and two requests later shared a page)."""
+    twice, and two requests later shared a page); a cut as a push returned left that page both held
+    and free."""
     allocator = two_requests()
-    fail_at(monkeypatch, "heappush", 2)
+    fail_at(monkeypatch, "heappush", 2, after=after)
     run = (lambda: allocator.rewind("a", 1)) if call == "rewind" else (lambda: allocator.free("a"))
     with pytest.raises(KeyboardInterrupt):
         run()

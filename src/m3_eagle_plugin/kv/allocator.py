@@ -86,10 +86,14 @@ class BlockAllocator:
         added: list[int] = []
         try:
             while len(added) < need:
-                added.append(heapq.heappop(self._free))
+                # noted before it is popped: a Ctrl-C raised as heappop returns would lose a popped page
+                added.append(self._free[0])
+                heapq.heappop(self._free)
         except BaseException:  # cut off part-way (Ctrl-C): the pages taken so far go back
+            still_free = set(self._free)
             for page in added:
-                heapq.heappush(self._free, page)
+                if page not in still_free:
+                    heapq.heappush(self._free, page)
             raise
         pages.extend(added)
         self._tokens[rid] = max(self._tokens[rid], num_tokens)
@@ -138,16 +142,13 @@ class BlockAllocator:
         (Ctrl-C), the pages already pushed are taken back, so none is both held and free and the call
         can run again (the engine's clean-up frees what a failed free left)."""
         freed = pages[keep:]
-        pushed = 0
         try:
             for page in freed:
                 heapq.heappush(self._free, page)
-                pushed += 1
-        except BaseException:
-            if pushed:
-                back = set(freed[:pushed])
-                self._free = [page for page in self._free if page not in back]
-                heapq.heapify(self._free)
+        except BaseException:  # every one of them that reached the heap (a Ctrl-C may come as a push returns)
+            back = set(freed)
+            self._free = [page for page in self._free if page not in back]
+            heapq.heapify(self._free)
             raise
         del pages[keep:]
         return freed

@@ -221,3 +221,29 @@ def test_a_max_blocks_per_seq_above_the_cache_is_bounded_by_the_cache():
     sched.check_fits(make(0, 4, max_new=3))  # 12 tokens: 3 blocks, exactly the cache
     with pytest.raises(RequestError, match="the cache has only 3 blocks"):
         sched.check_fits(make(1, 4, max_new=4))
+
+
+@pytest.mark.parametrize("call", [1, 2, 3])
+def test_an_admission_cut_off_as_a_call_returns_leaves_the_budget_consistent(monkeypatch, call):
+    """CPython raises a pending Ctrl-C as a call returns: admit added the request's blocks, then was
+    cut off computing its budget tokens, so release() (which goes by them) never gave the blocks back."""
+    from m3_eagle_plugin.host.reference import scheduler as module
+
+    sched = Scheduler(max_batch_size=8, max_tokens_per_step=64, draft_len=1, block_size=4, total_blocks=100)
+    request, calls = make(0, 4), []
+
+    def cut(*args):
+        calls.append(1)
+        out = kv_budget_tokens(*args)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(module, "kv_budget_tokens", cut)
+    with pytest.raises(KeyboardInterrupt):
+        sched.admit(request)
+    monkeypatch.undo()
+    held = sched.blocks_needed(request) if request.kv_budget_tokens else 0
+    assert sched.admitted_blocks == held  # what release() gives back is what admit took
+    sched.release(request)
+    assert sched.admitted_blocks == 0 and request.kv_budget_tokens == 0

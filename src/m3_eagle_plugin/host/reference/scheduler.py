@@ -87,8 +87,9 @@ class Scheduler:
     def release(self, request: Request) -> None:
         """Give back the admission budget of a request that ended (idempotent)."""
         if request.kv_budget_tokens:
-            self.admitted_blocks -= self.blocks_needed(request)
+            need = self.blocks_needed(request)  # no call between the two updates: a Ctrl-C comes after a call
             request.kv_budget_tokens = 0
+            self.admitted_blocks -= need
 
     def fits_now(self, request: Request) -> bool:
         """Whether `admit` would take the request now (nothing is reserved)."""
@@ -98,8 +99,10 @@ class Scheduler:
         """Reserve the KV blocks a request needs for its whole life; False when they do not fit now."""
         if not self.fits_now(request):
             return False
-        self.admitted_blocks += self.blocks_needed(request)
-        request.kv_budget_tokens = kv_budget_tokens(len(request.prompt), request.max_new_tokens, self.draft_len)
+        need = self.blocks_needed(request)  # no call between the two updates: a Ctrl-C comes after a call
+        budget = kv_budget_tokens(len(request.prompt), request.max_new_tokens, self.draft_len)
+        self.admitted_blocks += need
+        request.kv_budget_tokens = budget
         request.state = RequestState.PREFILL
         return True
 
