@@ -208,3 +208,34 @@ def test_non_integer_ids_of_a_drafter_plugin_are_refused_naming_the_request():
     manager.register(DrafterPlugin(lambda ctx: [[5], [2.5]]), name="floats")
     with pytest.raises(PluginError, match=r"2\.5 for request 7\b"):
         manager.propose_drafts(DraftContext.build([3, 7], [[1], [2]], 2))
+
+
+def test_a_drafter_plugins_proposer_returning_no_list_of_proposals_is_named():
+    """A proposer returning 5 failed listing it: a bare "'int' object is not iterable" named neither."""
+    context = DraftContext.build([0], [[1, 2, 3]], 2)
+    with pytest.raises(ValueError, match=r"^proposer returned 5: expected one list of token ids per request$"):
+        DrafterPlugin(lambda ctx: 5).m3_eagle_propose_drafts(context)
+
+
+def test_prompt_lookup_takes_any_integer_n_gram_sizes():
+    """The package's int rule (`_ints`): numpy and 0-d torch integers are ints; they were refused as
+    "need ints". The lookup then is the plain-int one's."""
+    np = pytest.importorskip("numpy")
+    import torch
+
+    tokens = [1, 2, 9, 2, 5, 1, 2]
+    for sizes in ((np.int64(2), np.int32(1)), (torch.tensor(2), torch.tensor(1))):
+        lookup = PromptLookupProposer(max_ngram=sizes[0], min_ngram=sizes[1])
+        assert (type(lookup.max_ngram), type(lookup.min_ngram)) == (int, int)
+        assert lookup.propose_one(tokens, 1) == PromptLookupProposer(max_ngram=2).propose_one(tokens, 1) == [9]
+
+
+@pytest.mark.parametrize("references,vocab_size,field", [
+    ({0: [1, 2, 3, 4]}, 2.5, "vocab_size"), ({0: [1, 2, 3, 4]}, 0, "vocab_size"),
+    ({0.5: [1, 2, 3, 4]}, 11, "request id"), ({True: [1, 2, 3, 4]}, 11, "request id"),
+])
+def test_replay_refuses_a_vocabulary_size_or_request_id_that_is_not_an_int(references, vocab_size, field):
+    """int() truncated them: vocab_size 2.5 drew its mistakes modulo 2 and reference 0.5 replayed for
+    request 0 (the package's int rule refuses, never truncates)."""
+    with pytest.raises(ValueError, match=rf"ReplayProposer {field} must be an int"):
+        ReplayProposer(references, vocab_size)

@@ -165,3 +165,14 @@ def test_numpy_integer_parameters_are_the_ints_they_hold():
         assert params == SamplingParams(temperature=1.0, top_k=2, seed=seed)
         assert torch.equal(torch.rand(4, generator=request_generator(params.seed, 5, "cpu")),
                            torch.rand(4, generator=request_generator(seed, 5, "cpu")))
+
+
+def test_zero_dimensional_torch_integer_parameters_are_the_ints_they_hold():
+    """The package's int rule (`_ints`) takes a 0-d torch integer as an int; top_k and seed refused
+    one as "must be an int". A one-element 1-D tensor or a torch bool is still not one."""
+    params = SamplingParams(temperature=1.0, top_k=torch.tensor(2), seed=torch.tensor(7, dtype=torch.int32))
+    assert params == SamplingParams(temperature=1.0, top_k=2, seed=7)
+    assert (type(params.top_k), type(params.seed)) == (int, int)
+    for value in (torch.tensor([2]), torch.tensor(True)):
+        with pytest.raises(ValueError, match=r"^top_k must be an int"):
+            SamplingParams(temperature=1.0, top_k=value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Mapping, Sequence
 
+from m3_eagle_plugin._ints import as_int, exact_index
 from m3_eagle_plugin.hooks import DraftContext, hookimpl
 
 __all__ = ["ReplayProposer", "PromptLookupProposer", "DrafterPlugin"]
@@ -27,8 +28,10 @@ class ReplayProposer:
         vocab_size: int,
         is_wrong: Callable[[int, int], bool] | None = None,
     ) -> None:
-        self.references = {int(rid): list(seq) for rid, seq in references.items()}
-        self.vocab_size = int(vocab_size)
+        # as_int, not int(): a float id or vocabulary size was truncated (vocab 2.5 drew mistakes mod 2)
+        self.references = {as_int("ReplayProposer request id", rid, error=ValueError): list(seq)
+                           for rid, seq in references.items()}
+        self.vocab_size = as_int("ReplayProposer vocab_size", vocab_size, 1, ValueError)
         self.is_wrong = is_wrong or (lambda rid, position: False)
         self.expected_accepted = 0
         self.proposed = 0
@@ -70,10 +73,11 @@ class PromptLookupProposer:
     occurred earlier and propose the tokens that followed it; nothing when no n-gram matches."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (min_ngram, max_ngram)) \
-                or not 1 <= min_ngram <= max_ngram:  # a float 1.5 would fail later inside range()
+        # any integer (a numpy one too, `_ints`); a float 1.5 would fail later inside range()
+        sizes = exact_index(min_ngram), exact_index(max_ngram)
+        if None in sizes or not 1 <= sizes[0] <= sizes[1]:
             raise ValueError(f"need ints 1 <= min_ngram <= max_ngram, got {min_ngram!r}, {max_ngram!r}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.min_ngram, self.max_ngram = sizes
 
     def propose_one(self, tokens: Sequence[int], draft_len: int) -> list[int]:
         tokens = list(tokens)
@@ -103,7 +107,11 @@ class DrafterPlugin:
         drafts = self.proposer(context)
         if drafts is None:
             return None
-        drafts = list(drafts)
+        try:  # iter() alone: a TypeError raised inside a generator's body is the generator's own
+            rows = iter(drafts)
+        except TypeError:  # 'int' object is not iterable named neither the proposer nor what it returned
+            raise ValueError(f"proposer returned {drafts!r}: expected one list of token ids per request") from None
+        drafts = list(rows)
         if len(drafts) != len(context.tokens):  # zip below would silently drop the extra proposals
             raise ValueError(f"proposer returned drafts for {len(drafts)} requests, expected {len(context.tokens)}")
         padded = []

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+from m3_eagle_plugin._ints import exact_index
+
 __all__ = ["SamplingParams", "filtered_probs", "choose_tokens", "request_generator"]
 
 
@@ -31,16 +33,18 @@ class SamplingParams:
         for name, kind in (("temperature", numbers.Real), ("top_p", numbers.Real), ("top_k", numbers.Integral),
                            ("seed", numbers.Integral)):
             value = getattr(self, name)
+            if kind is numbers.Integral:  # any integer (`_ints`: a 0-d torch one too, not a numbers.Integral)
+                index = exact_index(value)
+                if index is None:
+                    raise ValueError(f"{name} must be an int, got {value!r}")
+                object.__setattr__(self, name, index)  # a numpy seed wraps (or overflows) in the seed arithmetic
+                continue
             if isinstance(value, bool) or not isinstance(value, kind):
-                what = "a number" if kind is numbers.Real else "an int"
-                raise ValueError(f"{name} must be {what}, got {value!r}")
-            if kind is numbers.Integral:  # a numpy seed wraps (or overflows) in the generator's seed arithmetic
-                object.__setattr__(self, name, int(value))
-            else:  # a Fraction or an int past float range failed dividing the scores in the first step
-                try:
-                    object.__setattr__(self, name, float(value))
-                except OverflowError:
-                    raise ValueError(f"{name} must be a finite number, got one past float range") from None
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            try:  # a Fraction or an int past float range failed dividing the scores in the first step
+                object.__setattr__(self, name, float(value))
+            except OverflowError:
+                raise ValueError(f"{name} must be a finite number, got one past float range") from None
         if not 0.0 <= self.temperature < math.inf:  # inf: logits / inf is 0 or NaN (a masked -inf logit)
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
