@@ -3,10 +3,16 @@
 TensorRT-LLM rejects unknown top-level keys (BaseLlmArgs forbids extras), so the key must be read and
 removed before the host validates the dict. It is sugar for the environment variables: it sets
 `M3_EAGLE_PLUGIN` (and `M3_EAGLE_PLUGIN_FORCE` / `_TRACE`) in `os.environ`, which processes this
-one starts afterwards inherit, and under `mpirun` every rank reads `--config` itself.
+one starts afterwards inherit, and under a bare `mpirun` every rank reads `--config` itself.
 TensorRT-LLM's own MPI pool starts its workers from the environment the driver had when MPI
 started (the first `tensorrt_llm` import, before this key is read), so the activated driver
 forwards them through the pool's `env` (`host/trtllm/patches/forward_env_to_mpi_pool.py`).
+Under `trtllm-llmapi-launch` (multi-node) only rank 0's command reads the file, in a process the
+launcher marks with `TLLM_SPAWN_PROXY_PROCESS=1`; the model runs in the MPI ranks it started beside
+it, from the launch's environment, and nothing the key exports reaches them. A key that would turn
+on there what those ranks leave off is refused under `require`, before anything is exported (a
+`trace` alone is only warned about), and warned about under `auto`: export such variables before
+`mpirun` / `srun`.
 
 Precedence: the environment wins. A variable already exported (non-blank) in the process, any of
 `M3_EAGLE_PLUGIN`, `M3_EAGLE_PLUGIN_FORCE`, `M3_EAGLE_PLUGIN_TRACE`, is kept over the key's value;
@@ -34,6 +40,8 @@ from m3_eagle_plugin.log import get_logger
 from m3_eagle_plugin.switches import FALSE, FORCE_ENV, MODE_ENV, MODES, TRACE_ENV, TRUE
 
 CONFIG_KEY = "m3_eagle_plugin"
+#: Exported by TensorRT-LLM's `trtllm-llmapi-launch` for the command it runs on rank 0.
+SPAWN_PROXY_ENV = "TLLM_SPAWN_PROXY_PROCESS"
 HOST_FUNCTION = "update_llm_args_with_extra_dict"
 HOST_MODULES = ("tensorrt_llm.llmapi.llm_args", "tensorrt_llm.llmapi.llm_utils")
 
@@ -122,12 +130,33 @@ def apply_settings(settings: ConfigKeySettings, environ: MutableMapping[str, str
     return applied
 
 
+def check_launcher_ranks(settings: ConfigKeySettings, environ: Mapping[str, str]) -> None:
+    """Under `trtllm-llmapi-launch`, the key's values that would turn something on here never reach the
+    ranks that run the model: raise `ConfigKeyError` when the mode in effect is `require` (tracing
+    alone excepted), else warn."""
+    if environ.get(SPAWN_PROXY_ENV, "").strip() != "1":
+        return
+    unreached = {name: value for name, value in settings_env(settings).items()
+                 if not environ.get(name, "").strip() and value not in ("off", "0")}
+    mode = environ.get(MODE_ENV, "").strip().lower() or settings.mode
+    if not unreached or mode == "off":
+        return
+    exports = " ".join(f"{name}={value}" for name, value in unreached.items())
+    message = (f"config key {CONFIG_KEY}: {SPAWN_PROXY_ENV}=1 (trtllm-llmapi-launch): the model runs in MPI ranks "
+               f"started before this file was read, which do not see {exports}; export before mpirun / srun")
+    if mode == "require" and set(unreached) - {TRACE_ENV}:  # tracing alone changes only what is logged
+        raise ConfigKeyError(message)
+    get_logger().warning(message)
+
+
 def consume_config_key(config: Any, environ: MutableMapping[str, str] | None = None) -> Any:
     """Strip the key from a host config dict, export it, and activate if it enables the plugin."""
     stripped, settings = split_config_key(config)
     if settings is None:
         return config
-    applied = apply_settings(settings, os.environ if environ is None else environ)
+    target = os.environ if environ is None else environ
+    check_launcher_ranks(settings, target)
+    applied = apply_settings(settings, target)
     if environ is None and applied.get(TRACE_ENV) == "1":
         from m3_eagle_plugin.registry import trace_switched_on
 

@@ -322,3 +322,70 @@ def test_trace_from_the_key_traces_the_driver_the_environment_activated(fake_hos
     fresh.attention_metadata("reference")
     expected = [line for line in capsys.readouterr().err.splitlines() if "hook m3_eagle_attention_metadata" in line]
     assert len(traced) == len(expected) == 2, (traced, expected)
+
+
+_LAUNCH = {"TLLM_SPAWN_PROXY_PROCESS": "1", "tllm_mpi_size": "8"}  # what trtllm-llmapi-launch exports
+
+
+@pytest.mark.parametrize(
+    "exported, value, outcome, unseen",
+    [
+        ({}, "require", "refused", ["M3_EAGLE_PLUGIN=require"]),
+        ({}, {"mode": "auto", "force": True}, "warned", ["M3_EAGLE_PLUGIN=auto", "M3_EAGLE_PLUGIN_FORCE=1"]),
+        ({}, {"mode": "auto", "force": False}, "warned", ["M3_EAGLE_PLUGIN=auto"]),
+        ({"M3_EAGLE_PLUGIN": "require"}, {"force": True}, "refused", ["M3_EAGLE_PLUGIN_FORCE=1"]),
+        ({"M3_EAGLE_PLUGIN": "require"}, {"trace": True}, "warned", ["M3_EAGLE_PLUGIN_TRACE=1"]),
+        ({"M3_EAGLE_PLUGIN": "auto"}, "auto", "kept", []),  # exported before the launch: the ranks have it
+        ({}, "off", "kept", []),
+        ({"M3_EAGLE_PLUGIN": "off"}, {"mode": "auto", "force": True}, "kept", []),  # off in effect everywhere
+    ],
+)
+def test_under_trtllm_llmapi_launch_what_the_ranks_never_see_is_refused_or_named(exported, value, outcome, unseen,
+                                                                                  clean_state, monkeypatch, capsys):
+    """trtllm-llmapi-launch runs the command (the only reader of --config) on rank 0 with
+    TLLM_SPAWN_PROXY_PROCESS=1; the model runs in MPI ranks it started from the launch's environment,
+    which the key's exports never reach (the tasks they get carry no environment). The ranks read
+    `exported` alone: a key that turns on more than that is a driver/worker split."""
+    from m3_eagle_plugin import activation
+    from m3_eagle_plugin.config_key import consume_config_key
+
+    activated = []
+    monkeypatch.setattr(activation, "activate", lambda *args, **kwargs: activated.append(args))
+    ranks = {**_LAUNCH, **exported}
+    environ = dict(ranks)
+    config = {"max_batch_size": 8, CONFIG_KEY: value}
+    if outcome == "refused":
+        with pytest.raises(ConfigKeyError, match="TLLM_SPAWN_PROXY_PROCESS=1") as info:
+            consume_config_key(config, environ)
+        assert all(name in str(info.value) for name in unseen)
+        assert environ == ranks and activated == []  # nothing exported, nothing activated
+        return
+    assert consume_config_key(config, environ) == {"max_batch_size": 8}
+    lines = [line for line in _warnings(capsys.readouterr().err) if "TLLM_SPAWN_PROXY_PROCESS" in line]
+    from m3_eagle_plugin.switches import read_switch
+
+    def reads(env):  # each variable as the plugin reads it (unset: off / 0)
+        return {"M3_EAGLE_PLUGIN": activation.resolve_mode(environ=env),
+                **{name: "1" if read_switch(name, env)[0] else "0"
+                   for name in ("M3_EAGLE_PLUGIN_FORCE", "M3_EAGLE_PLUGIN_TRACE")}}
+
+    driver, workers = reads(environ), reads(ranks)
+    differ = [f"{name}={driver[name]}" for name in driver if driver[name] != workers[name]]
+    if outcome == "kept":  # the ranks decide as the driver does: same mode, and the switches matter only when on
+        assert lines == [] and driver["M3_EAGLE_PLUGIN"] == workers["M3_EAGLE_PLUGIN"]
+        assert driver["M3_EAGLE_PLUGIN"] == "off" or differ == []
+        return
+    (line,) = lines
+    assert all(name in line for name in unseen) and "export before mpirun / srun" in line
+    assert differ == unseen
+
+def test_without_the_launcher_marker_the_key_is_exported_silently(clean_state, monkeypatch, capsys):
+    """A bare mpirun (every rank reads --config) or TensorRT-LLM's pool (the driver forwards) needs no warning."""
+    from m3_eagle_plugin import activation
+    from m3_eagle_plugin.config_key import consume_config_key
+
+    monkeypatch.setattr(activation, "activate", lambda *args, **kwargs: None)
+    environ = {"TLLM_SPAWN_PROXY_PROCESS": "0"}
+    assert consume_config_key({CONFIG_KEY: {"mode": "require", "force": True}}, environ) == {}
+    assert environ == {"TLLM_SPAWN_PROXY_PROCESS": "0", "M3_EAGLE_PLUGIN": "require", "M3_EAGLE_PLUGIN_FORCE": "1"}
+    assert _warnings(capsys.readouterr().err) == []
