@@ -1,6 +1,7 @@
 """The MiniMax-M3 Eagle3 model class on the host double: Eagle3 base, capture, weights, aliases."""
 from __future__ import annotations
 
+import inspect
 import shutil
 import sys
 from types import SimpleNamespace
@@ -128,6 +129,49 @@ def test_a_vl_checkpoint_hands_the_text_loader_what_the_hosts_vl_split_does(curr
     vl = vl_cls(_model_config())
     vl.load_weights(checkpoint)
     assert set(vl.loaded) == expected == {"lm_head.weight", "model.norm.weight"}
+
+
+def _call_load_weights(load_method, weights, weight_mapper, allow_partial_loading=False):
+    """`ModelLoader._call_load_weights` as in the host (tensorrt_llm/_torch/pyexecutor/model_loader.py,
+    NVIDIA/TensorRT-LLM @ b51992a3): keywords go only to a method whose signature names them."""
+    args = inspect.getfullargspec(load_method).args
+    kwargs = {}
+    if "weight_mapper" in args:
+        kwargs["weight_mapper"] = weight_mapper
+    if "allow_partial_loading" in args:
+        kwargs["allow_partial_loading"] = allow_partial_loading
+    else:
+        assert allow_partial_loading is False, "allow_partial_loading is not supported for this model"
+    load_method(weights, **kwargs)
+
+
+def test_the_hosts_loader_hands_the_vl_class_its_weight_mapper_and_partial_loading(current_host, monkeypatch):
+    """The host's loader reads the load method's signature: the checkpoint's weight mapper and a
+    refit's partial loading (RL `update_weights`) reach the text loader through the plugin's VL class
+    as through the host's own VL class. A `*args, **kwargs` signature got neither (the mapper was
+    replaced by a default one, a partial reload failed its assert)."""
+    from tensorrt_llm._torch.models import modeling_minimaxm3 as host_m3
+
+    _, vl_cls = _classes()
+    seen = []
+    text_loader = host_m3.MiniMaxM3ForCausalLM.load_weights
+
+    def recording(self, weights, weight_mapper=None, params_map=None, allow_partial_loading=False):
+        seen.append((type(self), weight_mapper, allow_partial_loading))
+        text_loader(self, weights, weight_mapper=weight_mapper, params_map=params_map,
+                    allow_partial_loading=allow_partial_loading)
+
+    monkeypatch.setattr(host_m3.MiniMaxM3ForCausalLM, "load_weights", recording)
+    mapper, t = object(), torch.zeros(1)
+    for cls in (host_m3.MiniMaxM3VLForConditionalGeneration, vl_cls):
+        model = cls(_model_config())
+        _call_load_weights(model.load_weights, {"language_model.lm_head.weight": t}, mapper)
+        _call_load_weights(model.load_weights, {"language_model.model.norm.weight": t}, mapper,
+                           allow_partial_loading=True)
+    assert seen == [(host_m3.MiniMaxM3VLForConditionalGeneration, mapper, False),
+                    (host_m3.MiniMaxM3VLForConditionalGeneration, mapper, True),
+                    (vl_cls, mapper, False), (vl_cls, mapper, True)]
+    assert set(model.loaded) == {"lm_head.weight", "model.norm.weight"}
 
 
 def test_vl_config_builds_on_its_text_config_with_unified_kv(host):

@@ -153,3 +153,23 @@ def test_uninstall_drops_the_lazy_zoo_records_under_a_wrapper_without_functools_
     assert ours_recorded()
     adapter.uninstall()
     assert not ours_recorded()
+
+
+@pytest.mark.parametrize("lazy_zoo", [True, False], ids=["lazy-zoo", "eager-zoo"])
+def test_uninstall_keeps_a_class_registered_for_the_architecture_since(current_host, lazy_zoo):
+    """A custom module registering its own class for an M3 architecture after the plugin (the host
+    lets an external registration overwrite) keeps it through the plugin's uninstall, as a patch
+    target someone else re-bound is left as is; the architecture the plugin still holds goes back
+    to the built-in. The undo put the built-in back over the newcomer."""
+    from tensorrt_llm._torch.models import modeling_utils
+
+    modeling_utils.LAZY_ZOO = lazy_zoo
+    builtin = _builtin_mapping()
+    adapter.install()
+    newcomer = type("CustomM3VL", (builtin[ARCHS[1]],), {"__module__": "custom_models.m3"})
+    modeling_utils.register_auto_model(ARCHS[1])(newcomer)
+    adapter.uninstall()
+    assert modeling_utils.MODEL_CLASS_MAPPING[ARCHS[1]] is newcomer
+    assert modeling_utils.MODEL_CLASS_MAPPING[ARCHS[0]] is builtin[ARCHS[0]]
+    if lazy_zoo:
+        assert modeling_utils.export_external_model_modules() == {ARCHS[1]: "custom_models.m3"}

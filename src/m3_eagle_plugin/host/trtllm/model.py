@@ -119,12 +119,19 @@ _VL_DROPPED = ("vision_tower.", "vision_model.", "visual.", "multi_modal_project
 
 
 class MiniMaxM3VLEagle3ForConditionalGeneration(MiniMaxM3Eagle3ForCausalLM):
-    """The VL checkpoint served text-only: language-model weights are loaded, the vision tower is not."""
+    """The VL checkpoint served text-only: language-model weights are loaded, the vision tower is not.
 
-    def load_weights(self, weights: dict, *args: Any, **kwargs: Any) -> None:
+    `load_weights` names the host VL method's parameters: the host's loader passes `weight_mapper`
+    and `allow_partial_loading` only to a method whose signature names them
+    (`ModelLoader._call_load_weights` reads `inspect.getfullargspec(...).args`).
+    """
+
+    def load_weights(self, weights: dict, weight_mapper: Any = None, params_map: Optional[dict] = None,
+                     allow_partial_loading: bool = False) -> None:
         text = {}
         for name, tensor in weights.items():
             name = name[len(_VL_PREFIX):] if name.startswith(_VL_PREFIX) else name
             if not name.startswith(_VL_DROPPED):
                 text[name] = tensor
-        super().load_weights(text, *args, **kwargs)
+        super().load_weights(text, weight_mapper=weight_mapper, params_map=params_map,
+                             allow_partial_loading=allow_partial_loading)

@@ -4,9 +4,11 @@ Lazy-zoo hosts (NVIDIA/TensorRT-LLM#17281) let an external `register_auto_model`
 eager-zoo hosts keep the last registration, and the host M3 module is already imported here
 (the plugin class derives from it), so the plugin registers last. Either way the mapping is
 checked afterwards and set explicitly if the host kept another class. The undo restores the
-previous mapping entries and, on a lazy zoo, also removes what `register_auto_model` recorded
-besides the mapping (the per-module `_MODULE_REGISTRATIONS` entries the host rebuilds its
-registries from when a #18284 declaration arrives, and the class's `_registered_architectures`).
+previous mapping entries where the plugin's class still holds them (a class registered for the
+architecture since, e.g. by a custom module, stays, as a patch target someone else re-bound) and,
+on a lazy zoo, also removes what `register_auto_model` recorded besides the mapping (the
+per-module `_MODULE_REGISTRATIONS` entries the host rebuilds its registries from when a #18284
+declaration arrives, and the class's `_registered_architectures`).
 
 Only the model-class slot is taken; the VL architecture's sibling slots are left alone, and
 text-only serving with the plugin's VL class is unaffected by them:
@@ -54,11 +56,14 @@ def register_model_classes(classes: Mapping[str, type]) -> Callable[[], None]:
     # the records live beside the function in the module the contract names, whatever wraps it
     host_module, _ = resolve_owner(symbol("register_auto_model"))
     records = vars(host_module).get("_MODULE_REGISTRATIONS")
-    ours = tuple(classes.values())
+    chosen = dict(classes)
+    ours = tuple(chosen.values())
     declared = {cls: set(cls.__dict__.get(_REGISTERED_ARCHS, ())) for cls in classes.values()}
 
     def undo() -> None:
         for arch, old in previous.items():
+            if mapping.get(arch) is not chosen[arch]:
+                continue  # re-registered by someone else since (as a re-bound patch target): left as is
             if old is _MISSING:
                 mapping.pop(arch, None)
             else:
@@ -74,7 +79,7 @@ def register_model_classes(classes: Mapping[str, type]) -> Callable[[], None]:
                 cls.__dict__[_REGISTERED_ARCHS].intersection_update(archs)
 
     try:
-        for arch, cls in classes.items():
+        for arch, cls in chosen.items():
             register_auto_model(arch)(cls)
             if mapping.get(arch) is not cls:
                 mapping[arch] = cls
