@@ -171,6 +171,25 @@ def test_shape_and_argument_errors_name_the_cause():
     assert shape.batches == (2,) and shape.new_tokens == 6 and shape.hidden == e2e.CPU_SHAPE.hidden
 
 
+@pytest.mark.parametrize("fields, match", [
+    ({"draft_len": 0, "forced_mean": 0.0}, "^draft_len must be >= 1"),  # ran an "eagle3" row verifying no drafts
+    ({"draft_len": -1, "forced_mean": 0.0}, "^draft_len must be >= 1"),  # was blamed on forced_mean
+    ({"repeats": 2.5}, "^repeats must be an int"),  # a TypeError after both warm-up runs
+    ({"new_tokens": 12.5}, "^new_tokens must be an int"),  # named the engine's max_seq_len
+    ({"dense_layers": -1}, "dense_layers"),  # named the config's moe_layer_freq
+    ({"batches": (1, 1)}, "given twice"),  # ran and reported batch 1 twice
+    ({"batches": (1.5,)}, "^batches must be an int"),  # failed in the prompts' manual_seed
+    ({"forced_mean": 1e-9}, "^forced_mean: .*resolution"),  # named the engine's force_accepted
+    ({"forced_mean": True}, "^forced_mean: "),
+])
+def test_a_shape_the_comparison_cannot_use_is_refused_naming_the_field(fields, match):
+    """`E2EShape` checks its fields: each of these was accepted and failed part-way through the run
+    (on a GPU: after the kernel section) naming another object's field, or ran a meaningless row."""
+    with pytest.raises(ValueError, match=match):
+        replace(e2e.CPU_SHAPE, **fields)
+    assert replace(e2e.CPU_SHAPE, batches=[2, 1]).batches == (2, 1)  # a list is kept as the tuple it types
+
+
 @pytest.mark.parametrize("option, dest", [("--e2e-hidden", "e2e_hidden"), ("--e2e-tokens", "e2e_tokens"),
                                           ("--e2e-context", "e2e_context"), ("--e2e-batches", "e2e_batches")])
 def test_a_size_past_int32_is_refused_naming_the_option(option, dest):

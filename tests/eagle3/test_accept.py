@@ -245,6 +245,15 @@ def test_forced_schedule_refuses_a_mean_its_int64_arithmetic_would_wrap(mean):
     assert forced_count_at(2147.5, torch.arange(4)).tolist() == [2147, 2148, 2147, 2148]
 
 
+@pytest.mark.parametrize("step", [torch.tensor(1.7), torch.tensor(True), torch.tensor([0.0, 1.5]), 1])
+def test_forced_schedule_refuses_a_step_that_is_not_an_integer_counter(step):
+    """The schedule's step is an integer counter: a float 1.7 was truncated and ran as step 1
+    (count 3 at mean 2.5), a bool as step 1, a Python int failed on `.to` naming nothing."""
+    with pytest.raises(TypeError, match="step must be an integer tensor"):
+        forced_count_at(2.5, step)
+    assert forced_count_at(2.5, torch.tensor(1, dtype=torch.int32)).item() == 5 - 2  # floor(2 * 2.5) - floor(2.5)
+
+
 def _assert_distributed_as(samples: torch.Tensor, probs: torch.Tensor, what: str) -> None:
     """Pearson chi-square goodness of fit of `samples` to `probs`, refused below p-value 1e-4.
 

@@ -27,6 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
+from m3_eagle_plugin._ints import as_int
+from m3_eagle_plugin.eagle3.accept import forced_ratio
 from m3_eagle_plugin.host.reference.cuda_graphs import StepGraphs
 
 from .end_to_end import register_end_to_end
@@ -43,6 +45,11 @@ MINIMUMS = {"hidden": 1, "new_tokens": 4, "prompt_len": 1, "repeats": 1}
 #: traceback, after the kernel section (the metadata holds positions and lengths as int32).
 MAXIMUM = 2**31 - 1
 SIZES = ("hidden", "new_tokens", "prompt_len")
+#: `E2EShape`'s integer fields (its `Geometry` too), checked as strict ints.
+INT_FIELDS = ("q_heads", "kv_heads", "head_dim", "index_heads", "index_dim", "block", "topk", "hidden", "num_layers",
+              "dense_layers", "num_experts", "experts_per_tok", "moe_intermediate", "dense_intermediate",
+              "shared_intermediate", "vocab", "draft_intermediate", "prompt_len", "new_tokens",
+              "max_tokens_per_step", "draft_len", "repeats")
 
 
 @dataclass(frozen=True)
@@ -69,9 +76,24 @@ class E2EShape(Geometry):
     overlap: bool = False  # the engine's overlapped loop (host work for step N+1 hidden behind step N), both modes
 
     def __post_init__(self) -> None:
-        if self.dense_layers > self.num_layers or self.num_layers < 3:
-            raise ValueError(f"need >= 3 layers and dense_layers <= num_layers, "
+        # Strict ints (the package's rule), so a float or bool is named here, not mid-run after the
+        # warm-up (repeats=2.5) or as another object's field (max_seq_len for new_tokens=4.5).
+        for name in INT_FIELDS:
+            as_int(name, getattr(self, name), error=ValueError)
+        if isinstance(self.batches, (str, bytes)) or not isinstance(self.batches, (tuple, list)):
+            raise ValueError(f"batches must be a tuple of batch sizes, got {self.batches!r}")
+        object.__setattr__(self, "batches", tuple(as_int("batches", b, error=ValueError) for b in self.batches))
+        if len(set(self.batches)) != len(self.batches):  # each would run and be reported twice
+            raise ValueError(f"batches {self.batches}: a batch size given twice")
+        if not 0 <= self.dense_layers <= self.num_layers or self.num_layers < 3:
+            raise ValueError(f"need >= 3 layers and 0 <= dense_layers <= num_layers, "
                              f"got {self.num_layers}/{self.dense_layers}")
+        if self.draft_len < 1:  # the Eagle3 row would verify no drafts: a second no-speculation run
+            raise ValueError(f"draft_len must be >= 1 (Eagle3 drafts), got {self.draft_len}")
+        try:  # the engine's schedule rule: a mean it cannot schedule is named here, as forced_mean
+            forced_ratio(self.forced_mean)
+        except ValueError as error:
+            raise ValueError(f"forced_mean: {error}") from None
         if not 0 <= self.forced_mean <= self.draft_len:
             raise ValueError(f"forced_mean {self.forced_mean} must lie in [0, draft_len={self.draft_len}]")
         if any(getattr(self, name) < MINIMUMS[name] for name in ("new_tokens", "repeats", "prompt_len")):
@@ -299,8 +321,6 @@ def measure_decode(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int
     before a request finishes (every step in it is a full-batch decode step) that closes a whole
     number of the forced schedule's periods (any `period` steps of it force `period * mean` drafts;
     an odd number of 2.5's steps averages 3.33 or 3.67, not the asked 3.5)."""
-    from m3_eagle_plugin.eagle3.accept import forced_ratio
-
     forced = engine.config.force_accepted
     period = 1 if forced is None else forced_ratio(forced).denominator
     marks: list[tuple[float, int, int, int]] = []

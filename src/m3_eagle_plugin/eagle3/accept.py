@@ -154,6 +154,9 @@ def forced_count_at(mean: float, step: torch.Tensor) -> torch.Tensor:
     for simple ratios such as 1/3, while ``step * numerator`` stays far inside int64. A positive
     mean below that resolution would round to "never accept" and is refused instead.
     """
+    if not isinstance(step, torch.Tensor) or not is_integer_dtype(step.dtype):  # a float 1.7 ran as step 1
+        raise TypeError(f"step must be an integer tensor (a verify-step counter), got "
+                        f"{step.dtype if isinstance(step, torch.Tensor) else type(step).__name__}")
     ratio = forced_ratio(mean)
     if ratio.numerator > _FORCED_NUMERATOR_LIMIT:  # int64 products wrapped: 1e19 gave a negative count
         raise ValueError(f"mean forced acceptance {mean!r} is too large to schedule (its fraction's numerator "
