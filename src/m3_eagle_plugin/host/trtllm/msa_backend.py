@@ -163,7 +163,8 @@ class M3EagleMsaMetadata(HostMsaMetadata):
         first_page = step.block_tables[:, 0].index_select(0, step.token_request)
         own_first = (first_page.to(torch.int64) * step.block_size).to(slots.dtype)
         before_keys = (step.positions < 0) & (first_page >= 0)
-        slots.copy_(torch.where(before_keys, own_first, slots))
+        # on the step's device: the host keeps its buffer there, a test double may not
+        slots.copy_(torch.where(before_keys, own_first, slots.to(before_keys.device)))
 
     # ----- per-token plan rows (one row per query token: kv segment = position + 1) ------------
     def m3_eagle_plan_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
