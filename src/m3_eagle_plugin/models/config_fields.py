@@ -23,6 +23,17 @@ def show_value(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def json_refusal(error: ValueError | RecursionError) -> str:
+    """Why `json.loads` refused a file's text, as its refusal reads after the file's name: malformed
+    (where), nested past Python's stack, or holding an integer literal longer than Python converts
+    (`sys.get_int_max_str_digits`)."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"not valid JSON ({error.msg} at line {error.lineno} column {error.colno})"
+    if isinstance(error, RecursionError):
+        return "not valid JSON (nested too deeply)"
+    return f"cannot be read as JSON ({str(error).split(';')[0]})"
+
+
 def read_json_object(path: Path) -> dict[str, Any]:
     """The top-level JSON object of a config file; a missing path, one that is not a file (a directory
     named config.json), unreadable, malformed (nested past the stack included), holding an integer
@@ -33,14 +44,10 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raise ConfigError(f"no config.json at {path}")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not valid JSON (not UTF-8 text)") from None
-    except ValueError as error:  # an integer literal longer than Python converts (sys.get_int_max_str_digits)
-        raise ConfigError(f"{path}: cannot be read as JSON ({str(error).split(';')[0]})") from None
-    except RecursionError:  # arrays or objects nested past Python's stack
-        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
+    except (ValueError, RecursionError) as error:
+        raise ConfigError(f"{path}: {json_refusal(error)}") from None
     except OSError as error:
         raise ConfigError(f"{path}: cannot be read ({error.strerror or error})") from None
     if not isinstance(raw, dict):

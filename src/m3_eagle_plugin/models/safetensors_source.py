@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from m3_eagle_plugin.models.config_fields import json_refusal
+
 
 class CheckpointError(ValueError):
     """A checkpoint's files or tensors do not match the model being loaded."""
@@ -139,15 +141,10 @@ def _one_line(error: BaseException) -> str:
 def _read_weight_map(index: Path) -> dict[str, str]:
     try:
         raw = json.loads(index.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{index}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") \
-            from None
     except (UnicodeDecodeError, OSError) as error:
         raise CheckpointError(f"{index}: cannot be read ({_one_line(error)})") from None
-    except RecursionError:  # arrays or objects nested past Python's stack
-        raise CheckpointError(f"{index}: not valid JSON (nested too deeply)") from None
-    except ValueError as error:  # an integer literal longer than Python converts (sys.get_int_max_str_digits)
-        raise CheckpointError(f"{index}: cannot be read as JSON ({str(error).split(';')[0]})") from None
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"{index}: {json_refusal(error)}") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: weight_map: missing or not a JSON object")
