@@ -134,6 +134,14 @@ def _check_unsharded(module: nn.Module, what: str) -> None:
                             f"shard the unsharded {what}")
 
 
+def _joined(shard: nn.Module, rank: int, tp_size: int, group: dist.ProcessGroup | None) -> nn.Module:
+    """``shard`` summing its partial outputs over ``group`` and saying whose shard it is (tp_size > 1)."""
+    if tp_size > 1:
+        attach_all_reduce(shard, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
+        shard.tp_shard = (rank, tp_size)
+    return shard
+
+
 def _check_group(rank: int, tp_size: int, group: dist.ProcessGroup | None) -> tuple[int, int]:
     rank, tp_size = _check_rank(rank, tp_size)
     if tp_size > 1:
@@ -180,10 +188,7 @@ def shard_target(model: MiniMaxM3ForCausalLM, rank: int, tp_size: int, *,
     for layer, source in zip(shard.layers, model.layers):
         if hasattr(source.mlp, "graph_safe"):
             layer.mlp.graph_safe = source.mlp.graph_safe
-    if tp_size > 1:
-        attach_all_reduce(shard, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
-        shard.tp_shard = (rank, tp_size)
-    return shard
+    return _joined(shard, rank, tp_size, group)
 
 
 def shard_draft_head(head: Eagle3Head, rank: int, tp_size: int, *,
@@ -206,7 +211,4 @@ def shard_draft_head(head: Eagle3Head, rank: int, tp_size: int, *,
     )
     shard = _cut_copy(head, lambda: Eagle3Head(config), rank, tp_size)
     shard.from_target = head.from_target  # what came from the target still does (`train_head` keeps it)
-    if tp_size > 1:
-        attach_all_reduce(shard, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
-        shard.tp_shard = (rank, tp_size)
-    return shard
+    return _joined(shard, rank, tp_size, group)
