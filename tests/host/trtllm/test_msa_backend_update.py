@@ -225,7 +225,8 @@ def test_a_cuda_graph_copy_stages_its_batch_size_not_the_eager_sequences(current
     graph.seq_lens = torch.full((2,), 1 + draft, dtype=torch.int32)
     graph.kv_cache_params.num_cached_tokens_per_seq = [6, 1]
     graph.prepare()
-    graph.kv_lens_cuda[:2] -= torch.tensor([2, 0], dtype=torch.int32)  # request 7 accepted one draft of three
+    # request 7 accepted one draft of three
+    graph.kv_lens_cuda[:2] -= torch.tensor([2, 0], dtype=torch.int32, device=graph.kv_lens_cuda.device)
     graph.on_update_kv_lens()
     rows = [tables[rid] for rid in graph.request_ids]
     slots, valid, _, _ = naive_step_fields(rows, page, [1 + draft] * 2, [6 + 1 + draft - 2, 1 + 1 + draft])
