@@ -35,13 +35,14 @@ def naive_step_fields(tables, page, qo, kv):
     """Per token, from first principles: (slot, valid-block count, kv segment length, request row).
     A token whose position falls before the row's first key (a correction below qo_len, a CUDA-graph
     padding row) sees nothing and, as in the host's on_update_kv_lens, writes its row's own first
-    slot (the host's cache writers do not skip -1)."""
+    slot (the host's cache writers do not skip -1) and publishes one valid block (the host's
+    clamp_min(1): 0 masks every block in its GQA and NaNs the row)."""
     slots, valid, seg, rows = [], [], [], []
     for r, (q, k) in enumerate(zip(qo, kv)):
         for t in range(q):
             pos = k - q + t
             if pos < 0:
-                slots.append(tables[r][0] * page), valid.append(0), seg.append(0)
+                slots.append(tables[r][0] * page), valid.append(1), seg.append(0)
             else:
                 slots.append(tables[r][pos // page] * page + pos % page)
                 valid.append(math.ceil((pos + 1) / page))
@@ -258,7 +259,28 @@ def test_a_padding_row_corrected_below_its_query_writes_its_own_first_slot(curre
     # row 0: positions 6..9 -> pages 9, 9, 4, 4; row 1: positions -2, -1, 0, 1 -> page 12's slots 0, 0, 0, 1
     assert meta.msa_out_cache_loc.tolist() == [38, 39, 16, 17, 48, 48, 48, 49]
     assert meta.m3_eagle_step.cache_slots.tolist() == [38, 39, 16, 17, -1, -1, 48, 49]  # the step's own: no slot
-    assert meta.msa_n_valid_blocks[:8].tolist() == [2, 2, 3, 3, 0, 0, 1, 1]
+    assert meta.msa_n_valid_blocks[:8].tolist() == [2, 2, 3, 3, 1, 1, 1, 1]
+
+
+def test_a_padding_row_corrected_below_its_query_publishes_one_valid_block(current_host):
+    """The same padding row's counts: the pre-#18872 host's on_update_kv_lens (NVIDIA/TensorRT-LLM
+    msa_backend.py at 57ea1cdf, the hosts this plugin serves) publishes ceil(max(position + 1, 1) /
+    page), at least 1, "which keeps degenerate (graph-padding) rows from -inf-masking every block,
+    which would NaN the fully-masked GQA row" (12b1dd65's kernels accept 0; 1 costs a discarded
+    row nothing there). The step keeps its own 0 (it sees no block); only the host's buffer is clamped."""
+    backend = _backend()
+    plugin, _ = _classes()
+    page = 4
+    manager = _make(plugin, num_layers=4, tokens_per_block=page, max_seq_len=64, spec_config=_spec())
+    manager.add_sequence(0, [3, 9, 4])
+    manager.add_sequence(1, [12, 6])
+    meta = _metadata(backend.Metadata, manager, seq_lens=[4, 4], cached=[6, 1], max_num_tokens=8)
+    meta.prepare()
+    meta.kv_lens_cuda[:2] -= torch.tensor([0, 3], dtype=torch.int32, device=meta.kv_lens_cuda.device)
+    meta.on_update_kv_lens()
+    host_rule = [-(-max(k - 4 + t + 1, 1) // page) for k in (10, 2) for t in range(4)]
+    assert meta.msa_n_valid_blocks[:8].tolist() == host_rule == [2, 2, 3, 3, 1, 1, 1, 1]
+    assert meta.m3_eagle_step.valid_blocks.tolist() == [2, 2, 3, 3, 0, 0, 1, 1]
 
 
 def test_the_decode_scratch_is_no_larger_than_max_num_tokens(current_host):

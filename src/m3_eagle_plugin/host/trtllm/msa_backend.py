@@ -130,7 +130,10 @@ class M3EagleMsaMetadata(HostMsaMetadata):
         shorter step leaves nothing of a longer one behind. `msa_n_valid_blocks` is the host's
         decode scratch, sized by decode tokens (`_msa_max_decode_tokens`): it is read by the decode
         kernels only, and only a decode-only step is published there (prefill and mixed steps run
-        the host's eager plans with their own per-token counts)."""
+        the host's eager plans with their own per-token counts). A count there is at least 1, as the
+        pre-#18872 host's on_update_kv_lens has it (57ea1cdf): a token before its row's first key (a
+        CUDA-graph padding row) sees no block of the step, but 0 masks every block in that host's GQA
+        and NaNs the row (12b1dd65's kernels take 0; a padding row's output is discarded either way)."""
         step = self.m3_eagle_step
         slots = getattr(self, "msa_out_cache_loc", None)
         if slots is not None:
@@ -150,7 +153,7 @@ class M3EagleMsaMetadata(HostMsaMetadata):
                 raise RuntimeError(
                     f"msa_n_valid_blocks holds {valid.numel()} entries but the step has {values.numel()} "
                     "query tokens: the host sized it by batch, not by verify tokens")
-            valid.view(-1)[: values.numel()].copy_(values)
+            valid.view(-1)[: values.numel()].copy_(values.clamp(min=1))
 
     def _publish_padding_slots(self, slots: torch.Tensor) -> None:
         """A token before its row's first key (a CUDA-graph padding row whose kv length was corrected
