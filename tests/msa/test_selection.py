@@ -49,6 +49,19 @@ def test_select_from_block_scores_hand_example() -> None:
     assert sel.tolist() == [[[-1, -1]]]
 
 
+def test_fp64_block_scores_are_ranked_in_fp64() -> None:
+    """Scores 1e-12 apart, and one past fp32's range, against the ranking Python's floats give:
+    rounded to fp32 the first two tied (the lower id won) and the huge one became +inf, which
+    displaced the forced local block."""
+    def naive(row: list[float], own: int, topk: int) -> list[int]:
+        free = sorted(range(own), key=lambda b: (-row[b], b))[:topk - 1]  # own block forced
+        return sorted(free + [own])
+
+    for row, topk in (([1.0, 1.0 + 1e-12, -5.0, 0.0], 2), ([1e300, 2.0, 3.0, 0.0], 1), ([1e300, 2.0, 3.0, 0.0], 2)):
+        sel = select_from_block_scores(torch.tensor([[row]], dtype=torch.float64), torch.tensor([3]), topk=topk)
+        assert sel.tolist() == [[naive(row, 3, topk)]], (row, topk)
+
+
 def test_select_blocks_matches_hf_indexer(oracle: SparseLayerOracle) -> None:
     run = oracle.run(41, seed=3)
     positions = torch.arange(41)

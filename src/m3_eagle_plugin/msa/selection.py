@@ -50,9 +50,10 @@ def select_from_block_scores(
     Blocks after a token's own block are invisible whatever their score. Forced blocks (the
     ``local_blocks`` blocks ending at the token's block, and blocks ``0..init_blocks-1``) win over
     any real score; among equal scores the lower block id wins, so a token's selection never
-    depends on ``N`` (the step's widest request). Returns int32 ``[H, T, topk]``: ascending block
-    ids, ``-1`` padded. A token's own block must be among the ``N`` scored ones (its local block is
-    forced); checking that reads ``query_blocks`` back once.
+    depends on ``N`` (the step's widest request). Scores are ranked in fp32, fp64 ones in fp64.
+    Returns int32 ``[H, T, topk]``: ascending block ids, ``-1`` padded. A token's own block must be
+    among the ``N`` scored ones (its local block is forced); checking that reads ``query_blocks``
+    back once.
     """
     _validate_selection_args(topk, local_blocks, init_blocks)
     if block_scores.dim() != 3:
@@ -77,6 +78,9 @@ def _select_from_scores(block_scores, query_blocks, topk: int, local_blocks: int
         return out
     block_ids = torch.arange(num_blocks, device=block_scores.device)
     kept = min(topk, num_blocks)
+    # fp64 stays fp64: in fp32, distinct scores tied (the lower id won) and one past fp32's range
+    # became +inf, tied with the forced blocks (which it could then displace)
+    rank_dtype = torch.float64 if block_scores.dtype == torch.float64 else torch.float32
     # Ties go to the lower block id (the kernels' rule). A stable descending sort, not topk: topk
     # breaks ties by its internal order, which changes with the row width N, so a token's blocks
     # depended on the longest request of its step (and transformers' own choice is just as arbitrary).
@@ -85,7 +89,8 @@ def _select_from_scores(block_scores, query_blocks, topk: int, local_blocks: int
         own_block = query_blocks[chunk].to(torch.int64)[:, None]
         visible = block_ids[None, :] <= own_block
         forced = visible & ((block_ids[None, :] > own_block - local_blocks) | (block_ids[None, :] < init_blocks))
-        scores = block_scores[:, chunk].float().masked_fill(~visible, float("-inf")).masked_fill(forced, float("inf"))
+        scores = block_scores[:, chunk].to(rank_dtype)
+        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(forced, float("inf"))
         top_scores, top_ids = scores.sort(dim=-1, descending=True, stable=True)
         top_scores, top_ids = top_scores[..., :kept], top_ids[..., :kept]
         top_ids = top_ids.masked_fill(top_scores == float("-inf"), num_blocks).sort(dim=-1).values
