@@ -562,3 +562,64 @@ def test_a_d2t_that_does_not_fit_the_target_is_refused_by_inspect_draft_before_t
     for load in (lambda: inspect_draft(path, target.config), lambda: load_draft(path, target)):
         with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path / 'model.safetensors'))}: {why}"):
             load()
+
+
+# ---- adversarial review: published config keys that change the head ----
+
+def test_use_aux_hidden_state_false_in_eagle_config_is_refused_naming_it(tiny, tmp_path):
+    """vLLM's llama_eagle3 (the reference's semantic oracle, §4.3) reads `eagle_config.use_aux_hidden_state`
+    and, when false, builds no fc, skips the fc weights and feeds the target's last hidden state; the head
+    loaded it anyway and ran fc on aux captures. vLLM reads the key in eagle_config only (a flat one is
+    not its switch), and true is the published value (SpecForge, TorchSpec)."""
+    target, draft_dir = tiny
+    off = _variant(draft_dir, tmp_path / "off", edit_config=lambda c: c["eagle_config"].update(
+        use_aux_hidden_state=False))
+    want = rf"^{re.escape(str(off / 'config.json'))}: eagle_config\.use_aux_hidden_state: false is not supported"
+    for load in (lambda: inspect_draft(off, target.config), lambda: load_draft(off, target)):
+        with pytest.raises(ConfigError, match=want):
+            load()
+    flat = _variant(draft_dir, tmp_path / "flat", edit_config=lambda c: c.update(use_aux_hidden_state=False))
+    assert load_draft(flat, target).fc.in_features == 3 * HIDDEN
+
+
+def test_a_draft_config_of_more_decoder_layers_is_refused_naming_it(tiny, tmp_path):
+    """vLLM and SGLang build `num_hidden_layers` decoder layers for an Eagle3 draft (vLLM refuses one whose
+    weights are missing); a config saying 2 over a one-layer checkpoint loaded as a one-layer head."""
+    target, draft_dir = tiny
+    two = _variant(draft_dir, tmp_path / "two", edit_config=lambda c: c.update(num_hidden_layers=2))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(two / 'config.json'))}: num_hidden_layers: 2 draft "
+                                          r"decoder layers are not supported \(only 1\)$"):
+        load_draft(two, target)
+    absent = _variant(draft_dir, tmp_path / "absent", edit_config=lambda c: c.pop("num_hidden_layers"))
+    assert len(load_draft(absent, target).layers) == 1
+
+
+def test_a_speculators_format_config_is_refused_naming_its_format():
+    """vLLM's speculators format (`Eagle3Speculator`: the Llama fields nested in transformer_layer_config,
+    norm_before_residual defaulting to true) was refused as 'hidden_size: required field is missing'."""
+    layer = {k: v for k, v in draft_config().items() if k not in ("eagle_config", "draft_vocab_size",
+                                                                   "target_hidden_size", "norm_output", "fc_norm")}
+    raw = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": VOCAB,
+           "norm_before_residual": True, "transformer_layer_config": layer,
+           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy"}}
+    with pytest.raises(ConfigError, match=r"^d\.json: transformer_layer_config: a vLLM speculators-format config "
+                                          r"is not supported"):
+        _parse(raw)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float8_e4m3fn, torch.complex64, "bfloat16"])
+def test_a_weight_dtype_no_head_can_run_is_refused_naming_it_as_load_target_does(tiny, tmp_path, dtype):
+    """A head shipping its own embedding and lm_head shares nothing with the target, so no shared-module
+    check caught the dtype: ints and bool failed inside load_state_dict naming fc.weight's size, float8
+    and complex loaded and failed at the first forward. load_target refuses the same dtypes by name."""
+    target, draft_dir = tiny
+
+    def own(t):
+        t["embed_tokens.weight"], t["lm_head.weight"] = target.embed_tokens.weight, target.lm_head.weight
+    path = _variant(draft_dir, tmp_path / "d", own)
+    want = rf"^dtype must be a floating dtype of 16 bits or more for the weights, got {dtype}$"
+    with pytest.raises(ValueError, match=want):
+        load_target(path.parent / "none", dtype=dtype)  # the oracle: the target loader's own refusal
+    with pytest.raises(ValueError, match=want):
+        load_draft(path, target, dtype=dtype)
+    assert load_draft(path, target, dtype=torch.float16).fc.weight.dtype == torch.float16

@@ -198,3 +198,21 @@ def test_an_index_naming_a_shard_that_is_not_a_file_says_so(good_file, tmp_path,
     with pytest.raises(CheckpointError, match=rf"^{re.escape(str(index))}: shard paths that are not files: "
                                               rf"\['{re.escape(str(shard))}'\]$"):
         SafetensorsSource(tmp_path)
+
+
+def test_a_stale_index_beside_model_safetensors_names_both(tmp_path):
+    """transformers' own save_pretrained, sharded and then unsharded into one directory, removes the old
+    shards but keeps their index beside the new model.safetensors, which its from_pretrained reads (the
+    oracle: the directory transformers wrote and loads). The refusal said only 'shard files missing'."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path, max_shard_size="10KB")
+    model.save_pretrained(tmp_path)
+    assert {p.name for p in tmp_path.glob("*.safetensors*")} == {"model.safetensors", SafetensorsSource.INDEX}
+    assert transformers.LlamaForCausalLM.from_pretrained(tmp_path) is not None
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(tmp_path / SafetensorsSource.INDEX))}: shard files "
+                                              r"missing: .*; the index is read before model\.safetensors beside it: "
+                                              r"if that file is the checkpoint, remove the stale index$"):
+        SafetensorsSource(tmp_path)

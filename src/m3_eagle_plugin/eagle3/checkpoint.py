@@ -9,11 +9,12 @@ ascending layer order), `num_aux_hidden_states` (checked against them), `draft_v
 `target_hidden_size`, `norm_output` (or TensorRT-LLM's `eagle_config.return_hidden_post_norm`),
 `norm_before_residual`, `fc_norm` (the per-chunk norms; when absent, their tensors decide) and
 `norm_before_fc`; the aux ids and the four flags may sit at the top level or in `eagle_config`,
-the three sizes at the top level only (as every exporter writes them). A missing embedding or
-lm_head is taken from the target (the lm_head's
-rows gathered into draft-id order through `d2t` whenever that is not all zeros: a smaller draft
-vocabulary, or a full one in another order). Names and shapes are all validated before anything
-is assigned.
+the three sizes at the top level only (as every exporter writes them). Refused by name, since vLLM
+would run another head from them: `eagle_config.use_aux_hidden_state` false, `num_hidden_layers`
+other than 1, and the speculators format (`transformer_layer_config`). A missing embedding or
+lm_head is taken from the target (the lm_head's rows gathered into draft-id order through `d2t`
+whenever that is not all zeros: a smaller draft vocabulary, or a full one in another order). Names
+and shapes are all validated before anything is assigned.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from m3_eagle_plugin.eagle3.head import Eagle3Config, Eagle3Head
 from m3_eagle_plugin.models.config import ConfigError, ConfigFields, read_json_object, rope_section
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.models.rope import RotaryEmbedding
-from m3_eagle_plugin.models.safetensors_source import (CheckpointError, SafetensorsSource, check_names, check_shape,
-                                                       check_weight_dtype)
+from m3_eagle_plugin.models.safetensors_source import (CheckpointError, SafetensorsSource, check_compute_dtype,
+                                                       check_names, check_shape, check_weight_dtype)
 from m3_eagle_plugin.msa.blocks import is_integer_dtype
 
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.|^t2d$")
@@ -47,6 +48,16 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
     def flat_or_eagle(key: str) -> ConfigFields:  # a flat key wins over the same key in eagle_config
         return top if top.has(key) else eagle
 
+    nested = next((key for key in ("transformer_layer_config", "speculators_config") if top.has(key)), None)
+    if nested is not None:  # its Llama fields sit in that section, and its norm_before_residual defaults to true
+        raise top.error(nested, "a vLLM speculators-format config is not supported (the draft must be in the "
+                        "LlamaForCausalLMEagle3 layout, its Llama fields at the top level)")
+    layers = top.get_int("num_hidden_layers", 1, minimum=1)
+    if layers != 1:  # vLLM and SGLang stack num_hidden_layers decoder layers
+        raise top.error("num_hidden_layers", f"{layers} draft decoder layers are not supported (only 1)")
+    if not eagle.get_bool("use_aux_hidden_state", True):  # vLLM reads it here only
+        raise eagle.error("use_aux_hidden_state", "false is not supported: vLLM then builds no fc and feeds the "
+                          "target's last hidden state, where this head combines the aux hidden states through fc")
     hidden = top.get_int("hidden_size", minimum=1)
     heads = top.get_int("num_attention_heads", minimum=1)
     kv_heads = top.get_int("num_key_value_heads", heads, minimum=1)
@@ -192,6 +203,7 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
     target's; a head that shares the target's embedding or lm_head must be in them."""
     embed = target.embed_tokens.weight
     dtype = embed.dtype if dtype is None else dtype
+    check_compute_dtype(dtype)
     device = embed.device if device is None else torch.device(device)
     plan = path if isinstance(path, DraftPlan) else inspect_draft(path, target.config)
     if plan.target != _target_sizes(target.config):  # its checks hold for that target only

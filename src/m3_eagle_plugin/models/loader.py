@@ -21,8 +21,8 @@ import torch
 from m3_eagle_plugin.models.config import M3Config
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.models.rope import RotaryEmbedding
-from m3_eagle_plugin.models.safetensors_source import (CheckpointError, SafetensorsSource, check_names, check_shape,
-                                                       check_weight_dtype)
+from m3_eagle_plugin.models.safetensors_source import (CheckpointError, SafetensorsSource, check_compute_dtype,
+                                                       check_names, check_shape, check_weight_dtype)
 
 _IGNORED = re.compile(r"(^|\.)mtp\.|^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.|rotary_emb\.")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -211,8 +211,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
     if Path(path).is_file():  # each reader would take it as its own file: weights read as JSON, or the reverse
         raise CheckpointError(f"{path}: load_target takes the checkpoint directory (config.json and the "
                               "safetensors files), not one of its files")
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
-        raise ValueError(f"dtype must be a floating dtype of 16 bits or more for the weights, got {dtype}")
+    check_compute_dtype(dtype)
     config = M3Config.from_file(path)
     source = SafetensorsSource(path)
     _check_counts(source, config)

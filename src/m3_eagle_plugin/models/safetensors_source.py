@@ -60,7 +60,12 @@ class SafetensorsSource:
             files = sorted({path / name for name in weight_map.values()})
             missing = [str(p) for p in files if not p.exists()]
             if missing:
-                raise CheckpointError(f"{index}: shard files missing: {missing}")
+                # save_pretrained sharded, then unsharded into one directory, leaves the old index beside
+                # model.safetensors, which transformers reads first
+                single = path / "model.safetensors"
+                stale = (f"; the index is read before {single.name} beside it: if that file is the checkpoint, "
+                         "remove the stale index") if single.is_file() else ""
+                raise CheckpointError(f"{index}: shard files missing: {missing}{stale}")
             not_files = [str(p) for p in files if not p.is_file()]  # a FIFO would block safetensors' open
             if not_files:
                 raise CheckpointError(f"{index}: shard paths that are not files: {not_files}")
@@ -180,6 +185,12 @@ def check_weight_dtype(where: str, name: str, dtype: str) -> None:
     if dtype not in WEIGHT_DTYPES:
         raise CheckpointError(f"{where}: tensor {name!r} is stored as {dtype}; weights must be one of "
                               f"{', '.join(WEIGHT_DTYPES)} (quantized checkpoints are not supported)")
+
+
+def check_compute_dtype(dtype: object) -> None:
+    """The dtype a model is loaded in (the caller's choice, not the file's): floating, 16 bits or more."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
+        raise ValueError(f"dtype must be a floating dtype of 16 bits or more for the weights, got {dtype}")
 
 
 def check_shape(where: str, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
