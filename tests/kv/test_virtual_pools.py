@@ -558,3 +558,21 @@ def test_a_non_contiguous_nvfp4_pointer_table_extends_like_its_contiguous_copy()
     pools = extend_attention_op_pools(strided, mapping, [(1, DRAFT_K_ADDR, SCALE)])
     assert pools.pool_pointers.tolist() == [[[TARGET_ADDR, 0x6100_0000], [0, 0]], [[DRAFT_K_ADDR, 0], [0, 0]]]
     assert pools.pool_mapping.tolist() == [[0, 0], [1, 0]]
+
+
+@pytest.mark.parametrize("scales, offsets", [([3, 1 << 64], [1, 1]), ([3, 2], [1, 1 << 64])])
+def test_a_scale_or_offset_past_int64_is_refused_before_any_pool_is_written(scales, offsets):
+    """Every slot unused, so no page is computed, yet the int64 write of pool 1 raised a bare OverflowError
+    after pool 0 was written. At int64's last value the copy runs: unused entries are -1 in both fields,
+    slot 0 gets K = 0 and V = kv_offset, as in Python ints."""
+    pools = extend_attention_op_pools(torch.tensor([[0x1000, 0], [0x2000, 0]], dtype=torch.int64),
+                                      torch.tensor([[0, 0], [1, 0]], dtype=torch.int32), [])
+    host = torch.full((2, 1, 2, 2), -1, dtype=torch.int64)
+    dst = torch.full((2, 1, 2, 2), -7, dtype=torch.int64)
+    with pytest.raises(ValueError, match="index_scale and kv_offset must fit int64"):
+        copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=scales, base_kv_offsets=offsets)
+    assert dst.eq(-7).all()
+    last = (1 << 63) - 1
+    host[:, 0, :, 0] = 0
+    copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[3, last], base_kv_offsets=[last, 1])
+    assert dst[:, 0].tolist() == [[[0 * 3, -1], [0 * 3 + last, -1]], [[0 * last, -1], [0 * last + 1, -1]]]

@@ -211,3 +211,50 @@ def test_host_qo_lens_beside_device_kv_lens_are_summed_on_the_host() -> None:
         per_token_valid_blocks([-1, 3], kv, 4)
     with pytest.raises(MsaInputError, match="sum to 5"):
         per_token_valid_blocks([2, 3], kv, 4, num_tokens=4)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_host_qo_lens_summing_past_int64_are_refused_naming_the_sum(as_tensor) -> None:
+    """The token count is summed in Python ints: int64 wrapped 2 x 2**62 to -2**63 (blamed on a num_tokens
+    nobody passed), and 4 x 2**62 to 0, after which the token gather wrote past its output (a segfault)."""
+    qo, kv = [2**62, 2**62], [1, 1]
+    if as_tensor:
+        qo, kv = torch.tensor(qo), torch.tensor(kv)
+    with pytest.raises(MsaInputError, match=f"qo_lens sum to {2**63} tokens, past int64"):
+        per_token_valid_blocks(qo, kv, 4)
+    with pytest.raises(MsaInputError, match=f"qo_lens sum to {2**63} tokens, past int64"):
+        per_token_valid_blocks(qo, kv, 4, num_tokens=0)
+    # a sum that fits is the count, as Python's
+    small = torch.tensor([3, 2]) if as_tensor else [3, 2]
+    assert per_token_valid_blocks(small, [5, 2], 4, num_tokens=5).tolist() == naive_valid_blocks([3, 2], [5, 2], 4)
+
+
+def test_unsigned_positions_and_lengths_are_counted_as_python_or_refused_by_value() -> None:
+    """uint64 2**63 cast to int64 is -2**63: 0 blocks (a skipped token) and a kv_len named as negative.
+    uint32 past int32's counts is refused naming the position, not torch's missing uint32 max."""
+    with pytest.raises(MsaInputError, match=f"positions has an entry past int64: {2**63}"):
+        valid_blocks_from_positions(torch.tensor([3, 2**63], dtype=torch.uint64), 4)
+    with pytest.raises(MsaInputError, match=f"kv_lens has an entry past int64: {2**63}"):
+        per_token_valid_blocks(torch.tensor([1]), torch.tensor([2**63], dtype=torch.uint64), 4)
+    with pytest.raises(MsaInputError, match=f"positions up to {2**31 + 5} give block counts past int32"):
+        valid_blocks_from_positions(torch.tensor([2**31 + 5], dtype=torch.uint32), 1)
+    # inside the range: p // B + 1 in Python ints
+    positions = [2**31 - 2, 7, 0]
+    got = valid_blocks_from_positions(torch.tensor(positions, dtype=torch.uint32), 1)
+    assert got.tolist() == [p // 1 + 1 for p in positions]
+    got = valid_blocks_from_positions(torch.tensor([2**63 - 1, 3], dtype=torch.uint64), 2**40)
+    assert got.tolist() == [(2**63 - 1) // 2**40 + 1, 1]
+
+
+def test_a_block_size_past_2_62_is_refused_and_2_62_counts_as_python() -> None:
+    """2**63 is no int64: torch took it as -2**63 and positions 5 and 2**40 saw 0 blocks (Python: 1);
+    2**64 raised a bare OverflowError."""
+    positions, qo, kv = [0, 5, 2**40], [2, 1], [2, 2**31 - 1]
+    for bad in (1 << 63, 1 << 64):
+        with pytest.raises(MsaInputError, match=rf"block_size {bad} is past 2\*\*62"):
+            valid_blocks_from_positions(torch.tensor(positions), bad)
+        with pytest.raises(MsaInputError, match=rf"block_size {bad} is past 2\*\*62"):
+            per_token_valid_blocks(qo, kv, bad)
+    block = 1 << 62
+    assert valid_blocks_from_positions(torch.tensor(positions), block).tolist() == [p // block + 1 for p in positions]
+    assert per_token_valid_blocks(qo, kv, block).tolist() == naive_valid_blocks(qo, kv, block) == [1, 1, 1]

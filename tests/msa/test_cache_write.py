@@ -212,3 +212,25 @@ def test_complex_slots_are_refused_and_write_nothing() -> None:
     with pytest.raises(TypeError, match="slots must be an integer tensor, got torch.complex64"):
         write_index_k(cache.index_k, slots, torch.zeros(2, 2))
     assert torch.equal(cache.pool, before)
+
+
+def test_a_uint64_slot_past_int64_is_refused_not_skipped() -> None:
+    """uint64 slot 2**63 cast to int64 is -2**63, a "do not write": the token was dropped without a word
+    (and slot 1 beside it written). Refused before any write; uint64 slots inside int64 write as int64 ones."""
+    cache = PooledCache(num_pages=3, block_size=4, kv_heads=2, head_dim=3, index_dim=5)
+    cache.pool.normal_()
+    before = cache.pool.clone()
+    k, v, ik = torch.randn(2, 2, 3), torch.randn(2, 2, 3), torch.randn(2, 5)
+    big = torch.tensor([1, 2**63], dtype=torch.uint64)
+    with pytest.raises(MsaInputError, match=f"slots has an entry past int64: {2**63}"):
+        write_kv(cache.k, cache.v, big, k, v)
+    with pytest.raises(MsaInputError, match=f"slots has an entry past int64: {2**63}"):
+        write_index_k(cache.index_k, big, ik)
+    assert torch.equal(cache.pool, before)
+    expected = PooledCache(num_pages=3, block_size=4, kv_heads=2, head_dim=3, index_dim=5)
+    expected.pool.copy_(before)
+    write_kv(cache.k, cache.v, torch.tensor([1, 9], dtype=torch.uint64), k, v)
+    write_index_k(cache.index_k, torch.tensor([1, 9], dtype=torch.uint64), ik)
+    write_kv(expected.k, expected.v, torch.tensor([1, 9]), k, v)
+    write_index_k(expected.index_k, torch.tensor([1, 9]), ik)
+    assert torch.equal(cache.pool, expected.pool) and not torch.equal(cache.pool, before)

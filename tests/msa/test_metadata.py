@@ -626,3 +626,42 @@ def test_on_update_kv_lens_from_another_gpu_is_refused_by_name_and_changes_nothi
     with pytest.raises(MsaInputError, match="cuda:1"):
         meta.on_update_kv_lens(torch.tensor([8, 11], dtype=torch.int32, device="cuda:1"))
     assert torch.equal(meta.token_kv_lens, before)
+
+
+def test_a_block_past_2_30_is_refused_by_name_and_2_30_derives_like_python() -> None:
+    """The derivation divides and offsets int32 positions by the block size: 2**31 read as an int32
+    scalar is -2**31, and request 1's token at position 1 got slot -2**31 + 1 (skipped) instead of 1."""
+    block = 1 << 30
+    meta = MsaDecodeMetadata(2, 8, 2, block, "cpu")
+    meta.prepare([1, 2], [1, 2], torch.tensor([[0, 0], [1, 0]]))
+    # slot = page * B + position % B in Python ints
+    assert meta.cache_slots.tolist() == [0 * block + 0, 1 * block + 0, 1 * block + 1]
+    assert meta.valid_blocks.tolist() == [1, 1, 1]
+    for bad in (1 << 31, 1 << 32):
+        with pytest.raises(MsaInputError, match=r"block_size \d+ is past 2\*\*30"):
+            MsaDecodeMetadata(2, 8, 2, bad, "cpu")
+
+
+def test_a_meta_block_table_is_refused_and_the_step_before_it_is_kept() -> None:
+    """A meta table's copy failed after the new lengths were staged: qo_lens read the refused step's
+    [1] beside the kept step's one request and slots."""
+    meta = MsaDecodeMetadata(2, 8, 2, 4, "cpu", max_draft_len=2)
+    meta.prepare([2], [6], torch.tensor([[0, 1]]))
+    with pytest.raises(MsaInputError, match="block_tables is a meta tensor"):
+        meta.prepare([1, 1], [3, 3], torch.zeros(2, 2, dtype=torch.int32, device="meta"))
+    assert meta.prepare_count == 1 and meta.num_requests == 1
+    assert meta.qo_lens.tolist() == [2] and meta.kv_lens.tolist() == [6]
+    assert meta.cache_slots.tolist() == [1 * 4 + 4 % 4, 1 * 4 + 5 % 4]  # page 1, positions 4 and 5
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_a_cache_whose_last_page_passes_int32_slots_is_refused_at_construction(block) -> None:
+    """A device block table is copied in unchecked, so a known page count is checked up front: at B = 16,
+    page 2**27 of a 2**27 + 1 page cache derived slot -2**31 (Python: 2**31). 2**31 / B pages fit: the
+    last page's last slot is 2**31 - 1."""
+    pages = 2**31 // block
+    with pytest.raises(MsaInputError, match=f"num_pages {pages + 1} at block_size {block} gives cache slots past int32"):
+        MsaDecodeMetadata(1, 2, 1, block, "cpu", num_pages=pages + 1)
+    meta = MsaDecodeMetadata(1, 2, 1, block, "cpu", num_pages=pages)
+    meta.prepare([1], [block], torch.tensor([[pages - 1]]))
+    assert meta.cache_slots.tolist() == [(pages - 1) * block + block - 1] == [2**31 - 1]

@@ -224,6 +224,8 @@ def _check_pool(
     kv_offset = as_int("kv_offset", kv_offset)
     if index_scale < 1 or kv_offset < 0:
         raise ValueError(f"index_scale must be >= 1 and kv_offset >= 0, got {index_scale}, {kv_offset}")
+    if max(index_scale, kv_offset) > _INT64_MAX:  # the write multiplies in int64: past it torch raised mid-copy
+        raise ValueError(f"index_scale and kv_offset must fit int64, got {index_scale}, {kv_offset}")
     width = min(dst.shape[2], host_offsets.shape[2])
     if max_blocks is not None:
         max_blocks = as_int("max_blocks", max_blocks)

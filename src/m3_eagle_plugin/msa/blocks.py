@@ -44,11 +44,22 @@ def is_integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def as_int64(name: str, values: torch.Tensor) -> torch.Tensor:
+    """Integer ``values`` as int64. The cast reads a uint64 entry past int64 as negative (2**63 became a
+    length -2**63, a skipped slot, 0 blocks): refused for host values; device ones are not read back."""
+    wide = values.to(torch.int64)
+    if values.dtype == torch.uint64 and wide.device.type == "cpu" and bool((wide < 0).any()):
+        raise MsaInputError(f"{name} has an entry past int64: {max(values.tolist())}")
+    return wide
+
+
 def validate_block_size(block_size: object) -> int:
-    """Return ``block_size`` as an int after checking it is a positive power of two."""
+    """Return ``block_size`` as an int after checking it is a positive power of two, at most 2**62."""
     block_size = as_int("block_size", block_size)
     if block_size <= 0 or block_size & (block_size - 1):
         raise MsaInputError(f"block_size must be a positive power of two, got {block_size}")
+    if block_size > 1 << 62:  # 2**63 is no int64: torch read it as -2**63 (0 blocks) and 2**64 overflowed
+        raise MsaInputError(f"block_size {block_size} is past 2**62: the block counts are int64 arithmetic")
     return block_size
 
 
@@ -74,10 +85,10 @@ def valid_blocks_from_positions(positions: torch.Tensor, block_size: int) -> tor
     if not is_integer_dtype(positions.dtype):
         raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
     # In int64: int32 p + 1 wraps to -2**31 at p = INT32_MAX (0 blocks instead of 2**31 / B).
-    wide = positions.to(torch.int64)
+    wide = as_int64("positions", positions)
     if wide.device.type == "cpu" and wide.numel() and int(wide.max()) // block_size >= INT32_MAX:
-        raise MsaInputError(
-            f"positions up to {int(positions.max())} give block counts past int32 (block_size {block_size})")
+        raise MsaInputError(  # the max of the wide copy: torch has none for uint16/uint32 tensors
+            f"positions up to {int(wide.max())} give block counts past int32 (block_size {block_size})")
     # p // B + 1 (= ceil((p + 1) / B)): no p + 1, which wraps to 0 blocks at the last int64 position.
     return (torch.div(wide.clamp(min=-1), block_size, rounding_mode="floor") + 1).to(torch.int32)
 
@@ -107,7 +118,7 @@ def _as_length_tensor(name: str, values: torch.Tensor | Sequence[int], device: t
             raise MsaInputError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
         if not is_integer_dtype(values.dtype):  # float, complex (imag dropped) and bool refused
             raise TypeError(f"{name} must be an integer tensor, got {values.dtype}")
-        return values.to(torch.int64)
+        return as_int64(name, values)
     entries = int_entries(name, values)
     for r, x in enumerate(entries):
         if not -(1 << 63) <= x < (1 << 63):
@@ -166,8 +177,16 @@ def _check_host_qo(qo: list[int], num_tokens: int | None) -> None:
     for r, q in enumerate(qo):
         if q < 0:
             raise MsaInputError(f"request {r}: lengths must be >= 0, got qo_len={q}")
-    if num_tokens is not None and num_tokens != sum(qo):
-        raise MsaInputError(f"num_tokens is {num_tokens} but qo_lens sum to {sum(qo)}")
+    _check_total(sum(qo), num_tokens)
+
+
+def _check_total(total: int, num_tokens: int | None) -> None:
+    """The step's token count, summed in Python ints: its int64 sum wrapped (4 x 2**62 tokens summed to 0,
+    and the token gather then wrote past its output: a segfault)."""
+    if total > (1 << 63) - 1:
+        raise MsaInputError(f"qo_lens sum to {total} tokens, past int64")
+    if num_tokens is not None and num_tokens != total:
+        raise MsaInputError(f"num_tokens is {num_tokens} but qo_lens sum to {total}")
 
 
 def _check_host_lengths(qo: torch.Tensor, kv: torch.Tensor, num_tokens: int | None) -> None:
@@ -178,5 +197,4 @@ def _check_host_lengths(qo: torch.Tensor, kv: torch.Tensor, num_tokens: int | No
     if kv.numel() and int(kv.max()) > INT32_MAX:  # the counts come back int32, like the metadata's lengths
         r = int(kv.argmax())
         raise MsaInputError(f"request {r}: kv_len {int(kv[r])} does not fit int32")
-    if num_tokens is not None and num_tokens != int(qo.sum()):
-        raise MsaInputError(f"num_tokens is {num_tokens} but qo_lens sum to {int(qo.sum())}")
+    _check_total(sum(qo.tolist()), num_tokens)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .blocks import MsaInputError, is_integer_dtype
+from .blocks import MsaInputError, as_int64, is_integer_dtype
 
 __all__ = ["write_kv", "write_index_k", "check_index_k"]
 
@@ -51,7 +51,7 @@ def _check_slots(slots: torch.Tensor, num_tokens: int, capacity: int) -> torch.T
         raise MsaInputError(f"slots must be [T={num_tokens}], got {tuple(slots.shape)}")
     if not is_integer_dtype(slots.dtype):  # a complex slot would drop its imaginary part
         raise TypeError(f"slots must be an integer tensor, got {slots.dtype}")
-    slots = slots.to(torch.int64)
+    slots = as_int64("slots", slots)
     if slots.device.type == "cpu" and num_tokens and int(slots.max()) >= capacity:
         raise MsaInputError(f"slot {int(slots.max())} is past the cache's {capacity} slots (pages * block size)")
     return slots

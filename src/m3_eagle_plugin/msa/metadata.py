@@ -93,10 +93,16 @@ class MsaDecodeMetadata:
          self.num_index_heads) = _checked_sizes(max_num_requests, max_num_tokens, max_blocks_per_seq, max_draft_len,
                                                 num_index_heads)
         self.block_size = validate_block_size(block_size)
+        if self.block_size > 1 << 30:  # the derivation's int32 ops read 2**31 as -2**31 (slot 1 came out -2**31 + 1)
+            raise MsaInputError(f"block_size {self.block_size} is past 2**30: the int32 positions and cache slots "
+                                "are divided by it and offset within it, which wraps a larger block")
         # The last page whose every slot (page * B + offset) fits the int32 cache_slots: a larger id would wrap.
         self._max_page = (INT32_MAX + 1) // self.block_size - 1
         #: Pages in the cache the block tables index, when known: `prepare` refuses a host table's id past it.
         self.num_pages = None if num_pages is None else checked_int("num_pages", num_pages)
+        if self.num_pages is not None and self.num_pages - 1 > self._max_page:  # a device table is not checked per step
+            raise MsaInputError(f"num_pages {self.num_pages} at block_size {self.block_size} gives cache slots past "
+                                f"int32 (page * {self.block_size} + offset): at most {self._max_page + 1} pages")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -258,6 +264,8 @@ class MsaDecodeMetadata:
             )
         if not is_integer_dtype(block_tables.dtype):
             raise TypeError(f"block_tables must be an integer tensor, got {block_tables.dtype}")
+        if block_tables.device.type == "meta":  # its copy failed after the new lengths were staged over the old step
+            raise MsaInputError("block_tables is a meta tensor: its pages cannot be read")
         width = block_tables.shape[1]
         host_table = block_tables if block_tables.device.type == "cpu" else None
         for r, (q, k) in enumerate(zip(qo, kv)):
