@@ -8,7 +8,8 @@ again). `require` raises instead. On a host inside the supported range but not i
 list, the activation line is a warning.
 Activation is idempotent and thread-safe (one exception: an activation in one thread while another
 thread runs the process's first `import tensorrt_llm` can hang both, see `registry`); a process logs
-one line saying what was activated.
+one line saying what was activated. A later `activate("require")` returns an `auto` activation only
+where `require` would have taken the host too; otherwise it raises.
 """
 from __future__ import annotations
 
@@ -272,6 +273,19 @@ def _undo_install(adapter: Any, report: ActivationReport, history: Any, recorded
             del history[recorded:]
 
 
+def _require_refusal(active: ActivationReport) -> str | None:
+    """Why `require` refuses what `auto` activated (an untested host without the force switch, a plugin
+    that failed to load), or None: returning that activation would make `require` pass it silently."""
+    try:
+        manifest, _, _, force, verdict = _judge_host(ActivationReport(mode="require"))
+    except Exception as exc:  # noqa: BLE001 - a malformed force switch, as a fresh require names it
+        return f"{type(exc).__name__}: {exc}"
+    refusal = _verdict_refusal("require", verdict, manifest, force)
+    if refusal is None and active.plugin_errors:
+        refusal = "; ".join(active.plugin_errors)
+    return refusal
+
+
 def _export_mode(mode: str | None, resolved: str) -> None:
     """An explicit `activate(mode)` is exported: spawned workers, and the bootstrap when this process
     imports `tensorrt_llm` later, must make the same decision (`off` included)."""
@@ -286,6 +300,10 @@ def activate(mode: str | None = None) -> ActivationReport:
     key = _decision_key(resolved)
     with _lock:
         if _active is not None:
+            if resolved == "require" and _active.mode != "require":  # auto activated first (the bootstrap)
+                refusal = _require_refusal(_active)
+                if refusal is not None:
+                    raise ActivationError(f"already activated under {_active.mode}, which require refuses: {refusal}")
             return _active
         if _in_progress is not None:  # same thread, from inside install(): the outer call decides
             return _in_progress
@@ -339,7 +357,18 @@ def status() -> ActivationReport:
     try:
         mode = resolve_mode()
     except InvalidModeError as exc:
-        return ActivationReport(mode=os.environ.get(MODE_ENV, ""), ok=False, reason=str(exc))
+        # activating refuses the mode, but the host, its verdict and the components do not depend on
+        # it: they are reported as with it unset (the doctor read "version unknown" for a known host)
+        report = _status("off")
+        if report is not _active:
+            report.mode, report.ok = os.environ.get(MODE_ENV, ""), False
+            report.reason = f"{exc}; with it unset: {report.reason}"
+        return report
+    return _status(mode)
+
+
+def _status(mode: str) -> ActivationReport:
+    """`status` for a valid `mode`."""
     report = ActivationReport(mode=mode)
     # a malformed force switch: activating refuses it (below), but the verdict (judged with it unset),
     # the components and the plugin errors do not depend on it, so they are still reported

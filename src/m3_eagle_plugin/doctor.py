@@ -10,6 +10,7 @@ It exits 1 when anything would fail or run otherwise than asked, a malformed set
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -202,8 +203,12 @@ def render_table(data: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    data = collect(host_source=getattr(args, "host_source", None))
-    if getattr(args, "json", False):
+    as_json = getattr(args, "json", False)
+    # --json: stdout holds the one JSON object; what collecting prints goes to stderr (TensorRT-LLM prints
+    # its version line when imported, e.g. by a third-party plugin's module that the manager loads)
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        data = collect(host_source=getattr(args, "host_source", None))
+    if as_json:
         json.dump(data, sys.stdout, sort_keys=True)
         sys.stdout.write("\n")
     else:

@@ -230,6 +230,29 @@ def test_require_on_untested_host_raises_unless_forced(active_env, monkeypatch):
     assert m3_eagle_plugin.activate("require").activated
 
 
+@pytest.mark.parametrize("cause", ["untested host", "plugin error"])
+def test_require_after_an_auto_activation_refuses_what_require_refuses(active_env, monkeypatch, cause):
+    """The bootstrap activated under an exported auto; the script then asks `activate("require")` (README,
+    before building LLM(...)). It returned the auto report, ok, on an untested host without the force switch
+    or beside a plugin that failed to load: require passed them silently. Where require takes the host too,
+    it returns the same report (auto stays exported: the workers decide as the driver did)."""
+    make_host, installs = active_env
+    make_host("1.3.0" if cause == "untested host" else "1.3.0rc24")
+    if cause == "plugin error":
+        from m3_eagle_plugin.registry import PluginLoadError, get_plugin_manager
+
+        get_plugin_manager().load_errors.append(PluginLoadError("broken", "x:y", None, "ImportError: boom"))
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    report = m3_eagle_plugin.activate()
+    assert report.activated and installs == [1]
+    with pytest.raises(ActivationError, match="M3_EAGLE_PLUGIN_FORCE" if cause == "untested host" else "broken"):
+        m3_eagle_plugin.activate("require")
+    assert os.environ["M3_EAGLE_PLUGIN"] == "auto" and m3_eagle_plugin.activate() is report and installs == [1]
+    if cause == "untested host":
+        monkeypatch.setenv("M3_EAGLE_PLUGIN_FORCE", "1")
+        assert m3_eagle_plugin.activate("require") is report and os.environ["M3_EAGLE_PLUGIN"] == "auto"
+
+
 @pytest.mark.parametrize("mode", ["auto", "require"])
 def test_defer_on_upstream_host(active_env, monkeypatch, log_lines, mode):
     make_host, installs = active_env

@@ -130,6 +130,23 @@ def test_bad_mode_fails(clean_state, monkeypatch, capsys):
     assert "allowed values" in json.loads(capsys.readouterr().out)["reason"]
 
 
+def test_a_bad_mode_still_reports_the_host_its_verdict_and_the_components(fake_host, hermetic_manager, capsys,
+                                                                         monkeypatch):
+    """A typo in the mode fails the doctor, as a bad force switch does, but the host's version, its verdict
+    and the components do not depend on the mode (the table read `tensorrt_llm (version unknown)` for an
+    installed 1.3.0rc24, and `verdict: null`)."""
+    fake_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "atuo")
+    assert cli.main(["doctor", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["mode"] == "atuo" and "M3_EAGLE_PLUGIN='atuo'" in data["reason"]
+    assert data["host_found"] is True and data["host_version"] == "1.3.0rc24" and data["verdict"] == "supported"
+    assert data["components"]["kv_cache_manager"] == "fake.kv:Manager"
+    assert data["components"]["reference"]["attention_metadata"] == "fake.msa:Metadata"
+    assert cli.main(["doctor"]) == 1
+    assert "tensorrt_llm 1.3.0rc24" in capsys.readouterr().out
+
+
 def _finding(contract, key, status):
     return contract.Finding(key=key, attribute="attr", status=status, module="tensorrt_llm.mod", detail=status)
 
@@ -285,6 +302,22 @@ def test_a_third_party_builtin_entry_point_is_named_and_fatal_under_require(fake
     [error] = data["plugin_errors"]
     assert "extra_m3_plugin" in error and "extra-m3-plugin" in error and "m3_eagle_plugin.builtin" in error, error
     assert error in data["reason"]
+
+
+def test_json_is_the_only_stdout_when_a_plugin_imports_tensorrt_llm(fake_host, tmp_path, capsys, monkeypatch):
+    """DESIGN: `--json` prints one JSON object on stdout. TensorRT-LLM prints its version line on stdout when
+    imported; a third-party plugin whose module imports it (the registry expects such plugins) put that line
+    before the JSON, which no JSON reader then parsed. It goes to stderr."""
+    root = fake_host("1.3.0rc24")
+    init = root / "tensorrt_llm" / "__init__.py"
+    init.write_text(init.read_text() + 'print(f"[TensorRT-LLM] TensorRT-LLM version: {__version__}")\n')
+    write_plugin_distribution(tmp_path / "site", "trt-m3-plugin", "trt = trt_m3_plugin",
+                              {"trt_m3_plugin/__init__.py": "import tensorrt_llm\n"})
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert cli.main(["doctor", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "trt" in [plugin["name"] for plugin in json.loads(out)["plugins"]]
+    assert "[TensorRT-LLM] TensorRT-LLM version: 1.3.0rc24" in err
 
 
 @pytest.mark.parametrize("json_out", [True, False])
