@@ -62,6 +62,16 @@ def test_fp64_block_scores_are_ranked_in_fp64() -> None:
         assert sel.tolist() == [[naive(row, 3, topk)]], (row, topk)
 
 
+def test_select_blocks_names_an_argument_that_is_not_a_tensor() -> None:
+    """DESIGN.md's signature takes tensors; a list (positions as a stranger might pass them) is named,
+    not an AttributeError on `.dim`."""
+    q, k = torch.zeros(2, 1, 4), torch.zeros(6, 4)
+    for args, name in (((q, k, [3, 4]), "q_positions"), ((q, k.tolist(), torch.tensor([3, 4])), "index_k"),
+                       ((q.tolist(), k, torch.tensor([3, 4])), "index_q")):
+        with pytest.raises(TypeError, match=f"{name} must be a tensor, got list"):
+            select_blocks(*args, block_size=2, topk=2)
+
+
 def test_select_blocks_matches_hf_indexer(oracle: SparseLayerOracle) -> None:
     run = oracle.run(41, seed=3)
     positions = torch.arange(41)

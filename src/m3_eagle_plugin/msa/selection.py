@@ -142,6 +142,9 @@ def select_blocks(
     """
     block_size = validate_block_size(block_size)
     _validate_selection_args(topk, local_blocks, init_blocks)
+    for name, value in (("index_q", index_q), ("index_k", index_k), ("q_positions", q_positions)):
+        if not isinstance(value, torch.Tensor):  # a list failed on `.dim`, naming no argument
+            raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
     if index_q.dim() != 3 or index_k.dim() != 2 or q_positions.dim() != 1:
         raise MsaInputError(
             "expected index_q [T, H, D], index_k [S, D], q_positions [T]; got "
