@@ -166,6 +166,49 @@ def test_kernel_in_the_interpreter():
     check_module_cases("tests.msa.kernels.test_handoff")
 
 
+@needs_interpreter
+def test_a_step_cut_off_between_its_launches_leaves_the_handoff_idle():
+    """A Ctrl-C raised as the scoring's (or the whole selection's) launch returns: no scores left on
+    the board, no flags left set for an attention never launched (`interpret_cut_off`)."""
+    check_module_cases("tests.msa.kernels.interpret_cut_off")
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", range(2))
+def test_a_step_cut_off_between_its_launches_leaves_the_handoff_idle_on_gpu(case):
+    from .interpret_cut_off import INTERPRETER_CASES
+
+    fn, kw = INTERPRETER_CASES[case]
+    fn("cuda", **kw)
+
+
+def test_a_reset_reaches_the_boards_and_flags_a_bigger_step_replaced(monkeypatch):
+    """A step recorded before a bigger one grew the board or the flags replays on the old ones
+    (`replay`), so a step cut off there leaves those dirty: the reset must reach them too."""
+    from m3_eagle_plugin.msa.kernels import handoff
+
+    monkeypatch.setattr(handoff, "_BOARDS", {})
+    monkeypatch.setattr(handoff, "_READY", {})
+    cpu = torch.device("cpu")
+    old_board = handoff.score_board(cpu, 8)
+    old_flags = handoff.ready_flags(cpu, 8)
+    handoff.score_board(cpu, handoff._BOARDS[cpu].numel() + 1)
+    handoff.ready_flags(cpu, handoff._READY[cpu].numel() + 1)
+    assert handoff._BOARDS[cpu].data_ptr() != old_board.data_ptr() and handoff._READY[cpu].data_ptr() != \
+        old_flags.data_ptr(), "neither buffer was replaced"
+    for board in (old_board, handoff._BOARDS[cpu]):
+        board.fill_(0.5)  # scores no top-k took back
+    for flags in (old_flags, handoff._READY[cpu]):
+        flags.fill_(2)  # set for an attention never launched
+    handoff.reset_board(cpu)
+    assert (old_board.view(torch.int32) == handoff.SENTINEL).all(), "the replaced board kept its scores"
+    handoff.reset_handoff(cpu)
+    for board in (old_board, handoff._BOARDS[cpu]):
+        assert (board.view(torch.int32) == handoff.SENTINEL).all()
+    for flags in (old_flags, handoff._READY[cpu]):
+        assert (flags == 0).all()
+
+
 @pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False), ("", True), (" 0 ", False)])
 def test_env_turns_the_handoff_off(monkeypatch, value, on):
     from m3_eagle_plugin.msa.kernels.handoff import handoff_enabled

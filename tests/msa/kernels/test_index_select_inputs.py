@@ -149,3 +149,23 @@ def test_selection_counts_the_reference_refuses_are_refused_before_any_launch(mo
     for handoff in (False, True):  # refused before the scoring runs, not after it
         with pytest.raises(KernelInputError, match=f"{name} must be an int"):
             index_select.select_blocks_verify(index_q, cache.index_k, meta, handoff=handoff, **kw)
+
+
+def test_an_index_cache_of_no_pages_takes_no_tma_descriptor(monkeypatch):
+    """A step of no request (graph-padding rows only) over a cache of zero pages selects as the
+    reference (nothing) with every padding row -1; on a GPU with TMA the scoring built a descriptor
+    first, which Triton refuses for a zero dim with a bare AssertionError."""
+    from m3_eagle_plugin.msa import MsaDecodeMetadata, select_blocks_paged
+    from m3_eagle_plugin.msa.kernels import index_select
+
+    monkeypatch.setattr(index_select, "device_capability", lambda device: (9, 0))  # an SM90 GPU: TMA applies
+    monkeypatch.setattr(index_select, "launch", lambda *a, **k: pytest.fail("launched"))
+    meta = MsaDecodeMetadata(2, 4, 2, 16, "cpu", max_draft_len=3)
+    meta.prepare([], [], torch.zeros(0, 2, dtype=torch.int32))
+    index_k = torch.zeros(0, 16, 16, dtype=torch.float16)
+    index_q = torch.randn(2, 1, 16).half()
+    assert index_select.page_descriptor(index_k) is None
+    assert select_blocks_paged(index_q[:0], index_k, meta, topk=2).shape == (1, 0, 2)
+    for handoff in (False, True):
+        sel = index_select.select_blocks_verify(index_q, index_k, meta, topk=2, handoff=handoff)
+        assert sel.tolist() == [[[-1, -1], [-1, -1]]]

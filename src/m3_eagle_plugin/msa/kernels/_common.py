@@ -225,14 +225,23 @@ def step_buffer(store: dict, device: torch.device | str, numel: int, *, fill: in
             return None
         size = max(min_numel, 1 << max(0, numel - 1).bit_length())
         if have is not None:
-            _RETIRED.append(have)  # sizes double: everything kept is at most the new buffer's size
+            _RETIRED.append((store, device, have))  # sizes double: everything kept is at most the new buffer's size
         have = torch.full((size,), fill, device=device, dtype=torch.int32)
         store[device] = have
     return have[:numel]
 
 
-#: Step buffers replaced by bigger ones (`step_buffer`), alive for the process: captured graphs use them.
-_RETIRED: list[torch.Tensor] = []
+#: Step buffers replaced by bigger ones (`step_buffer`), with their store, alive for the process: captured
+#: graphs and recorded launches (`replay`) use them.
+_RETIRED: list[tuple[dict, torch.device, torch.Tensor]] = []
+
+
+def step_buffers(store: dict, device: torch.device | str) -> list[torch.Tensor]:
+    """Every buffer `step_buffer` made in `store` for `device`: those it replaced (a captured graph or
+    a recorded launch still uses them) and the current one."""
+    device = torch.device(device)
+    kept = [t for owner, where, t in _RETIRED if owner is store and where == device]
+    return kept + ([store[device]] if device in store else [])
 
 
 def require(cond: bool, message: str) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import env_switch, step_buffer
+from ._common import env_switch, step_buffer, step_buffers
 
 #: The board's idle value: a negative signalling NaN (0xFFBBB7AD). GPU arithmetic only makes
 #: the canonical quiet NaN, so no score equals it.
@@ -60,7 +60,18 @@ def ready_flags(device: torch.device | str, numel: int) -> torch.Tensor | None:
 
 
 def reset_board(device: torch.device | str) -> None:
-    """Put the sentinel back everywhere (after a launch failed between scoring and top-k)."""
-    board = _BOARDS.get(torch.device(device))
-    if board is not None:
+    """Put the sentinel back everywhere, on every board `device` had (after a launch failed between
+    scoring and top-k; a recorded launch, `replay`, may use a board replaced since)."""
+    for board in step_buffers(_BOARDS, device):
         board.fill_(SENTINEL)
+
+
+def reset_handoff(device: torch.device | str) -> None:
+    """The idle state back on `device`, in stream order after whatever was launched (or captured:
+    then after it at every replay): every board holding the sentinel, every ready flag zero. For a
+    step cut off between its launches (a Ctrl-C raised as a launch returns): scores no top-k took
+    back, or flags a top-k set for an attention never launched, would pass the next step's polls
+    before its own rows are written."""
+    reset_board(device)
+    for flags in step_buffers(_READY, device):
+        flags.zero_()

@@ -16,12 +16,13 @@ import triton
 import triton.language as tl
 
 from .block_union import BlockUnion, allocate_union, chunk_count
-from .handoff import SENTINEL as _SENTINEL, handoff_enabled, ready_flags, reset_board, score_board
+from .handoff import SENTINEL as _SENTINEL, handoff_enabled, ready_flags, reset_handoff, score_board
 from .launch import launch
 from .pdl import pdl_args, release_dependents, wait_for_prior_grid, wait_then_release
 from ._common import (
     CACHE_DTYPES,
     QUERY_DTYPES,
+    KernelInputError,
     check_grid,
     qo_len_hint,
     byte_aligned,
@@ -354,7 +355,8 @@ def check_scores_out(out: torch.Tensor, num_heads: int, num_tokens: int, width: 
 def page_descriptor(index_k_cache: torch.Tensor):
     """A `[P, B, Di]` TMA descriptor of the index-K cache (one page a box), or None where TMA does
     not apply: not a GPU with TMA (SM90+; Triton's interpreter emulates it), an fp32 cache, a page
-    past one TMA box (over 256 rows or 256 bytes a row), or a base or stride not 16-byte aligned.
+    past one TMA box (over 256 rows or 256 bytes a row), a base or stride not 16-byte aligned, or
+    no page at all (Triton's descriptor refuses a zero dim with a bare AssertionError).
 
     Why: one page a program, loaded whole by the copy engine, as FlashInfer's SM90 proxy score
     does, reads index-K faster than per-thread copies. H200, 2026-11-29, scoring alone:
@@ -370,7 +372,7 @@ def page_descriptor(index_k_cache: torch.Tensor):
         return None
     if block > 256 or dim * elem > 256:
         return None
-    if not byte_aligned(index_k_cache, 16):
+    if not byte_aligned(index_k_cache, 16) or index_k_cache.numel() == 0:
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -526,12 +528,17 @@ def select_announcing(index_q, index_k_cache, meta, *, topk: int, local_blocks: 
         return selection, union, None
     early = pdl_args(index_q.device, (), every_grid=True)["PDL"]
     ready = ready_flags(index_q.device, num_heads * num_tokens) if consumers > 0 else None
-    scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len,
-                                out=board.view(num_heads, num_tokens, -1), release_dependents=early)
+    scored = False
     try:
+        scores = index_block_scores(index_q, index_k_cache, meta, max_qo_len=max_qo_len,
+                                    out=board.view(num_heads, num_tokens, -1), release_dependents=early)
+        scored = True
         selection, union = topk_from_block_scores(scores, meta, handoff=True, block_size=index_k_cache.shape[1],
                                                   early=early, ready=ready, consumers=consumers, **kw)
-    except BaseException:
-        reset_board(index_q.device)
+    except BaseException as error:
+        # A refused scoring wrote nothing; past it, or cut off (a Ctrl-C raised as the scoring's launch
+        # returned), scores may sit on the board and flags be set for no attention.
+        if scored or not isinstance(error, KernelInputError):
+            reset_handoff(index_q.device)
         raise
     return selection, union, ready

@@ -48,10 +48,11 @@ import torch
 
 from m3_eagle_plugin._ints import exact_index
 
-from ._common import attention_scales, check_same_device, device_sm_count, qo_len_hint, require
+from ._common import (KernelInputError, attention_scales, check_same_device, device_sm_count, qo_len_hint,
+                      require)
 from .attention_io import check_attention_inputs
 from .block_union import chunk_count
-from .handoff import handoff_enabled
+from .handoff import handoff_enabled, reset_handoff
 from .index_select import select_announcing, select_blocks_verify
 from .pdl import pdl_args
 from .replay import Replayer, call_signature
@@ -126,10 +127,17 @@ def sparse_verify_step(
     what the first one decided, with their own tensors."""
     inputs = (index_q, index_k_cache, q, k_cache, v_cache)
     scalars = (topk, scale, local_blocks, init_blocks, k_scale, v_scale, max_qo_len, early, splits)
-    return _REPLAYER.call(call_signature(inputs, meta, scalars), inputs, meta, lambda: _step(
-        index_q, index_k_cache, q, k_cache, v_cache, meta, topk=topk, scale=scale, local_blocks=local_blocks,
-        init_blocks=init_blocks, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len, early=early,
-        splits=splits))
+    try:
+        return _REPLAYER.call(call_signature(inputs, meta, scalars), inputs, meta, lambda: _step(
+            index_q, index_k_cache, q, k_cache, v_cache, meta, topk=topk, scale=scale, local_blocks=local_blocks,
+            init_blocks=init_blocks, k_scale=k_scale, v_scale=v_scale, max_qo_len=max_qo_len, early=early,
+            splits=splits))
+    except BaseException as error:
+        # Cut off between launches (a Ctrl-C raised as one returns, in `_step` or in a replay): the top-k may
+        # have set flags for an attention never launched. Refusals come before a launch or clean up themselves.
+        if isinstance(q, torch.Tensor) and not isinstance(error, KernelInputError):
+            reset_handoff(q.device)
+        raise
 
 
 _REPLAYER = Replayer()
