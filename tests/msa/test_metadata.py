@@ -665,3 +665,20 @@ def test_a_cache_whose_last_page_passes_int32_slots_is_refused_at_construction(b
     meta = MsaDecodeMetadata(1, 2, 1, block, "cpu", num_pages=pages)
     meta.prepare([1], [block], torch.tensor([[pages - 1]]))
     assert meta.cache_slots.tolist() == [(pages - 1) * block + block - 1] == [2**31 - 1]
+
+
+def test_a_prepare_cut_off_while_staging_still_counts(monkeypatch):
+    """A Ctrl-C (raised as a call returns) inside `prepare` after the host buffers were changed: the
+    count still moves on, so a caller that skips re-planning an unchanged count (the reference host's
+    graph steps) stages its plan again instead of reading the cut-off one as its own."""
+    meta = MsaDecodeMetadata(2, 8, 4, 4, "cpu")
+    meta.prepare([2], [5], torch.tensor([[3, 1]], dtype=torch.int32))
+    before = meta.prepare_count
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "repeat_interleave", cut)  # called after the host fields were zeroed
+    with pytest.raises(KeyboardInterrupt):
+        meta.prepare([3], [9], torch.tensor([[5, 6, 7]], dtype=torch.int32))
+    assert meta.prepare_count == before + 1

@@ -345,6 +345,9 @@ class MsaDecodeMetadata:
                 f"{self.scratch_decode_tokens} (max_num_requests x (1 + max_draft_len)); raise max_draft_len"
             )
 
+        # Counted before anything is staged: a prepare cut off half way (a Ctrl-C) has changed the buffers,
+        # and a caller that skips re-planning an unchanged count would read them as its own plan.
+        self.prepare_count += 1
         if self._staging_done is not None:
             self._staging_done.synchronize()  # the previous step's copy may still read the pinned buffer
         host = self._host_fields
@@ -381,7 +384,6 @@ class MsaDecodeMetadata:
 
         self.num_requests, self.num_tokens = num_requests, num_tokens
         self.is_decode_only = decode_only
-        self.prepare_count += 1
         self.qo_lens_host, self.kv_lens_host = tuple(qo), tuple(kv)
         self.max_qo_len = max(qo, default=0)
         self.max_kv_len = max(kv, default=0)

@@ -103,6 +103,34 @@ def test_an_unchanged_plan_is_not_staged_again():
     assert len(plain.calls) == 2
 
 
+def test_a_plan_cut_off_inside_prepare_is_staged_again():
+    """A Ctrl-C inside `prepare` after it staged a new plan, before its count moved on: the buffers hold
+    that plan, so the plan staged before it is staged again when it comes back, not skipped (its replay
+    read the cut-off plan's block table, another request's pages)."""
+    class CutOff(_PlannedMeta):
+        cut = False
+
+        def prepare(self, qo_lens, kv_lens, tables, **kw):
+            self.calls.append((list(qo_lens), list(kv_lens), tables.clone(), kw))
+            if self.cut:
+                raise KeyboardInterrupt  # staged, not counted
+            self.prepare_count += 1
+
+    target = _fakes.FakeTarget()
+    engine = Engine(target, _fakes.make_cache(), EngineConfig(draft_len=2), vocab_size=_fakes.VOCAB,
+                    head=_fakes.FakeHead(target.table), capture=_fakes.fake_capture())
+    graphs = GenerationGraphs(engine.runner, capture=False)
+    meta = CutOff()
+    first, second = (torch.tensor([[3, 1]], dtype=torch.int32), torch.tensor([[5, 6]], dtype=torch.int32))
+    graphs._plan(meta, [3], first, num_context_requests=0)
+    meta.cut = True
+    with pytest.raises(KeyboardInterrupt):
+        graphs._plan(meta, [3], second, num_context_requests=0)
+    meta.cut = False
+    graphs._plan(meta, [3], first, num_context_requests=0)
+    assert len(meta.calls) == 3 and torch.equal(meta.calls[-1][2], first)  # what the object holds now
+
+
 def test_replayed_steps_skip_redundant_plans_and_still_match(tiny_pair):
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 5)]

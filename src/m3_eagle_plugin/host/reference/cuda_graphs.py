@@ -67,6 +67,9 @@ class StepGraphs:
         count = getattr(meta, "prepare_count", None)  # a metadata class without the counter always re-plans
         if count is not None and self._planned.get(id(meta)) == (count, key):
             return
+        # Forgotten first: a prepare cut off after staging, before its count moved on (Ctrl-C), leaves
+        # this plan in the buffers under the old count, and the old plan's next step would skip.
+        self._planned.pop(id(meta), None)
         meta.prepare(qo_lens, [self.capacity] * len(qo_lens), tables, **kw)
         self._planned[id(meta)] = (getattr(meta, "prepare_count", None), key)
 
