@@ -4,7 +4,8 @@ Every sub-command module exposes `add_arguments(parser)` and `main(args) -> int`
 wires them, so `m3-eagle --help` stays cheap (the modules are imported on use). An interrupt (Ctrl-C,
 SIGTERM) ends a sub-command with one line on stderr and exit status 130 / 143, after its `finally`
 blocks ran (make-tiny removes its scratch folder there), not with a traceback; so does output whose
-reader has gone (`m3-eagle run --json | head -c 100`), with 141 as for SIGPIPE.
+reader has gone (`m3-eagle run --json | head -c 100`), with 141 as for SIGPIPE, and output that cannot be
+written (`> FILE` on a full disk), with 1.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import Any, Iterator, TextIO
 
 COMMANDS = {
     "doctor": ("m3_eagle_plugin.doctor", "report plugin, host, manifest and patch state"),
@@ -48,9 +49,62 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _stderr_open() -> Iterator[None]:
+    """Started with stderr closed (`2>&-`), Python's sys.stderr is None and `print(..., file=sys.stderr)`
+    writes to stdout, into the one JSON object `--json` prints there: inside the block it is /dev/null."""
+    if sys.stderr is not None:
+        yield
+        return
+    with open(os.devnull, "w") as devnull:
+        sys.stderr = devnull
+        try:
+            yield
+        finally:
+            if sys.stderr is devnull:
+                sys.stderr = None
+
+
+class _Stdout:
+    """sys.stdout while a sub-command runs: it keeps the OSError a write or flush raised (a full disk
+    under `> FILE`), so that `run_command` tells a failed output from the sub-command's own errors."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.error = stream, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as error:
+            self.error = error
+            raise
+
+
 def run_command(name: str, argv: list[str]) -> int:
     """Import sub-command `name`, parse `argv` with its arguments and run it. An interrupt, during the
     (slow) import included, is one line on stderr and the shell's 128 + signal number."""
+    with _stderr_open():
+        output = None if sys.stdout is None else _Stdout(sys.stdout)
+        if output is not None:
+            sys.stdout = output
+        try:
+            return _run_command(name, argv, output)
+        finally:
+            if output is not None and sys.stdout is output:
+                sys.stdout = output.stream
+
+
+def _run_command(name: str, argv: list[str], output: _Stdout | None) -> int:
     try:
         with _sigterm_raises():
             module = importlib.import_module(COMMANDS[name][0])
@@ -71,6 +125,14 @@ def run_command(name: str, argv: list[str]) -> int:
         with contextlib.suppress(OSError):  # stderr may be the closed pipe too
             print(f"m3-eagle {name}: output closed by its reader (broken pipe)", file=sys.stderr)
         return 128 + signal.SIGPIPE
+    except OSError as error:
+        if output is None or error is not output.error:  # the sub-command's own (a file it read)
+            raise
+        _discard_stdout()
+        with contextlib.suppress(OSError):
+            print(f"m3-eagle {name}: its output could not be written to stdout ({error.strerror or error})",
+                  file=sys.stderr)
+        return 1
 
 
 def _discard_stdout() -> None:

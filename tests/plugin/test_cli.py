@@ -1,6 +1,7 @@
 """The `m3-eagle` dispatcher (`m3_eagle_plugin.cli`): what an interrupted sub-command leaves."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -95,3 +96,49 @@ def test_output_whose_reader_has_gone_is_one_line_and_141(unbuffered):
         os.close(write_end)
     assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
     assert proc.stderr == "m3-eagle probe: output closed by its reader (broken pipe)\n"
+
+
+FULL_PROBE = """import sys, types
+from m3_eagle_plugin import cli
+probe = types.ModuleType("probe")
+probe.add_arguments = lambda parser: None
+def main(args):
+    if sys.argv[1] == "own":
+        open("/nonexistent-dir/input.json")
+    if sys.argv[1] == "notice":
+        print("m3-eagle probe: a notice for stderr", file=sys.stderr)
+    print('{"outputs": [[1, 2, 3]]}')
+probe.main = main
+sys.modules["probe"] = probe
+cli.COMMANDS["probe"] = ("probe", "probe")
+sys.exit(cli.main(["probe"]))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "unbuffered"])
+def test_output_that_cannot_be_written_is_one_line_and_1(unbuffered):
+    """`m3-eagle run --json > FILE` on a full disk: an OSError traceback (exit 1), with stdout buffered
+    followed by an "Exception ignored" at exit (120). An OSError of the sub-command's own stays a
+    traceback, not blamed on the output."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-c", FULL_PROBE, "output"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=60)
+        assert (proc.returncode, proc.stderr) == (1, "m3-eagle probe: its output could not be written to stdout "
+                                                     "(No space left on device)\n")
+        proc = subprocess.run([sys.executable, "-c", FULL_PROBE, "own"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.startswith("Traceback")
+    assert proc.stderr.rstrip().endswith("No such file or directory: '/nonexistent-dir/input.json'")
+
+
+def test_with_stderr_closed_the_lines_meant_for_it_stay_out_of_stdout():
+    """`m3-eagle run --json 2>&-`: Python's sys.stderr is None and print(file=None) writes to stdout, so
+    the default-prompt notice came first on stdout, before the one JSON object."""
+    proc = subprocess.run([sys.executable, "-c", FULL_PROBE, "notice"], stdout=subprocess.PIPE, text=True,
+                          timeout=60, preexec_fn=lambda: os.close(2))
+    assert proc.returncode == 0
+    assert json.loads(proc.stdout) == {"outputs": [[1, 2, 3]]}  # the whole of stdout is the one JSON object

@@ -189,6 +189,26 @@ def test_prompts_file_errors_name_the_files_line_counting_blank_lines(tmp_path):
     assert errors[1].startswith(f"{path}:4: not JSON") and errors[2] == f"{path}:6: expected a JSON list of token ids"
 
 
+def test_prompts_file_lines_are_counted_as_grep_n_counts_them(tmp_path):
+    """A text prompt written by json.dumps(..., ensure_ascii=False) keeps U+2028 raw, and a form feed or
+    NEL may sit in a line: str.splitlines split the line there, so a 4-line file gave 5 prompts and the
+    bad line 3 (grep -n's number) was named as line 4. "\r\n" and a lone "\r" still end a line."""
+    import re
+
+    from m3_eagle_plugin.host.reference.cli import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    text = '[1, 2]\r\n"first\u2028second\x85third"\n[3,\x0c 4]\r[1, x]\n\n[5]\n'
+    path.write_bytes(text.encode("utf-8"))
+    bad_line = next(n for n, line in enumerate(re.split(r"\r\n|\r|\n", text), start=1) if "x]" in line)
+    assert bad_line == 4
+    prompts, errors = read_prompts(_args("--prompts", str(path)))
+    assert prompts == [[1, 2], "first\u2028second\x85third", None, None, [5]]
+    assert errors[0] is None and errors[4] is None
+    assert errors[1] == f"{path}:2: expected a JSON list of token ids"
+    assert errors[2].startswith(f"{path}:3: not JSON") and errors[3].startswith(f"{path}:{bad_line}: not JSON")
+
+
 def test_a_batch_of_prompts_on_one_line_is_named_as_such(tmp_path):
     """One line holding every prompt ([[1, 2], [3]]) failed per request as "token ids must be ints";
     an empty list and a list of ids stay prompts (they fail, or run, as any other)."""
@@ -408,3 +428,22 @@ def test_a_prompt_with_an_integer_too_long_to_read_fails_alone_naming_its_line(t
     assert prompts == [[1, 2], None, [3]]
     assert errors[0] is None and errors[2] is None
     assert errors[1].startswith(f"{path}:2: not read as JSON (Exceeds the limit (4300 digits)")
+
+
+def test_json_is_the_only_stdout_when_building_the_run_prints(tiny_pair, capsys, monkeypatch):
+    """DESIGN: `--json` prints one JSON object on stdout. Building the plugin manager imports third-party
+    plugins, and one that imports TensorRT-LLM prints its version line on stdout: it goes to stderr."""
+    from m3_eagle_plugin import registry
+
+    real = registry.get_plugin_manager
+
+    def printing_manager(*args, **kwargs):
+        print("[TensorRT-LLM] TensorRT-LLM version: 1.3.0rc24")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "get_plugin_manager", printing_manager)
+    target, _ = tiny_pair
+    assert main(["run", "--model", str(target), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)["outputs"][0]) == 2
+    assert "[TensorRT-LLM] TensorRT-LLM version: 1.3.0rc24" in err

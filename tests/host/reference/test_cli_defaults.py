@@ -104,3 +104,20 @@ def test_every_default_the_help_states_is_the_parsers():
     for option, word in stated.items():
         value = defaults[option.lstrip("-").replace("-", "_")]
         assert word == str(value) or float(word) == value, (option, word, value)
+
+
+@pytest.mark.parametrize("option", ["--model", "--draft", "--prompts"])
+def test_an_empty_path_is_refused_by_its_option_not_read_as_the_current_directory(tiny_pair, capsys, monkeypatch,
+                                                                                  option):
+    """`--draft "$DRAFT"` with DRAFT unset, run from inside an Eagle3 head's directory: the head there was
+    loaded without a word (Path("") is "."); an empty --prompts read "." ("Is a directory")."""
+    target, draft = tiny_pair
+    monkeypatch.chdir(draft if option == "--draft" else target)
+    argv = {"--model": ["--model", ""], "--draft": ["--model", str(target), "--draft", ""],
+            "--prompts": ["--model", str(target), "--prompts", ""]}[option]
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(capsys, *argv, "--max-new-tokens", "2", "--json")
+    out, err = capsys.readouterr()
+    assert (exit_.value.code, out) == (2, "")
+    assert err.endswith(f"m3-eagle run: error: argument {option}: an empty path (give a path, or leave the option "
+                        "out)\n")

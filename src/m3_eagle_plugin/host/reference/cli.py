@@ -10,6 +10,7 @@ none did, 2 for bad arguments or setup errors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -35,13 +36,16 @@ FORCED_NOTE = ("forced acceptance: up to {n} drafts per verify step (those propo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="MiniMax-M3 target checkpoint directory (HF layout)")
-    parser.add_argument("--draft", default=None, help="Eagle3 head checkpoint directory (omit: target only)")
+    parser.add_argument("--model", required=True, type=_path,
+                        help="MiniMax-M3 target checkpoint directory (HF layout)")
+    parser.add_argument("--draft", default=None, type=_path,
+                        help="Eagle3 head checkpoint directory (omit: target only)")
     parser.add_argument("--draft-len", type=int, default=3, help="draft tokens per verify step (default 3)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt-ids", action="append", help="comma-separated token ids of one prompt (repeatable; "
                         f"with neither this nor --prompts: {','.join(map(str, DEFAULT_PROMPT))})")
-    source.add_argument("--prompts", type=Path, help="JSON-lines file: one list of token ids per line")
+    source.add_argument("--prompts", type=lambda text: Path(_path(text)),
+                        help="JSON-lines file: one list of token ids per line")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt, at most (default 32)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
@@ -69,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proposer", choices=["default", "prompt-lookup"], default="default",
                         help="default: the m3_eagle_propose_drafts plugin hook, else the Eagle3 head")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _path(text: str) -> str:
+    """A path option's value; an empty one (`--draft "$UNSET"`) is refused, not read as the current
+    directory (Path("") is "."), whose checkpoint was loaded without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (give a path, or leave the option out)")
+    return text
 
 
 def _forced_count(text: str) -> int | float:
@@ -114,7 +126,9 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
         print(f"m3-eagle run: no --prompt-ids or --prompts: generating from the prompt "
               f"{','.join(map(str, DEFAULT_PROMPT))}", file=sys.stderr)
         return [list(DEFAULT_PROMPT)], [None]
-    for n, line in enumerate(_read_prompts_file(args.prompts).splitlines(), start=1):  # FILE:N counts blank lines
+    # FILE:N counts blank lines; split at "\n" only (read_text already made "\r\n" and "\r" one), as editors and
+    # grep -n count: splitlines also splits at U+2028, \x85 or \x0c inside a line, shifting every later N
+    for n, line in enumerate(_read_prompts_file(args.prompts).split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -247,6 +261,16 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """With --json, stdout holds the one JSON object: what else is printed there meanwhile (a third-party
+    plugin's import of TensorRT-LLM prints its version line) goes to stderr."""
+    out = sys.stdout
+    if not args.json or out is None:
+        return _main(args, out)
+    with contextlib.redirect_stdout(sys.stderr):
+        return _main(args, out)
+
+
+def _main(args: argparse.Namespace, out) -> int:
     import torch
 
     from m3_eagle_plugin.host.reference.build import DTYPES, blocks_for_prompts, build_engine
@@ -319,27 +343,27 @@ def main(args: argparse.Namespace) -> int:
         bar.close()
         partial = getattr(error, "partial_result", None)
         if partial is not None and any(partial.outputs):
-            _write_report(partial, parse_errors, num_blocks, engine, args)
+            _write_report(partial, parse_errors, num_blocks, engine, args, out)
             print("m3-eagle run: stopped before every request finished; the outputs above are the requests that "
                   "had finished", file=sys.stderr)
         raise
     bar.close()
-    _write_report(result, parse_errors, num_blocks, engine, args)
+    _write_report(result, parse_errors, num_blocks, engine, args, out)
     return 0 if any(e is None for e in result.errors) else 1
 
 
-def _write_report(result, parse_errors: list, num_blocks: int, engine, args) -> None:
+def _write_report(result, parse_errors: list, num_blocks: int, engine, args, out) -> None:
     for n, error in enumerate(parse_errors):
         if error is not None:
             result.errors[n] = error
     report = result.as_dict()
     report["kv_blocks"] = int(num_blocks)
     report["kv_blocks_free_after"] = int(engine.cache.num_free_blocks)
-    if sys.stdout is None:  # started with stdout closed (`>&-`): nothing to write to, as for print()
+    if out is None:  # started with stdout closed (`>&-`): nothing to write to, as for print()
         return
     if args.json:
-        json.dump(report, sys.stdout)
-        sys.stdout.write("\n")
+        json.dump(report, out)
+        out.write("\n")
     else:
-        _report_text(report, sys.stdout)
-    sys.stdout.flush()
+        _report_text(report, out)
+    out.flush()
