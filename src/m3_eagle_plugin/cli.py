@@ -49,6 +49,14 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def path_option(text: str) -> str:
+    """argparse type of a path option: an empty value (`--draft "$UNSET"`) is refused, not read as the
+    current directory (Path("") is "."), whose checkpoint or source tree was used without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (give a path, or leave the option out)")
+    return text
+
+
 @contextlib.contextmanager
 def _stderr_open() -> Iterator[None]:
     """Started with stderr closed (`2>&-`), Python's sys.stderr is None and `print(..., file=sys.stderr)`

@@ -16,10 +16,12 @@ import json
 import sys
 from typing import Any
 
+from m3_eagle_plugin.cli import path_option
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--host-source", metavar="DIR", default=None,
+    parser.add_argument("--host-source", metavar="DIR", default=None, type=path_option,
                         help="statically check a TensorRT-LLM source tree for every host symbol the adapter uses")
 
 

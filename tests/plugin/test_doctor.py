@@ -350,3 +350,11 @@ def test_a_plugin_manager_that_cannot_be_built_is_reported_not_a_crash(clean_sta
         assert data["plugins"] == [{"error": "RuntimeError: manager exploded"}]
     else:
         assert "manager exploded" in out
+
+
+def test_an_empty_host_source_is_refused_not_checked_as_the_current_directory(capsys):
+    """`--host-source "$UNSET"`: Path("") is ".", which was checked as the source tree without a word."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["doctor", "--host-source", ""])
+    assert exit_.value.code == 2
+    assert "argument --host-source: an empty path" in capsys.readouterr().err

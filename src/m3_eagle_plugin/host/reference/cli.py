@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from m3_eagle_plugin.cli import path_option
+
 __all__ = ["add_arguments", "main", "read_prompts"]
 
 #: The prompt `m3-eagle run` generates from when given neither --prompt-ids nor --prompts.
@@ -36,15 +38,15 @@ FORCED_NOTE = ("forced acceptance: up to {n} drafts per verify step (those propo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, type=_path,
+    parser.add_argument("--model", required=True, type=path_option,
                         help="MiniMax-M3 target checkpoint directory (HF layout)")
-    parser.add_argument("--draft", default=None, type=_path,
+    parser.add_argument("--draft", default=None, type=path_option,
                         help="Eagle3 head checkpoint directory (omit: target only)")
     parser.add_argument("--draft-len", type=int, default=3, help="draft tokens per verify step (default 3)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt-ids", action="append", help="comma-separated token ids of one prompt (repeatable; "
                         f"with neither this nor --prompts: {','.join(map(str, DEFAULT_PROMPT))})")
-    source.add_argument("--prompts", type=lambda text: Path(_path(text)),
+    source.add_argument("--prompts", type=lambda text: Path(path_option(text)),
                         help="JSON-lines file: one list of token ids per line")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt, at most (default 32)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
@@ -73,14 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proposer", choices=["default", "prompt-lookup"], default="default",
                         help="default: the m3_eagle_propose_drafts plugin hook, else the Eagle3 head")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-
-
-def _path(text: str) -> str:
-    """A path option's value; an empty one (`--draft "$UNSET"`) is refused, not read as the current
-    directory (Path("") is "."), whose checkpoint was loaded without a word."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path (give a path, or leave the option out)")
-    return text
 
 
 def _forced_count(text: str) -> int | float:
