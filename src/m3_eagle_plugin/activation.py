@@ -212,6 +212,7 @@ def _judge_host(report: ActivationReport, force: bool | None = None) -> tuple[An
 
 def _evaluate(mode: str, report: ActivationReport) -> None:
     """Fill `report` and activate; raises ActivationError (require) or returns with ok=False (auto)."""
+    global _active
     from m3_eagle_plugin.manifest import DEFER
 
     manifest, installed, version, force, verdict = _judge_host(report)
@@ -237,9 +238,11 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
 
     from m3_eagle_plugin.host import trtllm as adapter
 
-    installed_report = dict(adapter.install() or {})
-    history, recorded = None, 0
+    history, recorded, installing = None, 0, True
     try:
+        answer = adapter.install()
+        installing = False
+        installed_report = dict(answer or {})
         report.patches = list(installed_report.get("patches", planned))
         if installed_report.get("models"):
             report.components["registered_models"] = installed_report["models"]
@@ -250,7 +253,10 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
         history = getattr(host_ready, "_call_history", None)
         recorded = len(history) if history is not None else 0
         host_ready.call_historic(kwargs={"host": manifest.host.package, "report": report})
+        _active = report  # here, not in the caller: an interrupt in between would leave the host unrecorded
     except BaseException as exc:  # e.g. another plugin's host_ready hook: leave the host as it was found
+        if installing and isinstance(exc, Exception):  # install() failing is all-or-nothing itself; an
+            raise  # interrupt raised as it returns (a pending Ctrl-C) left it applied
         try:
             _undo_install(adapter, report, history, recorded)
         except Exception as undo_exc:  # noqa: BLE001 - named together with the failure that caused the undo
@@ -335,7 +341,6 @@ def activate(mode: str | None = None) -> ActivationReport:
         if report.activated:
             from m3_eagle_plugin.manifest import UNTESTED  # loaded by _evaluate already
 
-            _active = report
             _logged = False  # a refusal logged before (e.g. before the config key set FORCE) no longer holds
             _log_once(
                 f"activated m3-eagle-plugin {__version__} ({resolved}) on {report.host} {report.host_version} "

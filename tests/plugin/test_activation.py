@@ -596,3 +596,48 @@ def test_an_explicit_auto_that_is_refused_is_exported_too(active_env, monkeypatc
     importlib.import_module("tensorrt_llm")  # the bootstrap decides too: the same refusal, not a raise
 
     assert m3_eagle_plugin.activate() is report and installs == []
+
+
+def test_an_interrupt_as_install_returns_takes_the_patches_out(active_env, monkeypatch):
+    """A Ctrl-C raised as the adapter's install() returns (CPython raises a pending signal there): the
+    host was patched, but nothing recorded or undid it: status() said not activated over a patched
+    host. The patches come out again before the interrupt goes on, and a later activation starts
+    clean."""
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    import m3_eagle_plugin.host.trtllm as adapter
+
+    def install_then_interrupted():
+        installs.append(1)
+        raise KeyboardInterrupt
+
+    installed = adapter.install
+    monkeypatch.setattr(adapter, "install", install_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        m3_eagle_plugin.activate("auto")
+    assert installs == [1, -1] and not m3_eagle_plugin.status().activated
+    monkeypatch.setattr(adapter, "install", installed)
+    assert m3_eagle_plugin.activate("auto").activated and installs == [1, -1, 1]
+
+
+def test_an_interrupt_after_the_install_completed_keeps_the_activation_recorded(active_env, hermetic_manager,
+                                                                               monkeypatch):
+    """A Ctrl-C after every plugin heard the host is ready (while the mode is exported): the host stays
+    patched, so the activation must stay recorded. It was not: status() said not activated over a
+    patched host, and the next activate() installed again and told every host_ready plugin twice."""
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    seen = []
+    hermetic_manager.register(_host_ready_listener(seen), name="listener")
+    exported = activation._export_mode
+
+    def interrupted(mode, resolved):
+        monkeypatch.setattr(activation, "_export_mode", exported)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(activation, "_export_mode", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        m3_eagle_plugin.activate("auto")
+    report = m3_eagle_plugin.status()
+    assert report.activated and installs == [1] and len(seen) == 1
+    assert m3_eagle_plugin.activate("auto") is report and installs == [1] and len(seen) == 1
