@@ -133,6 +133,31 @@ def test_a_failure_while_collecting_patches_is_reported(host, monkeypatch):
     assert report["installed"] is False and "hook exploded" in (report["error"] or "")
 
 
+def test_a_host_module_failing_to_import_is_named_not_blamed_on_the_patch_hooks(tmp_path):
+    """A host module that exists but raises on import (flashinfer against a mismatched CUDA driver):
+    install() said "collecting host patches failed", the plugin hooks' message; it names the import of
+    the host and the symbol it was looking up, with nothing patched."""
+    from .conftest import _activate, _deactivate
+    from .fakehost import build_fake_host
+
+    root = build_fake_host(tmp_path)
+    fmha = root / "tensorrt_llm/_torch/attention/backends/fmha/flashinfer_trtllm_gen.py"
+    fmha.write_text('raise RuntimeError("CUDA driver version is insufficient")\n' + fmha.read_text())
+    _activate(root)
+    try:
+        with pytest.raises(adapter.HostPatchError) as caught:
+            adapter.install()
+        message = str(caught.value)
+        assert "collecting host patches" not in message
+        for needle in ("importing the host failed", "_is_supported_with_reason",
+                       "fmha.flashinfer_trtllm_gen", "CUDA driver version is insufficient"):
+            assert needle in message
+        report = adapter.report()
+        assert report["installed"] is False and report["bindings"] == [] and report["error"] == message
+    finally:
+        _deactivate(root)
+
+
 def test_uninstall_clears_the_unified_draft_kv_marks_even_when_reverting_fails(monkeypatch):
     """A failed revert used to skip clearing the marks (they keep the marked spec configs alive, and a
     later install would answer "unified" for them); the revert's error still reaches the caller."""

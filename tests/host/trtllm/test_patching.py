@@ -78,6 +78,25 @@ def test_failure_midway_reverts_everything(host):
     assert not engine.applied
 
 
+def test_a_target_module_failing_to_import_is_named_and_recorded(current_host, tmp_path, monkeypatch):
+    """Another plugin's patch whose module exists but raises on import (a shared library that will not
+    load): the raw OSError escaped apply() naming neither the patch nor the module, and report() said
+    `error: None`. It is a HostPatchError naming both, recorded, with nothing patched."""
+    (tmp_path / "m3_test_unloadable_host_module.py").write_text(
+        'raise OSError("libnvinfer_plugin.so.10: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    unloadable = HostSymbol("unloadable", ("m3_test_unloadable_host_module",), "f", "function", used_by="test")
+    before = snapshot()
+    engine = PatchEngine()
+    with pytest.raises(HostPatchError) as caught:
+        engine.apply([*builtin_patches(), Patch("another-plugins-patch", unloadable, _tagging)])
+    message = str(caught.value)
+    for needle in ("another-plugins-patch", "m3_test_unloadable_host_module", "OSError", "libnvinfer_plugin"):
+        assert needle in message
+    assert engine.report()["error"] == message and engine.report()["applied"] is False
+    assert all(snapshot()[k] is before[k] for k in before)
+
+
 def test_signature_mismatch_is_refused(host):
     sym = symbol("separate_draft_kv_predicate")
     wrong = HostSymbol(sym.key, sym.modules, sym.attribute, sym.kind, ("config",), "test")
@@ -164,6 +183,38 @@ def test_revert_leaves_a_later_rebinding_alone(host):
     notes = engine.revert()["revert_notes"]
     assert interface.should_use_separate_draft_kv_cache is someone_else
     assert any("should_use_separate_draft_kv_cache" in n for n in notes)
+
+
+def test_revert_under_a_later_wrapper_says_the_patch_still_runs_and_finishes_once_it_is_gone(current_host):
+    """Another library wrapping the patched definer after us (functools.wraps) keeps our wrapper running
+    inside theirs: revert may not report the host clean (it did, and M3 still got the plugin's manager,
+    and a later apply blamed a "double activation"); it keeps the binding and a later revert restores it."""
+    from types import SimpleNamespace
+
+    from tensorrt_llm._torch.attention.backends.sparse import registry
+
+    before = snapshot()
+    m3 = SimpleNamespace(algorithm="minimax_m3")
+    host_answer = registry.get_sparse_attn_kv_cache_manager(m3)
+    engine = PatchEngine()
+    engine.apply(builtin_patches())
+    ours = registry.get_sparse_attn_kv_cache_manager
+
+    @functools.wraps(ours)
+    def theirs(*args, **kwargs):
+        return ours(*args, **kwargs)
+
+    registry.get_sparse_attn_kv_cache_manager = theirs
+    assert theirs(m3) is not host_answer  # our wrapper still answers through theirs
+    with pytest.raises(HostPatchError, match="get_sparse_attn_kv_cache_manager is still patched"):
+        engine.revert()
+    assert len(engine.report()["still_patched"]) == 1
+    with pytest.raises(HostPatchError, match="incomplete rollback"):
+        engine.apply(builtin_patches())
+    registry.get_sparse_attn_kv_cache_manager = ours  # the other library unwraps
+    assert engine.revert()["still_patched"] == []
+    assert all(snapshot()[k] is before[k] for k in before)
+    assert registry.get_sparse_attn_kv_cache_manager(m3) is host_answer
 
 
 def test_concurrent_apply_patches_once(current_host):

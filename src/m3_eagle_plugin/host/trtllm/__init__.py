@@ -89,6 +89,10 @@ def _preflight() -> None:
             resolve_owner(sym)
         except HostSymbolMissing as exc:
             missing.append(str(exc))
+        except Exception as exc:  # a host module that exists but fails to import (a CUDA library, flashinfer)
+            raise HostPatchError(f"importing the host failed while looking up {sym.attribute!r} ({sym.key}) in "
+                                 f"{' | '.join(sym.modules)}: {type(exc).__name__}: {exc} (nothing was patched)"
+                                 ) from exc
     if missing:
         raise HostPatchError("the installed host lacks symbols the adapter needs (nothing was patched): "
                              + "; ".join(missing))

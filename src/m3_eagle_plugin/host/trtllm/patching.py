@@ -11,6 +11,7 @@ stays patched and why.
 """
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -106,9 +107,21 @@ def _reads_through(owner: Any, name: str, original: Any) -> bool:
         return False
 
 
+def _wraps(outer: Any, inner: Any) -> bool:
+    """True when `inner` is reached from `outer` through `__wrapped__` links (what `functools.wraps` sets)."""
+    try:
+        return inspect.unwrap(outer, stop=lambda f: f is inner) is inner
+    except ValueError:  # a `__wrapped__` cycle
+        return False
+
+
 def _restore(binding: _Binding, notes: list[str]) -> None:
     current = vars(binding.owner).get(binding.name) if hasattr(binding.owner, "__dict__") else None
     if current is not binding.replacement:
+        if current is not None and _wraps(current, binding.replacement):
+            # restoring the original would drop their wrapper; leaving it keeps ours running inside theirs
+            raise HostPatchError(f"wrapped since by {current!r}, which still calls the plugin's wrapper; "
+                                 "revert again once that wrapper is removed")
         notes.append(f"{binding.label} was re-bound by someone else; left as is")
         return
     if binding.had_own:
@@ -136,6 +149,16 @@ def _roll_back(undos: Sequence[_Undo], bindings: Sequence[_Binding], notes: list
             failures.append(f"{binding.patch_id}: {binding.label} is still patched: restoring it raised "
                             f"{type(exc).__name__}: {exc}")
     return _Rollback(left_undos[::-1], left_bindings[::-1], failures)
+
+
+def _resolved_owner(patch: Patch, sym: HostSymbol) -> Any:
+    try:
+        return resolve_owner(sym)[1]
+    except HostSymbolMissing as exc:
+        raise HostPatchError(f"patch {patch.id!r}: {exc}") from None
+    except Exception as exc:  # a host module that exists but fails to import (a CUDA library, say)
+        raise HostPatchError(f"patch {patch.id!r}: importing {' | '.join(sym.modules)} for {sym.attribute!r} "
+                             f"failed: {type(exc).__name__}: {exc}; nothing was patched") from exc
 
 
 def _check_unchanged_since_plan(binding: _Binding) -> None:
@@ -276,10 +299,7 @@ class PatchEngine:
         seen: dict[tuple[int, str], str] = {}  # (id(owner), name) -> id of the patch binding it
         wrapped: dict[int, str] = {}  # id(original) -> id of the patch wrapping it
         for patch in patches:
-            try:
-                _, owner = resolve_owner(patch.target)
-            except HostSymbolMissing as exc:
-                raise HostPatchError(f"patch {patch.id!r}: {exc}") from None
+            owner = _resolved_owner(patch, patch.target)
             name = patch.target.name
             original, had_own = _owner_value(owner, name)
             first = seen.get((id(owner), name), wrapped.get(id(original)))
@@ -304,10 +324,7 @@ class PatchEngine:
             seen[(id(owner), name)] = patch.id
             wrapped[id(original)] = patch.id
             for rebind in patch.rebinds:
-                try:
-                    _, rowner = resolve_owner(rebind)
-                except HostSymbolMissing as exc:
-                    raise HostPatchError(f"patch {patch.id!r}: {exc}") from None
+                rowner = _resolved_owner(patch, rebind)
                 if (id(rowner), rebind.name) in seen:
                     continue
                 if _reads_through(rowner, rebind.name, original):
