@@ -673,3 +673,33 @@ def test_run_kernel_suite_rounds_reach_the_dense_peer_row(monkeypatch, fresh_imp
     assert row["ours_rounds_us"] == [1.0, 5.0, 3.0] and row["graph_us"] == 3.0
     assert row["vs_flashinfer"] == pytest.approx(6.0 / 3.0) and row["meets_goal"] is False
     assert row["pct_of_floor"] == pytest.approx(100.0 * 2.0 / 3.0)
+
+
+def test_a_flashinfer_call_timed_eagerly_is_compared_with_our_eager_time(monkeypatch, fresh_import_status):
+    """FlashInfer's call not graph-capturable (`time_peer_us` falls back to eager): its eager time
+    over our graph-replayed time (30 / 1 here) says nothing but host overhead. The ratio pairs one
+    mode: its eager time over ours, the pair timed side by side (8 / 5), and --rounds does not
+    pair our graph timings with its eager ones."""
+    from m3_eagle_plugin.bench import kernel_suite as ks
+
+    _install_fake(monkeypatch)
+
+    def ours_kernel():
+        return None
+
+    monkeypatch.setattr(ks, "_kernel_thunks", lambda name, step, geo: (ours_kernel, lambda: None))
+    monkeypatch.setattr(ks, "_bytes", lambda *a: (1000, 0))
+    monkeypatch.setattr(ks, "time_eager_us", lambda thunks, **kw: 5.0 if thunks[0] is ours_kernel else 8.0)
+    monkeypatch.setattr(ks, "time_graph_us", lambda thunks, **kw: 1.0)
+    monkeypatch.setattr(fp, "time_peer_us", lambda thunks, device: (30.0, "eager", "not graph-capturable (x)"))
+    rows = run_kernel_suite([(2, 16)], [3], ["sparse_attn"], GEO, kv_dtype=torch.float32, index_dtype=torch.float32,
+                            q_dtype=torch.float32, device=torch.device("cpu"), ceiling_gbps=1.0, num_sets=2,
+                            check=False, time_reference=False, flashinfer="auto", rounds=3, log=lambda _: None)
+    (row,) = rows
+    assert row["flashinfer_timing"] == "eager" and row["graph_us"] == 1.0 and "ours_rounds_us" not in row
+    assert (row["eager_us"], row["flashinfer_us"]) == (5.0, 8.0)
+    assert row["vs_flashinfer"] == pytest.approx(8.0 / 5.0) == row["vs_flashinfer_eager"]
+
+    monkeypatch.setattr(fp, "time_peer_us", lambda thunks, device: (30.0, "eager", None))
+    alone = flashinfer_fields("sparse_attn", _steps(22), 2, fp.FlashInferPeer(), graph_us=1.0, eager_us=20.0)
+    assert alone["vs_flashinfer"] == pytest.approx(30.0 / 20.0)  # no eager pairs: the row's eager time

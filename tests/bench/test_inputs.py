@@ -73,3 +73,17 @@ def test_correlated_queries_keep_unit_variance_and_share_the_base():
     first, second = pairs[:, 0].flatten(), pairs[:, 1].flatten()
     corr = float(torch.corrcoef(torch.stack([first, second]))[0, 1])
     assert abs(corr - c * c) < 0.02
+
+
+def test_a_token_seeing_at_most_topk_blocks_selects_them_all_as_a_top_k_does():
+    """Verify tokens 14, 15, 16 of a 17-token context (block 8, top-4): token 16 sees blocks 0-2,
+    which a top-4 selects whatever the scores; the shared selection gave it [0, 2] (its base set
+    is drawn from the blocks before the request's first local block only)."""
+    from m3_eagle_plugin.bench import torch_reference as ref
+
+    for seed in range(3):
+        step = make_step(2, 17, 3, GEO, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
+                         device="cpu", seed=seed)
+        topk = ref.select_blocks(step["index_q"], step["cache"].index_k, step["meta"], topk=GEO.topk)
+        assert torch.equal(step["selection"], topk)
+        assert step["selection"][0, 2].tolist() == [0, 1, 2, -1]

@@ -265,3 +265,30 @@ def test_the_dense_peer_alone_builds_no_config_inputs(monkeypatch):
                                          kv_dtype=torch.bfloat16, index_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
                                          device=torch.device("cpu"), ceiling_gbps=1.0, log=lambda msg: None)
     assert rows == [peer_row] and built == []
+
+
+def test_a_rows_byte_floor_is_the_mean_over_the_input_sets_it_times(monkeypatch):
+    """graph_us is the time per call of calls rotating through every input set, and a step's own
+    top-k selects unions of another size in each set: the row's floor must be the sets' mean
+    (per-set hand tally here: 4992, 4480, 4992 bytes), not set 0's alone (4992)."""
+    from m3_eagle_plugin.bench import kernel_suite as ks, torch_reference as ref
+    from m3_eagle_plugin.msa.kernels import index_select
+
+    geo = Geometry(q_heads=2, kv_heads=1, head_dim=8, index_heads=1, index_dim=8, block=4, topk=2)
+    monkeypatch.setattr(ks, "_kernel_thunks", lambda name, step, g: (lambda: None, lambda: None))
+    monkeypatch.setattr(ks, "time_eager_us", lambda thunks, **kw: 1.0)
+    monkeypatch.setattr(ks, "time_graph_us", lambda thunks, **kw: 1.0)
+    monkeypatch.setattr(index_select, "select_blocks_verify",  # the kernel's twin, on CPU
+                        lambda iq, ik, meta, *, topk, **kw: ref.select_blocks(iq, ik, meta, topk=topk))
+    steps = ks.StepSet(2, 37, geo, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
+                       device=torch.device("cpu"), num_sets=3, seed=0)
+    row = ks.run_case("sparse_step", steps, 3, ceiling_gbps=1.0, check=False, time_reference=False)
+    tallies = []
+    for s in range(3):
+        st = steps.step(s, 3)
+        sel = ref.select_blocks(st["index_q"], st["cache"].index_k, st["meta"], topk=geo.topk)
+        tallies.append(tally_bytes("sparse_step", [3, 3], [37, 37], sel, geo, q_elem=4, kv_elem=4, index_elem=4))
+    assert len(set(tallies)) > 1  # the sets really differ here
+    assert row["bytes"] == pytest.approx(sum(b for b, _ in tallies) / 3)
+    assert row["union_blocks"] == pytest.approx(sum(u for _, u in tallies) / 3)
+    assert row["floor_us"] == pytest.approx(row["bytes"] / 1e3)

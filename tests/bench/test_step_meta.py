@@ -52,3 +52,18 @@ def test_a_block_table_for_other_requests_is_refused():
         build_step_meta([4, 1], [18, 33], tables, 16)
     with pytest.raises(ValueError, match=r"request 1: need 1 <= qo_len <= kv_len"):
         build_step_meta([1, 4], [3, 3], torch.tensor([[0], [1]], dtype=torch.int32), 16)
+
+
+def test_a_table_that_does_not_map_a_requests_kv_is_refused_naming_it():
+    """Request 1's 20 tokens need 2 blocks of 16: a -1 entry among them gave cache slots -14 and -13
+    (page -1) without a word, and a one-column table a bare IndexError. Refused as
+    MsaDecodeMetadata.prepare refuses the same host tables."""
+    import pytest
+
+    unmapped = torch.tensor([[4, -1], [0, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^request 1: block_tables has an unmapped page \(< 0\) among its first 2$"):
+        build_step_meta([1, 2], [3, 20], unmapped, 16)
+    with pytest.raises(ValueError, match=r"^request 1: kv_len 20 needs 2 blocks, block_tables has 1$"):
+        build_step_meta([1, 2], [3, 20], torch.tensor([[4], [0]], dtype=torch.int32), 16)
+    ok = build_step_meta([1, 2], [3, 20], torch.tensor([[4, -1], [0, 7]], dtype=torch.int32), 16)
+    assert ok.cache_slots.tolist() == [4 * 16 + 2, 7 * 16 + 2, 7 * 16 + 3]  # positions 2 and 18, 19

@@ -90,7 +90,8 @@ def verify_queries(num_requests: int, qo_len: int, heads: int, dim: int, dtype, 
 
 def shared_selection(meta: StepMeta, geo: Geometry, generator: torch.Generator) -> torch.Tensor:
     """int32 `[Hkv, T, topk]` like the anchors' runs: a base set of topk-1 blocks per request, each
-    verify token swapping one of them for another visible block, plus its own local block."""
+    verify token swapping one of them for another visible block, plus its own local block; a token
+    that sees at most topk blocks selects all of them, as a top-k does."""
     kv_lens = meta.kv_lens.tolist()
     cu = meta.cu_qo_lens.tolist()
     num_tokens = meta.positions.shape[0]
@@ -110,6 +111,8 @@ def shared_selection(meta: StepMeta, geo: Geometry, generator: torch.Generator) 
                     if spare:
                         chosen[int(torch.randint(len(chosen), (1,), generator=generator))] = spare[0]
                 ids = sorted(set(chosen + [local]))[-geo.topk:]
+                if local < geo.topk:  # every visible block fits: a top-k selects them all
+                    ids = list(range(local + 1))
                 out[h, t, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     return out.to(meta.positions.device)
 

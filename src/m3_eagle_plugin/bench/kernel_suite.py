@@ -243,9 +243,17 @@ def _bytes(name: str, step: dict[str, Any], geo: Geometry, kv_dtype, index_dtype
                       index_dtype=index_dtype, selection=selection)
 
 
+def _mean(values) -> float | int:
+    """The mean, an int where it is one (every input set alike)."""
+    mean = statistics.fmean(values)
+    return int(mean) if mean.is_integer() else mean
+
+
 def run_case(name: str, steps: StepSet, qo_len: int, *, ceiling_gbps: float, check: bool = True,
              time_reference: bool = True, expects: dict | None = None) -> dict[str, Any]:
-    """One row; with `expects`, the torch reference's output is kept there under (name, qo_len)."""
+    """One row; with `expects`, the torch reference's output is kept there under (name, qo_len).
+    `bytes` and `union_blocks` are the means over the input sets, as the times are over calls
+    rotating through them (a step's own top-k selects unions of another size in each set)."""
     geo = steps.geo
     sets = [steps.step(s, qo_len) for s in range(len(steps.sets))]
     pairs = [_kernel_thunks(name, st, geo) for st in sets]
@@ -265,7 +273,8 @@ def run_case(name: str, steps: StepSet, qo_len: int, *, ceiling_gbps: float, che
             kernels[0]()
             got = _kv_fields(msa_meta)
         row["error"] = _error(name, got, expect, sets[0], geo)
-    nbytes, union = _bytes(name, sets[0], geo, steps.kv_dtype, steps.index_dtype)
+    per_set = [_bytes(name, st, geo, steps.kv_dtype, steps.index_dtype) for st in sets]
+    nbytes, union = _mean([b for b, _ in per_set]), _mean([u for _, u in per_set])
     row["eager_us"] = time_eager_us(kernels)
     row["graph_us"] = time_graph_us(kernels)
     if time_reference:
@@ -294,12 +303,14 @@ def _set_vs_q1(by_q: dict[int, dict[str, Any]]) -> None:
 
 
 def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us: float,
-                      expects: dict | None = None, check: bool = True, rounds: int = 1,
-                      ours: Callable[[], float] | None = None,
+                      eager_us: float | None = None, expects: dict | None = None, check: bool = True,
+                      rounds: int = 1, ours: Callable[[], float] | None = None,
                       ours_eager: Callable[[], float] | None = None) -> dict[str, Any]:
     """FlashInfer's fields for one of our rows (same inputs, same input-set rotation): its time
     (graph-replayed when capturable), `vs_flashinfer` = its time / ours (> 1: we are faster), its
     check against the torch reference. Any failure becomes `flashinfer_error`; nothing raises.
+    Ratios pair times of one mode: a FlashInfer call that is not graph-capturable (timed eagerly)
+    is compared with our eager time (`eager_us`, or the eager pairs below), not with `graph_us`.
     With `ours_eager` (which times our kernel eagerly), both are also timed eagerly in
     max(1, `rounds`) alternating pairs right after the graph timings: `eager_us` (ours) and
     `flashinfer_eager_us` are the pairs' medians, `vs_flashinfer_eager` their ratio. An eager call
@@ -327,6 +338,7 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
     if name == "dense_attn":  # the wrapper as engines capture it, beside its plan-once form
         timed += [("flashinfer_graph_wrapper_us", "dense_attn_graph")]
     main = None
+    modes: dict[str, str] = {}
 
     def failed(what: str, exc: Exception) -> bool:
         """Record a failed FlashInfer call; True (and the peer broken) when it left CUDA unusable."""
@@ -341,7 +353,8 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
             if failed(op_name, exc):
                 break
             continue
-        if field == "flashinfer_us" and rounds > 1 and ours is not None:
+        modes[field] = how
+        if field == "flashinfer_us" and rounds > 1 and ours is not None and how != "eager":
             try:
                 mine, theirs = _paired_rounds(ours, lambda: time_peer_us([op.run for op in ops], steps.device)[0],
                                               rounds)
@@ -355,7 +368,7 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
         notes += [n for n in (ops[0].note, why) if n and n not in notes]
         if field == "flashinfer_us":
             main = ops[0]
-            fields.update(flashinfer_timing=how, flashinfer_api=main.api, vs_flashinfer=us / graph_us)
+            fields.update(flashinfer_timing=how, flashinfer_api=main.api)
             if ours_eager is not None:
                 try:
                     mine, theirs = _paired_rounds(ours_eager, lambda: time_eager_us([op.run for op in ops]),
@@ -365,8 +378,13 @@ def flashinfer_fields(name: str, steps: StepSet, qo_len: int, peer, *, graph_us:
                 else:
                     mine, theirs = statistics.median(mine), statistics.median(theirs)
                     fields.update(eager_us=mine, flashinfer_eager_us=theirs, vs_flashinfer_eager=theirs / mine)
-    if "flashinfer_graph_wrapper_us" in fields:
-        fields["vs_flashinfer_graph_wrapper"] = fields["flashinfer_graph_wrapper_us"] / graph_us
+                    if how == "eager":  # not capturable: the eager pair is the row's comparison
+                        fields["flashinfer_us"] = theirs
+    for field, ratio in (("flashinfer_us", "vs_flashinfer"),
+                         ("flashinfer_graph_wrapper_us", "vs_flashinfer_graph_wrapper")):
+        ours_us = fields.get("eager_us", eager_us) if modes.get(field) == "eager" else graph_us
+        if field in fields and ours_us:
+            fields[ratio] = fields[field] / ours_us
     if check and main is not None and not peer.broken:
         try:
             fields.update(_flashinfer_check(name, main, sets[0], steps.geo, expects or {}, qo_len))
@@ -434,7 +452,7 @@ def run_dense_peer(*, device, ceiling_gbps: float, num_sets: int, check: bool, t
         row["note"] = "FlashInfer not timed (unavailable or --flashinfer off)"
     else:
         row.update(flashinfer_fields("dense_attn", steps, p["qo_len"], peer, graph_us=row["graph_us"],
-                                     expects=expects, check=check, rounds=rounds,
+                                     eager_us=row["eager_us"], expects=expects, check=check, rounds=rounds,
                                      ours_eager=lambda s=steps: _time_ours("dense_attn", s, p["qo_len"], eager=True),
                                      ours=lambda s=steps: _time_ours("dense_attn", s, p["qo_len"])))
         _derive(row)
@@ -518,7 +536,8 @@ def run_kernel_suite(configs: list[tuple[int, int]], qo_lens: list[int], kernels
                 for name in (k for k in FLASHINFER_KERNELS if k in kernels):
                     for qo_len in qo_lens:
                         row, use = ours[(name, qo_len)]
-                        row.update(flashinfer_fields(name, use, qo_len, peer, graph_us=row["graph_us"], expects=expects,
+                        row.update(flashinfer_fields(name, use, qo_len, peer, graph_us=row["graph_us"],
+                                                     eager_us=row["eager_us"], expects=expects,
                                                      check=check, rounds=rounds,
                                                      ours_eager=lambda n=name, u=use, q=qo_len: _time_ours(n, u, q,
                                                                                                            eager=True),

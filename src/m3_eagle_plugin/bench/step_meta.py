@@ -43,6 +43,11 @@ def build_step_meta(qo_lens: Sequence[int], kv_lens: Sequence[int], block_tables
     for r, (qo, kv) in enumerate(zip(qo_lens, kv_lens)):
         if qo < 1 or kv < qo:
             raise ValueError(f"request {r}: need 1 <= qo_len <= kv_len, got qo={qo} kv={kv}")
+        blocks = -(-kv // block_size)
+        if blocks > tables.shape[1]:
+            raise ValueError(f"request {r}: kv_len {kv} needs {blocks} blocks, block_tables has {tables.shape[1]}")
+        if (tables[r, :blocks] < 0).any():  # else its cache slots came out negative, silently
+            raise ValueError(f"request {r}: block_tables has an unmapped page (< 0) among its first {blocks}")
         for t in range(qo):
             p = kv - qo + t
             positions.append(p)
