@@ -660,3 +660,60 @@ def _digest_or_error(call):
         return _digest(call())
     except Exception as error:  # noqa: BLE001 - what happened is the observation
         return f"{type(error).__name__}: {error}"
+
+
+# ----- disaggregation between tensor-parallel engines (each rank a TP2 context and generation engine) ----
+def tp_disagg_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out_dir: str) -> None:
+    """Both ranks run TP2 engines (target and Eagle3 head sharded). Every rank's cache has one
+    geometry, so only the cache's shard tag tells rank 0's KV heads from rank 1's: an engine
+    whose cache lacks it must be refused, a rank's own handoff must continue like the aggregated
+    TP2 run, and the other rank's handoff must be refused before its pages cross."""
+    import json as json_
+
+    from m3_eagle_plugin.eagle3.capture import AuxCapture
+    from m3_eagle_plugin.eagle3.checkpoint import load_draft
+    from m3_eagle_plugin.host.reference.engine import Engine, EngineConfig
+    from m3_eagle_plugin.models.loader import load_target
+    from m3_eagle_plugin.parallel.disagg import (continue_generation, export_handoff, import_handoff, recv_handoff,
+                                                 run_context_phase, send_handoff)
+    from m3_eagle_plugin.parallel.tp_model import shard_draft_head, shard_target
+
+    full = load_target(target_dir, dtype=torch.float32).eval()
+    target = shard_target(full, rank, world_size)
+    head = shard_draft_head(load_draft(draft_dir, full, dtype=torch.float32).eval(), rank, world_size)
+    cfg = target.config
+
+    def engine(shard):
+        cache = PagedKVCache.for_minimax_m3(cfg.num_layers, cfg.sparse_layer_ids, cfg.num_kv_heads, cfg.head_dim,
+                                            cfg.index_dim, cfg.block_size, NUM_BLOCKS, num_draft_layers=1,
+                                            draft_num_kv_heads=head.config.num_kv_heads, dtype=torch.float32,
+                                            shard=shard)
+        return Engine(target, cache, EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64),
+                      vocab_size=cfg.vocab_size, head=head, capture=AuxCapture(head.aux_layer_ids),
+                      num_index_heads=cfg.index_heads)
+
+    def clean(e) -> bool:
+        return (e.cache.num_free_blocks == e.cache.num_blocks and e.scheduler.admitted_blocks == 0
+                and not e.cache.allocator.request_ids)
+
+    seen: dict = {}
+    out = Path(out_dir) / f"tp_disagg_rank{rank}.json"
+    untagged = engine(None)
+    seen["untagged"] = _outcome(lambda: run_context_phase(untagged, DISAGG_PROMPTS, DISAGG_NEW))
+    seen["untagged clean"] = clean(untagged)
+    out.write_text(json_.dumps(seen))
+    seen["aggregated"] = engine((rank, world_size)).generate(DISAGG_PROMPTS, DISAGG_NEW).outputs
+    context = engine((rank, world_size))
+    handoffs = [export_handoff(context, r) for r in run_context_phase(context, DISAGG_PROMPTS, DISAGG_NEW)]
+    own = engine((rank, world_size))
+    seen["own"] = continue_generation(own, [import_handoff(own, h) for h in handoffs]).outputs
+    out.write_text(json_.dumps(seen))
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10))
+    other = engine((rank, world_size))
+    receive = lambda: recv_handoff(1 - rank, group, engine=other)  # noqa: E731
+    send = lambda: send_handoff(handoffs[0], 1 - rank, group)  # noqa: E731
+    steps = (("sent", send), ("received", receive))
+    for name, call in steps if rank == 0 else steps[::-1]:
+        seen[f"swapped {name}"] = _outcome(call)
+    seen["swapped clean"] = clean(other)
+    out.write_text(json_.dumps(seen))

@@ -40,3 +40,29 @@ def test_handoff_continues_like_an_aggregated_run(two_rank_run):
     # (greedy verification is lossless) but the Eagle3 head proposes something else
     assert rank1["control_outputs"] == aggregated
     assert rank1["control_drafts"] != rank1["drafts"]
+
+
+def test_tensor_parallel_engines_hand_off_only_their_own_ranks_kv_heads(tiny_pair, tmp_path_factory):
+    """Every TP2 rank's cache has one geometry, so rank 0's pages imported on rank 1 (a context rank
+    wired to the wrong generation rank) decoded other tokens than the aggregated run, every one after
+    the context server's first, without a word. An engine whose TP shard's cache does not say which
+    shard it holds is refused by name before it registers anything; one whose cache does continues
+    its own rank's handoff like the aggregated TP2 run and refuses the other rank's before its pages
+    cross."""
+    from ._spawn import ranks_evidence
+    from ._workers import tp_disagg_worker
+
+    ranks = ranks_evidence(tp_disagg_worker, tiny_pair, tmp_path_factory, "tp_disagg", timeout_s=25)
+    for rank, seen in enumerate(ranks):
+        assert seen["untagged"] == (f"HandoffError: the engine's target is rank {rank}'s shard of tensor-parallel "
+                                    f"size 2 but its cache says None: build the cache with shard=({rank}, 2), so a "
+                                    f"handoff's pages say whose KV heads they hold")
+        assert seen["untagged clean"]
+        assert [len(o) for o in seen["aggregated"]] == [DISAGG_NEW] * len(DISAGG_PROMPTS)
+        assert seen["own"] == seen["aggregated"]
+        assert seen["swapped received"].startswith(
+            f"HandoffError: handoff from rank {1 - rank}, request 0: the KV geometry differs from this cache's in "
+            f"shard (payload [{1 - rank}, 2], cache [{rank}, 2])")
+        assert seen["swapped sent"].startswith(f"HandoffError: rank {1 - rank} refused the handoff of request 0")
+        assert seen["swapped clean"]
+    assert ranks[0]["aggregated"] == ranks[1]["aggregated"]

@@ -286,3 +286,63 @@ def test_a_ranks_state_dict_is_refused_as_the_full_one(full_model):
     for rank in range(TP):
         with pytest.raises(ShardingError, match=r"q_proj.weight: full shape \(32, 64\) is already the shard's"):
             shard_state_dict(rank0, shapes, rank, TP)
+
+
+def _prefill_logits(model):
+    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.msa import MsaDecodeMetadata
+
+    c = model.config
+    cache = PagedKVCache.for_minimax_m3(c.num_layers, c.sparse_layer_ids, c.num_kv_heads, c.head_dim, c.index_dim,
+                                        c.block_size, 8, dtype=torch.float32)
+    meta = MsaDecodeMetadata(1, 64, 8, c.block_size, "cpu", max_draft_len=0, num_index_heads=c.index_heads)
+    cache.add_request(0)
+    cache.reserve(0, 7)
+    meta.prepare([7], [7], cache.block_table([0], 8), num_context_requests=1)
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor([5, 6, 7, 8, 9, 10, 11]), meta, cache))
+
+
+def test_a_shard_run_outside_the_group_it_was_cut_for_is_refused(full_model, monkeypatch):
+    """A TP2 shard kept while its process group was torn down and re-initialised (an engine rebuilt
+    after a failure) summed its partial outputs over whatever group there was now: in a group of one
+    it ran on logits 5.0 off the unsharded model's (two gloo processes, then one), without a word."""
+    import torch.distributed as dist
+
+    from m3_eagle_plugin.parallel.process_group import init_local_group
+
+    from ._spawn import free_port
+
+    with monkeypatch.context() as fake:
+        _fake_group(fake, TP, 0)
+        shard = shard_target(full_model, 0, TP)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)  # init_local_group sets it: restored afterwards
+    init_local_group(0, 1, free_port(), backend="gloo", timeout_s=10)
+    try:
+        with pytest.raises(ShardingError, match="rank 0's shard of tensor-parallel size 2 runs in process group "
+                                                "rank 0 of 1"):
+            _prefill_logits(shard)
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ShardingError, match="rank 0's shard of tensor-parallel size 2 runs in no process group"):
+        _prefill_logits(shard)
+
+
+def test_an_all_reduce_that_fails_names_this_rank_and_what_it_summed(full_model, monkeypatch):
+    """Gloo's error when a peer dies or stays away past the group's timeout ('Connection reset by
+    peer', 'Timed out waiting 5000ms for recv operation', measured with two processes) names neither
+    this rank nor what was being summed; the error keeps its type (NCCL's DistBackendError here)."""
+    import torch.distributed as dist
+
+    _fake_group(monkeypatch, TP, 1)
+    shard = shard_target(full_model, 1, TP)
+
+    def reset(tensor, op=None, group=None):
+        raise dist.DistBackendError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:7914: Connection reset "
+                                    "by peer")
+
+    monkeypatch.setattr(dist, "all_reduce", reset)
+    cause = (r"rank 1 of tensor-parallel size 2: the all-reduce of a layer's partial sums failed \(a rank died, "
+             r"raised before it, or did not reach it within the process group's timeout\): .*Connection reset by peer")
+    with pytest.raises(dist.DistBackendError, match=cause):
+        _prefill_logits(shard)

@@ -7,7 +7,9 @@ pending verify inputs = last token + drafts, the committed KV length). The gener
 imports both and continues with verify steps exactly where an aggregated engine would be.
 
 It drives the engine one step at a time through the engine's own launch/commit, so the steps
-are the ones `Engine.generate` runs; overlap is refused (a handoff needs committed state). Each
+are the ones `Engine.generate` runs; overlap is refused (a handoff needs committed state), and so
+is an engine on a tensor-parallel shard whose cache does not carry that shard (``shard=(rank, tp)``:
+every rank's cache has one geometry, so only that tag keeps one rank's KV heads off another). Each
 helper that steps an engine or changes its requests holds it (`Engine.exclusive`) like
 `Engine.generate`: a call from another thread waits, one from inside a running call is refused.
 
@@ -77,6 +79,14 @@ def _check_engine(engine: Engine) -> None:
     if not engine.config.sampling.greedy:
         raise HandoffError("disaggregated handoff supports greedy sampling only (draft probabilities "
                            "and per-request generators are not transferred)")
+    # every rank's cache has one geometry: only the cache's shard tag (in the fingerprint) keeps
+    # rank r's KV heads out of rank s's engine, where they decoded other tokens without a word
+    for what, model in (("target", engine.target), ("draft head", engine.head)):
+        shard = getattr(model, "tp_shard", None)
+        if shard is not None and engine.cache.shard != tuple(shard):
+            raise HandoffError(f"the engine's {what} is rank {shard[0]}'s shard of tensor-parallel size {shard[1]} "
+                               f"but its cache says {engine.cache.shard}: build the cache with shard={tuple(shard)}, "
+                               f"so a handoff's pages say whose KV heads they hold")
 
 
 def _step(engine: Engine, rows, requests: list[Request], step_id: int) -> None:

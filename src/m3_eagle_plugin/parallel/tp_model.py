@@ -137,9 +137,36 @@ def _check_unsharded(module: nn.Module, what: str) -> None:
 def _joined(shard: nn.Module, rank: int, tp_size: int, group: dist.ProcessGroup | None) -> nn.Module:
     """``shard`` summing its partial outputs over ``group`` and saying whose shard it is (tp_size > 1)."""
     if tp_size > 1:
-        attach_all_reduce(shard, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
+        attach_all_reduce(shard, _reduce_over(group, rank, tp_size))
         shard.tp_shard = (rank, tp_size)
     return shard
+
+
+def _reduce_over(group: dist.ProcessGroup | None, rank: int, tp_size: int) -> Callable[[torch.Tensor], None]:
+    """The in-place sum over ``group``, which must still be the one the shard was cut for: torn down
+    and re-initialised (an engine rebuilt after a failure) in a group of another size, or at another
+    rank, the shard's partial sums were summed with the wrong shards or not at all, without a word."""
+    def reduce(tensor: torch.Tensor) -> None:
+        try:
+            joined = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else None
+        except ValueError:  # a group torn down since: "not registered"
+            joined = None
+        if joined != (rank, tp_size):
+            where = "no process group" if joined is None else f"process group rank {joined[0]} of {joined[1]}"
+            raise ShardingError(f"rank {rank}'s shard of tensor-parallel size {tp_size} runs in {where} (the group "
+                                f"was re-initialised since it was cut?): shard the model again in this group")
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        except RuntimeError as error:  # gloo and NCCL name neither this rank nor the sum
+            cause = (f"rank {rank} of tensor-parallel size {tp_size}: the all-reduce of a layer's partial sums "
+                     f"failed (a rank died, raised before it, or did not reach it within the process group's "
+                     f"timeout): {error}")
+            try:  # the same type (torch's DistBackendError, say), so a caller's handler still matches
+                named = type(error)(cause)
+            except Exception:  # noqa: BLE001 - a type that does not take a message
+                named = RuntimeError(cause)
+            raise named from error
+    return reduce
 
 
 def _check_group(rank: int, tp_size: int, group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -177,7 +204,8 @@ def shard_target(model: MiniMaxM3ForCausalLM, rank: int, tp_size: int, *,
     ``tp_size`` ranks must be initialised and ``rank`` must be this process's rank in it; tensors
     are reduced where they live, so the same code runs with gloo on CPU and NCCL on GPUs.
     Replicated weights share storage with ``model`` (inference only). A shard of ``tp_size > 1``
-    says whose it is (``tp_shard = (rank, tp_size)``) and is refused here, as by `shard_draft_head`.
+    says whose it is (``tp_shard = (rank, tp_size)``) and is refused here, as by `shard_draft_head`;
+    run in a group where this process is no longer ``rank`` of ``tp_size`` it raises `ShardingError`.
     """
     if not isinstance(model, MiniMaxM3ForCausalLM):
         raise TypeError(f"model must be a MiniMaxM3ForCausalLM, got {type(model).__name__}")
