@@ -1,11 +1,14 @@
-"""README and CI agree: `.ci/run` runs the README's two newcomer commands verbatim; and the README,
-`docs/internals.md` and the design note document only options, settings and host patches the code has."""
+"""README and CI agree: `.ci/run` runs the README's two newcomer commands verbatim; the README,
+`docs/internals.md` and the design note document only options, settings and host patches the code has;
+and the README's serving example selects what the plugin serves."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import re
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -133,3 +136,34 @@ def test_every_host_rebinding_outside_the_manifest_is_named_in_compatibility():
     if HOST_FUNCTION not in compatibility:
         unnamed.append(HOST_FUNCTION)
     assert not unnamed, f"host rebindings neither in the manifest nor in the README's Compatibility: {unnamed}"
+
+
+def test_readme_serving_yaml_reaches_the_plugins_msa_backend(tmp_path):
+    """The README's `extra.yaml`, on the host double with the plugin installed, gets the plugin's
+    attention backend and KV manager. The host lowers `sparse_attention_config` with `implementation`
+    defaulting to `triton` (its own reference attention, which the plugin leaves alone), and with no
+    such section M3 is not routed as sparse at all."""
+    yaml = pytest.importorskip("yaml")
+    from m3_eagle_plugin.host import trtllm as adapter
+    from m3_eagle_plugin.host.trtllm.contract import import_first, symbol
+    from tests.host.trtllm.fakehost import CURRENT, build_fake_host, purge_host_modules
+
+    block = re.findall(r"```yaml\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)[0]
+    sparse = yaml.safe_load(block).get("sparse_attention_config") or {}
+    params = SimpleNamespace(**{"algorithm": None, "implementation": "triton", **sparse})
+    host = build_fake_host(tmp_path, CURRENT)
+    adapter.uninstall()
+    purge_host_modules()
+    sys.path.insert(0, str(host))
+    importlib.invalidate_caches()
+    try:
+        adapter.install()
+        dispatch = import_first(symbol("m3_backend_resolver").modules)
+        manager = dispatch.get_sparse_attn_kv_cache_manager(params) if params.algorithm else None
+        backend = dispatch.get_trtllm_sparse_attn_attention_backend(params) if params.algorithm else None
+    finally:
+        adapter.uninstall()
+        purge_host_modules()
+        sys.path.remove(str(host))
+    assert getattr(manager, "__name__", None) == "M3EagleKVCacheManagerV2", f"{sparse=}: {manager}"
+    assert getattr(backend, "__name__", None) == "M3EagleMsaSparseAttention", f"{sparse=}: {backend}"
