@@ -31,3 +31,20 @@ def test_msa_unavailability_still_raises(current_host):
     availability.AVAILABLE = False
     with pytest.raises(RuntimeError, match="SM100"):
         _resolve("msa")
+
+
+def test_a_non_msa_resolution_warns_once_that_the_plugin_serves_none_of_it(host, capsys, monkeypatch):
+    """A config without `implementation: msa` (the host's default is triton) gets the host's backend
+    untouched; the plugin is active yet serves none of that model's attention, which one line says
+    (the resolver runs once per attention layer: not once a layer)."""
+    from m3_eagle_plugin.host.trtllm.patches import route_msa_backend
+
+    monkeypatch.setattr(route_msa_backend, "_warned", set())
+    adapter.install()
+    capsys.readouterr()
+    for _ in range(3):
+        _resolve("triton")
+    err = capsys.readouterr().err
+    assert err.count("the plugin serves implementation 'msa' only") == 1 and "'triton'" in err
+    _resolve("msa")
+    assert "msa' only" not in capsys.readouterr().err

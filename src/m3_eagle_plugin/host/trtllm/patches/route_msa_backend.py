@@ -7,7 +7,9 @@ How: wrap `_resolve_minimax_m3_backend_cls` (the only resolver of the M3 backend
 trtllm and flashinfer pickers call it through the module global). When the host resolves its
 `MiniMaxM3MsaSparseAttention` (implementation "msa", availability already checked by the host),
 return the plugin subclass whose `Metadata` is the plugin's metadata subclass. Any other result
-(the Triton reference, other algorithms never reach here) is returned untouched.
+(the Triton reference, other algorithms never reach here) is returned untouched, with one warning
+a process: the plugin is active but serves none of that model's attention (a config without
+`sparse_attention_config.implementation: msa` gets the host's default, triton).
 Upstream: NVIDIA/TensorRT-LLM#18872.
 Remove when: the supported host range starts at tensorrt_llm 1.4.0rc1.
 """
@@ -20,11 +22,24 @@ from m3_eagle_plugin.host.trtllm.contract import ROUTE_MSA, resolve, symbol
 from m3_eagle_plugin.host.trtllm.patching import Patch
 
 
+#: Implementations already warned about in this process (the host resolves once per attention layer).
+_warned: set[str] = set()
+
+
 def _route_msa_backend(original: Callable[..., type]) -> Callable[..., type]:
     @functools.wraps(original)
     def _resolve_minimax_m3_backend_cls(sparse_params: Any, *args: Any, **kwargs: Any) -> type:
         backend = original(sparse_params, *args, **kwargs)
         if backend is not resolve("msa_attention"):
+            implementation = str(getattr(sparse_params, "implementation", None))
+            if implementation not in _warned:
+                _warned.add(implementation)
+                from m3_eagle_plugin.log import get_logger
+
+                get_logger().warning(
+                    f"MiniMax-M3 resolved the host's {getattr(backend, '__name__', backend)} (sparse_attention_config "
+                    f"implementation {implementation!r}): the plugin serves implementation 'msa' only, so its "
+                    "multi-token verify is not used for this model")
             return backend
         from m3_eagle_plugin.host.trtllm.msa_backend import M3EagleMsaSparseAttention
 
