@@ -250,7 +250,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="random seed in [0, 2**63 - 1) (default 0; output is a pure function of it)")
     parser.add_argument("--train-steps", type=int, default=DEFAULT_TRAIN_STEPS, metavar="N",
                         help=f"self-distillation steps for the draft head (default {DEFAULT_TRAIN_STEPS}, "
-                             "~15 s on CPU; 0 = random head)")
+                             "5-10 s on two CPU cores; 0 = random head)")
 
 
 def main(args: argparse.Namespace) -> int:
