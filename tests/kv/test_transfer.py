@@ -11,6 +11,7 @@ from m3_eagle_plugin.kv import (
     export_request,
     import_request,
 )
+from tests.kv._cut import cut_before_opcode
 
 B, D, DI = 4, 8, 8
 
@@ -369,3 +370,60 @@ def test_an_untagged_caches_fingerprint_has_no_shard_field():
 def test_a_shard_tag_that_is_no_rank_of_its_group_is_refused(shard, error):
     with pytest.raises(error, match="^shard "):  # not "... unexpected keyword argument 'shard'"
         _shard_cache(shard)
+
+
+def test_an_import_cut_off_between_any_two_of_its_instructions_leaves_nothing_or_the_whole_request():
+    """CPython 3.10 raises a pending Ctrl-C as any call returns: one raised as ``allocate`` returned
+    (before the clean-up guard) left the request registered over its unwritten pages, which a caller
+    of import_request never got to free, and the same payload was then refused as already held. Cut
+    before each instruction of the import in turn: the cache holds no new request and the other's
+    pages and bytes as before, or the whole import; the payload then imports as if never tried."""
+    src = _cache()
+    src.add_request(0)
+    src.reserve(0, 7)
+    _fill(src, 0, torch.Generator().manual_seed(3))
+    payload = export_request(src, 0)
+    expected = _per_token(src, 0, 7)
+
+    def fresh():
+        cache = _cache()
+        cache.add_request("other")
+        cache.reserve("other", 5)
+        _fill(cache, "other", torch.Generator().manual_seed(4))
+        return cache
+
+    other = _per_token(fresh(), "other", 5)
+    cuts = 0
+    for k in range(1, 2000):
+        cache = fresh()
+        cut = cut_before_opcode(import_request.__code__, k, lambda: import_request(cache, "new", payload))
+        if cut:
+            cuts += 1
+            if "new" not in cache.allocator:
+                assert cache.allocator.request_ids == ["other"] and cache.num_free_blocks == 8 - 2, k
+                assert import_request(cache, "new", payload).tolist() == [2, 3], k
+        elif not cuts:
+            continue  # CPython 3.12 gives no opcode event in the first traced call
+        assert cache.pages("new") == [2, 3] and cache.pages("other") == [0, 1], k
+        for key, value in _per_token(cache, "new", 7).items():
+            assert torch.equal(value, expected[key]), (k, key)
+        for key, value in _per_token(cache, "other", 5).items():
+            assert torch.equal(value, other[key]), (k, key)
+        if not cut:
+            break
+    assert cuts > 20  # every instruction of the import was cut once
+
+
+@pytest.mark.parametrize("convert, named", [(lambda t: t.numpy(), "ndarray"), (lambda t: t.tolist(), "list")],
+                         ids=["numpy", "lists"])
+def test_pages_that_are_not_tensors_are_refused_naming_their_type(convert, named):
+    """A payload rebuilt by another transport: NumPy pages were refused as "must be uint8, got
+    [dtype('uint8')]" (the bytes were uint8), nested lists failed with a bare AttributeError."""
+    src, dst = _cache(), _cache()
+    src.add_request(0)
+    src.reserve(0, 5)
+    payload = export_request(src, 0)
+    rebuilt = KVTransferPayload(payload.fingerprint, payload.num_tokens, tuple(convert(t) for t in payload.pool_pages))
+    with pytest.raises(TypeError, match=rf"payload pages must be torch tensors .*\['{named}'"):
+        import_request(dst, 0, rebuilt)
+    assert dst.allocator.request_ids == [] and dst.num_free_blocks == dst.num_blocks

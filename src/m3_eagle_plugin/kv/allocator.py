@@ -3,7 +3,8 @@
 One block = one slot of every pool = ``block_size`` tokens. Requests grow with ``reserve``
 (a verify step reserves its 1 + draft_len tokens up front) and shrink with ``rewind`` after
 rejection. Every change is all-or-nothing: when blocks run out, or a call is cut off part-way
-(Ctrl-C), nothing is modified.
+(Ctrl-C), nothing is modified (a free cut off once its pages went back leaves the request empty, at
+0 tokens, and runs again).
 """
 from __future__ import annotations
 
@@ -83,20 +84,26 @@ class BlockAllocator:
                 f"request {rid!r} needs {need} more blocks for {num_tokens} tokens, "
                 f"only {len(self._free)} of {self.num_blocks} are free"
             )
+        held, tokens = len(pages), self._tokens[rid]
         added: list[int] = []
         try:
-            while len(added) < need:
+            # not `while len(added) < need`: CPython 3.13 puts that loop's back edge, where a Ctrl-C is
+            # raised, outside the try (python/cpython#130279), and the pages taken so far were lost
+            for _ in range(need):
                 # noted before it is popped: a Ctrl-C raised as heappop returns would lose a popped page
                 added.append(self._free[0])
                 heapq.heappop(self._free)
+            # inside too: a Ctrl-C raised as extend or max returned left the pages held for the old count
+            pages.extend(added)
+            self._tokens[rid] = max(tokens, num_tokens)
         except BaseException:  # cut off part-way (Ctrl-C): the pages taken so far go back
+            del pages[held:]
+            self._tokens[rid] = tokens
             still_free = set(self._free)
             for page in added:
                 if page not in still_free:
                     heapq.heappush(self._free, page)
             raise
-        pages.extend(added)
-        self._tokens[rid] = max(self._tokens[rid], num_tokens)
         return added
 
     def allocate(self, rid: Hashable, num_tokens: int) -> list[int]:
@@ -111,36 +118,39 @@ class BlockAllocator:
                 f"request {rid!r} needs {self.blocks_for(num_tokens)} blocks for {num_tokens} "
                 f"tokens, only {len(self._free)} of {self.num_blocks} are free"
             )
-        self.add_request(rid)
-        try:
+        try:  # add_request inside: CPython 3.10 raises a pending Ctrl-C as it returns
+            self.add_request(rid)
             self.reserve(rid, num_tokens)
             return self.pages(rid)
         except BaseException:  # no id left registered by a call that failed
-            self.free(rid)
+            if rid in self._pages:
+                self.free(rid)
             raise
 
     def rewind(self, rid: Hashable, num_tokens: int) -> list[int]:
         """Shrink ``rid`` to ``num_tokens`` tokens; returns the freed pages."""
-        pages = self._require(rid)
+        self._require(rid)
         num_tokens = as_int("num_tokens", num_tokens)
         if not 0 <= num_tokens <= self._tokens[rid]:
             raise ValueError(
                 f"cannot rewind request {rid!r} to {num_tokens} tokens: "
                 f"it holds {self._tokens[rid]}"
             )
-        freed = self._give_back(pages, self.blocks_for(num_tokens))
-        self._tokens[rid] = num_tokens
-        return freed
+        return self._give_back(rid, num_tokens)
 
     def free(self, rid: Hashable) -> None:
-        self._give_back(self._require(rid), 0)
-        del self._pages[rid]
-        del self._tokens[rid]
+        self._require(rid)
+        self._give_back(rid, 0)  # cut off as it returns, the request is left empty (0 tokens): free runs again
+        del self._pages[rid], self._tokens[rid]
 
-    def _give_back(self, pages: list[int], keep: int) -> list[int]:
-        """Move ``pages[keep:]`` (a request's own list) to the free heap, all or none: cut off part-way
-        (Ctrl-C), the pages already pushed are taken back, so none is both held and free and the call
-        can run again (the engine's clean-up frees what a failed free left)."""
+    def _give_back(self, rid: Hashable, num_tokens: int) -> list[int]:
+        """Move ``rid``'s pages past ``num_tokens`` tokens to the free heap and hold it at that count,
+        all or none: cut off part-way (Ctrl-C), the pages already pushed are taken back, so none is both
+        held and free and the call can run again. The request is updated after the last call and jump,
+        in one go: CPython 3.10 raises a pending Ctrl-C as any call returns, and one raised as this
+        method returned left the pages given back with the old token count."""
+        pages = self._pages[rid]
+        keep = self.blocks_for(num_tokens)
         freed = pages[keep:]
         try:
             for page in freed:
@@ -151,6 +161,7 @@ class BlockAllocator:
             heapq.heapify(self._free)
             raise
         del pages[keep:]
+        self._tokens[rid] = num_tokens
         return freed
 
     def block_table(

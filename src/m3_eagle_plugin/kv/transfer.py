@@ -85,6 +85,9 @@ def import_request(cache: PagedKVCache, rid: Hashable, payload: KVTransferPayloa
             "KV payload geometry differs from this cache's:\n"
             f"  payload: {payload.fingerprint}\n  cache:   {expected}"
         )
+    others = [type(t).__name__ for t in payload.pool_pages if not isinstance(t, torch.Tensor)]
+    if others:  # a NumPy array was "not uint8, got [dtype('uint8')]", a list a bare AttributeError
+        raise TypeError(f"payload pages must be torch tensors (as export_request writes them), got {others}")
     needed = cache.allocator.blocks_for(payload.num_tokens)
     shapes = [(needed, p.sub_pages, p.page_bytes) for p in cache.geometry.pools]
     if [tuple(t.shape) for t in payload.pool_pages] != shapes:
@@ -99,14 +102,16 @@ def import_request(cache: PagedKVCache, rid: Hashable, payload: KVTransferPayloa
     # Copied as bytes into byte views of the storage: no kernel of the element dtype is needed
     # (CPU torch has no fp8 index_copy_), and a payload in any memory order is accepted.
     sources = [data.to(cache.device) for data in payload.pool_pages]
-    pages = cache.allocator.allocate(rid, payload.num_tokens)
     try:
+        # inside: CPython 3.10 raises a pending Ctrl-C as allocate returns, past its own clean-up
+        pages = cache.allocator.allocate(rid, payload.num_tokens)
         # inside: a device allocation failing here (out of memory beside the staged pages) leaks nothing
         index = torch.tensor(pages, dtype=torch.long, device=cache.device)
         for pool, source in zip(cache.geometry.pools, sources):
             cache.storage(pool.pool_id).view(torch.uint8).index_copy_(0, index, source)
         table = torch.tensor(pages, dtype=torch.int32)  # inside too: the caller gets no request on an error
     except BaseException:
-        cache.allocator.free(rid)  # no request registered over half-written pages
+        if rid in cache.allocator:  # registered by this call (refused above when it was not new)
+            cache.allocator.free(rid)  # no request registered over half-written pages
         raise
     return table
