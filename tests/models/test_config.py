@@ -807,3 +807,27 @@ def test_bounds_the_parser_refuses_are_held_by_the_dataclass(change, match):
     assert cfg.block_size == 4
     with pytest.raises(ConfigError, match=rf"^x\.json: {match}$"):
         replace(cfg, **change)
+
+
+# ---- adversarial review: keys transformers reads off any config ----
+
+def test_is_causal_false_which_transformers_masks_bidirectionally_is_refused_naming_it():
+    """transformers' create_causal_mask reads `is_causal` off the text config and, false, lets a token
+    see the ones after it (the first token's logits move); this model is causal only, so it loaded the
+    file and ran another model (logits 2.6 off transformers') without a word."""
+    import torch
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    torch.manual_seed(0)
+    model = MiniMaxM3VLForCausalLM(tiny_text_config()).eval()
+    ids = torch.arange(8)[None]
+    with torch.no_grad():
+        causal = model(input_ids=ids).logits[0, 0]
+        model.config.is_causal = False
+        assert not torch.allclose(model(input_ids=ids).logits[0, 0], causal)
+    raw = target_config()
+    raw["text_config"]["is_causal"] = False
+    with pytest.raises(ConfigError, match=r"^x\.json: text_config\.is_causal: false is not supported \(only true\)$"):
+        M3Config.from_dict(raw, "x.json")
+    raw["text_config"]["is_causal"] = True
+    assert M3Config.from_dict(raw) == M3Config.from_dict(target_config())

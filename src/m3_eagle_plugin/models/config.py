@@ -206,8 +206,9 @@ def _check_fixed_semantics(t: ConfigFields) -> None:
     scoring = t.need("scoring_func", "sigmoid")
     if scoring != "sigmoid":
         raise t.error("scoring_func", f"{show_value(scoring)} is not supported (MiniMax-M3 routes with sigmoid)")
+    # is_causal: transformers' create_causal_mask reads it off any config and, false, masks bidirectionally
     for key, supported in (("use_gemma_norm", True), ("attention_output_gate", False), ("use_qk_norm", True),
-                           ("use_routing_bias", True)):
+                           ("use_routing_bias", True), ("is_causal", True)):
         if t.has(key) and t.get_bool(key, supported) != supported:
             raise t.error(key, f"{str(not supported).lower()} is not supported (only {str(supported).lower()})")
     beta = t.get_float("swiglu_beta", 1.0)  # vLLM's (up + beta); transformers and this model add 1
