@@ -475,3 +475,39 @@ def test_op_tables_have_the_hosts_dtypes():
     assert tables.pool_mapping.dtype == torch.int32 and tables.pool_pointers.dtype == torch.int64
     assert tables.index_scales.dtype == torch.int32 and tables.kv_offsets.dtype == torch.int32
     assert tables.pool_mapping.tolist() == [[0, 0], [0, 2], [0, 5], [0, 8], [1, 0]]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    num_layers=st.integers(1, 5),
+    sparse_bits=st.integers(0, 31),
+    heads=st.sampled_from([1, 2, 4]),
+    draft_heads=st.sampled_from([None, 1, 2, 4]),
+    index_dim=st.sampled_from([4, 8, 16, 32]),
+    num_drafts=st.integers(0, 2),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]),
+)
+def test_cache_layout_is_the_naive_packing_at_the_dtypes_bytes(num_layers, sparse_bits, heads, draft_heads,
+                                                                index_dim, num_drafts, dtype):
+    """`minimax_m3_cache_layout` (what the reference host sizes its memory by before reading weights):
+    pools in first-seen page-size order at the dtype's bytes, the naive sub-page of every (layer, role),
+    KV heads per layer with the drafts' own count appended; a draft page no target K/V pool holds (the
+    draft layer reads the target pool's block offsets) is refused, whatever page it does match."""
+    from m3_eagle_plugin.kv.manager import minimax_m3_cache_layout
+
+    sparse = {i for i in range(num_layers) if sparse_bits >> i & 1}
+    item = {torch.float32: 4, torch.bfloat16: 2, torch.float8_e4m3fn: 1}[dtype]
+    kv_page, index_page = heads * B * D * item, B * index_dim * item
+    draft_page = (heads if draft_heads is None else draft_heads) * B * D * item
+    args = (num_layers, sorted(sparse), heads, D, index_dim, B)
+    kwargs = dict(num_draft_layers=num_drafts, draft_num_kv_heads=draft_heads, dtype=dtype)
+    if num_drafts and draft_page != kv_page:
+        with pytest.raises(DraftLayerPlacementError, match=f"shared draft layer {num_layers} cannot be hosted"):
+            minimax_m3_cache_layout(*args, **kwargs)
+        return
+    geometry, layer_heads = minimax_m3_cache_layout(*args, **kwargs)
+    sizes, counts, where = naive_packing(num_layers, sparse, num_drafts, kv_page, index_page, draft_page)
+    assert [(p.page_bytes, p.sub_pages) for p in geometry.pools] == list(zip(sizes, counts))
+    assert {key: (sp.pool_id, sp.offset) for key, sp in geometry.placements.items()} == where
+    assert geometry.draft_layer_ids == tuple(range(num_layers, num_layers + num_drafts))
+    assert layer_heads == [heads] * num_layers + [heads if draft_heads is None else draft_heads] * num_drafts

@@ -115,9 +115,16 @@ def test_missing_checkpoint_files(tmp_path, tiny_dir):
 
 
 def test_bf16_load_keeps_router_bias_fp32(tiny_dir):
+    """The bias is kept in fp32 for its precision (it shifts the scores the top-k experts are chosen by):
+    its values must be the stored fp32 ones, not ones rounded through the bf16 model dtype on the way."""
+    raw = load_file(str(tiny_dir / "target" / "model.safetensors"))
+    stored = raw["language_model.model.layers.3.block_sparse_moe.e_score_correction_bias"]
+    assert stored.dtype == torch.float32 and not torch.equal(stored.to(torch.bfloat16).float(), stored)
     model = load_target(tiny_dir / "target", dtype=torch.bfloat16)
     assert model.embed_tokens.weight.dtype == torch.bfloat16
-    assert model.layers[3].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(model.embed_tokens.weight, raw["language_model.model.embed_tokens.weight"].to(torch.bfloat16))
+    bias = model.layers[3].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32 and torch.equal(bias, stored)
 
 
 @pytest.mark.parametrize("dtype,stored", [(torch.int32, "I32"), (torch.float8_e4m3fn, "F8_E4M3"), (torch.bool, "BOOL")])
@@ -133,11 +140,29 @@ def test_weight_stored_as_a_non_float_dtype_is_refused_by_name(tiny_dir, tmp_pat
 
 
 def test_bf16_fp16_and_fp64_weights_still_load(tiny_dir, tmp_path):
+    """Mixed storage dtypes (the fused expert and gate/up tensors combine parts of different dtypes)
+    load as their stored values in the model dtype: the same model as the fp32 checkpoint holding
+    each stored value upcast (exact for bf16/fp16; fp64 rounds to fp32 once, either way)."""
+    dtypes = (torch.bfloat16, torch.float16, torch.float64)
+
     def edit(t):
         for i, name in enumerate(sorted(t)):
-            t[name] = t[name].to((torch.bfloat16, torch.float16, torch.float64)[i % 3])
+            t[name] = t[name].to(dtypes[i % 3])
+
+    def upcast(t):
+        edit(t)
+        for name in t:
+            t[name] = t[name].float()
     model = load_target(_rewrite(tiny_dir / "target", tmp_path / "ckpt", edit))
+    stored = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert {t.dtype for t in stored.values()} == set(dtypes)
     assert model.embed_tokens.weight.dtype == torch.float32
+    _same_weights(model, load_target(_rewrite(tiny_dir / "target", tmp_path / "fp32", upcast)))
+    p = "language_model.model.layers.4.block_sparse_moe.experts.3."
+    i = stored[p + "w1.weight"].shape[0]
+    gate_up = model.layers[4].mlp.experts.gate_up_proj[3]
+    assert torch.equal(gate_up[:i], stored[p + "w1.weight"].float())
+    assert torch.equal(gate_up[i:], stored[p + "w3.weight"].float())
 
 
 def test_rotary_inv_freq_buffers_of_older_exports_are_ignored(tiny_dir, tmp_path):

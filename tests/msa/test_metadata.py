@@ -682,3 +682,18 @@ def test_a_prepare_cut_off_while_staging_still_counts(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         meta.prepare([3], [9], torch.tensor([[5, 6, 7]], dtype=torch.int32))
     assert meta.prepare_count == before + 1
+
+
+def test_a_list_where_a_tensor_is_required_is_refused_by_name_and_changes_nothing() -> None:
+    """block_tables and an explicit kv_lens correction are tensors (the interface, and a device table
+    is never read back): a Python list is named (without the check it failed on `.dim`, naming
+    nothing), before any count, length or slot of the staged step moves."""
+    meta = MsaDecodeMetadata(2, 8, 4, 4, "cpu", max_draft_len=1)
+    meta.prepare([2], [6], torch.tensor([[3, 1]], dtype=torch.int32))
+    staged = (meta.prepare_count, meta.kv_lens.tolist(), meta.cache_slots.tolist())
+    assert staged == (1, [6], [1 * 4 + 0, 1 * 4 + 1])  # positions 4 and 5: page 1 of the table
+    with pytest.raises(TypeError, match="^block_tables must be a tensor, got list$"):
+        meta.prepare([1], [7], [[3, 1]])
+    with pytest.raises(TypeError, match="^kv_lens must be a device tensor, got list$"):
+        meta.on_update_kv_lens([5])
+    assert (meta.prepare_count, meta.kv_lens.tolist(), meta.cache_slots.tolist()) == staged
