@@ -249,3 +249,27 @@ def test_a_gather_index_or_kv_lens_narrower_than_int32_is_refused_before_step_0(
     run_draft_loop(head, None, **_loop_args(gathered_kv_lens=torch.tensor([32767], dtype=torch.int32),
                                             step_metas=[meta], num_drafts=2))
     assert [int(x) for x in meta.updates[0]] == [32768] and head.calls == 2
+
+
+@pytest.mark.parametrize("qo_lens", [[1, 1, 1], [2, 2], [1]])
+def test_step_metadata_prepared_for_other_rows_is_refused_before_step_0(qo_lens):
+    """`step_metas[i - 1]` holds one token per drafting row (docstring). Metadata of three rows for two
+    drafting rows failed only at step 1, after step 0, blaming the loop's own kv_lens ('kv_lens must be
+    [num_requests=3], got (2,)'); two tokens a row reached the head. Both are named before step 0 now,
+    and the same metadata prepared for the two rows runs."""
+    def meta_for(qo):
+        meta = MsaDecodeMetadata(4, 8, 8, BLOCK, "cpu")
+        meta.prepare(qo, [6] * len(qo), torch.arange(8, dtype=torch.int32).repeat(len(qo), 1))
+        return meta
+
+    head = CountingHead()
+    args = _loop_args(first_input_ids=torch.tensor([3, 4, 5, 6]), first_features=torch.zeros(4, 1),
+                      gather_index=torch.tensor([1, 3]), gathered_kv_lens=torch.tensor([2, 4], dtype=torch.int32),
+                      num_drafts=2)
+    rows, tokens = len(qo_lens), sum(qo_lens)
+    with pytest.raises(ValueError, match=rf"^step_metas\[0\] was prepared for {rows} request\(s\) and {tokens} "
+                                         rf"token\(s\); step 1 runs one token for each of the 2 drafting rows"):
+        run_draft_loop(head, None, **{**args, "step_metas": [meta_for(qo_lens)]})
+    assert head.calls == 0
+    result = run_draft_loop(head, None, **{**args, "step_metas": [meta_for([1, 1])]})
+    assert head.calls == 2 and result.tokens.tolist() == [[4, 4], [6, 6]]

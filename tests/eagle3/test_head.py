@@ -490,3 +490,49 @@ def test_production_head_holds_the_references_parameter_count(kv_heads, params):
     assert shapes["layers.0.self_attn.k_proj.weight"] == (kv_heads * 128, 12288)
     assert sum(1 for name in shapes if "norm" in name) == 7
     assert sum(p.numel() for p in head.parameters()) == params
+
+
+def test_a_step_of_no_tokens_runs_as_through_the_target_and_changes_nothing(tiny):
+    """T = 0 (an idle step) runs through the target model ([0, H], an empty aux capture), and SGLang's
+    head returns early on it; the head failed in its attention's reshape(0, -1) ('cannot reshape tensor
+    of 0 elements'). It now gives [0, V] fp32 logits and a [0, H] hidden, from aux rows or its own, and
+    the next step still equals the dense reference."""
+    from m3_eagle_plugin.eagle3.capture import AuxCapture
+
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    H, V = head.config.hidden_size, head.config.vocab_size
+    runner, capture, none = Runner(target, head), AuxCapture(head.aux_layer_ids), torch.zeros(0, dtype=torch.long)
+    runner.prepare([])
+    with torch.no_grad():
+        assert target(none, runner.meta, runner.cache, capture=capture).shape == (0, H)
+        for hidden in (capture.stacked(), torch.zeros(0, H)):
+            logits, nxt = head(none, hidden, runner.meta, runner.cache)
+            assert logits.dtype == torch.float32 and logits.shape == (0, V) and nxt.shape == (0, H)
+        gen = torch.Generator().manual_seed(4)
+        ids, aux = torch.randint(0, V, (3,), generator=gen), torch.randn(3, 3 * H, generator=gen)
+        runner.prepare([("r", 3)])
+        logits, nxt = head(ids, aux, runner.meta, runner.cache)
+    want_logits, want_normed, _ = naive_head(head, target.embed_tokens.weight, target.lm_head.weight, ids, list(aux))
+    torch.testing.assert_close(logits.double(), want_logits, atol=TOL, rtol=0)
+    torch.testing.assert_close(nxt.double(), want_normed, atol=TOL, rtol=0)
+
+
+def test_a_cache_without_a_draft_layer_is_named_before_anything_is_written(tiny):
+    """The head's K/V live in the cache's first draft layer (module docstring); a target-only cache
+    (built without num_draft_layers) failed on draft_layer_ids[0] with a bare 'list index out of range'."""
+    from m3_eagle_plugin.kv import PagedKVCache
+
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    tc = target.config
+    runner = Runner(target, head)
+    runner.cache = PagedKVCache.for_minimax_m3(tc.num_layers, tc.sparse_layer_ids, tc.num_kv_heads, tc.head_dim,
+                                               tc.index_dim or tc.head_dim, tc.block_size, 32, dtype=torch.float32)
+    assert not runner.cache.draft_layer_ids
+    runner.prepare([("r", 2)])
+    pools = [t.clone() for t in runner.cache._storage]
+    with pytest.raises(ValueError, match=rf"^the cache hosts no draft layer for the Eagle3 head's K/V: build it with "
+                                         rf"num_draft_layers=1, draft_num_kv_heads={head.config.num_kv_heads}$"):
+        head(torch.zeros(2, dtype=torch.long), torch.zeros(2, 3 * tc.hidden_size), runner.meta, runner.cache)
+    assert all(torch.equal(a, b) for a, b in zip(pools, runner.cache._storage))

@@ -115,6 +115,12 @@ def run_draft_loop(
         )
     _check_gather_range(gather_index, first_input_ids.shape[0])
     num_rows = gather_index.shape[0]
+    for step, meta in enumerate(step_metas[:num_drafts - 1] if num_rows else (), start=1):
+        # host counts (no sync); another shape failed only at its step, after step 0, blaming the loop's kv_lens
+        rows, tokens = getattr(meta, "num_requests", num_rows), getattr(meta, "num_tokens", num_rows)
+        if rows != num_rows or tokens != num_rows:
+            raise ValueError(f"step_metas[{step - 1}] was prepared for {rows} request(s) and {tokens} token(s); "
+                             f"step {step} runs one token for each of the {num_rows} drafting rows of gather_index")
     logits, hidden = _call_head(head, first_input_ids, first_features, first_meta, cache)
     if num_rows == 0:
         empty = torch.empty((0, num_drafts), dtype=torch.long, device=first_input_ids.device)

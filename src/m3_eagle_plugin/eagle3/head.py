@@ -86,7 +86,7 @@ class Eagle3Attention(nn.Module):
         k_cache, v_cache = cache.k(layer), cache.v(layer)
         kernels.write_step_kv(k_cache, v_cache, meta.cache_slots, k.to(k_cache.dtype), v.to(v_cache.dtype))
         out = kernels.dense_attention(q, k_cache, v_cache, meta, scale=self.scale)
-        return self.o_proj(out.reshape(t, -1).to(x.dtype))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim).to(x.dtype))  # t may be 0: no -1
 
 
 class SiluGluMLP(nn.Module):
@@ -258,6 +258,9 @@ class Eagle3Head(nn.Module):
         if meta.positions.shape[0] != input_ids.shape[0]:  # as the target model refuses it (a reshape error)
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, the step metadata "
                              f"{meta.positions.shape[0]}: prepare the metadata for this step's tokens")
+        if not cache.draft_layer_ids:  # a target-only cache: [0] below was a bare IndexError
+            raise ValueError(f"the cache hosts no draft layer for the Eagle3 head's K/V: build it with "
+                             f"num_draft_layers=1, draft_num_kv_heads={self.config.num_kv_heads}")
         check_page_size(cache.k(cache.draft_layer_ids[0]), meta)  # before the draft layer writes its K/V
         rope = self.rotary.at(meta.positions)
         y, mlp_out = self.layers[0].residual_parts(self.embed_tokens(input_ids), g, rope, meta, cache)
