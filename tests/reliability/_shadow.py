@@ -128,17 +128,21 @@ class KVWorld:
         del self.shadow[rid]
 
     def migrate(self, rid: int) -> bool:
-        """Export `rid` from its cache and import it into the other; False if the target is full."""
+        """Export `rid` from its cache and import it into the other; False if the target is full
+        (predicted from the request's length and the target's free blocks, not taken on trust)."""
         src = self.home[rid]
         dst = 1 - src
         payload = self.kv.export_request(self.caches[src], rid)
         before = self.caches[dst].num_free_blocks
+        needed = math.ceil(self.shadow[rid].length / self.block_size)
         try:
             self.kv.import_request(self.caches[dst], rid, payload)
         except self.kv.OutOfBlocksError:
+            assert needed > before, f"an import of {needed} blocks was refused with {before} free"
             assert self.caches[dst].num_free_blocks == before, "a refused import kept blocks"
             assert rid not in self.caches[dst].allocator, "a refused import kept the request"
             return False
+        assert needed <= before, f"an import of {needed} blocks succeeded with {before} free"
         self.caches[src].free(rid)
         self.home[rid] = dst
         return True

@@ -122,8 +122,10 @@ def test_fuzzed_schedules_keep_every_request_isolated():
 
     fuzz()
     # the schedules must reach a step refused on a row after others took their blocks (the case a
-    # host gives back part-done), not only on its first row
+    # host gives back part-done), not only on its first row; and transfers both ways of the
+    # prediction (_shadow.migrate), and rejected drafts
     assert reached["short-later-row"] > 0, reached
+    assert min(reached["migrated"], reached["migration refused"], reached["rewind"]) >= 5, reached
 
 
 def _fuzzed_schedule(data, geometry, reached):
@@ -160,11 +162,14 @@ def _fuzzed_schedule(data, geometry, reached):
                 for rid in batch:
                     accepted = data.draw(st.integers(0, drafts[rid]), label="accepted")
                     world.rewind(rid, before[rid] + 1 + accepted)
+                    reached["rewind"] += accepted < drafts[rid]
                     bump("fuzz.rewinds", int(accepted < drafts[rid]))
         elif op == "finish":
             world.finish(data.draw(st.sampled_from(live), label="finish"))
         elif op == "migrate":
-            bump("fuzz.migrations", int(world.migrate(data.draw(st.sampled_from(live), label="migrate"))))
+            moved = world.migrate(data.draw(st.sampled_from(live), label="migrate"))
+            reached["migrated" if moved else "migration refused"] += 1
+            bump("fuzz.migrations", int(moved))
         else:
             _fault(world, data, kv_mod)
         world.check()
