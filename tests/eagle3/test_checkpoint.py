@@ -582,6 +582,20 @@ def test_use_aux_hidden_state_false_in_eagle_config_is_refused_naming_it(tiny, t
     assert load_draft(flat, target).fc.in_features == 3 * HIDDEN
 
 
+def test_eh_proj_before_attn_in_eagle_config_is_refused_naming_it(tiny, tmp_path):
+    """TensorRT-LLM's Eagle3 draft layer reads `eagle_config.eh_proj_before_attn` and, true, builds another
+    head (an eh_proj before an attention over hidden_size inputs); the config loaded here as the usual head.
+    False, the published value, loads."""
+    target, draft_dir = tiny
+    on = _variant(draft_dir, tmp_path / "on", edit_config=lambda c: c["eagle_config"].update(eh_proj_before_attn=True))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(on / 'config.json'))}: eagle_config\.eh_proj_before_attn: "
+                                          r"true is not supported"):
+        inspect_draft(on, target.config)
+    off = _variant(draft_dir, tmp_path / "off", edit_config=lambda c: c["eagle_config"].update(
+        eh_proj_before_attn=False))
+    assert load_draft(off, target).fc.in_features == 3 * HIDDEN
+
+
 def test_a_draft_config_of_more_decoder_layers_is_refused_naming_it(tiny, tmp_path):
     """vLLM and SGLang build `num_hidden_layers` decoder layers for an Eagle3 draft (vLLM refuses one whose
     weights are missing); a config saying 2 over a one-layer checkpoint loaded as a one-layer head."""

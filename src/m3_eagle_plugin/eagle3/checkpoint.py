@@ -10,8 +10,9 @@ ascending layer order), `num_aux_hidden_states` (checked against them), `draft_v
 `norm_before_residual`, `fc_norm` (the per-chunk norms; when absent, their tensors decide) and
 `norm_before_fc`; the aux ids and the four flags may sit at the top level or in `eagle_config`,
 the three sizes at the top level only (as every exporter writes them). Refused by name, since vLLM
-would run another head from them: `eagle_config.use_aux_hidden_state` false, `num_hidden_layers`
-other than 1, and the speculators format (`transformer_layer_config`). A missing embedding or
+or TensorRT-LLM would run another head from them: `eagle_config.use_aux_hidden_state` false,
+`eagle_config.eh_proj_before_attn` true, `num_hidden_layers` other than 1, and the speculators
+format (`transformer_layer_config`). A missing embedding or
 lm_head is taken from the target (the lm_head's rows gathered into draft-id order through `d2t`
 whenever that is not all zeros: a smaller draft vocabulary, or a full one in another order). Names
 and shapes are all validated before anything is assigned.
@@ -58,6 +59,10 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
     if not eagle.get_bool("use_aux_hidden_state", True):  # vLLM reads it here only
         raise eagle.error("use_aux_hidden_state", "false is not supported: vLLM then builds no fc and feeds the "
                           "target's last hidden state, where this head combines the aux hidden states through fc")
+    if eagle.get_bool("eh_proj_before_attn", False):  # TensorRT-LLM's other head: eh_proj, attention H wide
+        raise eagle.error("eh_proj_before_attn", "true is not supported: TensorRT-LLM then builds an eh_proj before "
+                          "an attention over hidden_size inputs, where this head attends over the 2 x hidden_size "
+                          "concat of the embedding and the hidden state")
     hidden = top.get_int("hidden_size", minimum=1)
     heads = top.get_int("num_attention_heads", minimum=1)
     kv_heads = top.get_int("num_key_value_heads", heads, minimum=1)
