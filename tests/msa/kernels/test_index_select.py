@@ -213,3 +213,21 @@ def test_a_scoring_grid_past_cudas_y_limit_is_too_large_not_a_bad_input(monkeypa
     meta.cu_qo_lens, meta.positions = meta.cu_qo_lens[:65536], meta.positions[:65535]
     with pytest.raises(pytest.fail.Exception, match="launched"):
         index_select.index_block_scores(torch.zeros(65535, 1, 16), torch.zeros(1, 16, 16), meta)
+
+
+def test_a_reset_that_fails_too_leaves_the_scorings_own_error_to_surface(monkeypatch):
+    """A scoring that failed on a dead device (a sticky CUDA error, an invalidated graph capture) is
+    followed by a reset that fails the same way: its error replaced the scoring's, which names the cause."""
+    from m3_eagle_plugin.msa.kernels import index_select
+
+    def dead(*args, **kwargs):
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    def scoring(*args, **kwargs):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    meta, cache, _, index_q = random_step(SMALL, [2, 1], [40, 17], device="cpu")
+    monkeypatch.setattr(index_select, "reset_handoff", dead)
+    monkeypatch.setattr(index_select, "index_block_scores", scoring)
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        index_select.select_announcing(index_q, cache.index_k, meta, topk=SMALL.topk, handoff=True)

@@ -220,3 +220,36 @@ def test_layer_dispatcher_matches_the_reference():
                                          scale=SCALE)
     assert_close_rel(out.float(), expect.float(), 3e-3)
     _flags_zero(device, q.shape[0])
+
+
+class _Cut(KeyboardInterrupt):
+    """An interrupt raised as a launch returns."""
+
+
+def _dead_device(*args, **kwargs):
+    raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+
+def test_a_reset_that_fails_too_leaves_the_steps_own_error_to_surface(monkeypatch):
+    """After a sticky CUDA error, or a sync that invalidated a graph capture, every later launch fails,
+    the hand-off's reset included: the reset's RuntimeError replaced the step's own error (a Ctrl-C
+    became a traceback, the capture's real cause a "previous error during capture")."""
+    from m3_eagle_plugin.msa.kernels import verify_step
+
+    meta, cache, q, index_q = random_step(GEO, [2, 3], [40, 70], kv_dtype=torch.float16, index_dtype=torch.float16,
+                                          q_dtype=torch.float16, device="cpu")
+    monkeypatch.setattr(verify_step, "reset_handoff", _dead_device)
+    monkeypatch.setattr(verify_step, "_step", lambda *a, **k: (_ for _ in ()).throw(_Cut("as a launch returned")))
+    with pytest.raises(_Cut, match="as a launch returned"):
+        _step(meta, cache, q, index_q, early=True, splits=2)
+
+    class Flags:  # the top-k's ready flags on a device that refuses every launch now
+        zero_ = staticmethod(_dead_device)
+
+    monkeypatch.undo()
+    monkeypatch.setattr(verify_step, "reset_handoff", _dead_device)
+    monkeypatch.setattr(verify_step, "select_announcing", lambda *a, **k: (None, None, Flags()))
+    monkeypatch.setattr(verify_step, "sparse_verify_attention", lambda *a, **k: (_ for _ in ()).throw(
+        MemoryError("the attention's partials")))
+    with pytest.raises(MemoryError, match="the attention's partials"):
+        _step(meta, cache, q, index_q, early=True, splits=2)

@@ -21,6 +21,8 @@ launched early (`verify_step`).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ._common import env_switch, step_buffer, step_buffers
@@ -75,3 +77,15 @@ def reset_handoff(device: torch.device | str) -> None:
     reset_board(device)
     for flags in step_buffers(_READY, device):
         flags.zero_()
+
+
+def reset_while_raising(error: BaseException, reset: Callable[[], object]) -> None:
+    """Run `reset` (`reset_handoff`, a flag buffer's zero_) while `error` propagates. A reset that fails
+    too does not replace `error`, whose type and message name the cause: after a sticky CUDA error, or
+    a sync that invalidated a graph capture, every later launch on the stream fails (and a capture ran
+    nothing to reset); the reset's failure is noted on `error`."""
+    try:
+        reset()
+    except Exception as failure:  # noqa: BLE001 - `error` is the one that names the cause
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(f"resetting the hand-off failed too: {type(failure).__name__}: {failure}")

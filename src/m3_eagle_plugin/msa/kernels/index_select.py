@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from .block_union import BlockUnion, allocate_union, chunk_count
-from .handoff import SENTINEL as _SENTINEL, handoff_enabled, ready_flags, reset_handoff, score_board
+from .handoff import (SENTINEL as _SENTINEL, handoff_enabled, ready_flags, reset_handoff, reset_while_raising,
+                      score_board)
 from .launch import launch
 from .pdl import pdl_args, release_dependents, wait_for_prior_grid, wait_then_release
 from ._common import (
@@ -539,6 +540,6 @@ def select_announcing(index_q, index_k_cache, meta, *, topk: int, local_blocks: 
         # A refused scoring wrote nothing; past it, or cut off (a Ctrl-C raised as the scoring's launch
         # returned), scores may sit on the board and flags be set for no attention.
         if scored or not isinstance(error, KernelInputError):
-            reset_handoff(index_q.device)
+            reset_while_raising(error, lambda: reset_handoff(index_q.device))
         raise
     return selection, union, ready

@@ -52,7 +52,7 @@ from ._common import (KernelInputError, attention_scales, check_same_device, dev
                       require)
 from .attention_io import check_attention_inputs
 from .block_union import chunk_count
-from .handoff import handoff_enabled, reset_handoff
+from .handoff import handoff_enabled, reset_handoff, reset_while_raising
 from .index_select import select_announcing, select_blocks_verify
 from .pdl import pdl_args
 from .replay import Replayer, call_signature
@@ -136,7 +136,7 @@ def sparse_verify_step(
         # Cut off between launches (a Ctrl-C raised as one returns, in `_step` or in a replay): the top-k may
         # have set flags for an attention never launched. Refusals come before a launch or clean up themselves.
         if isinstance(q, torch.Tensor) and not isinstance(error, KernelInputError):
-            reset_handoff(q.device)
+            reset_while_raising(error, lambda: reset_handoff(q.device))
         raise
 
 
@@ -178,8 +178,8 @@ def _step(index_q, index_k_cache, q, k_cache, v_cache, meta, *, topk, scale, loc
     try:
         out = sparse_verify_attention(q, k_cache, v_cache, meta, selection, splits=splits, ready=ready,
                                       request_major=early_order(kv_bytes), **tiling, **attend)
-    except BaseException:
-        ready.zero_()  # in stream order, after the top-k has set them: the next step must find zeros
+    except BaseException as error:
+        reset_while_raising(error, ready.zero_)  # in stream order, after the top-k set them: the next step finds 0
         raise
     return selection, out
 
