@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from m3_eagle_plugin.models.loader import CheckpointError, detect_layout, load_target
@@ -272,6 +273,34 @@ def test_more_layers_than_the_checkpoint_stores_are_refused_before_the_model_is_
     ckpt = _with_config(tiny_dir, tmp_path / "t", nine_layers)
     want = (f"^{re.escape(str(ckpt / 'config.json'))}: num_hidden_layers: 9 layers, "
             f"but {re.escape(str(ckpt / 'model.safetensors'))} stores 8$")
+    with pytest.raises(CheckpointError, match=want):
+        load_target(ckpt)
+
+
+@pytest.mark.parametrize("key,shown", [("hidden_size", "hidden_size"), ("vocab_size", "vocab_size"),
+                                       ("intermediate_size", "intermediate_size"),
+                                       ("dense_intermediate_size", "dense_intermediate_size"),
+                                       ("shared_intermediate_size", "shared_intermediate_size"),
+                                       ("num_attention_heads", "num_attention_heads x head_dim")])
+@pytest.mark.parametrize("size", [2 ** 62, 2 ** 63])
+def test_a_size_past_every_stored_dimension_is_refused_by_its_field_before_the_model_is_built(
+        tiny_dir, tmp_path, monkeypatch, key, shown, size):
+    """hidden_size 2**62 (or any size past int64) overflowed torch's sizes as the model was built on
+    meta: a bare TypeError with a C++ stack, or 'Storage size calculation overflowed', naming no file
+    or field. No tensor of the checkpoint can match it (oracle: its largest dimension, read by safetensors)."""
+    import m3_eagle_plugin.models.loader as loader_api
+
+    def no_model(config):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(loader_api, "MiniMaxM3ForCausalLM", no_model)
+    ckpt = _with_config(tiny_dir, tmp_path / "t", lambda t: t.update({key: size}))
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        largest = max(max(f.get_slice(name).get_shape()) for name in f.keys())
+    head_dim = json.loads((ckpt / "config.json").read_text())["text_config"]["head_dim"]
+    want = (f"^{re.escape(str(ckpt / 'config.json'))}: {shown}: {size * (head_dim if 'x' in shown else 1)}, "
+            f"larger than any dimension of a tensor in {re.escape(str(ckpt / 'model.safetensors'))} "
+            f"\\(the largest is {largest}\\)$")
     with pytest.raises(CheckpointError, match=want):
         load_target(ckpt)
 

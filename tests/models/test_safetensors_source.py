@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+import m3_eagle_plugin.models.safetensors_source as source_module
 from m3_eagle_plugin.models.safetensors_source import CheckpointError, SafetensorsSource
 
 
@@ -216,3 +217,69 @@ def test_a_stale_index_beside_model_safetensors_names_both(tmp_path):
                                               r"missing: .*; the index is read before model\.safetensors beside it: "
                                               r"if that file is the checkpoint, remove the stale index$"):
         SafetensorsSource(tmp_path)
+
+
+@pytest.mark.parametrize("shard", ["ABSOLUTE", "../outside/model.safetensors", "sub/../../outside/model.safetensors",
+                                   "sub/../model.safetensors"], ids=["absolute", "parent", "climbing", "sub-dotdot"])
+def test_an_index_naming_a_shard_outside_its_directory_is_refused_unread(good_file, tmp_path, monkeypatch, shard):
+    """A downloaded index is data, not a path to follow: its weight_map named /abs/file or ../file and
+    another file on the machine was opened and its tensors loaded as the checkpoint's (`sub/..` leaves
+    too when sub is a symlink). The oracle: the module's contract, and no open outside the directory."""
+    outside = tmp_path / "outside" / "model.safetensors"
+    outside.parent.mkdir()
+    outside.write_bytes(good_file.read_bytes())
+    folder = tmp_path / "ckpt"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(good_file.read_bytes())
+    shard = str(outside) if shard == "ABSOLUTE" else shard
+    index = folder / SafetensorsSource.INDEX
+    index.write_text(json.dumps({"weight_map": {"a.weight": shard, "b.bias": shard}}))
+    opened, safe_open = [], source_module.safe_open
+
+    def recording_open(path, *args, **kwargs):
+        opened.append(path)
+        return safe_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(source_module, "safe_open", recording_open)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(index))}: weight_map: shard paths not inside the "
+                                              rf"checkpoint directory \(absolute, or with a \.\. step\): "
+                                              rf"{re.escape(shard)}$"):
+        SafetensorsSource(folder)
+    assert opened == []
+
+
+def test_an_index_naming_shards_in_a_subdirectory_or_symlinked_out_loads(good_file, tmp_path):
+    """What stays allowed: a shard in a subdirectory, and the Hugging Face cache's layout, where each
+    snapshot file is a symlink to ../../blobs/<hash> (the index names the link, inside the directory)."""
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    blob.write_bytes(good_file.read_bytes())
+    snapshot = tmp_path / "snapshots" / "rev"
+    (snapshot / "sub").mkdir(parents=True)
+    (snapshot / "sub" / "model-00001-of-00001.safetensors").symlink_to(os.path.relpath(blob, snapshot / "sub"))
+    (snapshot / SafetensorsSource.INDEX).write_text(json.dumps(
+        {"weight_map": {"a.weight": "sub/model-00001-of-00001.safetensors",
+                        "b.bias": "./sub/model-00001-of-00001.safetensors"}}))
+    source = SafetensorsSource(snapshot)
+    assert torch.equal(source.get("a.weight"), torch.arange(12.0).view(3, 4))
+    assert source.files == [snapshot / "sub" / "model-00001-of-00001.safetensors"]
+
+
+@pytest.mark.parametrize("stored", [torch.full((3, 4), 7, dtype=torch.int64), torch.ones(4, 3)], ids=["dtype", "shape"])
+@pytest.mark.parametrize("read", [lambda source: source.get("a.weight"), lambda source: source.get_many(["a.weight"])],
+                         ids=["get", "get_many"])
+def test_a_file_replaced_after_listing_with_other_tensors_is_refused_naming_both(good_file, tmp_path, stored, read):
+    """A download writing over the file between the listing and the read: the new int64 tensor was
+    returned as the F32 weight the listing checked (a loader casts it to float, a wrong model without a
+    word), and a [4, 3] as the listed [3, 4]. The oracle: shape() and dtype(), what the checks read."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(good_file.read_bytes())
+    source = SafetensorsSource(tmp_path)
+    listed = (source.dtype("a.weight"), source.shape("a.weight"))
+    save_file({"a.weight": stored, "b.bias": torch.ones(5)}, str(path))
+    now = ({torch.int64: "I64", torch.float32: "F32"}[stored.dtype], tuple(stored.shape))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: tensor 'a.weight' changed since the "
+                                              rf"checkpoint was listed \({listed[0]} {re.escape(str(listed[1]))}, "
+                                              rf"now {now[0]} {re.escape(str(now[1]))}\)$"):
+        read(source)
+    assert torch.equal(source.get("b.bias"), torch.ones(5))

@@ -167,7 +167,9 @@ def _check_counts(source: SafetensorsSource, config: M3Config) -> None:
     """More layers, or (per-expert tensors) more experts, than the checkpoint stores are refused first:
     the model's modules, even on the meta device, and the tensor names it expects grow with those
     counts, so a config.json asking for 10**6 layers or 10**9 experts filled memory before any name
-    was compared."""
+    was compared. So is a size past every dimension the checkpoint stores, which no tensor can match:
+    hidden_size 2**62 overflowed the model's sizes even on the meta device (torch's bare TypeError or
+    RuntimeError, naming no field)."""
     names = [n for n in source.names() if not _IGNORED.search(n)]
     layers = {int(m.group(1)) for m in map(_LAYER_INDEX.search, names) if m}
     if config.num_layers > len(layers):
@@ -178,6 +180,22 @@ def _check_counts(source: SafetensorsSource, config: M3Config) -> None:
         if config.num_experts > len(experts):
             raise CheckpointError(f"{config.source}: num_local_experts: {config.num_experts} experts per MoE layer, "
                                   f"but {source.where} stores {len(experts)}")
+    largest = max((max(shape) for shape in map(source.shape, names) if shape and not _holds_nothing(shape)),
+                  default=0)
+    sizes = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+             "num_attention_heads x head_dim": config.num_heads * config.head_dim,
+             "num_key_value_heads x head_dim": config.num_kv_heads * config.head_dim}
+    if not all(config.moe_layers):
+        sizes["dense_intermediate_size"] = config.dense_intermediate_size
+    if any(config.moe_layers):
+        sizes.update(intermediate_size=config.moe_intermediate_size, num_local_experts=config.num_experts,
+                     shared_intermediate_size=config.shared_intermediate_size)
+    if any(config.sparse_layers):
+        sizes["index head dim"] = config.index_dim
+    for field, size in sizes.items():
+        if size > largest:
+            raise CheckpointError(f"{config.source}: {field}: {size}, larger than any dimension of a tensor in "
+                                  f"{source.where} (the largest is {largest})")
 
 
 def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> dict[str, _Recipe]:

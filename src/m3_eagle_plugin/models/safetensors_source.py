@@ -2,7 +2,9 @@
 
 Lists tensor names and shapes without reading data, so loaders can validate a whole checkpoint
 (names, shapes) before touching any weight. A truncated or corrupt file, or a broken shard index,
-is a `CheckpointError` naming the file (never safetensors' own exception).
+is a `CheckpointError` naming the file (never safetensors' own exception). A shard index names
+files inside its directory: an absolute path or a `..` step is refused, not read (a symlinked shard
+is followed, as in the Hugging Face cache, whose snapshot files link to `../../blobs`).
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ class SafetensorsSource:
         return self._dtype[name]
 
     def get(self, name: str) -> torch.Tensor:
-        return _read(self._file_of[name], [name])[name]
+        return _read(self._file_of[name], {name: (self._shape[name], self._dtype[name])})[name]
 
     def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Read several tensors, opening each shard once."""
@@ -123,16 +125,23 @@ class SafetensorsSource:
             by_file.setdefault(self._file_of[name], []).append(name)
         out: dict[str, torch.Tensor] = {}
         for file, group in by_file.items():
-            out.update(_read(file, group))
+            out.update(_read(file, {name: (self._shape[name], self._dtype[name]) for name in group}))
         return out
 
 
-def _read(file: Path, names: list[str]) -> dict[str, torch.Tensor]:
+def _read(file: Path, listed: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, torch.Tensor]:
+    """The tensors as listed: a file replaced since (a download writing over it) whose tensor now has
+    another shape or dtype is refused, not read as the weights its listing checked."""
     out: dict[str, torch.Tensor] = {}
-    name = names[0] if names else "<header>"
+    name = next(iter(listed), "<header>")
     try:
         with safe_open(str(file), framework="pt") as f:
-            for name in names:
+            for name, (shape, dtype) in listed.items():
+                part = f.get_slice(name)
+                now = (tuple(part.get_shape()), part.get_dtype())
+                if now != (shape, dtype):
+                    raise CheckpointError(f"{file}: tensor {name!r} changed since the checkpoint was listed "
+                                          f"({dtype} {shape}, now {now[1]} {now[0]})")
                 out[name] = f.get_tensor(name)
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({_one_line(error)})") from None
@@ -156,6 +165,10 @@ def _read_weight_map(index: Path) -> dict[str, str]:
     bad = sorted(name for name, shard in weight_map.items() if not isinstance(shard, str) or not shard)
     if bad:
         raise CheckpointError(f"{index}: weight_map: tensors without a shard file name: {_preview(bad)}")
+    outside = sorted({shard for shard in weight_map.values() if Path(shard).is_absolute() or ".." in Path(shard).parts})
+    if outside:
+        raise CheckpointError(f"{index}: weight_map: shard paths not inside the checkpoint directory "
+                              f"(absolute, or with a .. step): {_preview(outside)}")
     return weight_map
 
 
