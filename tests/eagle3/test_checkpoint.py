@@ -637,3 +637,16 @@ def test_a_weight_dtype_no_head_can_run_is_refused_naming_it_as_load_target_does
     with pytest.raises(ValueError, match=want):
         load_draft(path, target, dtype=dtype)
     assert load_draft(path, target, dtype=torch.float16).fc.weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize("key, value, field", [("intermediate_size", 2 ** 62, "intermediate_size"),
+                                               ("num_attention_heads", 2 ** 62, "num_attention_heads x head_dim"),
+                                               ("head_dim", 2 ** 63, "num_attention_heads x head_dim")])
+def test_a_draft_size_past_every_stored_dimension_is_refused_by_its_field(tiny, tmp_path, key, value, field):
+    """Building the head even on the meta device overflowed torch's sizes (a bare TypeError or
+    RuntimeError naming no field); no tensor of the checkpoint can have such a size."""
+    target, draft_dir = tiny
+    big = _variant(draft_dir, tmp_path / "big", edit_config=lambda c: c.update({key: value}))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(big / 'config.json'))}: {re.escape(field)}: \d+, "
+                                          r"larger than any dimension of a tensor in .* \(the largest is \d+\)$"):
+        inspect_draft(big, target.config)

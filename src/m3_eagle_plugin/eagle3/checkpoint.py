@@ -154,6 +154,22 @@ def _target_sizes(target_config) -> tuple[int, int, int]:
     return target_config.hidden_size, target_config.vocab_size, target_config.num_layers
 
 
+def _check_sizes_stored(source: SafetensorsSource, config: Eagle3Config, where: str) -> None:
+    """A size past every dimension the checkpoint stores matches no tensor: refused by its field before
+    the head is built (intermediate_size 2**62 overflowed torch's sizes even on the meta device, a bare
+    TypeError naming no field)."""
+    largest = max((max(shape) for shape in map(source.shape, source.names()) if shape), default=0)
+    sizes = {"intermediate_size": config.intermediate_size,
+             "num_attention_heads x head_dim": config.num_heads * config.head_dim,
+             "num_key_value_heads x head_dim": config.num_kv_heads * config.head_dim}
+    if config.draft_vocab_size != config.vocab_size:  # then d2t holds one entry per draft id
+        sizes["draft_vocab_size"] = config.draft_vocab_size
+    for field, size in sizes.items():
+        if size > largest:
+            raise ConfigError(f"{where}: {field}: {size}, larger than any dimension of a tensor in {source.where} "
+                              f"(the largest is {largest})")
+
+
 def inspect_draft(path: str | Path, target_config) -> DraftPlan:
     """Check an Eagle3 checkpoint directory against its target's config (an `M3Config`): the draft
     `config.json`, its tensor names and shapes (safetensors headers) and its d2t id map, no weight read."""
@@ -175,6 +191,7 @@ def inspect_draft(path: str | Path, target_config) -> DraftPlan:
     config = parse_draft_config(raw, str(config_path), target_hidden_size=tc.hidden_size,
                                 target_vocab_size=tc.vocab_size, default_aux_layer_ids=tc.default_aux_layer_ids,
                                 has_fc_norm=has_fc_norm, target_num_layers=tc.num_layers)
+    _check_sizes_stored(source, config, str(config_path))
     with torch.device("meta"):
         head = Eagle3Head(config)
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
