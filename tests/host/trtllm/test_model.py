@@ -324,3 +324,30 @@ def test_the_eagle3_base_forward_receives_the_step_spec_metadata(host, monkeypat
     model.forward(None, input_ids=torch.tensor([3]), position_ids="pos", return_context_logits=True,
                   spec_metadata=spec, resource_manager=manager, extra="x")
     assert seen == [(None, "pos", True, spec, manager, {"extra": "x"})]
+
+
+def test_a_dropped_model_frees_its_layers_as_the_hosts_class_does(host):
+    """Dropping the last reference frees the layers (every weight) at once, as it does for the host's
+    own M3 class: the capture hooks add no reference cycle that waits for the cyclic collector."""
+    import gc
+    import weakref
+
+    from tensorrt_llm._torch.models.modeling_minimaxm3 import MiniMaxM3ForCausalLM
+
+    text_cls, _ = _classes()
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        alive = {}
+        for cls in (MiniMaxM3ForCausalLM, text_cls):
+            model = cls(_model_config())
+            model.setup_aliases()
+            layers = [weakref.ref(layer) for layer in model.model.layers]
+            del model
+            alive[cls] = [ref() is not None for ref in layers]
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert alive[MiniMaxM3ForCausalLM] == [False] * 4
+    assert alive[text_cls] == alive[MiniMaxM3ForCausalLM]

@@ -41,7 +41,7 @@ class Eagle3CaptureHooks:
 
     def __init__(self, layers: Any) -> None:
         self.spec_metadata: Optional[Any] = None
-        self._handles = [layer.register_forward_hook(self._hook(self._layer_id(i, layer), layer))
+        self._handles = [layer.register_forward_hook(self._hook(self._layer_id(i, layer)))
                          for i, layer in enumerate(layers)]
 
     @staticmethod
@@ -49,8 +49,11 @@ class Eagle3CaptureHooks:
         layer_idx = getattr(layer, "layer_idx", None)
         return layer_idx if isinstance(layer_idx, int) else index
 
-    def _hook(self, layer_id: int, layer: Any):
-        def capture(_module: Any, _inputs: Any, output: Any) -> None:
+    def _hook(self, layer_id: int):
+        # The layer comes in as the hook's first argument: a closure holding it would make a
+        # layer -> hook -> layer cycle that keeps every layer's weights alive after the model is
+        # dropped, until the cyclic garbage collector happens to run.
+        def capture(layer: Any, _inputs: Any, output: Any) -> None:
             spec = self.spec_metadata
             if spec is None or not spec.is_layer_capture(layer_id):
                 return
