@@ -14,6 +14,8 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 
 out="${OUT:-/tmp/m3-gpu-check}"
 part="${1:-all}"
 case "$part" in kernels|rest|bench|all) ;; *) echo "usage: $0 [kernels|rest|bench|all], got '$part'" >&2; exit 2 ;; esac
+# one part a call: a second name ran nothing and passed
+(( $# <= 1 )) || { echo "usage: $0 [kernels|rest|bench|all], one part, got '$*'" >&2; exit 2; }
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

@@ -26,7 +26,8 @@ hangs past `--case-timeout` or dies is replaced, and the case is reported, so la
 The case timeout counts the time a case spends outside Triton's compiler: on a cold cache a new
 shape class compiles for 100 s and more (where its tiles fit no depth, at 3, 2 and 1 stages before
 `KernelTooLargeError`), which is not a hang; a timed-out or unfinished case says how long it compiled.
-Exit status 0 only when cases ran and every one finished without a failure.
+Exit status 0 only when cases ran, every one finished without a failure, and checks reached a
+verdict (an `--only` naming no check is refused; one whose checks never run here, graph: on CPU, is exit 1).
 
 GPU:  python scripts/kernel_fuzz.py --seconds 300
 CPU:  TRITON_INTERPRET is set automatically when no CUDA device is present (the dispatchers are
@@ -698,12 +699,22 @@ def hint(ctx):
     return ctx.p["hint_value"]
 
 
+def reference(what, fn, *args):
+    """The torch reference's answer for inputs the dispatcher took: its refusal here is the
+    dispatcher's failure to refuse them (both sides must refuse the same inputs), not a refusal."""
+    try:
+        return fn(*args)
+    except REFUSALS as exc:
+        raise Mismatch(f"{what}: the dispatcher returned a result where the torch reference refuses "
+                       f"({type(exc).__name__}: {exc})") from exc
+
+
 def do_select(ctx):
     p = ctx.p
     sel = K.select_blocks_paged(ctx.iq, ctx.ik, ctx.meta, topk=p["topk"], local_blocks=p["local"],
                                 init_blocks=p["init"], max_qo_len=hint(ctx))
     sync(ctx)
-    ref = ctx.ref_select()
+    ref = reference("select_blocks_paged", ctx.ref_select)
     worst, differ = check_selection(ctx, sel, "select_blocks_paged", ref=ref)
     ctx.kernel_sel = sel
     return worst, f"ties-differ-rows={differ}"
@@ -726,7 +737,8 @@ def do_sparse(ctx):
     out = K.sparse_attention(ctx.q, ctx.k, ctx.v, ctx.meta, sel, scale=p["scale"], k_scale=ctx.ks, v_scale=ctx.vs,
                              max_qo_len=hint(ctx))
     sync(ctx)
-    return compare_attention(out, ctx.ref_sparse(sel), ctx.T, attn_tol(p), "sparse_attention"), ""
+    return compare_attention(out, reference("sparse_attention", ctx.ref_sparse, sel), ctx.T, attn_tol(p),
+                             "sparse_attention"), ""
 
 
 def do_dense(ctx, q=None, what="dense_attention"):
@@ -735,7 +747,7 @@ def do_dense(ctx, q=None, what="dense_attention"):
     out = K.dense_attention(q, ctx.k, ctx.v, ctx.meta, scale=p["scale"], k_scale=ctx.ks, v_scale=ctx.vs,
                             max_qo_len=hint(ctx))
     sync(ctx)
-    return compare_attention(out, ctx.ref_dense(q), ctx.T, attn_tol(p), what), ""
+    return compare_attention(out, reference(what, ctx.ref_dense, q), ctx.T, attn_tol(p), what), ""
 
 
 def do_layer(ctx, q=None, iq=None, what="sparse_layer_attention"):
@@ -753,15 +765,16 @@ def compare_layer_output(ctx, out, q, iq, what):
     """Against the reference attention on the reference selection; on a mismatch also on the
     dispatcher's own selection (validated as a top-k set): selections may differ in near-ties."""
     p = ctx.p
-    ref_sel = ctx.ref_select(iq)
+    ref_sel = reference(what, ctx.ref_select, iq)
     try:
-        return compare_attention(out, ctx.ref_sparse(ref_sel, q), ctx.T, attn_tol(p), what), ""
+        return compare_attention(out, reference(what, ctx.ref_sparse, ref_sel, q), ctx.T, attn_tol(p), what), ""
     except Mismatch as first:
         sel = K.select_blocks_paged(iq, ctx.ik, ctx.meta, topk=p["topk"], local_blocks=p["local"],
                                     init_blocks=p["init"], max_qo_len=hint(ctx))
         check_selection(ctx, sel, what + " (its selection)", iq=iq, ref=ref_sel)
         try:
-            return compare_attention(out, ctx.ref_sparse(sel, q), ctx.T, attn_tol(p), what), "own-selection"
+            return compare_attention(out, reference(what, ctx.ref_sparse, sel, q), ctx.T, attn_tol(p),
+                                     what), "own-selection"
         except Mismatch as second:
             raise Mismatch(f"{first}; on the dispatcher's own selection: {second}")
 
@@ -774,9 +787,10 @@ def do_step(ctx):
                                   local_blocks=p["local"], init_blocks=p["init"], k_scale=ctx.ks, v_scale=ctx.vs,
                                   max_qo_len=hint(ctx), early=o["early"], splits=o["splits"])
     sync(ctx)
-    ref = ctx.ref_select()
+    ref = reference("sparse_verify_step", ctx.ref_select)
     worst, differ = check_selection(ctx, sel, "sparse_verify_step selection", ref=ref)
-    err = compare_attention(out, ctx.ref_sparse(sel), ctx.T, attn_tol(p), "sparse_verify_step attention")
+    err = compare_attention(out, reference("sparse_verify_step", ctx.ref_sparse, sel), ctx.T, attn_tol(p),
+                            "sparse_verify_step attention")
     return err, f"ties-differ-rows={differ}"
 
 
@@ -805,7 +819,8 @@ def do_variants(ctx):
         note = "fused-union"
     out = sparse_verify_attention(ctx.q, ctx.k, ctx.v, ctx.meta, sel, **kw)
     sync(ctx)
-    return compare_attention(out, ctx.ref_sparse(sel), ctx.T, attn_tol(p), "sparse_verify_attention"), note
+    return compare_attention(out, reference("sparse_verify_attention", ctx.ref_sparse, sel), ctx.T, attn_tol(p),
+                             "sparse_verify_attention"), note
 
 
 def meta_fields(m):
@@ -1059,11 +1074,12 @@ def do_graph(ctx):
                 if not torch.equal(a[f].cpu(), b[f].cpu()):
                     raise Mismatch(f"{what}: {f} differs after replay")
         elif name == "dense_attention":
-            worst = max(worst, compare_attention(out, ctx.ref_dense(), ctx.T, attn_tol(p), what))
+            worst = max(worst, compare_attention(out, reference(what, ctx.ref_dense), ctx.T, attn_tol(p), what))
         elif name == "sparse_attention":
-            worst = max(worst, compare_attention(out, ctx.ref_sparse(sel_static), ctx.T, attn_tol(p), what))
+            worst = max(worst, compare_attention(out, reference(what, ctx.ref_sparse, sel_static), ctx.T,
+                                                 attn_tol(p), what))
         elif name == "select_blocks_paged":
-            check_selection(ctx, out, what, ref=ctx.ref_select())
+            check_selection(ctx, out, what, ref=reference(what, ctx.ref_select))
         else:
             worst = max(worst, compare_layer_output(ctx, out, ctx.q, ctx.iq, what)[0])
     return worst, ",".join(notes)
@@ -1476,9 +1492,13 @@ def parent_main(args):
             print(f"  case {case} running {timing}: {report.repro(case)}")
     if report.failures:
         print("\nfailing cases: " + " ".join(str(c) for c in sorted(report.case_failed)))
+    checked = sum(s["pass"] + s["refused"] + s["fail"] for s in report.stats.values())
     if not report.cases_done:
         print("\nno case finished: nothing was checked")
-    return 1 if report.failures or report.unfinished or not report.cases_done else 0
+    elif not checked:
+        print("\nno check reached a verdict: nothing was checked" + (f" (--only {' '.join(args.only)})"
+                                                                     if args.only else ""))
+    return 1 if report.failures or report.unfinished or not report.cases_done or not checked else 0
 
 
 def single_case(args):
@@ -1526,6 +1546,9 @@ def main():
     ap.add_argument("--full", action="store_true", help="with --case: print the full parameters")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    unknown = [o for o in args.only or [] if not any(g.startswith(o) for g in GROUPS)]
+    if unknown:
+        ap.error(f"--only {' '.join(unknown)} names no check (checks: {', '.join(GROUPS)})")
     if args.device == "auto":
         import torch as _t
         args.device = "cuda" if _t.cuda.is_available() else "cpu"

@@ -27,6 +27,9 @@ for line in sys.stdin:
         print("@@COMPILED 1.2", flush=True)
     if mode in ("hang", "compile-then-hang"):
         time.sleep(600)
+    if mode == "no-checks":
+        print(f"@@DONE {case}", flush=True)
+        continue
     print("@@R " + json.dumps({"case": case, "kernel": "dense_attention", "status": "pass", "err": 0.0,
                               "msg": ""}), flush=True)
     print(f"@@DONE {case}", flush=True)
@@ -96,3 +99,47 @@ def test_a_cuda_worker_installs_the_compile_hooks(monkeypatch):
     fuzz._setup_runtime("cuda")   # imports only: no CUDA call
     assert knobs.runtime.jit_cache_hook is fuzz._compile_starts
     assert knobs.runtime.jit_post_compile_hook is fuzz._compile_ends
+
+
+def test_a_check_naming_nothing_is_refused_and_a_run_that_checked_nothing_is_not_a_pass(run_parent, monkeypatch,
+                                                                                        capsys):
+    import sys
+
+    fuzz = load_script("kernel_fuzz")
+    ran = []
+    monkeypatch.setattr(fuzz, "parent_main", lambda args: ran.append(args) or 0)
+    monkeypatch.setattr(sys, "argv", ["kernel_fuzz.py", "--device", "cpu", "--only", "dense_atention"])
+    with pytest.raises(SystemExit) as exc:
+        fuzz.main()
+    assert exc.value.code == 2 and not ran and "--only dense_atention names no check" in capsys.readouterr().err
+    # an --only whose checks never run here (graph: on CPU): every case finishes with no result
+    assert run_parent("no-checks", seconds=10, grace=5, case_timeout=100) == 1
+    assert "no check reached a verdict" in capsys.readouterr().out
+
+
+def test_a_result_where_the_reference_refuses_is_a_failure_not_a_refusal(monkeypatch):
+    import torch
+
+    import m3_eagle_plugin.msa as msa
+    import m3_eagle_plugin.msa.kernels as K
+    from m3_eagle_plugin.msa.kernels import backend
+
+    fuzz = load_script("kernel_fuzz")
+    monkeypatch.setattr(backend, "triton_available", backend.triton_available)   # _setup_runtime("cpu") sets it
+    for name in fuzz.ENV_SWITCHES:
+        monkeypatch.setenv(name, "restored")   # run_case sets the case's switches
+    threads = torch.get_num_threads()
+    fuzz._setup_runtime("cpu")
+    torch.set_num_threads(threads)
+    p = fuzz.gen_case(33, 5, True, False)
+    assert (p["topk"], p["local"], p["init"]) == (1, 2, 1)   # forced blocks past top-k: both sides must refuse
+
+    def accepts(iq, ik, meta, *, topk, local_blocks, init_blocks, max_qo_len=None):   # a dispatcher that does not
+        local = min(local_blocks, topk)
+        return msa.select_blocks_paged(iq, ik, meta, topk=topk, local_blocks=local,
+                                       init_blocks=max(0, min(init_blocks, topk - local)))
+    monkeypatch.setattr(K, "select_blocks_paged", accepts)
+    results = []
+    fuzz.run_case(p, torch.device("cpu"), results.append, only=["select_blocks_paged"])
+    assert [(r["kernel"], r["status"]) for r in results] == [("select_blocks_paged", "fail"), ("_case", "done")]
+    assert "the torch reference refuses (MsaInputError: local_blocks + init_blocks" in results[0]["msg"]

@@ -1,0 +1,41 @@
+"""scripts/gpu-check.sh's arguments and exit status, with stand-ins for nvidia-smi and python on
+PATH that record what they ran (the real parts need the H200)."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+from tests.scripts._load import SCRIPTS
+
+FAKE_PYTHON = '''#!/usr/bin/env bash
+echo "$*" >> "$FAKE_LOG"
+case "$*" in *pytest*tests/msa/kernels*) echo "1 failed"; exit "${FAKE_KERNELS_RC:-0}" ;; esac
+exit 0
+'''
+
+
+def run(tmp_path, *parts, kernels_rc=0):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("python", FAKE_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\necho H200\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "ran.txt"
+    log.write_text("")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), FAKE_LOG=str(log),
+               FAKE_KERNELS_RC=str(kernels_rc))
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu-check.sh"), *parts], env=env, capture_output=True, text=True,
+                          timeout=60)
+    return proc.returncode, [line for line in log.read_text().splitlines() if "pytest" in line or "bench" in line]
+
+
+def test_a_failing_pytest_fails_the_call_through_its_pipes(tmp_path):
+    rc, ran = run(tmp_path, "kernels", kernels_rc=1)
+    assert rc == 1 and len(ran) == 1 and "tests/msa/kernels" in ran[0]
+
+
+def test_two_part_names_are_refused_not_one_run(tmp_path):
+    rc, ran = run(tmp_path, "kernels", "rest")
+    assert (rc, ran) == (2, [])
+    rc, ran = run(tmp_path, "kernal")
+    assert (rc, ran) == (2, [])
