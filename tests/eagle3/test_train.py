@@ -771,3 +771,62 @@ def test_ids_of_any_integer_dtype_give_the_int64_loss_and_float_ids_are_refused(
     with pytest.raises(ValueError, match=r"^distillation data target_next must hold integer token ids, got "
                                          r"torch\.float32$"):
         DistillData(batch.tokens, batch.aux, batch.target_next.float(), batch.lengths, batch.target_logprobs)
+
+
+def _with(data: DistillData, **fields) -> DistillData:
+    return DistillData(*(fields.get(f, getattr(data, f)) for f in DistillData.FIELDS))
+
+
+def _spoiled(data: DistillData, field: str, value: float) -> DistillData:
+    tensor = getattr(data, field).clone()
+    tensor[:, 5] = value  # every row, at a position every pass trains on
+    return _with(data, **{field: tensor})
+
+
+@pytest.mark.parametrize("spoil, lr, cause", [
+    (None, 1e30, r"lr=1e\+30 is too high"),
+    (("target_logprobs", float("nan")), 1e-2, "NaN or \\+inf target log-probabilities"),
+    (("aux", float("inf")), 1e-2, "non-finite aux features"),
+])
+def test_a_non_finite_loss_is_refused_by_its_cause_and_the_weights_are_put_back(pair, data, spoil, lr, cause):
+    """A NaN loss trained on silently (clip_grad_norm_ passes NaN): every weight went NaN and the loss
+    history read nan, nothing raised. The oracle: the weights before training, and finite."""
+    head = load_draft(pair[1], pair[2])
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    batch = data if spoil is None else _spoiled(data, *spoil)
+    with pytest.raises(ValueError, match=f"distillation loss is nan at step .*{cause}.*left as they were"):
+        train_head(head, batch, steps=4, batch_size=4, lr=lr)
+    after = head.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before) and not head.training
+    assert all(bool(torch.isfinite(v).all()) for v in after.values())
+
+
+def test_an_interrupt_between_steps_puts_the_weights_back(pair, data):
+    head = load_draft(pair[1], pair[2])
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    steps = []
+
+    def interrupt(optimizer, args, kwargs):
+        steps.append(1)
+        if len(steps) == 3:  # two steps have changed the weights
+            raise KeyboardInterrupt
+
+    hook = register_optimizer_step_pre_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_head(head, data, steps=5, batch_size=2)
+    finally:
+        hook.remove()
+    after = head.state_dict()
+    assert len(steps) == 3 and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_diverging_distillation_saves_no_nan_head(tmp_path):
+    """distill_checkpoint wrote the NaN head over the draft's weights (every trainable tensor NaN)."""
+    target_dir, draft_dir = make_tiny(tmp_path, seed=2)
+    weights = draft_dir / "model.safetensors"
+    before = weights.read_bytes()
+    with pytest.raises(ValueError, match="too high"):
+        distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=3, num_sequences=2, seq_len=8, iterations=1,
+                                                                   batch_size=2, lr=1e30))
+    assert weights.read_bytes() == before

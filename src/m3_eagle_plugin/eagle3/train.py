@@ -305,7 +305,9 @@ def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: i
 
     Each step draws `batch_size` rows of `data` (of those with a position to train: 2 tokens or more);
     step i runs at `lr * lr_factor(i, steps)` (a linear warm-up to `lr`, then a linear decay toward 0).
-    The head is left in eval mode with gradients off.
+    The head is left in eval mode with gradients off. A loss that is not finite (NaN data, a target's
+    inf logits, a rate too high) is refused by its cause; on that or any other error, Ctrl-C
+    included, the weights are put back as they were (a copy of the trainable ones is kept meanwhile).
     """
     _check_positive(steps=steps, batch_size=batch_size, ttt_steps=ttt_steps)
     if not 0 < lr < math.inf or not 0 <= hard_weight < math.inf:  # an infinite one turns every weight NaN
@@ -327,21 +329,43 @@ def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: i
     gen = torch.Generator().manual_seed(seed)
     n = data.tokens.shape[0]
     history = []
+    # put back on an error: a NaN loss trained on silently (clip_grad_norm_ passes NaN) and distill_checkpoint saved it
+    before = [p.detach().clone() for p in params]
     head.train()
     try:
-        for _ in range(steps):
+        for step in range(steps):
             pick = torch.randperm(n, generator=gen)[:batch_size]
             batch = data.select(pick)
             loss = distill_loss(head, batch, ttt_steps, hard_weight)
+            if not torch.isfinite(loss):
+                raise ValueError(f"distillation loss is {loss.item()} at step {step} of {steps}: "
+                                 f"{_non_finite_cause(batch, before, lr)}; the head's weights are left as they were")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             schedule.step()
             history.append(float(loss.detach()))
+    except BaseException:
+        with torch.no_grad():
+            for p, saved in zip(params, before):
+                p.copy_(saved)
+        raise
     finally:
         head.eval().requires_grad_(False)
     return history
+
+
+def _non_finite_cause(data: DistillData, weights: list[torch.Tensor], lr: float) -> str:
+    """Why training went non-finite: the head's own weights, the data (a target log-probability of -inf
+    is a probability of 0, and legal), else the step size."""
+    if not all(bool(torch.isfinite(w).all()) for w in weights):
+        return "the head's weights were not finite before training"
+    if not torch.isfinite(data.aux).all():
+        return "the data holds non-finite aux features"
+    if data.target_logprobs.isnan().any() or (data.target_logprobs == math.inf).any():
+        return "the data holds NaN or +inf target log-probabilities (a target with non-finite logits)"
+    return f"the weights diverged (lr={lr!r} is too high)"
 
 
 @dataclass(frozen=True)
