@@ -80,6 +80,17 @@ def test_static_check_reports_missing_modules_and_bad_roots(tmp_path):
         check_source_tree(tmp_path / "nowhere")
 
 
+def test_static_check_reads_a_source_as_python_imports_it(tmp_path):
+    """A module starting with a UTF-8 BOM, or in latin-1 under a coding cookie, imports fine; the check
+    read it as UTF-8 text and reported it unparsable ('invalid non-printable character U+FEFF')."""
+    root = build_fake_host(tmp_path, LEGACY)
+    utils = root / "tensorrt_llm/_torch/attention_backend/sparse/utils.py"
+    utils.write_bytes(b"\xef\xbb\xbf" + utils.read_bytes())
+    assert [f for f in check_source_tree(root) if not f.ok] == []
+    utils.write_bytes(b"# -*- coding: latin-1 -*-\n# caf\xe9\n" + utils.read_bytes()[3:])
+    assert [f for f in check_source_tree(root) if not f.ok] == []
+
+
 def test_static_check_follows_lazy_reexports(tmp_path):
     root = build_fake_host(tmp_path, CURRENT)
     pkg = root / "tensorrt_llm/_torch/attention/backends/sparse/__init__.py"

@@ -316,7 +316,8 @@ def _check_one(sym: HostSymbol, root: Path, cache: dict[Path, ast.Module | Excep
                        "no candidate module file in the tree")
     if path not in cache:
         try:
-            cache[path] = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            # bytes, as the import system reads a source: a UTF-8 BOM or a coding cookie is honoured
+            cache[path] = ast.parse(path.read_bytes(), filename=str(path))
         except (SyntaxError, UnicodeDecodeError) as exc:
             cache[path] = exc
     tree = cache[path]

@@ -83,7 +83,7 @@ def reset_while_raising(error: BaseException, reset: Callable[[], object]) -> No
     """Run `reset` (`reset_handoff`, a flag buffer's zero_) while `error` propagates. A reset that fails
     too does not replace `error`, whose type and message name the cause: after a sticky CUDA error, or
     a sync that invalidated a graph capture, every later launch on the stream fails (and a capture ran
-    nothing to reset); the reset's failure is noted on `error`."""
+    nothing to reset); the reset's failure is noted on `error` (Python 3.11+; 3.10 has no notes)."""
     try:
         reset()
     except Exception as failure:  # noqa: BLE001 - `error` is the one that names the cause
