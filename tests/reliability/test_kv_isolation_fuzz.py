@@ -125,7 +125,9 @@ def test_fuzzed_schedules_keep_every_request_isolated():
     # host gives back part-done), not only on its first row; and transfers both ways of the
     # prediction (_shadow.migrate), and rejected drafts
     assert reached["short-later-row"] > 0, reached
-    assert min(reached["migrated"], reached["migration refused"], reached["rewind"]) >= 5, reached
+    # (each > 0, not a count tuned to one draw: hypothesis' derandomized draws differ by its version,
+    # and another machine's gave 2-4 refused migrations where this one gave 10)
+    assert min(reached["migrated"], reached["migration refused"], reached["rewind"]) > 0, reached
 
 
 def _fuzzed_schedule(data, geometry, reached):
