@@ -221,3 +221,27 @@ def test_a_block_too_large_for_free_memory_names_the_block_size_not_the_block_co
                                "block size and attention geometry) but cpu has 0.00 GiB free: no --kv-blocks fits")
     with pytest.raises(ValueError, match=r"^a KV cache of 2 blocks needs"):  # one block fits: the count is the cause
         build._check_memory_fits(2000, 0, 2, EngineConfig(), torch.device("cpu"), 2**29)
+
+
+def test_the_memory_check_counts_the_weights_loaded_before_the_cache(tiny_pair, monkeypatch):
+    """The weights are loaded before the cache is allocated: free memory that holds the cache alone but
+    not beside the weights is refused before any weight is read (it passed, and the cache's allocation
+    ran out after the load). Oracle: the bytes of a built engine's own parameters, d2t and cache pools."""
+    engine = build_engine(*tiny_pair, EngineConfig(draft_len=2), num_blocks=16)
+    storages = {}
+    for tensor in [*engine.target.parameters(), *engine.head.parameters(), *[d for d in (engine.head.d2t,) if d is not None]]:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    weights = sum(storages.values())
+    cache = sum(pool.untyped_storage().nbytes() for pool in engine.cache._storage)
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("weights read before the memory was checked")
+
+    monkeypatch.setattr(loader, "load_target", read_weights)
+    monkeypatch.setattr(build, "_cgroup_free_bytes", lambda: None)
+    monkeypatch.setattr(build, "_free_bytes", lambda device: weights - 1)
+    with pytest.raises(ValueError, match="weights need"):
+        build_engine(*tiny_pair, EngineConfig(draft_len=2), num_blocks=16)
+    monkeypatch.setattr(build, "_free_bytes", lambda device: cache + weights - 1)  # the cache alone fits
+    with pytest.raises(ValueError, match=r"^a KV cache of 16 blocks .* beside the weights .*lower --kv-blocks"):
+        build_engine(*tiny_pair, EngineConfig(draft_len=2), num_blocks=16)

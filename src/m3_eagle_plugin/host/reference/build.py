@@ -3,9 +3,9 @@
 Loads the MiniMax-M3 target and (optionally) the Eagle3 head, sizes a paged cache with the draft
 layer appended to the target's layers (shared pool, like the TensorRT-LLM unified manager), and
 wires the aux capture the head reads. Both configs, the draft's tensor names and shapes, the
-shared cache's geometry, and its size plus the step buffers' against free memory (on the CPU the
-host's or its memory cgroup's, the smaller: a container's limit is the OOM killer's) are checked
-before any weight is read.
+shared cache's geometry, and its size plus the step buffers' and the weights' (from the configs and
+the safetensors headers) against free memory (on the CPU the host's or its memory cgroup's, the
+smaller: a container's limit is the OOM killer's) are checked before any weight is read.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def build_engine(
                         device=device, num_index_heads=max(tc.index_heads, 1))
     step_bytes = step_metadata_bytes(run, has_head=plan is not None)
     _check_memory_fits(num_blocks * sum(pool.slot_bytes for pool in geometry.pools), step_bytes, num_blocks, config,
-                       device, tc.block_size)
+                       device, tc.block_size, weight_bytes=_weight_bytes(tc, plan, dtype))
 
     target = load_target(model_dir, dtype=dtype, device=device)
     if config.cuda_graphs:
@@ -99,19 +99,50 @@ def build_engine(
     )
 
 
+def _weight_bytes(tc, plan, dtype: torch.dtype) -> int:
+    """Bytes of the weights `load_target` and `load_draft` will hold, from the configs and the draft's
+    tensor names alone: the target's parameters in ``dtype`` (the router bias in fp32; tied embeddings
+    once), the head's own tensors (the target's embedding, and its lm_head at the full vocabulary, are
+    shared) and its d2t map as int64."""
+    from m3_eagle_plugin.models.loader import _FP32_PARAMS
+    from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
+
+    with torch.device("meta"):
+        model = MiniMaxM3ForCausalLM(tc)
+    params = dict(model.named_parameters(remove_duplicate=True))
+    if tc.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    size = dtype.itemsize
+    total = sum(p.numel() * (4 if name.endswith(_FP32_PARAMS) else size) for name, p in params.items())
+    if plan is not None:
+        shrunk = plan.config.draft_vocab_size != plan.config.vocab_size
+        for canon, shape in plan.expected.items():
+            own = canon in plan.by_canon or (canon == "lm_head.weight" and shrunk)
+            if own:
+                total += math.prod(shape) * (8 if canon == "d2t" else size)
+    return total
+
+
 def _check_memory_fits(cache_bytes: int, step_bytes: int, num_blocks: int, config: EngineConfig,
-                       device: torch.device, block_size: int | None = None) -> None:
+                       device: torch.device, block_size: int | None = None, *, weight_bytes: int = 0) -> None:
     """Refuse a KV cache plus step buffers larger than the device's free memory up front, naming the
     options (a CPU allocation past it is not an error but the kernel's OOM killer). On the CPU the
-    free memory is the smaller of the host's and what a memory cgroup (a container's limit) leaves."""
+    free memory is the smaller of the host's and what a memory cgroup (a container's limit) leaves.
+    The weights (``weight_bytes``) are loaded first, so the cache gets what they leave."""
     free, where = _free_bytes(device), f"{device} has"
     if device.type == "cpu":
         limit = _cgroup_free_bytes()
         if limit is not None and (free is None or limit[0] < free):
             free, where = limit[0], f"{device} under {limit[1]} has"
-    if free is None or cache_bytes + step_bytes <= free:
+    if free is None or weight_bytes + cache_bytes + step_bytes <= free:
         return
+    if weight_bytes > free:
+        raise ValueError(f"the checkpoints' weights need {weight_bytes / 2**30:.2f} GiB but {where} "
+                         f"{free / 2**30:.2f} GiB free: no --kv-blocks fits (a smaller --dtype, or another device)")
     have = f"{where} {free / 2**30:.2f} GiB free"
+    if weight_bytes:
+        free -= weight_bytes
+        have += f", {free / 2**30:.2f} GiB beside the weights ({weight_bytes / 2**30:.2f} GiB)"
     if block_size is not None and cache_bytes > free * num_blocks:  # not even one block fits
         raise ValueError(f"one KV block of {block_size} tokens needs {cache_bytes / num_blocks / 2**30:.2f} GiB "
                          f"({cache_bytes // num_blocks // block_size} bytes a token: the checkpoint's block size and "
