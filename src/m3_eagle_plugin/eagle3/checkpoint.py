@@ -32,7 +32,8 @@ from m3_eagle_plugin.models.config import ConfigError, ConfigFields, read_json_o
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.models.rope import RotaryEmbedding
 from m3_eagle_plugin.models.safetensors_source import (CheckpointError, SafetensorsSource, check_compute_dtype,
-                                                       check_names, check_shape, check_weight_dtype)
+                                                       check_names, check_shape, check_sizes_stored,
+                                                       check_weight_dtype)
 from m3_eagle_plugin.msa.blocks import is_integer_dtype
 
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.|^t2d$")
@@ -155,19 +156,14 @@ def _target_sizes(target_config) -> tuple[int, int, int]:
 
 
 def _check_sizes_stored(source: SafetensorsSource, config: Eagle3Config, where: str) -> None:
-    """A size past every dimension the checkpoint stores matches no tensor: refused by its field before
-    the head is built (intermediate_size 2**62 overflowed torch's sizes even on the meta device, a bare
-    TypeError naming no field)."""
-    largest = max((max(shape) for shape in map(source.shape, source.names()) if shape), default=0)
+    """The draft's sizes against the dimensions its checkpoint stores (`check_sizes_stored`), before
+    the head is built."""
     sizes = {"intermediate_size": config.intermediate_size,
              "num_attention_heads x head_dim": config.num_heads * config.head_dim,
              "num_key_value_heads x head_dim": config.num_kv_heads * config.head_dim}
     if config.draft_vocab_size != config.vocab_size:  # then d2t holds one entry per draft id
         sizes["draft_vocab_size"] = config.draft_vocab_size
-    for field, size in sizes.items():
-        if size > largest:
-            raise ConfigError(f"{where}: {field}: {size}, larger than any dimension of a tensor in {source.where} "
-                              f"(the largest is {largest})")
+    check_sizes_stored(sizes, map(source.shape, source.names()), where, source.where, ConfigError)
 
 
 def inspect_draft(path: str | Path, target_config) -> DraftPlan:

@@ -22,7 +22,8 @@ from m3_eagle_plugin.models.config import M3Config
 from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 from m3_eagle_plugin.models.rope import RotaryEmbedding
 from m3_eagle_plugin.models.safetensors_source import (CheckpointError, SafetensorsSource, check_compute_dtype,
-                                                       check_names, check_shape, check_weight_dtype)
+                                                       check_names, check_shape, check_sizes_stored,
+                                                       check_weight_dtype)
 
 _IGNORED = re.compile(r"(^|\.)mtp\.|^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.|rotary_emb\.")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -180,8 +181,6 @@ def _check_counts(source: SafetensorsSource, config: M3Config) -> None:
         if config.num_experts > len(experts):
             raise CheckpointError(f"{config.source}: num_local_experts: {config.num_experts} experts per MoE layer, "
                                   f"but {source.where} stores {len(experts)}")
-    largest = max((max(shape) for shape in map(source.shape, names) if shape and not _holds_nothing(shape)),
-                  default=0)
     sizes = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
              "num_attention_heads x head_dim": config.num_heads * config.head_dim,
              "num_key_value_heads x head_dim": config.num_kv_heads * config.head_dim}
@@ -192,10 +191,8 @@ def _check_counts(source: SafetensorsSource, config: M3Config) -> None:
                      shared_intermediate_size=config.shared_intermediate_size)
     if any(config.sparse_layers):
         sizes["index head dim"] = config.index_dim
-    for field, size in sizes.items():
-        if size > largest:
-            raise CheckpointError(f"{config.source}: {field}: {size}, larger than any dimension of a tensor in "
-                                  f"{source.where} (the largest is {largest})")
+    shapes = (shape for shape in map(source.shape, names) if not _holds_nothing(shape))
+    check_sizes_stored(sizes, shapes, config.source, source.where)
 
 
 def plan_target_load(source: SafetensorsSource, model: MiniMaxM3ForCausalLM) -> dict[str, _Recipe]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -204,6 +205,18 @@ def check_compute_dtype(dtype: object) -> None:
     """The dtype a model is loaded in (the caller's choice, not the file's): floating, 16 bits or more."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
         raise ValueError(f"dtype must be a floating dtype of 16 bits or more for the weights, got {dtype}")
+
+
+def check_sizes_stored(sizes: dict[str, int], shapes: Iterable[tuple[int, ...]], config_where: str,
+                       stored_in: str, error: type[ValueError] = CheckpointError) -> None:
+    """A config size past every dimension of the checkpoint's tensors (``shapes``) matches no tensor:
+    refused by its field before a model is built from the config (2**62 overflowed torch's sizes even
+    on the meta device, a bare TypeError or RuntimeError naming no field)."""
+    largest = max((max(shape) for shape in shapes if shape), default=0)
+    for field, size in sizes.items():
+        if size > largest:
+            raise error(f"{config_where}: {field}: {size}, larger than any dimension of a tensor in {stored_in} "
+                        f"(the largest is {largest})")
 
 
 def check_shape(where: str, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
