@@ -1,6 +1,7 @@
 """KV-manager routing: M3 gets the plugin manager in every namespace, other algorithms do not."""
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -30,9 +31,24 @@ def test_every_namespace_routes_m3_only(host):
     assert _util.get_kv_cache_manager_cls(model_config).__name__ == "M3EagleKVCacheManagerV2"
 
 
+@contextlib.contextmanager
+def _installed_with(plugin, name: str):
+    """The adapter installed while `plugin` is registered; yields the host's `_util` namespace."""
+    from m3_eagle_plugin.registry import get_plugin_manager
+
+    pm = get_plugin_manager()
+    pm.register(plugin, name=name)
+    try:
+        adapter.install()
+        from tensorrt_llm._torch.pyexecutor import _util
+
+        yield _util
+    finally:
+        pm.unregister(name=name)
+
+
 def test_a_plugin_can_pick_another_manager(current_host):
     from m3_eagle_plugin.hooks import hookimpl
-    from m3_eagle_plugin.registry import get_plugin_manager
     from tensorrt_llm.llmapi.llm_args import MiniMaxM3SparseAttentionConfig
 
     class Other:
@@ -40,17 +56,10 @@ def test_a_plugin_can_pick_another_manager(current_host):
         def m3_eagle_kv_cache_manager(self, host, sparse_config):
             return "collections:OrderedDict"
 
-    pm = get_plugin_manager()
-    pm.register(Other(), name="test-other-manager")
-    try:
-        adapter.install()
-        from tensorrt_llm._torch.pyexecutor import _util
+    import collections
 
-        import collections
-
+    with _installed_with(Other(), "test-other-manager") as _util:
         assert _util.get_sparse_attn_kv_cache_manager(MiniMaxM3SparseAttentionConfig()) is collections.OrderedDict
-    finally:
-        pm.unregister(name="test-other-manager")
     with pytest.raises(ValueError):
         _util.get_sparse_attn_kv_cache_manager(SimpleNamespace(algorithm="bogus"))
 
@@ -59,7 +68,6 @@ def test_a_plugin_hook_failing_on_import_is_not_replaced_by_the_builtin_manager(
     """A plugin answering for M3 whose hook cannot import its own dependency: the lookup fails naming
     the module, instead of handing the host the built-in manager as if no plugin had answered."""
     from m3_eagle_plugin.hooks import hookimpl
-    from m3_eagle_plugin.registry import get_plugin_manager
     from tensorrt_llm.llmapi.llm_args import MiniMaxM3SparseAttentionConfig
 
     class Broken:
@@ -69,13 +77,6 @@ def test_a_plugin_hook_failing_on_import_is_not_replaced_by_the_builtin_manager(
 
             return "m3_eagle_test_absent_kv_backend:Manager"
 
-    pm = get_plugin_manager()
-    pm.register(Broken(), name="test-broken-manager")
-    try:
-        adapter.install()
-        from tensorrt_llm._torch.pyexecutor import _util
-
+    with _installed_with(Broken(), "test-broken-manager") as _util:
         with pytest.raises(ImportError, match="m3_eagle_test_absent_kv_backend"):
             _util.get_sparse_attn_kv_cache_manager(MiniMaxM3SparseAttentionConfig())
-    finally:
-        pm.unregister(name="test-broken-manager")
