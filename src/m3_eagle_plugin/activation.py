@@ -301,7 +301,7 @@ def _export_mode(mode: str | None, resolved: str) -> None:
 
 def activate(mode: str | None = None) -> ActivationReport:
     """Activate on TensorRT-LLM according to `mode` (default `$M3_EAGLE_PLUGIN`); see the module doc."""
-    global _active, _in_progress, _logged
+    global _in_progress, _logged  # _active is set by _evaluate
     resolved = resolve_mode(mode)
     key = _decision_key(resolved)
     with _lock:
