@@ -697,3 +697,29 @@ def test_a_list_where_a_tensor_is_required_is_refused_by_name_and_changes_nothin
     with pytest.raises(TypeError, match="^kv_lens must be a device tensor, got list$"):
         meta.on_update_kv_lens([5])
     assert (meta.prepare_count, meta.kv_lens.tolist(), meta.cache_slots.tolist()) == staged
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_block_tables_and_corrections_derive_as_int64_ones(dtype) -> None:
+    """Integer tables and corrections are accepted, but torch has no min / max of uint16/32/64 tensors
+    nor promotes them with int32: the page check and the correction raised NotImplementedError /
+    RuntimeError naming no argument. The worked example's fields, against a plain int32 twin."""
+    def step(table_dtype, kv_dtype):
+        meta = MsaDecodeMetadata(4, 8, 8, 4, "cpu", max_draft_len=2, num_pages=40)
+        meta.prepare([2, 3], [9, 12], worked_example_tables().to(table_dtype))
+        meta.on_update_kv_lens(torch.tensor([8, 11], dtype=kv_dtype))
+        return [t.tolist() for t in (meta.cache_slots, meta.valid_blocks, meta.positions, meta.kv_lens)]
+
+    assert step(dtype, dtype) == step(torch.int32, torch.int32) == [[6, 7, 108, 109, 110], [2, 2, 3, 3, 3],
+                                                                    [6, 7, 8, 9, 10], [8, 11]]
+    meta = MsaDecodeMetadata(4, 8, 8, 4, "cpu", max_draft_len=2, num_pages=40)
+    with pytest.raises(MsaInputError, match="request 1: block_tables\\[1, 2\\] is page 40, past the cache's 40"):
+        meta.prepare([2, 3], [9, 12], torch.tensor([[0, 1, 2], [3, 4, 40]], dtype=dtype))
+    if dtype == torch.uint64:  # past int64: refused by value, not read as an unmapped page or a length of 0
+        with pytest.raises(MsaInputError, match="block_tables row 1 has an entry past int64"):
+            meta.prepare([2, 3], [9, 12], torch.tensor([[0, 1, 2], [3, 4, 2**63]], dtype=dtype))
+        meta.prepare([2, 3], [9, 12], worked_example_tables())
+        before = meta.cache_slots.tolist()
+        with pytest.raises(MsaInputError, match="kv_lens has an entry past int64"):
+            meta.on_update_kv_lens(torch.tensor([8, 2**63], dtype=dtype))
+        assert meta.cache_slots.tolist() == before and meta.kv_lens.tolist() == [9, 12]

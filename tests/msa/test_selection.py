@@ -367,3 +367,66 @@ def test_topk_below_one_is_refused_even_without_forced_blocks() -> None:
         with pytest.raises(MsaInputError, match=f"topk must be >= 1, got {topk}"):
             select_blocks(torch.zeros(2, 1, 4), torch.zeros(3, 4), torch.tensor([0, 1]), block_size=2, topk=topk,
                           local_blocks=0)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    num_blocks=st.integers(1, 6),
+    topk=st.integers(1, 4),
+    local=st.integers(0, 2),
+    init=st.integers(0, 2),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    data=st.data(),
+)
+def test_forced_blocks_win_over_a_real_plus_inf_score(num_blocks, topk, local, init, dtype, data):
+    """Scores from {-inf, -1, 0, 1, +inf, NaN} against the documented order, in Python: NaN scores
+    first (torch's sort order, the kernels' oracle), then the forced blocks, then score descending,
+    lower id first; a free -inf block is not kept (transformers). A real +inf (an fp32 overflow)
+    tied the forced +inf and, from a lower block id, displaced the forced local block."""
+    if local + init > topk:
+        local, init = min(local, topk), max(0, min(init, topk - min(local, topk)))
+    own = data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=1, max_size=4))
+    pool = [float("-inf"), -1.0, 0.0, 1.0, float("inf"), float("nan")]
+    values = data.draw(st.lists(st.sampled_from(pool), min_size=len(own) * num_blocks,
+                                max_size=len(own) * num_blocks))
+    scores = torch.tensor(values, dtype=torch.float64).view(1, len(own), num_blocks).to(dtype)
+    sel = select_from_block_scores(scores, torch.tensor(own), topk=topk, local_blocks=local, init_blocks=init)
+    assert_well_formed(sel, topk)
+    for t, o in enumerate(own):
+        row = [float(x) for x in scores[0, t].double()]
+
+        def key(b: int, o: int = o, row: list = row) -> tuple:
+            if b > o - local or b < init:
+                return (1, 0.0, b)
+            return (0, 0.0, b) if row[b] != row[b] else (2, -row[b], b)
+
+        ranked = sorted(range(o + 1), key=key)[:topk]
+        want = sorted(b for b in ranked if key(b)[0] < 2 or row[b] != float("-inf"))
+        assert [b for b in sel[0, t].tolist() if b >= 0] == want, (row, o)
+
+
+def test_select_blocks_keeps_the_local_block_when_a_dot_product_overflows_fp32() -> None:
+    """An index key of 1e30 against a query of 1e30 scores +inf in fp32 (the documented raw fp32 dot
+    product); the query's own block is forced whatever another block scores (DESIGN.md)."""
+    q = torch.tensor([[[1e30]]])
+    k = torch.tensor([[1e30], [0.0], [0.0], [1.0]])
+    sel = select_blocks(q, k, torch.tensor([3]), block_size=1, topk=1)
+    assert sel.tolist() == [[[3]]]
+    sel = select_blocks(q, k, torch.tensor([3]), block_size=1, topk=2, local_blocks=1)
+    assert sel.tolist() == [[[0, 3]]]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_positions_and_query_blocks_select_as_int64_ones(dtype) -> None:
+    """Integer tensors are accepted, but torch has no min / max of uint16/32/64 tensors: the range
+    checks raised NotImplementedError ("min_all" not implemented) naming no argument."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, pos = torch.randn(3, 2, 4, generator=gen), torch.randn(9, 4, generator=gen), torch.tensor([2, 5, 8])
+    want = select_blocks(q, k, pos, block_size=2, topk=2)
+    assert torch.equal(select_blocks(q, k, pos.to(dtype), block_size=2, topk=2), want)
+    scores, own = torch.randn(2, 3, 5, generator=gen), torch.tensor([1, 3, 4])
+    want = select_from_block_scores(scores, own, topk=2)
+    assert torch.equal(select_from_block_scores(scores, own.to(dtype), topk=2), want)
+    if dtype == torch.uint64:  # an entry past int64 read as a negative position would select nothing
+        with pytest.raises(MsaInputError, match="q_positions has an entry past int64"):
+            select_blocks(q, k, torch.tensor([2, 5, 2**63], dtype=dtype), block_size=2, topk=2)

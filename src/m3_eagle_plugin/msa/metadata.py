@@ -22,7 +22,7 @@ import torch
 from m3_eagle_plugin._ints import as_int
 
 from .blocks import (
-    INT32_MAX, MsaInputError, checked_int, int_entries, is_integer_dtype, valid_blocks_from_positions,
+    INT32_MAX, MsaInputError, as_int64, checked_int, int_entries, is_integer_dtype, valid_blocks_from_positions,
     validate_block_size,
 )
 
@@ -299,6 +299,7 @@ class MsaDecodeMetadata:
     def _check_pages(self, r: int, pages: torch.Tensor) -> None:
         """Request ``r``'s page ids in a host table (one min and one max a request, per step):
         mapped, within int32 cache slots and, when known, within the cache."""
+        pages = as_int64(f"block_tables row {r}", pages)  # torch has no min / max of uint16/32/64 tensors
         lowest, highest = int(pages.min()), int(pages.max())
         if lowest < 0:
             raise MsaInputError(f"request {r}: block_tables has an unmapped page (< 0) among its first {len(pages)}")
@@ -436,7 +437,8 @@ class MsaDecodeMetadata:
             return
         if kv_lens is not None:  # clamped while still wide: an int64 past int32 must not wrap first
             staged = self._kv_lens_staged[: self.num_requests]
-            self._kv_lens[: self.num_requests].copy_(torch.minimum(kv_lens, staged).clamp_(min=0))
+            wide = as_int64("kv_lens", kv_lens)  # torch promotes no uint16/32/64 with the int32 lengths
+            self._kv_lens[: self.num_requests].copy_(torch.minimum(wide, staged).clamp_(min=0))
         self._derive_token_fields()
 
     def _fused_kv_lens_update(self):

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .blocks import MsaInputError, checked_int, is_integer_dtype, request_pages, validate_block_size
+from .blocks import MsaInputError, as_int64, checked_int, is_integer_dtype, request_pages, validate_block_size
 
 __all__ = ["select_blocks", "select_blocks_paged", "select_from_block_scores"]
 
@@ -49,8 +49,10 @@ def select_from_block_scores(
 
     Blocks after a token's own block are invisible whatever their score. Forced blocks (the
     ``local_blocks`` blocks ending at the token's block, and blocks ``0..init_blocks-1``) win over
-    any real score; among equal scores the lower block id wins, so a token's selection never
-    depends on ``N`` (the step's widest request). Scores are ranked in fp32, fp64 ones in fp64.
+    any real score, ``+inf`` included (a NaN score ranks first, where torch's sort puts it, as the
+    kernels do); a free block scoring ``-inf`` is not kept; among equal scores the lower block id
+    wins, so a token's selection never depends on ``N`` (the step's widest request). Scores are
+    ranked in fp32, fp64 ones in fp64.
     Returns int32 ``[H, T, topk]``: ascending block ids, ``-1`` padded. A token's own block must be
     among the ``N`` scored ones (its local block is forced); checking that reads ``query_blocks``
     back once.
@@ -63,6 +65,7 @@ def select_from_block_scores(
         raise MsaInputError(f"query_blocks must be [T={num_tokens}], got {tuple(query_blocks.shape)}")
     if not is_integer_dtype(query_blocks.dtype):
         raise MsaInputError(f"query_blocks must be an integer tensor, got {query_blocks.dtype}")
+    query_blocks = as_int64("query_blocks", query_blocks)  # torch has no max of uint16/32/64 tensors
     if num_tokens and int(query_blocks.max()) >= num_blocks:
         raise MsaInputError(f"query_blocks reach block {int(query_blocks.max())} but block_scores score "
                             f"{num_blocks} blocks: that token's own (forced) block would be dropped")
@@ -84,6 +87,9 @@ def _select_from_scores(block_scores, query_blocks, topk: int, local_blocks: int
     # Ties go to the lower block id (the kernels' rule). A stable descending sort, not topk: topk
     # breaks ties by its internal order, which changes with the row width N, so a token's blocks
     # depended on the longest request of its step (and transformers' own choice is just as arbitrary).
+    # Then a stable sort by tier: NaN scores first (where torch's sort ranks them, as the kernels do),
+    # then the forced blocks, then the rest by score. On scores alone a real +inf (an fp32 overflow)
+    # tied the forced blocks' +inf and, from a lower id, displaced the forced local block.
     # Token chunks bound the sort's [H, Tc, N] copies on long prompts.
     for chunk in _token_chunks(num_tokens, num_heads * num_blocks):
         own_block = query_blocks[chunk].to(torch.int64)[:, None]
@@ -91,8 +97,11 @@ def _select_from_scores(block_scores, query_blocks, topk: int, local_blocks: int
         forced = visible & ((block_ids[None, :] > own_block - local_blocks) | (block_ids[None, :] < init_blocks))
         scores = block_scores[:, chunk].to(rank_dtype)
         scores = scores.masked_fill(~visible, float("-inf")).masked_fill(forced, float("inf"))
-        top_scores, top_ids = scores.sort(dim=-1, descending=True, stable=True)
-        top_scores, top_ids = top_scores[..., :kept], top_ids[..., :kept]
+        tier = scores.isnan().to(torch.int8) * 2 + forced.to(torch.int8)  # a forced score is +inf, never NaN
+        by_score = scores.sort(dim=-1, descending=True, stable=True).indices
+        by_tier = tier.gather(-1, by_score).sort(dim=-1, descending=True, stable=True).indices
+        top_ids = by_score.gather(-1, by_tier[..., :kept])
+        top_scores = scores.gather(-1, top_ids)
         top_ids = top_ids.masked_fill(top_scores == float("-inf"), num_blocks).sort(dim=-1).values
         out[:, chunk, :kept] = top_ids.masked_fill(top_ids == num_blocks, -1).to(torch.int32)
     return out
@@ -159,13 +168,13 @@ def select_blocks(
     seq_len = index_k.shape[0]
     if not is_integer_dtype(q_positions.dtype):
         raise MsaInputError(f"q_positions must be an integer tensor, got {q_positions.dtype}")
-    if num_tokens and not (0 <= int(q_positions.min()) and int(q_positions.max()) < seq_len):
+    positions = as_int64("q_positions", q_positions)  # torch has no min / max of uint16/32/64 tensors
+    if num_tokens and not (0 <= int(positions.min()) and int(positions.max()) < seq_len):
         raise MsaInputError(f"q_positions must lie in [0, {seq_len}) (the index keys), got "
-                            f"[{int(q_positions.min())}, {int(q_positions.max())}]")
+                            f"[{int(positions.min())}, {int(positions.max())}]")
     num_blocks = -(-seq_len // block_size)
     keys = torch.nn.functional.pad(index_k.float(), (0, 0, 0, num_blocks * block_size - seq_len))
     key_ok = torch.arange(num_blocks * block_size, device=index_k.device) < seq_len
-    positions = q_positions.to(torch.int64)
     block_scores = torch.empty((num_heads, num_tokens, num_blocks), dtype=torch.float32, device=index_q.device)
     _block_scores_into(block_scores, index_q, keys, positions, key_ok, block_size)
     query_blocks = torch.div(positions, block_size, rounding_mode="floor")
