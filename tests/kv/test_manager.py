@@ -444,15 +444,18 @@ def test_a_size_below_one_is_refused_naming_it(name, value, named):
             PagedKVCache(geometry, **{**sizes, "kv_heads": {0: -1}, "head_dim": -D})
 
 
-def test_the_draft_view_adds_the_mappings_layer_offset_in_pages():
-    """An attention op reads K at pointer + (layer offset + 0) pages, V at + kv offset: a table
-    whose pointer is one page lower and whose layer offset is 1 addresses the same pages."""
+def test_the_draft_view_adds_the_mappings_layer_offset_in_k_v_page_pairs_as_the_attention_op_does():
+    """TensorRT-LLM's attention op roots a layer at ``pool_pointers[pool] + layer_idx_in_cache_pool *
+    kv_factor * bytes_per_block`` (kv_factor 2: a layer offset counts K+V page pairs; thop
+    attentionOp.cpp, ``intra_pool_offset``), then adds the block offsets' K / V page indices. A table
+    whose pointer is two pages lower and whose layer offset is 1 addresses the same pages; the
+    view once counted the offset in single pages, so such a table read one page below the op's."""
     cache = _coalesced()
     page_bytes = cache.geometry.pool(0).page_bytes
     assert page_bytes == 1 * B * D * 4
     pointers = cache.op_tables.pool_pointers.clone()
     mapping = cache.op_tables.pool_mapping.clone()
-    pointers[1, 0] -= page_bytes
+    pointers[1, 0] -= 2 * page_bytes
     mapping[4, 1] = 1
     cache.op_tables = dataclasses.replace(cache.op_tables, pool_pointers=pointers, pool_mapping=mapping)
     storage = cache.storage(0)

@@ -1,7 +1,7 @@
 """Export/import of one request's pages between two caches."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from m3_eagle_plugin.kv import (
     GeometryMismatchError,
@@ -427,3 +427,134 @@ def test_pages_that_are_not_tensors_are_refused_naming_their_type(convert, named
     with pytest.raises(TypeError, match=rf"payload pages must be torch tensors .*\['{named}'"):
         import_request(dst, 0, rebuilt)
     assert dst.allocator.request_ids == [] and dst.num_free_blocks == dst.num_blocks
+
+
+
+class _TwoCachesAndANaiveModel:
+    """Two caches (two pools each: 2-head K/V pages, index-K pages) and, per cache, each request's
+    token values: what every operation must leave the caches holding."""
+
+    NB = 6
+
+    def __init__(self):
+        self.caches = [_cache(num_blocks=self.NB, heads=2), _cache(num_blocks=self.NB, heads=2)]
+        self.tokens = [{}, {}]  # per cache: rid -> the value written at each held position
+        self.written = 0
+
+    def token(self, cache, rid, t):
+        """Every (layer, role) region of position ``t``: K, V, draft and index-K alike."""
+        page, regions = cache.pages(rid)[t // B], []
+        for layer in range(cache.num_layers):
+            regions += [cache.k(layer)[page, :, t % B], cache.v(layer)[page, :, t % B]]
+            if layer in cache.sparse_layer_ids:
+                regions.append(cache.index_k(layer)[page, t % B])
+        return regions
+
+    def blocks_free(self, ci):
+        return self.NB - sum(-(-len(v) // B) for v in self.tokens[ci].values())
+
+    def reserve(self, ci, rid, n):
+        cache = self.caches[ci]
+        if rid not in self.tokens[ci]:
+            cache.add_request(rid)
+            self.tokens[ci][rid] = []
+        held = self.tokens[ci][rid]
+        if -(-n // B) - -(-len(held) // B) > self.blocks_free(ci):
+            with pytest.raises(OutOfBlocksError):
+                cache.reserve(rid, n)
+            return
+        cache.reserve(rid, n)
+        for t in range(len(held), n):  # a verify step's tokens, drafts included, written everywhere
+            self.written += 1
+            for i, region in enumerate(self.token(cache, rid, t)):
+                region.fill_(self.written * 100 + i)
+            held.append(self.written)
+
+    def rewind(self, ci, rid, n):  # partial acceptance (or a bad length, refused)
+        held = self.tokens[ci].get(rid)
+        if held is None:
+            return
+        if n > len(held):
+            with pytest.raises(ValueError, match="cannot rewind"):
+                self.caches[ci].rewind(rid, n)
+        else:
+            self.caches[ci].rewind(rid, n)
+            del held[n:]
+
+    def free(self, ci, rid):
+        if rid in self.tokens[ci]:
+            self.caches[ci].free(rid)
+            del self.tokens[ci][rid]
+
+    def transfer(self, ci, rid, new, fail_at):
+        """Export ``rid`` from cache ``ci``, import it into the other as ``new``: refused when ``new``
+        is held or blocks run out, failing part-way when the copy into pool ``fail_at`` raises."""
+        if rid not in self.tokens[ci]:
+            return
+        src, dst = self.caches[ci], self.caches[1 - ci]
+        payload = export_request(src, rid)
+        before = ({r: dst.pages(r) for r in dst.allocator.request_ids}, dst.num_free_blocks)
+        if new in self.tokens[1 - ci]:
+            with pytest.raises(ValueError, match="already exists"):
+                import_request(dst, new, payload)
+        elif -(-len(self.tokens[ci][rid]) // B) > self.blocks_free(1 - ci):
+            with pytest.raises(OutOfBlocksError):
+                import_request(dst, new, payload)
+        elif fail_at is not None and self.tokens[ci][rid]:
+            calls = []
+
+            def storage(pool_id):
+                calls.append(pool_id)
+                if len(calls) > fail_at:
+                    raise RuntimeError("copy failed")
+                return PagedKVCache.storage(dst, pool_id)
+
+            dst.storage = storage
+            try:
+                with pytest.raises(RuntimeError, match="copy failed"):
+                    import_request(dst, new, payload)
+            finally:
+                del dst.storage
+        else:
+            import_request(dst, new, payload)
+            self.tokens[1 - ci][new] = list(self.tokens[ci][rid])
+            return
+        assert ({r: dst.pages(r) for r in dst.allocator.request_ids}, dst.num_free_blocks) == before
+
+    def check(self):
+        for cache, tokens in zip(self.caches, self.tokens):
+            assert sorted(cache.allocator.request_ids) == sorted(tokens)
+            held = [p for rid in tokens for p in cache.pages(rid)]
+            assert sorted(held + list(cache.allocator._free)) == list(range(self.NB))  # none shared, none lost
+            for rid, values in tokens.items():
+                assert cache.num_tokens(rid) == len(values) and len(cache.pages(rid)) == -(-len(values) // B)
+                for t, value in enumerate(values):
+                    for i, region in enumerate(self.token(cache, rid, t)):
+                        assert region.eq(value * 100 + i).all(), (rid, t, i)
+
+
+_CACHE_OP = st.one_of(
+    st.tuples(st.just("reserve"), st.integers(0, 1), st.integers(0, 1), st.integers(0, 12)),
+    st.tuples(st.just("rewind"), st.integers(0, 1), st.integers(0, 1), st.integers(0, 12)),
+    st.tuples(st.just("free"), st.integers(0, 1), st.integers(0, 1)),
+    st.tuples(st.just("transfer"), st.integers(0, 1), st.integers(0, 1), st.integers(0, 2),
+              st.sampled_from([None, None, 0, 1])),
+)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(ops=st.lists(_CACHE_OP, min_size=12, max_size=30))
+@example(ops=[("reserve", 0, 0, 7), ("reserve", 1, 1, 5), ("transfer", 0, 0, 0, None), ("rewind", 1, 0, 3),
+              ("reserve", 1, 0, 9), ("transfer", 1, 0, 2, 1), ("transfer", 1, 0, 2, 0), ("transfer", 1, 1, 0, None),
+              ("free", 0, 0), ("transfer", 1, 0, 0, None), ("transfer", 1, 1, 0, None), ("rewind", 0, 0, 0),
+              ("reserve", 0, 1, 12), ("transfer", 0, 1, 2, None)])
+def test_two_caches_match_a_naive_model_through_every_operation(ops):
+    """reserve (each new token written to every layer, draft and index-K included), rewind (partial
+    acceptance), free, and export-import between the caches, refused (id held, out of blocks) or
+    failing part-way (one pool's copy raising): after every step the exact token counts, ceil(tokens
+    / B) pages each, no page held twice or lost, every held token reads back through the views, and
+    a refused or failed import leaves the importing cache's requests and pages as they were."""
+    model = _TwoCachesAndANaiveModel()
+    for name, *args in ops:
+        getattr(model, name)(*args)
+        model.check()

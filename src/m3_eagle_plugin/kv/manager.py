@@ -23,6 +23,9 @@ from m3_eagle_plugin.kv.virtual_pools import (
 )
 
 
+_KV_FACTOR = 2  # K and V: an attention-op layer offset steps over both pages of a layer
+
+
 class PagedKVCache:
     """Paged K/V/index-K storage with a block allocator and per-layer strided views."""
 
@@ -211,7 +214,9 @@ class PagedKVCache:
         if heads * self.block_size * self.head_dim != page_elems:
             raise ValueError(f"draft layer {layer}: {heads} heads do not fill a "
                              f"{page_bytes}-byte page of pool {source}")
-        byte_offset = base - storage.data_ptr() + (layer_offset + kv_offset) * page_bytes
+        # the op roots a layer at pointer + layer offset x kv_factor (2) pages: the offset counts
+        # K+V page pairs (TensorRT-LLM's attention op, `intra_pool_offset`), not single pages
+        byte_offset = base - storage.data_ptr() + (_KV_FACTOR * layer_offset + kv_offset) * page_bytes
         last_page_end = byte_offset + ((self.num_blocks - 1) * scale + 1) * page_bytes
         storage_bytes = storage.numel() * self._itemsize
         if byte_offset < 0 or byte_offset % page_bytes or last_page_end > storage_bytes:
@@ -230,7 +235,10 @@ class PagedKVCache:
         """int32 ``[op_pools, R, 2, width]`` K/V page indices per op pool (``-1`` unused).
 
         Page of (layer, role) for block ``b`` of row ``i``: ``offsets[pool, i, role, b] +
-        pool_mapping[layer][1]`` with ``pool = pool_mapping[layer][0]`` (role 0 = K, 1 = V).
+        pool_mapping[layer][1]`` with ``pool = pool_mapping[layer][0]`` (role 0 = K, 1 = V). A target
+        row's offset here is its sub-page in the slot, this cache's own convention (a mega-slot's sparse
+        layers sit at odd sub-pages, which an attention op's K+V-pair offset cannot name); a draft row's
+        is 0, which both read alike.
         """
         table = self.block_table(rids, width)
         num_pools = len(self._storage)
