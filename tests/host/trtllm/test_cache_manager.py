@@ -102,6 +102,22 @@ def test_block_offset_copy_feeds_the_virtual_pool_from_the_source_pool(host):
         assert dst[pool, 1, 1].tolist() == [3 * 179 + 1, 5 * 179 + 1, -1] + pad
 
 
+def test_a_block_offset_table_without_the_draft_pools_row_is_refused_before_any_copy(host):
+    """A host that sizes the table by num_pools (older TrtllmAttentionMetadata) leaves no row for
+    the draft layer's op pool: the native copy would get an empty slice and the op read past it."""
+    from tensorrt_llm.bindings.internal.batch_manager import kv_cache_manager_v2_utils as native
+
+    plugin, _ = _classes()
+    manager = _make(plugin)
+    manager.add_sequence(7, [3, 5])
+    assert manager.num_attention_op_pools == 2 and manager.num_pools == 1
+    dst = torch.full((1, 1, 2, manager.max_blocks_per_seq), -9, dtype=torch.int32)
+    native.CALLS.clear()
+    with pytest.raises(RuntimeError, match=r"1 pool rows .*-op pool 1: .*num_attention_op_pools \(2\)"):
+        manager.copy_batch_block_offsets(dst, [7], 1, 0, 1)
+    assert native.CALLS == [] and (dst == -9).all()
+
+
 def test_block_offset_copy_is_untouched_without_draft_layers(current_host):
     from tensorrt_llm.bindings.internal.batch_manager import kv_cache_manager_v2_utils as native
 

@@ -175,12 +175,20 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
     def copy_batch_block_offsets(self, dst_tensor: torch.Tensor, request_ids: List[int],
                                  beam_width: int, num_contexts: int, num_seqs: int,
                                  max_blocks: Optional[int] = None) -> None:
+        pools = self.virtual_pools
+        if pools is not None and pools.op_pools and dst_tensor.shape[0] <= max(p for p, _ in pools.op_pools):
+            # a host that sizes the table by num_pools (not num_attention_op_pools) has no row for the
+            # draft layer's op pool: the native copy would get an empty slice and the op read past it
+            raise RuntimeError(
+                f"the block-offset table has {dst_tensor.shape[0]} pool rows but the draft layer reads "
+                f"attention-op pool {max(p for p, _ in pools.op_pools)}: this host sizes it by num_pools, not "
+                f"num_attention_op_pools ({self.num_attention_op_pools}); the shared draft layer needs a host "
+                "that reads num_attention_op_pools")
         if max_blocks is None:
             super().copy_batch_block_offsets(dst_tensor, request_ids, beam_width, num_contexts, num_seqs)
         else:
             super().copy_batch_block_offsets(dst_tensor, request_ids, beam_width, num_contexts,
                                              num_seqs, max_blocks=max_blocks)
-        pools = self.virtual_pools
         if pools is None or not pools.op_pools:
             return
         device_copy = resolve("device_block_offset_copy")
