@@ -199,6 +199,12 @@ def test_parse_draft_config_reads_the_tiny_draft():
     (lambda r: (r.pop("head_dim"), r.update(num_attention_heads=128)),
      "d.json: num_attention_heads: 128 heads leave no room in hidden_size 64"),
     (lambda r: r.update(eagle_config="yes"), "d.json: eagle_config: must be a JSON object, got str"),
+    # an odd head cannot be rotated in two halves: the head's RoPE refused it naming neither file nor field
+    (lambda r: r.update(head_dim=15),
+     "d.json: head_dim: head_dim 15 is odd; the draft's RoPE rotates the whole head in two halves and needs it even"),
+    (lambda r: (r.pop("head_dim"), r.update(num_attention_heads=64, num_key_value_heads=64, hidden_size=64 * 3)),
+     "d.json: num_attention_heads: head_dim 3 (hidden_size 192 // 64 heads) is odd; the draft's RoPE rotates the "
+     "whole head in two halves and needs it even"),
     (lambda r: r["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, "4", 5]),
      "d.json: eagle_config.eagle_aux_hidden_state_layer_ids[1]: expected an integer, got str '4'"),
     (lambda r: r["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 99]),

@@ -536,3 +536,57 @@ def test_a_cache_without_a_draft_layer_is_named_before_anything_is_written(tiny)
                                          rf"num_draft_layers=1, draft_num_kv_heads={head.config.num_kv_heads}$"):
         head(torch.zeros(2, dtype=torch.long), torch.zeros(2, 3 * tc.hidden_size), runner.meta, runner.cache)
     assert all(torch.equal(a, b) for a, b in zip(pools, runner.cache._storage))
+
+
+def test_a_d2t_outside_the_target_vocabulary_is_refused_where_the_logits_are_placed(tiny):
+    """Draft id d means target id d + d2t[d] (vLLM, SGLang, EAGLE). A d2t reaching target id -1 put draft
+    d's logit at target id V - 1 (a negative index wraps), while `draft_to_target` said -1; one reaching V
+    failed with a bare IndexError. Both are refused by cause, on the paged forward as well."""
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    vocab = head.config.vocab_size
+    logits = torch.arange(1.0, 9.0).view(1, 8)
+    d2t = torch.zeros(8, dtype=torch.long)
+    d2t[0] = -1  # draft 0 -> target id -1
+    head.d2t = d2t
+    with pytest.raises(ValueError, match=rf"d2t maps draft ids \[0\] to target ids \[-1\] outside the target "
+                                         rf"vocabulary \[0, {vocab}\)"):
+        head.to_target_logits(logits)
+    d2t = torch.zeros(8, dtype=torch.long)
+    d2t[7] = vocab - 7  # draft 7 -> target id V
+    head.d2t = d2t
+    with pytest.raises(ValueError, match=rf"draft ids \[7\] to target ids \[{vocab}\] outside"):
+        head.to_target_logits(logits)
+    d2t = d2t.clone()
+    d2t[7] = vocab - 8  # draft 7 -> target id V - 1: inside
+    head.d2t = d2t
+    assert torch.equal(head.to_target_logits(logits)[0, vocab - 1], logits[0, 7])
+    head.d2t = torch.full((vocab,), -1)  # draft d -> d - 1: draft 0 -> -1; refused on the paged forward too
+    runner = Runner(target, head)
+    runner.prepare([("r", 2)])
+    with torch.no_grad(), pytest.raises(ValueError, match=r"draft ids \[0\] to target ids \[-1\] outside"):
+        head(torch.tensor([1, 2]), torch.randn(2, 3 * 64), runner.meta, runner.cache)
+
+
+def test_the_paged_head_takes_hidden_states_in_its_own_dtype_as_the_dense_step_does(tiny):
+    """`dense_head_step` takes aux in the head's dtype (collected data is fp32); the paged forward failed
+    on fp32 rows into a bf16 head with a bare "expected m1 and m2 to have the same dtype", for the aux
+    capture and for an H-wide hidden alike. It now steps exactly as on the rows cast first."""
+    target = load_target(tiny[0], dtype=torch.bfloat16)
+    head = load_draft(tiny[1], target)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (3,), generator=gen)
+    for width in (3 * 64, 64):
+        rows = torch.randn(3, width, generator=gen)
+        outs = []
+        for hidden in (rows, rows.bfloat16()):
+            runner = Runner(target, head, dtype=torch.bfloat16)
+            runner.prepare([("r", 3)])
+            with torch.no_grad():
+                outs.append(head(ids, hidden, runner.meta, runner.cache))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        assert outs[0][1].dtype == torch.bfloat16
+    runner = Runner(target, head, dtype=torch.bfloat16)
+    runner.prepare([("r", 3)])
+    with pytest.raises(TypeError, match="hidden must be a floating-point tensor of hidden states, got torch.int64"):
+        head(ids, torch.zeros(3, 64, dtype=torch.long), runner.meta, runner.cache)

@@ -830,3 +830,13 @@ def test_a_diverging_distillation_saves_no_nan_head(tmp_path):
         distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=3, num_sequences=2, seq_len=8, iterations=1,
                                                                    batch_size=2, lr=1e30))
     assert weights.read_bytes() == before
+
+
+@pytest.mark.parametrize("width", [5, 128])
+def test_dense_step_refuses_a_hidden_width_that_is_neither_aux_nor_draft_hidden_as_the_paged_head_does(pair, width):
+    """A width other than the aux row's (fc) or the head's own (later passes) failed inside fc_norm with
+    "The size of tensor a (64) must match the size of tensor b (2)", naming neither width."""
+    head = pair[3]
+    with pytest.raises(ValueError, match=rf"hidden \(1, 3, {width}\) must be \[B, S, width\] with width the aux "
+                                         rf"width 192 or the draft hidden size 64"):
+        dense_head_step(head, torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, width))

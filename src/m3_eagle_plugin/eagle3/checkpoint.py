@@ -72,6 +72,11 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
     head_dim = top.get_int("head_dim", 0, minimum=0) or hidden // heads
     if head_dim < 1:
         raise top.error("num_attention_heads", f"{heads} heads leave no room in hidden_size {hidden}")
+    if head_dim % 2:  # the head's RoPE refused it later, naming neither the file nor a field
+        given = top.get_int("head_dim", 0, minimum=0)
+        raise top.error("head_dim" if given else "num_attention_heads",
+                        f"head_dim {head_dim}" + ("" if given else f" (hidden_size {hidden} // {heads} heads)")
+                        + " is odd; the draft's RoPE rotates the whole head in two halves and needs it even")
     declared_target = top.get_int("target_hidden_size", hidden, minimum=1)
     if hidden != target_hidden_size or declared_target != target_hidden_size:
         # the field that differs: a right hidden_size with a wrong target_hidden_size read "64 does not match 64"

@@ -151,6 +151,7 @@ class Eagle3Head(nn.Module):
         # d2t is one-to-one into the target vocabulary).
         self.register_buffer("target_ids", None, persistent=False)
         self.register_buffer("draft_index", None, persistent=False)
+        self._targets_in_vocab = True  # every d + d2t[d] in [0, vocab_size): read where logits are placed
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         # `load_state_dict` copies into an existing d2t in place, past `__setattr__`.
         self.register_load_state_dict_post_hook(_reindex_vocabulary_after_load)
@@ -169,6 +170,7 @@ class Eagle3Head(nn.Module):
         d2t = self.d2t
         if d2t is None:
             self.target_ids = self.draft_index = None
+            self._targets_in_vocab = True
             return
         draft_ids = torch.arange(d2t.shape[0], device=d2t.device)
         target_ids = draft_ids + d2t
@@ -176,6 +178,7 @@ class Eagle3Head(nn.Module):
         self.draft_index = None
         vocab = self.config.vocab_size
         in_range = bool(((target_ids >= 0) & (target_ids < vocab)).all())  # a host sync, once per assignment
+        self._targets_in_vocab = in_range
         if in_range and torch.unique(target_ids).numel() == d2t.shape[0]:
             index = torch.full((vocab,), -1, dtype=torch.int32, device=d2t.device)
             index[target_ids] = draft_ids.to(torch.int32)
@@ -216,6 +219,13 @@ class Eagle3Head(nn.Module):
                                  f"target ids; this head has none")
             return logits
         self._check_draft_width(logits)
+        if not self._targets_in_vocab:
+            # the scatter below read a target id of -1 as V - 1 (draft d's logit scored the last target id,
+            # where draft_to_target says -1) and failed on V with a bare IndexError
+            ids = self.target_ids
+            bad = ((ids < 0) | (ids >= self.config.vocab_size)).nonzero().flatten()[:4].tolist()
+            raise ValueError(f"d2t maps draft ids {bad} to target ids {ids[bad].tolist()} outside the target "
+                             f"vocabulary [0, {self.config.vocab_size}): draft id d means target id d + d2t[d]")
         if logits.dtype == torch.float32 and self.draft_index is not None:
             fused = fused_ops.gather_logits(logits, self.draft_index)
             if fused is not None:
@@ -244,10 +254,16 @@ class Eagle3Head(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: Any, cache: Any
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (fp32 logits `[T, V]` in target ids, next-step hidden `[T, H]`)."""
+        """Returns (fp32 logits `[T, V]` in target ids, next-step hidden `[T, H]`); `hidden` (floating
+        point) is taken in the head's dtype."""
         if input_ids.dim() != 1 or hidden.dim() != 2 or hidden.shape[0] != input_ids.shape[0]:
             raise ValueError(f"expected input_ids [T] and hidden [T, width], got {tuple(input_ids.shape)} "
                              f"and {tuple(hidden.shape)}")
+        if not hidden.is_floating_point():
+            raise TypeError(f"hidden must be a floating-point tensor of hidden states, got {hidden.dtype}")
+        # taken in the head's dtype, as `train.dense_head_step` takes it: fp32 aux (collected data, an fp32
+        # target) into a bf16 head failed in fc with "expected m1 and m2 to have the same dtype"
+        hidden = hidden.to(self.fc.weight.dtype)
         if hidden.shape[-1] == self.fc.in_features and self.fc.in_features != self.config.hidden_size:
             g = self.combine_aux(hidden)
         elif hidden.shape[-1] == self.config.hidden_size:

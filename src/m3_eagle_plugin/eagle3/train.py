@@ -164,6 +164,10 @@ def dense_head_step(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Ten
     b, s = input_ids.shape
     if hidden.shape[:2] != (b, s):
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    if hidden.dim() != 3 or hidden.shape[-1] not in (head.fc.in_features, cfg.hidden_size):
+        # as the paged head refuses it: any other width failed inside fc_norm or fc with a bare size mismatch
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [B, S, width] with width the aux width "
+                         f"{head.fc.in_features} or the draft hidden size {cfg.hidden_size}")
     layer = head.layers[0]
     attn = layer.self_attn
     hidden = hidden.to(head.fc.weight.dtype)
