@@ -383,8 +383,9 @@ def _status(mode: str) -> ActivationReport:
         if not installed:
             report.reason = f"{manifest.host.package} is not installed"
             report.ok = mode != "require"  # activating would raise (`activate`)
-        elif version is None and mode != "off":  # activating refuses it in auto and require
-            report.ok, report.reason = False, _unknown_version(manifest.host.package)
+        elif version is None:  # found, so not "not installed" (the verdict's word for no version)
+            report.reason = _unknown_version(manifest.host.package)
+            report.ok = mode == "off"  # activating refuses it in auto and require
         from m3_eagle_plugin.registry import get_plugin_manager
 
         manager = get_plugin_manager()

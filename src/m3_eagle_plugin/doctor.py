@@ -83,6 +83,21 @@ def _setting_errors() -> list[str]:
     return [problem for _, problem in checks if problem is not None]
 
 
+def _why_not_patched(report: dict[str, Any], host_found: bool) -> str:
+    """Why `status()`'s `report` has nothing patched: a missing host or a refusal first, else the mode being
+    off, else (a host activating would take) that this process never imported it; not a verdict that
+    says all is well."""
+    from m3_eagle_plugin.manifest import DEFER
+    from m3_eagle_plugin.switches import MODE_ENV
+
+    if not host_found or not report["ok"] or report["verdict"] == DEFER:
+        return report["reason"] or f"mode is {report['mode']}"
+    if report["mode"] == "off":
+        return f"{MODE_ENV} is off"
+    return (f"{report['host']} is not imported by the doctor; {MODE_ENV}={report['mode']} activates when "
+            f"{report['host']} is imported")
+
+
 def collect(host_source: str | None = None) -> dict[str, Any]:
     """Everything the doctor prints, as plain data."""
     from m3_eagle_plugin import __version__
@@ -122,7 +137,7 @@ def collect(host_source: str | None = None) -> dict[str, Any]:
         data["manifest"] = {"error": f"{type(exc).__name__}: {exc}"}
         data["ok"] = False
     if not data["patches_applied"]:
-        data["patches_reason"] = "not activated: " + (data["reason"] or f"mode is {data['mode']}")
+        data["patches_reason"] = "not activated: " + _why_not_patched(report, host_found)
     try:
         from m3_eagle_plugin.registry import get_plugin_manager
 
@@ -210,9 +225,9 @@ def main(args: argparse.Namespace) -> int:
     # its version line when imported, e.g. by a third-party plugin's module that the manager loads)
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         data = collect(host_source=getattr(args, "host_source", None))
-    if as_json:
+    if not as_json:
+        print(render_table(data))
+    elif sys.stdout is not None:  # None: started with stdout closed (`>&-`), nothing to write to, as for print()
         json.dump(data, sys.stdout, sort_keys=True)
         sys.stdout.write("\n")
-    else:
-        print(render_table(data))
     return 0 if data["ok"] else 1

@@ -296,7 +296,11 @@ class M3PluginManager(pluggy.PluginManager):
                 owners.append(impl)
         for impl in owners:
             others = [other.plugin for other in impls if other.plugin is not impl.plugin]
-            yield impl.plugin_name, self.subset_hook_caller(name, others)(**kwargs)
+            try:
+                answers = self.subset_hook_caller(name, others)(**kwargs)
+            except Exception as exc:  # a bare "RuntimeError: boom" in the activation line named no plugin
+                raise PluginError(f"plugin {impl.plugin_name!r}: {name} raised {type(exc).__name__}: {exc}") from exc
+            yield impl.plugin_name, answers
 
     def kv_cache_manager(self, host: str, sparse_config: Any) -> str | None:
         return self.hook.m3_eagle_kv_cache_manager(host=host, sparse_config=sparse_config)

@@ -551,6 +551,18 @@ def test_status_off_on_a_host_without_a_version_is_ok(clean_state, hermetic_mana
     assert report.mode == "off" and report.ok and report.host_version is None
 
 
+def test_status_off_on_a_host_without_a_version_does_not_call_it_not_installed(clean_state, hermetic_manager,
+                                                                              tmp_path, monkeypatch):
+    """An importable `tensorrt_llm` without dist-info (a source checkout on the path): with the plugin off
+    the reason read "tensorrt_llm is not installed" beside the doctor's "host found, version unknown"."""
+    (tmp_path / "tensorrt_llm").mkdir()
+    (tmp_path / "tensorrt_llm" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    report = m3_eagle_plugin.status()
+    assert report.ok and "not installed" not in report.reason, report.reason
+    assert report.reason == activation._unknown_version("tensorrt_llm")
+
+
 def test_status_after_an_off_decision_still_gives_the_verdicts_reason(active_env):
     make_host, _ = active_env
     make_host("1.3.0rc24")

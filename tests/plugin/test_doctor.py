@@ -358,3 +358,12 @@ def test_an_empty_host_source_is_refused_not_checked_as_the_current_directory(ca
         cli.main(["doctor", "--host-source", ""])
     assert exit_.value.code == 2
     assert "argument --host-source: an empty path" in capsys.readouterr().err
+
+
+def test_json_with_stdout_closed_writes_nothing_and_exits_as_the_table_does(clean_state, capsys, monkeypatch):
+    """`m3-eagle doctor --json >&-`: Python's sys.stdout is None. The table (print) then writes nothing and
+    exits 0, as `m3-eagle run` does; `--json` ended in an AttributeError traceback ('NoneType' object has
+    no attribute 'write') and exit 1."""
+    monkeypatch.setattr("sys.stdout", None)
+    assert cli.main(["doctor"]) == 0
+    assert cli.main(["doctor", "--json"]) == 0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from m3_eagle_plugin import cli
 
 
@@ -23,3 +25,27 @@ def test_without_a_host_the_patches_reason_is_the_missing_host(clean_state, caps
     assert cli.main(["doctor", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["patches_applied"] == [] and data["patches_reason"] == "not activated: tensorrt_llm is not installed"
+
+
+def test_with_the_plugin_off_the_patches_reason_is_the_mode_not_the_verdict(fake_host, hermetic_manager, capsys):
+    """README: the doctor shows "patches applied (or why not)". With M3_EAGLE_PLUGIN unset on a tested host
+    the "why not" read "not activated: tensorrt_llm 1.3.0rc24 is a tested host", which is no reason."""
+    fake_host("1.3.0rc24")
+    assert cli.main(["doctor", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["patches_applied"] == [] and data["verdict"] == "supported"
+    assert data["patches_reason"] == "not activated: M3_EAGLE_PLUGIN is off", data["patches_reason"]
+
+
+@pytest.mark.parametrize("version", ["1.3.0rc24", "1.3.1"])
+def test_a_host_that_would_activate_is_not_reported_as_the_reason_for_no_patches(fake_host, hermetic_manager,
+                                                                                capsys, monkeypatch, version):
+    """Under auto on an accepted host the doctor (which never imports tensorrt_llm, so never activates) gave
+    the verdict ("is a tested host" / "is inside ... but not in the tested list") as why nothing is patched."""
+    fake_host(version)
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    assert cli.main(["doctor", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["patches_applied"] == [] and data["ok"] is True
+    assert data["reason"] not in data["patches_reason"]
+    assert "activates when tensorrt_llm is imported" in data["patches_reason"], data["patches_reason"]

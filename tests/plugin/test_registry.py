@@ -699,6 +699,22 @@ def test_a_model_classes_hook_answering_no_dict_is_a_plugin_error_naming_it(mana
         manager.model_classes("reference")
 
 
+@pytest.mark.parametrize("hook", ["m3_eagle_model_classes", "m3_eagle_host_patches"])
+def test_a_collecting_hook_that_raises_is_a_plugin_error_naming_the_plugin(manager, hook):
+    """A third-party hook raising reached the activation line as a bare "not activated (auto): RuntimeError:
+    boom" (and the doctor's reason alike), naming neither the plugin nor the hook."""
+    class Raises:
+        @hookimpl(specname=hook)
+        def answer(self, host):
+            raise RuntimeError("boom")
+
+    manager.register(Raises(), name="raiser")
+    collect = manager.model_classes if hook == "m3_eagle_model_classes" else manager.host_patches
+    with pytest.raises(PluginError, match=rf"^plugin 'raiser': {hook} raised RuntimeError: boom$") as raised:
+        collect("tensorrt_llm")
+    assert isinstance(raised.value.__cause__, RuntimeError)
+
+
 def test_drafts_for_fewer_requests_than_asked_are_rejected(manager):
     class OneRow:
         @hookimpl
