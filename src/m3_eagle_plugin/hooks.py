@@ -64,13 +64,15 @@ class M3EagleSpecs:
         """Map HF architecture names to the model class the host should build, as "module:qualname".
 
         Every implementation's mapping is collected; the registry rejects two plugins claiming one
-        architecture with different classes (a conflict). `host` is "tensorrt_llm" or "reference".
+        architecture with different classes (a conflict), the built-in plugin's architectures
+        included: a plugin adds architectures, it does not replace built-in ones. `host` is
+        "tensorrt_llm" or "reference".
 
         Example::
 
             @hookimpl
             def m3_eagle_model_classes(host):
-                return {"MiniMaxM3SparseForCausalLM": "my_pkg.model:MyM3ForCausalLM"}
+                return {"MyM3VariantForCausalLM": "my_pkg.model:MyM3VariantForCausalLM"}
         """
 
     @hookspec(firstresult=True)

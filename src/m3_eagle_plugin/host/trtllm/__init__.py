@@ -51,7 +51,8 @@ def _host_patches() -> list[Patch]:
 
 
 def _model_classes() -> dict[str, type]:
-    """Built-in classes per architecture, replaced where another plugin claims an architecture."""
+    """Built-in classes per architecture plus those other plugins add (claiming a built-in one with
+    another class is a conflict the registry raises)."""
     from m3_eagle_plugin.host.trtllm.registration import builtin_model_classes
 
     classes = builtin_model_classes()
