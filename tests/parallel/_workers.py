@@ -717,3 +717,75 @@ def tp_disagg_worker(rank: int, world_size: int, target_dir: str, draft_dir: str
         seen[f"swapped {name}"] = _outcome(call)
     seen["swapped clean"] = clean(other)
     out.write_text(json_.dumps(seen))
+
+
+# ----- ranks that receive together (a TP group's generation ranks) agree on every verdict --------
+def agree_worker(rank: int, world_size: int, target_dir: str, draft_dir: str, out_dir: str) -> None:
+    """Both ranks receive as one group (``agree``), each the handoff the other sends it (a thread
+    sends while the main thread receives; one stream group per direction). Faults hit rank 1's
+    receive only: its engine short of pages, a page damaged on its stream, another request; then
+    a good handoff, which both import and continue like the aggregated run."""
+    import json as json_
+    import threading
+
+    from m3_eagle_plugin.host.reference.build import blocks_for_prompts, build_engine
+    from m3_eagle_plugin.host.reference.engine import EngineConfig
+    from m3_eagle_plugin.parallel import transfer as t
+    from m3_eagle_plugin.parallel.disagg import (continue_generation, export_handoff, import_handoff, recv_handoff,
+                                                 run_context_phase, send_handoff)
+
+    timeout = datetime.timedelta(seconds=10)
+    streams = [dist.new_group([0, 1], timeout=timeout) for _ in range(2)]  # streams[r]: what rank r sends
+    agree = dist.new_group([0, 1], timeout=timeout)
+    peer = 1 - rank
+    config = EngineConfig(draft_len=DISAGG_K, max_batch_size=2, max_tokens_per_step=64)
+    blocks = blocks_for_prompts(DISAGG_PROMPTS, DISAGG_NEW, DISAGG_K, 4)
+    build = lambda: build_engine(target_dir, draft_dir, config, num_blocks=blocks,  # noqa: E731
+                                 device=torch.device("cpu"))
+    context = build()
+    handoffs = [export_handoff(context, r) for r in run_context_phase(context, DISAGG_PROMPTS, DISAGG_NEW)]
+    aggregated = build().generate(DISAGG_PROMPTS, DISAGG_NEW).outputs
+    engine = build()
+    state = lambda: (engine.scheduler.admitted_blocks, engine.cache.num_free_blocks,  # noqa: E731
+                     sorted(engine.cache.allocator.request_ids, key=str))
+    seen: dict = {}
+    out = Path(out_dir) / f"agree_rank{rank}.json"
+
+    def exchange(name, sent, **kwargs):
+        sender: dict = {}
+        thread = threading.Thread(target=lambda: sender.update(
+            outcome=_outcome(lambda: send_handoff(sent, peer, streams[rank]))))
+        thread.start()
+        got: dict = {}
+        seen[name] = _outcome(lambda: got.update(h=recv_handoff(peer, streams[peer], engine=engine, **kwargs)))
+        thread.join(20)
+        seen[f"{name} sent"] = sender.get("outcome", "still sending")
+        out.write_text(json_.dumps(seen))
+        return got.get("h")
+
+    before = state()
+    if rank == 1:  # short of pages: one block left free
+        engine.cache.add_request("other")
+        engine.cache.reserve("other", (engine.cache.num_blocks - 1) * engine.cache.block_size)
+    exchange("short, alone", handoffs[0])  # the control: each rank decides on its own
+    exchange("short", handoffs[0], agree=agree)
+    if rank == 1:
+        engine.cache.free("other")
+    pool = len(handoffs[0].payload.pool_pages) - 1
+
+    def flip(tensor):
+        tensor[0, 0, 0] ^= 0x80
+
+    def damaged():
+        return exchange("damaged", handoffs[0], agree=agree)
+
+    if rank == 0:  # rank 0 sends rank 1's pages through a faulty link
+        _through_corrupting_link(t, f"pool {pool} of the handoff of request 0", flip, damaged)
+    else:
+        damaged()
+    exchange("other request", handoffs[rank], agree=agree)  # rank 1 receives request 0, rank 0 request 1
+    seen["untouched"] = state() == before
+    good = exchange("good", handoffs[0], agree=agree)
+    seen["outputs"] = continue_generation(engine, [import_handoff(engine, good)]).outputs
+    seen["aggregated"] = aggregated[:1]
+    out.write_text(json_.dumps(seen))

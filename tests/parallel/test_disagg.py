@@ -66,3 +66,40 @@ def test_tensor_parallel_engines_hand_off_only_their_own_ranks_kv_heads(tiny_pai
         assert seen["swapped sent"].startswith(f"HandoffError: rank {1 - rank} refused the handoff of request 0")
         assert seen["swapped clean"]
     assert ranks[0]["aggregated"] == ranks[1]["aggregated"]
+
+
+def test_ranks_receiving_together_accept_or_refuse_every_handoff_together(tiny_pair, tmp_path_factory):
+    """A TP group's generation ranks each receive their shard's handoff on their own: one refusing
+    what another accepted (its engine short of pages, a page damaged on its stream) left the group
+    holding different requests, and their all-reduces then summed one request's attention on one
+    rank with another request's on the other (wrong tokens on both without a word) or aborted the
+    process (gloo: sizes differ). Received with ``agree``, every rank refuses what one refused, or
+    requests that differ between the ranks, naming the rank and its reason, and every sender hears
+    it; the engines stay untouched and the next handoff continues like the aggregated run."""
+    from ._spawn import ranks_evidence
+    from ._workers import agree_worker
+
+    ranks = ranks_evidence(agree_worker, tiny_pair, tmp_path_factory, "agree", timeout_s=40)
+    short = "handoff from rank 0, request 0: 4 pages, 1 of this cache's"
+    # the control: alone, rank 0 accepts what rank 1 refuses
+    assert ranks[0]["short, alone"] == "ok"
+    assert ranks[1]["short, alone"].startswith(f"HandoffError: {short}")
+    assert ranks[0]["short"].startswith("HandoffError: handoff from rank 1: refused with the receiving ranks of the "
+                                        f"agree group: rank 1 refused it: {short}")
+    assert ranks[1]["short"].startswith(f"HandoffError: {short}")
+    assert ranks[1]["short sent"].startswith("HandoffError: rank 0 refused the handoff of request 0: handoff from "
+                                             "rank 1: refused with the receiving ranks of the agree group: rank 1")
+    assert ranks[0]["short sent"].startswith(f"HandoffError: rank 1 refused the handoff of request 0: {short}")
+    corrupt = "the handoff from rank 0, request 0: page 0 of pool"
+    assert ranks[1]["damaged"].startswith(f"TransferError: {corrupt}")
+    assert ranks[0]["damaged"].startswith("TransferError: handoff from rank 1: refused with the receiving ranks of "
+                                          f"the agree group: rank 1 refused it: {corrupt}")
+    for rank, seen in enumerate(ranks):
+        assert seen["damaged sent"].startswith(f"TransferError: rank {1 - rank} refused the pages of the handoff")
+        assert seen["other request"] == (f"HandoffError: handoff from rank {1 - rank}: the receiving ranks got "
+                                         f"different requests (rank 0: 1, rank 1: 0); every rank must receive the "
+                                         f"same request at once")
+        assert seen["other request sent"].startswith(f"HandoffError: rank {1 - rank} refused the handoff of request")
+        assert seen["untouched"]
+        assert seen["good"] == seen["good sent"] == "ok"
+        assert seen["outputs"] == seen["aggregated"]

@@ -583,3 +583,20 @@ def test_a_context_phase_interrupted_as_it_counts_its_time_leaves_the_engine_cle
     assert len(calls) >= 2 and _is_clean(engine)
     requests = run_context_phase(engine, DISAGG_PROMPTS, DISAGG_NEW)
     assert [r.state.value for r in requests] == ["decode", "decode"]
+
+
+@pytest.mark.parametrize("agree, error, cause", [
+    ("tp", TypeError, "agree must be a torch.distributed ProcessGroup, got str"),
+    (-100, ValueError, "this process is not a member of the agree process group"),  # new_group's non-member
+])
+def test_an_agree_group_this_process_cannot_vote_in_is_refused_before_any_message(agree, error, cause, monkeypatch):
+    """Its peers would wait in the vote for this rank until their timeout."""
+    import torch.distributed as dist
+
+    from m3_eagle_plugin.parallel import transfer
+    from m3_eagle_plugin.parallel.disagg import recv_handoff
+
+    assert dist.GroupMember.NON_GROUP_MEMBER == -100
+    monkeypatch.setattr(transfer, "_recv_frame", lambda *a: pytest.fail("a message was read"))
+    with pytest.raises(error, match=cause):
+        recv_handoff(0, object(), agree=agree)

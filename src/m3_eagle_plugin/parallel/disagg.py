@@ -25,6 +25,12 @@ checks the header (and, given its engine, everything `import_handoff` would chec
 answering, so a malformed or unfitting handoff is refused by name on both sides, its pages never
 move, and the receiving engine is untouched. A page damaged in transit is refused by the receiver
 naming the request, pool and page.
+
+Tensor-parallel engines hand off shard by shard: context rank r sends its shard's handoff to
+generation rank r. The generation ranks must then hold the same requests, or their all-reduces
+pair up different requests' sums, so they receive with ``recv_handoff(..., agree=tp_group)``:
+each verdict (header, then pages) is settled over the TP group before it is answered, and one
+rank's refusal is every rank's (see `parallel.transfer`, "Ranks that receive together").
 """
 from __future__ import annotations
 
@@ -43,9 +49,9 @@ from m3_eagle_plugin.host.reference.request import Request, RequestError, Reques
 from m3_eagle_plugin.host.reference.scheduler import RowKind
 from m3_eagle_plugin.kv.transfer import KVTransferPayload, export_request, import_request
 from m3_eagle_plugin.parallel.process_group import comm_device
-from m3_eagle_plugin.parallel.transfer import (KIND_HANDOFF, PayloadHeader, TransferError, as_ints, check_sendable,
-                                               page_checksums, recv_header, recv_pages, send_header, send_pages,
-                                               stage_pages)
+from m3_eagle_plugin.parallel.transfer import (KIND_HANDOFF, Agreement, PayloadHeader, TransferError, as_ints,
+                                               check_sendable, page_checksums, recv_header, recv_pages, send_header,
+                                               send_pages, stage_pages)
 
 __all__ = ["ContextHandoff", "HandoffError", "run_context_phase", "export_handoff", "import_handoff",
            "continue_generation", "send_handoff", "recv_handoff"]
@@ -363,27 +369,57 @@ def _parse_handoff(values: list[int], where: str) -> tuple[ContextHandoff, Paylo
     return handoff, header
 
 
-def recv_handoff(src: int, group: dist.ProcessGroup | None = None, *, engine: Engine | None = None) -> ContextHandoff:
+def recv_handoff(src: int, group: dist.ProcessGroup | None = None, *, engine: Engine | None = None,
+                 agree: dist.ProcessGroup | None = None) -> ContextHandoff:
     """Receive what `send_handoff` sent from rank ``src``.
 
     A malformed header raises `HandoffError` naming the field, before any page moves (the sender
     raises it too, and the next handoff on the stream arrives intact). With ``engine`` (the one
     that will import it), a handoff `import_handoff` would refuse there is refused the same way,
     so its pages never cross; ``engine`` itself is not touched. A frame that is not ours, a
-    truncated one or a stream that broke raises `TransferError`."""
+    truncated one or a stream that broke raises `TransferError`.
+
+    ``agree``: the process group of the ranks that receive this request together, each its own
+    shard's handoff from its own sender (a tensor-parallel generation group; not ``group``, which
+    holds the senders). Every rank of it calls `recv_handoff` at once and they accept or refuse
+    together (`parallel.transfer.Agreement`): the header, then the pages. One rank's refusal
+    (a page damaged in transit, an engine short of pages) or a different request index on
+    another rank is raised on every rank, naming the ranks and their reasons, with `HandoffError`
+    for the header and `TransferError` for the pages, and every sender hears it. Without it, one
+    rank imported what another refused, and their all-reduces then summed other requests'
+    partial sums (wrong tokens without a word) or tensors of other sizes (gloo aborts)."""
     where = f"handoff from rank {src}"
+    votes = None if agree is None else Agreement(agree, where)  # checked before the first message
+    stage, key = 1, -1
 
     def accept(values: list[int]):
-        handoff, header = _parse_handoff(values, where)
-        if engine is not None:
-            _check_engine(engine)
-            _check_handoff(engine, handoff)
-            try:
-                header.check_fits(engine.cache, f"{where}, request {handoff.index}")
-            except TransferError as error:
-                raise HandoffError(str(error)) from None
-        return handoff, header.buffers(comm_device(group), where)
+        nonlocal key
+        try:
+            handoff, header = _parse_handoff(values, where)
+            key = handoff.index
+            if engine is not None:
+                _check_engine(engine)
+                _check_handoff(engine, handoff)
+                try:
+                    header.check_fits(engine.cache, f"{where}, request {handoff.index}")
+                except TransferError as error:
+                    raise HandoffError(str(error)) from None
+            accepted = handoff, header.buffers(comm_device(group), where)
+        except Exception as refusal:
+            if votes is not None:
+                votes.vote(1, key, refusal, HandoffError)
+            raise
+        if votes is not None:
+            votes.vote(1, key, None, HandoffError)
+        return accepted
 
-    handoff, buffers = recv_header(KIND_HANDOFF, src, group, accept)
-    pages = recv_pages(buffers, src, group, f"{where}, request {handoff.index}")
+    try:
+        handoff, buffers = recv_header(KIND_HANDOFF, src, group, accept)
+        stage = 2
+        pages = recv_pages(buffers, src, group, f"{where}, request {handoff.index}",
+                           None if votes is None else lambda refusal: votes.vote(2, key, refusal, TransferError))
+    except Exception as error:
+        if votes is not None:  # cut short before this rank voted (a broken stream): the others wait for it
+            votes.vote_refusal(stage, key, error)
+        raise
     return dataclasses.replace(handoff, payload=dataclasses.replace(handoff.payload, pool_pages=pages))

@@ -43,6 +43,18 @@ one whose exchange was cut off part-way on this side (an interrupt between two m
 When the broken frame was a header or the page checksums, whose sender waits for a verdict, the
 receiver answers with frame 6 (the cause in UTF-8 bytes) instead: the sender raises at once and
 marks the stream out of sync too, rather than waiting for its timeout.
+
+Ranks that receive together (the ranks of a tensor-parallel group, each receiving its own
+shard's pages of the same request from its own sender) must accept or refuse together: one rank
+holding a request its peers refused leaves their all-reduces summing other requests' partial
+sums (wrong tokens without a word) or messages of other sizes (gloo aborts the process). An
+`Agreement` over their process group settles each verdict before it is answered: every rank
+contributes one row ``[stage, key, refused, n, the reason's first n UTF-8 bytes]`` (int64, at
+most ``AGREEMENT_REASON_BYTES``) of a ``[group size, 4 + AGREEMENT_REASON_BYTES]`` tensor, the
+rows are summed (all-reduce, each rank filling only its own), and every rank then refuses its
+sender when any rank refused or the ranks hold different keys (requests), naming those ranks and
+their reasons. A rank whose receive failed before its vote (a broken stream) still votes a
+refusal, so its peers are not left waiting for the group's timeout.
 """
 from __future__ import annotations
 
@@ -63,7 +75,8 @@ from m3_eagle_plugin.parallel.process_group import comm_device
 
 __all__ = ["send_payload", "recv_payload", "send_ints", "recv_ints", "check_sendable", "as_ints",
            "TransferError", "PayloadHeader", "MAGIC", "VERSION", "TRAILER", "KIND_INTS", "KIND_PAYLOAD",
-           "KIND_HANDOFF", "KIND_VERDICT", "KIND_CHECKSUMS", "KIND_ABORT", "page_checksums"]
+           "KIND_HANDOFF", "KIND_VERDICT", "KIND_CHECKSUMS", "KIND_ABORT", "page_checksums", "Agreement",
+           "AGREEMENT_REASON_BYTES"]
 
 MAGIC = int.from_bytes(b"M3EAGLE", "big")
 VERSION = 3
@@ -80,6 +93,7 @@ MAX_FINGERPRINT_BYTES = 1 << 16
 MAX_POOLS = 1 << 10
 MAX_PAYLOAD_BYTES = 1 << 40
 _MAX_REASON_BYTES = 4096
+AGREEMENT_REASON_BYTES = 512  # of each rank's refusal reason, in the `Agreement`
 
 T = TypeVar("T")
 
@@ -436,10 +450,12 @@ def send_pages(staged: list[torch.Tensor], checksums: list[int], dst: int, group
         _await_verdict(dst, group, f"pages of the {what}", TransferError)
 
 
-def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str) -> tuple[torch.Tensor, ...]:
+def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str,
+               agree: Callable[[Exception | None], None] | None = None) -> tuple[torch.Tensor, ...]:
     """Receive the pages `send_pages` sent into ``buffers`` and answer its final verdict; a page
     whose checksum differs raises `TransferError` naming it, here and, through the verdict, in the
-    sender (the stream stays in step)."""
+    sender (the stream stays in step). ``agree`` (this rank's refusal or None) settles the verdict
+    with the ranks receiving together first: it raises the group's refusal."""
     with _whole(group, src, f"receiving the pages of the {what}"):
         for i, pages in enumerate(buffers):
             if pages.numel():
@@ -452,9 +468,16 @@ def recv_pages(buffers: list[torch.Tensor], src: int, group, what: str) -> tuple
     with _whole(group, src, f"answering the pages of the {what}"):
         received = tuple(pages.cpu() for pages in buffers)
         try:
-            _check_checksums(received, expected, what)
-        except TransferError as damaged:
-            _refuse(damaged, src, group)
+            try:
+                _check_checksums(received, expected, what)
+            except TransferError as damaged:
+                if agree is not None:
+                    agree(damaged)
+                raise
+            if agree is not None:
+                agree(None)
+        except TransferError as refused:
+            _refuse(refused, src, group)
             raise
     _send_frame(KIND_VERDICT, [], src, group)
     return received
@@ -470,6 +493,66 @@ def _check_checksums(pool_pages: tuple[torch.Tensor, ...], expected: list[int], 
             pool, page = divmod(at, num_pages)
             raise TransferError(f"the {what}: page {page} of pool {pool} arrived corrupt (CRC-32 "
                                 f"{have:#010x}, the sender's {want:#010x})")
+
+
+# ----- verdicts settled by the ranks that receive together -----------------------------------
+class Agreement:
+    """The verdicts of the ranks of ``group`` that receive one transfer together, stage by stage
+    (module docstring): after `vote`, they all accept or all refuse."""
+
+    def __init__(self, group: dist.ProcessGroup, what: str):
+        # checked before any message: its peers would wait for this rank's votes until their timeout
+        if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gave a non-member
+            raise ValueError("this process is not a member of the agree process group")
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"agree must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+        if dist.get_rank(group) < 0:
+            raise ValueError(f"this process (rank {dist.get_rank()}) is not a member of the agree process group")
+        self.group, self.what = group, what
+        self.voted = 0  # stages voted on (a vote is never repeated, even one whose all-reduce failed)
+
+    def vote(self, stage: int, key: int, refusal: Exception | None, error: type[Exception]) -> None:
+        """This rank's verdict (``refusal`` or None) on ``stage`` of the transfer of ``key`` (a
+        request index); raises ``refusal`` when this rank refused, else ``error`` naming the ranks
+        that refused (or that hold another key); returns when every rank accepted."""
+        self.voted = stage
+        me, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        reason = _utf8(str(refusal) or type(refusal).__name__, AGREEMENT_REASON_BYTES) if refusal is not None else []
+        rows = torch.zeros(size, 4 + AGREEMENT_REASON_BYTES, dtype=torch.int64)
+        rows[me, :4 + len(reason)] = torch.tensor([stage, key, int(refusal is not None), len(reason), *reason])
+        rows = rows.to(comm_device(self.group))
+        try:
+            dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.group)
+        except RuntimeError as failed:  # a rank died or never voted: refused, naming that
+            if refusal is not None:
+                raise refusal from None
+            raise error(f"{self.what}: the receiving ranks could not agree on it (rank {me} of the agree "
+                        f"group; a rank died or did not vote within the group's timeout): {failed}") from failed
+        if refusal is not None:
+            raise refusal
+        table = rows.cpu().tolist()
+        stages = {r: row[0] for r, row in enumerate(table) if row[0] != stage}
+        if stages:
+            raise error(f"{self.what}: the receiving ranks are at different stages of it (this rank {me} at "
+                        f"{stage}, {', '.join(f'rank {r} at {s}' for r, s in stages.items())})")
+        refused = [f"rank {r} refused it: {_reason_text(row[4:4 + max(0, min(row[3], AGREEMENT_REASON_BYTES))])}"
+                   for r, row in enumerate(table) if row[2]]
+        if refused:
+            raise error(f"{self.what}: refused with the receiving ranks of the agree group: {'; '.join(refused)}")
+        keys = [row[1] for row in table]
+        if len(set(keys)) > 1:
+            raise error(f"{self.what}: the receiving ranks got different requests "
+                        f"({', '.join(f'rank {r}: {k}' for r, k in enumerate(keys))}); every rank must "
+                        f"receive the same request at once")
+
+    def vote_refusal(self, stage: int, key: int, refusal: Exception) -> None:
+        """After ``refusal`` cut this rank's receive short, its refusal of ``stage`` if not voted yet:
+        the other ranks are waiting for it (they refuse too)."""
+        if self.voted < stage:
+            try:
+                self.vote(stage, key, refusal, type(refusal))
+            except Exception:  # noqa: BLE001 - the refusal that cut the receive short is the news here
+                pass
 
 
 # ----- KV payloads ----------------------------------------------------------------------------
