@@ -719,6 +719,30 @@ def test_eos_ids_are_read_as_transformers_generate_reads_them(tmp_path, top, tex
     assert eos_token_ids(tmp_path) == want
 
 
+@pytest.mark.parametrize("top,text", [("absent", "absent"), (None, "absent"), ("absent", 9), (7, "absent"), (None, 9)],
+                         ids=["both-absent", "top-null", "text-9", "top-7", "top-null-text-9"])
+def test_an_eos_key_left_out_is_no_eos_as_from_pretrained_reads_it(tiny_dir, tmp_path, top, text):
+    """A key left out is not the text config's class default (200020, what `from_model_config` of the
+    parsed config gives): without generation_config.json, `from_pretrained` builds the generation config
+    `generate` uses from the raw config.json, where a left-out key is no eos (a guard, not a fix)."""
+    import shutil
+
+    import transformers
+
+    from m3_eagle_plugin.models.config import eos_token_ids
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir / "target", path)
+    raw = json.loads((path / "config.json").read_text())
+    for fields, value in ((raw, top), (raw["text_config"], text)):
+        fields.pop("eos_token_id", None)
+        if value != "absent":
+            fields["eos_token_id"] = value
+    (path / "config.json").write_text(json.dumps(raw))
+    want = transformers.MiniMaxM3SparseForConditionalGeneration.from_pretrained(path).generation_config.eos_token_id
+    assert eos_token_ids(path) == (() if want is None else (want,))
+
+
 @pytest.mark.parametrize("value", ["2", -1, 1.0, [3, "x"], True])
 def test_an_eos_id_that_is_no_token_id_names_the_file(tmp_path, value):
     from m3_eagle_plugin.models.config import eos_token_ids

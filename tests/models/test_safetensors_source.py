@@ -219,6 +219,30 @@ def test_a_stale_index_beside_model_safetensors_names_both(tmp_path):
         SafetensorsSource(tmp_path)
 
 
+def test_a_complete_index_beside_another_model_safetensors_is_refused_naming_both(tmp_path):
+    """transformers' save_pretrained, unsharded and then sharded into one directory, keeps the old
+    model.safetensors beside the new index and shards, and its from_pretrained reads model.safetensors
+    (the oracle); the shards were read here, silently other weights than transformers runs."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, max_shard_size="10KB")
+    assert (tmp_path / "model.safetensors").is_file() and len(list(tmp_path.glob("model-0000*.safetensors"))) > 1
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(tmp_path / SafetensorsSource.INDEX))}: its shards and "
+                                              r"model\.safetensors beside it are two checkpoints .*transformers reads "
+                                              r"model\.safetensors.*remove the one that is not the checkpoint$"):
+        SafetensorsSource(tmp_path)
+
+
+def test_an_index_whose_one_shard_is_model_safetensors_loads(good_file, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(good_file.read_bytes())
+    weight_map = {"a.weight": "model.safetensors", "b.bias": "model.safetensors"}
+    (tmp_path / SafetensorsSource.INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    assert SafetensorsSource(tmp_path).names() == {"a.weight", "b.bias"}
+
+
 @pytest.mark.parametrize("shard", ["ABSOLUTE", "../outside/model.safetensors", "sub/../../outside/model.safetensors",
                                    "sub/../model.safetensors"], ids=["absolute", "parent", "climbing", "sub-dotdot"])
 def test_an_index_naming_a_shard_outside_its_directory_is_refused_unread(good_file, tmp_path, monkeypatch, shard):

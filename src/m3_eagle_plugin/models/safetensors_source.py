@@ -2,7 +2,8 @@
 
 Lists tensor names and shapes without reading data, so loaders can validate a whole checkpoint
 (names, shapes) before touching any weight. A truncated or corrupt file, or a broken shard index,
-is a `CheckpointError` naming the file (never safetensors' own exception). A shard index names
+is a `CheckpointError` naming the file (never safetensors' own exception), and so is a shard index
+beside another `model.safetensors` (two checkpoints in one directory). A shard index names
 files inside its directory: an absolute path or a `..` step is refused, not read (a symlinked shard
 is followed, as in the Hugging Face cache, whose snapshot files link to `../../blobs`).
 """
@@ -72,6 +73,13 @@ class SafetensorsSource:
             not_files = [str(p) for p in files if not p.is_file()]  # a FIFO would block safetensors' open
             if not_files:
                 raise CheckpointError(f"{index}: shard paths that are not files: {not_files}")
+            single = path / "model.safetensors"
+            if single.is_file() and single.resolve() not in {file.resolve() for file in files}:
+                # save_pretrained unsharded, then sharded into one directory, keeps the old file beside the
+                # new shards; transformers reads model.safetensors, so either choice here may run other weights
+                raise CheckpointError(f"{index}: its shards and {single.name} beside it are two checkpoints in one "
+                                      f"directory (transformers reads {single.name}, not the index): remove the one "
+                                      "that is not the checkpoint")
             return files
         single = path / "model.safetensors"
         if single.is_file():
