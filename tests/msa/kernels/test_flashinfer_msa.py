@@ -637,6 +637,53 @@ def test_check_backend_refuses_forced_flashinfer_where_msa_ops_do_not_import(fak
         check_backend("cpu")
 
 
+class _WideTable:
+    """`meta` with a block table of more rows than requests (`check_meta` and the references take
+    that: they read row r for request r only)."""
+
+    def __init__(self, meta, extra_rows: int):
+        self._meta = meta
+        pad = torch.full((extra_rows, meta.block_tables.shape[1]), -1, dtype=torch.int32)
+        self.block_tables = torch.cat([meta.block_tables, pad])
+
+    def __getattr__(self, name):
+        return getattr(self._meta, name)
+
+
+def test_routed_sparse_attention_passes_one_page_table_row_per_request(fake_fi, monkeypatch):
+    """FlashInfer 0.7.4's `msa_sparse_decode_attention` (sparse_decode.py, SM90 branch) raises
+    "page_table batch dimension must match q batch_size" for a table of more rows than requests;
+    the route must hand it the requests' rows only, not crash where our kernels and the reference run."""
+    msa = sys.modules["flashinfer.msa_ops"]
+    decode = msa.msa_sparse_decode_attention
+
+    def strict_decode(q, k, v, q2k_indices, *, page_table, seqused_k, seqlen_q=1, **kw):
+        batch = q.shape[0] // seqlen_q
+        if seqused_k.numel() != batch:
+            raise ValueError(f"seqused_k must have batch_size ({batch}) entries")
+        if page_table.shape[0] != batch:
+            raise ValueError("page_table batch dimension must match q batch_size")
+        return decode(q, k, v, q2k_indices, page_table=page_table, seqused_k=seqused_k, seqlen_q=seqlen_q, **kw)
+
+    monkeypatch.setattr(msa, "msa_sparse_decode_attention", strict_decode)
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    st = _step([2, 2], [500, 300], seed=7)
+    meta = _WideTable(st["meta"], extra_rows=3)
+    sel = _selection(st["meta"], 1, seed=8)
+    got = sparse_attention(st["q"], st["k"], st["v"], meta, sel, scale=0.09)
+    assert "msa_sparse_decode_attention" in fake_fi.calls
+    expect = ref_sparse(st["q"], st["k"], st["v"], meta, sel, scale=0.09)
+    torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_page_table_keeps_the_requests_rows():
+    import types
+
+    tables = torch.tensor([[3, 7, -1], [5, -1, -1], [9, 9, 9]], dtype=torch.int32)
+    meta = types.SimpleNamespace(block_tables=tables, kv_lens=torch.tensor([200, 100], dtype=torch.int32))
+    assert fim.page_table(meta).tolist() == [[3, 7, 0], [5, 0, 0]]
+
+
 def test_page_table_turns_padding_into_page_zero():
     """Our -1 padding must not reach FlashInfer as an out-of-pool page id (docstring: it becomes page 0)."""
     import types

@@ -136,8 +136,14 @@ def split_interleaved(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def page_table(meta: Any) -> torch.Tensor:
     """int32 `[R, W]` contiguous; our -1 padding becomes page 0 (never read: it lies past every
-    request's extent, but an out-of-pool id must not reach a kernel). One device op, no sync."""
-    return meta.block_tables.clamp_min(0).to(torch.int32).contiguous()
+    request's extent, but an out-of-pool id must not reach a kernel). One device op, no sync.
+    One row per request (`meta.kv_lens`): a block table may keep more rows (`check_meta` and the
+    references take them), which FlashInfer's decode attention refuses as another batch size."""
+    tables = meta.block_tables
+    lens = getattr(meta, "kv_lens", None)
+    if isinstance(lens, torch.Tensor):
+        tables = tables[: lens.shape[0]]
+    return tables.clamp_min(0).to(torch.int32).contiguous()
 
 
 def q2k_indices(selection: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
