@@ -25,6 +25,7 @@ class StepMeta:
     token_request: torch.Tensor  # int32 [T]
     cache_slots: torch.Tensor    # int64 [T]
     block_size: int
+    qo_lens_host: tuple[int, ...] = ()  # the requests' q_lens on the host (padding rows are not requests)
 
     @property
     def num_requests(self) -> int:
@@ -75,4 +76,5 @@ def build_step_meta(qo_lens: Sequence[int], kv_lens: Sequence[int], block_tables
         token_request=i32(request),
         cache_slots=torch.tensor(slots, dtype=torch.int64).to(device),
         block_size=block_size,
+        qo_lens_host=tuple(int(qo) for qo in qo_lens),
     )

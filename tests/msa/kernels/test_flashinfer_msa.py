@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from m3_eagle_plugin.bench.step_meta import build_step_meta
 from m3_eagle_plugin.msa import MsaDecodeMetadata
 from m3_eagle_plugin.msa import select_blocks_paged as ref_select
 from m3_eagle_plugin.msa import sparse_attention as ref_sparse
@@ -278,13 +279,20 @@ def test_index_refuses_topk_and_long_q(fake_fi):
 
 
 def test_host_q_len_without_host_lengths(fake_fi):
-    class Bare:  # a metadata without qo_lens_host / max_qo_len (like the bench's StepMeta)
+    """Without qo_lens_host there is no route: a token count cannot tell graph-padding rows from
+    requests (q_lens 1 and 3 plus 2 padding rows fill 2 x 3 like two requests of 3)."""
+    class Bare:  # a metadata without qo_lens_host
         block_size = BLOCK
         kv_lens = torch.tensor([300, 260], dtype=torch.int32)
-    assert fim.host_q_len(Bare(), 4, None) == (None, "q_len per request unknown on the host "
-                                                     "(no qo_lens_host, max_qo_len or meta.max_qo_len)")
-    assert fim.host_q_len(Bare(), 4, 2) == (2, "")
-    q_len, why = fim.host_q_len(Bare(), 3, 2)  # 3 tokens cannot be 2 requests x 2
+    for bound in (None, 2, 3):
+        q_len, why = fim.host_q_len(Bare(), 6 if bound == 3 else 4, bound)
+        assert q_len is None and "no qo_lens_host" in why and "graph-padding" in why
+    padded = build_step_meta([1, 3], [300, 260], torch.arange(8, dtype=torch.int32).view(2, 4), BLOCK, pad_tokens=2)
+    assert padded.positions.shape[0] == 2 * 3 and fim.host_q_len(padded, 6, 3)[0] is None
+    even = build_step_meta([2, 2], [300, 260], torch.arange(8, dtype=torch.int32).view(2, 4), BLOCK)
+    assert fim.host_q_len(even, 4, None) == (2, "") and fim.host_q_len(even, 4, 2) == (2, "")
+    assert fim.host_q_len(even, 4, 1)[0] is None  # a bound below the host lengths
+    q_len, why = fim.host_q_len(even, 3, None)  # 3 tokens cannot be 2 requests x 2
     assert q_len is None and "3 tokens are not 2 requests x one q_len 2" in why
 
 
@@ -723,15 +731,15 @@ def test_valid_blocks_on_another_device_is_refused_naming_it(fake_fi):
     assert why == "operands on another device than index_q (cpu): meta.valid_blocks on meta"
 
 
-def test_host_q_len_takes_the_callers_bound_before_the_metadatas(fake_fi):
-    """The caller's bound, else meta.max_qo_len (docstring): 4 tokens of 2 requests under a caller's
-    bound of 4 are not known to be 2 x 2, whatever the metadata's own bound."""
+def test_host_q_len_does_not_guess_from_a_metadata_bound(fake_fi):
+    """A metadata's max_qo_len (no qo_lens_host) is a bound, not the lengths: 4 tokens of 2 requests
+    under a bound of 2 may be 1 + 1 plus 2 graph-padding rows, so there is no route."""
     class Meta:
         kv_lens = torch.tensor([300, 260], dtype=torch.int32)
         max_qo_len = 2
-    assert fim.host_q_len(Meta(), 4, None) == (2, "")
-    q_len, why = fim.host_q_len(Meta(), 4, 4)
-    assert q_len is None and "4 tokens are not 2 requests x one q_len 4" in why
+    for bound in (None, 2, 4):
+        q_len, why = fim.host_q_len(Meta(), 4, bound)
+        assert q_len is None and "no qo_lens_host" in why
 
 
 def test_interleave_kv_packs_k_then_v_and_split_interleaved_undoes_it():

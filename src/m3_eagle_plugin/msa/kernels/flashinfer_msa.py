@@ -164,19 +164,20 @@ def selection_from_topk(output: torch.Tensor) -> torch.Tensor:
 # --- eligibility (host-side checks only) --------------------------------------------------------
 
 def host_q_len(meta: Any, num_tokens: int, max_qo_len: int | None = None) -> tuple[int | None, str]:
-    """(the one q_len of every request, "") or (None, why not), from host values only: the
-    metadata's `qo_lens_host` when it keeps one, else `num_tokens == R * max_qo_len` (the caller's
-    or `meta.max_qo_len` bound: R requests of at most that many tokens fill T only if all equal it)."""
+    """(the one q_len of every request, "") or (None, why not), from the metadata's `qo_lens_host`.
+    Without it there is no route: `num_tokens == R * max_qo_len` does not prove the lengths equal,
+    since a step may carry graph-padding rows past its last request (q_lens 1 and 3 plus 2 padding
+    rows fill 2 x 3), and only the device's `cu_qo_lens` tells them apart. ``max_qo_len`` is
+    checked against the host lengths when given."""
     lens = getattr(meta, "qo_lens_host", None)
-    if isinstance(lens, (tuple, list)) and lens:
-        if len(set(lens)) != 1:
-            return None, f"requests have different q_len {sorted(set(lens))} (FlashInfer takes one seqlen_q)"
-        q_len = int(lens[0])
-    else:
-        bound = max_qo_len if max_qo_len is not None else getattr(meta, "max_qo_len", None)
-        if not isinstance(bound, int) or bound < 1:
-            return None, "q_len per request unknown on the host (no qo_lens_host, max_qo_len or meta.max_qo_len)"
-        q_len = bound
+    if not isinstance(lens, (tuple, list)) or not lens:
+        return None, ("q_len per request unknown on the host (no qo_lens_host; a token count alone cannot "
+                      "tell graph-padding rows from requests)")
+    if len(set(lens)) != 1:
+        return None, f"requests have different q_len {sorted(set(lens))} (FlashInfer takes one seqlen_q)"
+    q_len = int(lens[0])
+    if max_qo_len is not None and q_len > max_qo_len:
+        return None, f"the requests' q_len {q_len} is past max_qo_len {max_qo_len}"
     requests = int(meta.kv_lens.shape[0])
     if q_len < 1 or num_tokens != requests * q_len:
         return None, f"{num_tokens} tokens are not {requests} requests x one q_len {q_len}"
