@@ -281,6 +281,23 @@ def test_on_update_kv_lens_in_a_cuda_graph_equals_eager(backend, monkeypatch) ->
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "auto"])  # the torch ops, and the fused kernel where Triton runs
+def test_a_strided_correction_derives_as_a_contiguous_one(backend, monkeypatch) -> None:
+    """Both paths take `lens[:, 0]`: the fused kernel reads kv_lens densely, so the metadata hands it
+    a contiguous copy (the kernel alone refuses a strided one, by name)."""
+    monkeypatch.setenv("M3_EAGLE_KERNELS", backend)
+    metas = [MsaDecodeMetadata(4, 16, 8, 4, "cuda", max_draft_len=2) for _ in range(2)]
+    for meta in metas:
+        meta.prepare([2, 3], [9, 12], worked_example_tables())
+    wide = torch.tensor([[8, -1], [11, -1]], dtype=torch.int32, device="cuda")
+    metas[0].on_update_kv_lens(wide[:, 0])
+    metas[1].on_update_kv_lens(torch.tensor([8, 11], dtype=torch.int32, device="cuda"))
+    for name in ("cache_slots_buffer", "valid_blocks", "token_kv_lens", "positions", "qo_offsets", "kv_lens"):
+        assert torch.equal(getattr(metas[0], name), getattr(metas[1], name)), name
+    assert metas[0].kv_lens.tolist() == [8, 11]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_corrections_on_another_device_are_refused_by_name() -> None:
     meta = MsaDecodeMetadata(4, 16, 8, 4, "cuda", max_draft_len=2)
     meta.prepare([2, 3], [9, 12], worked_example_tables())

@@ -414,7 +414,7 @@ class MsaDecodeMetadata:
     def on_update_kv_lens(self, kv_lens: torch.Tensor | None = None) -> None:
         """Re-derive slots, counts and positions after a device-side kv-length correction.
 
-        ``kv_lens`` (device int ``[num_requests]``), when given, replaces the current lengths.
+        ``kv_lens`` (device int ``[num_requests]``, any stride), when given, replaces the current lengths.
         The result is clamped to the lengths staged by ``prepare`` (corrections only shrink).
         Device ops only, fixed shapes, idempotent: safe under CUDA-graph capture. A no-op when
         speculative decoding is off (``max_draft_len == 0``) and no ``kv_lens`` is given.
@@ -432,8 +432,8 @@ class MsaDecodeMetadata:
             if kv_lens.device != self.device:  # the index too: cuda:1 lengths for cuda:0 metadata
                 raise MsaInputError(f"kv_lens is on {kv_lens.device} but the metadata lives on {self.device}")
         fused = self._fused_kv_lens_update()
-        if fused is not None:
-            fused(self, kv_lens)
+        if fused is not None:  # the kernel reads kv_lens densely: a strided view (lens[:, 0]) as the torch ops take it
+            fused(self, None if kv_lens is None else kv_lens.contiguous())
             return
         if kv_lens is not None:  # clamped while still wide: an int64 past int32 must not wrap first
             staged = self._kv_lens_staged[: self.num_requests]
