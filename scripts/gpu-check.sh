@@ -17,8 +17,12 @@ case "$part" in kernels|rest|bench|all) ;; *) echo "usage: $0 [kernels|rest|benc
 # one part a call: a second name ran nothing and passed
 (( $# <= 1 )) || { echo "usage: $0 [kernels|rest|bench|all], one part, got '$*'" >&2; exit 2; }
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# no GPU, or no torch/Triton/CUDA: stop here (else every CUDA test skipped, the bench ran its CPU smoke
+# table and the check passed having checked nothing it is for)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || { echo "$0: nvidia-smi failed: no GPU" >&2; exit 1; }
+python -c "import torch, triton; assert torch.cuda.is_available(), 'torch sees no CUDA device'
+print('torch', torch.__version__, 'triton', triton.__version__)" \
+  || { echo "$0: torch with CUDA and Triton are needed" >&2; exit 1; }
 status=0
 if [[ $part == kernels || $part == all ]]; then
   python -m pytest -q -p no:cacheprovider -rfE tests/msa/kernels 2>&1 | tail -15 | tee "$out/pytest-kernels.txt"

@@ -27,7 +27,8 @@ The case timeout counts the time a case spends outside Triton's compiler: on a c
 shape class compiles for 100 s and more (where its tiles fit no depth, at 3, 2 and 1 stages before
 `KernelTooLargeError`), which is not a hang; a timed-out or unfinished case says how long it compiled.
 Exit status 0 only when cases ran, every one finished without a failure, and checks reached a
-verdict (an `--only` naming no check is refused; one whose checks never run here, graph: on CPU, is exit 1).
+verdict (an `--only` naming no check is refused; one whose checks never run here, graph: on CPU, is exit 1,
+a `--case` run's too).
 
 GPU:  python scripts/kernel_fuzz.py --seconds 300
 CPU:  TRITON_INTERPRET is set automatically when no CUDA device is present (the dispatchers are
@@ -1509,7 +1510,7 @@ def single_case(args):
     dev = torch.device(args.device)
     p = gen_case(args.seed, args.case, args.tiny, dev.type == "cuda")
     print("params:", json.dumps(compact(p) if not args.full else p, separators=(",", ":")))
-    failed = []
+    failed, verdicts = [], []
 
     def emit(res):
         if res["kernel"] == "_case":
@@ -1519,11 +1520,17 @@ def single_case(args):
               f"({res.get('secs', '')}s) {res.get('msg', '')}")
         if res["status"] == "fail":
             failed.append(res)
+        if res["status"] in ("pass", "refused", "fail"):
+            verdicts.append(res)
     try:
         run_case(p, dev, emit, only=args.only)
     except Poisoned as exc:
         print(f"CUDA context poisoned in {exc}")
         return 3
+    if not verdicts:  # as a whole run: a case whose checks never ran here (graph: on CPU) is not a pass
+        print("no check reached a verdict: nothing was checked" + (f" (--only {' '.join(args.only)})"
+                                                                   if args.only else ""))
+        return 1
     return 1 if failed else 0
 
 

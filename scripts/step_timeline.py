@@ -117,16 +117,32 @@ def residency(programs: torch.Tensor) -> None:
           + ", ".join(f"{k}: {statistics.median(v):.2f} ({len(v)})" for k, v in sorted(times.items())))
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("batch", type=int)
-    ap.add_argument("context", type=int)
-    ap.add_argument("qo_len", type=int)
-    ap.add_argument("--early", type=int, metavar="SPLITS", help="launch the attention early with SPLITS splits")
-    ap.add_argument("--plain", action="store_true", help="never launch the attention early")
+    ap.add_argument("batch", type=_positive)
+    ap.add_argument("context", type=_positive)
+    ap.add_argument("qo_len", type=_positive)
+    launch = ap.add_mutually_exclusive_group()  # both given: --early won and --plain was dropped unsaid
+    launch.add_argument("--early", type=_positive, metavar="SPLITS",
+                        help="launch the attention early with SPLITS splits")  # 0 ran the rule with splits=0
+    launch.add_argument("--plain", action="store_true", help="never launch the attention early")
     ap.add_argument("--grid-order", action="store_true",
                     help="keep the early attention's programs in the grid's order (not request-major)")
     args = ap.parse_args()
+    if args.grid_order and args.plain:
+        ap.error("--grid-order orders the early attention's programs: --plain never launches it early")
+    if args.context < args.qo_len:
+        ap.error(f"context {args.context} is shorter than qo_len {args.qo_len}")
     if args.grid_order:
         verify_step.early_order = lambda kv_bytes=1: False
     dev = torch.device("cuda")

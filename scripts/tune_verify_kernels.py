@@ -13,6 +13,8 @@ import argparse
 import itertools
 import json
 import math
+import os
+from pathlib import Path
 
 import torch
 
@@ -516,6 +518,12 @@ def main() -> None:
     ap.add_argument("--paired-v", action="store_true",
                     help="only the sparse attention and step with V read as bytes vs 16-bit pairs (seven shapes)")
     args = ap.parse_args()
+    if args.json is not None:  # checked before the sweep (else a bad path lost the whole sweep's rows after it)
+        target = Path(args.json)
+        folder = target.resolve().parent
+        if (not args.json or target.is_dir() or (target.exists() and not os.access(target, os.W_OK))
+                or not (folder.is_dir() and os.access(folder, os.W_OK))):
+            ap.error(f"--json {args.json!r}: not a writable file path")
     dev = torch.device("cuda")
     geo = Geometry()
     ceiling = copy_ceiling_gbps(dev)
@@ -608,9 +616,20 @@ def main() -> None:
         del steps
         torch.cuda.empty_cache()
     summary(rows)
-    if args.json:
+    if args.json:  # standard JSON: a wrong variant's NaN time as null (jq and other strict readers refuse NaN)
         with open(args.json, "w") as fh:
-            json.dump({"ceiling_gbps": ceiling, "rows": rows}, fh, indent=1)
+            json.dump(_finite({"ceiling_gbps": ceiling, "rows": rows}), fh, indent=1, allow_nan=False)
+
+
+def _finite(value):
+    """`value` with every non-finite float as None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def summary(rows: list[dict]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from m3_eagle_plugin.bench import timing
@@ -57,3 +58,36 @@ def test_copy_ceiling_copies_exactly_nbytes(monkeypatch):
     timing.copy_ceiling_gbps(torch.device("cpu"), nbytes=4096)
     (dst,) = copied
     assert dst.numel() * dst.element_size() == 4096
+
+
+class _Graph:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+@pytest.mark.parametrize("timer", ["eager", "graph"])
+@pytest.mark.parametrize("num_sets", [3, 5, 7])
+def test_every_input_set_is_called_equally_often(monkeypatch, timer, num_sets):
+    """The row's byte floor is the plain mean over its input sets, so the time per call beside it
+    must be too: a batch is whole rotations (10 eager calls over 3 sets ran set 0 four times)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(timing, "capture_graphs", lambda fns: [_Graph(fn) for fn in fns])
+    batches = []
+
+    def one_batch(run_batch, calls_per_batch, repeats):
+        counts.clear()
+        run_batch()
+        batches.append((dict(counts), calls_per_batch))
+        return 1.0
+
+    monkeypatch.setattr(timing, "_median_us", one_batch)
+    counts: dict[int, int] = {}
+    thunks = [lambda s=s: counts.__setitem__(s, counts.get(s, 0) + 1) for s in range(num_sets)]
+    (timing.time_eager_us if timer == "eager" else timing.time_graph_us)(thunks)
+    ((ran, per_batch),) = batches
+    assert sorted(ran) == list(range(num_sets)) and len(set(ran.values())) == 1   # each set as often
+    assert per_batch == sum(ran.values()) >= (10 if timer == "eager" else 24)

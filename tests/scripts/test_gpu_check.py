@@ -9,21 +9,22 @@ from tests.scripts._load import SCRIPTS
 
 FAKE_PYTHON = '''#!/usr/bin/env bash
 echo "$*" >> "$FAKE_LOG"
+case "$*" in -c*) exit "${FAKE_PREFLIGHT_RC:-0}" ;; esac
 case "$*" in *pytest*tests/msa/kernels*) echo "1 failed"; exit "${FAKE_KERNELS_RC:-0}" ;; esac
 exit 0
 '''
 
 
-def run(tmp_path, *parts, kernels_rc=0):
+def run(tmp_path, *parts, kernels_rc=0, smi_rc=0, preflight_rc=0):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("python", FAKE_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\necho H200\n")):
+    for name, text in (("python", FAKE_PYTHON), ("nvidia-smi", f"#!/usr/bin/env bash\necho H200\nexit {smi_rc}\n")):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "ran.txt"
     log.write_text("")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), FAKE_LOG=str(log),
-               FAKE_KERNELS_RC=str(kernels_rc))
+               FAKE_KERNELS_RC=str(kernels_rc), FAKE_PREFLIGHT_RC=str(preflight_rc))
     proc = subprocess.run(["bash", str(SCRIPTS / "gpu-check.sh"), *parts], env=env, capture_output=True, text=True,
                           timeout=60)
     return proc.returncode, [line for line in log.read_text().splitlines() if "pytest" in line or "bench" in line]
@@ -39,3 +40,11 @@ def test_two_part_names_are_refused_not_one_run(tmp_path):
     assert (rc, ran) == (2, [])
     rc, ran = run(tmp_path, "kernal")
     assert (rc, ran) == (2, [])
+
+
+def test_no_gpu_or_no_cuda_torch_fails_the_call_before_any_test(tmp_path):
+    # else every CUDA test skipped, the bench ran its CPU smoke table, and the GPU check passed
+    rc, ran = run(tmp_path, "rest", smi_rc=9)
+    assert rc != 0 and ran == []
+    rc, ran = run(tmp_path, "bench", preflight_rc=1)
+    assert rc != 0 and ran == []

@@ -143,3 +143,33 @@ def test_a_result_where_the_reference_refuses_is_a_failure_not_a_refusal(monkeyp
     fuzz.run_case(p, torch.device("cpu"), results.append, only=["select_blocks_paged"])
     assert [(r["kernel"], r["status"]) for r in results] == [("select_blocks_paged", "fail"), ("_case", "done")]
     assert "the torch reference refuses (MsaInputError: local_blocks + init_blocks" in results[0]["msg"]
+
+
+def test_one_case_whose_checks_never_run_here_is_not_a_pass(tmp_path):
+    """`--case N` in-process: as a whole run, exit 0 needs a check that reached a verdict (graph: needs
+    CUDA, so on CPU the case finished having checked nothing)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.scripts._load import SCRIPTS
+
+    src = SCRIPTS.parent / "src"
+    env = dict(os.environ, M3_EAGLE_PLUGIN="off", PYTHONPATH=os.pathsep.join([str(src), str(SCRIPTS.parent)]))
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "kernel_fuzz.py"), "--device", "cpu", "--tiny", "--case", "0",
+                           "--only", "graph"], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "no check reached a verdict" in proc.stdout
+
+
+def test_one_case_with_a_passing_check_is_a_pass(monkeypatch):
+    import torch
+
+    fuzz = load_script("kernel_fuzz")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # single_case sets it on CPU: restored after the test
+    monkeypatch.setattr(fuzz, "_setup_runtime", lambda device: None)
+    monkeypatch.setattr(fuzz, "torch", torch, raising=False)   # _setup_runtime's global
+    monkeypatch.setattr(fuzz, "run_case", lambda p, dev, emit, only=None: emit(
+        {"kernel": "dense_attention", "status": "pass", "err": 0.0, "msg": ""}))
+    args = argparse.Namespace(seed=33, case=0, tiny=True, device="cpu", only=None, full=False)
+    assert fuzz.single_case(args) == 0

@@ -3,7 +3,9 @@ medians it prints are the medians of the program times, even counts included."""
 from __future__ import annotations
 
 import re
+import sys
 
+import pytest
 import torch
 
 from tests.scripts._load import load_script
@@ -22,3 +24,16 @@ def test_the_report_prints_the_median_program_time(capsys):
     attention = next(line for line in out.splitlines() if line.startswith("_sparse_token_kernel"))
     assert re.search(r"median +2\.00 us", attention)    # (1 + 3) / 2
     assert "side by side: 1: 2.00 (2)" in out
+
+
+@pytest.mark.parametrize("argv", [["16", "32768", "1", "--early", "16", "--plain"],   # --plain was dropped
+                                  ["16", "32768", "1", "--early", "0"],               # the rule, with splits=0
+                                  ["16", "32768", "1", "--plain", "--grid-order"],
+                                  ["0", "32768", "1"], ["16", "2", "4"]])
+def test_contradictory_or_empty_options_are_refused_before_the_gpu(argv, monkeypatch, capsys):
+    timeline = load_script("step_timeline")
+    monkeypatch.setattr(sys, "argv", ["step_timeline.py", *argv])
+    monkeypatch.setattr(timeline, "instrument", lambda buffer: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as exc:
+        timeline.main()
+    assert exc.value.code == 2 and "error:" in capsys.readouterr().err

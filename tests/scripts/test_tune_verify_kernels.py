@@ -72,3 +72,37 @@ def test_an_index_scoring_variant_with_other_scores_is_listed_last(tune, monkeyp
     assert all(math.isnan(r["us"]) for r in wrong) and all(r["us"] == 5.0 for r in rows if r not in wrong)
     tune.summary(rows)
     assert "same=False" not in capsys.readouterr().out   # not among the six fastest
+
+
+def _run_main(tune, monkeypatch, *argv, ran=None):
+    import sys
+
+    ran = [] if ran is None else ran
+    monkeypatch.setattr(sys, "argv", ["tune_verify_kernels.py", *argv])
+    monkeypatch.setattr(tune, "copy_ceiling_gbps", lambda dev: ran.append("ceiling") or 4000.0)
+    shape = {"kernel": "merge", "tokens": 4, "heads": 16, "splits": 64, "err_vs_first": 0.0}
+    monkeypatch.setattr(tune, "merge_sweep", lambda dev: [dict(shape, variant="w=4", us=2.0, default=True),
+                                                          dict(shape, variant="w=1", us=math.nan, default=False)])
+    tune.main()
+    return ran
+
+
+def test_the_json_is_standard_with_a_wrong_variants_nan_time(tune, monkeypatch, tmp_path, capsys):
+    import json
+
+    out = tmp_path / "tune.json"
+    _run_main(tune, monkeypatch, "--merge", "--json", str(out))
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    data = json.loads(out.read_text(), parse_constant=refuse)   # jq refuses NaN likewise
+    assert [r["us"] for r in data["rows"]] == [2.0, None]
+
+
+@pytest.mark.parametrize("where", ["folder", "missing"])
+def test_an_unwritable_json_path_is_refused_before_the_sweep(tune, monkeypatch, tmp_path, capsys, where):
+    path = tmp_path if where == "folder" else tmp_path / "no" / "such" / "tune.json"
+    ran: list = []
+    with pytest.raises(SystemExit) as exc:
+        _run_main(tune, monkeypatch, "--merge", "--json", str(path), ran=ran)
+    assert exc.value.code == 2 and "--json" in capsys.readouterr().err and not ran

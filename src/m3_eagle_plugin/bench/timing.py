@@ -27,15 +27,23 @@ def _median_us(run_batch: Callable[[], None], calls_per_batch: int, repeats: int
     return statistics.median(samples)
 
 
+def whole_rotations(calls: int, num_thunks: int) -> int:
+    """`calls` rounded up to whole rotations through `num_thunks` input sets: every set is called
+    equally often, so a time per call is the sets' plain mean, as the byte floor beside it is
+    (10 calls over 3 sets ran set 0 four times and the others three)."""
+    return -(-max(calls, num_thunks) // num_thunks) * num_thunks
+
+
 def time_eager_us(thunks: Sequence[Thunk], *, warmup: int = 3, repeats: int = 15, calls: int = 10) -> float:
-    """Median microseconds per call, launching `thunks` round-robin from the host."""
+    """Median microseconds per call, launching `thunks` round-robin from the host (at least `calls`
+    calls a batch, whole rotations)."""
     if not torch.cuda.is_available():
         return time_cpu_us(thunks, repeats=max(1, repeats // 5))
     for _ in range(warmup):
         for fn in thunks:
             fn()
     torch.cuda.synchronize()
-    n = max(calls, len(thunks))
+    n = whole_rotations(calls, len(thunks))
 
     def batch() -> None:
         for i in range(n):
@@ -63,12 +71,14 @@ def capture_graphs(thunks: Sequence[Thunk]) -> list[torch.cuda.CUDAGraph]:
 
 
 def time_graph_us(thunks: Sequence[Thunk], *, repeats: int = 15, calls: int = 24) -> float:
-    """Median microseconds per call, with `calls` back-to-back calls (input sets rotated) captured
-    in one CUDA graph, as a whole-model step graph runs them: no per-call graph-launch gap."""
-    graph = capture_graphs([lambda: [thunks[i % len(thunks)]() for i in range(max(calls, len(thunks)))]])[0]
+    """Median microseconds per call, with at least `calls` back-to-back calls (input sets rotated,
+    whole rotations) captured in one CUDA graph, as a whole-model step graph runs them: no per-call
+    graph-launch gap."""
+    n = whole_rotations(calls, len(thunks))
+    graph = capture_graphs([lambda: [thunks[i % len(thunks)]() for i in range(n)]])[0]
     graph.replay()
     torch.cuda.synchronize()
-    return _median_us(graph.replay, max(calls, len(thunks)), repeats)
+    return _median_us(graph.replay, n, repeats)
 
 
 def time_cpu_us(thunks: Sequence[Thunk], *, repeats: int = 3) -> float:
