@@ -165,6 +165,20 @@ def test_replay_proposes_up_to_the_end_of_the_reference():
     assert proposer(DraftContext.build([0], [[1, 2, 3]], 3)) == [[4]]
 
 
+def test_replay_past_the_end_of_its_reference_proposes_nothing_rather_than_a_divergence():
+    """reference[len(tokens):][:K] is empty once the run is longer than the reference: its tokens agree
+    with all of it, so nothing diverged; a reference covering only the first new tokens still runs."""
+    proposer = ReplayProposer({0: [1, 2, 3]}, 11)
+    assert proposer(DraftContext.build([0], [[1, 2, 3, 4, 5]], 3)) == [[]]
+    assert proposer.proposed == 0 and proposer.expected_accepted == 0
+    with pytest.raises(ValueError, match="request 0: generated tokens diverged"):
+        proposer(DraftContext.build([0], [[1, 5, 3, 4]], 3))
+    target = _fakes.FakeTarget()
+    short = ReplayProposer({i: p + target.greedy(p, 3) for i, p in enumerate(PROMPTS)}, _fakes.VOCAB)
+    run(proposer=short)  # NEW = 10 tokens, past the 3 replayed: greedy output all the same
+    assert short.proposed == short.expected_accepted == 2 * len(PROMPTS)  # the 2 after the first new token
+
+
 def test_drafter_plugin_pads_with_the_last_proposed_token():
     context = DraftContext.build([0], [[1, 2]], 4)
     assert DrafterPlugin(lambda ctx: [[5, 6]]).m3_eagle_propose_drafts(context) == [[5, 6, 6, 6]]

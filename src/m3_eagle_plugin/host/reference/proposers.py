@@ -51,7 +51,10 @@ class ReplayProposer:
             if reference is None:
                 raise KeyError(f"ReplayProposer has no reference for request {rid}")
             start = len(tokens)
-            if list(reference[:start]) != list(tokens):
+            # Compared over what both hold: tokens past the reference's end did not diverge from it
+            # (there is nothing left to propose: reference[start:] is empty).
+            known = min(start, len(reference))
+            if list(reference[:known]) != list(tokens)[:known]:
                 raise ValueError(f"request {rid}: generated tokens diverged from the replayed reference")
             proposal, leading, still_right = [], 0, True
             for position in range(start, min(start + context.draft_len, len(reference))):
