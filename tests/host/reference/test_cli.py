@@ -77,6 +77,15 @@ def test_all_requests_failing_exits_1(tiny_pair, capsys):
     assert "comma-separated integers" in json.loads(out)["errors"][0]
 
 
+@pytest.mark.parametrize("ids", ["1_0", "\u0663", "1,2_3", "0x10"])
+def test_ids_int_alone_would_read_are_refused_as_a_prompts_file_refuses_them(tiny_pair, capsys, ids):
+    """int() reads '1_0' as 10 and Arabic-Indic three as 3; the same id in a --prompts file is refused."""
+    rc, out, _ = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", ids, "--json")
+    assert rc == 1 and "comma-separated integers" in json.loads(out)["errors"][0]
+    rc, _, err = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", "1", "--eos-ids", ids)
+    assert rc == 2 and "comma-separated integers" in err
+
+
 def test_progress_bar_draws_only_on_a_terminal():
     import io
 

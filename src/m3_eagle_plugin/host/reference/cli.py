@@ -89,16 +89,17 @@ def _forced_count(text: str) -> int | float:
 
 
 def _parse_ids(text: str, where: str) -> list[int]:
-    """'1, 2,3' -> [1, 2, 3]; spaces around an id are fine, inside one ('1 2') are an error."""
+    """'1, 2,3' -> [1, 2, 3]; spaces around an id are fine, inside one ('1 2') are an error, and so
+    are what Python's int() alone would take ('1_0' as 10, non-ASCII digits), as a --prompts file's
+    JSON refuses them."""
     ids = []
     for item in (t.strip() for t in text.split(",")):
         if item == "":
             continue
-        try:
-            ids.append(int(item))
-        except ValueError:
+        if not re.fullmatch(r"[+-]?[0-9]+", item):
             raise ValueError(f"{where}: token ids must be comma-separated integers, got {item!r} "
-                             f"in {text!r}") from None
+                             f"in {text!r}")
+        ids.append(int(item))
     return ids
 
 
