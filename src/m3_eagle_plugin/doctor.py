@@ -120,7 +120,7 @@ def collect(host_source: str | None = None) -> dict[str, Any]:
         "ok": report["ok"],
     }
     data["setting_errors"] = _setting_errors()
-    if data["setting_errors"]:
+    if data["setting_errors"] or data["plugin_errors"]:  # a plugin installed or asked for would not run
         data["ok"] = False
     try:
         from m3_eagle_plugin.manifest import load_manifest
