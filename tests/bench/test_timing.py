@@ -29,7 +29,20 @@ def test_cpu_timing_runs_every_thunk_repeats_times_round_robin(monkeypatch):
     calls = []
     thunks = [lambda: calls.append("a"), lambda: calls.append("b"), lambda: calls.append("c")]
     timing.time_cpu_us(thunks, repeats=2)
-    assert calls == ["a", "b", "c", "a", "b", "c"]
+    assert calls == ["a", "b", "c"] + ["a", "b", "c", "a", "b", "c"]  # one untimed warm-up round first
+
+
+def test_cpu_timing_leaves_the_warm_up_calls_out_of_the_samples(monkeypatch):
+    """A first call pays one-time costs; the warm-up round is not timed (the scripted clock holds
+    exactly the timed calls' readings: one more read would raise StopIteration)."""
+    monkeypatch.setattr(timing, "time", scripted_clock([1e-6, 2e-6, 3e-6]))
+    calls = []
+    assert abs(timing.time_cpu_us([lambda: calls.append(1)], repeats=3) - 2.0) < 1e-9
+    assert len(calls) == 4
+    monkeypatch.setattr(timing, "time", scripted_clock([1e-6]))
+    calls.clear()
+    timing.time_cpu_us([lambda: calls.append(1)], repeats=1, warmup=0)
+    assert len(calls) == 1
 
 
 def test_copy_ceiling_counts_bytes_read_plus_bytes_written(monkeypatch):

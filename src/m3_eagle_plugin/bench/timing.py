@@ -38,7 +38,7 @@ def time_eager_us(thunks: Sequence[Thunk], *, warmup: int = 3, repeats: int = 15
     """Median microseconds per call, launching `thunks` round-robin from the host (at least `calls`
     calls a batch, whole rotations)."""
     if not torch.cuda.is_available():
-        return time_cpu_us(thunks, repeats=max(1, repeats // 5))
+        return time_cpu_us(thunks, repeats=max(1, repeats // 5), warmup=min(warmup, 1))
     for _ in range(warmup):
         for fn in thunks:
             fn()
@@ -81,7 +81,12 @@ def time_graph_us(thunks: Sequence[Thunk], *, repeats: int = 15, calls: int = 24
     return _median_us(graph.replay, n, repeats)
 
 
-def time_cpu_us(thunks: Sequence[Thunk], *, repeats: int = 3) -> float:
+def time_cpu_us(thunks: Sequence[Thunk], *, repeats: int = 3, warmup: int = 1) -> float:
+    """Median microseconds per call on the CPU, after `warmup` calls of each input set (a first call
+    pays one-time costs: the smoke table's first rows read 15-45 ms against about 0.3 ms steady)."""
+    for _ in range(warmup):
+        for fn in thunks:
+            fn()
     samples = []
     for i in range(repeats * len(thunks)):
         t = time.perf_counter()
