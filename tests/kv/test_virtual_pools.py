@@ -576,3 +576,28 @@ def test_a_scale_or_offset_past_int64_is_refused_before_any_pool_is_written(scal
     host[:, 0, :, 0] = 0
     copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[3, last], base_kv_offsets=[last, 1])
     assert dst[:, 0].tolist() == [[[0 * 3, -1], [0 * 3 + last, -1]], [[0 * last, -1], [0 * last + 1, -1]]]
+
+
+def test_the_default_copy_feeds_a_virtual_pool_from_its_source_pools_host_row():
+    """Two storage pools whose host rows differ (pool 0 slots [1, 2], pool 1 slots [4, -1]); draft layer 2
+    sits in pool 1 at 5 sub-pages a slot, so its virtual pool is pool 1's slots x 5 (V one more, -1
+    unused), computed here by hand; pool 0's slots would give [5, 10]."""
+    pools = extend_attention_op_pools(torch.tensor([[0x1000, 0], [0x2000, 0]], dtype=torch.int64),
+                                      torch.tensor([[0, 0], [1, 0], [1, 3]], dtype=torch.int32), [(2, 0x2300, 5)])
+    host = torch.tensor([[[[1, 2], [1, 2]]], [[[4, -1], [4, -1]]]], dtype=torch.int32)
+    dst = torch.full((3, 1, 2, 2), -7, dtype=torch.int32)
+    copy_block_offsets(dst, host, torch.tensor([0]), pools, base_index_scales=[7, 5], base_kv_offsets=[1, 1])
+    assert dst[:, 0].tolist() == [
+        [[7, 14], [8, 15]],  # storage pool 0: its slots x 7
+        [[20, -1], [21, -1]],  # storage pool 1: its slots x 5
+        [[20, -1], [21, -1]],  # the virtual pool, from its source pool 1
+    ]
+
+
+def test_a_negative_max_blocks_is_refused_and_dst_is_left_as_it_was():
+    """max_blocks counts columns: -1 as a slice end silently dropped the last column instead."""
+    host = torch.tensor([[[2, 3], [2, 3]]], dtype=torch.int32)
+    dst = torch.full((1, 2, 2), -7, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_blocks must be >= 0, got -1"):
+        copy_pool_block_offsets(dst, host, torch.tensor([0]), 3, 1, max_blocks=-1)
+    assert dst.eq(-7).all()

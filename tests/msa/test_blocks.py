@@ -258,3 +258,24 @@ def test_a_block_size_past_2_62_is_refused_and_2_62_counts_as_python() -> None:
     block = 1 << 62
     assert valid_blocks_from_positions(torch.tensor(positions), block).tolist() == [p // block + 1 for p in positions]
     assert per_token_valid_blocks(qo, kv, block).tolist() == naive_valid_blocks(qo, kv, block) == [1, 1, 1]
+
+
+def test_a_kv_len_one_past_int32_max_is_refused_or_counted_as_python() -> None:
+    # 2**31 tokens at block 1 are 2**31 blocks (Python's ceil), one past int32: an int32 count wraps to -2**31
+    for block in (1, 2):
+        expected = -(-(2**31) // block)
+        try:
+            got = per_token_valid_blocks([1], [2**31], block).tolist()
+        except MsaInputError as error:
+            assert f"kv_len {2**31} does not fit int32" in str(error)
+        else:
+            assert got == [expected]
+
+
+@pytest.mark.parametrize("shape", [(), (1, 2)])
+def test_length_tensors_that_are_not_1d_are_refused_by_name(shape) -> None:
+    qo = torch.ones(shape, dtype=torch.int64)
+    with pytest.raises(MsaInputError, match=r"qo_lens must be 1-D, got shape"):
+        per_token_valid_blocks(qo, qo + 2, 4)
+    with pytest.raises(MsaInputError, match=r"kv_lens must be 1-D, got shape"):
+        per_token_valid_blocks([1], qo.reshape(shape) + 2, 4)

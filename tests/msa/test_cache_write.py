@@ -234,3 +234,13 @@ def test_a_uint64_slot_past_int64_is_refused_not_skipped() -> None:
     write_kv(expected.k, expected.v, torch.tensor([1, 9]), k, v)
     write_index_k(expected.index_k, torch.tensor([1, 9]), ik)
     assert torch.equal(cache.pool, expected.pool) and not torch.equal(cache.pool, before)
+
+
+def test_a_v_of_another_shape_than_k_is_refused_not_broadcast_and_writes_nothing() -> None:
+    # one V row beside three K rows broadcast to all three tokens: V of tokens 1 and 2 silently became token 0's
+    k_cache = torch.zeros(2, 1, 4, 2)
+    v_cache = k_cache.clone()
+    k, v = torch.arange(6.0).view(3, 1, 2), torch.full((1, 1, 2), 9.0)
+    with pytest.raises(MsaInputError, match=r"k and v must both be \[T, Hkv=1, D=2\], got \(3, 1, 2\) and \(1, 1, 2\)"):
+        write_kv(k_cache, v_cache, torch.tensor([0, 1, 2]), k, v)
+    assert not k_cache.any() and not v_cache.any()

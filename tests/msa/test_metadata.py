@@ -740,3 +740,18 @@ def test_unsigned_block_tables_and_corrections_derive_as_int64_ones(dtype) -> No
         with pytest.raises(MsaInputError, match="kv_lens has an entry past int64"):
             meta.on_update_kv_lens(torch.tensor([8, 2**63], dtype=dtype))
         assert meta.cache_slots.tolist() == before and meta.kv_lens.tolist() == [9, 12]
+
+
+def test_one_token_or_one_block_past_the_maximum_is_refused_by_name_and_the_step_before_is_kept() -> None:
+    # max_num_tokens 8, max_blocks_per_seq 2 at block 4: 8 tokens and kv 8 (2 blocks) fit, one more does not
+    meta = MsaDecodeMetadata(2, 8, 2, 4, "cpu")
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    meta.prepare([4, 4], [8, 4], table)
+    kept = (meta.positions.tolist(), meta.cache_slots.tolist())
+    assert kept == ([4, 5, 6, 7, 0, 1, 2, 3], [4 + p % 4 for p in range(4, 8)] + [12 + p for p in range(4)])
+    with pytest.raises(MsaInputError, match="step has 9 tokens, max_num_tokens is 8"):
+        meta.prepare([5, 4], [5, 4], table)
+    # a third block would be cut from the table (column clamped to the second: page 1's slots, not page 2's)
+    with pytest.raises(MsaInputError, match="request 0: kv_len 9 needs 3 blocks, max_blocks_per_seq is 2"):
+        meta.prepare([1], [9], table[:1])
+    assert (meta.num_tokens, meta.positions.tolist(), meta.cache_slots.tolist()) == (8, *kept)

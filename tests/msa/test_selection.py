@@ -430,3 +430,29 @@ def test_unsigned_positions_and_query_blocks_select_as_int64_ones(dtype) -> None
     if dtype == torch.uint64:  # an entry past int64 read as a negative position would select nothing
         with pytest.raises(MsaInputError, match="q_positions has an entry past int64"):
             select_blocks(q, k, torch.tensor([2, 5, 2**63], dtype=dtype), block_size=2, topk=2)
+
+
+@pytest.mark.parametrize("side", ["index_q", "index_k"])
+def test_block_scores_are_fp32_dot_products_not_rounded_to_a_narrower_dtype(side) -> None:
+    """Block 1 outscores block 0 by 2**-11, below bf16's resolution (fp32 holds 1 + 2**-11 exactly):
+    the fp64 naive keeps block 1 beside the forced own block 2; scores rounded to bf16 tie, and the tie
+    went to block 0."""
+    fine = 1.0 + 2.0**-11
+    iq = torch.tensor([[[fine, 1.0]]]) if side == "index_q" else torch.tensor([[[1.0, 1.0]]])
+    k1 = [1.0, 0.0] if side == "index_q" else [fine, 0.0]
+    ik = torch.tensor([[0.0, 1.0], k1, [0.0, 0.0]])
+    sel = select_blocks(iq, ik, torch.tensor([2]), block_size=1, topk=2)
+    assert selection_sets(sel) == [[frozenset({1, 2})]] == [naive_selection(iq[0], ik, 2, 1, 2, 1, 0)]
+
+
+def test_the_models_topk_of_16_matches_naive() -> None:
+    """MiniMax-M3 keeps 16 blocks a token (reference/minimax_m3_msa.md); the property tests stop at 5."""
+    gen = torch.Generator().manual_seed(3)
+    iq, ik = torch.randn(40, 2, 8, generator=gen), torch.randn(40, 8, generator=gen)
+    positions = torch.arange(40)
+    for local, init in ((1, 0), (2, 3)):
+        sel = select_blocks(iq, ik, positions, block_size=1, topk=16, local_blocks=local, init_blocks=init)
+        assert_well_formed(sel, 16)
+        sets = selection_sets(sel)
+        for p in range(40):
+            assert [s[p] for s in sets] == naive_selection(iq[p], ik, p, 1, 16, local, init)
