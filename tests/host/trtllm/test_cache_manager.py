@@ -340,3 +340,31 @@ def test_a_host_manager_that_appends_its_own_draft_pools_keeps_them(current_host
     assert manager.kv_cache_pool_pointers[draft_pool, 0] == manager.impl.get_mem_pool_base_address(60, role.KEY)
     assert dst[draft_pool, 0, 0, :3].tolist() == [3 * 179, 5 * 179, -1]
     assert manager.num_attention_op_pools == 2 and manager.virtual_pools is None
+
+
+def test_update_resources_checks_the_context_requests_of_a_batch_without_all_requests(current_host):
+    """A batch without `all_requests` lists its requests as context + generation requests: a tree
+    acceptance among the context requests is refused too, before the host rewinds anything."""
+    plugin, _ = _classes()
+    manager = _make(plugin)
+    tree = SimpleNamespace(context_requests=[SimpleNamespace(py_request_id=8, py_num_accepted_draft_tokens_indices=[0])],
+                           generation_requests=[SimpleNamespace(py_request_id=3, py_num_accepted_draft_tokens_indices=None)])
+    with pytest.raises(NotImplementedError, match="request 8"):
+        manager.update_resources(tree)
+    assert manager.update_calls == []
+
+
+def test_a_role_bound_only_in_the_v2_base_module_still_roots_the_draft_pool(current_host, monkeypatch):
+    """The host's M3 manager module need not import `Role` itself (the V2 base module defines it):
+    the draft layer's K page is found through the base module's name, at the same address."""
+    import sys
+
+    plugin, _ = _classes()
+    kv_module = _kv_module()
+    m3_module = sys.modules[plugin.__mro__[1].__module__]
+    assert m3_module is not kv_module and m3_module.Role is kv_module.Role
+    monkeypatch.delattr(m3_module, "Role")
+    manager = _make(plugin)
+    # 3 dense layers x 2 sub-pages + 57 sparse x 3 = 177 target sub-pages before the draft's K page
+    draft_k = kv_module.POOL_BASE_ADDRESS + 177 * kv_module.PAGE_BYTES
+    assert manager.kv_cache_pool_pointers.tolist() == [[kv_module.POOL_BASE_ADDRESS, 0], [draft_k, 0]]

@@ -267,3 +267,23 @@ def test_the_draft_copys_scales_and_offsets_are_pinned_as_the_hosts_own_tables(c
     manager.copy_batch_block_offsets(dst, [3], 1, 0, 1)
     assert copied == [(True, True), (True, True)]  # one copy per virtual pool
     assert dst[2, 0, :, :2].tolist() == [[181, 2 * 181], [182, 2 * 181 + 1]]  # 3*2 + 57*3 + 2*2 sub-pages
+
+
+def test_the_draft_copy_asks_for_the_copy_index_with_the_steps_num_contexts(current_host):
+    """A step with a context request first: the draft pool's copy asks `get_copy_index` with the
+    same (request_ids, num_contexts, beam_width) as the host's base copy, so its rows are the base's."""
+    plugin, _ = _classes()
+    manager = _make(plugin)
+    manager.add_sequence(4, [1])
+    manager.add_sequence(6, [2])
+    asked = []
+    mapper_copy_index = manager.index_mapper.get_copy_index
+
+    def get_copy_index(request_ids, num_contexts, beam_width):
+        asked.append((list(request_ids), num_contexts, beam_width))
+        return mapper_copy_index(request_ids, num_contexts, beam_width)
+
+    manager.index_mapper.get_copy_index = get_copy_index
+    dst = torch.full((2, 2, 2, manager.max_blocks_per_seq), -9, dtype=torch.int32)
+    manager.copy_batch_block_offsets(dst, [4, 6], 1, 1, 2)  # request 4 is a context request
+    assert asked == [([4, 6], 1, 1)] * 2

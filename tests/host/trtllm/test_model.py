@@ -351,3 +351,15 @@ def test_a_dropped_model_frees_its_layers_as_the_hosts_class_does(host):
             gc.enable()
     assert alive[MiniMaxM3ForCausalLM] == [False] * 4
     assert alive[text_cls] == alive[MiniMaxM3ForCausalLM]
+
+
+def test_a_post_18872_host_model_gets_no_second_capture(post_18872_host):
+    """That host's layers capture the Eagle3 states themselves (its layers take spec_metadata): the
+    plugin hooks none of them, or each capture layer would be recorded a second time per step, the
+    hook's value over the host's own."""
+    text_cls, _ = _classes()
+    torch.manual_seed(0)
+    model = text_cls(_model_config())
+    spec = _Recorder(range(len(model.model.layers)))
+    model.forward(None, input_ids=torch.tensor([1, 5, 7]), spec_metadata=spec)
+    assert spec.captured == {}

@@ -298,3 +298,91 @@ def test_the_decode_scratch_is_no_larger_than_max_num_tokens(current_host):
     assert meta.msa_n_valid_blocks.numel() == max(4, min(4 * (1 + 3), 6, 16384))
     meta.prepare()
     assert meta.msa_n_valid_blocks.tolist() == [2, 2, 3, 3, 3, 3]  # positions 6, 7, 8 and 8, 9, 10
+
+
+def test_request_ids_past_the_steps_rows_are_not_read(current_host):
+    """`request_ids` may name more requests than the step has rows (num_seqs, the length of seq_lens):
+    as the host's own prepare (`request_ids[: num_seqs]`), only the first num_seqs tables are read,
+    and the slots follow the per-token rule (position = cached + t)."""
+    backend = _backend()
+    plugin, _ = _classes()
+    page = 4
+    manager = _make(plugin, num_layers=4, tokens_per_block=page, max_seq_len=64)
+    tables = {0: [0, 1, 2], 1: [5, 6, 27], 2: [3]}
+    for rid, table in tables.items():
+        manager.add_sequence(rid, table)
+    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 3], cached=[7, 9])
+    meta.request_ids = [0, 1, 2]  # a third id with no row in this step
+    meta.prepare()
+    slots, valid, _, _ = naive_step_fields([tables[0], tables[1]], page, [2, 3], [9, 12])
+    assert meta.msa_out_cache_loc[:5].tolist() == slots
+    assert meta.msa_n_valid_blocks[:5].tolist() == valid
+
+
+def test_a_host_slot_buffer_longer_than_the_step_is_reset_past_its_tokens(current_host):
+    """`msa_out_cache_loc` takes every token's slot and -1 past them (the publish contract), also
+    when the host's buffer holds more entries than the step's max_num_tokens: a stale slot left
+    there would be written by a kernel that reads past the live tokens."""
+    backend = _backend()
+    plugin, _ = _classes()
+    page = 4
+    manager = _make(plugin, num_layers=4, tokens_per_block=page, max_seq_len=64)
+    tables = {0: [0, 1, 2], 1: [5, 6, 27]}
+    for rid, table in tables.items():
+        manager.add_sequence(rid, table)
+    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 3], cached=[7, 9], max_num_tokens=16)
+    meta.msa_out_cache_loc = torch.full((24,), 5, dtype=torch.int32)  # 8 entries past the step's 16
+    meta.prepare()
+    slots, _, _, _ = naive_step_fields(list(tables.values()), page, [2, 3], [9, 12])
+    assert meta.msa_out_cache_loc[:5].tolist() == slots
+    assert meta.msa_out_cache_loc[5:].tolist() == [-1] * 19
+
+
+def test_the_per_token_fields_stand_after_the_hosts_own_kv_update(current_host, monkeypatch):
+    """A host whose on_update_kv_lens republishes its own one-token-per-row fields (the last
+    position of each row, as the double's prepare writes them): the plugin publishes after it, so
+    the kernels read the per-token slots and counts of the corrected lengths, not the host's rows."""
+    from m3_eagle_plugin.host.trtllm.msa_backend import HostMsaMetadata
+
+    def host_update(self):
+        page = self.kv_cache_manager.tokens_per_block
+        rows = self.kv_cache_manager.get_block_ids_per_seq(self.request_ids[: self.num_seqs]).tolist()
+        for i in range(self.num_seqs):
+            pos = int(self.kv_lens_cuda[i]) - 1
+            self.msa_out_cache_loc[i] = rows[i][pos // page] * page + pos % page
+            self.msa_n_valid_blocks[i] = pos // page + 1
+
+    monkeypatch.setattr(HostMsaMetadata, "on_update_kv_lens", host_update)
+    backend = _backend()
+    plugin, _ = _classes()
+    page = 4
+    manager = _make(plugin, num_layers=4, tokens_per_block=page, max_seq_len=64)
+    tables = {0: [0, 1, 2], 1: [5, 6, 27]}
+    for rid, table in tables.items():
+        manager.add_sequence(rid, table)
+    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 3], cached=[7, 9])
+    meta.prepare()
+    meta.kv_lens_cuda[:2] = torch.tensor([8, 12], dtype=torch.int32)  # request 0 rejected its draft
+    meta.on_update_kv_lens()
+    slots, valid, _, _ = naive_step_fields(list(tables.values()), page, [2, 3], [8, 12])
+    assert meta.msa_out_cache_loc[:5].tolist() == slots == [6, 7, 109, 110, 111]
+    assert meta.msa_n_valid_blocks[:5].tolist() == valid == [2, 2, 3, 3, 3]
+
+
+def test_a_short_context_row_still_makes_the_step_mixed(current_host):
+    """A context row of 2 tokens (a prompt's last chunk) fits a verify row's length, but the step is
+    not decode-only: the host's rule is `num_contexts == 0` (msa_backend.py at 57ea1cdf,
+    `_build_step_plans`), so the decode scratch keeps the host's per-row writes."""
+    backend = _backend()
+    plugin, _ = _classes()
+    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64)
+    manager.add_sequence(0, [0, 1])
+    manager.add_sequence(1, [2, 3, 4])
+    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 2], cached=[0, 8])
+    meta.num_contexts = 1
+    meta.msa_n_valid_blocks.fill_(77)
+    meta.prepare()
+    assert not meta.m3_eagle_step.is_decode_only
+    assert meta.msa_n_valid_blocks[:2].tolist() == [1, 3]  # the host's rows: last positions 1 and 9
+    assert meta.msa_n_valid_blocks[2:].eq(77).all()
+    assert meta.msa_out_cache_loc[:4].tolist() == [0, 1, 16, 17]

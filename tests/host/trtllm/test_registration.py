@@ -173,3 +173,17 @@ def test_uninstall_keeps_a_class_registered_for_the_architecture_since(current_h
     assert modeling_utils.MODEL_CLASS_MAPPING[ARCHS[0]] is builtin[ARCHS[0]]
     if lazy_zoo:
         assert modeling_utils.export_external_model_modules() == {ARCHS[1]: "custom_models.m3"}
+
+
+def test_uninstall_leaves_no_empty_lazy_zoo_record_of_the_plugin_module(current_host):
+    """`register_auto_model` created the plugin module's entry in `_MODULE_REGISTRATIONS`; once the
+    plugin's records are dropped the entry itself goes too (the records are as before install)."""
+    from tensorrt_llm._torch.models import modeling_utils
+
+    from m3_eagle_plugin.host.trtllm.registration import builtin_model_classes
+
+    adapter.install()
+    modules = {cls.__module__ for cls in builtin_model_classes().values()}
+    assert modules and all(m in modeling_utils._MODULE_REGISTRATIONS for m in modules)
+    adapter.uninstall()
+    assert not modules & set(modeling_utils._MODULE_REGISTRATIONS)

@@ -63,3 +63,21 @@ def test_only_the_plugins_own_variables_are_forwarded():
     environ = {"M3_EAGLE_PLUGIN": "on", "M3_EAGLE_X": "1", "M3_EAGLEX": "2", "M3_EAGLE": "3",
                "XM3_EAGLE_Y": "4", "m3_eagle_plugin": "5"}
     assert plugin_environ(environ) == {"M3_EAGLE_PLUGIN": "on", "M3_EAGLE_X": "1"}
+
+
+def test_undo_leaves_an_executor_bound_since_in_place(current_host):
+    """As the patch engine's revert (a name re-bound by someone else is left as is): a class bound
+    at `MPIPoolExecutor` after the step ran is not replaced by the host's original on undo."""
+    from m3_eagle_plugin.host.trtllm.patches.forward_env_to_mpi_pool import forward_env_to_mpi_pool
+
+    mpi_session = importlib.import_module("tensorrt_llm.llmapi.mpi_session")
+    original = mpi_session.MPIPoolExecutor
+    undo = forward_env_to_mpi_pool()
+    assert mpi_session.MPIPoolExecutor is not original
+    theirs = type("TheirExecutor", (original,), {})
+    mpi_session.MPIPoolExecutor = theirs
+    try:
+        undo()
+        assert mpi_session.MPIPoolExecutor is theirs
+    finally:
+        mpi_session.MPIPoolExecutor = original

@@ -72,3 +72,13 @@ def test_patched_answer_is_the_allowlist_union_rule(fake_host_dirs, page, extra,
         assert (reason == "") == ok
     finally:
         _deactivate(root)
+
+
+def test_the_page_size_is_the_kv_managers_as_the_host_reads_it(current_host):
+    """The host's gate reads `meta.kv_cache_manager.tokens_per_block`; a `tokens_per_block` the
+    metadata carries besides (64 here) does not decide the manager's P128 opt-in."""
+    adapter.install()
+    fmha, _ = _gate()
+    meta = _meta(128, {128})
+    meta.tokens_per_block = 64
+    assert fmha._is_supported_with_reason(None, None, None, fmha.attn, meta, None) == (True, "")
