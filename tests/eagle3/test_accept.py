@@ -513,3 +513,19 @@ def test_target_probs_without_exactly_one_vocabulary_dimension_are_refused(shape
     """[R, K + 1] passes the row check; the missing (or extra) vocabulary dimension failed unpacking."""
     with pytest.raises(ValueError, match=rf"^target_probs must be \[R, K \+ 1, V\], got shape {re.escape(str(shape))}"):
         rejection_accept(torch.tensor([[1, 2]]), None, torch.full(shape, 0.25))
+
+
+@pytest.mark.parametrize("mean", [1e19, 3000.123457, 1e12 + 1 / 3])
+def test_forced_ratio_refuses_every_mean_the_schedule_refuses(mean):
+    """`forced_ratio` is the up-front check of a configured mean ("refuses what it cannot schedule"):
+    3000.123457 is 3000123457/10**6, a numerator past 2**31, which `forced_count_at` refuses at the
+    first verify step; the up-front check passed it."""
+    from fractions import Fraction
+
+    from m3_eagle_plugin.eagle3.accept import forced_ratio
+
+    with pytest.raises(ValueError, match="too large to schedule"):
+        forced_count_at(mean, torch.tensor(0))
+    with pytest.raises(ValueError, match="too large to schedule"):
+        forced_ratio(mean)
+    assert forced_ratio(2147.5) == Fraction(4295, 2)

@@ -590,3 +590,34 @@ def test_the_paged_head_takes_hidden_states_in_its_own_dtype_as_the_dense_step_d
     runner.prepare([("r", 3)])
     with pytest.raises(TypeError, match="hidden must be a floating-point tensor of hidden states, got torch.int64"):
         head(ids, torch.zeros(3, 64, dtype=torch.long), runner.meta, runner.cache)
+
+
+def test_a_d2t_replacing_a_one_to_one_one_drops_the_old_draft_index_on_both_paths(tiny, monkeypatch):
+    """`draft_index` is None unless the CURRENT d2t is one-to-one into the target vocabulary: one left
+    from an earlier d2t would make the fused gather (GPU) place logits at the earlier d2t's ids."""
+    from m3_eagle_plugin.models import fused_ops
+
+    target = load_target(tiny[0])
+    head = load_draft(tiny[1], target)
+    vocab = head.config.vocab_size
+    head.d2t = torch.arange(8)  # draft d -> target 2d: one-to-one, so a draft_index is built
+    assert head.draft_index is not None
+    head.d2t = -torch.arange(8)  # every draft id -> target id 0
+    assert head.draft_index is None
+
+    def gather(logits, index):  # the fused op's contract, naively: out[:, c] = logits[:, index[c]]
+        safe = index.clamp(min=0).long()
+        return torch.where(index >= 0, logits.float()[:, safe], float("-inf"))
+
+    logits = torch.randn(2, 8)
+    for fused in (False, True):
+        monkeypatch.setattr(fused_ops, "gather_logits", gather if fused else lambda logits, index: None)
+        out = head._target_logits(logits)
+        assert out.shape == (2, vocab) and torch.isinf(out[:, 1:]).all()
+        for row in range(2):  # target id 0 holds one of the draft logits that map to it
+            assert out[row, 0] in logits[row]
+    head.d2t = torch.arange(8)
+    head.d2t = torch.full((8,), vocab)  # outside the target vocabulary: refused on the fused path too
+    monkeypatch.setattr(fused_ops, "gather_logits", gather)
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        head._target_logits(logits)

@@ -855,3 +855,42 @@ def test_is_causal_false_which_transformers_masks_bidirectionally_is_refused_nam
         M3Config.from_dict(raw, "x.json")
     raw["text_config"]["is_causal"] = True
     assert M3Config.from_dict(raw) == M3Config.from_dict(target_config())
+
+
+# ---- mutation-testing gaps ----
+
+@pytest.mark.parametrize("layers,want", [(7, (2, 3, 4)), (9, (2, 4, 6)), (62, (2, 31, 59))])
+def test_default_aux_layer_ids_floor_the_middle_layer_for_odd_layer_counts(layers, want):
+    """vLLM's default `(2, num_layers // 2, num_layers - 3)`: the middle id rounds down, so an odd
+    layer count captures the layer below the middle (7 layers: 3, not 4)."""
+    raw = target_config()
+    text = raw["text_config"]
+    text["num_hidden_layers"] = layers
+    text["sparse_attention_config"]["sparse_attention_freq"] = [0] * layers
+    text["sparse_attention_config"]["sparse_disable_index_value"] = [1] * layers
+    text["moe_layer_freq"] = [0] * layers
+    assert M3Config.from_dict(raw).default_aux_layer_ids == want
+
+
+def test_an_eos_id_of_zero_is_a_token_id_as_transformers_reads_it(tmp_path):
+    """Token 0 may end generation: transformers' generation config keeps eos_token_id 0."""
+    import transformers
+
+    from m3_eagle_plugin.models.config import eos_token_ids
+
+    raw = target_config()
+    raw["eos_token_id"], raw["text_config"]["eos_token_id"] = None, 0
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    assert transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id == 0
+    assert eos_token_ids(tmp_path) == (0,)
+
+
+def test_rotary_dim_truncates_head_dim_times_factor_as_transformers_does():
+    """transformers rotates int(head_dim * partial_rotary_factor) dims: 16 * 0.47 = 7.52 is 7, odd, so
+    refused (rounding to 8 would run 8 dims with frequencies transformers spaces for 7)."""
+    raw = target_config()
+    raw["text_config"]["partial_rotary_factor"] = 0.47
+    assert int(raw["text_config"]["head_dim"] * 0.47) == 7
+    with pytest.raises(ConfigError, match=r"rotary dim 7 must be even"):
+        M3Config.from_dict(raw)

@@ -66,3 +66,23 @@ def test_fresh_norms_scale_by_one():
     for norm in (GemmaRMSNorm(16), LlamaRMSNorm(16)):
         with torch.no_grad():
             torch.testing.assert_close(norm(x).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_norms_round_exactly_as_transformers_modules():
+    """In bf16 each formula rounds once, where transformers' module does: Gemma scales in fp32 and
+    casts last, Llama casts the normalised value and then scales. Another rounding order is off by
+    one bf16 ulp in some entries (within assert_close's bf16 tolerance, so compared bit for bit)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm as HFLlama
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm as HFGemma
+
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(64, generator=gen), (torch.randn(16, 64, generator=gen) * 3).to(torch.bfloat16)
+    for ours, theirs in ((GemmaRMSNorm(64, 1e-6), HFGemma(64, 1e-6)), (LlamaRMSNorm(64, 1e-6), HFLlama(64, 1e-6))):
+        with torch.no_grad():
+            ours.weight.copy_(w)
+            theirs.weight.copy_(w)
+        ours, theirs = ours.to(torch.bfloat16), theirs.to(torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(ours(x), theirs(x)), type(ours).__name__
+            total, normed = ours.add_then_norm(x, x)
+            assert torch.equal(total, x + x) and torch.equal(normed, theirs(x + x)), type(ours).__name__

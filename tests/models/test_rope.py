@@ -59,3 +59,19 @@ def test_bad_rotary_dim():
     cos, sin = RotaryEmbedding(8, 1e4).cos_sin(torch.tensor([1]))
     with pytest.raises(ValueError, match="exceeds"):
         apply_rope(torch.zeros(1, 4), cos, sin)
+
+
+def test_tables_equal_transformers_bit_for_bit_at_long_positions():
+    """fp32 frequencies theta ** (-2i / d) and the fp32 product position * inv_freq, as transformers forms
+    them, at MiniMax-M3's own geometry (64 of 128 dims, theta 5e6): a frequency or angle rounded any other
+    way (through fp64) moves cos/sin by ~1e-5 past position 10**5, inside assert_close's fp32 tolerance."""
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
+
+    from ._oracle import tiny_text_config
+
+    cfg = tiny_text_config(head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                         "partial_rotary_factor": 0.5})
+    pos = torch.tensor([0, 3, 250, 4097, 131071, 1000003])
+    cos_hf, sin_hf = hf.MiniMaxM3VLRotaryEmbedding(cfg)(torch.zeros(1), pos[None])
+    cos, sin = RotaryEmbedding(64, 5e6).cos_sin(pos)
+    assert torch.equal(cos, cos_hf[0]) and torch.equal(sin, sin_hf[0])

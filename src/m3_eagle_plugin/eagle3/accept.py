@@ -139,6 +139,10 @@ def forced_ratio(mean: float) -> Fraction:
     if mean > 0 and ratio == 0:
         raise ValueError(f"mean forced acceptance {mean!r} is below the schedule's resolution "
                          f"1/{_FORCED_DENOMINATOR}: it would never force a draft")
+    if ratio.numerator > _FORCED_NUMERATOR_LIMIT:  # int64 products wrapped: 1e19 gave a negative count
+        raise ValueError(f"mean forced acceptance {mean!r} is too large to schedule (its fraction's numerator "
+                         f"must stay <= 2**31 so that step * numerator fits int64); any mean at or above the "
+                         f"draft length already forces every draft")
     return ratio
 
 
@@ -157,11 +161,7 @@ def forced_count_at(mean: float, step: torch.Tensor) -> torch.Tensor:
     if not isinstance(step, torch.Tensor) or not is_integer_dtype(step.dtype):  # a float 1.7 ran as step 1
         raise TypeError(f"step must be an integer tensor (a verify-step counter), got "
                         f"{step.dtype if isinstance(step, torch.Tensor) else type(step).__name__}")
-    ratio = forced_ratio(mean)
-    if ratio.numerator > _FORCED_NUMERATOR_LIMIT:  # int64 products wrapped: 1e19 gave a negative count
-        raise ValueError(f"mean forced acceptance {mean!r} is too large to schedule (its fraction's numerator "
-                         f"must stay <= 2**31 so that step * numerator fits int64); any mean at or above the "
-                         f"draft length already forces every draft")
+    ratio = forced_ratio(mean)  # refuses a mean whose int64 products below would wrap
     step = step.to(torch.long)
     return ((step + 1) * ratio.numerator) // ratio.denominator - (step * ratio.numerator) // ratio.denominator
 
