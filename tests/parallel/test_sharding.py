@@ -165,3 +165,18 @@ def test_a_dense_only_config_keeps_its_index_heads_unsharded():
     cfg = rank_config(_dense_config(), 4)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.index_heads) == (16, 1, 4)
     assert cfg.dense_intermediate_size == 12288 // 4
+
+
+def test_index_k_pages_only_partly_beside_the_kv_pages_are_not_coalesced():
+    """`index_k_coalesced` means every index-K page shares the K/V slot: a geometry (built by hand)
+    whose layer 1 index-K page has the K/V page size (4096 B, pool 0) but whose layer 2 index-K page
+    is half that (its own pool 1) is not a mega-slot."""
+    from m3_eagle_plugin.kv.geometry import BufferSpec, build_pool_geometry
+
+    buffers = [BufferSpec(layer, role, 4096) for layer in (0, 1, 2) for role in ("k", "v")]
+    buffers += [BufferSpec(1, "index_k", 4096), BufferSpec(2, "index_k", 2048)]
+    geometry = build_pool_geometry(buffers)
+    assert geometry.locate(1, "index_k").pool_id == 0 and geometry.locate(2, "index_k").pool_id == 1
+    assert not index_k_coalesced(geometry)
+    whole = build_pool_geometry([b if b.role != "index_k" else BufferSpec(b.layer, "index_k", 4096) for b in buffers])
+    assert index_k_coalesced(whole)

@@ -657,3 +657,41 @@ def test_generate_over_an_id_a_context_phase_still_holds_is_refused_naming_the_h
         engine.generate([[3, 4], [5, 6]], 2)
     assert cache.allocator.request_ids == [1] and cache.pages(1) == pages
     assert engine.generate([[3, 4]], 2).outputs == [target.greedy([3, 4], 2)]
+
+
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_a_proposer_answering_for_more_or_fewer_requests_than_asked_is_refused(extra):
+    """One list of drafts per request asked, as `DraftContext` numbers them: an answer with one list too
+    many was cut to the requests (zip) without a word, so which list belongs to which request was a guess."""
+    proposer = lambda context: [[1]] * (len(context.tokens) + extra)  # noqa: E731
+    engine, target, cache = build(head=False, proposer=proposer)
+    with pytest.raises(ValueError, match=r"proposer returned drafts for \d+ requests, expected \d+"):
+        engine.generate(PROMPTS[:2], max_new_tokens=4)
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_without_a_head_a_step_reserves_no_draft_positions_ahead():
+    """Counted by hand in tokens: a proposer's drafts come from the host, so nothing writes past a
+    verify step's 1 + K inputs. While one is in flight a request holds its KV up to its last emitted
+    token's position plus K (prompt + outputs + K), not the head's K - 1 draft positions beyond."""
+    k = 3
+    prompt = PROMPTS[1]
+    full = prompt + _fakes.FakeTarget().greedy(prompt, 20)
+    proposer = lambda context: [full[len(tokens):][:1] for tokens in context.tokens]  # noqa: E731
+    engine, target, cache = build(draft_len=k, head=False, proposer=proposer)
+    commit, checked = engine.commit, []
+
+    def checked_commit(out, requests, progress):
+        for row in out.rows:
+            request = row.request
+            if row.kind is RowKind.VERIFY:
+                assert cache.num_tokens(request.rid) == len(request.prompt) + len(request.output) + k
+            else:
+                assert cache.num_tokens(request.rid) == row.start + row.length
+            checked.append(row.kind)
+        commit(out, requests, progress)
+
+    engine.commit = checked_commit
+    result = engine.generate([prompt], max_new_tokens=7)
+    assert result.outputs == [full[len(prompt):][:7]]
+    assert RowKind.VERIFY in checked and RowKind.CONTEXT in checked

@@ -176,3 +176,29 @@ def test_zero_dimensional_torch_integer_parameters_are_the_ints_they_hold():
     for value in (torch.tensor([2]), torch.tensor(True)):
         with pytest.raises(ValueError, match=r"^top_k must be an int"):
             SamplingParams(temperature=1.0, top_k=value)
+
+
+def test_greedy_ties_go_to_the_lowest_token_id():
+    """Greedy picks the first of equal maxima, as transformers' greedy search (an argmax) does, so tied
+    logits give the same tokens as the HF oracle; checked against a naive loop over each row."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, -1.0, 5.0, 5.0]])
+    tokens, probs = choose_tokens(logits, SamplingParams())
+    naive = [max(range(len(row)), key=lambda i, row=row: (row[i], -i)) for row in logits.tolist()]
+    assert tokens.tolist() == naive == [1, 0, 2] and probs is None
+
+
+def test_bf16_logits_give_the_fp32_distribution_of_their_values():
+    """A bf16 model's logits: the filtered distribution is fp32 (the docstring), computed from the bf16
+    values themselves, not rounded to bf16 (8 bits of mantissa: 0.3 vs 0.30078); oracle in float64."""
+    logits = torch.tensor([[0.1, 1.3, -0.7, 2.9, 0.45, 2.2]], dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
+    probs = filtered_probs(logits, params)
+    assert probs.dtype == torch.float32
+    values = logits.double()[0]
+    kept = values >= values.sort(descending=True).values[3]  # top 4
+    base = torch.where(kept, torch.softmax(torch.where(kept, values, float("-inf")) / 0.7, 0), 0.0)
+    order = base.argsort(descending=True)
+    before = base[order].cumsum(0) - base[order]
+    nucleus = torch.zeros_like(base)
+    nucleus[order[before < 0.9]] = base[order[before < 0.9]]
+    torch.testing.assert_close(probs[0].double(), nucleus / nucleus.sum(), rtol=1e-6, atol=1e-7)
