@@ -209,3 +209,53 @@ def test_allocate_names_the_size_it_cannot_use_and_keeps_its_buffer(max_tokens, 
     with pytest.raises(error, match=message):
         cap.allocate(max_tokens, hidden_size, torch.float32, "cpu")
     assert cap.get(1).shape == (2, 3)  # the earlier buffer and its step are left as they were
+
+
+@pytest.mark.parametrize("dtype, device, state", [
+    (torch.bfloat16, "cpu", torch.full((2, 3), 1.0 + 2.0 ** -12)),  # was rounded to bf16's 1.0 silently
+    (torch.float32, "cpu", torch.ones(2, 3, dtype=torch.float16)),  # was widened: stacked() no longer fp16
+    (torch.float32, "meta", torch.ones(2, 3)),  # was "copied" to meta: stacked() held no values at all
+])
+def test_preallocated_buffer_refuses_a_state_of_another_dtype_or_device(dtype, device, state):
+    """The default mode keeps each state as the layer made it; the buffer's `copy_` cast it to the
+    buffer's dtype (or moved it to the buffer's device), so the two modes' `stacked()` differed."""
+    default = AuxCapture([0])
+    default.record(0, state)
+    assert default.stacked().dtype == state.dtype and torch.equal(default.stacked(), state)
+    capture = AuxCapture([0]).allocate(4, 3, dtype, device)
+    with pytest.raises(ValueError, match=rf"^layer 0 state is {state.dtype} on cpu, the capture buffer was "
+                                         rf"allocated as {dtype} on {device}"):
+        capture.record(0, state)
+    with pytest.raises(RuntimeError, match="not recorded"):
+        capture.stacked()
+
+
+@pytest.mark.parametrize("preallocate, state, message", [
+    (True, torch.ones(5, 3), r"^capture buffer \(4, 6\) too small for \[5, 3\] for the step$"),
+    (True, torch.ones(2, 4), r"^the step's state is 4 wide, the capture buffer was allocated for hidden size 3$"),
+    (True, torch.ones(2, 3, dtype=torch.float64), r"^the step's state is torch.float64 on cpu, the capture buffer"),
+    (True, torch.ones(1, 2, 3), r"^hidden of the step must be \[T, H\]"),
+    (False, torch.ones(2), r"^hidden of the step must be \[T, H\]"),
+])
+def test_check_step_refuses_before_any_layer_what_record_would_refuse(preallocate, state, message):
+    """`record` refuses such a step only at the first aux layer, after the target's earlier layers
+    wrote the step's KV (ids (2, L//2, L-3): layers 0 and 1); `check_step` on the step's embeddings
+    refuses it before any layer runs, and leaves the capture (and the last step's states) as they were."""
+    capture = AuxCapture([0, 2])
+    if preallocate:
+        capture.allocate(4, 3, torch.float32, "cpu")
+    last = [torch.full((3, 3), 1.0), torch.full((3, 3), 2.0)]
+    capture.record(0, last[0])
+    capture.record(2, last[1])
+    with pytest.raises(ValueError, match=message):
+        capture.check_step(state)
+    assert torch.equal(capture.stacked(), torch.cat(last, dim=-1))
+
+
+def test_check_step_passes_a_step_the_buffer_takes_and_records_nothing():
+    capture = AuxCapture([0, 2]).allocate(4, 3, torch.float32, "cpu")
+    capture.check_step(torch.ones(4, 3))
+    capture.check_step(torch.ones(0, 3))
+    with pytest.raises(RuntimeError, match=r"\[0, 2\] were not recorded"):
+        capture.stacked()
+    AuxCapture([1]).check_step(torch.ones(7, 5))  # without a buffer any [T, H] step fits

@@ -177,6 +177,20 @@ def test_capture_of_a_layer_past_the_last_is_refused_before_the_forward(hf_text_
     model(torch.zeros(2, dtype=torch.long), runner.meta, runner.cache, capture=capture)
     assert capture.stacked().shape == (2, 2 * model.config.hidden_size)
 
+def test_a_step_the_capture_buffer_cannot_take_is_refused_before_any_layer_writes_kv(hf_text_checkpoint):
+    """A 4-row buffer and a 6-token step: the refusal came at the first aux layer, after the layers
+    ahead of it had written the step's K/V; now before layer 0, every page as it was."""
+    model = load_target(hf_text_checkpoint)
+    runner = PagedRunner(model.config)
+    runner.prepare([("a", 6)])
+    capture = AuxCapture([2, 3])
+    capture.allocate(4, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device="cpu")
+    pages = [t.clone() for t in runner.cache._storage]
+    with torch.no_grad(), pytest.raises(ValueError, match=r"too small for \[6, .*\] for the step"):
+        model(torch.arange(6), runner.meta, runner.cache, capture=capture)
+    assert all(torch.equal(a, b) for a, b in zip(pages, runner.cache._storage))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_fp32_and_bf16_match_transformers(tiny_dir):

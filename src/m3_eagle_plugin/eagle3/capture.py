@@ -12,6 +12,8 @@ whose first is 1; a config does not say which convention its ids follow.)
 Two storage modes: by default the recorded tensors are kept and concatenated by `stacked()`;
 after `allocate(max_tokens, hidden_size, ...)` they are copied into one preallocated
 `[max_tokens, n * H]` buffer (stable addresses for CUDA graphs) and `stacked()` is a view.
+The buffer takes states of its own width, dtype and device only (a copy would cast or move them,
+which the default mode does not); `check_step` refuses a step it cannot take before any layer runs.
 """
 from __future__ import annotations
 
@@ -22,12 +24,12 @@ import torch
 from m3_eagle_plugin._ints import as_int
 
 
-def _check_state(layer_id: int, hidden: torch.Tensor) -> None:
+def _check_state(what: str, hidden: torch.Tensor) -> None:
     if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"hidden of layer {layer_id} must be a [T, H] tensor, got {type(hidden).__name__}")
+        raise TypeError(f"hidden of {what} must be a [T, H] tensor, got {type(hidden).__name__}")
     # Without a buffer a [T] or [1, T, H] state would be kept as is and misshape `stacked()`.
     if hidden.dim() != 2:
-        raise ValueError(f"hidden of layer {layer_id} must be [T, H] (tokens, hidden size), "
+        raise ValueError(f"hidden of {what} must be [T, H] (tokens, hidden size), "
                          f"got shape {tuple(hidden.shape)}")
 
 
@@ -72,12 +74,34 @@ class AuxCapture:
         self._recorded.clear()
         self._num_tokens = 0
 
+    def check_step(self, hidden: torch.Tensor) -> None:
+        """Refuse a step whose residual stream is like `hidden [T, H]` (its embeddings) where the
+        buffer could not record it: call it before the first layer runs, so such a step fails before
+        the layers ahead of the first aux layer wrote their KV. Records nothing; without a buffer it
+        only checks the shape."""
+        _check_state("the step", hidden)
+        if self._buffer is not None:
+            self._check_fits(hidden, "the step's", "for the step")
+
+    def _check_fits(self, hidden: torch.Tensor, whose: str, where: str) -> None:
+        t, h = hidden.shape
+        buffer = self._buffer
+        width = buffer.shape[1] // len(self.layer_ids)  # the hidden size given to `allocate`
+        if h != width:
+            raise ValueError(f"{whose} state is {h} wide, the capture buffer was allocated for hidden size {width}")
+        if t > buffer.shape[0]:
+            raise ValueError(f"capture buffer {tuple(buffer.shape)} too small for [{t}, {h}] {where}")
+        # the copy would cast (or move) the state, where the default mode keeps it as the layer made it
+        if hidden.dtype != buffer.dtype or hidden.device != buffer.device:
+            raise ValueError(f"{whose} state is {hidden.dtype} on {hidden.device}, the capture buffer was allocated "
+                             f"as {buffer.dtype} on {buffer.device}: allocate it in the target's dtype and device")
+
     def record(self, layer_id: int, hidden: torch.Tensor) -> None:
         """Store `hidden [T, H]`, the residual stream entering `layer_id`."""
         slot = self._slot.get(layer_id)
         if slot is None:
             return
-        _check_state(layer_id, hidden)
+        _check_state(f"layer {layer_id}", hidden)
         if self._buffer is None:
             earlier = next(iter(self._records.values()), None)
             if earlier is not None and hidden.shape[0] != earlier.shape[0]:
@@ -85,13 +109,8 @@ class AuxCapture:
                                  f"{earlier.shape[0]}")
             self._records[layer_id] = hidden
             return
+        self._check_fits(hidden, f"layer {layer_id}", f"at layer {layer_id}")
         t, h = hidden.shape
-        width = self._buffer.shape[1] // len(self.layer_ids)  # the hidden size given to `allocate`
-        if h != width:
-            raise ValueError(f"layer {layer_id} state is {h} wide, the capture buffer was allocated for "
-                             f"hidden size {width}")
-        if t > self._buffer.shape[0]:
-            raise ValueError(f"capture buffer {tuple(self._buffer.shape)} too small for [{t}, {h}] at layer {layer_id}")
         if self._recorded and t != self._num_tokens:
             raise ValueError(f"layer {layer_id} recorded {t} tokens, earlier layers of this step {self._num_tokens}")
         self._buffer[:t, slot * h:(slot + 1) * h].copy_(hidden)

@@ -79,6 +79,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
             capture.reset()
         rope = self.rotary.at(positions)
         x = self.embed_tokens(input_ids)
+        if capture is not None:
+            capture.check_step(x)  # a step its buffer cannot take fails before layer 0 writes KV
         for i, layer in enumerate(self.layers):
             if capture is not None and capture.wants(i):
                 capture.record(i, x)
