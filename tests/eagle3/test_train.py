@@ -840,3 +840,43 @@ def test_dense_step_refuses_a_hidden_width_that_is_neither_aux_nor_draft_hidden_
     with pytest.raises(ValueError, match=rf"hidden \(1, 3, {width}\) must be \[B, S, width\] with width the aux "
                                          rf"width 192 or the draft hidden size 64"):
         dense_head_step(head, torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, width))
+
+
+@pytest.mark.parametrize("seed", [1.5, True, "3", -1, 2**64])
+def test_a_seed_that_is_not_a_generator_seed_is_refused_by_name_before_any_work(pair, data, seed, monkeypatch):
+    """torch.Generator().manual_seed(1.5) raised a bare "manual_seed expected a long, but got float" RuntimeError
+    (distill_checkpoint only after loading the pair: torch.manual_seed truncated 1.5 to 1 first); -1 silently
+    seeded as 2**64 - 1, and 2**64 failed as "Overflow when unpacking long long". Seeds are ints in [0, 2**64)."""
+    import m3_eagle_plugin.models.loader as loader
+
+    target, head = pair[2], pair[3]
+    message = r"seed must be an int in \[0, 2\*\*64\)"
+    with pytest.raises(ValueError, match=message):
+        collect_distill_data(target, head.aux_layer_ids, num_sequences=1, seq_len=8, iterations=1, seed=seed)
+    before = [p.clone() for p in head.parameters()]
+    with pytest.raises(ValueError, match=message):
+        train_head(head, data, steps=1, seed=seed)
+    assert all(torch.equal(a, b) for a, b in zip(before, head.parameters()))
+    assert not any(p.requires_grad for p in head.parameters())  # left as documented: gradients off
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pair was loaded before the seed was checked")
+
+    monkeypatch.setattr(loader, "load_target", no_load)
+    with pytest.raises(ValueError, match=message):
+        distill_checkpoint(pair[0], pair[1], plan=DistillPlan(steps=1), seed=seed)
+
+
+def test_distill_checkpoint_leaves_every_device_generator_of_the_caller_alone(tmp_path, monkeypatch):
+    """It seeds inside `fork_rng(devices=[])`, which restores the CPU generator only, with torch.manual_seed,
+    which (as torch documents) seeds every device: a caller's CUDA generator came back reseeded to the
+    distillation seed. Seen through `torch.cuda.manual_seed_all`, the call torch.manual_seed makes for CUDA."""
+    target_dir, draft_dir = make_tiny(tmp_path, seed=5)
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    torch.manual_seed(1234)
+    seeded.clear()
+    cpu = torch.get_rng_state()
+    distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=1, num_sequences=2, seq_len=16, iterations=1,
+                                                               batch_size=2), seed=7)
+    assert seeded == [] and torch.equal(torch.get_rng_state(), cpu)

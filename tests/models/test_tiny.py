@@ -252,3 +252,25 @@ def test_the_weights_are_as_readable_as_the_configs(tmp_path):
              if p.is_file()}
     assert modes == {f"out/{d}/{f}": 0o644 for d in ("target", "draft")
                      for f in ("config.json", "model.safetensors", tiny.MARKER)}
+
+
+def test_a_pair_from_a_version_before_the_marker_and_the_fc_norm_flag_is_replaced(tmp_path):
+    """README: "an earlier make-tiny pair there is replaced". Versions before the marker wrote the pair with
+    no marker and a draft config without `fc_norm` (added beside the fc_norm tensors later): that draft/ was
+    refused as "not make-tiny output", as its config is not today's. A config with any other change still is."""
+    out = tmp_path / "out"
+    tiny.make_tiny(out, seed=1)
+    for name in ("target", "draft"):
+        (out / name / tiny.MARKER).unlink()
+    config = tiny.draft_config()
+    del config["fc_norm"]
+    (out / "draft" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    before = _read(out / "draft")[1]
+    tiny.make_tiny(out, seed=2)
+    assert (out / "draft" / tiny.MARKER).is_file() and _read(out / "draft")[0] == tiny.draft_config()
+    assert any(not torch.equal(before[k], _read(out / "draft")[1][k]) for k in before)
+    (out / "draft" / tiny.MARKER).unlink()
+    config["fc_norm"], config["hidden_act"] = True, "gelu"  # someone's edit: not a config make-tiny ever wrote
+    (out / "draft" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="draft exists and is not make-tiny output"):
+        tiny.make_tiny(out, seed=3)

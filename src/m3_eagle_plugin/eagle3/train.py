@@ -68,6 +68,14 @@ def _check_positive(**values: int) -> None:
         as_int(name, value, 1, ValueError)
 
 
+def _check_seed(seed: int) -> None:
+    """Seeds are ints in [0, 2**64): torch's generators took no float, bool or str but said only "manual_seed
+    expected a long" (torch.manual_seed truncated 1.5 first), wrapped -1 to 2**64 - 1 and overflowed past it."""
+    value = exact_index(seed)
+    if value is None or not 0 <= value < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+
+
 @torch.no_grad()
 def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences: int, seq_len: int,
                          prompt_lens: tuple[int, int] | None = None, iterations: int = 8, seed: int = 0
@@ -87,6 +95,7 @@ def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences:
     from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
 
     _check_positive(num_sequences=num_sequences, seq_len=seq_len, iterations=iterations)
+    _check_seed(seed)
     low, high = _prompt_lens(prompt_lens, seq_len)
     cfg = target.config
     device = next(target.parameters()).device
@@ -314,6 +323,7 @@ def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: i
     included, the weights are put back as they were (a copy of the trainable ones is kept meanwhile).
     """
     _check_positive(steps=steps, batch_size=batch_size, ttt_steps=ttt_steps)
+    _check_seed(seed)
     if not 0 < lr < math.inf or not 0 <= hard_weight < math.inf:  # an infinite one turns every weight NaN
         raise ValueError(f"lr must be finite and > 0 and hard_weight finite and >= 0, got lr={lr!r}, "
                          f"hard_weight={hard_weight!r}")
@@ -402,6 +412,7 @@ def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan
     from m3_eagle_plugin.eagle3.checkpoint import canonical_name, load_draft
     from m3_eagle_plugin.models.loader import load_target
 
+    _check_seed(seed)  # before the pair is loaded and the data collected
     weights = Path(draft_dir) / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"no draft weights at {weights} (distill_checkpoint expects one safetensors file)")
@@ -409,7 +420,8 @@ def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            # the CPU generator alone, which fork_rng puts back: torch.manual_seed reseeded every device's
+            torch.random.default_generator.manual_seed(seed)
             target = load_target(target_dir)
             head = load_draft(draft_dir, target)
             data = collect_distill_data(target, head.aux_layer_ids, num_sequences=plan.num_sequences,

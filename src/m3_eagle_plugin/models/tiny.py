@@ -181,8 +181,8 @@ def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple
         if os.path.lexists(path) and not path.is_dir():
             broken = "" if path.exists() else " (a broken symlink)"
             raise ValueError(f"{path} exists and is not a directory{broken}")
-    for path, config in ((target, target_config()), (draft, draft_config())):
-        if path.is_dir() and not _replaceable(path, config):
+    for path, configs in ((target, [target_config()]), (draft, _draft_configs_written())):
+        if path.is_dir() and not _replaceable(path, configs):
             raise ValueError(f"{path} exists and is not make-tiny output, or holds files make-tiny did not write: "
                              "refusing to replace it (choose another OUT_DIR, or remove it yourself)")
     out.mkdir(parents=True, exist_ok=True)
@@ -207,10 +207,18 @@ _PAIR = ("target", "draft")
 _WRITTEN = frozenset({"config.json", "model.safetensors", MARKER})
 
 
-def _replaceable(path: Path, config: dict[str, Any]) -> bool:
+def _draft_configs_written() -> list[dict[str, Any]]:
+    """The draft config.json of every version before the marker: today's, and the one before `fc_norm`
+    was written beside the fc_norm tensors (otherwise the same)."""
+    earlier = draft_config()
+    del earlier["fc_norm"]
+    return [draft_config(), earlier]
+
+
+def _replaceable(path: Path, configs: list[dict[str, Any]]) -> bool:
     """Whether make-tiny may replace directory `path`: empty, or an earlier make-tiny's output (its
-    marker, or, from versions before the marker, exactly the config.json make-tiny writes there)
-    holding nothing make-tiny did not write; anything else may be someone's checkpoint or files."""
+    marker, or, from versions before the marker, exactly a config.json make-tiny wrote there, one of
+    `configs`) holding nothing make-tiny did not write; anything else may be someone's checkpoint or files."""
     entries = {entry.name for entry in path.iterdir()}
     if not entries:
         return True
@@ -219,7 +227,7 @@ def _replaceable(path: Path, config: dict[str, Any]) -> bool:
     if (path / MARKER).is_file():
         return True
     try:
-        return json.loads((path / "config.json").read_text()) == json.loads(json.dumps(config))
+        return json.loads((path / "config.json").read_text()) in json.loads(json.dumps(configs))
     except (OSError, ValueError):
         return False
 
