@@ -880,3 +880,17 @@ def test_distill_checkpoint_leaves_every_device_generator_of_the_caller_alone(tm
     distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=1, num_sequences=2, seq_len=16, iterations=1,
                                                                batch_size=2), seed=7)
     assert seeded == [] and torch.equal(torch.get_rng_state(), cpu)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("steps", 0, "steps"), ("num_sequences", -1, "num_sequences"), ("seq_len", 1.5, "seq_len"),
+    ("batch_size", True, "batch_size"), ("ttt_steps", 0, "ttt_steps"), ("iterations", "2", "iterations"),
+    ("lr", 0.0, "lr must be finite and > 0"), ("lr", float("inf"), "lr must be finite and > 0"),
+    ("hard_weight", -0.5, "hard_weight finite and >= 0"), ("hard_weight", float("nan"), "hard_weight finite"),
+])
+def test_a_plan_train_head_would_refuse_is_refused_where_it_is_made(field, value, message):
+    """A bad plan was refused by train_head, after distill_checkpoint had loaded the pair and collected
+    its data; now where the plan is made, naming the field."""
+    with pytest.raises((ValueError, TypeError), match=message):
+        DistillPlan(**{field: value})
+    DistillPlan()  # the defaults stand

@@ -68,6 +68,12 @@ def _check_positive(**values: int) -> None:
         as_int(name, value, 1, ValueError)
 
 
+def _check_rates(lr: float, hard_weight: float) -> None:
+    if not 0 < lr < math.inf or not 0 <= hard_weight < math.inf:  # an infinite one turns every weight NaN
+        raise ValueError(f"lr must be finite and > 0 and hard_weight finite and >= 0, got lr={lr!r}, "
+                         f"hard_weight={hard_weight!r}")
+
+
 def _check_seed(seed: int) -> None:
     """Seeds are ints in [0, 2**64): torch's generators took no float, bool or str but said only "manual_seed
     expected a long" (torch.manual_seed truncated 1.5 first), wrapped -1 to 2**64 - 1 and overflowed past it."""
@@ -324,9 +330,7 @@ def train_head(head: Eagle3Head, data: DistillData, *, steps: int, batch_size: i
     """
     _check_positive(steps=steps, batch_size=batch_size, ttt_steps=ttt_steps)
     _check_seed(seed)
-    if not 0 < lr < math.inf or not 0 <= hard_weight < math.inf:  # an infinite one turns every weight NaN
-        raise ValueError(f"lr must be finite and > 0 and hard_weight finite and >= 0, got lr={lr!r}, "
-                         f"hard_weight={hard_weight!r}")
+    _check_rates(lr, hard_weight)
     # A row shorter than 2 tokens has no position to predict; a batch drawn from such rows alone raised
     # in `distill_loss` after earlier steps had changed the weights. They are left out of the draw.
     trainable = (data.lengths >= 2).nonzero().flatten()
@@ -394,6 +398,11 @@ class DistillPlan:
     lr: float = 1e-2
     ttt_steps: int = 1  # 2 trains draft step 2 as well but doubles the time for little gain on the tiny target
     hard_weight: float = 0.0
+
+    def __post_init__(self) -> None:  # refused where it is made, not after the pair loaded and the data collected
+        _check_positive(steps=self.steps, num_sequences=self.num_sequences, seq_len=self.seq_len,
+                        iterations=self.iterations, batch_size=self.batch_size, ttt_steps=self.ttt_steps)
+        _check_rates(self.lr, self.hard_weight)
 
 
 def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan(), seed: int = 0) -> list[float]:
