@@ -27,7 +27,22 @@ from m3_eagle_plugin.log import get_logger
 from m3_eagle_plugin.switches import FORCE_ENV, MODE_ENV, MODES, read_switch
 
 HOST_PACKAGE = "tensorrt_llm"
-_M3_SPARSE_PROBE = {"algorithm": "minimax_m3"}
+
+
+class _SparseConfigProbe(dict):
+    """The MiniMax-M3 sparse-attention config that activation and `status` ask the cache-manager hook about:
+    read as the host's config object is (`sparse_config.algorithm`, the hook's documented example) and as a
+    mapping (`sparse_config["algorithm"]`). As a plain dict, a plugin written as documented answered None,
+    and the report named another manager than the one the host then builds."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+_M3_SPARSE_PROBE = _SparseConfigProbe(algorithm="minimax_m3")
 
 
 class InvalidModeError(ValueError):

@@ -79,7 +79,10 @@ class M3EagleSpecs:
     def m3_eagle_kv_cache_manager(self, host: str, sparse_config: Any) -> str | None:
         """Pick the KV cache manager class ("module:qualname") for a sparse-attention config.
 
-        Return None when the config is not yours (e.g. not MiniMax-M3); the first non-None answer wins.
+        `sparse_config` is the host's sparse-attention config object (TensorRT-LLM's, with an `algorithm`
+        attribute), or None; activation and `status()` ask with a probe that reads both as such an object
+        and as a mapping. Return None when the config is not yours (e.g. not MiniMax-M3); the first
+        non-None answer wins.
 
         Example::
 

@@ -653,3 +653,33 @@ def test_an_interrupt_after_the_install_completed_keeps_the_activation_recorded(
     report = m3_eagle_plugin.status()
     assert report.activated and installs == [1] and len(seen) == 1
     assert m3_eagle_plugin.activate("auto") is report and installs == [1] and len(seen) == 1
+
+
+def test_the_reported_cache_manager_is_the_one_a_plugin_written_as_documented_gives_the_host(
+        clean_state, fake_install, fake_host, monkeypatch):
+    """hooks.M3EagleSpecs.m3_eagle_kv_cache_manager's example reads `sparse_config.algorithm`, as the host's
+    config object (TensorRT-LLM's MiniMaxM3SparseAttentionConfig) has it. Activation and status asked with a
+    plain dict probe, on which that example answers None: the report named another manager (or none) than the
+    one the host then builds from the same plugin."""
+    from types import SimpleNamespace
+
+    from m3_eagle_plugin import registry
+    from m3_eagle_plugin.hooks import hookimpl
+
+    class AsDocumented:
+        @hookimpl
+        def m3_eagle_kv_cache_manager(self, host, sparse_config):
+            if getattr(sparse_config, "algorithm", None) != "minimax_m3":
+                return None
+            return "my_pkg.kv:MyManager"
+
+    manager = registry.make_plugin_manager(register_builtin=False)
+    manager.register(AsDocumented(), name="as-documented")
+    monkeypatch.setattr(registry, "_singleton", manager)
+    fake_host("1.3.0rc24")
+    host_config = SimpleNamespace(algorithm="minimax_m3")  # what the host passes (route_sparse_kv_cache_manager)
+    assert manager.kv_cache_manager("tensorrt_llm", host_config) == "my_pkg.kv:MyManager"
+    status = m3_eagle_plugin.status()
+    assert status.components.get("kv_cache_manager") == "my_pkg.kv:MyManager", status.reason
+    report = m3_eagle_plugin.activate("auto")
+    assert report.activated and report.components["kv_cache_manager"] == "my_pkg.kv:MyManager"
