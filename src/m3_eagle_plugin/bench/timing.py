@@ -1,8 +1,8 @@
 """CUDA-event timing (eager and CUDA-graph replay) and the copy ceiling measured in the same run.
 
-Why: one place that times the way METHOD.md asks: warm-up, several input sets rotated so caches
-do not flatter small problems, medians over batches of back-to-back calls, graph replay to take
-host launch overhead out.
+Why: one place that times the way the README's Performance section reports: warm-up, several
+input sets rotated so caches do not flatter small problems, medians over batches of back-to-back
+calls, graph replay to take host launch overhead out.
 """
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
 Production runs the target TP4: the 64 query heads, the 4 KV heads and the 4 index heads are
 split evenly over the ranks (16 / 1 / 1 per rank), the single shared index-K head is replicated,
 and the MLP / MoE intermediate widths are split. A rank's KV page then holds ``Hkv / tp`` heads,
-which decides whether its K/V pages and its index-K pages have one size and coalesce into the
-one-pool "mega-slot" (TP4: ``1 x 128 x 128`` = ``128 x 128``) or stay in separate pools (TP1:
-K/V pages are four times bigger). Everything here is arithmetic; no process group is needed.
+which, with the element sizes, decides whether its K/V pages and its index-K pages have one byte
+size and coalesce into the one-pool "mega-slot" (TP4 with one element size: ``1 x 128 x 128`` =
+``128 x 128``) or stay in separate pools (TP1: K/V pages are four times bigger; TP4 with fp8 K/V
+beside a bf16 index-K: half the size). Everything here is arithmetic; no process group is needed.
 """
 from __future__ import annotations
 

@@ -219,6 +219,24 @@ def test_entries_apart_ignores_dims_of_one_entry():
     assert not entries_apart(torch.zeros(6).as_strided((2, 3), (2, 1)))  # row 1 starts inside row 0
 
 
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(shape=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4)),
+       strides=st.tuples(st.integers(0, 12), st.integers(0, 12), st.integers(0, 3)))
+@example(shape=(2, 3, 2), strides=(6, 4, 1))  # interleaved dims, every entry its own address
+def test_entries_apart_is_exact_against_every_offset(shape, strides):
+    """Its contract is "no two entries share an address": judged by enumerating every entry's
+    offset, an interleaved layout whose entries are apart (offsets 0 2 4 / 6 8 10 and 1 3 5 / 7 9 11)
+    is not refused as overlapping (`check_scores_out` named such an `out` "two entries one address")."""
+    import itertools
+
+    from m3_eagle_plugin.msa.kernels._common import entries_apart
+
+    span = sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+    t = torch.zeros(span).as_strided(shape, strides)
+    offsets = [sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*map(range, shape))]
+    assert entries_apart(t) == (len(set(offsets)) == len(offsets))
+
+
 def test_byte_aligned_ignores_the_last_stride():
     from m3_eagle_plugin.msa.kernels._common import byte_aligned
 

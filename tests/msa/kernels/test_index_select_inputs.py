@@ -84,6 +84,27 @@ def test_a_scoring_out_in_the_kernels_layout_passes_the_checks(monkeypatch):
     assert launched
 
 
+def test_a_scoring_out_whose_heads_interleave_without_meeting_is_taken(monkeypatch):
+    """Every entry its own address (enumerated below), though head 1's rows sit between head 0's:
+    the kernel stores through `out`'s strides, so it is written correctly; it was refused as
+    giving "two entries one address"."""
+    import itertools
+
+    from m3_eagle_plugin.msa.kernels import index_select
+
+    launched = []
+    monkeypatch.setattr(index_select, "launch", lambda *a, **k: launched.append(a))
+    meta, cache, _, index_q = _step()
+    width, tokens = meta.block_tables.shape[1], index_q.shape[0]
+    index_q = index_q[:, :1].expand(-1, 2, -1).contiguous()  # two index heads
+    strides = (3 * width, 2 * width, 1)  # token rows 2W apart, head 1 offset by 3W: into the gaps
+    out = torch.empty(2 * width * tokens + 2 * width).as_strided((2, tokens, width), strides)
+    offsets = [sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*map(range, out.shape))]
+    assert len(set(offsets)) == len(offsets)
+    assert index_select.index_block_scores(index_q, cache.index_k, meta, out=out) is out
+    assert launched
+
+
 @pytest.mark.parametrize("scores, expect", [
     (lambda h, t, w: torch.zeros(h, t, w, dtype=torch.float16), "block_scores must be float32"),
     (lambda h, t, w: torch.zeros(h, t, 2 * w)[..., ::2], "block_scores must have unit stride in its last"),

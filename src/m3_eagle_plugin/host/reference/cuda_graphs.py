@@ -79,7 +79,8 @@ class StepGraphs:
 
     def _stage(self, rows, tokens_per_row: int) -> tuple[torch.Tensor, list[int]]:
         """Reserve each row's pages for `tokens_per_row` more tokens; return the block tables at the
-        graph's full width and the rows' true kv lengths after the step."""
+        graph's full width and the rows' kv lengths after the step, from the optimistic ``kv_len``
+        (an in-flight step's deficit, `_step_inputs`' shrink, makes them true on the device)."""
         runner, cfg = self.runner, self.runner.config
         rids, staged = [], []
         for row in rows:

@@ -114,16 +114,33 @@ def triton_interpreting() -> bool:
 
 
 def entries_apart(t: torch.Tensor) -> bool:
-    """Whether no two entries of `t` share an address: taken from the smallest stride up, each
-    dim's stride passes the farthest offset the dims before it reach."""
+    """Whether no two entries of `t` share an address. Nested layouts (taken from the smallest
+    stride up, each dim's stride passes the farthest offset the dims before it reach) answer at
+    once; any other (a zero stride aside) is settled by counting every entry's offset, so dims that
+    interleave without meeting (strides (6, 4, 1) over (2, 3, 2)) are not called overlapping. At
+    most as many offsets as the span holds addresses: more entries than that must share one."""
     if t.numel() == 0:
         return True
+    dims = sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1)
     reach = 0
-    for stride, size in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
-        if stride <= reach:
+    for stride, size in dims:
+        if stride == 0:
             return False
+        if stride <= reach:
+            return _offsets_distinct(dims)
         reach += (size - 1) * stride
     return True
+
+
+def _offsets_distinct(dims: list[tuple[int, int]]) -> bool:
+    """Whether the (stride, size) dims give every index its own offset, by enumerating them."""
+    span = sum((size - 1) * stride for stride, size in dims) + 1
+    if math.prod(size for _, size in dims) > span:  # pigeonhole: fewer addresses than entries
+        return False
+    offsets = torch.zeros(1, dtype=torch.int64)
+    for stride, size in dims:
+        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).flatten()
+    return int(torch.unique(offsets).numel()) == int(offsets.numel())
 
 
 def byte_aligned(t: torch.Tensor, nbytes: int) -> bool:
