@@ -9,9 +9,9 @@ cannot run and never uses FlashInfer; `flashinfer` sends `sparse_attention` and
 other kernels behaving as under `auto`. Under `auto` those two go to FlashInfer only when
 `flashinfer_msa.eligibility` holds and the measured table (`kernel_table`) says it is faster at
 the nearest measured shape. Dense attention has no FlashInfer route: FlashInfer's prefill wrapper
-leads at 3 of the 18 dense shapes of the shipped table, by 1.6-4.4%, and only in the form planned for one step's own
-lengths, which an engine re-plans every step (on an H200 at B8/4K `plan()` + `run()` took
-134-328 us eagerly, `run()` alone 31) or, under CUDA graphs, replaces by the fixed-buffer form,
+leads at 3 of the shipped table's 18 dense shapes, by 1.6-4.4%, and only in the form planned for
+one step's own lengths, which an engine re-plans every step (on an H200 at B8/4K `plan()` +
+`run()` took 134-328 us eagerly, `run()` alone 31) or, under CUDA graphs, replaces by the fixed-buffer form,
 up to 1.5x slower at the q4 rows. The table's verdicts are reported for it all the same.
 
 Shapes the kernels do not take (head dim or block under 16 or not a power of two, a GQA group or
