@@ -683,3 +683,40 @@ def test_the_reported_cache_manager_is_the_one_a_plugin_written_as_documented_gi
     assert status.components.get("kv_cache_manager") == "my_pkg.kv:MyManager", status.reason
     report = m3_eagle_plugin.activate("auto")
     assert report.activated and report.components["kv_cache_manager"] == "my_pkg.kv:MyManager"
+
+
+def test_auto_on_an_untested_host_is_refused_where_the_manifest_says_refuse(active_env, monkeypatch, log_lines):
+    """plugin_manifest.toml: `on_untested_host = "refuse"` makes `auto` leave an in-range but untested host
+    alone (one line saying why); only the shipped "warn" policy was exercised."""
+    import dataclasses
+
+    from m3_eagle_plugin import manifest as manifest_module
+
+    make_host, installs = active_env
+    make_host("1.3.0")  # inside >=1.3.0rc1,<1.5, not in the tested list
+    shipped = manifest_module.load_manifest()
+    refusing = dataclasses.replace(shipped, activation=dataclasses.replace(shipped.activation,
+                                                                          on_untested_host="refuse"))
+    monkeypatch.setattr(manifest_module, "load_manifest", lambda path=None: refusing)
+    report = m3_eagle_plugin.activate("auto")
+    assert (report.ok, report.activated, report.verdict) == (False, False, "untested") and installs == []
+    assert "refuses untested hosts" in report.reason and len(log_lines) == 1
+    assert not m3_eagle_plugin.status().ok  # status says what activating decided
+
+
+def test_status_under_auto_beside_a_broken_plugin_is_ok_as_activating_is(active_env, monkeypatch):
+    """status() is "what activation would see now": `auto` activates beside a plugin that failed to load
+    (only `require` refuses it), so status under auto must not say the activation would fail."""
+    make_host, installs = active_env
+    make_host("1.3.0rc24")
+    from m3_eagle_plugin.registry import PluginLoadError, get_plugin_manager
+
+    get_plugin_manager().load_errors.append(PluginLoadError("broken", "x:y", None, "ImportError: boom"))
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    predicted = m3_eagle_plugin.status()
+    assert predicted.ok and predicted.plugin_errors and "boom" not in predicted.reason and installs == []
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "require")
+    refused = m3_eagle_plugin.status()
+    assert not refused.ok and "boom" in refused.reason
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    assert m3_eagle_plugin.activate().ok is predicted.ok is True

@@ -326,3 +326,21 @@ def test_a_loader_without_exec_module_is_left_unwrapped(monkeypatch):
     hook = _bootstrap.HostImportHook()
     monkeypatch.setattr(sys, "meta_path", [hook, Finder()])
     assert hook.find_spec("tensorrt_llm").loader is legacy
+
+
+def test_a_meta_path_entry_without_find_spec_is_skipped_as_the_import_system_skips_it(
+        fake_host, hermetic_manager, fake_install, monkeypatch):
+    """Python's import system passes over a `sys.meta_path` entry that has no `find_spec` (a legacy
+    finder); the hook, which searches the finders after it itself, must too, not fail the host import."""
+    fake_host("1.3.0rc24")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+
+    class Legacy:  # only the pre-3.4 protocol
+        def find_module(self, fullname, path=None):
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [Legacy(), *sys.meta_path])
+    _bootstrap.main()  # the hook goes first, the legacy entry is among the finders it searches
+    import tensorrt_llm  # noqa: F401
+
+    assert fake_install == [1] and installed_hook() is None

@@ -338,6 +338,8 @@ _LAUNCH = {"TLLM_SPAWN_PROXY_PROCESS": "1", "tllm_mpi_size": "8"}  # what trtllm
         ({"M3_EAGLE_PLUGIN": "auto"}, "auto", "kept", []),  # exported before the launch: the ranks have it
         ({}, "off", "kept", []),
         ({"M3_EAGLE_PLUGIN": "off"}, {"mode": "auto", "force": True}, "kept", []),  # off in effect everywhere
+        # switches the key turns off, under a mode the ranks have: nothing on here that is off there
+        ({"M3_EAGLE_PLUGIN": "require"}, {"force": False, "trace": False}, "kept", []),
     ],
 )
 def test_under_trtllm_llmapi_launch_what_the_ranks_never_see_is_refused_or_named(exported, value, outcome, unseen,
@@ -389,3 +391,24 @@ def test_without_the_launcher_marker_the_key_is_exported_silently(clean_state, m
     assert consume_config_key({CONFIG_KEY: {"mode": "require", "force": True}}, environ) == {}
     assert environ == {"TLLM_SPAWN_PROXY_PROCESS": "0", "M3_EAGLE_PLUGIN": "require", "M3_EAGLE_PLUGIN_FORCE": "1"}
     assert _warnings(capsys.readouterr().err) == []
+
+
+def test_a_host_function_replaced_after_the_install_is_wrapped_anew(fake_host, hermetic_manager, fake_install,
+                                                                   monkeypatch):
+    """`install_host_hook` wraps the host's YAML merge function wherever it is bound: installed again after
+    the host rebound it (a reload, another tool's wrapper), the YAML must reach the function bound now,
+    not the one the first install wrapped."""
+    fake_host("1.3.0rc24")
+    import tensorrt_llm.llmapi.llm_args as llm_args
+
+    install_host_hook()
+    seen = []
+
+    def rebound(llm_args_obj, llm_args_dict, *args, **kwargs):
+        seen.append(dict(llm_args_dict))
+        return {**llm_args_obj, **llm_args_dict}
+
+    monkeypatch.setattr(llm_args, "update_llm_args_with_extra_dict", rebound)
+    assert "tensorrt_llm.llmapi.llm_args" in install_host_hook()
+    merged = llm_args.update_llm_args_with_extra_dict({"model": "m"}, {"max_batch_size": 2, CONFIG_KEY: "off"})
+    assert merged == {"model": "m", "max_batch_size": 2} and seen == [{"max_batch_size": 2}]

@@ -49,3 +49,16 @@ def test_a_host_that_would_activate_is_not_reported_as_the_reason_for_no_patches
     assert data["patches_applied"] == [] and data["ok"] is True
     assert data["reason"] not in data["patches_reason"]
     assert "activates when tensorrt_llm is imported" in data["patches_reason"], data["patches_reason"]
+
+
+def test_under_auto_a_deferring_host_gives_the_defer_as_the_reason_for_no_patches(fake_host, hermetic_manager,
+                                                                                  capsys, monkeypatch):
+    """plugin_manifest.toml: from 1.4.0rc1 the plugin defers to upstream unless forced, so importing the host
+    would not patch it: "activates when tensorrt_llm is imported" is not why nothing is patched, the defer is."""
+    fake_host("1.4.0rc1")
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    assert cli.main(["doctor", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["patches_applied"] == [] and data["verdict"] == "defer" and data["ok"] is True
+    assert "activates when" not in data["patches_reason"], data["patches_reason"]
+    assert data["patches_reason"] == f"not activated: {data['reason']}" and "M3_EAGLE_PLUGIN_FORCE" in data["reason"]

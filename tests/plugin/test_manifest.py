@@ -373,3 +373,14 @@ def test_a_manifest_that_is_not_utf8_is_a_manifest_error_naming_the_file(tmp_pat
     path.write_bytes(ROOT_MANIFEST.read_bytes().replace(b'"MiniMax-M3 one-model', b'"Mini\xe9Max-M3'))
     with pytest.raises(ManifestError, match=f"cannot read manifest {path}: .*utf-8"):
         load_manifest(path)
+
+
+def test_a_tested_host_inside_the_defer_range_is_supported_and_marked_forced_when_forced():
+    """Verdict's docstring: `forced` when the force switch lifted a defer, whatever the host's status then
+    is (the shipped manifest tests no deferring version, so only the untested case was exercised)."""
+    manifest = _with_host(requires=">=1.2,<2", tested=["1.6.0"], defer_from=">=1.5")
+    assert host_verdict("1.6.0", manifest).status == DEFER
+    forced = host_verdict("1.6.0", manifest, force=True)
+    assert (forced.status, forced.forced) == (SUPPORTED, True) and "overridden" in forced.reason
+    assert host_verdict("1.4.0", _with_host(requires=">=1.2,<2", tested=["1.4.0"], defer_from=">=1.5"),
+                        force=True).forced is False  # nothing deferred, nothing lifted
