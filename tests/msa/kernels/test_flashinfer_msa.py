@@ -443,6 +443,28 @@ def test_layer_follows_the_whole_step_row(fake_fi, monkeypatch, tmp_path, step_r
     torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_forced_flashinfer_layer_runs_flashinfers_halves_whatever_the_whole_step_row_says(fake_fi, monkeypatch,
+                                                                                          tmp_path):
+    """`M3_EAGLE_KERNELS=flashinfer` sends `select_blocks_paged` and `sparse_attention` to FlashInfer
+    (backend docstring); the whole-step row is the `auto` choice only (`_whole_step_backend`): one that
+    measured our step faster does not run it under the forced mode."""
+    from m3_eagle_plugin.msa.kernels import backend, sparse_layer_attention, verify_step
+
+    monkeypatch.setenv("M3_EAGLE_KERNEL_TABLE", _write_table(tmp_path / "t.json", "Fake H200", [
+        _row("sparse_attn", 2, 512, 2, 10.0, 5.0), _row("index_select", 2, 512, 2, 10.0, 5.0),
+        _row("sparse_step", 2, 512, 2, 9.0, 12.0)]))
+    monkeypatch.setenv("M3_EAGLE_KERNELS", "flashinfer")
+    monkeypatch.setattr(backend, "use_triton", lambda device: True)
+    monkeypatch.setattr(verify_step, "sparse_verify_step", lambda *a, **kw: pytest.fail("our whole step ran"))
+    st = _step([2, 2], [500, 300], seed=3)
+    meta = st["meta"]
+    got = sparse_layer_attention(st["q"], st["k"], st["v"], st["index_q"], st["index_k"], meta, topk=16, scale=0.1)
+    assert {"msa_sparse_decode_attention", "msa_proxy_score", "msa_topk_select"} <= set(fake_fi.calls)
+    expect = ref_sparse(st["q"], st["k"], st["v"], meta, ref_select(st["index_q"], st["index_k"], meta, topk=16),
+                        scale=0.1)
+    torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_layer_refuses_a_bad_scale_before_flashinfers_whole_step_selects(fake_fi, monkeypatch, tmp_path):
     """Where the whole-step row sends the layer to FlashInfer, a scale the attention refuses is refused
     before the scoring and top-k run, not after."""
@@ -756,10 +778,23 @@ def test_interleave_kv_packs_k_then_v_and_split_interleaved_undoes_it():
         fim.interleave_kv(k, v[:, :1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interleaved_refusal_measures_the_v_offset_in_elements(dtype):
+    """"V must start D elements after K": the halves of an interleaved cache of 2-byte (or 4-byte)
+    elements are taken, halves one element off are refused."""
+    packed = torch.zeros(3, 2, 4, 16, dtype=dtype)
+    assert fim.interleaved_refusal(*fim.split_interleaved(packed)) is None
+    wide = torch.zeros(3, 2, 4, 17, dtype=dtype)
+    off = wide[..., :16].as_strided(packed.shape, packed.stride(), 9)  # V one element late
+    assert "not the two halves" in fim.interleaved_refusal(wide[..., :16].as_strided(packed.shape, packed.stride()),
+                                                           off)
+
+
 def test_q2k_indices_shares_one_index_head_and_refuses_another_head_count():
     sel = torch.tensor([[[0, 2, -1]], [[1, -1, -1]]], dtype=torch.int64)  # 2 heads, 1 token
     assert fim.q2k_indices(sel, 2).dtype == torch.int32 and fim.q2k_indices(sel, 2).tolist() == sel.tolist()
     assert fim.q2k_indices(sel[:1], 3).tolist() == [[[0, 2, -1]]] * 3
+    assert fim.q2k_indices(sel[:1], 2).tolist() == [[[0, 2, -1]]] * 2  # any count of KV heads past one
     with pytest.raises(ValueError, match="selection has 2 heads for 4 KV heads"):
         fim.q2k_indices(sel, 4)
 

@@ -55,6 +55,15 @@ def test_check_meta_takes_a_well_formed_step():
     check_meta(_meta(block_tables=column), CPU)
 
 
+def test_check_meta_refuses_metadata_without_a_block_table_naming_the_field():
+    """A missing field is named (`KernelInputError`), the block table as any other: not an
+    AttributeError from reading its dtype."""
+    meta = _meta()
+    del meta.block_tables
+    with pytest.raises(KernelInputError, match="lacks field 'block_tables'"):
+        check_meta(meta, CPU)
+
+
 def test_check_meta_refuses_a_block_table_not_int32():
     with pytest.raises(KernelInputError, match="int32"):
         check_meta(_meta(block_tables=torch.zeros(2, 3, dtype=torch.int64)), CPU)
@@ -109,6 +118,22 @@ def test_step_buffer_is_the_next_power_of_two(numel, size):
     buf = step_buffer(store, "cpu", numel, fill=7, min_numel=1)
     assert buf.numel() == numel and store[CPU].numel() == size
     assert bool((store[CPU] == 7).all())
+
+
+def test_step_buffers_lists_only_the_buffers_made_for_the_device_asked():
+    """`step_buffers(store, device)` is "every buffer `step_buffer` made in `store` for `device`": a
+    reset of one device's hand-off (`reset_handoff`) must not fill another device's board, whose
+    step may be between its scoring and its top-k. The meta device stands in for a second GPU."""
+    store: dict = {}
+    made = {}
+    for device in ("cpu", "meta"):
+        first = step_buffer(store, device, 2, fill=0, min_numel=2)
+        second = step_buffer(store, device, 3, fill=0, min_numel=2)  # replaces the first (kept, retired)
+        made[device] = [first.untyped_storage().data_ptr(), second.untyped_storage().data_ptr()]
+    for device in ("cpu", "meta"):
+        got = _common.step_buffers(store, device)
+        assert {t.device.type for t in got} == {device}
+        assert len(got) == 2 and [t.untyped_storage().data_ptr() for t in got] == made[device]
 
 
 # --- kernel_table: nearest row and the choice ---------------------------------------------------------------
@@ -202,6 +227,27 @@ def test_tile_refusal_follows_the_documented_shape_rules():
     assert "at most 32" in _tile_refusal(q48, k1, 16, padded_rows=32)
 
 
+def test_tile_refusal_judges_the_group_per_kv_head_not_the_head_count():
+    """"The group must be a power of two": 12 query heads over 3 KV heads are groups of 4 (taken),
+    12 over 2 are groups of 6 (refused)."""
+    from m3_eagle_plugin.msa.kernels.backend import _tile_refusal
+
+    q12 = torch.zeros(2, 12, 16)
+    assert _tile_refusal(q12, torch.zeros(4, 3, 16, 16), 16) is None
+    assert "group must be a power of two" in _tile_refusal(q12, torch.zeros(4, 2, 16, 16), 16)
+
+
+def test_cache_refusal_takes_exactly_the_cache_dtypes_the_kernels_read():
+    """The kernels read float32, float16, bfloat16 and fp8 caches (`CACHE_DTYPES`); an integer cache
+    (int8, uint8) is refused as float64 is, so the dispatchers run the references instead."""
+    from m3_eagle_plugin.msa.kernels.backend import _cache_refusal
+
+    for dtype in _common.CACHE_DTYPES:
+        assert _cache_refusal(k_cache=torch.zeros(1, dtype=dtype)) is None, dtype
+    for dtype in (torch.int8, torch.uint8, torch.float64):
+        assert "v_cache in" in _cache_refusal(k_cache=torch.zeros(1), v_cache=torch.zeros(1, dtype=dtype)), dtype
+
+
 def test_report_under_torch_mode_says_torch_even_where_triton_could_run(monkeypatch):
     from m3_eagle_plugin.msa.kernels import backend
 
@@ -234,6 +280,21 @@ def test_reset_board_puts_the_sentinel_back():
     board.view(torch.int32).fill_(0)
     handoff.reset_board("cpu")
     assert bool((handoff._BOARDS[CPU] == handoff.SENTINEL).all())
+
+
+def test_a_reset_that_fails_while_raising_is_noted_on_the_error_it_leaves():
+    """`reset_while_raising`: the step's own error propagates, the reset's failure noted on it."""
+    import sys
+
+    from m3_eagle_plugin.msa.kernels.handoff import reset_while_raising
+
+    error = RuntimeError("the step's own failure")
+
+    def failing_reset():
+        raise ValueError("sticky CUDA error")
+    reset_while_raising(error, failing_reset)
+    if sys.version_info >= (3, 11):
+        assert error.__notes__ == ["resetting the hand-off failed too: ValueError: sticky CUDA error"]
 
 
 # --- replay signatures -------------------------------------------------------------------------------------
@@ -271,6 +332,35 @@ def test_call_signature_holds_the_metadata_fields_layout_and_host_values():
     with_valid = call_signature((x,), meta, ())
     meta.valid_blocks = other  # the index top-k reads it: another tensor is another call
     assert call_signature((x,), meta, ()) != with_valid
+
+
+def test_call_signature_holds_the_metadata_block_size_and_the_kernels_environment(monkeypatch):
+    """The block size the block table is read with is a metadata host value the signature holds
+    (`META_FIELDS`), and each variable of `ENV_KEYS` is read by the kernel paths: a change of either
+    is another call, never a replay of the old one."""
+    from m3_eagle_plugin.msa.kernels.replay import ENV_KEYS, call_signature
+
+    meta = types.SimpleNamespace(block_tables=torch.zeros(2, 2, dtype=torch.int32), block_size=64)
+    x = torch.zeros(2)
+    for name in ENV_KEYS:
+        monkeypatch.delenv(name, raising=False)
+    first = call_signature((x,), meta, ())
+    meta.block_size = 128
+    assert call_signature((x,), meta, ()) != first
+    meta.block_size = 64
+    assert call_signature((x,), meta, ()) == first
+    for name in ENV_KEYS:
+        monkeypatch.setenv(name, "0")
+        assert call_signature((x,), meta, ()) != first, name
+        monkeypatch.delenv(name)
+
+
+def test_an_unhashable_scalar_runs_the_ordinary_path(monkeypatch):
+    """A signature holding an unhashable scalar (a list) cannot key a recording: the call runs."""
+    replay, replayer = _recording_replayer(monkeypatch)
+    signature = replay.call_signature((torch.zeros(2),), _Meta(), ([1, 2],))
+    assert replayer.call(signature, (torch.zeros(2),), _Meta(), lambda: "ran") == "ran"
+    assert replayer.recordings == {}
 
 
 def _recording_replayer(monkeypatch):

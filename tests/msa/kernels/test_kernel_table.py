@@ -318,6 +318,26 @@ def test_only_index_selection_rows_take_the_num_valid_pages_top_k_time():
     assert entry["flashinfer_us"] == 9.0 and "note" not in entry
 
 
+@pytest.mark.parametrize("fields", [dict(flashinfer_us=0.0), dict(flashinfer_us=float("nan")),
+                                    dict(flashinfer_us=5.0, flashinfer_topk_us=6.0, flashinfer_nvp_us=0.5)])
+def test_a_flashinfer_time_that_is_not_positive_is_written_as_not_measured(fields):
+    """The format takes a positive FlashInfer time or null: a bench row whose time (as measured, or
+    after the top-k substitution: 5 - 6 + 0.5 < 0) is no positive number is written as null, ours
+    still measured, not a table the writer itself refuses."""
+    row = {"kernel": "index_select", "batch": 4, "context": 8192, "qo_len": 4, "graph_us": 7.0, **fields}
+    (entry,) = kt.table_from_bench_rows([row], device="GPU Z", date="d", command="c")["rows"]
+    assert entry["ours_us"] == 7.0 and entry["flashinfer_us"] is None
+
+
+def test_a_num_valid_pages_time_without_the_default_top_k_time_keeps_the_measured_time():
+    """The substitution needs both top-k times (`fi - topk + nvp`); with only the num_valid_pages
+    one, FlashInfer's time stays as measured, noted as the default top-k form."""
+    row = {"kernel": "index_select", "batch": 4, "context": 8192, "qo_len": 4, "graph_us": 7.0,
+           "flashinfer_us": 9.0, "flashinfer_nvp_us": 6.0}
+    (entry,) = kt.table_from_bench_rows([row], device="GPU Z", date="d", command="c")["rows"]
+    assert entry["flashinfer_us"] == 9.0 and "default top-k" in entry["note"]
+
+
 def test_a_rows_verdict_calls_a_tie_ours_as_the_choice_does():
     tie, faster, slower = (kt.TableRow("sparse_attn", 16, 32768, 4, 10.0, fi) for fi in (10.0, 9.5, 12.0))
     assert tie.verdict() == "B16/32K q4 -> ours (ours 10 / FlashInfer 10 us)"
