@@ -177,9 +177,11 @@ def test_draft_pool_root_is_the_default_shared_address_not_the_per_layer_base(cu
     assert manager.kv_cache_pool_pointers[1].tolist() == [shared, 0]
 
 
-def test_draft_copy_uses_the_hosts_copy_index_and_stream(current_host):
+@pytest.mark.parametrize("order, num_contexts", [([6, 4], 0), ([4, 6], 1)])  # 1: request 4 is a context request
+def test_draft_copy_uses_the_hosts_copy_index_and_stream(current_host, order, num_contexts):
     """Each virtual-pool copy takes `index_mapper.get_copy_index(request_ids, num_contexts, beam_width)`
-    and the manager's stream, as the base copy does (the host's argument order)."""
+    and the manager's stream, as the base copy does (the host's argument order), so its rows are the
+    base's, with or without context requests in the step."""
     from tensorrt_llm.bindings.internal.batch_manager import kv_cache_manager_v2_utils as native
 
     plugin, _ = _classes()
@@ -197,10 +199,11 @@ def test_draft_copy_uses_the_hosts_copy_index_and_stream(current_host):
     manager._stream.cuda_stream = 77
     native.CALLS.clear()
     dst = torch.full((2, 2, 2, manager.max_blocks_per_seq), -9, dtype=torch.int32)
-    manager.copy_batch_block_offsets(dst, [6, 4], 1, 0, 2)  # beam_width 1, num_contexts 0
-    assert asked == [([6, 4], 0, 1)] * 2  # the base copy's, then the draft pool's
+    manager.copy_batch_block_offsets(dst, order, 1, num_contexts, 2)  # beam_width 1
+    assert asked == [(order, num_contexts, 1)] * 2  # the base copy's, then the draft pool's
     assert [stream for _, _, stream in native.CALLS] == [77, 77]
-    assert dst[1, 0, 0, :1].tolist() == [2 * 179] and dst[1, 1, 1, :1].tolist() == [179 + 1]
+    row = {request: i for i, request in enumerate(order)}
+    assert dst[1, row[6], 0, :1].tolist() == [2 * 179] and dst[1, row[4], 1, :1].tolist() == [179 + 1]
 
 
 def test_each_virtual_pool_is_copied_with_its_own_scale_and_offset(current_host):
@@ -267,23 +270,3 @@ def test_the_draft_copys_scales_and_offsets_are_pinned_as_the_hosts_own_tables(c
     manager.copy_batch_block_offsets(dst, [3], 1, 0, 1)
     assert copied == [(True, True), (True, True)]  # one copy per virtual pool
     assert dst[2, 0, :, :2].tolist() == [[181, 2 * 181], [182, 2 * 181 + 1]]  # 3*2 + 57*3 + 2*2 sub-pages
-
-
-def test_the_draft_copy_asks_for_the_copy_index_with_the_steps_num_contexts(current_host):
-    """A step with a context request first: the draft pool's copy asks `get_copy_index` with the
-    same (request_ids, num_contexts, beam_width) as the host's base copy, so its rows are the base's."""
-    plugin, _ = _classes()
-    manager = _make(plugin)
-    manager.add_sequence(4, [1])
-    manager.add_sequence(6, [2])
-    asked = []
-    mapper_copy_index = manager.index_mapper.get_copy_index
-
-    def get_copy_index(request_ids, num_contexts, beam_width):
-        asked.append((list(request_ids), num_contexts, beam_width))
-        return mapper_copy_index(request_ids, num_contexts, beam_width)
-
-    manager.index_mapper.get_copy_index = get_copy_index
-    dst = torch.full((2, 2, 2, manager.max_blocks_per_seq), -9, dtype=torch.int32)
-    manager.copy_batch_block_offsets(dst, [4, 6], 1, 1, 2)  # request 4 is a context request
-    assert asked == [([4, 6], 1, 1)] * 2

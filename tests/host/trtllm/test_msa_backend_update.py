@@ -141,7 +141,13 @@ def test_draft_length_is_read_in_order_of_precedence(current_host, own, manager_
     assert meta.m3_eagle_step.scratch_decode_tokens == 2 * (1 + expect)
 
 
-def test_a_mixed_step_leaves_the_decode_scratch_to_the_host(current_host):
+@pytest.mark.parametrize("seq_lens, host_rows, slots", [
+    ([6, 2], [2, 3], [0, 1, 2, 3, 4, 5, 16, 17]),  # host rows: last positions 5 and 9
+    # a context row of 2 tokens (a prompt's last chunk) fits a verify row's length, but the step is not
+    # decode-only: the host's rule is `num_contexts == 0` (msa_backend.py at 57ea1cdf, `_build_step_plans`)
+    ([2, 2], [1, 3], [0, 1, 16, 17]),  # host rows: last positions 1 and 9
+])
+def test_a_mixed_step_leaves_the_decode_scratch_to_the_host(current_host, seq_lens, host_rows, slots):
     """A context row beside a verify row: the host's own per-row writes stay, the plugin writes no
     per-token count into the decode scratch (its entries past the host's rows keep their value)."""
     backend = _backend()
@@ -149,13 +155,14 @@ def test_a_mixed_step_leaves_the_decode_scratch_to_the_host(current_host):
     manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64)
     manager.add_sequence(0, [0, 1])
     manager.add_sequence(1, [2, 3, 4])
-    meta = _metadata(backend.Metadata, manager, seq_lens=[6, 2], cached=[0, 8])
+    meta = _metadata(backend.Metadata, manager, seq_lens=seq_lens, cached=[0, 8])
     meta.num_contexts = 1
     meta.msa_n_valid_blocks.fill_(77)
     meta.prepare()
-    assert meta.msa_n_valid_blocks[:2].tolist() == [2, 3]  # the host's rows: last positions 5 and 9
+    assert not meta.m3_eagle_step.is_decode_only
+    assert meta.msa_n_valid_blocks[:2].tolist() == host_rows
     assert meta.msa_n_valid_blocks[2:].eq(77).all()
-    assert meta.msa_out_cache_loc[:8].tolist() == [0, 1, 2, 3, 4, 5, 16, 17]
+    assert meta.msa_out_cache_loc[:len(slots)].tolist() == slots
 
 
 @pytest.mark.parametrize("buffer,match", [("msa_out_cache_loc", "msa_out_cache_loc holds 3 entries"),
@@ -367,22 +374,3 @@ def test_the_per_token_fields_stand_after_the_hosts_own_kv_update(current_host, 
     slots, valid, _, _ = naive_step_fields(list(tables.values()), page, [2, 3], [8, 12])
     assert meta.msa_out_cache_loc[:5].tolist() == slots == [6, 7, 109, 110, 111]
     assert meta.msa_n_valid_blocks[:5].tolist() == valid == [2, 2, 3, 3, 3]
-
-
-def test_a_short_context_row_still_makes_the_step_mixed(current_host):
-    """A context row of 2 tokens (a prompt's last chunk) fits a verify row's length, but the step is
-    not decode-only: the host's rule is `num_contexts == 0` (msa_backend.py at 57ea1cdf,
-    `_build_step_plans`), so the decode scratch keeps the host's per-row writes."""
-    backend = _backend()
-    plugin, _ = _classes()
-    manager = _make(plugin, num_layers=4, tokens_per_block=4, max_seq_len=64)
-    manager.add_sequence(0, [0, 1])
-    manager.add_sequence(1, [2, 3, 4])
-    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 2], cached=[0, 8])
-    meta.num_contexts = 1
-    meta.msa_n_valid_blocks.fill_(77)
-    meta.prepare()
-    assert not meta.m3_eagle_step.is_decode_only
-    assert meta.msa_n_valid_blocks[:2].tolist() == [1, 3]  # the host's rows: last positions 1 and 9
-    assert meta.msa_n_valid_blocks[2:].eq(77).all()
-    assert meta.msa_out_cache_loc[:4].tolist() == [0, 1, 16, 17]
