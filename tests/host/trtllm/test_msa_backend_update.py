@@ -326,10 +326,8 @@ def test_request_ids_past_the_steps_rows_are_not_read(current_host):
     assert meta.msa_n_valid_blocks[:5].tolist() == valid
 
 
-def test_a_host_slot_buffer_longer_than_the_step_is_reset_past_its_tokens(current_host):
-    """`msa_out_cache_loc` takes every token's slot and -1 past them (the publish contract), also
-    when the host's buffer holds more entries than the step's max_num_tokens: a stale slot left
-    there would be written by a kernel that reads past the live tokens."""
+def _two_request_step(**meta_kwargs):
+    """Verify rows of 2 and 3 tokens after 7 and 9 cached ones, pages of 4: (metadata, tables, page)."""
     backend = _backend()
     plugin, _ = _classes()
     page = 4
@@ -337,10 +335,18 @@ def test_a_host_slot_buffer_longer_than_the_step_is_reset_past_its_tokens(curren
     tables = {0: [0, 1, 2], 1: [5, 6, 27]}
     for rid, table in tables.items():
         manager.add_sequence(rid, table)
-    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 3], cached=[7, 9], max_num_tokens=16)
+    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 3], cached=[7, 9], **meta_kwargs)
+    return meta, list(tables.values()), page
+
+
+def test_a_host_slot_buffer_longer_than_the_step_is_reset_past_its_tokens(current_host):
+    """`msa_out_cache_loc` takes every token's slot and -1 past them (the publish contract), also
+    when the host's buffer holds more entries than the step's max_num_tokens: a stale slot left
+    there would be written by a kernel that reads past the live tokens."""
+    meta, tables, page = _two_request_step(max_num_tokens=16)
     meta.msa_out_cache_loc = torch.full((24,), 5, dtype=torch.int32)  # 8 entries past the step's 16
     meta.prepare()
-    slots, _, _, _ = naive_step_fields(list(tables.values()), page, [2, 3], [9, 12])
+    slots, _, _, _ = naive_step_fields(tables, page, [2, 3], [9, 12])
     assert meta.msa_out_cache_loc[:5].tolist() == slots
     assert meta.msa_out_cache_loc[5:].tolist() == [-1] * 19
 
@@ -360,17 +366,10 @@ def test_the_per_token_fields_stand_after_the_hosts_own_kv_update(current_host, 
             self.msa_n_valid_blocks[i] = pos // page + 1
 
     monkeypatch.setattr(HostMsaMetadata, "on_update_kv_lens", host_update)
-    backend = _backend()
-    plugin, _ = _classes()
-    page = 4
-    manager = _make(plugin, num_layers=4, tokens_per_block=page, max_seq_len=64)
-    tables = {0: [0, 1, 2], 1: [5, 6, 27]}
-    for rid, table in tables.items():
-        manager.add_sequence(rid, table)
-    meta = _metadata(backend.Metadata, manager, seq_lens=[2, 3], cached=[7, 9])
+    meta, tables, page = _two_request_step()
     meta.prepare()
     meta.kv_lens_cuda[:2] = torch.tensor([8, 12], dtype=torch.int32)  # request 0 rejected its draft
     meta.on_update_kv_lens()
-    slots, valid, _, _ = naive_step_fields(list(tables.values()), page, [2, 3], [8, 12])
+    slots, valid, _, _ = naive_step_fields(tables, page, [2, 3], [8, 12])
     assert meta.msa_out_cache_loc[:5].tolist() == slots == [6, 7, 109, 110, 111]
     assert meta.msa_n_valid_blocks[:5].tolist() == valid == [2, 2, 3, 3, 3]
