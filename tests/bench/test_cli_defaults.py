@@ -339,3 +339,67 @@ def test_the_written_command_keeps_the_input_sets_the_times_were_taken_over(tmp_
     cli.add_arguments(parser)
     again = parser.parse_args(json.loads(path.read_text())["command"].split()[2:])
     assert (again.sets, again.rounds, cli.configs_of(again, gpu=True)) == (1, 1, [(16, 32768)])
+
+
+def test_a_context_one_token_short_of_the_longest_q_len_is_refused(capsys):
+    """3 tokens cannot hold a q_len of 4 (1 <= q_len <= kv_len): an option error before anything is
+    measured, not build_step_meta's traceback from inside the smoke table."""
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x3", "--qo-lens", "1,4", "--kernels",
+                    "dense_attn"]) == 2
+    assert "m3-eagle bench: --configs 2x3: context shorter than --qo-lens 4" in capsys.readouterr().err
+
+
+def test_standard_json_covers_tuples_too():
+    """A tuple is written as a JSON array: a non-finite float inside one must become its string as
+    in a list, else `json.dump` writes `Infinity`, which strict readers refuse."""
+    import json
+
+    from m3_eagle_plugin.bench import cli
+
+    document = cli._standard_json({"a": (1.0, float("inf")), "b": [(float("nan"),)]})
+    assert json.loads(json.dumps(document, allow_nan=False)) == {"a": [1.0, "inf"], "b": [["nan"]]}
+
+
+def test_a_pipe_in_a_folder_that_takes_no_new_file_is_accepted(tmp_path, monkeypatch):
+    """A pipe is written in place (`_write_json`), so only it must be writable, not its folder
+    (`/dev/stdout` for a user who cannot create files in /proc/PID/fd or /dev): here a FIFO whose
+    folder `os.access` calls read-only, as it does for such a user."""
+    import os
+
+    from m3_eagle_plugin.bench import cli
+
+    fifo = tmp_path / "bench.pipe"
+    os.mkfifo(fifo)
+    real_access = os.access
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: False if os.path.realpath(path) == str(
+        tmp_path.resolve()) else real_access(path, mode))
+    cli._check_output_path("--json", str(fifo))
+    with pytest.raises(ValueError, match="is not a writable directory"):  # a plain file there is refused
+        cli._check_output_path("--json", str(tmp_path / "bench.json"))
+
+
+def test_the_smoke_sparse_row_counts_the_bytes_of_the_selection_it_times(monkeypatch, tmp_path):
+    """The smoke table's sparse_attn row times the torch reference on one selection and counts its
+    byte floor on it (byte_floor: "the selection given"): the two must be the same selection (the
+    shared input selection's union is another size at 2x512, q_len 4)."""
+    import json
+
+    import torch
+
+    from m3_eagle_plugin.bench import torch_reference as ref
+    from m3_eagle_plugin.bench.inputs import Geometry
+    from m3_eagle_plugin.bench.kernel_suite import byte_floor
+
+    timed = []
+    real = ref.sparse_attention
+    monkeypatch.setattr(ref, "sparse_attention", lambda q, k, v, meta, selection, **kw: (
+        timed.append((q, meta, selection)), real(q, k, v, meta, selection, **kw))[1])
+    out = tmp_path / "bench.json"
+    assert m3_main(["bench", "--device", "cpu", "--configs", "2x512", "--qo-lens", "4", "--kernels", "sparse_attn",
+                    "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    geo = Geometry(q_heads=4, kv_heads=1, head_dim=32, index_heads=1, index_dim=32, block=16, topk=4)  # test_cli's
+    q, meta, selection = timed[0]
+    assert all(s is selection for _, _, s in timed)
+    assert row["bytes"] == byte_floor("sparse_attn", meta, geo, q=q, index_q=q, kv_dtype=torch.float32,
+                                      index_dtype=torch.float32, selection=selection)[0]

@@ -334,3 +334,63 @@ def test_a_failed_batch_keeps_the_rows_of_the_batches_before_it(failure, tmp_pat
         ("end_to_end", 1, "no_spec", 2.0), ("end_to_end", 1, "eagle3", 7.0)]
     assert rows[1]["mean_acceptance_length"] == 3.5 and rows[1]["speedup"] == 3.5
     assert [line.split()[:3] for line in captured.out.splitlines()[2:]] == [["end_to_end", "e2e", "1"]] * 2
+
+
+@pytest.mark.parametrize("dest", ["e2e_hidden", "e2e_tokens", "e2e_context", "e2e_batches"])
+def test_a_size_of_exactly_2_to_the_31_is_past_int32(dest):
+    """2**31 is the first value an int32 cannot hold: refused like 10**20, naming the option."""
+    value = 2**31
+    option = "--" + dest.replace("_", "-")
+    with pytest.raises(ValueError, match=f"^{option} {value}: .*<= {2**31 - 1}"):
+        e2e.shape_from_args(argparse.Namespace(**{dest: str(value) if dest == "e2e_batches" else value}),
+                            torch.device("cpu"))
+
+
+def test_a_shape_of_hidden_zero_is_refused_naming_hidden():
+    with pytest.raises(ValueError, match="^hidden must be >= 1, got 0"):
+        replace(e2e.CPU_SHAPE, hidden=0)
+
+
+def test_bench_end_to_end_on_cpu_gives_back_the_thread_count(monkeypatch):
+    """The CPU shape runs on one thread; the caller's torch thread count is restored after the run,
+    and after a failed one."""
+    seen = []
+
+    def fake_run(shape, device, log=None):
+        seen.append(torch.get_num_threads())
+        if len(seen) == 2:
+            raise MemoryError("cannot allocate")
+        return []
+
+    monkeypatch.setattr(e2e, "run_e2e", fake_run)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        args = argparse.Namespace(device="cpu")
+        assert e2e.bench_end_to_end(args) == [] and torch.get_num_threads() == 2
+        with pytest.raises(MemoryError):
+            e2e.bench_end_to_end(args)
+        assert torch.get_num_threads() == 2 and seen == [1, 1]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_only_the_batch_1_eagle3_row_carries_the_goal_note(monkeypatch):
+    """The speed-up goal is stated for batch 1 (SPEEDUP_GOAL_BATCH1): other batches' rows, and the
+    no-spec rows, carry no goal note; a no-spec row reports draft_len 0 (its engine drafts nothing)."""
+    _scripted_engines(monkeypatch)
+    monkeypatch.setattr(e2e, "measure_decode", lambda engine, prompts, n: e2e.DecodeMeasurement(
+        tokens=10 if engine[1] else 4, verify_steps=2 * engine[0], accepted=0, seconds=1.0, generated_total=8,
+        engine_steps=5))
+    rows = e2e.run_e2e(replace(e2e.CPU_SHAPE, batches=(1, 2, 16), repeats=1), "cpu", graphs=True)
+    assert [(r["batch"], r["mode"]) for r in rows if "note" in r] == [(1, "eagle3")]
+    assert [(r["mode"], r["draft_len"]) for r in rows] == [("no_spec", 0), ("eagle3", 3)] * 3  # no-spec drafts none
+
+
+def test_a_step_budget_below_a_full_batchs_verify_rows_still_decodes_the_whole_batch(models):
+    """`max_tokens_per_step` 6 is less than 3 requests x (3 drafts + 1): the engine's budget is
+    raised to a full batch's verify rows, so every decode step in the window holds every request."""
+    shape = replace(SMALL, max_tokens_per_step=6, new_tokens=30)
+    m = e2e.measure_decode(engine(models, speculate=True, batch=3, shape=shape),
+                           prompts(3, shape.prompt_len, shape.vocab), shape.new_tokens)
+    assert m.verify_steps % 3 == 0 and m.mean_acceptance_length == 3.5

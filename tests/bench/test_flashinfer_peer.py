@@ -703,3 +703,28 @@ def test_a_flashinfer_call_timed_eagerly_is_compared_with_our_eager_time(monkeyp
     monkeypatch.setattr(fp, "time_peer_us", lambda thunks, device: (30.0, "eager", None))
     alone = flashinfer_fields("sparse_attn", _steps(22), 2, fp.FlashInferPeer(), graph_us=1.0, eager_us=20.0)
     assert alone["vs_flashinfer"] == pytest.approx(30.0 / 20.0)  # no eager pairs: the row's eager time
+
+
+def test_a_tied_round_is_not_a_win_and_the_dense_goal_is_met_at_exactly_5x(monkeypatch, fresh_import_status):
+    """`faster_every_round` says whether ours won every pair: a pair of equal times is no win. The
+    dense peer's goal reads `vs_flashinfer >= 5`: met at exactly 5x (15 us / 3 us)."""
+    from m3_eagle_plugin.bench import kernel_suite as ks
+
+    _install_fake(monkeypatch)
+    ours = iter([2.0, 3.0, 3.0])
+    monkeypatch.setattr(fp, "time_peer_us", lambda thunks, device: (3.0, "cpu", None))
+    tied = _fields("sparse_attn", _steps(22), 2, rounds=3, ours=lambda: next(ours))
+    assert tied["ours_rounds_us"] == [2.0, 3.0, 3.0] and tied["flashinfer_rounds_us"] == [3.0, 3.0, 3.0]
+    assert tied["faster_every_round"] is False
+
+    monkeypatch.setattr(ks, "_kernel_thunks", lambda name, step, geo: (lambda: _reference(name, step, geo),) * 2)
+    monkeypatch.setattr(ks, "_bytes", lambda *a: (2000, 0))
+    monkeypatch.setattr(ks, "time_eager_us", lambda thunks, **kw: 4.0)
+    monkeypatch.setattr(ks, "time_graph_us", lambda thunks, **kw: 3.0)
+    monkeypatch.setattr(fp, "time_peer_us", lambda thunks, device: (15.0, "cpu", None))
+    monkeypatch.setattr(ks, "DENSE_PEER", {**ks.DENSE_PEER, "batch": 2, "context": 9, "qo_len": 2,
+                                           "geo": Geometry(q_heads=4, kv_heads=2, head_dim=8, block=4)})
+    (row,) = run_kernel_suite([], [2], ["dense_peer"], GEO, kv_dtype=torch.float32, index_dtype=torch.float32,
+                              q_dtype=torch.float32, device=torch.device("cpu"), ceiling_gbps=1.0, num_sets=2,
+                              time_reference=False, flashinfer="auto", log=lambda _: None)
+    assert row["vs_flashinfer"] == 5.0 and row["meets_goal"] is True

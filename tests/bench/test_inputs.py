@@ -1,6 +1,7 @@
 """Bench inputs: strided pool views, shuffled distinct pages, anchor-style shared selections."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -87,3 +88,23 @@ def test_a_token_seeing_at_most_topk_blocks_selects_them_all_as_a_top_k_does():
         topk = ref.select_blocks(step["index_q"], step["cache"].index_k, step["meta"], topk=GEO.topk)
         assert torch.equal(step["selection"], topk)
         assert step["selection"][0, 2].tolist() == [0, 1, 2, -1]
+
+
+@pytest.mark.parametrize("batch, seed", [(1, 0), (2, 1), (3, 2)])
+def test_shared_selection_has_a_top_ks_size(batch, seed):
+    """As a top-k over the visible blocks (topk 4 here; q_len <= block, so a request's tokens span at
+    most two blocks): a token seeing at most topk blocks selects every one of them, a token seeing
+    more selects exactly topk distinct visible blocks. Every context through block 6, so verify
+    tokens cross each block boundary (local block topk - 1 from topk - 2 among them)."""
+    for context in range(4, 6 * GEO.block):
+        for qo in range(1, 5):
+            step = make_step(batch, context, qo, GEO, kv_dtype=torch.float32, index_dtype=torch.float32,
+                             q_dtype=torch.float32, device="cpu", seed=seed + context)
+            meta, sel = step["meta"], step["selection"]
+            for t, p in enumerate(meta.positions.tolist()):
+                visible = p // GEO.block + 1
+                ids = [b for b in sel[0, t].tolist() if b >= 0]
+                if visible <= GEO.topk:
+                    assert ids == list(range(visible)), (context, qo, t, ids)
+                else:
+                    assert len(set(ids)) == GEO.topk and max(ids) < visible, (context, qo, t, ids)

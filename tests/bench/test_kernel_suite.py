@@ -292,3 +292,28 @@ def test_a_rows_byte_floor_is_the_mean_over_the_input_sets_it_times(monkeypatch)
     assert row["bytes"] == pytest.approx(sum(b for b, _ in tallies) / 3)
     assert row["union_blocks"] == pytest.approx(sum(u for _, u in tallies) / 3)
     assert row["floor_us"] == pytest.approx(row["bytes"] / 1e3)
+
+
+def test_relative_error_of_two_zero_outputs_is_zero_not_nan():
+    """||out - expect|| / ||expect|| with both zero (every token of a row seeing no key gives zeros):
+    the outputs agree, error 0; 0 / 0 gave NaN, which the table reads as unverified. A non-zero
+    output against zeros stays a large finite error."""
+    zeros = torch.zeros(3, 2)
+    assert relative_error(zeros, zeros) == 0.0
+    assert math.isfinite(relative_error(torch.ones(3, 2), zeros)) and relative_error(torch.ones(3, 2), zeros) > 1e20
+
+
+def test_kv_lens_update_row_at_a_context_equal_to_its_q_len_stays_a_valid_step():
+    """The CLI accepts a context equal to the longest q_len (test_cli_defaults); the row's corrected
+    kv_len must still hold the step's q_len tokens (1 <= q_len <= kv_len, as build_step_meta and
+    MsaDecodeMetadata.prepare demand): 3 - 1 = 2 left token 0 at position -1 and slot -1."""
+    from m3_eagle_plugin.bench.kernel_suite import StepSet, _kernel_thunks
+
+    steps = StepSet(2, 3, KV_GEO, kv_dtype=torch.float32, index_dtype=torch.float32, q_dtype=torch.float32,
+                    device=torch.device("cpu"), num_sets=1)
+    step = steps.step(0, 3)
+    _, reference = _kernel_thunks("kv_lens_update", step, KV_GEO)
+    reference()
+    meta, table = step["msa_meta"], step["meta"].block_tables
+    assert meta.kv_lens.tolist() == [3, 3] and meta.positions.tolist() == [0, 1, 2] * 2
+    assert meta.cache_slots.tolist() == [int(table[r, 0]) * 4 + p for r in range(2) for p in range(3)]

@@ -67,3 +67,22 @@ def test_a_table_that_does_not_map_a_requests_kv_is_refused_naming_it():
         build_step_meta([1, 2], [3, 20], torch.tensor([[4], [0]], dtype=torch.int32), 16)
     ok = build_step_meta([1, 2], [3, 20], torch.tensor([[4, -1], [0, 7]], dtype=torch.int32), 16)
     assert ok.cache_slots.tolist() == [4 * 16 + 2, 7 * 16 + 2, 7 * 16 + 3]  # positions 2 and 18, 19
+
+
+def test_cache_slots_past_int32_keep_their_exact_value():
+    """`cache_slots` is int64 (the field's contract): page 2**24 at block 256 puts slot 2**32 + p,
+    which an int32 tensor cannot hold. The slot is page * block + offset in Python ints."""
+    page, block = 2**24, 256
+    meta = build_step_meta([2], [300], torch.tensor([[3, page]], dtype=torch.int32), block)
+    assert meta.cache_slots.dtype == torch.int64
+    assert meta.cache_slots.tolist() == [page * block + 298 - block, page * block + 299 - block]
+
+
+def test_qo_lens_host_are_the_requests_q_lens_without_the_padding_rows():
+    """`qo_lens_host` is what MsaDecodeMetadata.prepare records (the FlashInfer route reads it to tell
+    requests from graph padding): the requests' q_lens, padding rows not counted."""
+    tables = torch.tensor([[5, 2, -1], [7, 1, 3]], dtype=torch.int32)
+    meta = build_step_meta([4, 1], [18, 33], tables, 16, pad_tokens=3)
+    msa = MsaDecodeMetadata(2, 8, 3, 16, "cpu", max_draft_len=3)
+    msa.prepare([4, 1], [18, 33], tables)
+    assert meta.qo_lens_host == msa.qo_lens_host == (4, 1)

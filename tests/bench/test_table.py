@@ -60,3 +60,11 @@ def test_a_cell_of_several_lines_stays_on_its_rows_line():
     assert len(lines) == 4
     assert lines[2].split()[:2] == ["index_select", "16"] and lines[3].split()[:2] == ["index_select", "64"]
     assert lines[2].endswith("(exit code 1: x RuntimeEr...")  # cut to the column's 60 characters
+
+
+def test_json_only_detail_stays_out_of_the_table():
+    """`bytes`, `flashinfer_api`, `flashinfer_note` and `flashinfer_nvp_timing` are JSON detail (the
+    module's contract): not columns of the printed table, while an unknown key still is one."""
+    row = {"kernel": "sparse_attn", "bytes": 123456, "flashinfer_api": "msa_ops.x", "flashinfer_note": "n",
+           "flashinfer_nvp_timing": "graph", "zeta": 1}
+    assert format_table([row]).splitlines()[0].split() == ["kernel", "zeta"]

@@ -89,3 +89,20 @@ def test_a_token_that_sees_no_key_gets_zeros_as_the_package_reference_gives():
     out = ref.sparse_attention(q, cache.k, cache.v, sm, sel, scale=0.3)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     torch.testing.assert_close(out, sparse_attention(q, cache.k, cache.v, meta, sel, scale=0.3))
+
+
+def test_a_nan_key_makes_the_tokens_that_see_it_nan_as_a_plain_softmax_does():
+    """A NaN K entry in a key a token attends makes its softmax NaN (the per-key loop's fp64
+    softmax: NaN), so the reference output is NaN there (a kernel row's error then reads inf), not
+    zeros; tokens and heads that do not attend that key stay finite."""
+    step = _step(1, 23, 3, 2)
+    sm, cache, q = step["meta"], step["cache"], step["q"]
+    sel = ref.select_blocks(step["index_q"], cache.index_k, sm, topk=GEO.topk)
+    page = int(sm.block_tables[0, 22 // GEO.block])
+    cache.k[page, 0, 22 % GEO.block, 0] = float("nan")  # KV head 0, position 22: only the last token sees it
+    for selection in (sel, None):
+        out = (ref.sparse_attention(q, cache.k, cache.v, sm, sel, scale=0.3) if selection is not None
+               else ref.dense_attention(q, cache.k, cache.v, sm, scale=0.3))
+        expect = _brute_attention(q, cache.k, cache.v, sm, selection, 0.3)
+        assert torch.equal(out.isnan(), expect.isnan())
+        assert out[2, : GEO.q_heads // GEO.kv_heads].isnan().all() and torch.isfinite(out[:2]).all()
