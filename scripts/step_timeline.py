@@ -30,6 +30,7 @@ import triton.language as tl
 from m3_eagle_plugin.bench.inputs import Geometry
 from m3_eagle_plugin.bench.kernel_suite import StepSet
 from m3_eagle_plugin.bench.timing import capture_graphs
+from m3_eagle_plugin.cli import positive_int
 from m3_eagle_plugin.msa.kernels import index_select, merge, sparse_verify, verify_step
 
 MAX_PROGRAMS = 1 << 17
@@ -117,23 +118,13 @@ def residency(programs: torch.Tensor) -> None:
           + ", ".join(f"{k}: {statistics.median(v):.2f} ({len(v)})" for k, v in sorted(times.items())))
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("batch", type=_positive)
-    ap.add_argument("context", type=_positive)
-    ap.add_argument("qo_len", type=_positive)
+    ap.add_argument("batch", type=positive_int)
+    ap.add_argument("context", type=positive_int)
+    ap.add_argument("qo_len", type=positive_int)
     launch = ap.add_mutually_exclusive_group()  # both given: --early won and --plain was dropped unsaid
-    launch.add_argument("--early", type=_positive, metavar="SPLITS",
+    launch.add_argument("--early", type=positive_int, metavar="SPLITS",
                         help="launch the attention early with SPLITS splits")  # 0 ran the rule with splits=0
     launch.add_argument("--plain", action="store_true", help="never launch the attention early")
     ap.add_argument("--grid-order", action="store_true",

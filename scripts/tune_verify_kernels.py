@@ -20,6 +20,7 @@ import torch
 
 from m3_eagle_plugin.bench.inputs import Geometry, union_blocks
 from m3_eagle_plugin.bench.kernel_suite import DENSE_PEER, StepSet, dense_kv_bytes, index_k_bytes, kv_page_bytes
+from m3_eagle_plugin.bench.table import json_safe
 from m3_eagle_plugin.bench.timing import copy_ceiling_gbps, time_graph_us as graph_us
 from m3_eagle_plugin.msa.kernels.dense_verify import default_splits, dense_verify_attention
 from m3_eagle_plugin.msa.kernels import index_select
@@ -618,18 +619,7 @@ def main() -> None:
     summary(rows)
     if args.json:  # standard JSON: a wrong variant's NaN time as null (jq and other strict readers refuse NaN)
         with open(args.json, "w") as fh:
-            json.dump(_finite({"ceiling_gbps": ceiling, "rows": rows}), fh, indent=1, allow_nan=False)
-
-
-def _finite(value):
-    """`value` with every non-finite float as None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+            json.dump(json_safe({"ceiling_gbps": ceiling, "rows": rows}, lambda _: None), fh, indent=1, allow_nan=False)
 
 
 def summary(rows: list[dict]) -> None:

@@ -49,6 +49,17 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count option: an integer >= 1, else a usage error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def path_option(text: str) -> str:
     """argparse type of a path option: an empty value (`--draft "$UNSET"`) is refused, not read as the
     current directory (Path("") is "."), whose checkpoint or source tree was used without a word."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import stat
 import sys
@@ -21,11 +20,13 @@ from typing import Any
 
 import torch
 
+from m3_eagle_plugin.cli import positive_int
+
 from . import e2e  # also registers the end-to-end runner behind --e2e
 from .end_to_end import run_end_to_end
 from .inputs import Geometry
 from .kernel_suite import KERNELS, StepSet, run_kernel_suite
-from .table import format_table
+from .table import format_table, json_safe
 
 DEFAULT_CONFIGS = "1x8192,16x32768,64x32768,64x131072"
 SMOKE_CONFIGS = [(2, 256)]  # the CPU smoke table's default
@@ -58,16 +59,6 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", type=parse_configs, default=None,
                         help=f"BATCHxCONTEXT list (GPU default {DEFAULT_CONFIGS})")
@@ -77,13 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(SMOKE_KERNELS)} only)")
     parser.add_argument("--kv-dtype", choices=sorted(DTYPES), default="fp8", help="sparse-layer K/V dtype")
     parser.add_argument("--dense-kv-dtype", choices=sorted(DTYPES), default="bf16", help="dense-layer K/V dtype")
-    parser.add_argument("--sets", type=_positive_int, default=3, help="input sets rotated while timing (default 3)")
+    parser.add_argument("--sets", type=positive_int, default=3, help="input sets rotated while timing (default 3)")
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with the torch reference")
     parser.add_argument("--no-reference-timing", action="store_true", help="do not time the torch reference")
     parser.add_argument("--flashinfer", choices=("auto", "off"), default="auto",
                         help="time FlashInfer beside ours on the same inputs when it imports (auto, the default: "
                              "its MSA ops in the sparse rows, its paged prefill wrapper in the dense ones) or never")
-    parser.add_argument("--rounds", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--rounds", type=positive_int, default=1, metavar="N",
                         help="time ours and FlashInfer alternately N times per FlashInfer row and report the medians "
                              "(default 1)")
     parser.add_argument("--e2e", action="store_true", help="also run the end-to-end section")
@@ -396,7 +387,7 @@ def main(args: argparse.Namespace) -> int:
 def _output(args: argparse.Namespace, rows: list[dict[str, Any]], context: dict[str, Any], *, table: bool) -> bool:
     """Print the rows (and the JSON: stdout or `--json PATH`; with `table`, `--write-table`); False
     when a file could not be written."""
-    document = _standard_json({"context": context, "rows": rows}) if args.json else None
+    document = json_safe({"context": context, "rows": rows}, str) if args.json else None
     written = True
     if args.json and args.json != "-":
         written = _write_json("--json", args.json, document, indent=1, default=str)
@@ -440,19 +431,6 @@ def _out_of_memory(error: BaseException, what: str, advice: str) -> int:
         raise error
     print(f"m3-eagle bench: not enough memory for {what} ({text}); {advice}", file=sys.stderr)
     return 2
-
-
-def _standard_json(value: Any) -> Any:
-    """`value` with non-finite floats as the strings the table prints ("inf", "nan"): a kernel that
-    returns NaN gets `error` inf, and `json.dump` would write `Infinity`, which is not JSON (jq and
-    other strict readers refuse the whole file)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _standard_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_standard_json(v) for v in value]
-    return value
 
 
 def _write_table(args: argparse.Namespace, rows: list[dict[str, Any]], context: dict[str, Any]) -> bool:

@@ -1,7 +1,8 @@
 """Plain-text table for bench rows (dicts), columns in a fixed order, missing cells blank."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+from typing import Any, Callable, Sequence
 
 COLUMNS = ("section", "kernel", "batch", "context", "qo_len", "kv_dtype", "graph_us", "eager_us", "torch_us",
            "floor_us", "pct_of_floor", "vs_torch", "vs_q1", "union_blocks", "error", "flashinfer_us",
@@ -45,3 +46,15 @@ def _format_section(rows: Sequence[dict[str, Any]]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+def json_safe(value: Any, non_finite: Callable[[float], Any]) -> Any:
+    """`value` with every non-finite float replaced by `non_finite(it)` (tuples become lists): `json.dump`
+    writes `NaN` / `Infinity`, which is not JSON (jq and other strict readers refuse the whole file)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return non_finite(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v, non_finite) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v, non_finite) for v in value]
+    return value
