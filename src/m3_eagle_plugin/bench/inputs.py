@@ -91,8 +91,8 @@ def verify_queries(num_requests: int, qo_len: int, heads: int, dim: int, dtype, 
 def shared_selection(meta: StepMeta, geo: Geometry, generator: torch.Generator) -> torch.Tensor:
     """int32 `[Hkv, T, topk]` like the anchors' runs: a base set of topk-1 blocks per request, which
     the first verify token keeps and each later one changes by swapping one of them for another
-    visible block, plus its own local block; a token
-    that sees at most topk blocks selects all of them, as a top-k does."""
+    visible block, plus its own local block; a token that sees at most topk blocks selects all of
+    them, as a top-k does."""
     kv_lens = meta.kv_lens.tolist()
     cu = meta.cu_qo_lens.tolist()
     num_tokens = meta.positions.shape[0]

@@ -176,12 +176,13 @@ class M3EagleKVCacheManagerV2(HostMiniMaxM3KVCacheManagerV2):
                                  beam_width: int, num_contexts: int, num_seqs: int,
                                  max_blocks: Optional[int] = None) -> None:
         pools = self.virtual_pools
-        if pools is not None and pools.op_pools and dst_tensor.shape[0] <= max(p for p, _ in pools.op_pools):
+        last = max((p for p, _ in pools.op_pools), default=-1) if pools is not None else -1
+        if dst_tensor.shape[0] <= last:
             # a host that sizes the table by num_pools (not num_attention_op_pools) has no row for the
             # draft layer's op pool: the native copy would get an empty slice and the op read past it
             raise RuntimeError(
                 f"the block-offset table has {dst_tensor.shape[0]} pool rows but the draft layer reads "
-                f"attention-op pool {max(p for p, _ in pools.op_pools)}: this host sizes it by num_pools, not "
+                f"attention-op pool {last}: this host sizes it by num_pools, not "
                 f"num_attention_op_pools ({self.num_attention_op_pools}); the shared draft layer needs a host "
                 "that reads num_attention_op_pools")
         if max_blocks is None:
