@@ -719,7 +719,8 @@ def test_page_table_turns_padding_into_page_zero():
     import types
 
     tables = torch.tensor([[3, 7, -1], [-1, -1, -1]], dtype=torch.int32)
-    got = fim.page_table(types.SimpleNamespace(block_tables=tables.t().contiguous().t()))  # a strided view in
+    got = fim.page_table(types.SimpleNamespace(block_tables=tables.t().contiguous().t(),  # a strided view in
+                                               kv_lens=torch.tensor([6, 0], dtype=torch.int32)))
     assert got.dtype == torch.int32 and got.is_contiguous()
     assert got.tolist() == [[3, 7, 0], [0, 0, 0]]
 

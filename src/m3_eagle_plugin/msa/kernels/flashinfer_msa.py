@@ -139,11 +139,7 @@ def page_table(meta: Any) -> torch.Tensor:
     request's extent, but an out-of-pool id must not reach a kernel). One device op, no sync.
     One row per request (`meta.kv_lens`): a block table may keep more rows (`check_meta` and the
     references take them), which FlashInfer's decode attention refuses as another batch size."""
-    tables = meta.block_tables
-    lens = getattr(meta, "kv_lens", None)
-    if isinstance(lens, torch.Tensor):
-        tables = tables[: lens.shape[0]]
-    return tables.clamp_min(0).to(torch.int32).contiguous()
+    return meta.block_tables[: meta.kv_lens.shape[0]].clamp_min(0).to(torch.int32).contiguous()
 
 
 def q2k_indices(selection: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
