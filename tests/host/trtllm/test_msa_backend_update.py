@@ -373,3 +373,15 @@ def test_the_per_token_fields_stand_after_the_hosts_own_kv_update(current_host, 
     slots, valid, _, _ = naive_step_fields(tables, page, [2, 3], [8, 12])
     assert meta.msa_out_cache_loc[:5].tolist() == slots == [6, 7, 109, 110, 111]
     assert meta.msa_n_valid_blocks[:5].tolist() == valid == [2, 2, 3, 3, 3]
+
+
+def test_the_hosts_own_kv_update_runs_under_the_plugins(current_host):
+    """The host's on_update_kv_lens re-derives state the plugin never publishes (at 57ea1cdf the
+    decode plans' kv segment lengths and qo offsets; the double's `msa_plan_kv_lens` stands for
+    them): the plugin's override must run it, or the host's plans keep the optimistic lengths."""
+    meta, _, _ = _two_request_step()
+    meta.prepare()
+    assert meta.msa_plan_kv_lens.tolist() == [9, 12]
+    meta.kv_lens_cuda[:2] = torch.tensor([8, 10], dtype=torch.int32)
+    meta.on_update_kv_lens()
+    assert meta.msa_plan_kv_lens.tolist() == [8, 10]

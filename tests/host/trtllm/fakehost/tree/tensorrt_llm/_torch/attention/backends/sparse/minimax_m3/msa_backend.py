@@ -18,15 +18,25 @@ class MiniMaxM3MsaSparseAttentionMetadata(TrtllmAttentionMetadata):
 
     def prepare(self) -> None:
         super().prepare()
-        page = self.kv_cache_manager.tokens_per_block
-        rows = self.kv_cache_manager.get_block_ids_per_seq(self.request_ids[: self.num_seqs]).tolist()
-        for i in range(self.num_seqs):  # one token per row: the last position only
-            pos = int(self.kv_lens[i]) - self.kv_cache_params.num_extra_kv_tokens - 1
-            self.msa_out_cache_loc[i] = rows[i][pos // page] * page + pos % page
-            self.msa_n_valid_blocks[i] = pos // page + 1
+        n = self.num_seqs
+        self._publish_rows(self.kv_lens[:n] - self.kv_cache_params.num_extra_kv_tokens)
 
     def on_update_kv_lens(self) -> None:
-        pass
+        # as the host's (57ea1cdf): re-derive its own length-dependent state from the corrected
+        # device lengths, which never count the speculative extra slots
+        self._publish_rows(self.kv_lens_cuda[: self.num_seqs].cpu())
+
+    def _publish_rows(self, kv_lens) -> None:
+        """One token per row, the last position. `msa_plan_kv_lens` stands for the host's decode
+        plans (their kv segment lengths): state only the host's own methods keep up to date."""
+        page = self.kv_cache_manager.tokens_per_block
+        rows = self.kv_cache_manager.get_block_ids_per_seq(self.request_ids[: self.num_seqs]).tolist()
+        self.msa_plan_kv_lens = kv_lens.to(torch.int32).clone()
+        for i in range(self.num_seqs):
+            pos = int(kv_lens[i]) - 1
+            index = min(max(pos, 0), len(rows[i]) * page - 1)  # the host clamps into the row's table
+            self.msa_out_cache_loc[i] = rows[i][index // page] * page + index % page
+            self.msa_n_valid_blocks[i] = -(-max(pos + 1, 1) // page)  # clamp_min(1), as the host
 
 
 class MiniMaxM3MsaSparseAttention(TrtllmAttention):
