@@ -656,3 +656,69 @@ def test_a_draft_size_past_every_stored_dimension_is_refused_by_its_field(tiny, 
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(big / 'config.json'))}: {re.escape(field)}: \d+, "
                                           r"larger than any dimension of a tensor in .* \(the largest is \d+\)$"):
         inspect_draft(big, target.config)
+
+
+# ---- HF layouts and a tied target, against the single-file load and the target's own rows ----
+
+def _reduced_vocab_variant(draft_dir, dst, vd=40, seed=0):
+    """A draft of `vd` ids scattered over the target vocabulary (d2t), the public way; returns (path, target ids)."""
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:vd].sort().values
+    path = _variant(draft_dir, dst, lambda t: t.update(d2t=ids - torch.arange(vd)),
+                    lambda c: c.update(draft_vocab_size=vd))
+    return path, ids
+
+
+def test_a_sharded_draft_with_model_prefixed_names_loads_as_its_single_file(tiny, tmp_path):
+    """save_pretrained's sharded form: `model.`-prefixed names split over two shards by an index, d2t
+    in the second shard; the head is the one its single file gives, weights, d2t and vocabulary maps."""
+    target, draft_dir = tiny
+    single, _ = _reduced_vocab_variant(draft_dir, tmp_path / "single")
+    tensors = {("model." + k if k != "d2t" else k): v for k, v in load_file(str(single / "model.safetensors")).items()}
+    names = sorted(tensors, key=lambda n: (n == "d2t", n))
+    shards = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(sharded / file))
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    shutil.copy(single / "config.json", sharded / "config.json")
+    want, got = load_draft(single, target), load_draft(sharded, target)
+    assert got.state_dict().keys() == want.state_dict().keys()
+    for name, value in want.state_dict().items():
+        assert torch.equal(got.state_dict()[name], value), name
+    assert torch.equal(got.target_ids, want.target_ids) and torch.equal(got.draft_index, want.draft_index)
+
+
+def test_a_reduced_vocab_draft_of_a_tied_target_scores_with_the_embedding_rows(tmp_path):
+    """A target with tie_word_embeddings whose checkpoint holds only the embedding: a draft without an
+    lm_head of its own scores draft id d with the embedding row of target id d + d2t[d], in fp32 and
+    bf16, and gives every other target id -inf (reference: the hidden times those rows, in float64)."""
+    from m3_eagle_plugin.models.tiny import make_tiny as make
+    from tests.models._oracle import PagedRunner
+
+    target_dir, draft_dir = make(tmp_path / "tiny", seed=4)
+    config = json.loads((target_dir / "config.json").read_text())
+    config["text_config"]["tie_word_embeddings"] = True
+    (target_dir / "config.json").write_text(json.dumps(config))
+    stored = load_file(str(target_dir / "model.safetensors"))
+    del stored["language_model.lm_head.weight"]
+    save_file(stored, str(target_dir / "model.safetensors"))
+    embedding = stored["language_model.model.embed_tokens.weight"].double()
+    path, ids = _reduced_vocab_variant(draft_dir, tmp_path / "d", vd=40, seed=1)
+    others = torch.ones(VOCAB, dtype=torch.bool)
+    others[ids] = False
+    gen = torch.Generator().manual_seed(2)
+    for dtype, atol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        target = load_target(target_dir, dtype=dtype)
+        head = load_draft(path, target)
+        assert head.config.norm_output and head.from_target == ("embed_tokens", "lm_head")
+        runner = PagedRunner(target.config, draft_num_kv_heads=head.config.num_kv_heads, dtype=dtype)
+        runner.prepare([("a", 5)])
+        with torch.no_grad():
+            logits, normed = head(torch.randint(0, VOCAB, (5,), generator=gen),
+                                  torch.randn(5, 3 * HIDDEN, generator=gen).to(dtype), runner.meta, runner.cache)
+        want = normed.double() @ embedding[ids].T
+        torch.testing.assert_close(logits[:, ids].double(), want, atol=atol, rtol=0)
+        assert torch.isneginf(logits[:, others]).all()
