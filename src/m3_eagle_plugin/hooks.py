@@ -97,11 +97,17 @@ class M3EagleSpecs:
     def m3_eagle_attention_metadata(self, host: str) -> str | None:
         """Pick the MSA multi-token decode metadata class ("module:qualname"); first non-None wins.
 
+        On "tensorrt_llm" the class must derive from the host's `MiniMaxM3MsaSparseAttentionMetadata`
+        (the built-in one, `m3_eagle_plugin.host.trtllm.msa_backend:M3EagleMsaMetadata`, is a good
+        base): the adapter serves it as the `Metadata` of the MSA backend it routes MiniMax-M3 to.
+
         Example::
 
             @hookimpl
             def m3_eagle_attention_metadata(host):
-                return "m3_eagle_plugin.msa:MsaDecodeMetadata"
+                if host != "tensorrt_llm":
+                    return None
+                return "my_pkg.msa:MyMsaMetadata"
         """
 
     @hookspec

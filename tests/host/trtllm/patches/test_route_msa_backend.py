@@ -48,3 +48,60 @@ def test_a_non_msa_resolution_warns_once_that_the_plugin_serves_none_of_it(host,
     assert err.count("the plugin serves implementation 'msa' only") == 1 and "'triton'" in err
     _resolve("msa")
     assert "msa' only" not in capsys.readouterr().err
+
+
+@pytest.fixture
+def metadata_plugin(current_host, monkeypatch):
+    """Registers a plugin whose m3_eagle_attention_metadata answers `plugin.reference` (a name in the
+    module `m3_eagle_test_msa_metadata`, whose classes the test sets) for tensorrt_llm only."""
+    import sys
+    import types
+
+    from m3_eagle_plugin.hooks import hookimpl
+    from m3_eagle_plugin.registry import get_plugin_manager
+
+    module = types.ModuleType("m3_eagle_test_msa_metadata")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    class Plugin:
+        reference = None
+
+        @hookimpl
+        def m3_eagle_attention_metadata(self, host):
+            return self.reference if host == "tensorrt_llm" else None
+
+    plugin = Plugin()
+    plugin.module = module
+    pm = get_plugin_manager()
+    pm.register(plugin, name="test-msa-metadata")
+    yield plugin
+    pm.unregister(name="test-msa-metadata")
+
+
+def test_a_plugin_can_pick_the_msa_metadata(metadata_plugin):
+    """The registry's m3_eagle_attention_metadata answer is what the host builds its metadata from
+    (`Metadata` of the backend it resolved), as status and doctor report it; every layer resolves
+    the same backend class."""
+    from m3_eagle_plugin.host.trtllm.msa_backend import M3EagleMsaMetadata, M3EagleMsaSparseAttention
+
+    class MyMsaMetadata(M3EagleMsaMetadata):
+        pass
+
+    metadata_plugin.module.MyMsaMetadata = MyMsaMetadata
+    metadata_plugin.reference = "m3_eagle_test_msa_metadata:MyMsaMetadata"
+    adapter.install()
+    backend = _resolve("msa")
+    assert backend.Metadata is MyMsaMetadata
+    assert issubclass(backend, M3EagleMsaSparseAttention)
+    assert _resolve("msa") is backend
+    metadata_plugin.reference = None  # no answer but the built-in one
+    assert _resolve("msa") is M3EagleMsaSparseAttention
+
+
+def test_a_plugin_metadata_that_is_not_the_hosts_is_refused(metadata_plugin):
+    metadata_plugin.module.Unrelated = type("Unrelated", (), {})
+    metadata_plugin.reference = "m3_eagle_test_msa_metadata:Unrelated"
+    adapter.install()
+    with pytest.raises(TypeError, match=r"'m3_eagle_test_msa_metadata:Unrelated'.*not a subclass of the host's "
+                                        r".*MiniMaxM3MsaSparseAttentionMetadata"):
+        _resolve("msa")
