@@ -12,7 +12,8 @@ from m3_eagle_plugin.hooks import hookimpl
 
 REFERENCE_HOST = "reference"
 TRTLLM_HOST = "tensorrt_llm"
-ARCHITECTURES = ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
+TEXT_ARCHITECTURE, VL_ARCHITECTURE = ARCHITECTURES = ("MiniMaxM3SparseForCausalLM",
+                                                       "MiniMaxM3SparseForConditionalGeneration")
 
 _REFERENCE_COMPONENTS = {
     "model": "m3_eagle_plugin.models:MiniMaxM3ForCausalLM",
@@ -24,8 +25,9 @@ _REFERENCE_COMPONENTS = {
 def _trtllm_components() -> dict[str, str]:
     """What the TensorRT-LLM adapter declares in `m3_eagle_plugin.host.trtllm.COMPONENTS` (if anything).
 
-    Keys: "model", "kv_cache_manager", "attention_metadata" -> "module:qualname". The adapter package
-    must stay importable without tensorrt_llm for this lookup; a missing adapter yields {}.
+    Keys: "model", "vl_model" (the VL architecture's, else "model"), "kv_cache_manager",
+    "attention_metadata" -> "module:qualname". The adapter package must stay importable without
+    tensorrt_llm for this lookup; a missing adapter yields {}.
     """
     try:
         from m3_eagle_plugin.host import trtllm
@@ -53,8 +55,9 @@ def _is_minimax_m3(sparse_config: Any) -> bool:
 
 @hookimpl
 def m3_eagle_model_classes(host: str) -> dict[str, str]:
-    model = _components(host).get("model")
-    return {arch: model for arch in ARCHITECTURES} if model else {}
+    components = _components(host)
+    model = components.get("model")
+    return {TEXT_ARCHITECTURE: model, VL_ARCHITECTURE: components.get("vl_model", model)} if model else {}
 
 
 @hookimpl(trylast=True)

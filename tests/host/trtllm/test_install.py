@@ -236,3 +236,44 @@ def test_force_retries_an_incomplete_rollback_and_applies(current_host, monkeypa
     report = adapter.install(force=True)
     assert report["installed"] and report["still_patched"] == [] and report["error"] is None
     adapter.uninstall()
+
+
+def test_the_registry_names_the_model_class_each_architecture_is_registered_with(current_host):
+    """What status / doctor / the activation line report as the model classes (the registry's answer
+    for tensorrt_llm) is the class the host then builds for each architecture: the VL architecture
+    gets the VL class, not the text one."""
+    from m3_eagle_plugin.registry import get_plugin_manager
+    from tensorrt_llm._torch.models.modeling_utils import get_registered_model_class
+
+    reported = get_plugin_manager().model_classes("tensorrt_llm")
+    adapter.install()
+    built = {}
+    for arch in reported:
+        cls = get_registered_model_class(arch)
+        built[arch] = f"{cls.__module__}:{cls.__qualname__}"
+    assert reported == built == adapter.report()["models"]
+    assert built["MiniMaxM3SparseForConditionalGeneration"].endswith(":MiniMaxM3VLEagle3ForConditionalGeneration")
+
+
+def test_a_plugin_architecture_served_by_a_builtin_class_is_registered(current_host):
+    """A plugin adding an architecture and naming one of the built-in classes for it: the class is
+    registered for that architecture too (it was skipped as "the built-in one")."""
+    from m3_eagle_plugin.hooks import hookimpl
+    from m3_eagle_plugin.host.trtllm import COMPONENTS
+    from m3_eagle_plugin.registry import get_plugin_manager
+    from tensorrt_llm._torch.models.modeling_utils import get_registered_model_class
+
+    class Alias:
+        @hookimpl
+        def m3_eagle_model_classes(self, host):
+            return {"MyM3AliasForCausalLM": COMPONENTS["model"]}
+
+    pm = get_plugin_manager()
+    pm.register(Alias(), name="test-alias-arch")
+    try:
+        adapter.install()
+        cls = get_registered_model_class("MyM3AliasForCausalLM")
+    finally:
+        adapter.uninstall()
+        pm.unregister(name="test-alias-arch")
+    assert cls is not None and f"{cls.__module__}:{cls.__qualname__}" == COMPONENTS["model"]

@@ -21,6 +21,7 @@ HOST = "tensorrt_llm"
 # "module:qualname" of each component, read by the plugin registry's built-in hooks.
 COMPONENTS = {
     "model": "m3_eagle_plugin.host.trtllm.model:MiniMaxM3Eagle3ForCausalLM",
+    "vl_model": "m3_eagle_plugin.host.trtllm.model:MiniMaxM3VLEagle3ForConditionalGeneration",
     "kv_cache_manager": "m3_eagle_plugin.host.trtllm.cache_manager:M3EagleKVCacheManagerV2",
     "attention_metadata": "m3_eagle_plugin.host.trtllm.msa_backend:M3EagleMsaMetadata",
 }
@@ -61,7 +62,8 @@ def _model_classes() -> dict[str, type]:
     except ImportError:
         return classes
     for arch, reference in get_plugin_manager().model_classes(HOST).items():
-        if reference != COMPONENTS["model"]:
+        builtin = classes.get(arch)
+        if builtin is None or reference != f"{builtin.__module__}:{builtin.__qualname__}":
             classes[arch] = resolve(reference)
     return classes
 
