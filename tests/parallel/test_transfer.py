@@ -115,6 +115,27 @@ def test_payload_header_round_trips_and_checks_the_receiving_cache():
         PayloadHeader(header.fingerprint, 9, header.shapes).check_fits(cache(4), "here")
 
 
+def test_pages_of_another_dtype_are_refused_naming_the_dtype_and_the_pool_sizes_that_differ():
+    """The pool geometry is one nested field: cut whole to 120 characters, a float32 and a bfloat16
+    cache's geometries read alike as far as they were shown ("geometry (payload {"draft_layers": [],
+    "placements": ...") and the page sizes that differ were never named."""
+    from m3_eagle_plugin.kv import PagedKVCache
+    from m3_eagle_plugin.kv.transfer import cache_fingerprint
+    from m3_eagle_plugin.parallel.transfer import PayloadHeader, TransferError
+
+    wide, narrow = (PagedKVCache.for_minimax_m3(2, [1], 2, 8, 4, 4, 8, dtype=dtype)
+                    for dtype in (torch.float32, torch.bfloat16))
+    # by hand: 2 KV heads x 4 tokens x head_dim 8 per K or V page, 1 x 4 x 4 per index-K page
+    assert [[p.page_bytes, p.sub_pages] for p in wide.geometry.pools] == [[256, 4], [64, 1]]
+    assert [[p.page_bytes, p.sub_pages] for p in narrow.geometry.pools] == [[128, 4], [32, 1]]
+    shapes = tuple((0, p.sub_pages, p.page_bytes) for p in narrow.geometry.pools)
+    with pytest.raises(TransferError) as info:
+        PayloadHeader(cache_fingerprint(wide), 0, shapes).check_fits(narrow, "here")
+    assert str(info.value) == ('here: the KV geometry differs from this cache\'s in dtype (payload "torch.float32", '
+                               'cache "torch.bfloat16"); geometry.pools (payload [[256, 4], [64, 1]], '
+                               'cache [[128, 4], [32, 1]])')
+
+
 def test_a_fingerprint_with_the_same_fields_written_another_way_is_refused_naming_that():
     """The receiver compares fingerprints as text (as `import_request` does): one that only differs
     in its spacing or key order is refused too, and the reason must say so rather than name nothing."""

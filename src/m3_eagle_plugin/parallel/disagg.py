@@ -50,8 +50,8 @@ from m3_eagle_plugin.host.reference.scheduler import RowKind
 from m3_eagle_plugin.kv.transfer import KVTransferPayload, export_request, import_request
 from m3_eagle_plugin.parallel.process_group import comm_device
 from m3_eagle_plugin.parallel.transfer import (KIND_HANDOFF, Agreement, PayloadHeader, TransferError, as_ints,
-                                               check_sendable, page_checksums, recv_header, recv_pages, send_header,
-                                               send_pages, stage_pages)
+                                               check_fingerprint, check_sendable, page_checksums, recv_header,
+                                               recv_pages, send_header, send_pages, stage_pages)
 
 __all__ = ["ContextHandoff", "HandoffError", "run_context_phase", "export_handoff", "import_handoff",
            "continue_generation", "send_handoff", "recv_handoff"]
@@ -261,6 +261,10 @@ def import_handoff(engine: Engine, handoff: ContextHandoff) -> Request:
     _check_engine(engine)
     with engine.exclusive("import_handoff"):
         _check_handoff(engine, handoff)  # under the lock: the index must still be free when the pages land
+        try:  # before admission, naming the fields (the page import printed both fingerprints whole)
+            check_fingerprint(handoff.payload.fingerprint, engine.cache, f"request {handoff.index}")
+        except TransferError as error:
+            raise HandoffError(str(error)) from None
         return _import(engine, handoff)
 
 

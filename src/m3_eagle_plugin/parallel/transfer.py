@@ -76,7 +76,7 @@ from m3_eagle_plugin.parallel.process_group import comm_device
 __all__ = ["send_payload", "recv_payload", "send_ints", "recv_ints", "check_sendable", "as_ints",
            "TransferError", "PayloadHeader", "MAGIC", "VERSION", "TRAILER", "KIND_INTS", "KIND_PAYLOAD",
            "KIND_HANDOFF", "KIND_VERDICT", "KIND_CHECKSUMS", "KIND_ABORT", "page_checksums", "Agreement",
-           "AGREEMENT_REASON_BYTES"]
+           "AGREEMENT_REASON_BYTES", "check_fingerprint"]
 
 MAGIC = int.from_bytes(b"M3EAGLE", "big")
 VERSION = 3
@@ -386,10 +386,7 @@ class PayloadHeader:
     def check_fits(self, cache: PagedKVCache, where: str) -> None:
         """Refuse a header whose pages do not fit ``cache``: another geometry, a page count that
         does not match ``num_tokens`` in this cache's block size, or more pages than are free now."""
-        expected = cache_fingerprint(cache)
-        if self.fingerprint != expected:
-            raise TransferError(f"{where}: the KV geometry differs from this cache's in "
-                                f"{_fingerprint_difference(self.fingerprint, expected)}")
+        check_fingerprint(self.fingerprint, cache, where)
         needed = cache.allocator.blocks_for(self.num_tokens)
         shapes = tuple((needed, p.sub_pages, p.page_bytes) for p in cache.geometry.pools)
         if self.shapes != shapes:
@@ -409,6 +406,16 @@ class PayloadHeader:
             raise TransferError(f"{where}: cannot allocate the {len(self.shapes)} page buffers: {error}") from None
 
 
+def check_fingerprint(fingerprint: str, cache: PagedKVCache, where: str) -> None:
+    """Refuse pages of another cache geometry than ``cache``'s, naming the fields that differ."""
+    if not isinstance(fingerprint, str):
+        raise TransferError(f"{where}: the pages' geometry fingerprint must be a str, got {type(fingerprint).__name__}")
+    expected = cache_fingerprint(cache)
+    if fingerprint != expected:
+        raise TransferError(f"{where}: the KV geometry differs from this cache's in "
+                            f"{_fingerprint_difference(fingerprint, expected)}")
+
+
 def _fingerprint_difference(got: str, expected: str) -> str:
     try:
         a, b = json.loads(got), json.loads(expected)
@@ -419,7 +426,16 @@ def _fingerprint_difference(got: str, expected: str) -> str:
     keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if not keys:  # compared as text, like `kv.transfer.import_request`
         return "its text only: the same fields, not written as this side writes them (sorted keys, no spaces)"
-    return "; ".join(f"{k} (payload {json.dumps(a.get(k))[:120]}, cache {json.dumps(b.get(k))[:120]})" for k in keys)
+    return "; ".join(_field_difference(k, a.get(k), b.get(k)) for k in keys)
+
+
+def _field_difference(name: str, got, expected) -> str:
+    """One differing fingerprint field; a nested one (the pool geometry) by its own differing fields:
+    cut to 120 characters as a whole, two geometries read alike as far as they were shown."""
+    if isinstance(got, dict) and isinstance(expected, dict):
+        keys = sorted(k for k in got.keys() | expected.keys() if got.get(k) != expected.get(k))
+        return "; ".join(_field_difference(f"{name}.{k}", got.get(k), expected.get(k)) for k in keys)
+    return f"{name} (payload {json.dumps(got)[:120]}, cache {json.dumps(expected)[:120]})"
 
 
 def stage_pages(pool_pages, group) -> list[torch.Tensor]:
