@@ -139,8 +139,8 @@ SHAPES = st.builds(
 class Replay:
     """The plugin side: one cache and one metadata for the whole schedule."""
 
-    def __init__(self, shape: Shape, oracle: Oracle, seqs: dict[int, Sequence], num_blocks: int, seed: int) -> None:
-        self.shape, self.oracle, self.seqs = shape, oracle, seqs
+    def __init__(self, shape: Shape, seqs: dict[int, Sequence], num_blocks: int, seed: int) -> None:
+        self.shape, self.seqs = shape, seqs
         self.gen = torch.Generator().manual_seed(seed)
         self.cache = PagedKVCache.for_minimax_m3(
             2, [1], shape.kv_heads, shape.head_dim, shape.index_dim, shape.block, num_blocks,
@@ -235,7 +235,7 @@ def test_random_configs_and_schedules_match_transformers(shape, lengths, data) -
     oracle = Oracle(shape, seed)
     seqs = {rid: oracle.run(n, seed=seed + 1 + rid) for rid, n in enumerate(lengths)}
     need = sum(-(-(n + 2 * DRAFT_LEN + 1) // shape.block) for n in lengths)
-    replay = Replay(shape, oracle, seqs, need + 2, seed)
+    replay = Replay(shape, seqs, need + 2, seed)
     done = {rid: 0 for rid in seqs}
     joined: set[int] = set()
     failures: list[str] = []
