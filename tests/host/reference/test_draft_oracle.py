@@ -1,13 +1,15 @@
 """Every Eagle3 proposal the engine makes (not only the first) equals a naive head written here in
 plain torch from the draft checkpoint's tensors, fed transformers' hidden states of the committed
 tokens: position p reads (token p + 1, aux features of p) over a fresh dense cache, then K - 1
-single steps on the head's own hidden. Later proposals follow rejected verify steps, so this checks
-that rejected draft KV is rewritten and that positions restart at the last accepted token."""
+single steps on the head's own hidden. Later proposals follow verify steps: the random head's drafts
+are all rejected (the rejected draft KV must be rewritten), and under forced acceptance some or all of
+them are accepted (the loop must restart at the last accepted token, at its position)."""
 from __future__ import annotations
 
 import json
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -74,14 +76,17 @@ class NaiveHead:
         return out
 
 
-def test_every_proposal_matches_a_naive_eagle3_head_on_transformers_features(tiny_pair):
+# None: the random head's own verdict (every draft rejected); 1.5 and 2.5: 1, 2, 1, ... and 2, 3, 2, ...
+# drafts taken per verify step, so later proposals also start after partly and fully accepted rows.
+@pytest.mark.parametrize("force_accepted", [None, 1.5, 2.5])
+def test_every_proposal_matches_a_naive_eagle3_head_on_transformers_features(tiny_pair, force_accepted):
     from transformers import MiniMaxM3SparseForConditionalGeneration
 
     target_dir, draft_dir = tiny_pair
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 14, 23)]
-    engine = build_engine(target_dir, draft_dir, EngineConfig(draft_len=K, max_batch_size=2, max_tokens_per_step=9),
-                          num_blocks=blocks_for_prompts(prompts, NEW, K, 4))
+    config = EngineConfig(draft_len=K, max_batch_size=2, max_tokens_per_step=9, force_accepted=force_accepted)
+    engine = build_engine(target_dir, draft_dir, config, num_blocks=blocks_for_prompts(prompts, NEW, K, 4))
     seen, commit = [], engine.commit
 
     def spy(out, requests, progress):  # the drafts each request holds once its step is committed
@@ -92,7 +97,10 @@ def test_every_proposal_matches_a_naive_eagle3_head_on_transformers_features(tin
                 seen.append((request.prompt + request.output, out.next_inputs[j, 1:].tolist()))
 
     engine.commit = spy
-    engine.generate(prompts, NEW)
+    stats = engine.generate(prompts, NEW).stats
+    assert stats.accepted_tokens < stats.draft_tokens  # rejections: their draft KV must be rewritten
+    if force_accepted is not None:
+        assert stats.accepted_tokens > 0
     hf = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
         target_dir, dtype=torch.float32, attn_implementation="eager").eval()
     naive = NaiveHead(draft_dir, hf)
