@@ -347,16 +347,20 @@ def test_tied_index_scores_give_the_naive_loops_output_in_any_batch() -> None:
             torch.testing.assert_close(out[t].double(), naive_attention(q[t], keys, values, allowed, scale), **TOL)
 
 
-def test_keys_on_an_unmapped_page_are_invisible() -> None:
+@pytest.mark.parametrize("stale", [(5.0, 100.0), (float("nan"), float("nan"))], ids=["large", "nan"])
+def test_keys_on_an_unmapped_page_are_invisible(stale) -> None:
     """A block-table entry ``-1`` (unmapped page; `prepare` does not check a device table) holds no
     keys: sparse attention that lists the block and dense attention both skip its tokens, instead
     of reading page 0. One request of 12 tokens, block 4, block 1 unmapped, tokens at 8..11; float64
-    attention over keys j <= p outside block 1 is the reference."""
+    attention over keys j <= p outside block 1 is the reference. Page 0 (block 1's page before it was
+    unmapped, no other block's) holds keys that would dominate, or NaN (another request's stale or
+    never written bytes), which a masked score or a zero weight would still carry into the output."""
     block, heads_kv, group, dim, scale = 4, 2, 2, 4, 0.5
     meta, cache, seqs, q, corrected, gen = _random_step([(4, 12)], block, heads_kv * group, heads_kv, dim, 3, [0])
+    assert meta.block_tables[0].tolist() == [1, 0, 3]
     meta.block_tables[0, 1] = -1
-    cache.k[0].fill_(5.0)  # page 0, were it read for block 1, would dominate
-    cache.v[0].fill_(100.0)
+    cache.k[0].fill_(stale[0])
+    cache.v[0].fill_(stale[1])
     sel = torch.tensor([0, 1, 2], dtype=torch.int32).expand(heads_kv, meta.num_tokens, 3).contiguous()
     sparse = sparse_attention(q, cache.k, cache.v, meta, sel, scale=scale)
     dense = dense_attention(q, cache.k, cache.v, meta, scale=scale)
@@ -365,7 +369,7 @@ def test_keys_on_an_unmapped_page_are_invisible() -> None:
     for t in range(4):
         p = 8 + t
         allowed = [j for j in range(p + 1) if j // block != 1]
-        # the mapped pages still hold the sequence (page 0 may be one of them: then it was overwritten above)
+        # the mapped pages (1 and 3) still hold the sequence
         kk = torch.stack([cache.k[pages[j // block], :, j % block] for j in allowed])
         vv = torch.stack([cache.v[pages[j // block], :, j % block] for j in allowed])
         expected = naive_attention(q[t], kk, vv, [list(range(len(allowed)))] * heads_kv, scale)
