@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from m3_eagle_plugin.host.reference.build import blocks_for_prompts, build_engine
+from m3_eagle_plugin.host.reference.cuda_graphs import GenerationGraphs
 from m3_eagle_plugin.host.reference.engine import EngineConfig
 
 NEW, K = 8, 3
@@ -78,8 +79,10 @@ class NaiveHead:
 
 # None: the random head's own verdict (every draft rejected); 1.5 and 2.5: 1, 2, 1, ... and 2, 3, 2, ...
 # drafts taken per verify step, so later proposals also start after partly and fully accepted rows.
+# `graphs`: decode steps through the fixed-shape step CUDA graphs capture (run eagerly here).
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-step"])
 @pytest.mark.parametrize("force_accepted", [None, 1.5, 2.5])
-def test_every_proposal_matches_a_naive_eagle3_head_on_transformers_features(tiny_pair, force_accepted):
+def test_every_proposal_matches_a_naive_eagle3_head_on_transformers_features(tiny_pair, force_accepted, graphs):
     from transformers import MiniMaxM3SparseForConditionalGeneration
 
     target_dir, draft_dir = tiny_pair
@@ -87,6 +90,8 @@ def test_every_proposal_matches_a_naive_eagle3_head_on_transformers_features(tin
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 14, 23)]
     config = EngineConfig(draft_len=K, max_batch_size=2, max_tokens_per_step=9, force_accepted=force_accepted)
     engine = build_engine(target_dir, draft_dir, config, num_blocks=blocks_for_prompts(prompts, NEW, K, 4))
+    if graphs:
+        engine.runner.graphs = GenerationGraphs(engine.runner, capture=False)
     seen, commit = [], engine.commit
 
     def spy(out, requests, progress):  # the drafts each request holds once its step is committed
@@ -101,6 +106,8 @@ def test_every_proposal_matches_a_naive_eagle3_head_on_transformers_features(tin
     assert stats.accepted_tokens < stats.draft_tokens  # rejections: their draft KV must be rewritten
     if force_accepted is not None:
         assert stats.accepted_tokens > 0
+    if graphs:
+        assert engine.runner.graphs.buckets  # some decode steps ran the fixed-shape step
     hf = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
         target_dir, dtype=torch.float32, attn_implementation="eager").eval()
     naive = NaiveHead(draft_dir, hf)
