@@ -86,7 +86,9 @@ def _stderr_open() -> Iterator[None]:
 
 class _Stdout:
     """sys.stdout while a sub-command runs: it keeps the OSError a write or flush raised (a full disk
-    under `> FILE`), so that `run_command` tells a failed output from the sub-command's own errors."""
+    under `> FILE`), so that `run_command` tells a failed output from the sub-command's own errors.
+    Text its encoding cannot hold (a path's undecodable bytes, which Python holds as lone surrogates,
+    on a stdout with errors "strict") is written with backslash escapes, as stderr writes it."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream, self.error = stream, None
@@ -96,7 +98,12 @@ class _Stdout:
 
     def write(self, text: str) -> int:
         try:
-            return self.stream.write(text)
+            try:
+                return self.stream.write(text)
+            except UnicodeEncodeError:  # nothing was written: the whole text is encoded first
+                encoding = getattr(self.stream, "encoding", None) or "utf-8"
+                self.stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+                return len(text)
         except OSError as error:
             self.error = error
             raise

@@ -142,3 +142,25 @@ def test_with_stderr_closed_the_lines_meant_for_it_stay_out_of_stdout():
                           timeout=60, preexec_fn=lambda: os.close(2))
     assert proc.returncode == 0
     assert json.loads(proc.stdout) == {"outputs": [[1, 2, 3]]}  # the whole of stdout is the one JSON object
+
+
+UNDECODABLE_PROBE = """import os, sys, types
+from m3_eagle_plugin import cli
+probe = types.ModuleType("probe")
+probe.add_arguments = lambda parser: None
+probe.main = lambda args: print("wrote", os.fsdecode(b"out-\\xff/target"))
+sys.modules["probe"] = probe
+cli.COMMANDS["probe"] = ("probe", "probe")
+sys.exit(cli.main(["probe"]))
+"""
+
+
+def test_a_path_with_undecodable_bytes_is_printed_escaped_on_a_strict_utf8_stdout():
+    """A file name that is not UTF-8 (`make-tiny $'out-\\xff'`, a `--prompts` file whose line errors name
+    it, `M3_EAGLE_PLUGIN` in doctor's table) reaches Python as a lone surrogate; written to a stdout
+    that refuses it (a UTF-8 locale other than C: errors "strict") it was a UnicodeEncodeError
+    traceback, exit 1, after the work was done. It is written as stderr writes it: backslash escapes."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
+    proc = subprocess.run([sys.executable, "-c", UNDECODABLE_PROBE], capture_output=True, env=env, timeout=60)
+    assert (proc.returncode, proc.stderr) == (0, b"")
+    assert proc.stdout == b"wrote out-\\udcff/target\n"
