@@ -104,6 +104,26 @@ def test_geometry_mismatch_is_refused_and_changes_nothing(other):
     assert dst.num_free_blocks == dst.num_blocks
 
 
+def test_geometry_mismatch_names_the_fields_that_differ():
+    """The refusal names each differing field with both values (it printed both fingerprints whole:
+    hundreds of characters of JSON to compare by eye); a fingerprint of the wrong type is named too."""
+    from dataclasses import replace
+
+    src = _cache()
+    src.add_request(0)
+    src.reserve(0, 5)
+    payload = export_request(src, 0)
+    with pytest.raises(GeometryMismatchError) as err:
+        import_request(_cache(dtype=torch.float16), 0, payload)
+    message = str(err.value)
+    assert 'dtype (payload "torch.bfloat16", cache "torch.float16")' in message or \
+        'dtype (payload "torch.float32", cache "torch.float16")' in message
+    assert "head_dim" not in message and "block_size" not in message  # equal fields are not listed
+    assert len(message) < 200
+    with pytest.raises(GeometryMismatchError, match="a int is not a cache fingerprint"):
+        import_request(_cache(), 0, replace(payload, fingerprint=7))
+
+
 def test_import_out_of_blocks_changes_nothing():
     src, dst = _cache(), _cache(num_blocks=3)
     src.add_request(0)

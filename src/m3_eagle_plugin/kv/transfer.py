@@ -58,6 +58,31 @@ def cache_fingerprint(cache: PagedKVCache) -> str:
     return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
+def fingerprint_difference(got: str, expected: str) -> str:
+    """The fields in which fingerprint ``got`` differs from ``expected``, each with both values."""
+    if not isinstance(got, str):
+        return f"its form: a {type(got).__name__} is not a cache fingerprint"
+    try:
+        a, b = json.loads(got), json.loads(expected)
+    except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the parser goes
+        return f"its form: {got[:80]!r} is not a cache fingerprint"
+    if not isinstance(a, dict):
+        return f"its form: {got[:80]!r} is not a cache fingerprint"
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if not keys:  # compared as text, like `import_request`
+        return "its text only: the same fields, not written as this side writes them (sorted keys, no spaces)"
+    return "; ".join(_field_difference(k, a.get(k), b.get(k)) for k in keys)
+
+
+def _field_difference(name: str, got, expected) -> str:
+    """One differing fingerprint field; a nested one (the pool geometry) by its own differing fields:
+    cut to 120 characters as a whole, two geometries read alike as far as they were shown."""
+    if isinstance(got, dict) and isinstance(expected, dict):
+        keys = sorted(k for k in got.keys() | expected.keys() if got.get(k) != expected.get(k))
+        return "; ".join(_field_difference(f"{name}.{k}", got.get(k), expected.get(k)) for k in keys)
+    return f"{name} (payload {json.dumps(got)[:120]}, cache {json.dumps(expected)[:120]})"
+
+
 def export_request(cache: PagedKVCache, rid: Hashable) -> KVTransferPayload:
     """Copy ``rid``'s pages out of ``cache`` (to host memory)."""
     pages = cache.pages(rid)
@@ -81,10 +106,8 @@ def import_request(cache: PagedKVCache, rid: Hashable, payload: KVTransferPayloa
         raise ValueError(f"request {rid!r} already exists in this cache")
     expected = cache_fingerprint(cache)
     if payload.fingerprint != expected:
-        raise GeometryMismatchError(
-            "KV payload geometry differs from this cache's:\n"
-            f"  payload: {payload.fingerprint}\n  cache:   {expected}"
-        )
+        raise GeometryMismatchError("KV payload geometry differs from this cache's in "
+                                    f"{fingerprint_difference(payload.fingerprint, expected)}")
     others = [type(t).__name__ for t in payload.pool_pages if not isinstance(t, torch.Tensor)]
     if others:  # a NumPy array was "not uint8, got [dtype('uint8')]", a list a bare AttributeError
         raise TypeError(f"payload pages must be torch tensors (as export_request writes them), got {others}")

@@ -59,7 +59,6 @@ refusal, so its peers are not left waiting for the group's timeout.
 from __future__ import annotations
 
 import contextlib
-import json
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -70,7 +69,7 @@ import torch.distributed as dist
 
 from m3_eagle_plugin._ints import as_int
 from m3_eagle_plugin.kv.manager import PagedKVCache
-from m3_eagle_plugin.kv.transfer import KVTransferPayload, cache_fingerprint
+from m3_eagle_plugin.kv.transfer import KVTransferPayload, cache_fingerprint, fingerprint_difference
 from m3_eagle_plugin.parallel.process_group import comm_device
 
 __all__ = ["send_payload", "recv_payload", "send_ints", "recv_ints", "check_sendable", "as_ints",
@@ -413,29 +412,7 @@ def check_fingerprint(fingerprint: str, cache: PagedKVCache, where: str) -> None
     expected = cache_fingerprint(cache)
     if fingerprint != expected:
         raise TransferError(f"{where}: the KV geometry differs from this cache's in "
-                            f"{_fingerprint_difference(fingerprint, expected)}")
-
-
-def _fingerprint_difference(got: str, expected: str) -> str:
-    try:
-        a, b = json.loads(got), json.loads(expected)
-    except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the parser goes
-        return f"its form: {got[:80]!r} is not a cache fingerprint"
-    if not isinstance(a, dict):
-        return f"its form: {got[:80]!r} is not a cache fingerprint"
-    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-    if not keys:  # compared as text, like `kv.transfer.import_request`
-        return "its text only: the same fields, not written as this side writes them (sorted keys, no spaces)"
-    return "; ".join(_field_difference(k, a.get(k), b.get(k)) for k in keys)
-
-
-def _field_difference(name: str, got, expected) -> str:
-    """One differing fingerprint field; a nested one (the pool geometry) by its own differing fields:
-    cut to 120 characters as a whole, two geometries read alike as far as they were shown."""
-    if isinstance(got, dict) and isinstance(expected, dict):
-        keys = sorted(k for k in got.keys() | expected.keys() if got.get(k) != expected.get(k))
-        return "; ".join(_field_difference(f"{name}.{k}", got.get(k), expected.get(k)) for k in keys)
-    return f"{name} (payload {json.dumps(got)[:120]}, cache {json.dumps(expected)[:120]})"
+                            f"{fingerprint_difference(fingerprint, expected)}")
 
 
 def stage_pages(pool_pages, group) -> list[torch.Tensor]:
