@@ -187,10 +187,13 @@ def test_table_formats_missing_cells_and_floats():
 
 
 def test_write_table_needs_gpu_rows(tmp_path, capsys):
+    """Refused before anything runs: on CPU the smoke table ran, then nothing was written (exit 1)."""
     path = tmp_path / "table.json"
     assert m3_main(["bench", "--device", "cpu", "--configs", "2x64", "--qo-lens", "1", "--write-table",
-                    str(path)]) == 1
-    assert not path.exists() and "nothing written" in capsys.readouterr().err
+                    str(path)]) == 2
+    captured = capsys.readouterr()
+    assert not path.exists() and captured.out == ""
+    assert "m3-eagle bench: --write-table: needs the GPU kernel rows (CUDA and Triton); on cpu" in captured.err
 
 
 def test_write_table_from_gpu_rows_loads_as_the_override(tmp_path, monkeypatch, capsys):

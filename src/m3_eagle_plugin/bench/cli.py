@@ -345,6 +345,9 @@ def checked_device(args: argparse.Namespace) -> torch.device:
         _check_table_kernels(args)
     if json_path not in (None, "-") and table_path and os.path.realpath(json_path) == os.path.realpath(table_path):
         raise ValueError(f"--json and --write-table both name {table_path}: the table would overwrite the rows")
+    if table_path is not None and not measures_kernels(device):  # else the smoke table ran, then nothing was written
+        raise ValueError(f"--write-table: needs the GPU kernel rows (CUDA and Triton); on {device} the "
+                         "bench runs the torch reference smoke table only")
     if args.e2e:
         e2e.shape_from_args(args, device)  # refuses a bad --e2e-* value naming the option
     elif stray := e2e.options_given(args):
