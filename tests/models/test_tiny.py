@@ -233,11 +233,15 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_no_scratch(tmp_path, m
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(train, "distill_checkpoint", disk_full)
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "deeper" / "out"
     assert cli_main(["make-tiny", str(out), "--train-steps", "1"]) == 2
     assert capsys.readouterr().err == ("m3-eagle make-tiny: Error while serializing: I/O error: No space left on "
                                        "device (os error 28)\n")
-    assert list(out.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # the folders it made for OUT_DIR are gone again, not left empty
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    assert cli_main(["make-tiny", str(existing), "--train-steps", "1"]) == 2
+    assert existing.is_dir() and list(existing.iterdir()) == []  # a folder that was there stays
 
 
 def test_the_weights_are_as_readable_as_the_configs(tmp_path):

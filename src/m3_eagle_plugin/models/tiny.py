@@ -14,6 +14,7 @@ Output is a pure function of the seed and the step count. Only torch + safetenso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -185,8 +186,10 @@ def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple
         if path.is_dir() and not _replaceable(path, configs):
             raise ValueError(f"{path} exists and is not make-tiny output, or holds files make-tiny did not write: "
                              "refusing to replace it (choose another OUT_DIR, or remove it yourself)")
+    created = [p for p in (out, *out.parents) if not os.path.lexists(p)]  # removed again on a failure
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".make-tiny-", dir=out))
+    done = False
     try:
         _write(staging / "target", target_config(), _random_tensors(_target_shapes(), seed, llama_norms=False))
         _write(staging / "draft", draft_config(), _random_tensors(_draft_shapes(), seed + 1, llama_norms=True))
@@ -195,8 +198,12 @@ def make_tiny(out_dir: str | Path, seed: int = 0, train_steps: int = 0) -> tuple
 
             distill_checkpoint(staging / "target", staging / "draft", plan=DistillPlan(steps=train_steps), seed=seed)
         _swap_in(staging, out)
+        done = True
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        for path in () if done else created:  # innermost first; one another process filled stays
+            with contextlib.suppress(OSError):
+                path.rmdir()
     return target, draft
 
 
