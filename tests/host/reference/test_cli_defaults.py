@@ -67,6 +67,19 @@ def test_prompt_lookup_drafts_without_a_draft_head(tiny_pair, capsys):
     assert rc == 0 and report["draft_source"] != "none" and report["draft_tokens"] > 0
 
 
+def test_prompt_lookup_with_a_draft_head_is_refused_before_loading(tiny_pair, capsys, monkeypatch):
+    """The head was loaded and its draft layer's KV allocated, then never run: the proposer drafts."""
+    from m3_eagle_plugin.host.reference import build
+
+    monkeypatch.setattr(build, "build_engine", lambda *a, **k: pytest.fail("built an engine"))
+    target, draft = tiny_pair
+    rc, out, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--proposer", "prompt-lookup",
+                           "--prompt-ids", "1,2")
+    assert (rc, out) == (2, "")
+    assert err == (f"m3-eagle run: --proposer prompt-lookup drafts from the prompt, so --draft {draft} would never "
+                   "run: pass one of them\n")
+
+
 def test_an_allocation_failure_while_building_is_exit_2_naming_the_options(tiny_pair, capsys, monkeypatch):
     from m3_eagle_plugin.host.reference import build
 

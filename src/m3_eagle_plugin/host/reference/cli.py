@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-blocks", type=int, default=None,
                         help="KV cache blocks (default: all prompts fit at once)")
     parser.add_argument("--proposer", choices=["default", "prompt-lookup"], default="default",
-                        help="default: the m3_eagle_propose_drafts plugin hook, else the Eagle3 head")
+                        help="default: the m3_eagle_propose_drafts plugin hook, else the Eagle3 head; "
+                             "prompt-lookup: n-grams of the prompt (without --draft)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -281,6 +282,9 @@ def _main(args: argparse.Namespace, out) -> int:
                 raise ValueError(f"{option} {path}: not a checkpoint directory (config.json + safetensors)")
             if path is not None:
                 _check_checkpoint_kind(option, Path(path))
+        if args.proposer == "prompt-lookup" and args.draft is not None:  # the head was loaded, never run
+            raise ValueError(f"--proposer prompt-lookup drafts from the prompt, so --draft {args.draft} would "
+                             "never run: pass one of them")
         check_backend(torch.device(args.device))  # M3_EAGLE_KERNELS, before any weight is read
         if args.cuda_graphs and args.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda (CUDA graphs do not exist on CPU)")
