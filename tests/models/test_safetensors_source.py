@@ -160,6 +160,22 @@ def test_several_safetensors_files_without_an_index_are_refused(tmp_path):
         SafetensorsSource(tmp_path)
 
 
+def test_pickle_weights_alone_are_refused_saying_they_are_not_read(tmp_path):
+    """A `.bin` checkpoint (torch.save pickles) was "found []", as if the directory were empty."""
+    for name in ("pytorch_model-00002-of-00002.bin", "pytorch_model-00001-of-00002.bin", "a.pt", "b.pt"):
+        torch.save({"w": torch.zeros(1)}, tmp_path / name)
+    with pytest.raises(CheckpointError) as error:
+        SafetensorsSource(tmp_path)
+    assert str(error.value) == (f"{tmp_path}: expected model.safetensors, model.safetensors.index.json or exactly one "
+                                "*.safetensors file, found [] (pytorch_model-00001-of-00002.bin, "
+                                "pytorch_model-00002-of-00002.bin, a.pt, ...: PyTorch pickle weights are not read; "
+                                "convert them to safetensors)")
+    for name in ("a.pt", "b.pt", "pytorch_model-00002-of-00002.bin"):
+        (tmp_path / name).unlink()
+    with pytest.raises(CheckpointError, match=r"found \[\] \(pytorch_model-00001-of-00002.bin: PyTorch pickle weights"):
+        SafetensorsSource(tmp_path)
+
+
 def test_a_path_that_does_not_exist_is_refused_as_missing(tmp_path):
     """A mistyped checkpoint path read as a directory with no safetensors file in it ("found []")."""
     missing = tmp_path / "no-such-checkpoint"
