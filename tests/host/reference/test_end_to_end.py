@@ -171,8 +171,9 @@ def mixed_workload(tiny_pair):
         tiny_pair[0], dtype=torch.float32, attn_implementation="eager").eval()
 
     def hf_generate(prompt, max_new, eos):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+        ids = torch.tensor([prompt])
+        with torch.no_grad():  # the mask given: one inferred from pad_token_id hides a prompt's 0 ids
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                               eos_token_id=list(eos) or None, pad_token_id=0)
         return out[0, len(prompt):].tolist()
 
