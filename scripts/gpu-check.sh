@@ -2,20 +2,23 @@
 # Everything that needs a GPU (the lent H200 has torch, Triton, transformers, pytest and pluggy but
 # no network): the test suite (its CUDA tests run there and skip in CI), then the kernel suite and
 # the end-to-end bench, whose tables come last. A device call is capped at 600 s and the kernel
-# tests alone take about 300 s on a cold machine, so the work comes in parts, one call each:
+# tests alone take about 300 s on a cold machine (the other tests together took 450 s), so the work
+# comes in parts, one call each:
 #   bash scripts/gpu-check.sh kernels   tests/msa/kernels
+#   bash scripts/gpu-check.sh host      tests/host and tests/reliability (the engines, soaks and fuzz)
 #   bash scripts/gpu-check.sh rest      every other test
 #   bash scripts/gpu-check.sh bench     m3-eagle bench --e2e (kernel suite + end to end)
-#   bash scripts/gpu-check.sh           all three, for a machine without a per-call cap
+#   bash scripts/gpu-check.sh           all four, for a machine without a per-call cap
 # Results go to $OUT when set (the run tool's output folder), else /tmp/m3-gpu-check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/m3-gpu-check}"
 part="${1:-all}"
-case "$part" in kernels|rest|bench|all) ;; *) echo "usage: $0 [kernels|rest|bench|all], got '$part'" >&2; exit 2 ;; esac
+usage="usage: $0 [kernels|host|rest|bench|all]"
+case "$part" in kernels|host|rest|bench|all) ;; *) echo "$usage, got '$part'" >&2; exit 2 ;; esac
 # one part a call: a second name ran nothing and passed
-(( $# <= 1 )) || { echo "usage: $0 [kernels|rest|bench|all], one part, got '$*'" >&2; exit 2; }
+(( $# <= 1 )) || { echo "$usage, one part, got '$*'" >&2; exit 2; }
 mkdir -p "$out"
 # no GPU, or no torch/Triton/CUDA: stop here (else every CUDA test skipped, the bench ran its CPU smoke
 # table and the check passed having checked nothing it is for)
@@ -28,8 +31,13 @@ if [[ $part == kernels || $part == all ]]; then
   python -m pytest -q -p no:cacheprovider -rfE tests/msa/kernels 2>&1 | tail -15 | tee "$out/pytest-kernels.txt"
   status=$((status | PIPESTATUS[0]))
 fi
+if [[ $part == host || $part == all ]]; then
+  python -m pytest -q -p no:cacheprovider -rfE tests/host tests/reliability 2>&1 | tail -25 | tee "$out/pytest-host.txt"
+  status=$((status | PIPESTATUS[0]))
+fi
 if [[ $part == rest || $part == all ]]; then
-  python -m pytest -q -p no:cacheprovider -rfE --ignore=tests/msa/kernels tests 2>&1 | tail -25 | tee "$out/pytest-rest.txt"
+  python -m pytest -q -p no:cacheprovider -rfE --ignore=tests/msa/kernels --ignore=tests/host --ignore=tests/reliability \
+    tests 2>&1 | tail -25 | tee "$out/pytest-rest.txt"
   status=$((status | PIPESTATUS[0]))
 fi
 if [[ $part == bench || $part == all ]]; then

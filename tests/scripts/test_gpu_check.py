@@ -48,3 +48,19 @@ def test_no_gpu_or_no_cuda_torch_fails_the_call_before_any_test(tmp_path):
     assert rc != 0 and ran == []
     rc, ran = run(tmp_path, "bench", preflight_rc=1)
     assert rc != 0 and ran == []
+
+
+def test_the_parts_run_every_test_directory_once(tmp_path):
+    """kernels, host and rest together are the whole suite: a directory in none went untested on the GPU."""
+    from pathlib import Path
+
+    rc, ran = run(tmp_path, "all")
+    assert rc == 0 and len(ran) == 4 and "bench" in ran[-1]
+    tests = Path(__file__).resolve().parents[1]
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    kernels, host, rest = (line.split() for line in ran[:3])
+    assert [a for a in kernels if a.startswith("tests")] == ["tests/msa/kernels"]
+    assert [a for a in host if a.startswith("tests")] == ["tests/host", "tests/reliability"]
+    ignored = {a.split("=", 1)[1] for a in rest if a.startswith("--ignore=")}
+    assert ignored == {"tests/msa/kernels", "tests/host", "tests/reliability"} and rest[-1] == "tests"
+    assert {"host", "reliability"} <= folders and (tests / "msa" / "kernels").is_dir()
