@@ -199,6 +199,20 @@ def test_a_non_integer_size_is_refused_naming_it_not_truncated(name, value):
     with pytest.raises(TypeError, match=rf"{name}.* must be an int, got float"):
         PagedKVCache(geometry, **{**sizes, name: value})
 
+def test_kv_heads_as_the_per_layer_list_the_layout_returns_is_refused_naming_the_form():
+    """`minimax_m3_cache_layout` returns the heads as a per-layer list; passed on as ``kv_heads`` it failed
+    with "'list' object has no attribute 'items'", naming neither the argument nor the form it takes."""
+    from m3_eagle_plugin.kv.manager import minimax_m3_cache_layout
+
+    geometry, heads = minimax_m3_cache_layout(2, [1], 1, D, DI, B, num_draft_layers=1, dtype=torch.float32)
+    assert heads == [1, 1, 1]
+    sizes = dict(block_size=B, num_blocks=2, head_dim=D, index_dim=DI, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"kv_heads must be a mapping \{layer: KV heads\}, got list"):
+        PagedKVCache(geometry, kv_heads=heads, **sizes)
+    cache = PagedKVCache(geometry, kv_heads=dict(enumerate(heads)), **sizes)  # the form the message names
+    assert cache.k(2).shape == (2, 1, B, D)
+
+
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(
     num_layers=st.integers(1, 5),

@@ -57,6 +57,9 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.shard = None if shard is None else _checked_shard(shard)
+        if not isinstance(kv_heads, Mapping):  # the list minimax_m3_cache_layout returns failed on .items()
+            raise TypeError(f"kv_heads must be a mapping {{layer: KV heads}}, got {type(kv_heads).__name__}; "
+                            "for a per-layer list pass dict(enumerate(heads))")
         self.kv_heads = {as_int("kv_heads layer", k): as_int(f"kv_heads[{k}]", v) for k, v in kv_heads.items()}
         # each on its own: the page-size check sees products, and -2 heads x -128 dims passed it
         for name, value in (("block_size", self.block_size), ("head_dim", self.head_dim),
