@@ -894,3 +894,23 @@ def test_a_plan_train_head_would_refuse_is_refused_where_it_is_made(field, value
     with pytest.raises((ValueError, TypeError), match=message):
         DistillPlan(**{field: value})
     DistillPlan()  # the defaults stand
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_head_distills_on_collected_cpu_data_or_cuda_data_as_the_cpu_head_does(pair, data):
+    """`collect_distill_data` returns CPU tensors: a CUDA head's loss failed in its fc_norm ("expected all
+    tensors to be on the same device"), and the same data moved to CUDA failed against distill_loss's CPU
+    positions. The reference is the CPU head on the same data (checked against the paged head above)."""
+    target_dir, draft_dir = pair[0], pair[1]
+    cpu_head = load_draft(draft_dir, load_target(target_dir))
+    cuda_head = load_draft(draft_dir, load_target(target_dir, device="cuda"))
+    on_cuda = DistillData(*(getattr(data, f).cuda() for f in DistillData.FIELDS))
+    with torch.no_grad():
+        want = float(distill_loss(cpu_head, data, 2, hard_weight=0.5))
+        for batch in (data, on_cuda):
+            assert float(distill_loss(cuda_head, batch, 2, hard_weight=0.5)) == pytest.approx(want, abs=1e-4)
+    want_history = train_head(cpu_head, data, steps=3, batch_size=4, ttt_steps=2, seed=0)
+    history = train_head(cuda_head, data, steps=3, batch_size=4, ttt_steps=2, seed=0)
+    assert history == pytest.approx(want_history, abs=1e-3)
+    torch.testing.assert_close(cuda_head.fc.weight.cpu(), cpu_head.fc.weight, atol=1e-3, rtol=0)

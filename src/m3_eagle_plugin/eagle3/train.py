@@ -231,14 +231,18 @@ def distill_loss(head: Eagle3Head, data: DistillData, ttt_steps: int = 1, hard_w
     _check_positive(ttt_steps=ttt_steps)  # 0 passes stacked no loss; a float failed in range()
     _check_hard_weight(hard_weight)
     _check_data_fits(head, data)
-    # int64: nll_loss took no other labels (int32 ids from a NumPy or Arrow dataset failed with the hard term)
-    tokens, aux, target_next, lengths = data.tokens.long(), data.aux, data.target_next.long(), data.lengths
-    soft = data.target_logprobs[:, 1:]         # the target's distribution for the token at p + 2
+    # int64: nll_loss took no other labels (int32 ids from a NumPy or Arrow dataset failed with the hard term).
+    # On the head's device: `collect_distill_data` returns CPU data, which a CUDA head's embedding refused,
+    # and CUDA data failed against the CPU positions below.
+    device = head.fc.weight.device
+    tokens, target_next = data.tokens.to(device).long(), data.target_next.to(device).long()
+    aux, lengths = data.aux.to(device), data.lengths.to(device)
+    soft = data.target_logprobs[:, 1:].to(device)  # the target's distribution for the token at p + 2
     s = tokens.shape[1] - 1
     input_ids = tokens[:, 1:]                  # token at p + 1
     features = aux[:, :s]                      # aux at p
     labels = target_next[:, 1:]                # target's greedy token at p + 2
-    positions = torch.arange(s)[None, :]
+    positions = torch.arange(s, device=device)[None, :]
     valid = positions + 1 < lengths[:, None]   # position p + 1 went through the target
     draft_ids = _draft_target_ids(head, soft.shape[-1])
     hidden: torch.Tensor = features
