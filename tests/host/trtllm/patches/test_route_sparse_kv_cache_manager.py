@@ -25,6 +25,11 @@ def test_every_namespace_routes_m3_only(host):
         assert namespace.get_sparse_attn_kv_cache_manager(RocketSparseAttentionConfig()) is rocket_before
         assert namespace.get_sparse_attn_kv_cache_manager(
             MiniMaxM3SparseAttentionConfig(), True).__name__ == "M3EagleKVCacheManagerV2"
+        # by keyword, as the host's get_kv_cache_manager_cls calls it (pyexecutor/_util.py @ 00043967)
+        assert namespace.get_sparse_attn_kv_cache_manager(
+            MiniMaxM3SparseAttentionConfig(), use_kv_cache_manager_v2=True).__name__ == "M3EagleKVCacheManagerV2"
+        assert namespace.get_sparse_attn_kv_cache_manager(
+            RocketSparseAttentionConfig(), use_kv_cache_manager_v2=False) is rocket_before
     from tensorrt_llm._torch.pyexecutor import _util
 
     model_config = SimpleNamespace(sparse_attention_config=MiniMaxM3SparseAttentionConfig())

@@ -82,3 +82,32 @@ def test_the_page_size_is_the_kv_managers_as_the_host_reads_it(current_host):
     meta = _meta(128, {128})
     meta.tokens_per_block = 64
     assert fmha._is_supported_with_reason(None, None, None, fmha.attn, meta, None) == (True, "")
+
+
+def test_the_gate_with_a_phase_keyword_gets_it_through_the_wrapper(current_host, monkeypatch):
+    """The #18872 gate (flashinfer_trtllm_gen.py @ 5d7aadeb): `is_supported` and
+    `_is_supported_with_reason` take a keyword-only `phase`, which `is_supported` passes on by keyword,
+    and the allowlist is the class set plus the manager's opt-in. The patched gate hands `phase` to the
+    host unchanged and answers as the host does."""
+    module = import_first(symbol("trtllm_gen_support_check").modules)
+    fmha_cls = module.FlashInferTrtllmGenFmha
+    phases = []
+
+    def is_supported(self, q, k, v, metadata, forward_args, *, phase=None):
+        return self._is_supported_with_reason(q, k, v, self.attn, metadata, forward_args, phase=phase)[0]
+
+    def _is_supported_with_reason(self, q, k, v, attn, meta, fwd, *, phase=None):
+        phases.append(phase)
+        page = meta.kv_cache_manager.tokens_per_block
+        allowed = self.SUPPORTED_TOKENS_PER_BLOCK | set(
+            getattr(meta.kv_cache_manager, "trtllm_gen_extra_tokens_per_block", ()))
+        return (True, "") if page in allowed else (False, f"tokens_per_block ({page})")
+
+    monkeypatch.setattr(fmha_cls, "is_supported", is_supported)
+    monkeypatch.setattr(fmha_cls, "_is_supported_with_reason", _is_supported_with_reason)
+    adapter.install()
+    fmha, _ = _gate()
+    assert fmha.is_supported(None, None, None, _meta(128, {128}), None, phase="generation") is True
+    assert fmha.is_supported(None, None, None, _meta(128), None, phase="context") is False
+    assert fmha._is_supported_with_reason(None, None, None, fmha.attn, _meta(32), None) == (True, "")
+    assert phases == ["generation", "context", None]
