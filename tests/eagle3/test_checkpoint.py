@@ -722,3 +722,37 @@ def test_a_reduced_vocab_draft_of_a_tied_target_scores_with_the_embedding_rows(t
         want = normed.double() @ embedding[ids].T
         torch.testing.assert_close(logits[:, ids].double(), want, atol=atol, rtol=0)
         assert torch.isneginf(logits[:, others]).all()
+
+
+@pytest.mark.parametrize("listed, fc_norm, shown", [
+    ([2, 4], True, "aux layer ids [2, 4] feed fc 2 hidden states, but the checkpoint's fc takes 3 (192 = 3 x"),
+    ([1, 2, 4, 5], True, "aux layer ids [1, 2, 4, 5] feed fc 4 hidden states, but the checkpoint's fc takes 3"),
+    ([2, 4], False, "aux layer ids [2, 4] feed fc 2 hidden states, but the checkpoint's fc takes 3"),
+    (None, True, "not given, and the target's default (2, L//2, L-3) aux layer ids [2, 4, 5] feed fc 3 hidden "
+                 "states, but the checkpoint's fc takes 4 (256 = 4 x"),
+])
+def test_aux_ids_of_another_count_than_the_checkpoints_fc_takes_name_the_ids(tiny, tmp_path, listed, fc_norm, shown):
+    """fc of the tiny head takes 3 x 64 = 192 inputs (4 x 64 in the last case, a head trained on 4 aux
+    states whose config lists none). Another count of ids read as a stray or missing fc_norm tensor, or
+    as an fc shape mismatch, naming no config field."""
+    target, draft_dir = tiny
+
+    def tensors(t):
+        if not fc_norm:
+            for i in range(3):
+                del t[f"fc_norm.{i}.weight"]
+        if listed is None:
+            t["fc.weight"] = torch.zeros(HIDDEN, 4 * HIDDEN)
+            t["fc_norm.3.weight"] = torch.ones(HIDDEN)
+
+    def config(c):
+        c["fc_norm"] = fc_norm
+        if listed is None:
+            del c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        else:
+            c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = listed
+    path = _variant(draft_dir, tmp_path / "d", tensors, config)
+    with pytest.raises(ConfigError) as info:
+        inspect_draft(path, target.config)
+    assert str(info.value).startswith(f"{path / 'config.json'}: eagle_config.eagle_aux_hidden_state_layer_ids: ")
+    assert shown in str(info.value)
