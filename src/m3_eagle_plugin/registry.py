@@ -323,14 +323,15 @@ class M3PluginManager(pluggy.PluginManager):
         drafts = self.hook.m3_eagle_propose_drafts(context=context)
         if drafts is None:
             return None
-        lengths = _lengths(drafts)
+        rows = _rows(drafts)
+        lengths = None if rows is None else [len(row) for row in rows]
         if lengths is None or len(lengths) != len(context.request_ids) or any(n != context.draft_len for n in lengths):
             got = f"{lengths} tokens" if lengths is not None else repr(drafts)
             raise PluginError(
                 f"m3_eagle_propose_drafts returned {got} for {len(context.request_ids)} requests; expected a list "
                 f"of {context.draft_len} token ids each"
             )
-        return [[_token_id(t, rid) for t in d] for rid, d in zip(context.request_ids, drafts)]
+        return [[_token_id(t, rid) for t in row] for rid, row in zip(context.request_ids, rows)]
 
     def plugin_summary(self) -> list[dict[str, Any]]:
         """One row per registered plugin: name, distribution/version, implemented hooks."""
@@ -349,19 +350,24 @@ class M3PluginManager(pluggy.PluginManager):
         return rows
 
 
-def _lengths(drafts: Any) -> list[int] | None:
-    """Each request's draft count of a drafter's answer, or None when it is not a list of lists."""
+def _rows(drafts: Any) -> list[list[Any]] | None:
+    """A drafter's answer as one list per request, read once (a generator's rows were counted, then
+    zipped from the exhausted generator: no drafts at all), or None when it is not rows of ids."""
     if isinstance(drafts, (str, bytes)):
         return None
-    lengths = []
-    try:
-        for row in drafts:
-            if isinstance(row, (str, bytes)):
-                return None
-            lengths.append(len(row))
+    try:  # iter() alone: a TypeError raised inside a generator's body is the drafter's own
+        answer = iter(drafts)
     except TypeError:
         return None
-    return lengths
+    rows = []
+    for row in answer:
+        if isinstance(row, (str, bytes)):
+            return None
+        try:
+            rows.append(list(iter(row)))
+        except TypeError:
+            return None
+    return rows
 
 
 def _token_id(token: Any, rid: Any) -> int:

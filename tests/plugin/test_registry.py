@@ -408,6 +408,19 @@ def test_drafter_answer_of_the_wrong_length_for_one_request_is_rejected(manager)
         manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
 
 
+def test_a_drafter_answering_with_generators_gets_its_drafts_through(manager):
+    """Rows read from a generator: they were counted, then zipped from the exhausted generator, so the
+    host got no drafts at all and refused "drafts for 0 requests" though the drafter gave both."""
+
+    class Lazy:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            return (iter(tokens[-2:]) for tokens in context.tokens)
+
+    manager.register(Lazy(), name="lazy")
+    assert manager.propose_drafts(DraftContext.build([1, 2], [[1, 2, 3], [4, 5, 6]], 2)) == [[2, 3], [5, 6]]
+
+
 def _never_loaded():
     raise AssertionError("an entry point that is not loaded must not be imported")
 
