@@ -207,7 +207,8 @@ def render_table(data: dict[str, Any]) -> str:
         ("kv cache manager", data["components"].get("kv_cache_manager")),
         ("attention metadata", data["components"].get("attention_metadata")),
         ("reference host", data["components"].get("reference")),
-        ("plugins", [f"{p.get('name')} ({p.get('distribution') or p.get('module')})" for p in data["plugins"]]),
+        ("plugins", [p["error"] if "error" in p else f"{p.get('name')} ({p.get('distribution') or p.get('module')})"
+                     for p in data["plugins"]]),
         ("plugins skipped", data["plugins_skipped"] or None),
         ("plugin errors", data["plugin_errors"] or None),
         ("host adapter", data["adapter"]),

@@ -354,6 +354,19 @@ def test_a_plugin_manager_that_cannot_be_built_is_reported_not_a_crash(clean_sta
         assert "manager exploded" in out
 
 
+def test_the_plugins_row_names_why_the_manager_could_not_be_built(clean_state, capsys, monkeypatch):
+    """The table's plugins row read `["None (None)"]`, a plugin named None, instead of the failure."""
+    from m3_eagle_plugin import registry
+
+    def broken():
+        raise RuntimeError("manager exploded")
+
+    monkeypatch.setattr(registry, "get_plugin_manager", broken)
+    assert cli.main(["doctor"]) == 1
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plugins "))
+    assert row.split(None, 1)[1] == '["RuntimeError: manager exploded"]'
+
+
 def test_an_empty_host_source_is_refused_not_checked_as_the_current_directory(capsys):
     """`--host-source "$UNSET"`: Path("") is ".", which was checked as the source tree without a word."""
     with pytest.raises(SystemExit) as exit_:
