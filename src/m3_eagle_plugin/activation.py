@@ -106,7 +106,8 @@ def resolve_mode(mode: str | None = None, environ: Mapping[str, str] | None = No
         source = f"{MODE_ENV}={raw!r}"
     else:
         if not isinstance(mode, str):
-            raise InvalidModeError(f"activate(mode=...) must be a string, got {type(mode).__name__}")
+            raise InvalidModeError(f"activate(mode={mode!r}) is not a valid mode; allowed values: {', '.join(MODES)} "
+                                   f"(strings), got {type(mode).__name__}")
         raw, source = mode, f"activate(mode={mode!r})"
     value = raw.strip().lower() or "off"
     if value not in MODES:

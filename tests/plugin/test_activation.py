@@ -44,8 +44,10 @@ def test_mode_resolution(monkeypatch, clean_state):
         resolve_mode()
     with pytest.raises(InvalidModeError, match="activate"):
         resolve_mode("on")
-    with pytest.raises(InvalidModeError):
-        resolve_mode(1)
+    for not_a_string in (1, True):  # named the type only, not what the argument may be
+        with pytest.raises(InvalidModeError, match=rf"activate\(mode={not_a_string}\).*allowed values: off, auto, "
+                                                   rf"require \(strings\), got {type(not_a_string).__name__}"):
+            resolve_mode(not_a_string)
 
 
 def test_off_touches_nothing(active_env, log_lines):
