@@ -90,10 +90,12 @@ def _why_not_patched(report: dict[str, Any], host_found: bool) -> str:
     from m3_eagle_plugin.manifest import DEFER
     from m3_eagle_plugin.switches import MODE_ENV
 
-    if not host_found or not report["ok"] or report["verdict"] == DEFER:
+    if not host_found or not report["ok"]:
         return report["reason"] or f"mode is {report['mode']}"
-    if report["mode"] == "off":
+    if report["mode"] == "off":  # before a defer: its "set ..._FORCE=1 to override" alone would patch nothing
         return f"{MODE_ENV} is off"
+    if report["verdict"] == DEFER:
+        return report["reason"]
     return (f"{report['host']} is not imported by the doctor; {MODE_ENV}={report['mode']} activates when "
             f"{report['host']} is imported")
 

@@ -37,6 +37,18 @@ def test_with_the_plugin_off_the_patches_reason_is_the_mode_not_the_verdict(fake
     assert data["patches_reason"] == "not activated: M3_EAGLE_PLUGIN is off", data["patches_reason"]
 
 
+@pytest.mark.parametrize("version", ["1.4.0rc1", "1.5.0"])
+def test_with_the_plugin_off_a_deferring_or_unsupported_host_is_not_why_nothing_is_patched(fake_host, hermetic_manager,
+                                                                                          capsys, version):
+    """With M3_EAGLE_PLUGIN unset on a deferring host the "why not" was the defer, ending "set
+    M3_EAGLE_PLUGIN_FORCE=1 to override": doing so patches nothing while the plugin is off."""
+    fake_host(version)
+    assert cli.main(["doctor", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["patches_applied"] == [] and data["verdict"] in ("defer", "unsupported")
+    assert data["patches_reason"] == "not activated: M3_EAGLE_PLUGIN is off", data["patches_reason"]
+
+
 @pytest.mark.parametrize("version", ["1.3.0rc24", "1.3.1"])
 def test_a_host_that_would_activate_is_not_reported_as_the_reason_for_no_patches(fake_host, hermetic_manager,
                                                                                 capsys, monkeypatch, version):
