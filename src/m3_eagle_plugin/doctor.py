@@ -73,13 +73,19 @@ def _override_table_error() -> str | None:
 
 def _setting_errors() -> list[str]:
     """Plugin settings that are not values the README allows: the log level and the trace switch
-    (their readers warn and fall back, so only the doctor can fail on them) and the force switch
-    (activation refuses it too; named here beside the others)."""
+    (their readers warn and fall back, so only the doctor can fail on them) and the mode and the force
+    switch (activation refuses them too; named here beside the others)."""
+    from m3_eagle_plugin.activation import InvalidModeError, resolve_mode
     from m3_eagle_plugin.log import level_from_env
     from m3_eagle_plugin.registry import trace_from_env
     from m3_eagle_plugin.switches import FORCE_ENV, read_switch
 
-    checks = (level_from_env(), trace_from_env(), read_switch(FORCE_ENV))
+    try:
+        resolve_mode()
+        mode_problem = None
+    except InvalidModeError as exc:
+        mode_problem = str(exc)
+    checks = ((None, mode_problem), level_from_env(), trace_from_env(), read_switch(FORCE_ENV))
     return [problem for _, problem in checks if problem is not None]
 
 

@@ -127,7 +127,11 @@ def test_a_bad_kernel_switch_fails_the_doctor(clean_state, capsys, monkeypatch, 
 def test_bad_mode_fails(clean_state, monkeypatch, capsys):
     monkeypatch.setenv("M3_EAGLE_PLUGIN", "sometimes")
     assert cli.main(["doctor", "--json"]) == 1
-    assert "allowed values" in json.loads(capsys.readouterr().out)["reason"]
+    data = json.loads(capsys.readouterr().out)
+    assert "allowed values" in data["reason"]
+    # named among the setting errors too, as a bad force switch is (the row read "-")
+    assert data["setting_errors"] == [
+        "M3_EAGLE_PLUGIN='sometimes' is not a valid mode; allowed values: off, auto, require"]
 
 
 def test_a_bad_mode_still_reports_the_host_its_verdict_and_the_components(fake_host, hermetic_manager, capsys,
