@@ -38,7 +38,8 @@ class DraftContext:
             raise ValueError(
                 f"DraftContext: {len(self.request_ids)} request_ids but {len(self.tokens)} token sequences"
             )
-        if self.draft_len < 0:
+        # a string or float compared with 0 failed with a bare TypeError; refused by name, as `build` does
+        if as_int("DraftContext: draft_len", self.draft_len) < 0:
             raise ValueError(f"DraftContext: draft_len must be >= 0, got {self.draft_len}")
 
     @classmethod

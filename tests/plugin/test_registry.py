@@ -130,6 +130,13 @@ def test_draft_context_validates():
         DraftContext((1,), ((1,),), -1)
 
 
+@pytest.mark.parametrize("draft_len", ["3", 2.0, True, None])
+def test_draft_context_refuses_a_non_integer_draft_len_by_name(draft_len):
+    """Built directly (not through `build`), "3" failed comparing with 0: "'<' not supported between ..."."""
+    with pytest.raises(TypeError, match="DraftContext: draft_len must be an int, got "):
+        DraftContext((1,), ((1,),), draft_len)
+
+
 @pytest.mark.parametrize("args,name", [
     (([1.0], [[1]], 2), "request id"), (([1], [[1, 2.5]], 2), "token id"), (([1], [[True]], 2), "token id"),
     (([1], [[1]], 1.5), "draft_len"), (([1], [["3"]], 2), "token id"),
