@@ -6,6 +6,8 @@ test_head.py) for both the plain step and the TTT pass, and the draft loop's pos
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -572,6 +574,19 @@ def test_prompt_lengths_must_start_at_one(pair):
     target, head = pair[2], pair[3]
     with pytest.raises(ValueError, match=r"prompt_lens must satisfy 1 <= low <= high <= seq_len \(8\), got \(0, 3\)"):
         collect_distill_data(target, head.aux_layer_ids, num_sequences=2, seq_len=8, prompt_lens=(0, 3))
+
+
+def test_aux_layer_ids_out_of_the_fc_order_are_refused_naming_them(pair):
+    """The aux rows are stacked in the order given, while the head's fc takes them in ascending layer order:
+    reversed ids trained a head on permuted chunks without a word."""
+    target, head = pair[2], pair[3]
+    reversed_ids = list(head.aux_layer_ids)[::-1]
+    assert reversed_ids != sorted(reversed_ids)
+    with pytest.raises(ValueError, match=re.escape(f"aux layer ids {reversed_ids} must be strictly ascending")):
+        collect_distill_data(target, reversed_ids, num_sequences=1, seq_len=4, iterations=1)
+    repeated = [head.aux_layer_ids[0]] * 2 + [head.aux_layer_ids[-1]]
+    with pytest.raises(ValueError, match=r"aux layer ids must be distinct"):
+        collect_distill_data(target, repeated, num_sequences=1, seq_len=4, iterations=1)
 
 
 def test_each_step_draws_its_batch_at_random_without_replacement(pair, data, monkeypatch):

@@ -95,11 +95,17 @@ def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences:
     exactly greedy, and every later one is the target's greedy choice for an almost-converged context.
     Every iteration's prefill is kept (`iterations * num_sequences` rows, the last ones the most
     greedy-like): its aux and `target_next` are exact for its tokens. Prompt lengths are uniform in
-    `prompt_lens` (inclusive; by default 2..16, capped at `seq_len`).
+    `prompt_lens` (inclusive; by default 2..16, capped at `seq_len`). `aux_layer_ids` must be strictly
+    ascending, the order in which the head's `fc` takes the aux states (`head.aux_layer_ids`).
     """
     from m3_eagle_plugin.kv import PagedKVCache
     from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
 
+    capture = AuxCapture(aux_layer_ids)  # refuses non-int, negative and repeated ids by name
+    if list(capture.layer_ids) != sorted(capture.layer_ids):
+        # the aux rows are stacked in the given order: any other order trains fc on permuted chunks
+        raise ValueError(f"aux layer ids {list(capture.layer_ids)} must be strictly ascending (the order the "
+                         "head's fc takes the aux states, as head.aux_layer_ids lists them)")
     _check_positive(num_sequences=num_sequences, seq_len=seq_len, iterations=iterations)
     _check_seed(seed)
     low, high = _prompt_lens(prompt_lens, seq_len)
@@ -121,7 +127,6 @@ def collect_distill_data(target, aux_layer_ids: Sequence[int], *, num_sequences:
     lens = [seq_len] * num_sequences
     meta.prepare(lens, lens, cache.block_table(list(range(num_sequences)), width=blocks_per_seq),
                  num_context_requests=num_sequences)
-    capture = AuxCapture(aux_layer_ids)
 
     def prefill(ids: torch.Tensor) -> DistillData:
         hidden = target(ids.reshape(-1).to(device), meta, cache, capture=capture)
