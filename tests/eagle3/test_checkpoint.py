@@ -444,6 +444,53 @@ def test_an_lm_head_gathered_from_the_target_through_d2t_counts_as_taken_from_th
     assert head.from_target == ("embed_tokens", "lm_head")
 
 
+@pytest.mark.parametrize("tensor, stored", [("d2t", torch.arange(32)), ("lm_head.weight", torch.randn(32, HIDDEN))])
+def test_a_short_draft_vocabulary_without_draft_vocab_size_names_the_field_to_set(tiny, tmp_path, tensor, stored):
+    """Without draft_vocab_size the draft vocabulary is the target's (VOCAB rows); a 32-row d2t or lm_head read
+    only "the model expects (256,)", naming no config field."""
+    target, draft_dir = tiny
+
+    def add(t):
+        t[tensor] = stored
+    path = _variant(draft_dir, tmp_path / "d", add, lambda c: c.pop("draft_vocab_size"))
+    want = (f"tensor '{tensor}' has shape {tuple(stored.shape)}, the model expects {(VOCAB,) + tuple(stored.shape[1:])}"
+            f"; the draft vocabulary size {VOCAB} comes from {path / 'config.json'}'s draft_vocab_size (absent: the "
+            "target's vocab_size)")
+    with pytest.raises(CheckpointError, match=re.escape(want) + "$") as info:
+        inspect_draft(path, target.config)
+    assert "\n" not in str(info.value)
+
+
+def test_a_wrong_hidden_width_of_a_shipped_lm_head_blames_no_vocabulary_field(tiny, tmp_path):
+    target, draft_dir = tiny
+    path = _variant(draft_dir, tmp_path / "d", lambda t: t.update({"lm_head.weight": torch.randn(VOCAB, 2 * HIDDEN)}))
+    with pytest.raises(CheckpointError, match=re.escape(f"the model expects {(VOCAB, HIDDEN)}") + "$"):
+        inspect_draft(path, target.config)
+
+
+_CUDA = (pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+
+
+@pytest.mark.parametrize("target_device, head_device", [
+    ("cpu", "cpu"), pytest.param("cpu", "cuda", marks=_CUDA), pytest.param("cuda", "cpu", marks=_CUDA)])
+def test_an_lm_head_gathered_through_d2t_onto_another_device_holds_the_target_rows(tiny, tmp_path, target_device,
+                                                                                   head_device):
+    """The checkpoint ships its embedding, not its lm_head: nothing is shared, the target's rows are gathered
+    and copied to the head's device. The gather indexed the target's lm_head with ids on the head's device
+    ("indices should be either on cpu or on the same device as the indexed tensor")."""
+    target_dir, draft_dir = make_tiny(tmp_path / "tiny", seed=3)
+    own_embed = torch.randn(VOCAB, HIDDEN)
+
+    def add(t):
+        t["d2t"], t["embed_tokens.weight"] = torch.arange(16), own_embed  # draft d -> target 2d
+    path = _variant(draft_dir, tmp_path / "d", add, lambda c: c.update(draft_vocab_size=16))
+    head = load_draft(path, load_target(target_dir, device=target_device), device=head_device)
+    assert head.lm_head.weight.device.type == head_device and head.from_target == ("lm_head",)
+    want = load_file(str(target_dir / "model.safetensors"))["language_model.lm_head.weight"][2 * torch.arange(16)]
+    assert torch.equal(head.lm_head.weight.cpu(), want)
+    assert torch.equal(head.embed_tokens.weight.cpu(), own_embed)
+
+
 def test_two_stored_names_of_one_weight_are_refused(tiny, tmp_path):
     """`midlayer.x` and `model.layers.0.x` are the same weight: a checkpoint holding both is ambiguous."""
     target, draft_dir = tiny

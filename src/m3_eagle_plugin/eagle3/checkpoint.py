@@ -220,7 +220,15 @@ def inspect_draft(path: str | Path, target_config) -> DraftPlan:
                                   "offsets")
     check_names(source.where, missing, unknown)
     for canon in present & set(expected):
-        check_shape(source.where, by_canon[canon], source.shape(by_canon[canon]), expected[canon])
+        shape = source.shape(by_canon[canon])
+        try:
+            check_shape(source.where, by_canon[canon], shape, expected[canon])
+        except CheckpointError as err:
+            if canon not in ("d2t", "lm_head.weight") or not shape or shape[0] == config.draft_vocab_size:
+                raise
+            # a config without draft_vocab_size read as "the model expects (256,)", naming no field to set
+            raise CheckpointError(f"{err}; the draft vocabulary size {config.draft_vocab_size} comes from "
+                                  f"{config_path}'s draft_vocab_size (absent: the target's vocab_size)") from None
     if config.draft_vocab_size != config.vocab_size and "d2t" not in present:
         raise CheckpointError(f"{source.where}: draft_vocab_size {config.draft_vocab_size} < vocab_size "
                               f"{config.vocab_size} but the checkpoint has no 'd2t' mapping")
@@ -265,7 +273,10 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
         shared["embed_tokens"] = target.embed_tokens
     if "lm_head.weight" not in state:
         if shrunk_vocab or remapped:
-            state["lm_head.weight"] = target.lm_head.weight.detach()[target_ids].clone()
+            # gathered on the target's device (indices elsewhere failed: "indices should be either on cpu or
+            # on the same device as the indexed tensor"), then moved to the head's below, as a shipped one is
+            rows = target.lm_head.weight.detach()
+            state["lm_head.weight"] = rows[target_ids.to(rows.device)].clone()
         else:
             shared["lm_head"] = target.lm_head
     if shared and not (dtype == embed.dtype and _same_device(device, embed.device)):
