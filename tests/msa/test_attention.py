@@ -198,6 +198,21 @@ def test_bad_arguments_raise() -> None:
         dense_attention(torch.zeros(2, 2, 8), torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), meta, scale=1.0)
 
 
+def test_an_argument_that_is_not_a_tensor_is_named() -> None:
+    """A list is refused by name, not an AttributeError on `.dim` naming nothing."""
+    meta = MsaDecodeMetadata(1, 4, 1, 4, "cpu")
+    meta.prepare([2], [2], torch.tensor([[0]], dtype=torch.int32))
+    q, cache, sel = torch.zeros(2, 2, 8), torch.zeros(1, 2, 4, 8), torch.zeros(2, 2, 1, dtype=torch.int32)
+    for args, name in (((q.tolist(), cache, cache), "q"), ((q, cache.tolist(), cache), "k_cache"),
+                       ((q, cache, cache.tolist()), "v_cache")):
+        with pytest.raises(TypeError, match=f"{name} must be a tensor, got list"):
+            dense_attention(*args, meta, scale=1.0)
+        with pytest.raises(TypeError, match=f"{name} must be a tensor, got list"):
+            sparse_attention(*args, meta, sel, scale=1.0)
+    with pytest.raises(TypeError, match="selection must be a tensor, got list"):
+        sparse_attention(q, cache, cache, meta, sel.tolist(), scale=1.0)
+
+
 def test_scale_may_be_a_numpy_scalar_and_a_tensor_is_refused_by_type() -> None:
     """np.float32(0.7) is a positive finite scale: it was refused as if it were not one."""
     np = pytest.importorskip("numpy")

@@ -244,3 +244,19 @@ def test_a_v_of_another_shape_than_k_is_refused_not_broadcast_and_writes_nothing
     with pytest.raises(MsaInputError, match=r"k and v must both be \[T, Hkv=1, D=2\], got \(3, 1, 2\) and \(1, 1, 2\)"):
         write_kv(k_cache, v_cache, torch.tensor([0, 1, 2]), k, v)
     assert not k_cache.any() and not v_cache.any()
+
+
+def test_an_argument_that_is_not_a_tensor_is_named_and_nothing_is_written() -> None:
+    """A list (slots as a caller might hand-write them) is refused by name, not an AttributeError on `.dim`."""
+    cache = PooledCache(2, 4, kv_heads=1, head_dim=8, index_dim=8)
+    before = cache.pool.clone()
+    slots, k, ik = torch.tensor([1, 5]), torch.ones(2, 1, 8), torch.ones(2, 8)
+    for args, name in (((cache.k, cache.v, [1, 5], k, k), "slots"), ((cache.k, cache.v, slots, k.tolist(), k), "k"),
+                       ((cache.k, cache.v, slots, k, k.tolist()), "v"), ((cache.k.tolist(), cache.v, slots, k, k), "k_cache")):
+        with pytest.raises(TypeError, match=f"{name} must be a tensor, got list"):
+            write_kv(*args)
+    for args, name in (((cache.index_k, [1, 5], ik), "slots"), ((cache.index_k, slots, ik.tolist()), "ik"),
+                       ((cache.index_k.tolist(), slots, ik), "index_k_cache")):
+        with pytest.raises(TypeError, match=f"{name} must be a tensor, got list"):
+            write_index_k(*args)
+    assert torch.equal(cache.pool.isnan(), before.isnan())

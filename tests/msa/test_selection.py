@@ -72,6 +72,20 @@ def test_select_blocks_names_an_argument_that_is_not_a_tensor() -> None:
             select_blocks(*args, block_size=2, topk=2)
 
 
+def test_the_paged_and_score_selectors_name_an_argument_that_is_not_a_tensor() -> None:
+    """As select_blocks: a list is refused by name, not an AttributeError on `.dim` naming nothing."""
+    meta = MsaDecodeMetadata(1, 4, 2, 2, "cpu")
+    meta.prepare([2], [3], torch.tensor([[0, 1]], dtype=torch.int32))
+    q, cache = torch.zeros(2, 1, 4), torch.zeros(2, 2, 4)
+    for args, name in (((q.tolist(), cache), "index_q"), ((q, cache.tolist()), "index_k_cache")):
+        with pytest.raises(TypeError, match=f"{name} must be a tensor, got list"):
+            select_blocks_paged(*args, meta, topk=2)
+    scores, blocks = torch.zeros(1, 2, 2), torch.tensor([0, 1])
+    for args, name in (((scores.tolist(), blocks), "block_scores"), ((scores, [0, 1]), "query_blocks")):
+        with pytest.raises(TypeError, match=f"{name} must be a tensor, got list"):
+            select_from_block_scores(*args, topk=2)
+
+
 def test_select_blocks_matches_hf_indexer(oracle: SparseLayerOracle) -> None:
     run = oracle.run(41, seed=3)
     positions = torch.arange(41)

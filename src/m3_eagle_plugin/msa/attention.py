@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-from .blocks import MsaInputError, is_integer_dtype, request_pages
+from .blocks import MsaInputError, is_integer_dtype, request_pages, require_tensors
 
 __all__ = ["sparse_attention", "dense_attention"]
 
@@ -24,6 +24,7 @@ _GATHER_CHUNK_ELEMS = 1 << 24
 
 
 def _check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> tuple[int, int]:
+    require_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
     if q.dim() != 3 or q.shape[0] != meta.num_tokens:
         raise MsaInputError(f"q must be [T={meta.num_tokens}, Hq, D], got {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -132,6 +133,7 @@ def sparse_attention(
     row ``h // (Hq // Hkv)``. Inside the selected blocks each token attends keys ``j <= position``.
     """
     scale = _check_scale(scale)
+    require_tensors(selection=selection)
     group, num_kv_heads = _check_qkv(q, k_cache, v_cache, meta)
     if selection.dim() != 3 or selection.shape[:2] != (num_kv_heads, q.shape[0]):
         raise MsaInputError(

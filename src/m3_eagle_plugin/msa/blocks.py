@@ -63,6 +63,13 @@ def validate_block_size(block_size: object) -> int:
     return block_size
 
 
+def require_tensors(**named: object) -> None:
+    """Refuse, by name, an argument that is not a tensor (a list failed on `.dim`, naming nothing)."""
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+
+
 def check_page_size(k_cache: torch.Tensor, meta: Any) -> None:
     """A step's metadata must count blocks of the cache's page size (`k_cache`: `[pages, heads, page,
     dim]`): its slots of another block size name other pages' tokens (another request's)."""

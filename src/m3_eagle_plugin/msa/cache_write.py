@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .blocks import MsaInputError, as_int64, is_integer_dtype
+from .blocks import MsaInputError, as_int64, is_integer_dtype, require_tensors
 
 __all__ = ["write_kv", "write_index_k", "check_index_k"]
 
@@ -61,6 +61,7 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
     """Write ``k``/``v`` ``[T, Hkv, D]`` into HND caches ``[P, Hkv, B, D]`` at ``slots`` ``[T]``."""
+    require_tensors(k_cache=k_cache, v_cache=v_cache, slots=slots, k=k, v=v)
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise MsaInputError(
             f"k_cache and v_cache must both be [P, Hkv, B, D], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
@@ -88,6 +89,7 @@ def write_kv(
 def check_index_k(index_k_cache: torch.Tensor, slots: torch.Tensor, ik: torch.Tensor, name: str = "ik") -> torch.Tensor:
     """`write_index_k`'s checks without its write (a caller writing K/V first checks these before
     anything is written); returns the slots as int64. `name` is how errors call `ik`."""
+    require_tensors(index_k_cache=index_k_cache, slots=slots, **{name: ik})
     if index_k_cache.dim() != 3:
         raise MsaInputError(f"index_k_cache must be [P, B, Di], got {tuple(index_k_cache.shape)}")
     num_pages, block_size, dim = index_k_cache.shape

@@ -13,7 +13,9 @@ from typing import Iterator
 
 import torch
 
-from .blocks import MsaInputError, as_int64, checked_int, is_integer_dtype, request_pages, validate_block_size
+from .blocks import (
+    MsaInputError, as_int64, checked_int, is_integer_dtype, request_pages, require_tensors, validate_block_size,
+)
 
 __all__ = ["select_blocks", "select_blocks_paged", "select_from_block_scores"]
 
@@ -58,6 +60,7 @@ def select_from_block_scores(
     back once.
     """
     _validate_selection_args(topk, local_blocks, init_blocks)
+    require_tensors(block_scores=block_scores, query_blocks=query_blocks)
     if block_scores.dim() != 3:
         raise MsaInputError(f"block_scores must be [H, T, N], got {tuple(block_scores.shape)}")
     num_heads, num_tokens, num_blocks = block_scores.shape
@@ -200,6 +203,7 @@ def select_blocks_paged(
     because every token only sees keys up to its own position.
     """
     _validate_selection_args(topk, local_blocks, init_blocks)
+    require_tensors(index_q=index_q, index_k_cache=index_k_cache)
     block_size = meta.block_size
     num_tokens = meta.num_tokens
     if index_q.dim() != 3 or index_q.shape[0] != num_tokens:
