@@ -252,7 +252,8 @@ def test_an_argument_that_is_not_a_tensor_is_named_and_nothing_is_written() -> N
     before = cache.pool.clone()
     slots, k, ik = torch.tensor([1, 5]), torch.ones(2, 1, 8), torch.ones(2, 8)
     for args, name in (((cache.k, cache.v, [1, 5], k, k), "slots"), ((cache.k, cache.v, slots, k.tolist(), k), "k"),
-                       ((cache.k, cache.v, slots, k, k.tolist()), "v"), ((cache.k.tolist(), cache.v, slots, k, k), "k_cache")):
+                       ((cache.k, cache.v, slots, k, k.tolist()), "v"),
+                       ((cache.k.tolist(), cache.v, slots, k, k), "k_cache")):
         with pytest.raises(TypeError, match=f"{name} must be a tensor, got list"):
             write_kv(*args)
     for args, name in (((cache.index_k, [1, 5], ik), "slots"), ((cache.index_k, slots, ik.tolist()), "ik"),
