@@ -43,7 +43,7 @@ _OPTIONAL = ("embed_tokens.weight", "lm_head.weight", "d2t")
 def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_size: int,
                        target_vocab_size: int, default_aux_layer_ids: tuple[int, ...],
                        has_fc_norm: bool, target_num_layers: int | None = None,
-                       stored_fc_width: int | None = None) -> Eagle3Config:
+                       stored_fc_width: int | None = None, stored_fc_where: str = "the checkpoint") -> Eagle3Config:
     """Validate a draft `config.json` against its target (and the input width of the checkpoint's `fc`,
     when given); every error is "<file>: <field>: <what>"."""
     top = ConfigFields(raw, source)
@@ -120,8 +120,8 @@ def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_siz
     # another count read as a stray or missing fc_norm tensor, or an fc shape, naming no config field
     if stored_fc_width is not None and stored_fc_width != len(aux) * target_hidden_size \
             and stored_fc_width % target_hidden_size == 0:
-        raise aux_fields.error(aux_key, f"{whose} {list(aux)} feed fc {len(aux)} hidden states, but the checkpoint's "
-                               f"fc takes {stored_fc_width // target_hidden_size} ({stored_fc_width} = "
+        raise aux_fields.error(aux_key, f"{whose} {list(aux)} feed fc {len(aux)} hidden states, but fc.weight in "
+                               f"{stored_fc_where} takes {stored_fc_width // target_hidden_size} ({stored_fc_width} = "
                                f"{stored_fc_width // target_hidden_size} x target hidden {target_hidden_size})")
     act = top.need("hidden_act", "silu")
     if act != "silu":
@@ -201,7 +201,8 @@ def inspect_draft(path: str | Path, target_config) -> DraftPlan:
     config = parse_draft_config(raw, str(config_path), target_hidden_size=tc.hidden_size,
                                 target_vocab_size=tc.vocab_size, default_aux_layer_ids=tc.default_aux_layer_ids,
                                 has_fc_norm=has_fc_norm, target_num_layers=tc.num_layers,
-                                stored_fc_width=fc_shape[1] if len(fc_shape) == 2 else None)
+                                stored_fc_width=fc_shape[1] if len(fc_shape) == 2 else None,
+                                stored_fc_where=source.where)
     _check_sizes_stored(source, config, str(config_path))
     with torch.device("meta"):
         head = Eagle3Head(config)
