@@ -49,6 +49,41 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _interrupts_kept() -> Iterator[None]:
+    """An interrupt Python drops is delivered again inside the block. A KeyboardInterrupt (or
+    `Terminated`) raised while a weakref callback or ``__del__`` runs (importlib's module-lock callback
+    on an import, say) is only printed as "Exception ignored", and the command ran on: make-tiny's
+    training went on for good after a Ctrl-C. `sys.unraisablehook` sees it; another thread simulates
+    the signal again for the main thread a moment later (from within the hook it would raise in the
+    hook, and be dropped again), where Python handles that signal."""
+    import _thread
+    import time
+
+    def deliver(signum: int) -> None:
+        time.sleep(0.05)  # the main thread has left the hook and the finalizer
+        _thread.interrupt_main(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, (KeyboardInterrupt, Terminated)):
+            signum = signal.SIGINT if issubclass(unraisable.exc_type, KeyboardInterrupt) else signal.SIGTERM
+            threading.Thread(target=deliver, args=(signum,), daemon=True).start()
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+
+
 def positive_int(text: str) -> int:
     """argparse type of a count option: an integer >= 1, else a usage error naming the value."""
     try:
@@ -132,7 +167,7 @@ def run_command(name: str, argv: list[str]) -> int:
 
 def _run_command(name: str, argv: list[str], output: _Stdout | None) -> int:
     try:
-        with _sigterm_raises():
+        with _sigterm_raises(), _interrupts_kept():
             module = importlib.import_module(COMMANDS[name][0])
             parser = argparse.ArgumentParser(prog=f"m3-eagle {name}", description=COMMANDS[name][1])
             module.add_arguments(parser)

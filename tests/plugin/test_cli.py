@@ -32,7 +32,11 @@ def test_an_interrupted_make_tiny_is_one_line_and_leaves_no_scratch(tmp_path, si
         time.sleep(0.1)  # interrupt once the scratch pair is written (training under way)
     time.sleep(0.5)
     proc.send_signal(sig)
-    err = proc.communicate(timeout=60)[1]
+    try:
+        err = proc.communicate(timeout=30)[1]
+    except subprocess.TimeoutExpired:  # dropped inside torch's C++ (a lazy import under load): a second Ctrl-C
+        proc.send_signal(sig)
+        err = proc.communicate(timeout=60)[1]
     assert proc.returncode == status, err
     assert err == f"m3-eagle make-tiny: {word} ({'Ctrl-C / SIGINT' if word == 'interrupted' else 'SIGTERM'})\n"
     assert not out.exists()  # it made OUT_DIR: removed with the scratch pair, not left empty
@@ -67,6 +71,40 @@ def _check_the_handler_is_kept(module, seen, capsys) -> None:
     module.main = lambda args: (_ for _ in ()).throw(KeyboardInterrupt)
     assert cli.main(["probe"]) == 130 and capsys.readouterr().err == "m3-eagle probe: interrupted (Ctrl-C / SIGINT)\n"
 
+
+
+@pytest.mark.parametrize("raised, status, line", [(KeyboardInterrupt, 130, "interrupted (Ctrl-C / SIGINT)"),
+                                                  (cli.Terminated, 143, "terminated (SIGTERM)")])
+def test_an_interrupt_python_drops_in_a_finalizer_still_ends_the_command(monkeypatch, capsys, raised, status, line):
+    """A Ctrl-C that lands in a weakref callback or `__del__` (importlib's module-lock callback, seen in
+    CI) was printed as "Exception ignored" and lost: make-tiny's training ran on until killed."""
+    ran_on = []
+
+    class Dropped:
+        def __del__(self):
+            raise raised(signal.SIGTERM) if raised is cli.Terminated else raised
+
+    def main(args):
+        Dropped()  # collected at once: its exception goes to sys.unraisablehook, not to this frame
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            pass
+        ran_on.append(True)
+        return 0
+
+    module = type(sys)("m3_eagle_plugin.tests_probe")
+    module.add_arguments, module.main = (lambda parser: None), main
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(cli, "COMMANDS", {"probe": (module.__name__, "probe")})
+    outer = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    hook = sys.unraisablehook
+    try:
+        assert cli.main(["probe"]) == status
+    finally:
+        signal.signal(signal.SIGTERM, outer)
+    assert ran_on == [] and capsys.readouterr().err == f"m3-eagle probe: {line}\n"
+    assert sys.unraisablehook is hook  # put back
+    Dropped.__del__ = lambda self: None
 
 
 PROBE = """import sys, types
