@@ -104,7 +104,6 @@ def test_an_interrupt_python_drops_in_a_finalizer_still_ends_the_command(monkeyp
         signal.signal(signal.SIGTERM, outer)
     assert ran_on == [] and capsys.readouterr().err == f"m3-eagle probe: {line}\n"
     assert sys.unraisablehook is hook  # put back
-    Dropped.__del__ = lambda self: None
 
 
 PROBE = """import sys, types

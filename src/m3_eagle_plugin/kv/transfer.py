@@ -68,7 +68,7 @@ def fingerprint_difference(got: str, expected: str) -> str:
         return f"its form: {got[:80]!r} is not a cache fingerprint"
     if not isinstance(a, dict):
         return f"its form: {got[:80]!r} is not a cache fingerprint"
-    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    keys = _differing_keys(a, b)
     if not keys:  # compared as text, like `import_request`
         return "its text only: the same fields, not written as this side writes them (sorted keys, no spaces)"
     return "; ".join(_field_difference(k, a.get(k), b.get(k)) for k in keys)
@@ -78,9 +78,13 @@ def _field_difference(name: str, got, expected) -> str:
     """One differing fingerprint field; a nested one (the pool geometry) by its own differing fields:
     cut to 120 characters as a whole, two geometries read alike as far as they were shown."""
     if isinstance(got, dict) and isinstance(expected, dict):
-        keys = sorted(k for k in got.keys() | expected.keys() if got.get(k) != expected.get(k))
-        return "; ".join(_field_difference(f"{name}.{k}", got.get(k), expected.get(k)) for k in keys)
+        return "; ".join(_field_difference(f"{name}.{k}", got.get(k), expected.get(k))
+                         for k in _differing_keys(got, expected))
     return f"{name} (payload {json.dumps(got)[:120]}, cache {json.dumps(expected)[:120]})"
+
+
+def _differing_keys(got: dict, expected: dict) -> list[str]:
+    return sorted(k for k in got.keys() | expected.keys() if got.get(k) != expected.get(k))
 
 
 def export_request(cache: PagedKVCache, rid: Hashable) -> KVTransferPayload:
