@@ -57,15 +57,92 @@ def test_layers0_and_model_prefix_names_are_equivalent(tiny, tmp_path):
     assert canonical_name("model.midlayer.mlp.up_proj.weight") == "layers.0.mlp.up_proj.weight"
 
 
-def test_own_embed_and_lm_head_are_used_when_present(tiny, tmp_path):
+def test_own_embed_and_lm_head_are_used_when_present_and_asked_for(tiny, tmp_path):
     target, draft_dir = tiny
     own = torch.randn(256, 64)
 
     def add(t):
         t["embed_tokens.weight"], t["lm_head.weight"] = own, own * 2
-    head = load_draft(_variant(draft_dir, tmp_path / "d", add), target)
+    head = load_draft(_variant(draft_dir, tmp_path / "d", add), target, embeddings="own")
     assert head.embed_tokens is not target.embed_tokens
     assert torch.equal(head.embed_tokens.weight, own) and torch.equal(head.lm_head.weight, own * 2)
+
+
+def test_by_default_the_targets_embed_and_lm_head_replace_the_shipped_ones_which_are_never_read(tiny, tmp_path,
+                                                                                                 monkeypatch):
+    """Reference §4.4: MiniMax-M3's head ships [200064, 6144] copies the model card says are replaced by
+    the target's at serve time; the default serves it so, and reads neither copy (4.9 GB in bf16)."""
+    from m3_eagle_plugin.models.safetensors_source import SafetensorsSource
+
+    target, draft_dir = tiny
+
+    def add(t):
+        t["embed_tokens.weight"], t["lm_head.weight"] = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    path = _variant(draft_dir, tmp_path / "d", add)
+    read = []
+    get_many = SafetensorsSource.get_many
+    monkeypatch.setattr(SafetensorsSource, "get_many", lambda self, names: read.extend(names) or get_many(self, names))
+    head = load_draft(path, target)
+    assert head.embed_tokens is target.embed_tokens and head.lm_head is target.lm_head
+    assert head.from_target == ("embed_tokens", "lm_head")
+    assert read and not {"embed_tokens.weight", "lm_head.weight"} & set(read)
+    x = torch.randn(3, HIDDEN)  # logits are the target's: x @ W_target^T, by definition of its lm_head
+    torch.testing.assert_close(head.lm_head(x), x @ target.lm_head.weight.T)
+
+
+def test_a_reduced_vocabulary_keeps_its_shipped_lm_head_by_default_and_takes_the_targets_embedding(tiny, tmp_path):
+    """A smaller draft vocabulary's own lm_head is trained for its ids: the target's rows are no substitute.
+    The embedding is indexed by target ids whatever the draft vocabulary, so the target's serves."""
+    target, draft_dir = tiny
+    own_lm_head = torch.randn(16, HIDDEN)
+
+    def add(t):
+        t["d2t"], t["lm_head.weight"] = torch.arange(16), own_lm_head
+        t["embed_tokens.weight"] = torch.randn(VOCAB, HIDDEN)
+    head = load_draft(_variant(draft_dir, tmp_path / "d", add, lambda c: c.update(draft_vocab_size=16)), target)
+    assert torch.equal(head.lm_head.weight, own_lm_head) and head.embed_tokens is target.embed_tokens
+    assert head.from_target == ("embed_tokens",)
+
+
+def test_a_full_vocabulary_in_another_order_keeps_its_shipped_lm_head_by_default(tiny, tmp_path):
+    target, draft_dir = tiny
+    own_lm_head = torch.randn(VOCAB, HIDDEN)
+
+    def add(t):
+        t["d2t"], t["lm_head.weight"] = torch.arange(VOCAB).flip(0) * 2 - (VOCAB - 1), own_lm_head  # d -> V-1-d
+    head = load_draft(_variant(draft_dir, tmp_path / "d", add), target)
+    assert torch.equal(head.lm_head.weight, own_lm_head) and head.from_target == ("embed_tokens",)
+
+
+@pytest.mark.parametrize("embeddings", ["shared", "", None, 1, "TARGET"])
+def test_an_unknown_embeddings_choice_is_refused_naming_the_choices(tiny, embeddings):
+    target, draft_dir = tiny
+    with pytest.raises(ValueError, match=r"^embeddings must be one of 'target', 'own', got "):
+        inspect_draft(draft_dir, target.config, embeddings=embeddings)
+    if embeddings is not None:  # None is load_draft's "the plan's, else target"
+        with pytest.raises(ValueError, match=r"^embeddings must be one of 'target', 'own', got "):
+            load_draft(draft_dir, target, embeddings=embeddings)
+
+
+def test_a_plan_inspected_for_one_embeddings_choice_is_not_loaded_for_the_other(tiny):
+    target, draft_dir = tiny
+    plan = inspect_draft(draft_dir, target.config, embeddings="own")
+    with pytest.raises(ValueError, match=r"embeddings='target', but the draft plan was inspected with "
+                                         r"embeddings='own': pass it to inspect_draft"):
+        load_draft(plan, target, embeddings="target")
+    assert load_draft(plan, target, embeddings="own").embed_tokens is target.embed_tokens  # ships none
+
+
+def test_sharing_shipped_embeddings_in_another_dtype_names_the_own_choice(tiny, tmp_path):
+    target, draft_dir = tiny
+
+    def add(t):
+        t["embed_tokens.weight"], t["lm_head.weight"] = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    path = _variant(draft_dir, tmp_path / "d", add)
+    with pytest.raises(ValueError, match=r"must be loaded in that dtype and device, got torch.float16 on cpu \(or "
+                                         r"load with embeddings='own' to use the ones the checkpoint ships\)$"):
+        load_draft(path, target, dtype=torch.float16)
+    assert load_draft(path, target, dtype=torch.float16, embeddings="own").lm_head.weight.dtype == torch.float16
 
 
 @pytest.mark.parametrize(
@@ -77,13 +154,16 @@ def test_own_embed_and_lm_head_are_used_when_present(tiny, tmp_path):
         (("embed_tokens", "lm_head"), ()),
     ],
 )
-def test_from_target_names_each_module_the_checkpoint_does_not_ship(tiny, tmp_path, ships, taken):
+@pytest.mark.parametrize("embeddings", ["own", "target"])
+def test_from_target_names_each_module_the_checkpoint_does_not_ship(tiny, tmp_path, ships, taken, embeddings):
     target, draft_dir = tiny
+    if embeddings == "target":  # full vocabulary, target order: both are the target's, shipped or not
+        taken = ("embed_tokens", "lm_head")
 
     def add(t):
         for name in ships:
             t[f"{name}.weight"] = torch.randn(VOCAB, HIDDEN)
-    head = load_draft(_variant(draft_dir, tmp_path / "d", add), target)
+    head = load_draft(_variant(draft_dir, tmp_path / "d", add), target, embeddings=embeddings)
     assert head.from_target == taken
     for name in ("embed_tokens", "lm_head"):
         assert (getattr(head, name) is getattr(target, name)) == (name in taken), name
@@ -484,7 +564,7 @@ def test_an_lm_head_gathered_through_d2t_onto_another_device_holds_the_target_ro
     def add(t):
         t["d2t"], t["embed_tokens.weight"] = torch.arange(16), own_embed  # draft d -> target 2d
     path = _variant(draft_dir, tmp_path / "d", add, lambda c: c.update(draft_vocab_size=16))
-    head = load_draft(path, load_target(target_dir, device=target_device), device=head_device)
+    head = load_draft(path, load_target(target_dir, device=target_device), device=head_device, embeddings="own")
     assert head.lm_head.weight.device.type == head_device and head.from_target == ("lm_head",)
     want = load_file(str(target_dir / "model.safetensors"))["language_model.lm_head.weight"][2 * torch.arange(16)]
     assert torch.equal(head.lm_head.weight.cpu(), want)
@@ -688,8 +768,8 @@ def test_a_weight_dtype_no_head_can_run_is_refused_naming_it_as_load_target_does
     with pytest.raises(ValueError, match=want):
         load_target(path.parent / "none", dtype=dtype)  # the oracle: the target loader's own refusal
     with pytest.raises(ValueError, match=want):
-        load_draft(path, target, dtype=dtype)
-    assert load_draft(path, target, dtype=torch.float16).fc.weight.dtype == torch.float16
+        load_draft(path, target, dtype=dtype, embeddings="own")
+    assert load_draft(path, target, dtype=torch.float16, embeddings="own").fc.weight.dtype == torch.float16
 
 
 @pytest.mark.parametrize("key, value, field", [("intermediate_size", 2 ** 62, "intermediate_size"),

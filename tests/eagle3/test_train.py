@@ -22,7 +22,7 @@ from m3_eagle_plugin.eagle3.train import (
 )
 from m3_eagle_plugin.kv import PagedKVCache
 from m3_eagle_plugin.models.loader import load_target
-from m3_eagle_plugin.models.tiny import make_tiny
+from m3_eagle_plugin.models.tiny import HIDDEN, VOCAB, make_tiny
 from m3_eagle_plugin.msa.metadata import MsaDecodeMetadata
 
 TOL = 1e-4
@@ -472,12 +472,31 @@ def test_an_lm_head_the_checkpoint_ships_trains_and_is_written_back(tmp_path):
     target_weights = load_file(str(target_dir / "model.safetensors"))
 
     distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=4, num_sequences=4, seq_len=16, iterations=2,
-                                                               batch_size=4))
+                                                               batch_size=4), embeddings="own")
     after = load_file(str(weights))
     assert set(after) == set(tensors) | {"lm_head.weight"}  # nothing of the target's added
     moved = (after["lm_head.weight"].float() - own.float()).abs()
     assert bool(torch.isfinite(moved).all()) and float(moved.max()) > 0
     assert all(torch.equal(v, target_weights[k]) for k, v in load_file(str(target_dir / "model.safetensors")).items())
+
+
+def test_distilling_by_default_writes_back_the_shipped_embedding_and_lm_head_unchanged(tmp_path):
+    """Served as the target's (the default), the shipped copies are frozen: the file keeps them bit for
+    bit (nothing is lost, nor replaced by the target's), while the head's own weights train."""
+    from safetensors.torch import save_file
+
+    target_dir, draft_dir = make_tiny(tmp_path, seed=5)
+    weights = draft_dir / "model.safetensors"
+    tensors = load_file(str(weights))
+    dtype = next(iter(tensors.values())).dtype
+    shipped = {"embed_tokens.weight": torch.randn(VOCAB, HIDDEN, dtype=dtype),
+               "lm_head.weight": torch.randn(VOCAB, HIDDEN, dtype=dtype)}
+    save_file({**tensors, **shipped}, str(weights), metadata={"format": "pt"})
+    distill_checkpoint(target_dir, draft_dir, plan=DistillPlan(steps=4, num_sequences=4, seq_len=16, iterations=2,
+                                                               batch_size=4))
+    after = load_file(str(weights))
+    assert all(torch.equal(after[name], value) for name, value in shipped.items())
+    assert not torch.equal(after["fc.weight"], tensors["fc.weight"])
 
 
 def test_from_target_names_what_the_loader_took_from_the_target(pair):
@@ -497,7 +516,7 @@ def test_training_keeps_what_came_from_the_target_and_trains_the_lm_head_the_che
     tensors = load_file(str(variant / "model.safetensors"))
     own = target.lm_head.weight.detach() + 0.01 * torch.randn_like(target.lm_head.weight)
     save_file({**tensors, "lm_head.weight": own}, str(variant / "model.safetensors"), metadata={"format": "pt"})
-    head = load_draft(variant, target)
+    head = load_draft(variant, target, embeddings="own")
     embed, target_lm_head = target.embed_tokens.weight.clone(), target.lm_head.weight.clone()
     train_head(head, data, steps=2, batch_size=4, seed=0)
     assert head.embed_tokens is target.embed_tokens and torch.equal(target.embed_tokens.weight, embed)

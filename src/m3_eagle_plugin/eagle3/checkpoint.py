@@ -12,10 +12,17 @@ ascending layer order), `num_aux_hidden_states` (checked against them), `draft_v
 the three sizes at the top level only (as every exporter writes them). Refused by name, since vLLM
 or TensorRT-LLM would run another head from them: `eagle_config.use_aux_hidden_state` false,
 `eagle_config.eh_proj_before_attn` true, `num_hidden_layers` other than 1, and the speculators
-format (`transformer_layer_config`). A missing embedding or
-lm_head is taken from the target (the lm_head's rows gathered into draft-id order through `d2t`
-whenever that is not all zeros: a smaller draft vocabulary, or a full one in another order). Names
-and shapes are all validated before anything is assigned.
+format (`transformer_layer_config`).
+
+The embedding and lm_head: with ``embeddings="target"`` (the default) the head uses the target's
+embedding, and its lm_head wherever the head scores the full vocabulary in target-id order, even when
+the checkpoint ships its own: MiniMax-M3's Eagle3 head ships copies [200064, 6144] each (about 4.9 GB
+in bf16) that its model card says are replaced by the target's at serve time, as vLLM and SGLang do;
+those tensors are checked but never read. A head with a smaller or reordered draft vocabulary keeps
+the lm_head it ships, trained for its ids. ``embeddings="own"`` uses whatever the checkpoint ships.
+What neither provides is taken from the target (the lm_head's rows gathered into draft-id order
+through `d2t` whenever that is not all zeros). Names and shapes are all validated before anything is
+assigned.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ from m3_eagle_plugin.msa.blocks import is_integer_dtype
 
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.|^t2d$")
 _OPTIONAL = ("embed_tokens.weight", "lm_head.weight", "d2t")
+EMBEDDINGS = ("target", "own")
 
 
 def parse_draft_config(raw: Mapping[str, Any], source: str, *, target_hidden_size: int,
@@ -153,14 +161,23 @@ def canonical_name(name: str) -> str:
 @dataclass(frozen=True)
 class DraftPlan:
     """What `inspect_draft` read without touching a weight: the validated config, the checkpoint's
-    tensor names (canonical -> stored), the shapes the head expects, and the sizes of the target it
-    was checked against (`_target_sizes`)."""
+    tensor names (canonical -> stored), the shapes the head expects, the sizes of the target it was
+    checked against (`_target_sizes`), the ``embeddings`` choice, the shipped tensors that choice
+    leaves unread (the target's are used), and whether the lm_head is gathered from the target's rows."""
 
     config: Eagle3Config
     source: SafetensorsSource
     by_canon: dict
     expected: dict
     target: tuple[int, int, int]
+    embeddings: str = "target"
+    unread: frozenset = frozenset()
+    gathers_lm_head: bool = False
+
+    @property
+    def read(self) -> frozenset:
+        """Canonical names of the tensors `load_draft` reads from the checkpoint."""
+        return frozenset(self.by_canon).intersection(self.expected) - self.unread
 
 
 def _target_sizes(target_config) -> tuple[int, int, int]:
@@ -179,9 +196,11 @@ def _check_sizes_stored(source: SafetensorsSource, config: Eagle3Config, where: 
     check_sizes_stored(sizes, map(source.shape, source.names()), where, source.where, ConfigError)
 
 
-def inspect_draft(path: str | Path, target_config) -> DraftPlan:
+def inspect_draft(path: str | Path, target_config, *, embeddings: str = "target") -> DraftPlan:
     """Check an Eagle3 checkpoint directory against its target's config (an `M3Config`): the draft
-    `config.json`, its tensor names and shapes (safetensors headers) and its d2t id map, no weight read."""
+    `config.json`, its tensor names and shapes (safetensors headers) and its d2t id map, no weight read.
+    ``embeddings``: "target" or "own" (the module docstring)."""
+    check_embeddings(embeddings)
     path = Path(path)
     if path.is_file():  # config.json was looked for inside it: "no config.json at .../config.json/config.json"
         raise CheckpointError(f"{path}: the Eagle3 draft is read from its checkpoint directory (config.json and "
@@ -233,32 +252,53 @@ def inspect_draft(path: str | Path, target_config) -> DraftPlan:
     if config.draft_vocab_size != config.vocab_size and "d2t" not in present:
         raise CheckpointError(f"{source.where}: draft_vocab_size {config.draft_vocab_size} < vocab_size "
                               f"{config.vocab_size} but the checkpoint has no 'd2t' mapping")
+    remapped = False
     if "d2t" in present:  # one int per draft id, read now: a bad mapping must not wait for the target's weights
-        _target_ids(source.where, source.get(by_canon["d2t"]).long(), config.vocab_size)
-    return DraftPlan(config, source, by_canon, expected, _target_sizes(tc))
+        d2t = source.get(by_canon["d2t"]).long()
+        _target_ids(source.where, d2t, config.vocab_size)
+        remapped = bool((d2t != 0).any())
+    # The target's lm_head scores this head's ids as they are only at the full vocabulary in target order.
+    target_order = config.draft_vocab_size == config.vocab_size and not remapped
+    unread = set()
+    if embeddings == "target":
+        unread = {"embed_tokens.weight"} | ({"lm_head.weight"} if target_order else set())
+    unread &= present
+    gathers = not target_order and "lm_head.weight" not in present
+    return DraftPlan(config, source, by_canon, expected, _target_sizes(tc), embeddings, frozenset(unread), gathers)
+
+
+def check_embeddings(embeddings) -> None:
+    """``embeddings`` is one of `EMBEDDINGS`, else a ValueError naming them."""
+    if not isinstance(embeddings, str) or embeddings not in EMBEDDINGS:
+        raise ValueError(f"embeddings must be one of {', '.join(map(repr, EMBEDDINGS))}, got {embeddings!r}")
 
 
 def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None) -> Eagle3Head:
+               device: torch.device | str | None = None, *, embeddings: str | None = None) -> Eagle3Head:
     """Build an `Eagle3Head` for `target` from an Eagle3 checkpoint directory (or its `inspect_draft`
     plan, checked before the target's weights were read). ``dtype`` and ``device`` default to the
-    target's; a head that shares the target's embedding or lm_head must be in them."""
+    target's; a head that shares the target's embedding or lm_head must be in them. ``embeddings``:
+    "target" (default) or "own" (the module docstring); a plan carries its own."""
+    if embeddings is not None:
+        check_embeddings(embeddings)
+    if isinstance(path, DraftPlan) and embeddings not in (None, path.embeddings):
+        raise ValueError(f"embeddings={embeddings!r}, but the draft plan was inspected with "
+                         f"embeddings={path.embeddings!r}: pass it to inspect_draft")
     embed = target.embed_tokens.weight
     dtype = embed.dtype if dtype is None else dtype
     check_compute_dtype(dtype)
     device = embed.device if device is None else torch.device(device)
-    plan = path if isinstance(path, DraftPlan) else inspect_draft(path, target.config)
+    plan = path if isinstance(path, DraftPlan) else inspect_draft(path, target.config, embeddings=embeddings or "target")
     if plan.target != _target_sizes(target.config):  # its checks hold for that target only
         raise ValueError(f"{plan.source.where}: the draft plan was checked against a target of hidden size, "
                          f"vocabulary and layers {plan.target}, not this one's {_target_sizes(target.config)}")
-    config, source, by_canon, expected = plan.config, plan.source, plan.by_canon, plan.expected
-    present = set(by_canon)
+    config, source, by_canon = plan.config, plan.source, plan.by_canon
     shrunk_vocab = config.draft_vocab_size != config.vocab_size
     with torch.device("meta"):
         head = Eagle3Head(config)
 
-    tensors = source.get_many([by_canon[c] for c in present & set(expected)])
-    state = {c: tensors[by_canon[c]] for c in present & set(expected)}
+    tensors = source.get_many([by_canon[c] for c in plan.read])
+    state = {c: tensors[by_canon[c]] for c in plan.read}
     own = set(state)  # what the checkpoint ships, before the target fills in the rest
     d2t = state.pop("d2t", None)
     if d2t is not None:
@@ -282,8 +322,10 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
             shared["lm_head"] = target.lm_head
     if shared and not (dtype == embed.dtype and _same_device(device, embed.device)):
         # the first forward failed mixing them ("expected m1 and m2 to have the same dtype")
+        ships = " (or load with embeddings='own' to use the ones the checkpoint ships)" if plan.unread else ""
         raise ValueError(f"{source.where}: the head shares the target's {' and '.join(shared)} ({embed.dtype} on "
-                         f"{embed.device}), so it must be loaded in that dtype and device, got {dtype} on {device}")
+                         f"{embed.device}), so it must be loaded in that dtype and device, got {dtype} on "
+                         f"{device}{ships}")
     for name in shared:
         delattr(head, name)
         setattr(head, name, nn.Identity())  # placeholder so load_state_dict skips it
@@ -327,4 +369,5 @@ def _check_one_to_one(where: str, target_ids: torch.Tensor) -> None:
                           "each draft id must name its own target id")
 
 
-__all__ = ["CheckpointError", "DraftPlan", "canonical_name", "inspect_draft", "load_draft", "parse_draft_config"]
+__all__ = ["EMBEDDINGS", "CheckpointError", "DraftPlan", "canonical_name", "check_embeddings", "inspect_draft",
+           "load_draft", "parse_draft_config"]

@@ -414,11 +414,14 @@ class DistillPlan:
         _check_rates(self.lr, self.hard_weight)
 
 
-def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan(), seed: int = 0) -> list[float]:
+def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan(), seed: int = 0,
+                       embeddings: str = "target") -> list[float]:
     """Train the Eagle3 head at `draft_dir` on its target at `target_dir` and overwrite its weights in place.
 
-    The tensor names, the config and the file's metadata (its "format" "pt") stay those of the input
-    checkpoint (public Eagle3 layout).
+    The head is loaded as it will be served (``embeddings`` as `load_draft` takes it): what it takes
+    from the target stays frozen, and an embedding or lm_head the checkpoint ships but that choice
+    leaves unused is written back unchanged. The tensor names, the config and the file's metadata (its
+    "format" "pt") stay those of the input checkpoint (public Eagle3 layout).
     Runs on one CPU thread, so the result is a pure function of the inputs, the plan and the seed.
     Returns the training loss per step.
     """
@@ -427,10 +430,11 @@ def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from m3_eagle_plugin.eagle3.checkpoint import canonical_name, load_draft
+    from m3_eagle_plugin.eagle3.checkpoint import canonical_name, check_embeddings, load_draft
     from m3_eagle_plugin.models.loader import load_target
 
     _check_seed(seed)  # before the pair is loaded and the data collected
+    check_embeddings(embeddings)
     weights = Path(draft_dir) / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"no draft weights at {weights} (distill_checkpoint expects one safetensors file)")
@@ -441,7 +445,7 @@ def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan
             # the CPU generator alone, which fork_rng puts back: torch.manual_seed reseeded every device's
             torch.random.default_generator.manual_seed(seed)
             target = load_target(target_dir)
-            head = load_draft(draft_dir, target)
+            head = load_draft(draft_dir, target, embeddings=embeddings)
             data = collect_distill_data(target, head.aux_layer_ids, num_sequences=plan.num_sequences,
                                         seq_len=plan.seq_len, iterations=plan.iterations, seed=seed)
             history = train_head(head, data, steps=plan.steps, batch_size=plan.batch_size, lr=plan.lr,
@@ -454,7 +458,8 @@ def distill_checkpoint(target_dir, draft_dir, *, plan: DistillPlan = DistillPlan
         metadata = {**(f.metadata() or {}), "format": "pt"}  # written by torch, whatever wrote the original
     new = {}
     for name in sorted(old):  # names the head does not hold as weights (d2t, t2d) are kept as they were
-        value = trained.get(canonical_name(name), old[name])
+        canon = canonical_name(name)
+        value = old[name] if canon.split(".")[0] in head.from_target else trained.get(canon, old[name])
         new[name] = value.detach().to(old[name].dtype).contiguous()
     _replace_file(weights, lambda path: save_file(new, str(path), metadata=metadata))
     return history

@@ -245,3 +245,64 @@ def test_the_memory_check_counts_the_weights_loaded_before_the_cache(tiny_pair, 
     monkeypatch.setattr(build, "_free_bytes", lambda device: cache + weights - 1)  # the cache alone fits
     with pytest.raises(ValueError, match=r"^a KV cache of 16 blocks .* beside the weights .*lower --kv-blocks"):
         build_engine(*tiny_pair, EngineConfig(draft_len=2), num_blocks=16)
+
+
+def _shipping_variant(draft_dir, dst, vocab: str):
+    """The tiny draft shipping its own embedding and: ``full``: its own lm_head; ``reduced``: a 16-id
+    draft vocabulary (d -> target 2d) with its own lm_head; ``permuted``: no lm_head, the full vocabulary
+    in reverse order (the target's rows gathered)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from m3_eagle_plugin.models.tiny import HIDDEN, VOCAB
+
+    shutil.copytree(draft_dir, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors["embed_tokens.weight"] = torch.randn(VOCAB, HIDDEN)
+    if vocab != "permuted":
+        tensors["lm_head.weight"] = torch.randn(16 if vocab == "reduced" else VOCAB, HIDDEN)
+    if vocab == "reduced":
+        tensors["d2t"] = torch.arange(16)
+        config = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 16}))
+    if vocab == "permuted":
+        tensors["d2t"] = VOCAB - 1 - 2 * torch.arange(VOCAB)  # d -> VOCAB-1-d
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("vocab", ["full", "reduced", "permuted"])
+@pytest.mark.parametrize("embeddings", ["target", "own"])
+def test_the_weight_bytes_checked_are_those_the_engine_holds_whichever_embeddings_it_uses(tiny_pair, tmp_path,
+                                                                                          vocab, embeddings):
+    """Shipped copies the head does not use are never read, so they are not counted (4.9 GB for M3's head);
+    ones it uses, and an lm_head gathered from the target's rows, are. Oracle: the distinct storages of
+    the built engine's parameters and d2t."""
+    import torch
+
+    draft = _shipping_variant(tiny_pair[1], tmp_path / "draft", vocab)
+    engine = build_engine(tiny_pair[0], draft, EngineConfig(draft_len=2), num_blocks=16,
+                          draft_embeddings=embeddings)
+    held = {}
+    for tensor in [*engine.target.parameters(), *engine.head.parameters(), engine.head.d2t]:
+        if tensor is not None:
+            held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    from m3_eagle_plugin.eagle3.checkpoint import inspect_draft
+    from m3_eagle_plugin.models.config import M3Config
+
+    tc = M3Config.from_file(tiny_pair[0])
+    assert build._weight_bytes(tc, inspect_draft(draft, tc, embeddings=embeddings), torch.float32) == sum(held.values())
+    assert (engine.head.embed_tokens is engine.target.embed_tokens) == (embeddings == "target")
+
+
+def test_an_unknown_draft_embeddings_choice_is_refused_before_any_weight_is_read(tiny_pair, monkeypatch):
+    def read_weights(*args, **kwargs):
+        raise AssertionError("weights read before the settings were checked")
+
+    monkeypatch.setattr(loader, "load_target", read_weights)
+    for draft in tiny_pair[1], None:
+        with pytest.raises(ValueError, match=r"^embeddings must be one of 'target', 'own', got 'shared'$"):
+            build_engine(tiny_pair[0], draft, EngineConfig(draft_len=2), num_blocks=16, draft_embeddings="shared")

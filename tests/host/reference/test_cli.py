@@ -456,3 +456,37 @@ def test_json_is_the_only_stdout_when_building_the_run_prints(tiny_pair, capsys,
     out, err = capsys.readouterr()
     assert len(json.loads(out)["outputs"][0]) == 2
     assert "[TensorRT-LLM] TensorRT-LLM version: 1.3.0rc24" in err
+
+
+def test_draft_embeddings_picks_the_targets_or_the_shipped_embedding_and_lm_head(tiny_pair, tmp_path, capsys):
+    """The tiny draft with random embedding and lm_head copies added: by default it drafts exactly as the
+    tiny draft without them (the oracle: it shares the target's), with `own` it drafts from the copies
+    (random: other acceptance). Greedy outputs are the target's either way."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from m3_eagle_plugin.models.tiny import HIDDEN, VOCAB
+
+    target, draft = tiny_pair
+    shipping = tmp_path / "draft"
+    shutil.copytree(draft, shipping)
+    tensors = load_file(str(shipping / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = torch.randn(VOCAB, HIDDEN, generator=generator)
+    save_file(tensors, str(shipping / "model.safetensors"))
+    base = ("--model", str(target), "--prompt-ids", "1,2,3,4", "--prompt-ids", "9,8,7", "--max-new-tokens", "12",
+            "--json")
+    reports = {}
+    for name, extra in (("oracle", ("--draft", str(draft))), ("default", ("--draft", str(shipping))),
+                        ("target", ("--draft", str(shipping), "--draft-embeddings", "target")),
+                        ("own", ("--draft", str(shipping), "--draft-embeddings", "own"))):
+        rc, out, _ = run_cli(capsys, *base, *extra)
+        assert rc == 0, name
+        reports[name] = json.loads(out)
+    counts = {name: (r["outputs"], r["draft_tokens"], r["accepted_tokens"]) for name, r in reports.items()}
+    assert counts["default"] == counts["target"] == counts["oracle"]
+    assert reports["own"]["outputs"] == reports["oracle"]["outputs"]
+    assert reports["own"]["accepted_tokens"] != reports["oracle"]["accepted_tokens"]

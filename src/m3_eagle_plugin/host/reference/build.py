@@ -42,9 +42,10 @@ def build_engine(
     dtype: torch.dtype = torch.float32,
     plugin_manager=None,
     proposer=None,
+    draft_embeddings: str = "target",
 ) -> Engine:
     from m3_eagle_plugin.eagle3.capture import AuxCapture
-    from m3_eagle_plugin.eagle3.checkpoint import inspect_draft, load_draft
+    from m3_eagle_plugin.eagle3.checkpoint import check_embeddings, inspect_draft, load_draft
     from m3_eagle_plugin.kv import DraftLayerPlacementError, PagedKVCache
     from m3_eagle_plugin.kv.manager import minimax_m3_cache_layout
     from m3_eagle_plugin.models.config import M3Config
@@ -53,8 +54,9 @@ def build_engine(
     device = torch.device(device)
     # Everything a config and the tensor names can refuse is refused before any weight is read.
     num_blocks = check_int("num_blocks", num_blocks, 1)
+    check_embeddings(draft_embeddings)
     tc = M3Config.from_file(model_dir)
-    plan = inspect_draft(draft_dir, tc) if draft_dir is not None else None
+    plan = inspect_draft(draft_dir, tc, embeddings=draft_embeddings) if draft_dir is not None else None
     hook_drafts = proposer is not None or has_drafter_hook(plugin_manager)
     check_engine_settings(config, vocab_size=tc.vocab_size, device=device, has_head=plan is not None,
                           draft_len=effective_draft_len(config, has_head=plan is not None, hook_drafts=hook_drafts))
@@ -102,8 +104,8 @@ def build_engine(
 def _weight_bytes(tc, plan, dtype: torch.dtype) -> int:
     """Bytes of the weights `load_target` and `load_draft` will hold, from the configs and the draft's
     tensor names alone: the target's parameters in ``dtype`` (the router bias in fp32; tied embeddings
-    once), the head's own tensors (the target's embedding, and its lm_head at the full vocabulary, are
-    shared) and its d2t map as int64."""
+    once), the head's tensors read from its checkpoint or gathered from the target's lm_head (what it
+    shares with the target is counted once) and its d2t map as int64."""
     from m3_eagle_plugin.models.loader import _FP32_PARAMS
     from m3_eagle_plugin.models.model import MiniMaxM3ForCausalLM
 
@@ -115,10 +117,8 @@ def _weight_bytes(tc, plan, dtype: torch.dtype) -> int:
     size = dtype.itemsize
     total = sum(p.numel() * (4 if name.endswith(_FP32_PARAMS) else size) for name, p in params.items())
     if plan is not None:
-        shrunk = plan.config.draft_vocab_size != plan.config.vocab_size
         for canon, shape in plan.expected.items():
-            own = canon in plan.by_canon or (canon == "lm_head.weight" and shrunk)
-            if own:
+            if canon in plan.read or (canon == "lm_head.weight" and plan.gathers_lm_head):
                 total += math.prod(shape) * (8 if canon == "d2t" else size)
     return total
 

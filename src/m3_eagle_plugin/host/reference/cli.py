@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MiniMax-M3 target checkpoint directory (HF layout)")
     parser.add_argument("--draft", default=None, type=path_option,
                         help="Eagle3 head checkpoint directory (omit: target only)")
+    parser.add_argument("--draft-embeddings", choices=["target", "own"], default="target",
+                        help="target (default): the head uses the target's embedding, and its lm_head at the full "
+                             "vocabulary, even where it ships its own (as MiniMax-M3's head is served); own: the "
+                             "ones the --draft checkpoint ships")
     parser.add_argument("--draft-len", type=int, default=3, help="draft tokens per verify step (default 3)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt-ids", action="append", help="comma-separated token ids of one prompt (repeatable; "
@@ -322,6 +326,7 @@ def _main(args: argparse.Namespace, out) -> int:
         engine = build_engine(
             args.model, args.draft, config, num_blocks=num_blocks, device=args.device,
             dtype=DTYPES[args.dtype], plugin_manager=get_plugin_manager(), proposer=proposer,
+            draft_embeddings=args.draft_embeddings,
         )
     except (ValueError, TypeError, OSError, KernelBackendError) as error:
         print(f"m3-eagle run: {_name_options(error)}", file=sys.stderr)
