@@ -490,3 +490,23 @@ def test_draft_embeddings_picks_the_targets_or_the_shipped_embedding_and_lm_head
     assert counts["default"] == counts["target"] == counts["oracle"]
     assert reports["own"]["outputs"] == reports["oracle"]["outputs"]
     assert reports["own"]["accepted_tokens"] != reports["oracle"]["accepted_tokens"]
+
+
+@pytest.mark.parametrize("drafter, blocks", [
+    ((), 3),  # nothing drafts: 3 prompt + 5 new + 1 bonus = 9 tokens, 3 blocks of 4
+    (("--proposer", "prompt-lookup"), 6),  # + 4 x 3 draft positions ahead: 21 tokens, 6 blocks
+    ("draft", 6),
+])
+def test_the_default_kv_blocks_are_sized_at_the_draft_length_the_engine_runs(tiny_pair, capsys, drafter, blocks):
+    """Without a head or proposer the engine runs with no drafts, so --draft-len 3 must not add 12 draft
+    positions per request to the cache (it doubled this run's blocks)."""
+    from m3_eagle_plugin.models.tiny import BLOCK
+
+    assert BLOCK == 4
+    target, draft = tiny_pair
+    extra = ("--draft", str(draft)) if drafter == "draft" else drafter
+    rc, out, _ = run_cli(capsys, "--model", str(target), *extra, "--draft-len", "3", "--prompt-ids", "1,2,3",
+                         "--max-new-tokens", "5", "--eos-ids", "", "--json")
+    assert rc == 0
+    report = json.loads(out)
+    assert report["kv_blocks"] == blocks and len(report["outputs"][0]) == 5

@@ -317,15 +317,19 @@ def _main(args: argparse.Namespace, out) -> int:
             from m3_eagle_plugin.host.reference.proposers import PromptLookupProposer
 
             proposer = PromptLookupProposer()
+        from m3_eagle_plugin.host.reference.engine import effective_draft_len, has_drafter_hook
         from m3_eagle_plugin.registry import get_plugin_manager
 
+        plugin_manager = get_plugin_manager()
         num_blocks = args.kv_blocks
-        if num_blocks is None:
+        if num_blocks is None:  # at the draft length the engine runs: 0 where nothing drafts
             valid = [p for p, e in zip(prompts, parse_errors) if e is None]
-            num_blocks = blocks_for_prompts(valid, args.max_new_tokens, args.draft_len, target_config.block_size)
+            hook_drafts = proposer is not None or has_drafter_hook(plugin_manager)
+            draft_len = effective_draft_len(config, has_head=args.draft is not None, hook_drafts=hook_drafts)
+            num_blocks = blocks_for_prompts(valid, args.max_new_tokens, draft_len, target_config.block_size)
         engine = build_engine(
             args.model, args.draft, config, num_blocks=num_blocks, device=args.device,
-            dtype=DTYPES[args.dtype], plugin_manager=get_plugin_manager(), proposer=proposer,
+            dtype=DTYPES[args.dtype], plugin_manager=plugin_manager, proposer=proposer,
             draft_embeddings=args.draft_embeddings,
         )
     except (ValueError, TypeError, OSError, KernelBackendError) as error:
