@@ -71,11 +71,27 @@ class _PostImportLoader:
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
+        if _is_namespace(getattr(module, "__spec__", None)) and not hasattr(module, "__file__"):
+            module.__file__ = None  # as the import system sets it on the namespace packages it loads
         # Leave no trace of the wrapper on the host module.
         module.__loader__ = self._loader
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self._loader
         self._finder.on_host_imported(module)
+
+
+def _is_namespace(spec) -> bool:
+    return spec is not None and spec.origin is None and spec.submodule_search_locations is not None
+
+
+def _namespace_loader(spec):
+    """The loader the import system gives a namespace package (its class is public from Python 3.11)."""
+    import importlib.machinery
+
+    loader_class = getattr(importlib.machinery, "NamespaceLoader", None)
+    if loader_class is None:
+        from importlib._bootstrap_external import _NamespaceLoader as loader_class
+    return loader_class(spec.name, list(spec.submodule_search_locations), importlib.machinery.PathFinder.find_spec)
 
 
 class HostImportHook:
@@ -104,6 +120,11 @@ class HostImportHook:
                 return None
         finally:
             self._searching = False
+        if spec.loader is None and _is_namespace(spec):
+            # A directory without __init__.py (an incomplete install, a stray directory on sys.path): the
+            # import system would give it a namespace loader after this returns, and the activation would
+            # never run (under require, the host loaded unpatched). Give it that loader now, wrapped.
+            spec.loader = _namespace_loader(spec)
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         spec.loader = _PostImportLoader(spec.loader, self)

@@ -163,6 +163,27 @@ def _unknown_version(package: str) -> str:
     return f"{package} is importable but its version is unknown (no dist-info)"
 
 
+def namespace_host_dirs(package: str = HOST_PACKAGE) -> list[str] | None:
+    """The directories of `package` where Python finds it only as a namespace package (no `__init__.py`
+    anywhere on sys.path: an incomplete install or a stray directory of that name), else None."""
+    module = sys.modules.get(package)
+    if module is not None:
+        spec = getattr(module, "__spec__", None)
+    else:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+    if spec is None or spec.origin is not None or spec.submodule_search_locations is None:
+        return None
+    return [str(path) for path in spec.submodule_search_locations]
+
+
+def _namespace_host(package: str, dirs: list[str]) -> str:
+    return (f"{package} is a namespace package (no __init__.py in {', '.join(dirs) or 'any directory'}), "
+            f"not a TensorRT-LLM install: an incomplete install, or a stray {package} directory on sys.path")
+
+
 def fingerprint(patches: list[str]) -> str:
     """A short digest of what is active, logged per process so a driver/worker split is visible."""
     import hashlib
@@ -234,6 +255,9 @@ def _evaluate(mode: str, report: ActivationReport) -> None:
     manifest, installed, version, force, verdict = _judge_host(report)
     if not installed:
         raise ActivationError(f"{manifest.host.package} is not installed (pip install {manifest.host.package})")
+    namespace = namespace_host_dirs(manifest.host.package)
+    if namespace is not None:
+        raise ActivationError(_namespace_host(manifest.host.package, namespace))
     if version is None:
         raise ActivationError(_unknown_version(manifest.host.package))
     refusal = _verdict_refusal(mode, verdict, manifest, force)
@@ -399,6 +423,9 @@ def _status(mode: str) -> ActivationReport:
         if not installed:
             report.reason = f"{manifest.host.package} is not installed"
             report.ok = mode != "require"  # activating would raise (`activate`)
+        elif (namespace := namespace_host_dirs(manifest.host.package)) is not None:
+            report.reason = _namespace_host(manifest.host.package, namespace)
+            report.ok = mode == "off"  # activating refuses it in auto and require
         elif version is None:  # found, so not "not installed" (the verdict's word for no version)
             report.reason = _unknown_version(manifest.host.package)
             report.ok = mode == "off"  # activating refuses it in auto and require

@@ -344,3 +344,60 @@ def test_a_meta_path_entry_without_find_spec_is_skipped_as_the_import_system_ski
     import tensorrt_llm  # noqa: F401
 
     assert fake_install == [1] and installed_hook() is None
+
+
+def _namespace_host(tmp_path, monkeypatch) -> Path:
+    """A `tensorrt_llm` directory without __init__.py first on sys.path: Python imports it as a namespace package."""
+    import importlib
+
+    root = tmp_path / "namespace-root"
+    (root / "tensorrt_llm").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(root))
+    importlib.invalidate_caches()
+    return root / "tensorrt_llm"
+
+
+def test_a_namespace_package_host_loads_as_python_loads_it_and_activation_runs(
+        tmp_path, hermetic_manager, fake_install, monkeypatch):
+    """A namespace `tensorrt_llm` has no loader when found (the import system adds one later): the hook
+    returned it unwrapped, stayed installed, and the activation never ran, silently."""
+    directory = _namespace_host(tmp_path, monkeypatch)
+    import tensorrt_llm
+
+    plain = (type(tensorrt_llm.__loader__), tensorrt_llm.__file__, list(tensorrt_llm.__path__))
+    assert plain[2] == [str(directory)]
+    del sys.modules["tensorrt_llm"]
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    _bootstrap.main()
+    import tensorrt_llm
+
+    assert installed_hook() is None  # it fired
+    assert (type(tensorrt_llm.__loader__), tensorrt_llm.__file__, list(tensorrt_llm.__path__)) == plain
+    assert tensorrt_llm.__spec__.loader is tensorrt_llm.__loader__
+    from m3_eagle_plugin.activation import status
+
+    report = status()
+    assert fake_install == [] and not report.activated and not report.ok
+    assert "namespace package" in report.reason and str(directory) in report.reason
+
+
+def test_a_namespace_package_host_is_refused_under_require(tmp_path, hermetic_manager, fake_install, monkeypatch):
+    """require: the host import fails naming the cause, not load an unpatched host."""
+    directory = _namespace_host(tmp_path, monkeypatch)
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "require")
+    _bootstrap.main()
+    from m3_eagle_plugin.activation import ActivationError
+
+    with pytest.raises(ActivationError, match=f"namespace package.*{directory}"):
+        import tensorrt_llm  # noqa: F401
+    assert fake_install == []
+
+
+def test_status_names_a_namespace_package_host_before_it_is_imported(tmp_path, hermetic_manager, monkeypatch):
+    directory = _namespace_host(tmp_path, monkeypatch)
+    monkeypatch.setenv("M3_EAGLE_PLUGIN", "auto")
+    from m3_eagle_plugin.activation import status
+
+    report = status()
+    assert "tensorrt_llm" not in sys.modules
+    assert not report.ok and f"no __init__.py in {directory}" in report.reason
