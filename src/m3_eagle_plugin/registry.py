@@ -319,19 +319,27 @@ class M3PluginManager(pluggy.PluginManager):
         return patches
 
     def propose_drafts(self, context: DraftContext) -> list[list[int]] | None:
-        """Drafts from a drafter plugin, or None (use the Eagle3 head); validates the answer's shape."""
-        drafts = self.hook.m3_eagle_propose_drafts(context=context)
-        if drafts is None:
+        """Drafts from the first drafter plugin that answers, or None (use the Eagle3 head); validates the
+        answer's shape. A malformed answer, or one that raises while it is read (its rows, or a row's ids,
+        from generators), is a PluginError naming the plugin."""
+        for plugin_name, drafts in self._per_plugin("m3_eagle_propose_drafts", context=context):
+            if drafts is not None:
+                break
+        else:
             return None
-        rows = _rows(drafts)
+        hook = f"plugin {plugin_name!r}: m3_eagle_propose_drafts"
+        try:
+            rows = _rows(drafts)
+        except Exception as exc:
+            raise PluginError(f"{hook}: reading its answer raised {type(exc).__name__}: {exc}") from exc
         lengths = None if rows is None else [len(row) for row in rows]
         if lengths is None or len(lengths) != len(context.request_ids) or any(n != context.draft_len for n in lengths):
             got = f"{lengths} tokens" if lengths is not None else repr(drafts)
             raise PluginError(
-                f"m3_eagle_propose_drafts returned {got} for {len(context.request_ids)} requests; expected a list "
+                f"{hook} returned {got} for {len(context.request_ids)} requests; expected a list "
                 f"of {context.draft_len} token ids each"
             )
-        return [[_token_id(t, rid) for t in row] for rid, row in zip(context.request_ids, rows)]
+        return [[_token_id(t, rid, hook) for t in row] for rid, row in zip(context.request_ids, rows)]
 
     def plugin_summary(self) -> list[dict[str, Any]]:
         """One row per registered plugin: name, distribution/version, implemented hooks."""
@@ -352,7 +360,8 @@ class M3PluginManager(pluggy.PluginManager):
 
 def _rows(drafts: Any) -> list[list[Any]] | None:
     """A drafter's answer as one list per request, read once (a generator's rows were counted, then
-    zipped from the exhausted generator: no drafts at all), or None when it is not rows of ids."""
+    zipped from the exhausted generator: no drafts at all), or None when it is not rows of ids.
+    An exception raised while reading it (a generator's body) is the drafter's own, and propagates."""
     if isinstance(drafts, (str, bytes)):
         return None
     try:  # iter() alone: a TypeError raised inside a generator's body is the drafter's own
@@ -363,19 +372,20 @@ def _rows(drafts: Any) -> list[list[Any]] | None:
     for row in answer:
         if isinstance(row, (str, bytes)):
             return None
-        try:
-            rows.append(list(iter(row)))
+        try:  # likewise for each row (a TypeError inside it was read as "not rows of ids")
+            ids = iter(row)
         except TypeError:
             return None
+        rows.append(list(ids))
     return rows
 
 
-def _token_id(token: Any, rid: Any) -> int:
+def _token_id(token: Any, rid: Any, hook: str) -> int:
     """A drafter's token as an int, else PluginError: `int` would quietly turn 2.7 into 2 or "3"
     into 3, and the host would verify a token never proposed."""
     index = exact_index(token)
     if index is None:
-        raise PluginError(f"m3_eagle_propose_drafts returned {token!r} for request {rid}; token ids must be ints")
+        raise PluginError(f"{hook} returned {token!r} for request {rid}; token ids must be ints")
     return index
 
 

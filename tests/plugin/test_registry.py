@@ -848,3 +848,73 @@ def test_a_plugin_whose_import_imports_the_host_is_loaded_and_the_host_activated
     assert activated == "True host_importing_m3_plugin:Meta ['fake-patch']", out.stdout + out.stderr
     # a plugin that asks for the manager from its import (it waited forever too) fails to load, named
     assert "plugin 'asks'" in errors and "while it is loading its plugins" in errors, errors
+
+
+def _failing_ids(message: str):
+    yield 1
+    raise TypeError(message)
+
+
+def _failing_rows(message: str):
+    yield [1, 1]
+    raise TypeError(message)
+
+
+@pytest.mark.parametrize("level", ["row", "answer"])
+def test_a_drafter_answer_that_raises_while_read_is_a_plugin_error_naming_the_plugin(manager, level):
+    """A TypeError raised inside a row's generator was read as "not rows of ids" and replaced by a shape
+    error showing the outer generator's repr, the drafter's own error lost; one raised by the answer's
+    generator itself escaped bare. Both levels: a PluginError naming the plugin and the drafter's error."""
+    class Lazy:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            if level == "row":
+                return (_failing_ids("row boom") if rid == 2 else iter([1, 1]) for rid in context.request_ids)
+            return _failing_rows("answer boom")
+
+    manager.register(Lazy(), name="lazy")
+    with pytest.raises(PluginError, match=rf"^plugin 'lazy': m3_eagle_propose_drafts: reading its answer raised "
+                                          rf"TypeError: {level} boom$") as raised:
+        manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
+    assert isinstance(raised.value.__cause__, TypeError)
+
+
+@pytest.mark.parametrize("answer", [[[1, 2], 7], [[1, 2], [3, 4.5]], [[1, 2]]])
+def test_a_malformed_drafter_answer_names_the_plugin(manager, answer):
+    """A non-iterable row, a non-int id, a missing row: each reported as the drafter plugin's answer."""
+    class Odd:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            return answer
+
+    manager.register(Odd(), name="odd")
+    with pytest.raises(PluginError, match=r"^plugin 'odd': m3_eagle_propose_drafts returned "):
+        manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
+
+
+def test_the_first_drafter_that_answers_is_named_and_the_rest_are_not_asked(manager):
+    asked = []
+
+    class Abstains:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            asked.append("abstains")
+
+    class Bad:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            asked.append("bad")
+            return [[1]]
+
+    class Good:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            asked.append("good")
+            return [[1, 1], [2, 2]]
+
+    manager.register(Good(), name="good")
+    manager.register(Bad(), name="bad")
+    manager.register(Abstains(), name="abstains")  # registered last: asked first (pluggy's LIFO order)
+    with pytest.raises(PluginError, match=r"^plugin 'bad': m3_eagle_propose_drafts returned \[1\] tokens"):
+        manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
+    assert asked == ["abstains", "bad"]
