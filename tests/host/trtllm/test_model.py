@@ -326,6 +326,32 @@ def test_the_eagle3_base_forward_receives_the_step_spec_metadata(host, monkeypat
     assert seen == [(None, "pos", True, spec, manager, {"extra": "x"})]
 
 
+def test_the_hosts_m3_model_receives_the_forward_keywords_the_eagle3_base_passes_on(host, monkeypatch):
+    """The host's one-engine base hands its forward's other keywords (and `spec_metadata`) on to the
+    inner model (modeling_speculative.py @ 00679c66: `self.model(..., spec_metadata=..., **kwargs)`),
+    where the double dropped them: through the plugin's class they must arrive there unchanged."""
+    from tensorrt_llm._torch.models.modeling_minimaxm3 import MiniMaxM3Model
+    from tensorrt_llm._torch.speculative import SpecMetadata
+
+    seen = []
+    model_forward = MiniMaxM3Model.forward
+
+    def forward(self, attn_metadata, input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
+        seen.append(kwargs)
+        return model_forward(self, attn_metadata, input_ids=input_ids, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, **kwargs)
+
+    monkeypatch.setattr(MiniMaxM3Model, "forward", forward)
+    text_cls, _ = _classes()
+    model = text_cls(_model_config())
+    spec, embeds = SpecMetadata(layers_to_capture=(1,)), torch.zeros(2, 8)
+    model.forward(None, input_ids=torch.tensor([3, 4]), spec_metadata=spec, resource_manager=object(),
+                  orig_input_ids=torch.tensor([3, 4]), mm_embeds=embeds)
+    assert len(seen) == 1 and set(seen[0]) == {"spec_metadata", "orig_input_ids", "mm_embeds"}
+    assert seen[0]["spec_metadata"] is spec and seen[0]["mm_embeds"] is embeds
+    assert seen[0]["orig_input_ids"].tolist() == [3, 4]
+
+
 def test_a_dropped_model_frees_its_layers_as_the_hosts_class_does(host):
     """Dropping the last reference frees the layers (every weight) at once, as it does for the host's
     own M3 class: the capture hooks add no reference cycle that waits for the cyclic collector."""

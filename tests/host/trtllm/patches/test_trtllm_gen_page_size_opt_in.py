@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,10 +21,11 @@ def _gate(num_heads=8, num_kv_heads=2):
 
 
 def _meta(page, extra=None):
+    """Attention metadata as the host's: its `tokens_per_block` is the KV manager's."""
     manager = SimpleNamespace(tokens_per_block=page)
     if extra is not None:
         manager.trtllm_gen_extra_tokens_per_block = frozenset(extra)
-    return SimpleNamespace(kv_cache_manager=manager)
+    return SimpleNamespace(kv_cache_manager=manager, tokens_per_block=page)
 
 
 CASES = {
@@ -74,14 +76,18 @@ def test_patched_answer_is_the_allowlist_union_rule(fake_host_dirs, page, extra,
         _deactivate(root)
 
 
-def test_the_page_size_is_the_kv_managers_as_the_host_reads_it(current_host):
-    """The host's gate reads `meta.kv_cache_manager.tokens_per_block`; a `tokens_per_block` the
-    metadata carries besides (64 here) does not decide the manager's P128 opt-in."""
+@pytest.mark.parametrize("meta_page, manager_page", [(128, 64), (128, None), (64, 128), (256, 128)])
+def test_the_page_size_is_the_metadatas_as_the_host_reads_it(current_host, meta_page, manager_page):
+    """The host's gate judges `meta.tokens_per_block` (flashinfer_trtllm_gen.py @ 05412d19 and
+    5d7aadeb; a metadata property that reads the manager's): the opt-in must be judged for that page
+    size too. Reading the manager's first, a metadata reporting 128 over a manager reporting 64 got the
+    rejection of 128 back, where the #18872 rule (allowlist plus the manager's opt-in) accepts it."""
     adapter.install()
     fmha, _ = _gate()
-    meta = _meta(128, {128})
-    meta.tokens_per_block = 64
-    assert fmha._is_supported_with_reason(None, None, None, fmha.attn, meta, None) == (True, "")
+    meta = _meta(manager_page, {128})
+    meta.tokens_per_block = meta_page
+    expected = meta_page in {16, 32, 64} | {128}
+    assert fmha._is_supported_with_reason(None, None, None, fmha.attn, meta, None)[0] is expected
 
 
 def test_the_gate_with_a_phase_keyword_gets_it_through_the_wrapper(current_host, monkeypatch):
@@ -98,7 +104,7 @@ def test_the_gate_with_a_phase_keyword_gets_it_through_the_wrapper(current_host,
 
     def _is_supported_with_reason(self, q, k, v, attn, meta, fwd, *, phase=None):
         phases.append(phase)
-        page = meta.kv_cache_manager.tokens_per_block
+        page = meta.tokens_per_block
         allowed = self.SUPPORTED_TOKENS_PER_BLOCK | set(
             getattr(meta.kv_cache_manager, "trtllm_gen_extra_tokens_per_block", ()))
         return (True, "") if page in allowed else (False, f"tokens_per_block ({page})")

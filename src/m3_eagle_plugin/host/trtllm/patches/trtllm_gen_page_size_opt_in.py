@@ -39,7 +39,9 @@ class _WidenedAllowlist:
 
 
 def _page_size(meta: Any, manager: Any) -> int | None:
-    for owner in (manager, meta):
+    """The page size the host's gate judges: the metadata's `tokens_per_block` (the host's property
+    reads the manager's), the manager's only where the metadata has none."""
+    for owner in (meta, manager):
         value = getattr(owner, "tokens_per_block", None)
         if isinstance(value, int):
             return value

@@ -27,7 +27,7 @@ class SpecDecOneEngineForCausalLM(DecoderModelForCausalLM[TModel, TConfig], Gene
                 return_context_logits=False, spec_metadata=None, resource_manager=None, **kwargs):
         hidden = self.model(attn_metadata=attn_metadata, input_ids=input_ids,
                             position_ids=position_ids, inputs_embeds=inputs_embeds,
-                            spec_metadata=spec_metadata)
+                            spec_metadata=spec_metadata, **kwargs)
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Dict, weight_mapper=None, params_map: Optional[Dict[str, str]] = None,

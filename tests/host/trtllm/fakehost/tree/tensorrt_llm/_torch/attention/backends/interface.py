@@ -29,6 +29,11 @@ class AttentionMetadata:
             self.max_num_sequences = self.max_num_requests
 
     @property
+    def tokens_per_block(self) -> Optional[int]:
+        """As in the host: the KV manager's page size, None without a manager."""
+        return None if self.kv_cache_manager is None else self.kv_cache_manager.tokens_per_block
+
+    @property
     def num_seqs(self) -> int:
         return 0 if self.seq_lens is None else int(self.seq_lens.shape[0])
 

@@ -1,4 +1,5 @@
-"""Double of the trtllm-gen FMHA gate: the page-size allowlist is the last check."""
+"""Double of the trtllm-gen FMHA gate: the page-size allowlist is the last check. As in the host, the
+page size is the metadata's `tokens_per_block` (a property that reads the KV manager's)."""
 from typing import Tuple
 
 
@@ -18,7 +19,11 @@ class FlashInferTrtllmGenFmha:
             return False, "sparse attention is not supported"
         if attn.num_heads // attn.num_kv_heads > self.MAX_HEADS_RATIO_GENERATION:
             return False, "heads ratio too large"
-        tokens_per_block = meta.kv_cache_manager.tokens_per_block
+        tokens_per_block = meta.tokens_per_block
+        if tokens_per_block is None:
+            tokens_per_block = 0
+        if tokens_per_block <= 0:
+            return False, f"non-positive tokens_per_block ({tokens_per_block})."
         if tokens_per_block & (tokens_per_block - 1) != 0:
             return False, f"tokens_per_block ({tokens_per_block}) must be power of 2."
         if tokens_per_block not in self.SUPPORTED_TOKENS_PER_BLOCK:
