@@ -109,3 +109,40 @@ def test_a_run_without_verify_steps_reports_every_position_as_unmeasured():
     assert result.outputs == [target.greedy([1, 2], 1), target.greedy([3], 1)]
     assert result.stats.verify_steps == 0
     assert result.as_dict()["per_position_acceptance"] == [None, None, None]
+
+
+def test_a_request_failed_by_an_error_takes_its_tokens_out_of_generated_tokens():
+    """One batch slot: request 0 runs to its end (3 tokens), then request 1 emits 2 tokens and the
+    proposer raises. The partial result returns request 0's 3 tokens and none of request 1's, so
+    generated_tokens (and tokens_per_s) count those 3, as the outputs do."""
+    prompts = [[4, 5, 6, 7], [1, 2]]
+    target = _fakes.FakeTarget()
+
+    def proposer(ctx):  # no drafts: each step emits one token
+        if list(ctx.request_ids) == [1] and len(ctx.tokens[0]) == len(prompts[1]) + 2:
+            raise RuntimeError("injected proposer fault")
+        return [[] for _ in ctx.tokens]
+
+    engine = Engine(target, _fakes.make_cache(), EngineConfig(draft_len=3, max_batch_size=1, max_tokens_per_step=8),
+                    vocab_size=_fakes.VOCAB, proposer=proposer)
+    with pytest.raises(RuntimeError, match="injected proposer fault") as caught:
+        engine.generate(prompts, max_new_tokens=3)
+    partial = caught.value.partial_result
+    assert partial.outputs == [target.greedy(prompts[0], 3), []]
+    assert partial.stats.generated_tokens == 3
+    assert partial.stats.tokens_per_s == 3 / partial.stats.elapsed_s
+
+
+def test_a_request_counted_in_an_earlier_call_takes_nothing_from_this_calls_generated_tokens():
+    """A context-phase request (its first token counted in the engine's statistics then) is stopped
+    after a `generate` restarted them: that call's generated_tokens stay its own outputs' tokens."""
+    from m3_eagle_plugin.parallel.disagg import run_context_phase
+
+    target = _fakes.FakeTarget()
+    engine = Engine(target, _fakes.make_cache(), EngineConfig(draft_len=0), vocab_size=_fakes.VOCAB)
+    [waiting] = run_context_phase(engine, [[4, 5, 6, 7]], max_new_tokens=5, first_index=1)
+    assert engine.stats.generated_tokens == 1
+    result = engine.generate([[1, 2]], max_new_tokens=4)
+    assert result.outputs == [target.greedy([1, 2], 4)]
+    engine.stop_unfinished([waiting])
+    assert engine.stats.generated_tokens == 4

@@ -271,7 +271,21 @@ class Engine:
         for request in requests:
             if not request.done:
                 request.fail(reason)
+                self._uncount_generated(request)
             self.finish(request)
+
+    def _count_generated(self, request: Request, kept: int) -> None:
+        """Count ``kept`` new tokens of ``request`` as generated, noting them on the request."""
+        if request.counted_in is not self.stats:  # the first in these statistics (`generate` restarts them)
+            request.counted_in, request.counted_tokens = self.stats, 0
+        request.counted_tokens += kept
+        self.stats.generated_tokens += kept
+
+    def _uncount_generated(self, request: Request) -> None:
+        """Take a failed request's tokens out of generated_tokens: its output is not returned."""
+        if request.counted_in is self.stats:
+            self.stats.generated_tokens -= request.counted_tokens
+        request.counted_in, request.counted_tokens = None, 0
 
     def result(self, requests: Sequence[Request]) -> GenerationResult:
         """``requests`` with a copy of this engine's statistics (the disaggregation phases keep adding
@@ -420,7 +434,7 @@ class Engine:
                     request.pending_deficit = None
             before = len(request.output)
             request.append_tokens(emitted[i][: num_emitted[i]])
-            self.stats.generated_tokens += len(request.output) - before
+            self._count_generated(request, len(request.output) - before)
             if request.done:
                 self.finish(request)
             else:

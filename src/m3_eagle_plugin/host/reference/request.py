@@ -50,6 +50,10 @@ class Request:
     # Set by `Engine.finish` (and for a request refused before it was registered): its KV pages and
     # admission budget went back, so the clean-up after an error knows which done requests still hold them.
     released: bool = False
+    # Of ``output``, the tokens counted in the generated_tokens of the statistics ``counted_in``: taken
+    # back there if the request fails, whose output is not returned.
+    counted_tokens: int = 0
+    counted_in: object | None = field(default=None, repr=False)
     owner: object | None = field(default=None, repr=False)  # the engine's mark (`Engine.owns`)
 
     @property

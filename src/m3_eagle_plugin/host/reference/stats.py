@@ -8,7 +8,9 @@ None where none did (a proposer that drafts fewer than ``draft_len``): not a mea
 They measure the drafter as the verifier judged it: a verify step's accepted drafts all count even
 where the request then stopped inside them (an eos among them, or ``max_new_tokens`` reached), so
 they do not depend on where requests end. ``generated_tokens`` counts only the tokens actually kept,
-so on a request's last step it can be less than the accepted drafts + 1 recorded for it.
+so on a request's last step it can be less than the accepted drafts + 1 recorded for it; once the
+run ends, it is the tokens of the outputs returned: a request that fails (and returns none) takes
+its tokens back.
 """
 from __future__ import annotations
 
