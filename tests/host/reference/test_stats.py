@@ -23,7 +23,7 @@ def test_definitions_by_hand():
     # accepted: position 0 by the (3, 3) and (2, 1) steps, positions 1 and 2 by the (3, 3) step only
     assert stats.proposed_at == [3, 3, 2] and stats.accepted_at == [2, 1, 1]
     assert stats.per_position_acceptance == [2 / 3, 1 / 3, 1 / 2]
-    assert SpecStats(draft_len=3).as_dict()["mean_acceptance_length"] == 0.0
+    assert SpecStats(draft_len=3).as_dict()["mean_acceptance_length"] is None  # no verify step: nothing measured
 
 
 def test_a_position_no_step_proposed_has_no_acceptance_rather_than_a_measured_zero():
@@ -146,3 +146,43 @@ def test_a_request_counted_in_an_earlier_call_takes_nothing_from_this_calls_gene
     assert result.outputs == [target.greedy([1, 2], 4)]
     engine.stop_unfinished([waiting])
     assert engine.stats.generated_tokens == 4
+
+
+def _text_report(result) -> str:
+    from m3_eagle_plugin.host.reference.cli import _report_text
+    import io
+
+    out = io.StringIO()
+    _report_text(result.as_dict(), out)
+    return out.getvalue()
+
+
+def test_a_run_without_verify_steps_reports_its_acceptance_as_unmeasured():
+    """Every request ended on its first token: no draft was verified and no verify step ran, so
+    neither the acceptance rate nor the acceptance length was measured (JSON null, text "-"), as
+    for the per-position rates: a measured 0 would say every draft was rejected."""
+    import json
+
+    target = _fakes.FakeTarget()
+    engine = Engine(target, _fakes.make_cache(), EngineConfig(draft_len=3), vocab_size=_fakes.VOCAB,
+                    head=_fakes.FakeHead(target.table), capture=_fakes.fake_capture())
+    result = engine.generate([[1, 2], [3]], max_new_tokens=1)
+    assert (result.stats.verify_steps, result.stats.draft_tokens) == (0, 0)
+    report = json.loads(json.dumps(result.as_dict()))
+    assert report["acceptance_rate"] is None and report["mean_acceptance_length"] is None
+    text = _text_report(result)
+    assert " acceptance_rate=- mean_acceptance_length=- " in text
+    assert "per_position_acceptance=-,-,-\n" in text
+
+
+def test_a_run_where_nothing_drafts_has_no_acceptance_rate_but_one_token_per_verify_step():
+    """No head, proposer or drafter plugin: each of the 4 verify steps (after the first token)
+    verified no draft and emitted one token, so the acceptance length is measured (1.0) and the
+    acceptance rate is not."""
+    target = _fakes.FakeTarget()
+    engine = Engine(target, _fakes.make_cache(), EngineConfig(draft_len=3), vocab_size=_fakes.VOCAB)
+    result = engine.generate([[1, 2]], max_new_tokens=5)
+    assert result.outputs == [target.greedy([1, 2], 5)]
+    assert (result.stats.verify_steps, result.stats.draft_tokens) == (4, 0)
+    assert result.stats.acceptance_rate is None and result.stats.mean_acceptance_length == 1.0
+    assert " acceptance_rate=- mean_acceptance_length=1.000 " in _text_report(result)

@@ -194,14 +194,19 @@ def _report_text(report: dict, out: TextIO) -> None:
         out.write(f"[{n}] error: {error}\n" if error else f"[{n}] {' '.join(map(str, ids))}\n")
     out.write(
         f"draft_len={report['draft_len']} source={report['draft_source']} overlap={report['overlap']} "
-        f"acceptance_rate={report['acceptance_rate']:.3f} "
-        f"mean_acceptance_length={report['mean_acceptance_length']:.3f} "
+        f"acceptance_rate={_measured(report['acceptance_rate'])} "
+        f"mean_acceptance_length={_measured(report['mean_acceptance_length'])} "
         f"draft_tokens={report['draft_tokens']} accepted_tokens={report['accepted_tokens']} "
         f"tokens_per_s={report['tokens_per_s']:.1f}\n"
     )
     per_position = report.get("per_position_acceptance") or []
     if per_position:
-        out.write("per_position_acceptance=" + ",".join("-" if p is None else f"{p:.3f}" for p in per_position) + "\n")
+        out.write("per_position_acceptance=" + ",".join(map(_measured, per_position)) + "\n")
+
+
+def _measured(value: float | None) -> str:
+    """A rate of the report, or "-" where nothing was there to measure (None)."""
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _config_kind(path: Path) -> str | None:

@@ -3,7 +3,9 @@
 Definitions follow the usual Eagle reporting: ``acceptance_rate = accepted_tokens / draft_tokens``;
 ``mean_acceptance_length`` = accepted drafts + 1 (the bonus token) per verify step;
 ``per_position_acceptance[i]`` = accepted / proposed among the verify steps that proposed a draft ``i``;
-None where none did (a proposer that drafts fewer than ``draft_len``): not a measured 0.
+None where none did (a proposer that drafts fewer than ``draft_len``): not a measured 0. Likewise
+``acceptance_rate`` is None where no draft was verified (nothing drafts, or every verify step had
+none) and ``mean_acceptance_length`` where no verify step ran (every request ended at prefill).
 
 They measure the drafter as the verifier judged it: a verify step's accepted drafts all count even
 where the request then stopped inside them (an eos among them, or ``max_new_tokens`` reached), so
@@ -49,12 +51,12 @@ class SpecStats:
                 self.accepted_at[position] += 1
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     @property
-    def mean_acceptance_length(self) -> float:
-        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+    def mean_acceptance_length(self) -> float | None:
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else None
 
     @property
     def per_position_acceptance(self) -> list[float | None]:
