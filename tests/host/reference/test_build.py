@@ -17,6 +17,8 @@ from m3_eagle_plugin.host.reference.sampler import SamplingParams
     ("force_accepted", EngineConfig(draft_len=2, force_accepted=3), 64),
     ("max_tokens_per_step", EngineConfig(draft_len=3, max_tokens_per_step=2), 64),
     ("cuda-graphs", EngineConfig(draft_len=2, cuda_graphs=True), 64),
+    ("greedy benchmark mode", EngineConfig(draft_len=2, force_accepted=1, sampling=SamplingParams(temperature=1.0)),
+     64),
 ])
 def test_settings_the_engine_refuses_are_refused_before_any_weight_is_read(tiny_pair, monkeypatch, cause, config,
                                                                            num_blocks):

@@ -316,6 +316,9 @@ def test_out_of_range_numbers_are_refused_naming_the_option(tiny_pair, capsys, o
     (["--draft-len", "2", "--force-accepted", "3"], "--force-accepted (3) exceeds the draft length (2)"),
     (["--eos-ids", "1,256"], "--eos-ids [256] are outside the vocabulary [0, 256): no generated token could ever "
                              "end a request with them"),
+    # it took each verify step's bonus token as the argmax, and sampled only the first tokens, silently
+    (["--force-accepted", "2", "--temperature", "0.7"], "--force-accepted (2) is a greedy benchmark mode: each "
+     "verify step's bonus token is the target's argmax, so it cannot sample (--temperature 0.7); use --temperature 0"),
 ])
 def test_settings_that_do_not_fit_together_are_named_by_their_options(tiny_pair, capsys, argv, message):
     """The engine checks how the settings fit together and names its fields (max_tokens_per_step,

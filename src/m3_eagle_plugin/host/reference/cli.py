@@ -30,7 +30,7 @@ DEFAULT_PROMPT = (1, 2, 3, 4)
 #: eos ids against the vocabulary) run in the engine, where no option is known.
 OPTION_OF_FIELD = {"draft_len": "--draft-len", "max_batch_size": "--max-batch-size",
                    "max_tokens_per_step": "--max-tokens-per-step", "force_accepted": "--force-accepted",
-                   "eos_ids": "--eos-ids"}
+                   "eos_ids": "--eos-ids", "temperature": "--temperature"}
 _FIELD = re.compile(r"\b(" + "|".join(OPTION_OF_FIELD) + r")\b")
 
 FORCED_NOTE = ("forced acceptance: up to {n} drafts per verify step (those proposed) are accepted regardless "

@@ -99,6 +99,10 @@ def check_engine_settings(config: EngineConfig, *, vocab_size: int, draft_len: i
             raise ValueError(f"force_accepted ({config.force_accepted}) needs drafts, but nothing drafts here: "
                              "no Eagle3 head, proposer or drafter plugin")
         raise ValueError(f"force_accepted ({config.force_accepted}) exceeds the draft length ({draft_len})")
+    if config.force_accepted is not None and not config.sampling.greedy:  # it took the argmax and said nothing
+        raise ValueError(f"force_accepted ({config.force_accepted}) is a greedy benchmark mode: each verify step's "
+                         f"bonus token is the target's argmax, so it cannot sample (temperature "
+                         f"{config.sampling.temperature}); use temperature 0")
     Scheduler.check_limits(max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
                            draft_len=draft_len)
 
