@@ -279,3 +279,33 @@ def test_length_tensors_that_are_not_1d_are_refused_by_name(shape) -> None:
         per_token_valid_blocks(qo, qo + 2, 4)
     with pytest.raises(MsaInputError, match=r"kv_lens must be 1-D, got shape"):
         per_token_valid_blocks([1], qo.reshape(shape) + 2, 4)
+
+
+_DEVICES = ["meta", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_host_kv_lens_beside_device_qo_lens_are_checked_like_host_qo_lens(device) -> None:
+    """A kv_lens list beside a device qo_lens went to the device unchecked: a negative kv_len read as 0
+    blocks and 2**32 + 5 at block size 1 came back as int32 5, where the all-host call refuses both."""
+    qo = torch.tensor([1, 2], device=device)
+    got = per_token_valid_blocks(qo, [3, 5], 4, num_tokens=3)
+    assert got.device.type == device and got.dtype == torch.int32 and tuple(got.shape) == (3,)
+    if device != "meta":
+        assert got.cpu().tolist() == naive_valid_blocks([1, 2], [3, 5], 4)
+    for kv, match in (([3, -4], "request 1: lengths must be >= 0, got .*kv_len=-4"),
+                      ([3, 2**32 + 5], f"request 1: kv_len {2**32 + 5} does not fit int32")):
+        with pytest.raises(MsaInputError, match=match):
+            per_token_valid_blocks([1, 2], kv, 1)  # the all-host call: the same refusal
+        with pytest.raises(MsaInputError, match=match):
+            per_token_valid_blocks(qo, kv, 1, num_tokens=3)
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_length_tensors_on_different_devices_are_refused_naming_both(device) -> None:
+    """Either way round: a CPU tensor beside a device one is refused, naming each argument's device."""
+    host, dev = torch.tensor([1, 2]), torch.tensor([3, 5], device=device)
+    with pytest.raises(MsaInputError, match=rf"qo_lens is on cpu but kv_lens is on {device}"):
+        per_token_valid_blocks(host, dev, 4, num_tokens=3)
+    with pytest.raises(MsaInputError, match=rf"qo_lens is on {device}\S* but kv_lens is on cpu"):
+        per_token_valid_blocks(dev, host, 4, num_tokens=3)

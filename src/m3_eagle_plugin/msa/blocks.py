@@ -143,7 +143,8 @@ def per_token_valid_blocks(
     """Per-token visible-block counts of a step, int32 ``[sum(qo_lens)]``.
 
     Token ``t`` of request ``r`` sees ``ceil(min(kv_lens[r] - qo_lens[r] + t + 1, kv_lens[r]) / B)``
-    blocks (never negative). Output lives on the inputs' device. Pass ``num_tokens`` (the sum of
+    blocks (never negative). Output lives on the inputs' device: a host sequence beside a tensor goes to
+    the tensor's device, two tensors on different devices are refused. Pass ``num_tokens`` (the sum of
     ``qo_lens``, known on the host) to keep device inputs free of host synchronisation; without
     it a device ``qo_lens`` total is read back (a host sequence's is summed on the host). Host
     lengths (CPU, or a sequence) are checked: none negative, and ``num_tokens`` equal to their sum.
@@ -156,17 +157,22 @@ def per_token_valid_blocks(
     if device is None and isinstance(kv_lens, torch.Tensor):
         device = kv_lens.device
     host_qo = None if isinstance(qo_lens, torch.Tensor) else int_entries("qo_lens", qo_lens)
+    host_kv = None if isinstance(kv_lens, torch.Tensor) else int_entries("kv_lens", kv_lens)
     qo = _as_length_tensor("qo_lens", qo_lens if host_qo is None else host_qo, device)
-    kv = _as_length_tensor("kv_lens", kv_lens, device)
+    kv = _as_length_tensor("kv_lens", kv_lens if host_kv is None else host_kv, device)
     if qo.shape != kv.shape:
         raise MsaInputError(f"qo_lens and kv_lens differ in length: {qo.numel()} vs {kv.numel()}")
     if qo.device != kv.device:
-        raise MsaInputError(f"qo_lens is on {qo.device} but kv_lens is on {kv.device}")
+        raise MsaInputError(f"qo_lens is on {qo.device} but kv_lens is on {kv.device}: pass both tensors "
+                            "on one device (a host sequence goes to the other's device)")
     if qo.device.type == "cpu":  # host values: checked for free (on a device this would sync)
         _check_host_lengths(qo, kv, num_tokens)
-    elif host_qo is not None:  # host qo_lens beside device kv_lens: their total is known without a read-back
-        _check_host_qo(host_qo, num_tokens)
-        num_tokens = sum(host_qo)
+    else:  # a host sequence beside a device tensor: its values are known without a read-back
+        if host_kv is not None:  # unchecked, a negative kv_len read as 0 blocks and 2**32 + 5 wrapped to 5
+            _check_host_kv(host_kv)
+        if host_qo is not None:  # and the total of a host qo_lens
+            _check_host_qo(host_qo, num_tokens)
+            num_tokens = sum(host_qo)
     if num_tokens is None:
         num_tokens = int(qo.sum())  # free for CPU inputs; device callers pass num_tokens
     if num_tokens < 0:
@@ -185,6 +191,14 @@ def _check_host_qo(qo: list[int], num_tokens: int | None) -> None:
         if q < 0:
             raise MsaInputError(f"request {r}: lengths must be >= 0, got qo_len={q}")
     _check_total(sum(qo), num_tokens)
+
+
+def _check_host_kv(kv: list[int]) -> None:
+    for r, k in enumerate(kv):
+        if k < 0:
+            raise MsaInputError(f"request {r}: lengths must be >= 0, got kv_len={k}")
+        if k > INT32_MAX:  # the counts come back int32, like the metadata's lengths
+            raise MsaInputError(f"request {r}: kv_len {k} does not fit int32")
 
 
 def _check_total(total: int, num_tokens: int | None) -> None:
