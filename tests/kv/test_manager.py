@@ -528,3 +528,25 @@ def test_cache_layout_is_the_naive_packing_at_the_dtypes_bytes(num_layers, spars
     assert {key: (sp.pool_id, sp.offset) for key, sp in geometry.placements.items()} == where
     assert geometry.draft_layer_ids == tuple(range(num_layers, num_layers + num_drafts))
     assert layer_heads == [heads] * num_layers + [heads if draft_heads is None else draft_heads] * num_drafts
+
+
+def test_a_layer_id_the_cache_skips_maps_to_no_pool_not_to_another_layers_page():
+    """Layers 1, 2 and draft 4 (ids 0 and 3 skipped, as on a later pipeline rank): the skipped ids'
+    mapping rows were [0, 0], pool 0 at offset 0, layer 1's K page, so an op reading layer 0 through
+    the tables read layer 1's memory. Hand-computed: one pool, sub-pages K1 V1 K2 V2 K4 V4, draft in op pool 1."""
+    from m3_eagle_plugin.kv import BufferSpec, build_pool_geometry
+
+    page = 1 * B * D * 4
+    geometry = build_pool_geometry([BufferSpec(layer, role, page) for layer in (1, 2, 4) for role in ("k", "v")],
+                                   draft_layer_ids=[4])
+    cache = PagedKVCache(geometry, block_size=B, num_blocks=3, kv_heads={1: 1, 2: 1, 4: 1}, head_dim=D,
+                         index_dim=DI, dtype=torch.float32)
+    tables = cache.op_tables
+    assert tables.pool_mapping.tolist() == [[-1, -1], [0, 0], [0, 2], [-1, -1], [1, 0]]
+    for layer in (0, 3):
+        with pytest.raises(UnknownBufferError, match=f"layer {layer}"):
+            cache.k(layer)
+    storage = cache.storage(0)
+    for slot in range(cache.num_blocks):  # the draft layer is still addressed through its virtual pool
+        assert cache.k(4)[slot].data_ptr() == storage[slot, 4].data_ptr()
+        assert cache.v(4)[slot].data_ptr() == storage[slot, 5].data_ptr()

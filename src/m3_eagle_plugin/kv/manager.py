@@ -128,7 +128,9 @@ class PagedKVCache:
     def _build_op_tables(self) -> VirtualPools:
         layers = self.geometry.layers
         pointers = torch.tensor([[t.data_ptr(), 0] for t in self._storage], dtype=torch.int64)
-        mapping = torch.zeros(max(layers) + 1, 2, dtype=torch.int32)
+        # -1: a layer id this cache has no K/V pages for (a gap in its ids); a row of zeros named pool 0
+        # at offset 0, the first layer's K page, so the gap aliased another layer's memory
+        mapping = torch.full((max(layers) + 1, 2), -1, dtype=torch.int32)
         for layer in layers:
             if self.geometry.has(layer, "k"):
                 sp = self.geometry.locate(layer, "k")
@@ -238,7 +240,8 @@ class PagedKVCache:
         """int32 ``[op_pools, R, 2, width]`` K/V page indices per op pool (``-1`` unused).
 
         Page of (layer, role) for block ``b`` of row ``i``: ``offsets[pool, i, role, b] +
-        pool_mapping[layer][1]`` with ``pool = pool_mapping[layer][0]`` (role 0 = K, 1 = V). A target
+        pool_mapping[layer][1]`` with ``pool = pool_mapping[layer][0]`` (role 0 = K, 1 = V); a row of -1
+        marks a layer id the cache has no K/V pages for, which names no pool. A target
         row's offset here is its sub-page in the slot, this cache's own convention (a mega-slot's sparse
         layers sit at odd sub-pages, which an attention op's K+V-pair offset cannot name); a draft row's
         is 0, which both read alike.

@@ -37,7 +37,9 @@ class VirtualPools:
 
     ``pool_pointers``: int64 ``[pools + drafts, 2]`` (or ``[.., 2, 2]`` NVFP4 data/scale pairs);
     ``pool_mapping``: ``[layers, 2]`` = (op pool, layer offset), in the input's integer dtype (the
-    host's own, int32 in TensorRT-LLM: its kernels read the table they allocated);
+    host's own, int32 in TensorRT-LLM: its kernels read the table they allocated); a layer's row
+    other than a draft layer's is the input's, so a negative row (`PagedKVCache` marks a layer id
+    it has no K/V pages for with ``[-1, -1]``) stays one and names no pool;
     ``index_scales`` / ``kv_offsets``: int32 ``[drafts]``, one per virtual pool;
     ``op_pools``: ``[(op_pool_id, source_pool_id)]``.
     """
