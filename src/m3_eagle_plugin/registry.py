@@ -321,13 +321,15 @@ class M3PluginManager(pluggy.PluginManager):
     def propose_drafts(self, context: DraftContext) -> list[list[int]] | None:
         """Drafts from the first drafter plugin that answers, or None (use the Eagle3 head); validates the
         answer's shape. A malformed answer, or one that raises while it is read (its rows, or a row's ids,
-        from generators), is a PluginError naming the plugin."""
-        for plugin_name, drafts in self._per_plugin("m3_eagle_propose_drafts", context=context):
+        from generators), is a PluginError naming the plugin. With a wrapper among the implementations
+        the hook runs once through pluggy, the wrappers around the drafters (called plugin by plugin, a
+        wrapper saw no drafter's answer and the drafters' went out unwrapped), and errors name them all."""
+        for owner, drafts in self._drafter_answers(context):
             if drafts is not None:
                 break
         else:
             return None
-        hook = f"plugin {plugin_name!r}: m3_eagle_propose_drafts"
+        hook = f"{owner}: m3_eagle_propose_drafts"
         try:
             rows = _rows(drafts)
         except Exception as exc:
@@ -340,6 +342,21 @@ class M3PluginManager(pluggy.PluginManager):
                 f"of {context.draft_len} token ids each"
             )
         return [[_token_id(t, rid, hook) for t in row] for rid, row in zip(context.request_ids, rows)]
+
+    def _drafter_answers(self, context: DraftContext) -> Iterator[tuple[str, Any]]:
+        """(who answered, the answer) of `m3_eagle_propose_drafts`, plugin by plugin where no wrapper needs
+        the whole call."""
+        impls = self.hook.m3_eagle_propose_drafts.get_hookimpls()
+        if not any(impl.wrapper or impl.hookwrapper for impl in impls):
+            for plugin_name, drafts in self._per_plugin("m3_eagle_propose_drafts", context=context):
+                yield f"plugin {plugin_name!r}", drafts
+            return
+        owner = "plugins " + ", ".join(repr(name) for name in dict.fromkeys(i.plugin_name for i in reversed(impls)))
+        try:
+            drafts = self.hook.m3_eagle_propose_drafts(context=context)
+        except Exception as exc:
+            raise PluginError(f"{owner}: m3_eagle_propose_drafts raised {type(exc).__name__}: {exc}") from exc
+        yield owner, drafts
 
     def plugin_summary(self) -> list[dict[str, Any]]:
         """One row per registered plugin: name, distribution/version, implemented hooks."""

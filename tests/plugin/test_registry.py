@@ -918,3 +918,52 @@ def test_the_first_drafter_that_answers_is_named_and_the_rest_are_not_asked(mana
     with pytest.raises(PluginError, match=r"^plugin 'bad': m3_eagle_propose_drafts returned \[1\] tokens"):
         manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
     assert asked == ["abstains", "bad"]
+
+
+class ClampingWrapper:
+    """A new-style wrapper around the drafters: caps every draft id at 3."""
+
+    @hookimpl(wrapper=True)
+    def m3_eagle_propose_drafts(self, context):
+        drafts = yield
+        return None if drafts is None else [[min(t, 3) for t in row] for row in drafts]
+
+
+class ReplacingHookwrapper:
+    """An old-style hookwrapper around the drafters: replaces an answer with ones."""
+
+    @hookimpl(hookwrapper=True)
+    def m3_eagle_propose_drafts(self, context):
+        outcome = yield
+        if outcome.get_result() is not None:
+            outcome.force_result([[1] * context.draft_len for _ in context.request_ids])
+
+
+@pytest.mark.parametrize("wrapper, expected", [(ClampingWrapper, [[3, 3], [2, 2]]),
+                                               (ReplacingHookwrapper, [[1, 1], [1, 1]])])
+def test_a_wrapper_plugin_wraps_the_drafters_answer(manager, wrapper, expected):
+    """Called plugin by plugin, the wrapper ran alone (seeing no answer) and the drafter's [[5, 5], [2, 2]]
+    went out unwrapped; the hook's own call runs the wrapper around it."""
+    manager.register(Drafter(), name="drafter")
+    manager.register(wrapper(), name="wrapper")
+    assert manager.propose_drafts(DraftContext.build([1, 2], [[4, 5], [2]], 2)) == expected
+
+
+def test_a_wrapped_drafters_malformed_answer_or_error_names_the_plugins(manager):
+    class Short:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            return [[1]]
+
+    class Raises:
+        @hookimpl
+        def m3_eagle_propose_drafts(self, context):
+            raise RuntimeError("boom")
+
+    manager.register(ClampingWrapper(), name="wrapper")
+    manager.register(Short(), name="short")
+    with pytest.raises(PluginError, match=r"^plugins 'wrapper', 'short'.*: m3_eagle_propose_drafts returned \[1\] "):
+        manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
+    manager.register(Raises(), name="raises")  # registered last: asked first
+    with pytest.raises(PluginError, match=r"^plugins .*'raises'.*: m3_eagle_propose_drafts raised RuntimeError: boom$"):
+        manager.propose_drafts(DraftContext.build([1, 2], [[1], [2]], 2))
