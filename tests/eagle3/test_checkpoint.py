@@ -145,6 +145,19 @@ def test_sharing_shipped_embeddings_in_another_dtype_names_the_own_choice(tiny, 
     assert load_draft(path, target, dtype=torch.float16, embeddings="own").lm_head.weight.dtype == torch.float16
 
 
+def test_sharing_in_another_dtype_names_the_own_choice_only_where_it_would_share_nothing(tiny, tmp_path):
+    """The checkpoint ships an embedding but no lm_head: 'own' still shares the target's lm_head, so
+    the dtype error must not send the user to it (it failed the same way)."""
+    target, draft_dir = tiny
+
+    def add(t):
+        t["embed_tokens.weight"] = torch.randn(VOCAB, HIDDEN)
+    path = _variant(draft_dir, tmp_path / "d", add)
+    for embeddings in ("target", "own"):
+        with pytest.raises(ValueError, match=r"must be loaded in that dtype and device, got torch.float16 on cpu$"):
+            load_draft(path, target, dtype=torch.float16, embeddings=embeddings)
+
+
 @pytest.mark.parametrize(
     "ships, taken",
     [

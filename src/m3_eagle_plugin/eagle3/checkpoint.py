@@ -322,7 +322,9 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
             shared["lm_head"] = target.lm_head
     if shared and not (dtype == embed.dtype and _same_device(device, embed.device)):
         # the first forward failed mixing them ("expected m1 and m2 to have the same dtype")
-        ships = " (or load with embeddings='own' to use the ones the checkpoint ships)" if plan.unread else ""
+        # a hint only where 'own' shares nothing: a module the checkpoint lacks is the target's under either choice
+        own_shares_none = all(f"{name}.weight" in plan.unread for name in shared)
+        ships = " (or load with embeddings='own' to use the ones the checkpoint ships)" if own_shares_none else ""
         raise ValueError(f"{source.where}: the head shares the target's {' and '.join(shared)} ({embed.dtype} on "
                          f"{embed.device}), so it must be loaded in that dtype and device, got {dtype} on "
                          f"{device}{ships}")
