@@ -303,6 +303,9 @@ def test_swapped_target_and_draft_directories_are_named_as_such(tiny_pair, capsy
     ("--force-accepted", "-1", "--force-accepted must be >= 0, got -1"),  # was named as the engine's field
     ("--force-accepted", "-0.5", "--force-accepted must be >= 0, got -0.5"),
     ("--eos-ids", "3,-2", "--eos-ids must be >= 0, got -2"),
+    # 2**63 sampled exactly as seed 0 (the per-request seed is taken mod 2**63); a negative one as 2**63 - 1
+    ("--seed", str(2**63), f"--seed must be in [0, 2**63), got {2**63}"),
+    ("--seed", "-1", "--seed must be in [0, 2**63), got -1"),
 ])
 def test_out_of_range_numbers_are_refused_naming_the_option(tiny_pair, capsys, option, value, message):
     rc, out, err = run_cli(capsys, "--model", str(tiny_pair[0]), "--prompt-ids", "1,2", "--max-new-tokens", "2",

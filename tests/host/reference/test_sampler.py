@@ -156,6 +156,17 @@ def test_nearby_seeds_do_not_alias_other_requests_streams():
                 assert not torch.equal(values, draws[other]), ((s, i), other)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**70])
+def test_a_seed_outside_the_range_the_per_request_seeds_tell_apart_is_refused(seed):
+    """Seeds are taken mod 2**63: 2**63 and 2**70 drew exactly what seed 0 draws, -1 what 2**63 - 1 does."""
+    wrapped = seed % 2**63
+    assert torch.equal(torch.rand(4, generator=request_generator(seed, 1, "cpu")),
+                       torch.rand(4, generator=request_generator(wrapped, 1, "cpu")))  # the aliasing refused
+    with pytest.raises(ValueError, match=rf"^seed must be in \[0, 2\*\*63\), got {seed}$"):
+        SamplingParams(temperature=1.0, seed=seed)
+    assert SamplingParams(temperature=1.0, seed=2**63 - 1).seed == 2**63 - 1
+
+
 def test_numpy_integer_parameters_are_the_ints_they_hold():
     """A numpy seed passed the type check, then its seed arithmetic overflowed int64 (OverflowError
     at the first sampled request); it must draw exactly what the same Python int draws."""

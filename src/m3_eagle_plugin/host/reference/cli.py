@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Eagle3 head checkpoint directory (omit: target only)")
     parser.add_argument("--draft-embeddings", choices=["target", "own"], default="target",
                         help="target (default): the head uses the target's embedding, and its lm_head at the full "
-                             "vocabulary, even where it ships its own (as MiniMax-M3's head is served); own: the "
+                             "vocabulary in target order, even where it ships its own (as MiniMax-M3's head is served); own: the "
                              "ones the --draft checkpoint ships")
     parser.add_argument("--draft-len", type=int, default=3, help="draft tokens per verify step (default 3)")
     source = parser.add_mutually_exclusive_group()
@@ -59,13 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay generation steps from CUDA graphs (GPU only)")
     parser.add_argument("--overlap", action="store_true",
-                        help="prepare step N+1 before step N's acceptance is known (device-side correction)")
+                        help="prepare step N+1 before step N's acceptance is known (device-side correction); "
+                             "not with --proposer prompt-lookup or a drafter plugin, whose drafts need step N's "
+                             "tokens (the report's overlap= says whether it ran)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed in [0, 2**63) (default 0)")
     parser.add_argument("--force-accepted", type=_forced_count, default=None, metavar="N",
-                        help="benchmark mode: accept N drafts per step regardless of the target "
+                        help="benchmark mode, greedy only: accept N drafts per step regardless of the target "
                              "(fractional N: that mean, e.g. 2.5 alternates 2 and 3)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="requests in one step (default 8)")
     parser.add_argument("--max-tokens-per-step", type=int, default=256,
@@ -263,6 +265,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
 
 
 def main(args: argparse.Namespace) -> int:

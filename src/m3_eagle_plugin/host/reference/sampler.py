@@ -51,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.seed < 2**63:  # `request_generator` reduces mod 2**63: 2**63 would sample as seed 0
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -91,7 +93,8 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def request_generator(seed: int, request_index: int, device: torch.device | str) -> torch.Generator:
-    """A generator private to one request, so its samples do not depend on the rest of the batch."""
+    """A generator private to one request, so its samples do not depend on the rest of the batch. The
+    multiplier is odd, so distinct seeds in [0, 2**63) give one request index distinct generator seeds."""
     generator = torch.Generator(device=device)
     generator.manual_seed((seed * 1_000_003 + request_index) % (2**63))
     return generator
