@@ -71,7 +71,7 @@ class _PostImportLoader:
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
-        if _is_namespace(getattr(module, "__spec__", None)) and not hasattr(module, "__file__"):
+        if is_namespace_spec(getattr(module, "__spec__", None)) and not hasattr(module, "__file__"):
             module.__file__ = None  # as the import system sets it on the namespace packages it loads
         # Leave no trace of the wrapper on the host module.
         module.__loader__ = self._loader
@@ -80,7 +80,8 @@ class _PostImportLoader:
         self._finder.on_host_imported(module)
 
 
-def _is_namespace(spec) -> bool:
+def is_namespace_spec(spec) -> bool:
+    """Whether ``spec`` is a namespace package's: no origin file, a search path (no __init__.py)."""
     return spec is not None and spec.origin is None and spec.submodule_search_locations is not None
 
 
@@ -120,7 +121,7 @@ class HostImportHook:
                 return None
         finally:
             self._searching = False
-        if spec.loader is None and _is_namespace(spec):
+        if spec.loader is None and is_namespace_spec(spec):
             # A directory without __init__.py (an incomplete install, a stray directory on sys.path): the
             # import system would give it a namespace loader after this returns, and the activation would
             # never run (under require, the host loaded unpatched). Give it that loader now, wrapped.

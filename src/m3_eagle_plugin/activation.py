@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator
 
+from m3_eagle_plugin._bootstrap import is_namespace_spec
 from m3_eagle_plugin._version import __version__
 from m3_eagle_plugin.log import get_logger
 from m3_eagle_plugin.switches import FORCE_ENV, MODE_ENV, MODES, read_switch
@@ -174,7 +175,7 @@ def namespace_host_dirs(package: str = HOST_PACKAGE) -> list[str] | None:
             spec = importlib.util.find_spec(package)
         except (ImportError, ValueError):
             spec = None
-    if spec is None or spec.origin is not None or spec.submodule_search_locations is None:
+    if not is_namespace_spec(spec):
         return None
     return [str(path) for path in spec.submodule_search_locations]
 
