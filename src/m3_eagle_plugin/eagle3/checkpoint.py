@@ -257,7 +257,8 @@ def inspect_draft(path: str | Path, target_config, *, embeddings: str = "target"
         d2t = source.get(by_canon["d2t"]).long()
         _target_ids(source.where, d2t, config.vocab_size)
         remapped = bool((d2t != 0).any())
-    # The target's lm_head scores this head's ids as they are only at the full vocabulary in target order.
+    # The target's lm_head rows are in target-id order; a draft row d must score target id d + d2t[d], so
+    # any non-zero d2t (a smaller draft vocabulary, or a full-size one in another order) needs them gathered.
     target_order = config.draft_vocab_size == config.vocab_size and not remapped
     unread = set()
     if embeddings == "target":
@@ -288,12 +289,12 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
     dtype = embed.dtype if dtype is None else dtype
     check_compute_dtype(dtype)
     device = embed.device if device is None else torch.device(device)
-    plan = path if isinstance(path, DraftPlan) else inspect_draft(path, target.config, embeddings=embeddings or "target")
+    plan = path if isinstance(path, DraftPlan) else inspect_draft(path, target.config,
+                                                                   embeddings=embeddings or "target")
     if plan.target != _target_sizes(target.config):  # its checks hold for that target only
         raise ValueError(f"{plan.source.where}: the draft plan was checked against a target of hidden size, "
                          f"vocabulary and layers {plan.target}, not this one's {_target_sizes(target.config)}")
     config, source, by_canon = plan.config, plan.source, plan.by_canon
-    shrunk_vocab = config.draft_vocab_size != config.vocab_size
     with torch.device("meta"):
         head = Eagle3Head(config)
 
@@ -306,14 +307,11 @@ def load_draft(path: str | Path | DraftPlan, target: MiniMaxM3ForCausalLM, dtype
             raise CheckpointError(f"{source.where}: d2t must hold integer id offsets, got dtype {d2t.dtype}")
         d2t = d2t.to(device=device, dtype=torch.long)
         target_ids = _target_ids(source.where, d2t, config.vocab_size)
-    # The target's lm_head rows are in target-id order; a draft row d must score target id d + d2t[d],
-    # so any non-zero d2t (a smaller draft vocabulary, or a full-size one in another order) needs them gathered.
-    remapped = d2t is not None and bool((d2t != 0).any())
     shared = {}
     if "embed_tokens.weight" not in state:
         shared["embed_tokens"] = target.embed_tokens
     if "lm_head.weight" not in state:
-        if shrunk_vocab or remapped:
+        if plan.gathers_lm_head:
             # gathered on the target's device (indices elsewhere failed: "indices should be either on cpu or
             # on the same device as the indexed tensor"), then moved to the head's below, as a shipped one is
             rows = target.lm_head.weight.detach()
