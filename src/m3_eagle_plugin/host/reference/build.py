@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from m3_eagle_plugin.host.reference.engine import (
-    Engine, EngineConfig, check_engine_settings, check_int, effective_draft_len, has_drafter_hook, runner_config,
+    Engine, EngineConfig, check_engine_settings, check_int, effective_draft_len, hook_drafts, runner_config,
 )
 from m3_eagle_plugin.host.reference.runner import step_metadata_bytes
 from m3_eagle_plugin.host.reference.scheduler import kv_budget_tokens
@@ -57,9 +57,10 @@ def build_engine(
     check_embeddings(draft_embeddings)
     tc = M3Config.from_file(model_dir)
     plan = inspect_draft(draft_dir, tc, embeddings=draft_embeddings) if draft_dir is not None else None
-    hook_drafts = proposer is not None or has_drafter_hook(plugin_manager)
+    draft_len = effective_draft_len(config, has_head=plan is not None,
+                                    hook_drafts=hook_drafts(proposer, plugin_manager))
     check_engine_settings(config, vocab_size=tc.vocab_size, device=device, has_head=plan is not None,
-                          draft_len=effective_draft_len(config, has_head=plan is not None, hook_drafts=hook_drafts))
+                          draft_len=draft_len)
     if plan is not None and plan.config.head_dim != tc.head_dim:
         raise ValueError(
             f"{Path(draft_dir) / 'config.json'}: head_dim: the draft head's {plan.config.head_dim} differs from "

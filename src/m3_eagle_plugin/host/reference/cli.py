@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Eagle3 head checkpoint directory (omit: target only)")
     parser.add_argument("--draft-embeddings", choices=["target", "own"], default="target",
                         help="target (default): the head uses the target's embedding, and its lm_head at the full "
-                             "vocabulary in target order, even where it ships its own (as MiniMax-M3's head is served); own: the "
-                             "ones the --draft checkpoint ships")
+                             "vocabulary in target order, even where it ships its own (as MiniMax-M3's head is "
+                             "served); own: the ones the --draft checkpoint ships")
     parser.add_argument("--draft-len", type=int, default=3, help="draft tokens per verify step (default 3)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt-ids", action="append", help="comma-separated token ids of one prompt (repeatable; "
@@ -326,15 +326,15 @@ def _main(args: argparse.Namespace, out) -> int:
             from m3_eagle_plugin.host.reference.proposers import PromptLookupProposer
 
             proposer = PromptLookupProposer()
-        from m3_eagle_plugin.host.reference.engine import effective_draft_len, has_drafter_hook
+        from m3_eagle_plugin.host.reference.engine import effective_draft_len, hook_drafts
         from m3_eagle_plugin.registry import get_plugin_manager
 
         plugin_manager = get_plugin_manager()
         num_blocks = args.kv_blocks
         if num_blocks is None:  # at the draft length the engine runs: 0 where nothing drafts
             valid = [p for p, e in zip(prompts, parse_errors) if e is None]
-            hook_drafts = proposer is not None or has_drafter_hook(plugin_manager)
-            draft_len = effective_draft_len(config, has_head=args.draft is not None, hook_drafts=hook_drafts)
+            draft_len = effective_draft_len(config, has_head=args.draft is not None,
+                                            hook_drafts=hook_drafts(proposer, plugin_manager))
             num_blocks = blocks_for_prompts(valid, args.max_new_tokens, draft_len, target_config.block_size)
         engine = build_engine(
             args.model, args.draft, config, num_blocks=num_blocks, device=args.device,

@@ -68,8 +68,11 @@ class EngineConfig:
                 raise ValueError(f"force_accepted: {error}") from None
 
 
-def has_drafter_hook(plugin_manager) -> bool:
-    """Whether a plugin implements `m3_eagle_propose_drafts`."""
+def hook_drafts(proposer, plugin_manager) -> bool:
+    """Whether the drafts come from a proposer or a plugin implementing `m3_eagle_propose_drafts`
+    instead of an Eagle3 head."""
+    if proposer is not None:
+        return True
     if plugin_manager is None:
         return False
     return bool(plugin_manager.hook.m3_eagle_propose_drafts.get_hookimpls())
@@ -170,7 +173,7 @@ class Engine:
         self.head = head
         self.proposer = proposer
         self.plugin_manager = plugin_manager
-        self._hook_drafts = proposer is not None or has_drafter_hook(plugin_manager)
+        self._hook_drafts = hook_drafts(proposer, plugin_manager)
         self.k = effective_draft_len(config, has_head=head is not None, hook_drafts=self._hook_drafts)
         check_engine_settings(config, vocab_size=self.vocab_size, draft_len=self.k, device=self.device,
                               has_head=head is not None)
