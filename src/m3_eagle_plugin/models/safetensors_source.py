@@ -89,7 +89,7 @@ class SafetensorsSource:
             if found[0].exists() and not found[0].is_file():  # a FIFO would block safetensors' open for good
                 raise CheckpointError(f"{found[0]} is not a file")
             return found
-        pickled = [] if found else sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        pickled = [] if found else [p.name for ext in ("*.bin", "*.pt") for p in sorted(path.glob(ext))]
         unsupported = (f" ({', '.join(pickled[:3])}{', ...' if len(pickled) > 3 else ''}: PyTorch pickle weights are "
                        "not read; convert them to safetensors)") if pickled else ""
         raise CheckpointError(f"{path}: expected model.safetensors, {self.INDEX} or exactly one *.safetensors file, "
