@@ -394,3 +394,26 @@ def test_a_step_budget_below_a_full_batchs_verify_rows_still_decodes_the_whole_b
     m = e2e.measure_decode(engine(models, speculate=True, batch=3, shape=shape),
                            prompts(3, shape.prompt_len, shape.vocab), shape.new_tokens)
     assert m.verify_steps % 3 == 0 and m.mean_acceptance_length == 3.5
+
+
+def test_a_window_without_a_verify_step_reports_no_acceptance_length(tmp_path, monkeypatch, capsys):
+    """No verify step in the window: no acceptance was measured. It was reported as 0.0, a measured
+    value below the least possible (1.0: the bonus token); the reference host's `SpecStats` says None
+    there, and so does the bench now: JSON null, "-" in the table, every other field kept."""
+    assert e2e.DecodeMeasurement(tokens=4, verify_steps=0, accepted=0, seconds=1.0, generated_total=8,
+                                 engine_steps=3).mean_acceptance_length is None
+    _scripted_engines(monkeypatch)
+    monkeypatch.setattr(e2e, "measure_decode", lambda engine, prompts, n: e2e.DecodeMeasurement(
+        tokens=7 if engine[1] else 2, verify_steps=2 if engine[1] else 0, accepted=5 if engine[1] else 0,
+        seconds=1.0, generated_total=12, engine_steps=5))
+    out = tmp_path / "bench.json"
+    rc = m3_main(["bench", "--device", "cpu", "--kernels", "", "--e2e", "--e2e-batches", "1", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["mean_acceptance_length"], r["tokens_per_s"], r["speedup"], r["decode_steps"])
+            for r in rows] == [("no_spec", None, 2.0, 1.0, 0), ("eagle3", 3.5, 7.0, 3.5, 2)]
+    assert "e2e batch 1 no_spec: 2.0 tok/s, AL -, speed-up 1.00x" in captured.err
+    header, _, *lines = captured.out.splitlines()[-4:]
+    end = header.index("mean_acceptance_length") + len("mean_acceptance_length")  # right-aligned cells
+    assert [line[end - len("mean_acceptance_length"):end].strip() for line in lines] == ["-", "3.50"]

@@ -68,3 +68,13 @@ def test_json_only_detail_stays_out_of_the_table():
     row = {"kernel": "sparse_attn", "bytes": 123456, "flashinfer_api": "msa_ops.x", "flashinfer_note": "n",
            "flashinfer_nvp_timing": "graph", "zeta": 1}
     assert format_table([row]).splitlines()[0].split() == ["kernel", "zeta"]
+
+
+def test_an_unmeasured_acceptance_length_is_a_dash_and_a_missing_one_blank():
+    """None in `mean_acceptance_length` is "nothing measured" (JSON null), written "-" as the
+    reference host's text report writes it; a row without the key leaves the cell blank."""
+    lines = format_table([{"batch": 1, "mean_acceptance_length": None}, {"batch": 2, "mean_acceptance_length": 3.5},
+                          {"batch": 4}]).splitlines()
+    assert lines[0].split() == ["batch", "mean_acceptance_length"]
+    assert [line.split() for line in lines[2:]] == [["1", "-"], ["2", "3.50"], ["4"]]
+    assert cell(None, "note") == ""  # other columns: None stays blank

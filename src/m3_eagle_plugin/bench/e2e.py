@@ -302,8 +302,10 @@ class DecodeMeasurement:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
-    def mean_acceptance_length(self) -> float:
-        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+    def mean_acceptance_length(self) -> float | None:
+        """Accepted drafts + 1 per verify step; None where the window held no verify step (nothing
+        measured, as the reference host's `SpecStats` reports it), not a measured 0."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else None
 
 
 def all_decoding(stats, num_requests: int) -> bool:
@@ -399,8 +401,9 @@ def _run_batches(shape: E2EShape, target, head, rows: list[dict[str, Any]], *, d
                                     else "eager smoke shape: the speed-up goal is for the CUDA-graph run")
             if log is not None:
                 loop = " (overlap)" if shape.overlap else ""
+                length = last.mean_acceptance_length
                 log(f"e2e batch {batch} {rows[-1]['mode']}{loop}: {median[spec]:.1f} tok/s, "
-                    f"AL {last.mean_acceptance_length:.2f}, speed-up {rows[-1]['speedup']:.2f}x")
+                    f"AL {'-' if length is None else f'{length:.2f}'}, speed-up {rows[-1]['speedup']:.2f}x")
         del engines
 
 

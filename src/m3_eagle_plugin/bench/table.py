@@ -10,6 +10,8 @@ COLUMNS = ("section", "kernel", "batch", "context", "qo_len", "kv_dtype", "graph
            "note", "flashinfer_error")
 JSON_ONLY = {"bytes", "flashinfer_api", "flashinfer_note", "flashinfer_nvp_timing"}  # detail kept out of the table
 CELL_LIMIT = {"flashinfer_error": 60, "flashinfer_nvp_error": 60}  # long messages cut in the table only
+#: Columns whose None means "not measured" (JSON null), written "-"; a missing cell stays blank.
+UNMEASURED = {"mean_acceptance_length"}
 
 
 def _cell(value: Any, limit: int | None = None) -> str:
@@ -40,7 +42,8 @@ def _format_section(rows: Sequence[dict[str, Any]]) -> str:
     present = [c for c in COLUMNS if any(c in r for r in rows)]
     extra = sorted({k for r in rows for k in r} - set(COLUMNS) - JSON_ONLY)
     cols = present + extra
-    cells = [[_cell(r.get(c), CELL_LIMIT.get(c)) for c in cols] for r in rows]
+    cells = [["-" if c in UNMEASURED and c in r and r[c] is None else _cell(r.get(c), CELL_LIMIT.get(c))
+              for c in cols] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
     lines.append("  ".join("-" * w for w in widths))
