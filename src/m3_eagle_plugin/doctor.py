@@ -86,7 +86,25 @@ def _setting_errors() -> list[str]:
     except InvalidModeError as exc:
         mode_problem = str(exc)
     checks = ((None, mode_problem), level_from_env(), trace_from_env(), read_switch(FORCE_ENV))
-    return [problem for _, problem in checks if problem is not None]
+    return [problem for _, problem in checks if problem is not None] + _kernel_setting_errors()
+
+
+def _kernel_setting_errors() -> list[str]:
+    """The kernel backend choice `M3_EAGLE_KERNELS` and the kernels' switches (hand-off, PDL, replay)
+    that hold a value their readers refuse (every kernel call would raise), each named; the backend
+    report stops at the first of them, so it is named there too."""
+    try:
+        from m3_eagle_plugin.msa.kernels._common import SWITCHES, KernelInputError, env_switch
+        from m3_eagle_plugin.msa.kernels.backend import requested_backend
+    except ImportError:  # the kernel backend row says why
+        return []
+    problems = []
+    for read in (requested_backend, *(lambda name=name: env_switch(name) for name in SWITCHES)):
+        try:
+            read()
+        except KernelInputError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _why_not_patched(report: dict[str, Any], host_found: bool) -> str:

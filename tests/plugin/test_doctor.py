@@ -124,6 +124,25 @@ def test_a_bad_kernel_switch_fails_the_doctor(clean_state, capsys, monkeypatch, 
     assert data["ok"] is False and f"{name}='off'" in data["kernel_backend"]["unavailable"]
 
 
+@pytest.mark.parametrize("name, value, problem", [
+    ("M3_EAGLE_KERNELS", "trion", "M3_EAGLE_KERNELS must be auto, triton, torch or flashinfer, got 'trion'"),
+    ("M3_EAGLE_PDL", "off", "M3_EAGLE_PDL='off': expected one of 0, 1, all"),
+])
+def test_a_bad_kernel_setting_is_named_among_the_setting_errors(clean_state, capsys, monkeypatch, name, value,
+                                                                problem):
+    """A bad mode is listed under "setting errors"; a bad kernel backend choice or kernel switch was
+    only inside the kernel backend row's "backend_report failed" and the setting errors row read "-"."""
+    monkeypatch.setenv(name, value)
+    assert cli.main(["doctor", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["setting_errors"] == [problem]
+    assert cli.main(["doctor"]) == 1
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("setting errors"))
+    assert json.loads(row[len("setting errors"):]) == [problem]
+    monkeypatch.setenv(name, "1" if name == "M3_EAGLE_PDL" else "torch")
+    assert cli.main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setting_errors"] == []
+
+
 def test_bad_mode_fails(clean_state, monkeypatch, capsys):
     monkeypatch.setenv("M3_EAGLE_PLUGIN", "sometimes")
     assert cli.main(["doctor", "--json"]) == 1
