@@ -34,6 +34,7 @@ def _assert_same(cfg: M3Config, hf) -> None:
         hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size)
     assert (cfg.dense_intermediate_size, cfg.shared_intermediate_size) == (
         hf.dense_intermediate_size, hf.shared_intermediate_size)
+    assert cfg.max_position_embeddings == hf.max_position_embeddings
 
 
 def test_text_layout_written_by_transformers(hf_text_checkpoint):
@@ -47,6 +48,19 @@ def test_production_layout_parses_like_transformers():
     cfg = M3Config.from_dict(raw, "prod.json")
     assert cfg.layout == "production"
     _assert_same(cfg, _as_transformers_sees_it(raw))
+
+
+@pytest.mark.parametrize("positions", [None, 16])
+def test_max_position_embeddings_reads_as_transformers_reads_it(positions):
+    """The reference host stops generation there; a config without the key has transformers' default."""
+    raw = target_config()
+    raw["text_config"].pop("max_position_embeddings")
+    if positions is not None:
+        raw["text_config"]["max_position_embeddings"] = positions
+    assert M3Config.from_dict(raw).max_position_embeddings == _as_transformers_sees_it(raw).max_position_embeddings
+    raw["text_config"]["max_position_embeddings"] = 0
+    with pytest.raises(ConfigError, match="max_position_embeddings: must be >= 1, got 0"):
+        M3Config.from_dict(raw)
 
 
 def test_default_aux_layer_ids_follow_the_vllm_convention():

@@ -26,6 +26,8 @@ DENSE_LAYER = "full_attention"
 #: many tokens, and a whole block of the largest power-of-two size below it is a length they can hold.
 MAX_CONTEXT_TOKENS = 2**31 - 1
 MAX_BLOCK_SIZE = 2**30
+#: transformers' `max_position_embeddings` where a MiniMax-M3 config leaves it out.
+DEFAULT_MAX_POSITIONS = 524288
 
 
 def max_context_blocks(block_size: int) -> int:
@@ -62,6 +64,7 @@ class M3Config:
     init_blocks: int
     index_head_repeat: int = 1  # checkpoint loading: each stored index head serves this many KV heads
     tie_word_embeddings: bool = False
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS  # the positions the model was trained on
     layout: str = "text"  # "production" | "text"
     source: str = "<dict>"
 
@@ -166,6 +169,7 @@ def _common(t: ConfigFields) -> dict[str, Any]:
         swiglu_alpha=t.get_float("swiglu_alpha", 1.702),
         swiglu_limit=t.get_float("swiglu_limit", 7.0, positive=True),
         tie_word_embeddings=t.get_bool("tie_word_embeddings", False),
+        max_position_embeddings=t.get_int("max_position_embeddings", DEFAULT_MAX_POSITIONS, minimum=1),
         source=t.source,
     )
 

@@ -516,3 +516,38 @@ def test_the_default_kv_blocks_are_sized_at_the_draft_length_the_engine_runs(tin
     assert rc == 0
     report = json.loads(out)
     assert report["kv_blocks"] == blocks and len(report["outputs"][0]) == 5
+
+
+def _with_max_positions(target, out_dir, positions):
+    """A copy of the tiny target whose config.json says `max_position_embeddings: positions`."""
+    import shutil
+
+    copy = out_dir / "target"
+    shutil.copytree(target, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = positions
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.parametrize("drafter", [(), ("--draft-len", "3", "--proposer", "prompt-lookup")])
+def test_generation_stops_at_the_targets_max_position_embeddings(tiny_pair, tmp_path, capsys, drafter):
+    """max_position_embeddings 16: prompts of 10 and 3 tokens get 16 - 10 = 6 and 16 - 3 = 13 of the 20 new
+    tokens asked (the unlimited checkpoint's first ones: greedy), stop reason "length"; an 18-token prompt
+    fails alone naming its length, the limit and its line. The run generated 20 tokens for each."""
+    target, _ = tiny_pair
+    limited = _with_max_positions(target, tmp_path, 16)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]\n[1, 2, 3]\n\n" + json.dumps(list(range(1, 19))) + "\n")
+    base = ("--prompts", str(prompts), "--max-new-tokens", "20", "--eos-ids", "", "--json", *drafter)
+    rc, out, _ = run_cli(capsys, "--model", str(limited), *base)
+    assert rc == 0
+    report = json.loads(out)
+    rc, out, _ = run_cli(capsys, "--model", str(target), *base)  # max_position_embeddings 4096
+    unlimited = json.loads(out)
+    assert [len(o) for o in unlimited["outputs"]] == [20, 20, 20]
+    assert report["outputs"] == [unlimited["outputs"][0][:6], unlimited["outputs"][1][:13], []]
+    assert report["stop_reasons"] == ["length", "length", None]
+    assert report["errors"] == [None, None, "request 2: prompt of 18 tokens leaves no room for a new token in "
+                                            "the target's 16 positions (max_position_embeddings)"]
+

@@ -695,3 +695,32 @@ def test_without_a_head_a_step_reserves_no_draft_positions_ahead():
     result = engine.generate([prompt], max_new_tokens=7)
     assert result.outputs == [full[len(prompt):][:7]]
     assert RowKind.VERIFY in checked and RowKind.CONTEXT in checked
+
+
+@pytest.mark.parametrize("head, overlap", [(False, False), (True, False), (True, True)])
+def test_generation_stops_at_the_targets_positions_and_a_prompt_filling_them_fails_alone(head, overlap):
+    """max_position_embeddings 12: a prompt of L tokens gets at most 12 - L new ones (stop reason "length",
+    as at max_new_tokens), one of 12 fails naming its length and the limit; the engine generated past them."""
+    target = _fakes.FakeTarget()
+    cache = _fakes.make_cache(64)
+    engine = Engine(target, cache, EngineConfig(draft_len=3, max_batch_size=3, max_tokens_per_step=8, overlap=overlap),
+                    vocab_size=_fakes.VOCAB, head=_fakes.FakeHead(target.table) if head else None,
+                    capture=_fakes.fake_capture() if head else None, max_position_embeddings=12)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4], [7], [2] * 12, [2, 2, 2, 2, 2, 2]]
+    result = engine.generate(prompts, max_new_tokens=9)
+    new = [9, 1, 9, None, 6]  # min(9, 12 - L)
+    assert result.outputs == [target.greedy(p, n) if n else [] for p, n in zip(prompts, new)]
+    assert result.stop_reasons == ["length", "length", "length", None, "length"]
+    assert result.errors[:3] == [None] * 3 and result.errors[4] is None
+    assert result.errors[3] == ("request 3: prompt of 12 tokens leaves no room for a new token in the target's 12 "
+                                "positions (max_position_embeddings)")
+    assert result.stats.generated_tokens == 25
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+@pytest.mark.parametrize("limit", [0, 2.5, "12"])
+def test_a_bad_max_position_embeddings_is_refused_by_name(limit):
+    target = _fakes.FakeTarget()
+    with pytest.raises((ValueError, TypeError), match="max_position_embeddings"):
+        Engine(target, _fakes.make_cache(8), EngineConfig(draft_len=0), vocab_size=_fakes.VOCAB,
+               max_position_embeddings=limit)

@@ -99,6 +99,7 @@ def build_engine(
     return Engine(
         target, cache, config, vocab_size=tc.vocab_size, head=head, capture=capture, proposer=proposer,
         plugin_manager=plugin_manager, device=device, num_index_heads=max(tc.index_heads, 1),
+        max_position_embeddings=tc.max_position_embeddings,
     )
 
 

@@ -166,10 +166,14 @@ class Engine:
         device: torch.device | str = "cpu",
         metadata_factory=None,
         num_index_heads: int = 1,
+        max_position_embeddings: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.target, self.cache, self.config = target, cache, config
         self.vocab_size = int(vocab_size)
+        # The target's trained positions: a prompt that fills them fails, generation stops at them (None: no limit).
+        self.max_positions = (None if max_position_embeddings is None
+                              else check_int("max_position_embeddings", max_position_embeddings, 1))
         self.head = head
         self.proposer = proposer
         self.plugin_manager = plugin_manager
@@ -238,6 +242,11 @@ class Engine:
             # Not only >= 1: a float or bool would run (2.5 -> 3 tokens) and a str or None would raise
             # past this request, so every bad count fails the request here (a numpy int is an int).
             count = check_int(f"request {index}: max_new_tokens", max_new_tokens, 1, RequestError)
+            if self.max_positions is not None:
+                if len(ids) >= self.max_positions:
+                    raise RequestError(f"request {index}: prompt of {len(ids)} tokens leaves no room for a new token "
+                                       f"in the target's {self.max_positions} positions (max_position_embeddings)")
+                count = min(count, self.max_positions - len(ids))  # ends there as at max_new_tokens ("length")
             request.prompt, request.max_new_tokens = ids, count
             self.scheduler.check_fits(request)
         except RequestError as error:
