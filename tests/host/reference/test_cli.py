@@ -548,6 +548,30 @@ def test_generation_stops_at_the_targets_max_position_embeddings(tiny_pair, tmp_
     assert [len(o) for o in unlimited["outputs"]] == [20, 20, 20]
     assert report["outputs"] == [unlimited["outputs"][0][:6], unlimited["outputs"][1][:13], []]
     assert report["stop_reasons"] == ["length", "length", None]
-    assert report["errors"] == [None, None, "request 2: prompt of 18 tokens leaves no room for a new token in "
+    assert report["errors"] == [None, None, f"{prompts}:4: prompt of 18 tokens leaves no room for a new token in "
                                             "the target's 16 positions (max_position_embeddings)"]
 
+
+def test_engine_errors_name_a_prompts_files_line_as_its_parse_errors_do(tiny_pair, tmp_path, capsys):
+    """A --prompts file's prompt is named FILE:LINE by the engine's checks too, not "request N" (N counting
+    prompts from 0, not lines: request 3 was line 5 here); --prompt-ids keep "request N" (#N there)."""
+    target, _ = tiny_pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("[1, 2]\n[]\n\n[1, 300]\nnot json\n[1.5]\n")
+    rc, out, _ = run_cli(capsys, "--model", str(target), "--prompts", str(prompts), "--max-new-tokens", "2")
+    assert rc == 0
+    assert out.splitlines()[1:5] == [f"[1] error: {prompts}:2: empty prompt",
+                                     f"[2] error: {prompts}:4: token ids must be ints in [0, 256), got [300]",
+                                     f"[3] error: {prompts}:5: not JSON (Expecting value)",
+                                     f"[4] error: {prompts}:6: token ids must be ints in [0, 256), got [1.5]"]
+    # the scheduler's "request N needs ..." form: 2 + 20 + 1 tokens do not fit 2 blocks of 4
+    rc, out, _ = run_cli(capsys, "--model", str(target), "--prompts", str(prompts), "--max-new-tokens", "20",
+                         "--kv-blocks", "2", "--json")
+    assert rc == 1
+    assert json.loads(out)["errors"][0].startswith(f"the prompt at {prompts}:1 needs 6 KV blocks of 4 tokens")
+    rc, out, _ = run_cli(capsys, "--model", str(target), "--prompt-ids", "1,2", "--prompt-ids", "300",
+                         "--prompt-ids", "1,x", "--max-new-tokens", "2", "--json")
+    assert rc == 0
+    assert json.loads(out)["errors"] == [None, "request 1: token ids must be ints in [0, 256), got [300]",
+                                         "--prompt-ids #2: token ids must be comma-separated integers, got 'x' in "
+                                         "'1,x'"]

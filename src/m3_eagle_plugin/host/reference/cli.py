@@ -113,6 +113,12 @@ def _parse_ids(text: str, where: str) -> list[int]:
 def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]:
     """Prompts and, per prompt, a parse error (such a prompt is passed on as-is and fails alone). A
     `--prompts` file that cannot be read or holds no prompt is a ValueError naming it."""
+    prompts, errors, _ = _read_prompts(args)
+    return prompts, errors
+
+
+def _read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None], list[str | None]]:
+    """`read_prompts`, and per prompt where it came from: "FILE:N" for a `--prompts` file's line, else None."""
     prompts: list[Any] = []
     errors: list[str | None] = []
     if args.prompt_ids:
@@ -123,16 +129,18 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
             except ValueError as error:
                 prompts.append(None)
                 errors.append(str(error))
-        return prompts, errors
+        return prompts, errors, [None] * len(prompts)
     if args.prompts is None:
         print(f"m3-eagle run: no --prompt-ids or --prompts: generating from the prompt "
               f"{','.join(map(str, DEFAULT_PROMPT))}", file=sys.stderr)
-        return [list(DEFAULT_PROMPT)], [None]
+        return [list(DEFAULT_PROMPT)], [None], [None]
+    lines: list[str | None] = []
     # FILE:N counts blank lines; split at "\n" only (read_text already made "\r\n" and "\r" one), as editors and
     # grep -n count: splitlines also splits at U+2028, \x85 or \x0c inside a line, shifting every later N
     for n, line in enumerate(_read_prompts_file(args.prompts).split("\n"), start=1):
         if not line.strip():
             continue
+        lines.append(f"{args.prompts}:{n}")
         try:
             value = json.loads(line)
             if not isinstance(value, list):
@@ -154,7 +162,7 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]
             errors.append(f"{args.prompts}:{n}: not read as JSON ({str(error).split(';')[0]})")
     if not prompts:  # else the model loaded, nothing ran and the run exited 1 without a word
         raise ValueError(f"--prompts {args.prompts}: no prompts (expected one JSON list of token ids per line)")
-    return prompts, errors
+    return prompts, errors, lines
 
 
 def _read_prompts_file(path: Path) -> str:
@@ -302,7 +310,7 @@ def _main(args: argparse.Namespace, out) -> int:
         if args.cuda_graphs and args.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda (CUDA graphs do not exist on CPU)")
         _check_numbers(args)
-        prompts, parse_errors = read_prompts(args)
+        prompts, parse_errors, sources = _read_prompts(args)
         from m3_eagle_plugin.models.config import M3Config, eos_token_ids
 
         target_config = M3Config.from_file(args.model)
@@ -360,19 +368,22 @@ def _main(args: argparse.Namespace, out) -> int:
         bar.close()
         partial = getattr(error, "partial_result", None)
         if partial is not None and any(partial.outputs):
-            _write_report(partial, parse_errors, num_blocks, engine, args, out)
+            _write_report(partial, parse_errors, sources, num_blocks, engine, args, out)
             print("m3-eagle run: stopped before every request finished; the outputs above are the requests that "
                   "had finished", file=sys.stderr)
         raise
     bar.close()
-    _write_report(result, parse_errors, num_blocks, engine, args, out)
+    _write_report(result, parse_errors, sources, num_blocks, engine, args, out)
     return 0 if any(e is None for e in result.errors) else 1
 
 
-def _write_report(result, parse_errors: list, num_blocks: int, engine, args, out) -> None:
-    for n, error in enumerate(parse_errors):
+def _write_report(result, parse_errors: list, sources: list, num_blocks: int, engine, args, out) -> None:
+    for n, (error, source) in enumerate(zip(parse_errors, sources)):
         if error is not None:
             result.errors[n] = error
+        elif result.errors[n] is not None and source is not None:  # the engine's "request N", as the file's line
+            result.errors[n] = re.sub(rf"^request {n}(:?)(?= )", lambda match: f"{source}:" if match.group(1)
+                                      else f"the prompt at {source}", result.errors[n])
     report = result.as_dict()
     report["kv_blocks"] = int(num_blocks)
     report["kv_blocks_free_after"] = int(engine.cache.num_free_blocks)
