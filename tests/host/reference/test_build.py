@@ -308,3 +308,14 @@ def test_an_unknown_draft_embeddings_choice_is_refused_before_any_weight_is_read
     for draft in tiny_pair[1], None:
         with pytest.raises(ValueError, match=r"^embeddings must be one of 'target', 'own', got 'shared'$"):
             build_engine(tiny_pair[0], draft, EngineConfig(draft_len=2), num_blocks=16, draft_embeddings="shared")
+
+
+def test_blocks_for_prompts_stop_the_new_tokens_at_the_position_limit():
+    """As the engine stops generation at max_position_embeddings. By hand, limit 10, blocks of 4, K = 1
+    (headroom 4 + 1 = 5), 100 new tokens asked: a 3-token prompt gets 7, 3 + 7 + 5 = 15 -> 4 blocks; a 6-token
+    one 4, 6 + 4 + 5 = 15 -> 4 blocks; a 10-token one fills the limit and fails before admission: none. With 2
+    asked the 6-token one keeps 2: 6 + 2 + 5 = 13 -> 4 blocks. No limit: 3 + 100 + 5 = 108 -> 27 blocks."""
+    assert build.blocks_for_prompts([[1, 2, 3], [1] * 6, [1] * 10], 100, 1, 4, max_positions=10) == 8
+    assert build.blocks_for_prompts([[1] * 6], 2, 1, 4, max_positions=10) == 4
+    assert build.blocks_for_prompts([[1] * 10], 100, 1, 4, max_positions=10) == 1  # at least one block
+    assert build.blocks_for_prompts([[1, 2, 3]], 100, 1, 4) == 27

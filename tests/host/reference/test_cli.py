@@ -575,3 +575,56 @@ def test_engine_errors_name_a_prompts_files_line_as_its_parse_errors_do(tiny_pai
     assert json.loads(out)["errors"] == [None, "request 1: token ids must be ints in [0, 256), got [300]",
                                          "--prompt-ids #2: token ids must be comma-separated integers, got 'x' in "
                                          "'1,x'"]
+
+
+def test_draft_len_0_with_a_draft_head_is_refused_before_any_weight_is_read(tiny_pair, capsys, monkeypatch):
+    """--draft-len 0 loaded the head (its weights, its draft KV layer) and never ran it, with no word, as
+    --proposer prompt-lookup with --draft did; without --draft, --draft-len 0 is a target-only run."""
+    from m3_eagle_plugin.host.reference import build
+    from m3_eagle_plugin.models.safetensors_source import SafetensorsSource
+
+    target, draft = tiny_pair
+    with monkeypatch.context() as patch:
+        reads = []
+        patch.setattr(SafetensorsSource, "get_many", lambda self, names: reads.append(names))
+        patch.setattr(build, "build_engine", lambda *a, **k: pytest.fail("built an engine"))
+        rc, out, err = run_cli(capsys, "--model", str(target), "--draft", str(draft), "--draft-len", "0",
+                               "--prompt-ids", "1,2")
+        assert (rc, out, reads) == (2, "", [])
+        assert err == (f"m3-eagle run: --draft-len 0 drafts nothing, so --draft {draft} would never run: leave out "
+                       "--draft (target only) or pass a --draft-len >= 1\n")
+    rc, out, _ = run_cli(capsys, "--model", str(target), "--draft-len", "0", "--prompt-ids", "1,2",
+                         "--max-new-tokens", "3", "--eos-ids", "", "--json")
+    report = json.loads(out)
+    assert rc == 0 and len(report["outputs"][0]) == 3
+    assert (report["draft_len"], report["draft_source"], report["draft_tokens"]) == (0, "none", 0)
+
+
+def test_the_default_kv_blocks_count_the_new_tokens_the_position_limit_leaves(tiny_pair, tmp_path, capsys):
+    """Generation stops at max_position_embeddings (16 here), but the default --kv-blocks was sized for
+    --max-new-tokens as typed: 10**8 here, some 10**8 tokens of cache per prompt, refused as past free memory
+    for a run that needs a few blocks. By hand, block size 4, --draft-len 3 (headroom 4 x 3 + 1 = 13): the
+    3-token prompt gets 13 new tokens, 3 + 13 + 13 = 29 -> 8 blocks; the 10-token one 6, 10 + 6 + 13 = 29 ->
+    8 blocks; the 18-token one fails alone, no blocks: 16 blocks. The outputs are those of runs asking
+    exactly the room left (13 and 6 tokens)."""
+    from m3_eagle_plugin.models.tiny import BLOCK
+
+    assert BLOCK == 4
+    target, draft = tiny_pair
+    limited = _with_max_positions(target, tmp_path, 16)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("[1, 2, 3]\n[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]\n" + json.dumps(list(range(1, 19))) + "\n")
+    base = ("--model", str(limited), "--draft", str(draft), "--draft-len", "3", "--eos-ids", "", "--json")
+    rc, out, err = run_cli(capsys, *base, "--prompts", str(prompts), "--max-new-tokens", str(10**8))
+    assert rc == 0, err
+    report = json.loads(out)
+    per_prompt = [-(-(3 + 13 + 4 * 3 + 1) // 4), -(-(10 + 6 + 4 * 3 + 1) // 4)]
+    assert report["kv_blocks"] == sum(per_prompt) == 16
+    assert report["errors"][:2] == [None, None] and "leaves no room" in report["errors"][2]
+    exact = []
+    for ids, room in (("1,2,3", 13), ("1,2,3,4,5,6,7,8,9,10", 6)):
+        rc, out, _ = run_cli(capsys, *base, "--prompt-ids", ids, "--max-new-tokens", str(room))
+        assert rc == 0
+        exact.append(json.loads(out)["outputs"][0])
+    assert [len(o) for o in exact] == [13, 6]
+    assert report["outputs"] == [*exact, []]

@@ -26,9 +26,19 @@ __all__ = ["DTYPES", "blocks_for_prompts", "build_engine"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def blocks_for_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, draft_len: int, block_size: int) -> int:
-    """Enough KV blocks for every prompt's worst case at once (so no request ever waits)."""
-    total = sum(math.ceil(kv_budget_tokens(len(p), max_new_tokens, draft_len) / block_size) for p in prompts)
+def blocks_for_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, draft_len: int, block_size: int,
+                       *, max_positions: int | None = None) -> int:
+    """Enough KV blocks for every prompt's worst case at once (so no request ever waits). With the target's
+    ``max_positions`` (max_position_embeddings) a request's new tokens stop there, as the engine stops them,
+    and a prompt that fills them fails before it is admitted: it needs no blocks."""
+    total = 0
+    for prompt in prompts:
+        new = max_new_tokens
+        if max_positions is not None:
+            if len(prompt) >= max_positions:
+                continue
+            new = min(new, max_positions - len(prompt))
+        total += math.ceil(kv_budget_tokens(len(prompt), new, draft_len) / block_size)
     return max(total, 1)
 
 

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target (default): the head uses the target's embedding, and its lm_head at the full "
                              "vocabulary in target order, even where it ships its own (as MiniMax-M3's head is "
                              "served); own: the ones the --draft checkpoint ships")
-    parser.add_argument("--draft-len", type=int, default=3, help="draft tokens per verify step (default 3)")
+    parser.add_argument("--draft-len", type=int, default=3,
+                        help="draft tokens per verify step (default 3; 0 = target only, without --draft)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt-ids", action="append", help="comma-separated token ids of one prompt (repeatable; "
                         f"with neither this nor --prompts: {','.join(map(str, DEFAULT_PROMPT))})")
@@ -306,6 +307,9 @@ def _main(args: argparse.Namespace, out) -> int:
         if args.proposer == "prompt-lookup" and args.draft is not None:  # the head was loaded, never run
             raise ValueError(f"--proposer prompt-lookup drafts from the prompt, so --draft {args.draft} would "
                              "never run: pass one of them")
+        if args.draft_len == 0 and args.draft is not None:  # the same: loaded, its draft KV allocated, never run
+            raise ValueError(f"--draft-len 0 drafts nothing, so --draft {args.draft} would never run: leave out "
+                             "--draft (target only) or pass a --draft-len >= 1")
         check_backend(torch.device(args.device))  # M3_EAGLE_KERNELS, before any weight is read
         if args.cuda_graphs and args.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda (CUDA graphs do not exist on CPU)")
@@ -339,11 +343,13 @@ def _main(args: argparse.Namespace, out) -> int:
 
         plugin_manager = get_plugin_manager()
         num_blocks = args.kv_blocks
-        if num_blocks is None:  # at the draft length the engine runs: 0 where nothing drafts
+        if num_blocks is None:  # at the draft length the engine runs (0 where nothing drafts) and the new
+            # tokens it runs to: at most to the target's max_position_embeddings, whatever --max-new-tokens says
             valid = [p for p, e in zip(prompts, parse_errors) if e is None]
             draft_len = effective_draft_len(config, has_head=args.draft is not None,
                                             hook_drafts=hook_drafts(proposer, plugin_manager))
-            num_blocks = blocks_for_prompts(valid, args.max_new_tokens, draft_len, target_config.block_size)
+            num_blocks = blocks_for_prompts(valid, args.max_new_tokens, draft_len, target_config.block_size,
+                                            max_positions=target_config.max_position_embeddings)
         engine = build_engine(
             args.model, args.draft, config, num_blocks=num_blocks, device=args.device,
             dtype=DTYPES[args.dtype], plugin_manager=plugin_manager, proposer=proposer,
