@@ -1,7 +1,9 @@
 """Pool geometry: coalescing into the mega-slot, non-uniform offsets, split pools, draft hosting."""
 import json
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from m3_eagle_plugin.kv import (
@@ -329,3 +331,21 @@ def test_production_tp1_stores_the_references_68736_elements_a_token():
     slot_bytes = sum(p.slot_bytes for p in geo.pools)
     assert slot_bytes == B * 2 * (60 * 1024 + 57 * 128) == B * 2 * 68_736
     assert slot_bytes / B / 1024 == 134.25
+
+
+@pytest.mark.parametrize("int32", [np.int32, lambda v: torch.tensor(v, dtype=torch.int32)], ids=["numpy", "torch"])
+def test_page_sizes_from_int32_scalars_are_the_exact_products_not_wrapped(int32):
+    """Sizes may be any integer (numpy, a 0-d torch tensor), but the page products were taken in the
+    argument's own int32: 65537 heads x 65536 dims x 1 byte (2**32 + 2**16 bytes) became a 65536-byte
+    page, silently, and 65536 x 65536 a 0-byte one refused as a bad page size. Reference: Python ints."""
+    heads, head_dim, index_dim = 2**16 + 1, 2**16, 2**16
+    buffers = minimax_m3_buffers(1, [0], int32(heads), int32(head_dim), int32(index_dim), int32(1),
+                                 num_draft_layers=1, kv_bytes_per_elem=int32(1), index_bytes_per_elem=int32(2))
+    kv_page, index_page = heads * 1 * head_dim * 1, 1 * index_dim * 2
+    assert [(b.layer, b.role, int(b.page_bytes)) for b in buffers] == [
+        (0, "k", kv_page), (0, "v", kv_page), (0, "index_k", index_page), (1, "k", kv_page), (1, "v", kv_page)]
+    geo = minimax_m3_geometry(1, [0], int32(heads), int32(head_dim), int32(index_dim), int32(1), num_draft_layers=1,
+                              kv_bytes_per_elem=int32(1), index_bytes_per_elem=int32(2))
+    assert [(p.page_bytes, p.sub_pages) for p in geo.pools] == [(kv_page, 4), (index_page, 1)]
+    assert minimax_m3_buffers(1, [], int32(2**16), int32(2**16), int32(8), int32(1),
+                              kv_bytes_per_elem=int32(1))[0].page_bytes == 2**32

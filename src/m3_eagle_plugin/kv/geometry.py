@@ -219,12 +219,17 @@ def minimax_m3_buffers(
     layers only): ``block_size * index_dim`` elements. Draft layers are ids
     ``num_layers .. num_layers + num_draft_layers - 1`` with ``draft_num_kv_heads`` heads.
     """
-    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("index_dim", index_dim),
-                        ("block_size", block_size), ("kv_bytes_per_elem", kv_bytes_per_elem),
-                        ("index_bytes_per_elem", index_bytes_per_elem)):
+    sizes = (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+             ("head_dim", head_dim), ("index_dim", index_dim),
+             ("block_size", block_size), ("kv_bytes_per_elem", kv_bytes_per_elem),
+             ("index_bytes_per_elem", index_bytes_per_elem))
+    for name, value in sizes:
         if as_int(name, value) <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
+    # Python ints from here: numpy or 0-d torch int32 sizes multiplied in int32, and a page of
+    # 2**32 + 2**16 bytes wrapped to 2**16
+    num_layers, num_kv_heads, head_dim, index_dim, block_size, kv_bytes_per_elem, index_bytes_per_elem = (
+        as_int(name, value) for name, value in sizes)
     if as_int("num_draft_layers", num_draft_layers) < 0:
         raise ValueError(f"num_draft_layers must be >= 0, got {num_draft_layers}")
     if sparse_layer_ids is None or isinstance(sparse_layer_ids, (str, bytes)):
