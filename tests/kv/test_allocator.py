@@ -355,3 +355,16 @@ def test_a_call_cut_off_between_any_two_of_its_instructions_is_undone_or_complet
         assert state(alloc) == after, k
         assert sorted([*alloc.used_blocks(), *alloc._free]) == list(range(10)), k
     assert cuts > 10  # every instruction of the call was cut once
+
+
+@pytest.mark.parametrize("held", [0, 5])
+def test_a_negative_block_table_width_is_refused_as_negative(held):
+    """width=-1 was refused as "width -1 < 0 pages held by a request", blaming requests holding no
+    pages; a width is a column count, so it must be >= 0 (0 is an empty table, nothing held)."""
+    alloc = BlockAllocator(4, 4)
+    alloc.allocate("x", held)
+    with pytest.raises(ValueError, match="width must be an int >= 0, got -1"):
+        alloc.block_table(["x"], width=-1)
+    with pytest.raises(ValueError, match="width must be an int >= 0, got -1"):
+        alloc.block_table([], width=-1)
+    assert alloc.block_table([], width=0).shape == (0, 0)

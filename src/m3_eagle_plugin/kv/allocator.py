@@ -172,7 +172,7 @@ class BlockAllocator:
         longest = max((len(r) for r in rows), default=0)
         if width is None:
             width = max(longest, 1)
-        elif as_int("width", width) < longest:
+        elif as_int("width", width, minimum=0) < longest:  # -1 was blamed on the pages held
             raise ValueError(f"block table width {width} < {longest} pages held by a request")
         table = torch.full((len(rows), int(width)), -1, dtype=torch.int32)
         for i, row in enumerate(rows):
