@@ -529,3 +529,23 @@ def test_forced_ratio_refuses_every_mean_the_schedule_refuses(mean):
     with pytest.raises(ValueError, match="too large to schedule"):
         forced_ratio(mean)
     assert forced_ratio(2147.5) == Fraction(4295, 2)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("generator", ["none", "one", "per-row"])
+def test_a_step_without_verify_rows_accepts_nothing_in_every_rule(k, generator):
+    """A step of context rows only verifies no row: the reference runner then calls the rule with
+    [0, K] drafts and, when sampling, an empty per-row generator list. torch.stack of no rows
+    (uniforms, sampled tokens) raises, so the empty batch must come back as [0, K + 1] and [0]."""
+    gen = {"none": None, "one": torch.Generator().manual_seed(0), "per-row": []}[generator]
+    drafts, ids = torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k + 1, dtype=torch.long)
+    results = [
+        greedy_accept(drafts, ids, torch.zeros(0, dtype=torch.long)),
+        forced_accept(drafts, ids, 2),
+        rejection_accept(drafts, None, torch.full((0, k + 1, 4), 0.25), gen),
+        rejection_accept(drafts, torch.full((0, k, 4), 0.25), torch.full((0, k + 1, 4), 0.25), gen,
+                         torch.zeros(0, dtype=torch.long)),
+    ]
+    for result in results:
+        assert result.tokens.shape == (0, k + 1) and result.tokens.dtype == torch.int64
+        assert result.num_accepted.shape == (0,) and result.num_accepted.dtype == torch.int64
