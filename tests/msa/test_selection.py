@@ -470,3 +470,20 @@ def test_the_models_topk_of_16_matches_naive() -> None:
         sets = selection_sets(sel)
         for p in range(40):
             assert [s[p] for s in sets] == naive_selection(iq[p], ik, p, 1, 16, local, init)
+
+
+def test_complex_scores_and_index_tensors_are_refused_naming_them() -> None:
+    """Scores must be real: complex ones were cast to their real part with only a torch warning and
+    ranked as if nothing was wrong (block 1 scoring 5j ranked as 0)."""
+    scores = torch.tensor([[[1 + 0j, 5j, 2 + 0j]]])
+    with pytest.raises(MsaInputError, match=r"^block_scores must be a real tensor, got torch.complex64$"):
+        select_from_block_scores(scores, torch.tensor([2]), topk=2)
+    iq, ik = torch.ones(1, 1, 2), torch.ones(3, 2)
+    for name, args in (("index_q", (iq.to(torch.complex64), ik)), ("index_k", (iq, ik.to(torch.complex64)))):
+        with pytest.raises(MsaInputError, match=rf"^{name} must be a real tensor, got torch.complex64$"):
+            select_blocks(*args, torch.tensor([2]), block_size=1, topk=2)
+    meta, cache, _, iq = _paged_batch([(2, 6)], 2, heads=1, dim=4, seed=0)
+    for name, args in (("index_q", (iq.to(torch.complex64), cache.index_k)),
+                       ("index_k_cache", (iq, cache.index_k.to(torch.complex64)))):
+        with pytest.raises(MsaInputError, match=rf"^{name} must be a real tensor, got torch.complex64$"):
+            select_blocks_paged(*args, meta, topk=2)

@@ -33,6 +33,13 @@ def _validate_selection_args(topk: int, local_blocks: int, init_blocks: int) -> 
         )
 
 
+def _require_real(**named: torch.Tensor) -> None:
+    """Scores and index vectors are real: torch casts a complex one to its real part, warning only."""
+    for name, value in named.items():
+        if value.is_complex():
+            raise MsaInputError(f"{name} must be a real tensor, got {value.dtype}")
+
+
 def _token_chunks(num_tokens: int, elems_per_token: int) -> Iterator[slice]:
     step = max(1, _SCORE_CHUNK_ELEMS // max(1, elems_per_token))
     for start in range(0, num_tokens, step):
@@ -61,6 +68,7 @@ def select_from_block_scores(
     """
     _validate_selection_args(topk, local_blocks, init_blocks)
     require_tensors(block_scores=block_scores, query_blocks=query_blocks)
+    _require_real(block_scores=block_scores)
     if block_scores.dim() != 3:
         raise MsaInputError(f"block_scores must be [H, T, N], got {tuple(block_scores.shape)}")
     num_heads, num_tokens, num_blocks = block_scores.shape
@@ -157,6 +165,7 @@ def select_blocks(
     for name, value in (("index_q", index_q), ("index_k", index_k), ("q_positions", q_positions)):
         if not isinstance(value, torch.Tensor):  # a list failed on `.dim`, naming no argument
             raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    _require_real(index_q=index_q, index_k=index_k)
     if index_q.dim() != 3 or index_k.dim() != 2 or q_positions.dim() != 1:
         raise MsaInputError(
             "expected index_q [T, H, D], index_k [S, D], q_positions [T]; got "
@@ -204,6 +213,7 @@ def select_blocks_paged(
     """
     _validate_selection_args(topk, local_blocks, init_blocks)
     require_tensors(index_q=index_q, index_k_cache=index_k_cache)
+    _require_real(index_q=index_q, index_k_cache=index_k_cache)
     block_size = meta.block_size
     num_tokens = meta.num_tokens
     if index_q.dim() != 3 or index_q.shape[0] != num_tokens:
